@@ -1,0 +1,1 @@
+"""Checkpoint savers for LangGraph that check the fencing token inside their own writes."""

@@ -1,0 +1,129 @@
+"""Engines for the two supported databases: SQLite (aiosqlite) and PostgreSQL (asyncpg).
+
+PostgreSQL engines run in autocommit: every hot-path operation is one statement, which is
+atomic on its own, so a BEGIN/COMMIT pair would only add two round trips. Code that needs a
+multi-statement transaction opens one explicitly with :func:`transaction`.
+
+SQLite connections leave transaction control to SQLAlchemy and begin every transaction with
+``BEGIN IMMEDIATE``: a writer takes the write lock up front and waits for it (busy timeout)
+instead of failing with "database is locked" when it upgrades a read lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+from sqlalchemy import event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.pool import StaticPool
+
+__all__ = ["Dialect", "create_engine", "dialect_of", "normalize_url", "transaction"]
+
+Dialect = Literal["sqlite", "postgresql"]
+
+SUPPORTED = "'sqlite+aiosqlite:///path.db' or 'postgresql+asyncpg://user@host/db'"
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def normalize_url(url: str | URL) -> URL:
+    """Parse ``url`` and map it to one of the two supported async drivers.
+
+    ``sqlite://`` becomes ``sqlite+aiosqlite://`` and ``postgresql://`` / ``postgres://``
+    become ``postgresql+asyncpg://``. Any other driver or database is refused.
+
+    Raises:
+        ValueError: the URL cannot be parsed or names an unsupported driver (the message
+            names the two supported ones).
+    """
+    text = url if isinstance(url, str) else url.render_as_string(hide_password=False)
+    if isinstance(text, str) and text.startswith("postgres://"):
+        text = "postgresql://" + text[len("postgres://") :]
+    try:
+        parsed = make_url(text)
+    except ArgumentError as exc:
+        raise ValueError(f"url {url!r} is not a database URL; use {SUPPORTED}") from exc
+    backend, _, driver = parsed.drivername.partition("+")
+    if backend == "sqlite" and driver in ("", "aiosqlite"):
+        return parsed.set(drivername="sqlite+aiosqlite")
+    if backend == "postgresql" and driver in ("", "asyncpg"):
+        return parsed.set(drivername="postgresql+asyncpg")
+    raise ValueError(
+        f"url uses the unsupported driver {parsed.drivername!r}; "
+        f"langgraph-fence supports exactly two: {SUPPORTED}"
+    )
+
+
+def create_engine(url: str | URL, **engine_options: Any) -> AsyncEngine:
+    """Create an engine for ``url`` set up the way every langgraph-fence store expects.
+
+    Args:
+        url: a SQLite or PostgreSQL URL (see :func:`normalize_url`).
+        **engine_options: passed to :func:`sqlalchemy.ext.asyncio.create_async_engine`.
+    """
+    parsed = normalize_url(url)
+    if parsed.get_backend_name() == "postgresql":
+        engine_options.setdefault("isolation_level", "AUTOCOMMIT")
+        engine_options.setdefault("pool_size", 8)
+        engine_options.setdefault("max_overflow", 8)
+        engine_options.setdefault("pool_pre_ping", False)
+        return create_async_engine(parsed, **engine_options)
+    database = parsed.database or ""
+    if database in ("", ":memory:") or database.startswith("file::memory:"):
+        # One in-memory database exists per connection: share one connection.
+        engine_options.setdefault("poolclass", StaticPool)
+    connect_args = dict(engine_options.pop("connect_args", {}))
+    connect_args.setdefault("timeout", SQLITE_BUSY_TIMEOUT_MS / 1000)
+    engine = create_async_engine(parsed, connect_args=connect_args, **engine_options)
+    configure_sqlite(engine)
+    return engine
+
+
+def configure_sqlite(engine: AsyncEngine) -> None:
+    """Give a SQLite engine WAL, a busy timeout and ``BEGIN IMMEDIATE`` transactions."""
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Let SQLAlchemy, not the driver, decide when a transaction begins.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def dialect_of(engine: AsyncEngine | AsyncConnection) -> Dialect:
+    """``"sqlite"`` or ``"postgresql"``; refuses an engine of any other database."""
+    name = engine.dialect.name
+    if name == "sqlite":
+        return "sqlite"
+    if name == "postgresql":
+        if engine.dialect.driver != "asyncpg":
+            raise ValueError(
+                f"engine uses the driver {engine.dialect.driver!r}; "
+                f"langgraph-fence supports exactly two: {SUPPORTED}"
+            )
+        return "postgresql"
+    raise ValueError(f"engine is for {name!r}; langgraph-fence supports exactly two: {SUPPORTED}")
+
+
+@asynccontextmanager
+async def transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    """One multi-statement transaction, committed on success and rolled back on error.
+
+    On PostgreSQL it runs at READ COMMITTED on a connection taken out of autocommit; on
+    SQLite it starts with ``BEGIN IMMEDIATE``.
+    """
+    async with engine.connect() as conn:
+        if conn.dialect.name == "postgresql":
+            conn = await conn.execution_options(isolation_level="READ COMMITTED")
+        async with conn.begin():
+            yield conn

@@ -1,0 +1,132 @@
+"""Every error langgraph-fence raises on purpose, each with a stable ``code``.
+
+A subclass's code extends its parent's with one more dot-segment, so a caller can match on
+a prefix (``code.startswith("execution.lease-lost")``) as well as on the class.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import ClassVar
+
+__all__ = [
+    "ExecutionContextUnavailableError",
+    "ExecutionDeadLetteredError",
+    "ExecutionFencedError",
+    "ExecutionLeaseHeldError",
+    "ExecutionLeaseLostError",
+    "LangGraphFenceError",
+    "find_fence_error",
+]
+
+
+class LangGraphFenceError(Exception):
+    """Base of every langgraph-fence error; ``code`` names the class in logs and APIs."""
+
+    code: ClassVar[str] = "fence"
+
+
+class ExecutionLeaseLostError(LangGraphFenceError, RuntimeError):
+    """The lease of an execution can no longer be proven held by this worker.
+
+    Raised when renewals failed until the lease's confirmed window ran out: another worker may
+    take the execution over at any moment, so nothing more may be written under this token.
+    It is a ``RuntimeError`` so LangGraph's default ``RetryPolicy`` never retries it.
+
+    Attributes:
+        scope_key: the execution's scope key (see :func:`langgraph_fence.scope_key`).
+        token_held: the epoch this worker held, or ``None`` if it held none.
+        token_seen: the epoch the store reported, or ``None`` if it could not be read.
+    """
+
+    code: ClassVar[str] = "execution.lease-lost"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        scope_key: str | None = None,
+        token_held: int | None = None,
+        token_seen: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.scope_key = scope_key
+        self.token_held = token_held
+        self.token_seen = token_seen
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keep the keyword-only fields when the error crosses a process boundary (pickle).
+        return (
+            _rebuild,
+            (type(self), str(self), self.scope_key, self.token_held, self.token_seen),
+        )
+
+
+class ExecutionFencedError(ExecutionLeaseLostError):
+    """A write or a step was refused because the lease was taken over (a newer token exists).
+
+    The holder of ``token_held`` must stop: another worker holds ``token_seen`` (or the lease
+    moved on in a way this worker cannot outlive). It is never retried and never replaced by
+    a cancellation: langgraph-fence re-raises this very object to the caller of the run.
+    """
+
+    code: ClassVar[str] = "execution.lease-lost.fenced"
+
+
+class ExecutionContextUnavailableError(LangGraphFenceError, RuntimeError):
+    """No held lease covers the caller: a fence used outside its step, or a node run bare."""
+
+    code: ClassVar[str] = "execution.context-unavailable"
+
+
+class ExecutionLeaseHeldError(LangGraphFenceError, RuntimeError):
+    """The execution's lease is held by another live instance, or it has already ended."""
+
+    code: ClassVar[str] = "execution.lease-held"
+
+
+class ExecutionDeadLetteredError(LangGraphFenceError, RuntimeError):
+    """The execution was dead-lettered: repeating it could repeat a non-idempotent write."""
+
+    code: ClassVar[str] = "execution.dead-lettered"
+
+
+def _rebuild(
+    cls: type[ExecutionLeaseLostError],
+    message: str,
+    scope_key: str | None,
+    token_held: int | None,
+    token_seen: int | None,
+) -> ExecutionLeaseLostError:
+    return cls(message, scope_key=scope_key, token_held=token_held, token_seen=token_seen)
+
+
+def find_fence_error(exc: BaseException | None) -> ExecutionLeaseLostError | None:
+    """Return the fencing error inside ``exc``, or ``None``.
+
+    Looks at ``exc`` itself, its ``__cause__`` and ``__context__`` chains and every nested
+    ``BaseExceptionGroup``, breadth first and cycle-safe. An :class:`ExecutionFencedError`
+    wins over a plain :class:`ExecutionLeaseLostError` wherever both occur; otherwise the
+    first one found (nearest to ``exc``) is returned.
+    """
+    if exc is None:
+        return None
+    seen: set[int] = set()
+    queue: deque[BaseException] = deque([exc])
+    first_lost: ExecutionLeaseLostError | None = None
+    while queue:
+        current = queue.popleft()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, ExecutionFencedError):
+            return current
+        if isinstance(current, ExecutionLeaseLostError) and first_lost is None:
+            first_lost = current
+        if isinstance(current, BaseExceptionGroup):
+            queue.extend(current.exceptions)
+        if current.__cause__ is not None:
+            queue.append(current.__cause__)
+        if current.__context__ is not None:
+            queue.append(current.__context__)
+    return first_lost

@@ -1,0 +1,318 @@
+"""The fence a step runs under: a live view of its run's lease.
+
+:class:`RunHandle` is the one mutable holder of a run's lease state. The runtime renews
+through it, the node wrapper stamps through it, the checkpointer reads its token and records
+refusals on it; all of them share it by identity through
+``config["configurable"]["__fence"]``. :class:`ExecutionFence` is the read-only face a step
+sees: it reads the handle live, so a step sees a renewal or a takeover as soon as the handle
+knows of it, and a fence kept past its step refuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .errors import (
+    ExecutionContextUnavailableError,
+    ExecutionFencedError,
+    ExecutionLeaseLostError,
+)
+from .lease import Lease, LeaseKey, PendingEffect, validate_ttl
+
+if TYPE_CHECKING:
+    from .lease import ExecutionLeaseRepository
+
+__all__ = ["FENCE_CONFIG_KEY", "ExecutionFence", "RunHandle", "safety_margin"]
+
+logger = logging.getLogger(__name__)
+
+#: Where a run's handle lives in ``config["configurable"]``. The ``__`` prefix keeps it out
+#: of persisted checkpoint metadata and tracing.
+FENCE_CONFIG_KEY = "__fence"
+
+StopListener = Callable[[BaseException], None]
+
+
+def safety_margin(ttl: float) -> float:
+    """How much earlier than the store may expire a hold, a worker stops trusting it.
+
+    A tenth of the TTL, at most two seconds: room for clock-rate drift between this process
+    and the store, and for the time a renewal's answer takes to come back.
+    """
+    return min(ttl / 10.0, 2.0)
+
+
+class RunHandle:
+    """The mutable lease state of one run, shared by identity by every part of the run.
+
+    Args:
+        repository: the lease store the lease came from.
+        lease: the lease as acquired (the run's token is ``lease.epoch``).
+        ttl: the hold each renewal asks for, in seconds.
+        clock: this process's clock (``time.monotonic`` by default); ``confirmed_until`` is
+            on it.
+        confirmed_from: when the renewal that produced ``lease`` was sent, on ``clock``;
+            defaults to now.
+    """
+
+    def __init__(
+        self,
+        repository: ExecutionLeaseRepository,
+        lease: Lease,
+        ttl: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        confirmed_from: float | None = None,
+    ) -> None:
+        self.repository = repository
+        self.ttl = validate_ttl(ttl)
+        self.clock = clock
+        self._lease = lease
+        sent = clock() if confirmed_from is None else confirmed_from
+        self.confirmed_until = sent + self.ttl - safety_margin(self.ttl)
+        self.error: ExecutionLeaseLostError | None = None
+        self.stop_reason: str | None = None
+        self.pending_effect: PendingEffect | None = None
+        self._listeners: list[StopListener] = []
+
+    # -- what the lease is now
+
+    @property
+    def lease(self) -> Lease:
+        """The lease as this run last confirmed it."""
+        return self._lease
+
+    @property
+    def key(self) -> LeaseKey:
+        """The execution's lease key."""
+        return self._lease.key
+
+    @property
+    def scope_key(self) -> str:
+        """The execution's scope key."""
+        return self._lease.key.scope_key
+
+    @property
+    def token(self) -> int:
+        """The fencing token this run writes under (the lease's epoch)."""
+        return self._lease.epoch
+
+    def replace_lease(self, lease: Lease, *, sent_at: float) -> None:
+        """Adopt a lease this run confirmed by a write sent at ``sent_at`` (on ``clock``)."""
+        if lease.key != self._lease.key:
+            raise ValueError(
+                f"lease of {lease.scope_key!r} cannot replace the run's lease of {self.scope_key!r}"
+            )
+        self._lease = lease
+        until = sent_at + self.ttl - safety_margin(self.ttl)
+        # Two renewals may answer out of order; the later confirmation stands.
+        self.confirmed_until = max(self.confirmed_until, until)
+
+    # -- stopping
+
+    def on_stop(self, listener: StopListener) -> Callable[[], None]:
+        """Call ``listener(error)`` once the run is fenced or must stop; returns an unsubscribe."""
+        self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return unsubscribe
+
+    def record(self, error: ExecutionLeaseLostError) -> ExecutionLeaseLostError:
+        """Record a fencing error for the run and stop it; returns the error that stands.
+
+        The first :class:`ExecutionFencedError` recorded stands for the rest of the run (it
+        replaces a plain lease loss recorded earlier); every listener is told once.
+        """
+        if not isinstance(error, ExecutionLeaseLostError):
+            raise ValueError(
+                f"error must be an ExecutionLeaseLostError, got {type(error).__name__}"
+            )
+        current = self.error
+        if current is None or (
+            not isinstance(current, ExecutionFencedError)
+            and isinstance(error, ExecutionFencedError)
+        ):
+            self.error = error
+            logger.warning("execution %s fenced at token %s: %s", self.scope_key, self.token, error)
+            for listener in list(self._listeners):
+                try:
+                    listener(error)
+                except Exception:  # a listener must not keep the others from hearing
+                    logger.exception("stop listener of %s failed", self.scope_key)
+        assert self.error is not None
+        return self.error
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the run to stop at the next superstep boundary (a drain, not a fence)."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+
+    # -- checks
+
+    def check(self) -> None:
+        """Raise the recorded fencing error, or a lease loss once the hold can't be proven.
+
+        Local: no I/O.
+        """
+        if self.error is not None:
+            raise self.error
+        if self.clock() >= self.confirmed_until:
+            raise self.record(
+                ExecutionLeaseLostError(
+                    f"the lease of execution {self.scope_key!r} at token {self.token} can no "
+                    "longer be proven held: its last confirmed renewal has run out. Another "
+                    "worker may take it over; this run must not write again.",
+                    scope_key=self.scope_key,
+                    token_held=self.token,
+                    token_seen=None,
+                )
+            )
+
+    async def renew(self) -> Lease:
+        """A strict renewal: one guarded round trip; a refusal is recorded and raised."""
+        if self.error is not None:
+            raise self.error
+        sent_at = self.clock()
+        try:
+            lease = await self.repository.renew(self._lease, self.ttl)
+        except ExecutionFencedError as exc:
+            raise self.record(exc) from None
+        self.replace_lease(lease, sent_at=sent_at)
+        return lease
+
+    async def mark_pending_effect(self, effect: PendingEffect) -> Lease:
+        """Stamp ``effect`` and renew, in one guarded write; a refusal is recorded and raised."""
+        self.check()
+        sent_at = self.clock()
+        try:
+            lease = await self.repository.mark_pending_effect(self._lease, effect, self.ttl)
+        except ExecutionFencedError as exc:
+            raise self.record(exc) from None
+        self.replace_lease(lease, sent_at=sent_at)
+        self.pending_effect = effect
+        return lease
+
+    def fenced(self, observed_token: int, *, source: str) -> ExecutionFencedError:
+        """Record that ``source`` has seen ``observed_token`` (newer than ours) and stop."""
+        error = ExecutionFencedError(
+            f"{source} has seen token {observed_token} for execution {self.scope_key!r}, "
+            f"newer than this run's token {self.token}: another worker took the execution "
+            "over. Stop; this run must not write again.",
+            scope_key=self.scope_key,
+            token_held=self.token,
+            token_seen=observed_token,
+        )
+        recorded = self.record(error)
+        return recorded if isinstance(recorded, ExecutionFencedError) else error
+
+
+class ExecutionFence:
+    """The lease the current step runs under, read live.
+
+    Guarantees: :meth:`assert_held` raises once the run is known to be fenced or its hold
+    can no longer be proven (no I/O); :meth:`confirm_now` proves it with one strict renewal
+    round trip. A fence kept past its step refuses with
+    :class:`~langgraph_fence.ExecutionContextUnavailableError`.
+
+    The token is the lease's epoch for ``(tenant_id, lease_execution_id)``: a plain int, 1
+    for the first holder, + 1 with every take. An external system that remembers the highest
+    token it saw per :attr:`scope_key` can refuse stale writers (see
+    :mod:`langgraph_fence.sinks`).
+    """
+
+    __slots__ = ("_active", "_handle", "_label")
+
+    def __init__(self, handle: RunHandle, *, label: str = "step") -> None:
+        self._handle = handle
+        self._active = True
+        self._label = label
+
+    def _close(self) -> None:
+        """End the fence with its step (called by the node wrapper)."""
+        self._active = False
+
+    def _require_active(self) -> RunHandle:
+        if not self._active:
+            raise ExecutionContextUnavailableError(
+                f"the fence of {self._label} of execution {self._handle.scope_key!r} was used "
+                "after its step ended; read get_execution_context().fence inside the step"
+            )
+        return self._handle
+
+    @property
+    def scope_key(self) -> str:
+        """The scope key of the lease: ``tenant:execution``, each part URI-component encoded."""
+        return self._handle.scope_key
+
+    @property
+    def tenant_id(self) -> str:
+        """The tenant of the lease."""
+        return self._handle.key.tenant_id
+
+    @property
+    def lease_execution_id(self) -> str:
+        """The execution id of the lease (the root's for ParentInstance children)."""
+        return self._handle.key.execution_id
+
+    @property
+    def token(self) -> int:
+        """The fencing token: the lease's epoch as this run holds it now."""
+        return self._handle.token
+
+    @property
+    def confirmed_until(self) -> float:
+        """Until when the hold is proven, on the instance's clock (``time.monotonic``)."""
+        return self._handle.confirmed_until
+
+    def assert_held(self) -> None:
+        """Raise unless the lease is still held as far as this process knows (no I/O).
+
+        Raises:
+            ExecutionFencedError: the lease was taken over.
+            ExecutionLeaseLostError: the hold can no longer be proven.
+            ExecutionContextUnavailableError: the step of this fence has ended.
+        """
+        self._require_active().check()
+
+    async def confirm_now(self) -> None:
+        """Prove the lease is held with one strict renewal, before a call that can't check tokens.
+
+        Raises what :meth:`assert_held` raises, the refusal of the renewal, and
+        ``asyncio.CancelledError`` when the run was asked to stop.
+        """
+        handle = self._require_active()
+        handle.check()
+        await handle.renew()
+        if handle.stop_reason is not None:
+            raise asyncio.CancelledError(handle.stop_reason)
+
+    def fenced(self, observed_token: int) -> ExecutionFencedError:
+        """The error to raise when an external system has seen ``observed_token`` > ours.
+
+        Marks the run so the whole tree stops; raise the returned error from the step.
+
+        Raises:
+            ValueError: ``observed_token`` is not an int greater than :attr:`token`.
+        """
+        handle = self._require_active()
+        if (
+            isinstance(observed_token, bool)
+            or not isinstance(observed_token, int)
+            or observed_token <= handle.token
+        ):
+            raise ValueError(
+                f"observed_token must be an int greater than this fence's token "
+                f"{handle.token}, got {observed_token!r}: a token at or below ours is not stale"
+            )
+        return handle.fenced(observed_token, source="an external system")
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else "ended"
+        return f"<ExecutionFence {self.scope_key} token={self.token} {state}>"

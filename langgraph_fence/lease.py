@@ -1,0 +1,365 @@
+"""The lease contract: values, the repository protocol, and the pure transitions.
+
+Every lease transition (acquire, renew, release, stamp, clear, dead-letter, expire) is decided
+here by a pure function over frozen values. The stores translate each function into one
+statement; :class:`~langgraph_fence.stores.memory.MemoryLeaseRepository` calls them directly
+and the property tests use them as the reference model for the SQL stores.
+
+The token of a lease is its **epoch**: 1 for the first holder of a key, + 1 with every take,
+counted per key. It is never a database revision or a global sequence.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol, runtime_checkable
+
+from .effects import Effect
+from .errors import ExecutionFencedError
+from .scope import encode_part, scope_key
+
+__all__ = [
+    "TERMINAL_STATUSES",
+    "ExecutionLeaseRepository",
+    "Lease",
+    "LeaseKey",
+    "LeaseStatus",
+    "PendingEffect",
+    "decide_acquire",
+    "decide_clear_pending_effect",
+    "decide_dead_letter",
+    "decide_mark_pending_effect",
+    "decide_release",
+    "decide_renew",
+    "is_takeover_candidate",
+    "release_status",
+    "validate_ttl",
+]
+
+
+class LeaseStatus(enum.StrEnum):
+    """Where an execution stands.
+
+    ``pending``: recorded, not started or handed back for any instance to take.
+    ``running``: held by an instance (``holder`` set) until ``expires_at``.
+    ``waiting``: released while it waits for input (an interrupt) or remote children.
+    ``done``, ``failed``, ``dead_lettered``: terminal; ``acquire`` never takes them over.
+    """
+
+    PENDING = "pending"
+    RUNNING = "running"
+    WAITING = "waiting"
+    DONE = "done"
+    FAILED = "failed"
+    DEAD_LETTERED = "dead_lettered"
+
+
+TERMINAL_STATUSES = frozenset({LeaseStatus.DONE, LeaseStatus.FAILED, LeaseStatus.DEAD_LETTERED})
+#: Statuses a new run of the same execution may reopen (a new turn on a finished thread).
+REOPENABLE_STATUSES = frozenset({LeaseStatus.DONE, LeaseStatus.FAILED})
+#: Statuses ``release`` accepts.
+RELEASE_STATUSES = frozenset(
+    {LeaseStatus.PENDING, LeaseStatus.WAITING, LeaseStatus.DONE, LeaseStatus.FAILED}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseKey:
+    """The key of one execution's lease: ``(tenant_id, execution_id)``."""
+
+    tenant_id: str
+    execution_id: str
+
+    def __post_init__(self) -> None:
+        encode_part(self.tenant_id, name="tenant_id")
+        encode_part(self.execution_id, name="execution_id")
+
+    @property
+    def scope_key(self) -> str:
+        """The key's scope key: ``tenant:execution`` with each part URI-component encoded."""
+        return scope_key(self.tenant_id, self.execution_id)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingEffect:
+    """The stamp left on a lease before a write step runs: which write, by whom, under what."""
+
+    effect: Effect
+    node: str
+    task_id: str
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """One lease as a store last saw it.
+
+    Attributes:
+        key: the execution's key.
+        holder: the instance id holding it, or ``None``.
+        epoch: the fencing token; 0 only for a row recorded but never taken.
+        expires_at: when the hold ends, in the store's clock (seconds), or ``None``.
+        pending_effect: the write stamped before it ran and not yet cleared, or ``None``.
+        status: where the execution stands.
+        reason: why it ended (``failed``/``dead_lettered``), else ``None``.
+        store_id: identifies the store that returned it; another store refuses it.
+    """
+
+    key: LeaseKey
+    holder: str | None
+    epoch: int
+    expires_at: float | None
+    pending_effect: PendingEffect | None
+    status: LeaseStatus
+    reason: str | None = None
+    store_id: str = ""
+
+    @property
+    def scope_key(self) -> str:
+        """The scope key of the lease's execution."""
+        return self.key.scope_key
+
+
+def validate_ttl(ttl: float, *, name: str = "ttl") -> float:
+    """Return ``ttl`` as a float, or raise ``ValueError`` naming ``name`` if not > 0."""
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
+        raise ValueError(f"{name} must be a positive number of seconds, got {ttl!r}")
+    value = float(ttl)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {ttl!r}")
+    return value
+
+
+def _validate_holder(holder: str) -> str:
+    if not isinstance(holder, str) or not holder:
+        raise ValueError(f"holder must be a non-empty str (an instance id), got {holder!r}")
+    return holder
+
+
+def is_takeover_candidate(lease: Lease, now: float) -> bool:
+    """A lease any instance may take: running but expired, or pending and free."""
+    if lease.status is LeaseStatus.RUNNING:
+        return lease.expires_at is None or lease.expires_at <= now
+    return lease.status is LeaseStatus.PENDING and lease.holder is None
+
+
+def _is_held(lease: Lease, now: float) -> bool:
+    return (
+        lease.status is LeaseStatus.RUNNING
+        and lease.holder is not None
+        and lease.expires_at is not None
+        and lease.expires_at > now
+    )
+
+
+def decide_acquire(
+    current: Lease | None,
+    key: LeaseKey,
+    holder: str,
+    ttl: float,
+    now: float,
+    *,
+    reopen: bool = False,
+    store_id: str = "",
+) -> Lease | None:
+    """Take the lease of ``key`` for ``holder``, or ``None`` if it may not be taken.
+
+    Taken when absent (epoch 1), free, or expired (epoch + 1). Never taken while another
+    holder's hold has not expired, and never in a terminal status, except that ``reopen``
+    lets a new run start again on a ``done`` or ``failed`` execution (a new turn on a
+    finished thread); a dead-lettered execution is never reopened. A standing
+    ``pending_effect`` is kept: the taker decides what it means.
+    """
+    _validate_holder(holder)
+    ttl = validate_ttl(ttl)
+    if current is None:
+        return Lease(key, holder, 1, now + ttl, None, LeaseStatus.RUNNING, None, store_id)
+    if current.status in TERMINAL_STATUSES and not (
+        reopen and current.status in REOPENABLE_STATUSES
+    ):
+        return None
+    if _is_held(current, now):
+        return None
+    return replace(
+        current,
+        holder=holder,
+        epoch=current.epoch + 1,
+        expires_at=now + ttl,
+        status=LeaseStatus.RUNNING,
+        reason=None,
+    )
+
+
+def _guard(current: Lease | None, lease: Lease, *, action: str) -> Lease:
+    """The guard of every holder operation: same key, same holder, same epoch, running."""
+    if (
+        current is None
+        or current.epoch != lease.epoch
+        or current.holder != lease.holder
+        or current.status is not LeaseStatus.RUNNING
+    ):
+        raise fenced_error(lease, current, action=action)
+    return current
+
+
+def fenced_error(lease: Lease, current: Lease | None, *, action: str) -> ExecutionFencedError:
+    """The error for a holder operation refused because ``lease`` is no longer current."""
+    if current is None:
+        seen = "no lease row"
+        token_seen = None
+    else:
+        token_seen = current.epoch
+        seen = f"epoch {current.epoch}, holder {current.holder!r}, status {current.status.value}"
+    return ExecutionFencedError(
+        f"{action} refused for execution {lease.scope_key!r}: this worker holds token "
+        f"{lease.epoch} (holder {lease.holder!r}) but the store has {seen}. The execution was "
+        "taken over or ended; stop this run, it must not write again.",
+        scope_key=lease.scope_key,
+        token_held=lease.epoch,
+        token_seen=token_seen,
+    )
+
+
+def decide_renew(current: Lease | None, lease: Lease, ttl: float, now: float) -> Lease:
+    """Extend the hold to ``now + ttl``; refused (``ExecutionFencedError``) unless current.
+
+    A hold that expired but was not taken over is still current: nobody else wrote under a
+    newer token, so renewing it is safe.
+    """
+    ttl = validate_ttl(ttl)
+    held = _guard(current, lease, action="renew")
+    return replace(held, expires_at=now + ttl)
+
+
+def release_status(status: LeaseStatus | str) -> LeaseStatus:
+    """``status`` as a status ``release`` accepts, or ``ValueError`` naming the allowed ones."""
+    allowed = ", ".join(sorted(s.value for s in RELEASE_STATUSES))
+    try:
+        value = LeaseStatus(status)
+    except ValueError:
+        value = None
+    if value not in RELEASE_STATUSES:
+        raise ValueError(
+            f"status must be one of {allowed} for release, got {status!r}"
+            " (end an execution as dead_lettered with dead_letter())"
+        )
+    assert value is not None
+    return value
+
+
+def decide_release(
+    current: Lease | None, lease: Lease, status: LeaseStatus, reason: str | None = None
+) -> Lease:
+    """Give the lease up with ``status``; the epoch stays, the holder and expiry are cleared."""
+    status = release_status(status)
+    held = _guard(current, lease, action="release")
+    return replace(held, holder=None, expires_at=None, status=status, reason=reason)
+
+
+def decide_mark_pending_effect(
+    current: Lease | None, lease: Lease, effect: PendingEffect, ttl: float, now: float
+) -> Lease:
+    """Stamp ``effect`` and renew, in one guarded write; a lost lease stamps nothing."""
+    ttl = validate_ttl(ttl)
+    if not isinstance(effect, PendingEffect):
+        raise ValueError(f"effect must be a PendingEffect, got {type(effect).__name__}")
+    held = _guard(current, lease, action="mark_pending_effect")
+    return replace(held, expires_at=now + ttl, pending_effect=effect)
+
+
+def decide_clear_pending_effect(current: Lease | None, lease: Lease) -> Lease:
+    """Clear the stamp; guarded, so a lost lease's stamp stands for the taker to see."""
+    held = _guard(current, lease, action="clear_pending_effect")
+    return replace(held, pending_effect=None)
+
+
+def decide_dead_letter(
+    current: Lease | None, key: LeaseKey, reason: str, *, epoch: int | None = None
+) -> Lease:
+    """End the execution as ``dead_lettered`` with ``reason``.
+
+    With ``epoch``, refused (``ExecutionFencedError``) unless the lease is still at that
+    epoch, so a decision taken on a stale read never ends an execution someone else took.
+    Raises ``KeyError`` when there is no lease for ``key``.
+    """
+    if not isinstance(reason, str) or not reason:
+        raise ValueError("reason must be a non-empty str saying why the execution ended")
+    if current is None:
+        raise KeyError(f"no lease for execution {key.scope_key!r}")
+    if epoch is not None and current.epoch != epoch:
+        probe = replace(current, epoch=epoch)
+        raise fenced_error(probe, current, action="dead_letter")
+    return replace(
+        current,
+        holder=None,
+        expires_at=None,
+        status=LeaseStatus.DEAD_LETTERED,
+        reason=reason,
+    )
+
+
+@runtime_checkable
+class ExecutionLeaseRepository(Protocol):
+    """The lease contract every store implements (memory, SQLite, PostgreSQL).
+
+    Guarantees:
+
+    * The token is the lease's ``epoch``, counted **per key**: 1 for the first holder, + 1
+      with every take. Never a database revision or a global sequence, so a high-water mark
+      keyed by scope key sees every take of that key and nothing else.
+    * Each operation is one atomic statement: two instances racing on one key never both
+      take it, and a renew racing a take either lands before it or is refused after it.
+    * Expiry is judged by the store's clock (PostgreSQL ``now()``; an injectable clock for
+      SQLite and memory), never by the worker's.
+    * Holder operations (``renew``, ``release``, ``mark_pending_effect``,
+      ``clear_pending_effect``) are guarded by key + holder + epoch + ``running`` and raise
+      :class:`~langgraph_fence.ExecutionFencedError` carrying the epoch seen when refused;
+      a refused operation changes nothing.
+    * A lease from another store is refused with ``ValueError``.
+    """
+
+    @property
+    def store_id(self) -> str:
+        """Identifies this store; leases carry it and other stores refuse them."""
+        ...
+
+    async def acquire(
+        self, key: LeaseKey, holder: str, ttl: float, *, reopen: bool = False
+    ) -> Lease | None:
+        """Take the lease (absent: epoch 1; free or expired: epoch + 1), or ``None``."""
+        ...
+
+    async def renew(self, lease: Lease, ttl: float) -> Lease:
+        """Extend the hold to store-now + ``ttl``; guarded."""
+        ...
+
+    async def release(self, lease: Lease, status: LeaseStatus, reason: str | None = None) -> Lease:
+        """Give the lease up with ``status`` (pending, waiting, done, failed); guarded."""
+        ...
+
+    async def get(self, key: LeaseKey) -> Lease | None:
+        """The lease of ``key`` as stored now, or ``None``."""
+        ...
+
+    async def mark_pending_effect(self, lease: Lease, effect: PendingEffect, ttl: float) -> Lease:
+        """Stamp ``pending_effect`` and renew in one guarded write."""
+        ...
+
+    async def clear_pending_effect(self, lease: Lease) -> Lease:
+        """Clear ``pending_effect``; guarded."""
+        ...
+
+    async def dead_letter(self, key: LeaseKey, reason: str, *, epoch: int | None = None) -> Lease:
+        """End the execution as ``dead_lettered``; guarded by ``epoch`` when given."""
+        ...
+
+    async def takeover_candidates(self, limit: int = 100) -> Sequence[Lease]:
+        """Leases any instance may take now: running and expired, or pending and free."""
+        ...
+
+    async def now(self) -> float:
+        """The store's clock, in seconds."""
+        ...

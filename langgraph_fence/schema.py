@@ -1,0 +1,68 @@
+"""The lease table and its migrations (shared with the fence-aware SQL checkpointer).
+
+``fence_leases`` holds one row per execution key. ``epoch`` is the fencing token;
+``expires_at`` is in the store's clock (seconds since the epoch, PostgreSQL's ``now()`` or the
+injected clock). The pending-effect stamp lives in four columns so a single statement can
+test it (``pending_effect = 'non_idempotent_write'``) on both dialects.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import BigInteger, Column, Double, MetaData, PrimaryKeyConstraint, Table, Text
+
+from .migrations import Migration
+
+__all__ = ["LEASES", "LEASE_MIGRATIONS", "metadata"]
+
+metadata = MetaData()
+
+LEASES = Table(
+    "fence_leases",
+    metadata,
+    Column("tenant_id", Text, nullable=False),
+    Column("execution_id", Text, nullable=False),
+    Column("scope_key", Text, nullable=False),
+    Column("epoch", BigInteger, nullable=False),
+    Column("holder", Text),
+    Column("expires_at", Double),
+    Column("status", Text, nullable=False),
+    Column("pending_effect", Text),
+    Column("pending_node", Text),
+    Column("pending_task", Text),
+    Column("pending_token", BigInteger),
+    Column("reason", Text),
+    Column("updated_at", Double, nullable=False),
+    PrimaryKeyConstraint("tenant_id", "execution_id"),
+)
+
+_CREATE_LEASES = """
+CREATE TABLE IF NOT EXISTS fence_leases (
+    tenant_id TEXT NOT NULL,
+    execution_id TEXT NOT NULL,
+    scope_key TEXT NOT NULL UNIQUE,
+    epoch BIGINT NOT NULL CHECK (epoch >= 0),
+    holder TEXT,
+    expires_at {double},
+    status TEXT NOT NULL CHECK (status IN
+        ('pending', 'running', 'waiting', 'done', 'failed', 'dead_lettered')),
+    pending_effect TEXT,
+    pending_node TEXT,
+    pending_task TEXT,
+    pending_token BIGINT,
+    reason TEXT,
+    updated_at {double} NOT NULL,
+    PRIMARY KEY (tenant_id, execution_id)
+)
+"""
+_CANDIDATES_INDEX = (
+    "CREATE INDEX IF NOT EXISTS fence_leases_candidates ON fence_leases (status, expires_at)"
+)
+
+LEASE_MIGRATIONS = [
+    Migration(
+        version=1,
+        description="the lease table",
+        sqlite=[_CREATE_LEASES.format(double="REAL"), _CANDIDATES_INDEX],
+        postgresql=[_CREATE_LEASES.format(double="DOUBLE PRECISION"), _CANDIDATES_INDEX],
+    ),
+]

@@ -1,0 +1,29 @@
+"""Input checks every lease store makes before it touches its data."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..lease import Lease, LeaseKey
+
+if TYPE_CHECKING:
+    from ..lease import ExecutionLeaseRepository
+
+
+def check_key(key: LeaseKey) -> None:
+    """Refuse anything but a :class:`LeaseKey`."""
+    if not isinstance(key, LeaseKey):
+        raise ValueError(
+            f"key must be a LeaseKey(tenant_id, execution_id), got {type(key).__name__}"
+        )
+
+
+def check_lease(store: ExecutionLeaseRepository, lease: Lease) -> None:
+    """Refuse anything but a lease this store returned."""
+    if not isinstance(lease, Lease):
+        raise ValueError(f"lease must be a Lease returned by acquire(), got {type(lease).__name__}")
+    if lease.store_id != store.store_id:
+        raise ValueError(
+            f"lease of {lease.scope_key!r} comes from another store ({lease.store_id!r}); "
+            f"this store is {store.store_id!r}: use the lease this repository returned"
+        )

@@ -1,0 +1,127 @@
+"""The in-memory lease store: the pure transitions over a dict, for tests and one process."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable, Sequence
+
+from ..lease import (
+    Lease,
+    LeaseKey,
+    LeaseStatus,
+    PendingEffect,
+    decide_acquire,
+    decide_clear_pending_effect,
+    decide_dead_letter,
+    decide_mark_pending_effect,
+    decide_release,
+    decide_renew,
+    is_takeover_candidate,
+)
+from .common import check_key, check_lease
+
+__all__ = ["MemoryLeaseRepository"]
+
+_ids = itertools.count(1)
+
+
+class MemoryLeaseRepository:
+    """An :class:`~langgraph_fence.ExecutionLeaseRepository` held in this process's memory.
+
+    Same contract as the SQL stores, with the same decisions (it calls the pure transitions
+    of :mod:`langgraph_fence.lease` directly). Leases die with the process: use it for tests
+    and single-process tools, never to fence several processes.
+
+    Args:
+        clock: the store's clock in seconds; ``time.time`` by default.
+    """
+
+    def __init__(self, *, clock: Callable[[], float] | None = None) -> None:
+        self._clock = clock or time.time
+        self._rows: dict[LeaseKey, Lease] = {}
+        self._lock = asyncio.Lock()
+        self._store_id = f"memory:{next(_ids)}"
+
+    @property
+    def store_id(self) -> str:
+        """Identifies this store; leases carry it and other stores refuse them."""
+        return self._store_id
+
+    async def now(self) -> float:
+        """The store's clock, in seconds."""
+        return self._clock()
+
+    async def acquire(
+        self, key: LeaseKey, holder: str, ttl: float, *, reopen: bool = False
+    ) -> Lease | None:
+        """Take the lease (absent: epoch 1; free or expired: epoch + 1), or ``None``."""
+        check_key(key)
+        async with self._lock:
+            taken = decide_acquire(
+                self._rows.get(key),
+                key,
+                holder,
+                ttl,
+                self._clock(),
+                reopen=reopen,
+                store_id=self._store_id,
+            )
+            if taken is not None:
+                self._rows[key] = taken
+            return taken
+
+    async def renew(self, lease: Lease, ttl: float) -> Lease:
+        """Extend the hold to now + ``ttl``; guarded."""
+        check_lease(self, lease)
+        async with self._lock:
+            renewed = decide_renew(self._rows.get(lease.key), lease, ttl, self._clock())
+            self._rows[lease.key] = renewed
+            return renewed
+
+    async def release(self, lease: Lease, status: LeaseStatus, reason: str | None = None) -> Lease:
+        """Give the lease up with ``status``; guarded."""
+        check_lease(self, lease)
+        async with self._lock:
+            released = decide_release(self._rows.get(lease.key), lease, status, reason)
+            self._rows[lease.key] = released
+            return released
+
+    async def get(self, key: LeaseKey) -> Lease | None:
+        """The lease of ``key`` as stored now, or ``None``."""
+        check_key(key)
+        return self._rows.get(key)
+
+    async def mark_pending_effect(self, lease: Lease, effect: PendingEffect, ttl: float) -> Lease:
+        """Stamp ``pending_effect`` and renew in one guarded write."""
+        check_lease(self, lease)
+        async with self._lock:
+            marked = decide_mark_pending_effect(
+                self._rows.get(lease.key), lease, effect, ttl, self._clock()
+            )
+            self._rows[lease.key] = marked
+            return marked
+
+    async def clear_pending_effect(self, lease: Lease) -> Lease:
+        """Clear ``pending_effect``; guarded."""
+        check_lease(self, lease)
+        async with self._lock:
+            cleared = decide_clear_pending_effect(self._rows.get(lease.key), lease)
+            self._rows[lease.key] = cleared
+            return cleared
+
+    async def dead_letter(self, key: LeaseKey, reason: str, *, epoch: int | None = None) -> Lease:
+        """End the execution as ``dead_lettered``; guarded by ``epoch`` when given."""
+        check_key(key)
+        async with self._lock:
+            ended = decide_dead_letter(self._rows.get(key), key, reason, epoch=epoch)
+            self._rows[key] = ended
+            return ended
+
+    async def takeover_candidates(self, limit: int = 100) -> Sequence[Lease]:
+        """Leases any instance may take now: running and expired, or pending and free."""
+        now = self._clock()
+        found = [lease for lease in self._rows.values() if is_takeover_candidate(lease, now)]
+        found.sort(key=lambda lease: (lease.expires_at or 0.0, lease.scope_key))
+        return found[:limit]

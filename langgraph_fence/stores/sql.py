@@ -1,0 +1,389 @@
+"""The SQL lease store: SQLAlchemy 2 async Core on SQLite (aiosqlite) and PostgreSQL (asyncpg).
+
+Every operation is ONE statement (an upsert guarded by expiry, or an update guarded by key +
+holder + epoch, each with ``RETURNING``); on PostgreSQL it runs in autocommit, so it costs
+one round trip. Only a refused operation pays a second read, to report the epoch it saw.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from sqlalchemy import (
+    ColumnElement,
+    Double,
+    and_,
+    bindparam,
+    cast,
+    func,
+    literal,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql as pg_dialect
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy.engine import Row
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from ..database import create_engine, dialect_of
+from ..effects import Effect
+from ..lease import (
+    REOPENABLE_STATUSES,
+    TERMINAL_STATUSES,
+    Lease,
+    LeaseKey,
+    LeaseStatus,
+    PendingEffect,
+    decide_dead_letter,
+    fenced_error,
+    release_status,
+    validate_ttl,
+)
+from ..migrations import migrate
+from ..schema import LEASE_MIGRATIONS, LEASES
+from .common import check_key, check_lease
+
+__all__ = ["SqlLeaseRepository"]
+
+_C = LEASES.c
+_RETURNING = (
+    _C.tenant_id,
+    _C.execution_id,
+    _C.epoch,
+    _C.holder,
+    _C.expires_at,
+    _C.status,
+    _C.pending_effect,
+    _C.pending_node,
+    _C.pending_task,
+    _C.pending_token,
+    _C.reason,
+)
+_KEY = and_(_C.tenant_id == bindparam("p_tenant_id"), _C.execution_id == bindparam("p_execution_id"))
+_GUARD = and_(
+    _KEY,
+    _C.holder == bindparam("p_holder"),
+    _C.epoch == bindparam("p_epoch"),
+    _C.status == LeaseStatus.RUNNING.value,
+)
+
+
+class SqlLeaseRepository:
+    """An :class:`~langgraph_fence.ExecutionLeaseRepository` on SQLite or PostgreSQL.
+
+    Build it as ``SqlLeaseRepository(engine)`` then ``await repo.setup()``, or as
+    ``async with SqlLeaseRepository.from_conn_string(url) as repo:``.
+
+    Args:
+        engine: an engine from :func:`langgraph_fence.database.create_engine` (PostgreSQL in
+            autocommit, SQLite with ``BEGIN IMMEDIATE``).
+        clock: the store's clock. ``None`` (the default) means the database's own clock on
+            PostgreSQL (``now()``) and this process's ``time.time`` on SQLite. Tests pass a
+            controlled clock.
+    """
+
+    def __init__(self, engine: AsyncEngine, *, clock: Callable[[], float] | None = None) -> None:
+        self._engine = engine
+        self._dialect = dialect_of(engine)
+        if self._dialect == "sqlite" and clock is None:
+            clock = time.time
+        self._clock = clock
+        url = engine.url.render_as_string(hide_password=True)
+        self._store_id = f"sql:{url}"
+        self._build_statements()
+
+    @classmethod
+    @asynccontextmanager
+    async def from_conn_string(
+        cls, url: str, *, clock: Callable[[], float] | None = None
+    ) -> AsyncIterator[SqlLeaseRepository]:
+        """Open an engine on ``url``, migrate, yield the store, and dispose of the engine."""
+        engine = create_engine(url)
+        try:
+            repo = cls(engine, clock=clock)
+            await repo.setup()
+            yield repo
+        finally:
+            await engine.dispose()
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The engine this store writes through."""
+        return self._engine
+
+    @property
+    def store_id(self) -> str:
+        """Identifies this store (its database); leases carry it and other stores refuse them."""
+        return self._store_id
+
+    async def setup(self) -> None:
+        """Create or upgrade the lease table; safe from several processes at once."""
+        await migrate(self._engine, "leases", LEASE_MIGRATIONS)
+
+    # -- statements, built once so SQLAlchemy's compiled cache and asyncpg's prepared
+    # statement cache serve every call.
+
+    def _now(self) -> ColumnElement[float]:
+        if self._clock is None:
+            return cast(func.extract("epoch", func.now()), Double)
+        return bindparam("p_now", type_=Double)
+
+    def _build_statements(self) -> None:
+        now = self._now()
+        ttl = bindparam("p_ttl", type_=Double)
+        insert = pg_dialect.insert if self._dialect == "postgresql" else sqlite_dialect.insert
+        not_held = or_(
+            _C.status != LeaseStatus.RUNNING.value,
+            _C.holder.is_(None),
+            _C.expires_at.is_(None),
+            _C.expires_at <= now,
+        )
+        terminal = [s.value for s in TERMINAL_STATUSES]
+        reopenable = [s.value for s in REOPENABLE_STATUSES]
+        self._acquire = {}
+        for reopen in (False, True):
+            takeable: ColumnElement[bool] = _C.status.not_in(terminal)
+            if reopen:
+                takeable = or_(takeable, _C.status.in_(reopenable))
+            stmt = insert(LEASES).values(
+                tenant_id=bindparam("p_tenant_id"),
+                execution_id=bindparam("p_execution_id"),
+                scope_key=bindparam("p_scope_key"),
+                epoch=1,
+                holder=bindparam("p_holder"),
+                expires_at=now + ttl,
+                status=LeaseStatus.RUNNING.value,
+                updated_at=now,
+            )
+            self._acquire[reopen] = stmt.on_conflict_do_update(
+                index_elements=[_C.tenant_id, _C.execution_id],
+                set_={
+                    "epoch": _C.epoch + 1,
+                    "holder": stmt.excluded.holder,
+                    "expires_at": stmt.excluded.expires_at,
+                    "status": LeaseStatus.RUNNING.value,
+                    "reason": None,
+                    "updated_at": stmt.excluded.updated_at,
+                },
+                where=and_(takeable, not_held),
+            ).returning(*_RETURNING)
+        self._renew = (
+            update(LEASES)
+            .where(_GUARD)
+            .values(expires_at=now + ttl, updated_at=now)
+            .returning(*_RETURNING)
+        )
+        self._release = (
+            update(LEASES)
+            .where(_GUARD)
+            .values(
+                holder=None,
+                expires_at=None,
+                status=bindparam("p_status"),
+                reason=bindparam("p_reason"),
+                updated_at=now,
+            )
+            .returning(*_RETURNING)
+        )
+        self._mark = (
+            update(LEASES)
+            .where(_GUARD)
+            .values(
+                expires_at=now + ttl,
+                pending_effect=bindparam("p_pending_effect"),
+                pending_node=bindparam("p_pending_node"),
+                pending_task=bindparam("p_pending_task"),
+                pending_token=bindparam("p_pending_token"),
+                updated_at=now,
+            )
+            .returning(*_RETURNING)
+        )
+        self._clear = (
+            update(LEASES)
+            .where(_GUARD)
+            .values(
+                pending_effect=None,
+                pending_node=None,
+                pending_task=None,
+                pending_token=None,
+                updated_at=now,
+            )
+            .returning(*_RETURNING)
+        )
+        dead_letter_values = {
+            "holder": None,
+            "expires_at": None,
+            "status": LeaseStatus.DEAD_LETTERED.value,
+            "reason": bindparam("p_reason"),
+            "updated_at": now,
+        }
+        self._dead_letter = (
+            update(LEASES).where(_KEY).values(**dead_letter_values).returning(*_RETURNING)
+        )
+        self._dead_letter_at_epoch = (
+            update(LEASES)
+            .where(and_(_KEY, _C.epoch == bindparam("p_epoch")))
+            .values(**dead_letter_values)
+            .returning(*_RETURNING)
+        )
+        self._get = select(*_RETURNING).where(_KEY)
+        self._candidates = (
+            select(*_RETURNING)
+            .where(
+                or_(
+                    and_(
+                        _C.status == LeaseStatus.RUNNING.value,
+                        or_(_C.expires_at.is_(None), _C.expires_at <= now),
+                    ),
+                    and_(_C.status == LeaseStatus.PENDING.value, _C.holder.is_(None)),
+                )
+            )
+            .order_by(func.coalesce(_C.expires_at, literal(0.0)), _C.scope_key)
+            .limit(bindparam("p_limit"))
+        )
+        self._now_stmt = select(now)
+
+    # -- I/O
+
+    def _params(self, **values: Any) -> dict[str, Any]:
+        # Bound names carry a p_ prefix: SQLAlchemy reserves the bare column names.
+        params = {f"p_{name}": value for name, value in values.items()}
+        if self._clock is not None:
+            params["p_now"] = self._clock()
+        return params
+
+    async def _one(self, stmt: Any, params: dict[str, Any]) -> Row[Any] | None:
+        async with self._engine.begin() as conn:
+            result = await conn.execute(stmt, params)
+            return result.first()
+
+    def _lease(self, row: Row[Any] | Any) -> Lease:
+        pending = None
+        if row.pending_effect is not None:
+            pending = PendingEffect(
+                effect=Effect(row.pending_effect),
+                node=row.pending_node,
+                task_id=row.pending_task,
+                token=row.pending_token,
+            )
+        return Lease(
+            key=LeaseKey(row.tenant_id, row.execution_id),
+            holder=row.holder,
+            epoch=row.epoch,
+            expires_at=row.expires_at,
+            pending_effect=pending,
+            status=LeaseStatus(row.status),
+            reason=row.reason,
+            store_id=self._store_id,
+        )
+
+    async def now(self) -> float:
+        """The store's clock, in seconds."""
+        if self._clock is not None:
+            return self._clock()
+        async with self._engine.connect() as conn:
+            return float((await conn.execute(self._now_stmt)).scalar_one())
+
+    async def acquire(
+        self, key: LeaseKey, holder: str, ttl: float, *, reopen: bool = False
+    ) -> Lease | None:
+        """Take the lease (absent: epoch 1; free or expired: epoch + 1), or ``None``."""
+        check_key(key)
+        if not isinstance(holder, str) or not holder:
+            raise ValueError(f"holder must be a non-empty str (an instance id), got {holder!r}")
+        params = self._params(
+            tenant_id=key.tenant_id,
+            execution_id=key.execution_id,
+            scope_key=key.scope_key,
+            holder=holder,
+            ttl=validate_ttl(ttl),
+        )
+        row = await self._one(self._acquire[bool(reopen)], params)
+        return None if row is None else self._lease(row)
+
+    async def _guarded(self, stmt: Any, lease: Lease, action: str, **extra: Any) -> Lease:
+        params = self._params(
+            tenant_id=lease.key.tenant_id,
+            execution_id=lease.key.execution_id,
+            holder=lease.holder,
+            epoch=lease.epoch,
+            **extra,
+        )
+        row = await self._one(stmt, params)
+        if row is None:
+            raise fenced_error(lease, await self.get(lease.key), action=action)
+        return self._lease(row)
+
+    async def renew(self, lease: Lease, ttl: float) -> Lease:
+        """Extend the hold to store-now + ``ttl``; guarded."""
+        check_lease(self, lease)
+        return await self._guarded(self._renew, lease, "renew", ttl=validate_ttl(ttl))
+
+    async def release(self, lease: Lease, status: LeaseStatus, reason: str | None = None) -> Lease:
+        """Give the lease up with ``status`` (pending, waiting, done, failed); guarded."""
+        check_lease(self, lease)
+        status = release_status(status)
+        return await self._guarded(
+            self._release, lease, "release", status=status.value, reason=reason
+        )
+
+    async def get(self, key: LeaseKey) -> Lease | None:
+        """The lease of ``key`` as stored now, or ``None``."""
+        check_key(key)
+        async with self._engine.connect() as conn:
+            row = (
+                await conn.execute(
+                    self._get, {"p_tenant_id": key.tenant_id, "p_execution_id": key.execution_id}
+                )
+            ).first()
+        return None if row is None else self._lease(row)
+
+    async def mark_pending_effect(self, lease: Lease, effect: PendingEffect, ttl: float) -> Lease:
+        """Stamp ``pending_effect`` and renew in one guarded write."""
+        check_lease(self, lease)
+        if not isinstance(effect, PendingEffect):
+            raise ValueError(f"effect must be a PendingEffect, got {type(effect).__name__}")
+        return await self._guarded(
+            self._mark,
+            lease,
+            "mark_pending_effect",
+            ttl=validate_ttl(ttl),
+            pending_effect=Effect(effect.effect).value,
+            pending_node=effect.node,
+            pending_task=effect.task_id,
+            pending_token=effect.token,
+        )
+
+    async def clear_pending_effect(self, lease: Lease) -> Lease:
+        """Clear ``pending_effect``; guarded."""
+        check_lease(self, lease)
+        return await self._guarded(self._clear, lease, "clear_pending_effect")
+
+    async def dead_letter(self, key: LeaseKey, reason: str, *, epoch: int | None = None) -> Lease:
+        """End the execution as ``dead_lettered``; guarded by ``epoch`` when given."""
+        check_key(key)
+        if not isinstance(reason, str) or not reason:
+            raise ValueError("reason must be a non-empty str saying why the execution ended")
+        params = self._params(tenant_id=key.tenant_id, execution_id=key.execution_id, reason=reason)
+        if epoch is None:
+            row = await self._one(self._dead_letter, params)
+        else:
+            params["p_epoch"] = epoch
+            row = await self._one(self._dead_letter_at_epoch, params)
+        if row is None:
+            # Refused: let the pure decision say why (no row, or the epoch moved).
+            decide_dead_letter(await self.get(key), key, reason, epoch=epoch)
+            raise AssertionError("unreachable: the refused dead letter was allowed")
+        return self._lease(row)
+
+    async def takeover_candidates(self, limit: int = 100) -> Sequence[Lease]:
+        """Leases any instance may take now: running and expired, or pending and free."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit must be a positive int, got {limit!r}")
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(self._candidates, self._params(limit=limit))).all()
+        return [self._lease(row) for row in rows]

@@ -1,0 +1,130 @@
+"""Fixtures shared by every test: real SQLite files, a real PostgreSQL schema per session.
+
+PostgreSQL is found at ``LANGGRAPH_FENCE_PG_URL`` (default
+``postgresql://postgres@127.0.0.1:5432/test``). Where none is reachable the PostgreSQL tests
+skip with the reason, unless ``LANGGRAPH_FENCE_REQUIRE_PG=1`` (CI) makes that a failure.
+Each test session works in a schema of its own and drops it at the end: the database may
+hold anything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from langgraph_fence.database import create_engine, normalize_url
+from langgraph_fence.lease import ExecutionLeaseRepository
+from langgraph_fence.stores import MemoryLeaseRepository, SqlLeaseRepository
+from langgraph_fence.testing import ManualClock
+
+DEFAULT_PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
+BACKENDS = ["memory", "sqlite", "postgresql"]
+SQL_BACKENDS = ["sqlite", "postgresql"]
+
+
+def pg_url_from_env() -> str:
+    return os.environ.get("LANGGRAPH_FENCE_PG_URL", DEFAULT_PG_URL)
+
+
+def pg_required() -> bool:
+    return os.environ.get("LANGGRAPH_FENCE_REQUIRE_PG", "") not in ("", "0", "false", "no")
+
+
+def _pg_admin(url: str, sql: str) -> None:
+    """Run one statement on a connection of its own, off any running event loop."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, _pg_admin_async(url, sql)).result()
+
+
+async def _pg_admin_async(url: str, sql: str) -> None:
+    import asyncpg
+
+    dsn = normalize_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    conn = await asyncpg.connect(dsn, timeout=5)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+@pytest.fixture(scope="session")
+def pg_schema() -> Iterator[tuple[str, str]]:
+    """``(url, schema)``: a schema of this test session's own on the reachable PostgreSQL."""
+    url = pg_url_from_env()
+    schema = f"lgf_test_{uuid.uuid4().hex[:12]}"
+    try:
+        _pg_admin(url, f'CREATE SCHEMA "{schema}"')
+    except Exception as exc:  # unreachable, refused, no such database...
+        reason = f"PostgreSQL not reachable at {url} ({type(exc).__name__}: {exc})"
+        if pg_required():
+            pytest.fail(f"{reason}; LANGGRAPH_FENCE_REQUIRE_PG forbids skipping", pytrace=False)
+        pytest.skip(f"{reason}; set LANGGRAPH_FENCE_PG_URL to run the PostgreSQL tests")
+    yield url, schema
+    _pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def pg_engine_options(schema: str) -> dict[str, Any]:
+    """Engine options that put every connection in ``schema``."""
+    return {"connect_args": {"server_settings": {"search_path": schema}}}
+
+
+@pytest.fixture
+def make_engine(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[Callable[[str], AsyncEngine]]:
+    """``make_engine(backend)``: a new engine on a real database ("sqlite" or "postgresql").
+
+    SQLite engines of one test share one file (as two processes would); PostgreSQL engines
+    share the session's schema.
+    """
+    engines: list[AsyncEngine] = []
+
+    def make(backend: str) -> AsyncEngine:
+        if backend == "sqlite":
+            engine = create_engine(f"sqlite+aiosqlite:///{tmp_path / 'fence.db'}")
+        elif backend == "postgresql":
+            url, schema = request.getfixturevalue("pg_schema")
+            engine = create_engine(url, **pg_engine_options(schema))
+        else:
+            raise ValueError(f"unknown backend {backend!r}")
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        # Engines are disposed by the loop that made them (pytest-asyncio closes it after);
+        # dropping the pool here only releases file handles.
+        engine.sync_engine.dispose(close=False)
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture(params=BACKENDS)
+async def lease_store(
+    request: pytest.FixtureRequest, make_engine: Callable[[str], AsyncEngine], clock: ManualClock
+) -> AsyncIterator[ExecutionLeaseRepository]:
+    """A lease store on every backend, all on the controlled ``clock``."""
+    if request.param == "memory":
+        yield MemoryLeaseRepository(clock=clock)
+        return
+    engine = make_engine(request.param)
+    repo = SqlLeaseRepository(engine, clock=clock)
+    await repo.setup()
+    yield repo
+    await engine.dispose()
+
+
+def unique(prefix: str = "x") -> str:
+    """A key part no other test (or earlier run on the same database) uses."""
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
