@@ -1,0 +1,464 @@
+"""An exactly-once sink for SQL databases: a high-water mark per scope key and idempotency keys.
+
+A step that writes to a SQL database it owns can make that write exactly-once: inside the
+user's own transaction, :func:`fenced_write` first raises the highest fencing token seen for
+the step's scope key (refusing the write when a newer token was already seen there), then
+claims the write's idempotency key (reporting a key applied before, with its stored result,
+so the caller skips its write). The mark, the key row, the result and the user's own
+statements commit or roll back together, on the user's connection: no second connection.
+
+Guarantee: among writes made through this sink, for one ``(scope_key, idempotency_key)``,
+exactly one transaction that commits applies the write; every other one either sees it
+applied (and its result) or is refused because its token is stale. A write under token ``n``
+never commits after a write under a token above ``n`` of the same scope key committed.
+
+Limits: it covers only statements made on the same connection in the same transaction as
+the sink's own, in the database that holds the sink's tables. An e-mail, an HTTP call or a
+write to another database is not covered (use an idempotency key the other system checks,
+or :class:`~langgraph_fence.Effect` ``NON_IDEMPOTENT_WRITE`` for at-most-once). The caller
+must let errors out of the transaction so it rolls back. See ``docs/exactly-once.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from .database import dialect_of
+from .errors import ExecutionFencedError
+from .fence import ExecutionFence
+from .migrations import Migration, migrate
+
+__all__ = [
+    "CHECK_AND_RAISE_MARK_SQL",
+    "CLAIM_KEY_SQL",
+    "SINK_COMPONENT",
+    "SINK_MIGRATIONS",
+    "FencedWrite",
+    "fenced_write",
+    "is_serialization_failure",
+    "setup_sink",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The component name of the sink's tables in ``fence_schema_versions``.
+SINK_COMPONENT = "sink"
+
+_CREATE_HIGH_WATER = """
+CREATE TABLE IF NOT EXISTS fence_high_water (
+    scope_key TEXT PRIMARY KEY,
+    token BIGINT NOT NULL CHECK (token >= 1)
+)
+"""
+_CREATE_APPLIED = """
+CREATE TABLE IF NOT EXISTS fence_applied (
+    scope_key TEXT NOT NULL,
+    idempotency_key TEXT NOT NULL,
+    token BIGINT NOT NULL CHECK (token >= 1),
+    result TEXT,
+    applied_at {applied_at},
+    PRIMARY KEY (scope_key, idempotency_key)
+)
+"""
+
+SINK_MIGRATIONS = [
+    Migration(
+        version=1,
+        description="the high-water mark and applied-key tables of the exactly-once sink",
+        sqlite=[
+            _CREATE_HIGH_WATER,
+            _CREATE_APPLIED.format(
+                applied_at="TEXT NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))"
+            ),
+        ],
+        postgresql=[
+            _CREATE_HIGH_WATER,
+            _CREATE_APPLIED.format(applied_at="TIMESTAMPTZ NOT NULL DEFAULT now()"),
+        ],
+    ),
+]
+
+#: Checks the token against the mark and raises the mark, in one statement (both dialects).
+#: A row back: the token is at or above the mark, which is now the token. No row back: the
+#: mark is above the token; the write is stale. On PostgreSQL the conflicting row is locked
+#: either way until the transaction ends, so no newer writer can slip in before the commit.
+CHECK_AND_RAISE_MARK_SQL = (
+    "INSERT INTO fence_high_water (scope_key, token) VALUES (:scope_key, :token) "
+    "ON CONFLICT (scope_key) DO UPDATE SET token = excluded.token "
+    "WHERE fence_high_water.token <= excluded.token "
+    "RETURNING token"
+)
+#: Claims the idempotency key (both dialects). A row back: this transaction applies the
+#: write. No row back: a committed transaction (or this one) applied it already.
+CLAIM_KEY_SQL = (
+    "INSERT INTO fence_applied (scope_key, idempotency_key, token) "
+    "VALUES (:scope_key, :idempotency_key, :token) "
+    "ON CONFLICT (scope_key, idempotency_key) DO NOTHING "
+    "RETURNING token"
+)
+_READ_MARK_SQL = text("SELECT token FROM fence_high_water WHERE scope_key = :scope_key")
+_READ_KEY_SQL = text(
+    "SELECT token, result FROM fence_applied "
+    "WHERE scope_key = :scope_key AND idempotency_key = :idempotency_key"
+)
+_RECORD_SQL = text(
+    "UPDATE fence_applied SET result = :result "
+    "WHERE scope_key = :scope_key AND idempotency_key = :idempotency_key AND token = :token"
+)
+_RELEASE_SQL = text(
+    "DELETE FROM fence_applied "
+    "WHERE scope_key = :scope_key AND idempotency_key = :idempotency_key AND token = :token"
+)
+
+# SQLSTATEs a PostgreSQL transaction may fail with under contention, to be retried whole:
+# serialization_failure and deadlock_detected.
+_PG_RETRYABLE = frozenset({"40001", "40P01"})
+# SQLITE_BUSY and SQLITE_BUSY_SNAPSHOT (a deferred transaction whose snapshot went stale).
+_SQLITE_RETRYABLE = frozenset({5, 517})
+
+
+async def setup_sink(engine_or_conn: AsyncEngine | AsyncConnection) -> int:
+    """Create or upgrade the sink's tables on the user's database; return the schema version.
+
+    Runs the ``"sink"`` component's migrations through
+    :func:`langgraph_fence.migrations.migrate`: safe from several processes at once and a
+    no-op when up to date. SQLite and PostgreSQL (SQLAlchemy async) are supported.
+
+    Args:
+        engine_or_conn: an engine, or a connection whose engine is used. The migration
+            commits on a connection of its own, so a connection must not be inside a
+            transaction (on SQLite that transaction would hold the lock the migration needs).
+
+    Raises:
+        TypeError: ``engine_or_conn`` is neither an ``AsyncEngine`` nor an ``AsyncConnection``.
+        ValueError: the connection is inside a transaction, or the database is neither
+            SQLite nor PostgreSQL.
+    """
+    if isinstance(engine_or_conn, AsyncConnection):
+        if engine_or_conn.in_transaction():
+            raise ValueError(
+                "engine_or_conn is a connection inside a transaction; setup_sink migrates on a "
+                "connection of its own and commits: call it before your transaction, or pass "
+                "the engine"
+            )
+        engine = engine_or_conn.engine
+    elif isinstance(engine_or_conn, AsyncEngine):
+        engine = engine_or_conn
+    else:
+        raise TypeError(
+            "engine_or_conn must be a SQLAlchemy AsyncEngine or AsyncConnection, got "
+            f"{type(engine_or_conn).__name__}"
+        )
+    return await migrate(engine, SINK_COMPONENT, SINK_MIGRATIONS)
+
+
+class FencedWrite:
+    """What :func:`fenced_write` found for one write, and where the caller records its result.
+
+    Attributes:
+        scope_key: the scope key the mark and the key are kept under (the fence's).
+        idempotency_key: the write's idempotency key.
+        token: the fencing token the write runs under (the fence's, when the block began).
+        applied: ``True`` when the key was applied before (by another writer, or earlier in
+            this transaction): skip the write and use :attr:`result`.
+        applied_token: the token the key was applied under, when :attr:`applied`.
+        result: the stored result when :attr:`applied`; the recorded one after :meth:`record`.
+    """
+
+    __slots__ = (
+        "_open",
+        "_result_json",
+        "applied",
+        "applied_token",
+        "idempotency_key",
+        "result",
+        "scope_key",
+        "token",
+    )
+
+    def __init__(
+        self,
+        scope_key: str,
+        idempotency_key: str,
+        token: int,
+        *,
+        applied: bool,
+        applied_token: int | None = None,
+        result: Any = None,
+    ) -> None:
+        self.scope_key = scope_key
+        self.idempotency_key = idempotency_key
+        self.token = token
+        self.applied = applied
+        self.applied_token = applied_token
+        self.result = result
+        self._result_json: str | None = None
+        self._open = True
+
+    @property
+    def recorded(self) -> bool:
+        """Whether :meth:`record` was called in this block."""
+        return self._result_json is not None
+
+    def record(self, result: Any = None) -> None:
+        """Record that this transaction applied the write, with ``result`` (JSON-serialisable).
+
+        Call it after your own statements on the connection, inside the block. The key row
+        gets the result when the block ends normally, in your transaction: a later writer of
+        the same key sees :attr:`applied` and this result once your transaction commits.
+
+        Raises:
+            RuntimeError: the key was applied already (:attr:`applied`), :meth:`record` was
+                called before, or the block has ended.
+            ValueError: ``result`` is not JSON-serialisable (NaN and infinities included).
+        """
+        if not self._open:
+            raise RuntimeError(
+                f"write.record() was called after the fenced_write block of idempotency key "
+                f"{self.idempotency_key!r} ended: call it inside the block"
+            )
+        if self.applied:
+            raise RuntimeError(
+                f"idempotency key {self.idempotency_key!r} of {self.scope_key!r} was applied "
+                f"already (under token {self.applied_token}): write.applied is True, so skip "
+                "your write and use write.result instead of calling write.record()"
+            )
+        if self._result_json is not None:
+            raise RuntimeError(
+                f"write.record() was called twice for idempotency key {self.idempotency_key!r}: "
+                "record each write's result once"
+            )
+        try:
+            encoded = json.dumps(result, allow_nan=False, separators=(",", ":"))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"result must be JSON-serialisable (None, bool, int, float, str, list, dict "
+                f"with str keys; no NaN): {exc}"
+            ) from None
+        self._result_json = encoded
+        self.result = result
+
+    def __repr__(self) -> str:
+        state = "applied" if self.applied else ("recorded" if self.recorded else "claimed")
+        return (
+            f"<FencedWrite {self.scope_key} key={self.idempotency_key!r} "
+            f"token={self.token} {state}>"
+        )
+
+
+@asynccontextmanager
+async def fenced_write(
+    conn: AsyncConnection, fence: ExecutionFence, idempotency_key: str
+) -> AsyncIterator[FencedWrite]:
+    """Fence one write made on ``conn`` inside the caller's transaction; exactly-once per key.
+
+    Usage::
+
+        async with engine.connect() as conn, conn.begin():
+            async with fenced_write(conn, fence, f"charge:{order_id}") as write:
+                if write.applied:
+                    receipt = write.result
+                else:
+                    receipt = await charge(conn, order_id)  # statements on conn
+                    write.record(receipt)
+
+    On entry, before the caller's statements: (1) the token is checked against the
+    high-water mark of ``fence.scope_key`` and the mark raised to it, in one statement;
+    a mark above the token refuses the write with the error ``fence.fenced(mark)`` returns,
+    which also stops the run's whole tree; (2) the idempotency key is claimed; a key applied
+    before is reported through ``write.applied`` and ``write.result``. When the block ends
+    normally the recorded result is stored with the key. Everything commits or rolls back
+    with the caller's transaction.
+
+    Guarantee: exactly-once for writes made through this sink on ``conn`` in the same
+    transaction; a token equal to the mark passes and the mark never goes down. Keyed by
+    scope key: an ``ANY_INSTANCE`` child (own execution, own epochs) has a mark of its own.
+    Limits: an effect outside this database is not covered; a caught error must still roll
+    the transaction back. Under contention on PostgreSQL at REPEATABLE READ or SERIALIZABLE,
+    and on SQLite without ``BEGIN IMMEDIATE``, the database may fail the transaction
+    instead of waiting (see :func:`is_serialization_failure`): retry the whole transaction.
+    On PostgreSQL the mark's row stays locked until the transaction ends, so writers of one
+    scope key queue behind each other: keep the transaction short.
+
+    Args:
+        conn: the caller's connection, inside a transaction (``async with conn.begin()``),
+            not in AUTOCOMMIT.
+        fence: the step's fence (``get_execution_context().fence``).
+        idempotency_key: names the write within the execution: the same key for every
+            attempt of the same write, a different one for every different write.
+
+    Raises:
+        ExecutionFencedError: the mark is above the fence's token (the run was taken over).
+        ExecutionLeaseLostError: the fence's run is known to be fenced, or its hold can no
+            longer be proven (checked first, without I/O).
+        ExecutionContextUnavailableError: the fence's step has ended.
+        TypeError: an argument has the wrong type.
+        ValueError: ``idempotency_key`` is empty or holds a NUL, or ``conn`` is not inside a
+            transaction, is in AUTOCOMMIT, or is not SQLite or PostgreSQL.
+        RuntimeError: the block ended normally without ``write.record(...)`` or a skip of an
+            applied key.
+    """
+    await _check_arguments(conn, fence, idempotency_key)
+    fence.assert_held()
+    scope = fence.scope_key
+    # The token is read once: the mark, the key row and a refusal all speak of this one.
+    token = fence.token
+    params: dict[str, Any] = {
+        "scope_key": scope,
+        "idempotency_key": idempotency_key,
+        "token": token,
+    }
+    raised = (await conn.execute(text(CHECK_AND_RAISE_MARK_SQL), params)).first()
+    if raised is None:
+        mark = (await conn.execute(_READ_MARK_SQL, params)).scalar_one()
+        raise _refusal(fence, token, int(mark), idempotency_key)
+    claimed = (await conn.execute(text(CLAIM_KEY_SQL), params)).first()
+    if claimed is None:
+        # A committed transaction (or this one, earlier) applied the key. At READ COMMITTED
+        # this read sees the committed row: the claim above waited for any writer of the key
+        # still in flight (and the mark's row lock queued writers of this scope before it).
+        row = (await conn.execute(_READ_KEY_SQL, params)).one()
+        stored = None if row.result is None else json.loads(row.result)
+        logger.debug(
+            "%s key %r applied already under token %s; skipping", scope, idempotency_key, row.token
+        )
+        write = FencedWrite(
+            scope, idempotency_key, token, applied=True, applied_token=int(row.token), result=stored
+        )
+        try:
+            yield write
+        finally:
+            write._open = False
+        return
+    write = FencedWrite(scope, idempotency_key, token, applied=False)
+    try:
+        yield write
+    except BaseException:
+        write._open = False
+        await _release_claim(conn, params)
+        raise
+    write._open = False
+    if write._result_json is None:
+        await _release_claim(conn, params)
+        raise RuntimeError(
+            f"the fenced_write block of idempotency key {idempotency_key!r} ended without "
+            "write.record(...): call write.record(result) after your statements "
+            "(write.record(None) when there is no result), or raise to abandon the write"
+        )
+    updated = await conn.execute(_RECORD_SQL, {**params, "result": write._result_json})
+    if updated.rowcount != 1:  # pragma: no cover - the row was inserted in this transaction
+        raise RuntimeError(
+            f"the claim of idempotency key {idempotency_key!r} of {scope!r} vanished inside "
+            "its own transaction: something else on this connection deleted it"
+        )
+
+
+async def _check_arguments(conn: object, fence: object, idempotency_key: object) -> None:
+    if not isinstance(fence, ExecutionFence):
+        raise TypeError(
+            "fence must be an ExecutionFence (get_execution_context().fence inside a step), "
+            f"got {type(fence).__name__}"
+        )
+    if not isinstance(idempotency_key, str) or not idempotency_key:
+        raise ValueError(
+            "idempotency_key must be a non-empty str naming the write (the same for every "
+            f"attempt of it), got {idempotency_key!r}"
+        )
+    if "\x00" in idempotency_key:
+        raise ValueError(
+            f"idempotency_key must not contain a NUL byte (PostgreSQL TEXT refuses it), got "
+            f"{idempotency_key!r}"
+        )
+    if not isinstance(conn, AsyncConnection):
+        raise TypeError(
+            "conn must be a SQLAlchemy AsyncConnection inside your transaction, got "
+            f"{type(conn).__name__}"
+        )
+    dialect = dialect_of(conn)
+    if not conn.in_transaction():
+        raise ValueError(
+            "conn is not in a transaction: call fenced_write inside `async with conn.begin():` "
+            "so the sink's rows commit or roll back with your own statements"
+        )
+    fairy = await conn.get_raw_connection()
+    raw: Any = fairy.dbapi_connection
+    if dialect == "postgresql":
+        if conn.dialect.detect_autocommit_setting(raw):
+            raise ValueError(
+                "conn is in AUTOCOMMIT: each statement would commit on its own and nothing "
+                "would roll back together; use `conn = await conn.execution_options("
+                "isolation_level='READ COMMITTED')` before conn.begin(), or "
+                "langgraph_fence.database.transaction(engine)"
+            )
+    else:
+        in_driver_transaction = getattr(fairy.driver_connection, "in_transaction", None)
+        # isolation_level None: SQLAlchemy, not the driver, opens transactions; one must be
+        # open now (create_engine's BEGIN IMMEDIATE), else every statement commits alone.
+        if raw.isolation_level is None and in_driver_transaction is False:
+            raise ValueError(
+                "conn is in AUTOCOMMIT: no SQLite transaction is open, so each statement "
+                "would commit on its own; drop isolation_level='AUTOCOMMIT' and use "
+                "`async with conn.begin():` (langgraph_fence.database.create_engine begins "
+                "with BEGIN IMMEDIATE)"
+            )
+
+
+def _refusal(
+    fence: ExecutionFence, token: int, mark: int, idempotency_key: str
+) -> ExecutionFencedError:
+    if mark > fence.token:
+        return fence.fenced(mark)
+    # The run itself moved to a newer token while this write was in flight (the
+    # remote-children wait re-took the lease): this write is stale, the run is not.
+    return ExecutionFencedError(
+        f"the write of idempotency key {idempotency_key!r} of execution {fence.scope_key!r} was "
+        f"made under token {token}, but the sink has seen token {mark}, which this run now "
+        "holds: retry the write under the current token",
+        scope_key=fence.scope_key,
+        token_held=token,
+        token_seen=mark,
+    )
+
+
+async def _release_claim(conn: AsyncConnection, params: dict[str, Any]) -> None:
+    # The block did not apply the write: drop the claim so that a transaction committed
+    # anyway (an error caught inside it) does not report the key applied. A failed
+    # PostgreSQL transaction refuses the DELETE; it can only roll back then, claim and all.
+    try:
+        await conn.execute(_RELEASE_SQL, params)
+    except Exception as exc:  # secondary to the error or refusal being raised
+        logger.debug(
+            "could not release the claim of %s key %r (the transaction will roll back): %s",
+            params["scope_key"],
+            params["idempotency_key"],
+            exc,
+        )
+
+
+def is_serialization_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database failed the transaction under contention: retry it.
+
+    True for PostgreSQL's ``serialization_failure`` (40001, e.g. at REPEATABLE READ or
+    SERIALIZABLE when another writer of the same scope key committed first) and
+    ``deadlock_detected`` (40P01), and for SQLite's ``SQLITE_BUSY`` / ``SQLITE_BUSY_SNAPSHOT``
+    (a deferred transaction that could not take the write lock). Looks through ``__cause__``
+    and SQLAlchemy's ``orig``.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if getattr(current, "sqlstate", None) in _PG_RETRYABLE:
+            return True
+        if getattr(current, "sqlite_errorcode", None) in _SQLITE_RETRYABLE:
+            return True
+        orig = getattr(current, "orig", None)
+        current = orig if isinstance(orig, BaseException) else current.__cause__
+    return False
