@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, overload, runtime_checkable
 
 from .effects import Effect
 from .errors import ExecutionFencedError
@@ -28,6 +29,7 @@ __all__ = [
     "LeaseKey",
     "LeaseStatus",
     "PendingEffect",
+    "clean_reason",
     "decide_acquire",
     "decide_clear_pending_effect",
     "decide_dead_letter",
@@ -36,6 +38,8 @@ __all__ = [
     "decide_renew",
     "is_takeover_candidate",
     "release_status",
+    "validate_holder",
+    "validate_pending_effect",
     "validate_ttl",
 ]
 
@@ -76,6 +80,8 @@ class LeaseKey:
     def __post_init__(self) -> None:
         encode_part(self.tenant_id, name="tenant_id")
         encode_part(self.execution_id, name="execution_id")
+        _refuse_nul(self.tenant_id, "tenant_id")
+        _refuse_nul(self.execution_id, "execution_id")
 
     @property
     def scope_key(self) -> str:
@@ -133,10 +139,84 @@ def validate_ttl(ttl: float, *, name: str = "ttl") -> float:
     return value
 
 
-def _validate_holder(holder: str) -> str:
-    if not isinstance(holder, str) or not holder:
-        raise ValueError(f"holder must be a non-empty str (an instance id), got {holder!r}")
-    return holder
+def _refuse_nul(value: str, name: str) -> None:
+    # PostgreSQL's TEXT cannot hold a NUL character: refuse it on every store alike, so a
+    # key or holder accepted in memory is accepted by the database too.
+    if "\x00" in value:
+        raise ValueError(
+            f"{name} must not contain a NUL character (PostgreSQL text cannot hold it), "
+            f"got {value!r}"
+        )
+
+
+def _check_text(value: object, name: str, what: str) -> str:
+    """``value`` if it is a non-empty str every store can hold, else ``ValueError``."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty str ({what}), got {value!r}")
+    _refuse_nul(value, name)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"{name} contains a lone surrogate, which no database driver can store: {value!r}"
+        ) from None
+    return value
+
+
+def validate_holder(holder: str) -> str:
+    """Return ``holder``, or raise ``ValueError`` unless it is a storable non-empty str."""
+    return _check_text(holder, "holder", "an instance id")
+
+
+_validate_holder = validate_holder
+
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+@overload
+def clean_reason(reason: str, *, required: Literal[True]) -> str: ...
+@overload
+def clean_reason(reason: str | None, *, required: bool = False) -> str | None: ...
+def clean_reason(reason: str | None, *, required: bool = False) -> str | None:
+    """``reason`` as every store keeps it: NUL and lone surrogates become U+FFFD.
+
+    A reason often quotes an exception's message, and ending an execution must not fail
+    because of what that message holds; so the text is cleaned, not refused.
+
+    Raises:
+        ValueError: ``reason`` is not a ``str`` (or ``None`` when not ``required``), or is
+            empty when ``required``.
+    """
+    if reason is None and not required:
+        return None
+    if not isinstance(reason, str) or (required and not reason):
+        wanted = "a non-empty str" if required else "a str or None"
+        raise ValueError(f"reason must be {wanted} saying why the execution ended, got {reason!r}")
+    return _UNSTORABLE.sub("\ufffd", reason)
+
+
+def validate_pending_effect(effect: PendingEffect) -> PendingEffect:
+    """``effect`` as every store keeps it (``effect.effect`` an :class:`Effect`).
+
+    Raises:
+        ValueError: a field no store can keep (unknown effect, empty or unstorable node or
+            task id, a token that is not an int >= 0).
+    """
+    if not isinstance(effect, PendingEffect):
+        raise ValueError(f"effect must be a PendingEffect, got {type(effect).__name__}")
+    try:
+        kind = Effect(effect.effect)
+    except ValueError:
+        raise ValueError(
+            f"effect.effect must be one of {', '.join(e.value for e in Effect)}, "
+            f"got {effect.effect!r}"
+        ) from None
+    _check_text(effect.node, "effect.node", "the node's name")
+    _check_text(effect.task_id, "effect.task_id", "the task's id")
+    token = effect.token
+    if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < 2**63:
+        raise ValueError(f"effect.token must be the lease's epoch (an int >= 0), got {token!r}")
+    return effect if effect.effect is kind else replace(effect, effect=kind)
 
 
 def is_takeover_candidate(lease: Lease, now: float) -> bool:
@@ -255,6 +335,7 @@ def decide_release(
 ) -> Lease:
     """Give the lease up with ``status``; the epoch stays, the holder and expiry are cleared."""
     status = release_status(status)
+    reason = clean_reason(reason)
     held = _guard(current, lease, action="release")
     return replace(held, holder=None, expires_at=None, status=status, reason=reason)
 
@@ -264,8 +345,7 @@ def decide_mark_pending_effect(
 ) -> Lease:
     """Stamp ``effect`` and renew, in one guarded write; a lost lease stamps nothing."""
     ttl = validate_ttl(ttl)
-    if not isinstance(effect, PendingEffect):
-        raise ValueError(f"effect must be a PendingEffect, got {type(effect).__name__}")
+    effect = validate_pending_effect(effect)
     held = _guard(current, lease, action="mark_pending_effect")
     return replace(held, expires_at=now + ttl, pending_effect=effect)
 
@@ -285,8 +365,7 @@ def decide_dead_letter(
     epoch, so a decision taken on a stale read never ends an execution someone else took.
     Raises ``KeyError`` when there is no lease for ``key``.
     """
-    if not isinstance(reason, str) or not reason:
-        raise ValueError("reason must be a non-empty str saying why the execution ended")
+    reason = clean_reason(reason, required=True)
     if current is None:
         raise KeyError(f"no lease for execution {key.scope_key!r}")
     if epoch is not None and current.epoch != epoch:

@@ -27,3 +27,10 @@ def check_lease(store: ExecutionLeaseRepository, lease: Lease) -> None:
             f"lease of {lease.scope_key!r} comes from another store ({lease.store_id!r}); "
             f"this store is {store.store_id!r}: use the lease this repository returned"
         )
+
+
+def check_limit(limit: int) -> int:
+    """Refuse anything but a positive int as a query's row limit."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be a positive int, got {limit!r}")
+    return limit

@@ -20,7 +20,7 @@ from ..lease import (
     decide_renew,
     is_takeover_candidate,
 )
-from .common import check_key, check_lease
+from .common import check_key, check_lease, check_limit
 
 __all__ = ["MemoryLeaseRepository"]
 
@@ -121,6 +121,7 @@ class MemoryLeaseRepository:
 
     async def takeover_candidates(self, limit: int = 100) -> Sequence[Lease]:
         """Leases any instance may take now: running and expired, or pending and free."""
+        check_limit(limit)
         now = self._clock()
         found = [lease for lease in self._rows.values() if is_takeover_candidate(lease, now)]
         found.sort(key=lambda lease: (lease.expires_at or 0.0, lease.scope_key))

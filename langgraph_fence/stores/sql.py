@@ -38,14 +38,17 @@ from ..lease import (
     LeaseKey,
     LeaseStatus,
     PendingEffect,
+    clean_reason,
     decide_dead_letter,
     fenced_error,
     release_status,
+    validate_holder,
+    validate_pending_effect,
     validate_ttl,
 )
 from ..migrations import migrate
 from ..schema import LEASE_MIGRATIONS, LEASES
-from .common import check_key, check_lease
+from .common import check_key, check_lease, check_limit
 
 __all__ = ["SqlLeaseRepository"]
 
@@ -63,7 +66,9 @@ _RETURNING = (
     _C.pending_token,
     _C.reason,
 )
-_KEY = and_(_C.tenant_id == bindparam("p_tenant_id"), _C.execution_id == bindparam("p_execution_id"))
+_KEY = and_(
+    _C.tenant_id == bindparam("p_tenant_id"), _C.execution_id == bindparam("p_execution_id")
+)
 _GUARD = and_(
     _KEY,
     _C.holder == bindparam("p_holder"),
@@ -293,8 +298,7 @@ class SqlLeaseRepository:
     ) -> Lease | None:
         """Take the lease (absent: epoch 1; free or expired: epoch + 1), or ``None``."""
         check_key(key)
-        if not isinstance(holder, str) or not holder:
-            raise ValueError(f"holder must be a non-empty str (an instance id), got {holder!r}")
+        validate_holder(holder)
         params = self._params(
             tenant_id=key.tenant_id,
             execution_id=key.execution_id,
@@ -328,7 +332,7 @@ class SqlLeaseRepository:
         check_lease(self, lease)
         status = release_status(status)
         return await self._guarded(
-            self._release, lease, "release", status=status.value, reason=reason
+            self._release, lease, "release", status=status.value, reason=clean_reason(reason)
         )
 
     async def get(self, key: LeaseKey) -> Lease | None:
@@ -345,13 +349,13 @@ class SqlLeaseRepository:
     async def mark_pending_effect(self, lease: Lease, effect: PendingEffect, ttl: float) -> Lease:
         """Stamp ``pending_effect`` and renew in one guarded write."""
         check_lease(self, lease)
-        if not isinstance(effect, PendingEffect):
-            raise ValueError(f"effect must be a PendingEffect, got {type(effect).__name__}")
+        ttl = validate_ttl(ttl)
+        validate_pending_effect(effect)
         return await self._guarded(
             self._mark,
             lease,
             "mark_pending_effect",
-            ttl=validate_ttl(ttl),
+            ttl=ttl,
             pending_effect=Effect(effect.effect).value,
             pending_node=effect.node,
             pending_task=effect.task_id,
@@ -366,8 +370,7 @@ class SqlLeaseRepository:
     async def dead_letter(self, key: LeaseKey, reason: str, *, epoch: int | None = None) -> Lease:
         """End the execution as ``dead_lettered``; guarded by ``epoch`` when given."""
         check_key(key)
-        if not isinstance(reason, str) or not reason:
-            raise ValueError("reason must be a non-empty str saying why the execution ended")
+        reason = clean_reason(reason, required=True)
         params = self._params(tenant_id=key.tenant_id, execution_id=key.execution_id, reason=reason)
         if epoch is None:
             row = await self._one(self._dead_letter, params)
@@ -376,14 +379,16 @@ class SqlLeaseRepository:
             row = await self._one(self._dead_letter_at_epoch, params)
         if row is None:
             # Refused: let the pure decision say why (no row, or the epoch moved).
-            decide_dead_letter(await self.get(key), key, reason, epoch=epoch)
-            raise AssertionError("unreachable: the refused dead letter was allowed")
+            current = await self.get(key)
+            decide_dead_letter(current, key, reason, epoch=epoch)
+            # The row appeared at that very epoch between the two statements (a first take
+            # racing this call): the statement still saw it absent, so report that.
+            raise KeyError(f"no lease for execution {key.scope_key!r}")
         return self._lease(row)
 
     async def takeover_candidates(self, limit: int = 100) -> Sequence[Lease]:
         """Leases any instance may take now: running and expired, or pending and free."""
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"limit must be a positive int, got {limit!r}")
+        check_limit(limit)
         async with self._engine.connect() as conn:
             rows = (await conn.execute(self._candidates, self._params(limit=limit))).all()
         return [self._lease(row) for row in rows]

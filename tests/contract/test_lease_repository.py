@@ -1,0 +1,570 @@
+"""The lease contract, run against every store (memory, SQLite, PostgreSQL) as a parameter.
+
+Every store runs on the same :class:`ManualClock` (``clock``), so expiry is exact: a hold ends
+when the store clock reaches ``expires_at``. The PostgreSQL store on its own clock (``now()``)
+has a test of its own at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from langgraph_fence import (
+    Effect,
+    ExecutionFencedError,
+    ExecutionLeaseRepository,
+    Lease,
+    LeaseKey,
+    LeaseStatus,
+    PendingEffect,
+    SqlLeaseRepository,
+)
+from langgraph_fence.stores import sql as sql_store
+from langgraph_fence.testing import ManualClock
+from tests.conftest import unique
+
+TTL = 10.0
+Store = ExecutionLeaseRepository
+
+
+def new_key() -> LeaseKey:
+    return LeaseKey(unique("tenant"), unique("exec"))
+
+
+def stamp(token: int, effect: Effect = Effect.NON_IDEMPOTENT_WRITE) -> PendingEffect:
+    return PendingEffect(effect=effect, node="charge", task_id=unique("task"), token=token)
+
+
+async def held(store: Store, holder: str = "A", ttl: float = TTL) -> Lease:
+    lease = await store.acquire(new_key(), holder, ttl)
+    assert lease is not None
+    return lease
+
+
+async def taken_over(store: Store, clock: ManualClock, lease: Lease, holder: str = "B") -> Lease:
+    """Let ``lease`` expire and have ``holder`` take its key."""
+    clock.advance(TTL)
+    newer = await store.acquire(lease.key, holder, TTL)
+    assert newer is not None
+    assert newer.epoch == lease.epoch + 1
+    return newer
+
+
+async def refused_unchanged(store: Store, key: LeaseKey, op: Callable[[], object]) -> None:
+    """``op()`` raises ``ExecutionFencedError`` and leaves the row of ``key`` as it was."""
+    before = await store.get(key)
+    with pytest.raises(ExecutionFencedError) as caught:
+        await op()  # type: ignore[misc]
+    assert await store.get(key) == before
+    error = caught.value
+    assert error.scope_key is not None
+    assert error.token_seen == (None if before is None else before.epoch)
+
+
+# -- acquire
+
+
+async def test_acquire_absent_takes_epoch_one(lease_store: Store, clock: ManualClock) -> None:
+    key = new_key()
+    lease = await lease_store.acquire(key, "A", TTL)
+    assert lease == Lease(
+        key=key,
+        holder="A",
+        epoch=1,
+        expires_at=clock() + TTL,
+        pending_effect=None,
+        status=LeaseStatus.RUNNING,
+        reason=None,
+        store_id=lease_store.store_id,
+    )
+    assert await lease_store.get(key) == lease
+    assert lease.scope_key == key.scope_key
+
+
+async def test_acquire_held_is_refused_for_everyone(lease_store: Store, clock: ManualClock) -> None:
+    lease = await held(lease_store)
+    clock.advance(TTL - 0.5)
+    assert await lease_store.acquire(lease.key, "B", TTL) is None
+    # Not re-entrant either: the holder itself may not take a second token while it holds.
+    assert await lease_store.acquire(lease.key, "A", TTL) is None
+    assert await lease_store.acquire(lease.key, "B", TTL, reopen=True) is None
+    assert await lease_store.get(lease.key) == lease
+
+
+async def test_acquire_expired_at_exactly_expires_at(
+    lease_store: Store, clock: ManualClock
+) -> None:
+    lease = await held(lease_store)
+    assert lease.expires_at is not None
+    clock.advance(lease.expires_at - clock())  # the store clock reads expires_at exactly
+    taken = await lease_store.acquire(lease.key, "B", 5.0)
+    assert taken is not None
+    assert (taken.epoch, taken.holder, taken.status) == (2, "B", LeaseStatus.RUNNING)
+    assert taken.expires_at == clock() + 5.0
+
+
+@pytest.mark.parametrize("status", [LeaseStatus.PENDING, LeaseStatus.WAITING])
+async def test_acquire_released_lease_takes_next_epoch(
+    lease_store: Store, status: LeaseStatus
+) -> None:
+    lease = await held(lease_store)
+    await lease_store.release(lease, status, reason="handed back")
+    taken = await lease_store.acquire(lease.key, "B", TTL)
+    assert taken is not None
+    assert (taken.epoch, taken.holder, taken.status, taken.reason) == (
+        2,
+        "B",
+        LeaseStatus.RUNNING,
+        None,
+    )
+
+
+async def test_epochs_count_per_key(lease_store: Store, clock: ManualClock) -> None:
+    first, second = await held(lease_store), await held(lease_store)
+    assert first.epoch == second.epoch == 1
+    for expected in range(2, 6):
+        clock.advance(TTL)
+        again = await lease_store.acquire(first.key, "A", TTL)
+        assert again is not None
+        assert again.epoch == expected
+    # The other key's token did not move with the first key's takes.
+    other = await lease_store.get(second.key)
+    assert other is not None
+    assert other.epoch == 1
+
+
+@pytest.mark.parametrize("status", [LeaseStatus.DONE, LeaseStatus.FAILED])
+async def test_terminal_lease_is_only_reopened_on_request(
+    lease_store: Store, status: LeaseStatus
+) -> None:
+    lease = await held(lease_store)
+    ended = await lease_store.release(lease, status, reason="finished")
+    assert await lease_store.acquire(lease.key, "B", TTL) is None
+    assert await lease_store.get(lease.key) == ended
+    reopened = await lease_store.acquire(lease.key, "B", TTL, reopen=True)
+    assert reopened is not None
+    assert (reopened.epoch, reopened.holder, reopened.status, reopened.reason) == (
+        2,
+        "B",
+        LeaseStatus.RUNNING,
+        None,
+    )
+
+
+async def test_dead_lettered_is_never_reopened(lease_store: Store) -> None:
+    lease = await held(lease_store)
+    ended = await lease_store.dead_letter(lease.key, "stamp standing")
+    assert await lease_store.acquire(lease.key, "B", TTL) is None
+    assert await lease_store.acquire(lease.key, "B", TTL, reopen=True) is None
+    assert await lease_store.get(lease.key) == ended
+
+
+async def test_reopen_of_absent_or_free_lease_is_a_plain_take(lease_store: Store) -> None:
+    key = new_key()
+    lease = await lease_store.acquire(key, "A", TTL, reopen=True)
+    assert lease is not None
+    assert lease.epoch == 1
+    await lease_store.release(lease, LeaseStatus.WAITING)
+    again = await lease_store.acquire(key, "A", TTL, reopen=True)
+    assert again is not None
+    assert again.epoch == 2
+
+
+@pytest.mark.parametrize("bad", ["", None, 7])
+async def test_acquire_refuses_bad_holder(lease_store: Store, bad: object) -> None:
+    key = new_key()
+    with pytest.raises(ValueError, match="holder"):
+        await lease_store.acquire(key, bad, TTL)  # type: ignore[arg-type]
+    assert await lease_store.get(key) is None
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "10"])
+async def test_acquire_refuses_bad_ttl(lease_store: Store, bad: object) -> None:
+    key = new_key()
+    with pytest.raises(ValueError, match="ttl"):
+        await lease_store.acquire(key, "A", bad)  # type: ignore[arg-type]
+    assert await lease_store.get(key) is None
+
+
+async def test_acquire_refuses_a_non_key(lease_store: Store) -> None:
+    with pytest.raises(ValueError, match="LeaseKey"):
+        await lease_store.acquire(("t", "e"), "A", TTL)  # type: ignore[arg-type]
+
+
+# -- get
+
+
+async def test_get_absent_is_none(lease_store: Store) -> None:
+    assert await lease_store.get(new_key()) is None
+
+
+# -- renew
+
+
+async def test_renew_extends_from_store_now(lease_store: Store, clock: ManualClock) -> None:
+    lease = await held(lease_store)
+    clock.advance(4.0)
+    renewed = await lease_store.renew(lease, 20.0)
+    assert renewed == replace(lease, expires_at=clock() + 20.0)
+    assert await lease_store.get(lease.key) == renewed
+    # Renewing with the older value of the same hold is fine: epoch and holder still match.
+    again = await lease_store.renew(lease, 1.0)
+    assert again.expires_at == clock() + 1.0
+
+
+async def test_renew_after_expiry_without_takeover_is_allowed(
+    lease_store: Store, clock: ManualClock
+) -> None:
+    lease = await held(lease_store)
+    clock.advance(TTL * 3)
+    renewed = await lease_store.renew(lease, TTL)
+    assert (renewed.epoch, renewed.expires_at) == (1, clock() + TTL)
+    assert await lease_store.acquire(lease.key, "B", TTL) is None
+
+
+async def test_renew_after_takeover_is_fenced(lease_store: Store, clock: ManualClock) -> None:
+    lease = await held(lease_store)
+    newer = await taken_over(lease_store, clock, lease)
+    with pytest.raises(ExecutionFencedError) as caught:
+        await lease_store.renew(lease, TTL)
+    error = caught.value
+    assert (error.scope_key, error.token_held, error.token_seen) == (lease.scope_key, 1, 2)
+    assert lease.scope_key in str(error)
+    assert await lease_store.get(lease.key) == newer
+
+
+@pytest.mark.parametrize("action", ["renew", "release", "mark", "clear"])
+@pytest.mark.parametrize(
+    "guard", ["wrong_holder", "older_epoch", "newer_epoch", "released", "dead_lettered", "no_row"]
+)
+async def test_holder_operations_are_guarded(
+    lease_store: Store, clock: ManualClock, action: str, guard: str
+) -> None:
+    lease = await held(lease_store)
+    probe = lease
+    if guard == "wrong_holder":
+        probe = replace(lease, holder="B")
+    elif guard == "older_epoch":
+        await taken_over(lease_store, clock, lease, holder="A")  # same holder, newer epoch
+    elif guard == "newer_epoch":
+        probe = replace(lease, epoch=lease.epoch + 1)
+    elif guard == "released":
+        await lease_store.release(lease, LeaseStatus.WAITING)
+    elif guard == "dead_lettered":
+        await lease_store.dead_letter(lease.key, "given up")
+    elif guard == "no_row":
+        probe = replace(lease, key=new_key())
+    ops: dict[str, Callable[[], object]] = {
+        "renew": lambda: lease_store.renew(probe, TTL),
+        "release": lambda: lease_store.release(probe, LeaseStatus.DONE),
+        "mark": lambda: lease_store.mark_pending_effect(probe, stamp(probe.epoch), TTL),
+        "clear": lambda: lease_store.clear_pending_effect(probe),
+    }
+    await refused_unchanged(lease_store, probe.key, ops[action])
+    if guard == "no_row":
+        assert await lease_store.get(lease.key) == lease  # the real key is untouched too
+
+
+async def test_operations_touch_only_their_own_key(lease_store: Store, clock: ManualClock) -> None:
+    one, two = await held(lease_store), await held(lease_store)
+    clock.advance(1.0)
+    marked = await lease_store.mark_pending_effect(one, stamp(1), TTL)
+    await lease_store.renew(marked, TTL)
+    await lease_store.release(marked, LeaseStatus.DONE)
+    assert await lease_store.get(two.key) == two
+
+
+# -- release
+
+
+@pytest.mark.parametrize(
+    "status", [LeaseStatus.PENDING, LeaseStatus.WAITING, LeaseStatus.DONE, LeaseStatus.FAILED]
+)
+async def test_release_with_each_allowed_status(lease_store: Store, status: LeaseStatus) -> None:
+    lease = await held(lease_store)
+    released = await lease_store.release(lease, status, reason="why")
+    assert released == replace(lease, holder=None, expires_at=None, status=status, reason="why")
+    assert await lease_store.get(lease.key) == released
+    # The release ended the hold: a second release with the same lease is refused.
+    await refused_unchanged(
+        lease_store, lease.key, lambda: lease_store.release(lease, LeaseStatus.DONE)
+    )
+
+
+async def test_release_accepts_status_values_as_str(lease_store: Store) -> None:
+    lease = await held(lease_store)
+    released = await lease_store.release(lease, "waiting")  # type: ignore[arg-type]
+    assert released.status is LeaseStatus.WAITING
+    assert released.reason is None
+
+
+@pytest.mark.parametrize("status", [LeaseStatus.RUNNING, LeaseStatus.DEAD_LETTERED, "bogus", None])
+async def test_release_refuses_other_statuses(lease_store: Store, status: object) -> None:
+    lease = await held(lease_store)
+    with pytest.raises(ValueError, match="status must be one of done, failed, pending, waiting"):
+        await lease_store.release(lease, status)  # type: ignore[arg-type]
+    assert await lease_store.get(lease.key) == lease
+
+
+async def test_release_keeps_a_standing_stamp(lease_store: Store) -> None:
+    lease = await held(lease_store)
+    effect = stamp(1)
+    marked = await lease_store.mark_pending_effect(lease, effect, TTL)
+    released = await lease_store.release(marked, LeaseStatus.FAILED, reason="crashed")
+    assert released.pending_effect == effect
+
+
+# -- the pending-effect stamp
+
+
+async def test_mark_stamps_and_renews(lease_store: Store, clock: ManualClock) -> None:
+    lease = await held(lease_store)
+    clock.advance(7.0)
+    effect = stamp(lease.epoch)
+    marked = await lease_store.mark_pending_effect(lease, effect, 30.0)
+    assert marked == replace(lease, pending_effect=effect, expires_at=clock() + 30.0)
+    assert await lease_store.get(lease.key) == marked
+    cleared = await lease_store.clear_pending_effect(marked)
+    # Clearing does not renew.
+    assert cleared == replace(marked, pending_effect=None)
+    assert await lease_store.get(lease.key) == cleared
+
+
+@pytest.mark.parametrize("effect", list(Effect))
+async def test_every_effect_round_trips(lease_store: Store, effect: Effect) -> None:
+    lease = await held(lease_store)
+    marked = await lease_store.mark_pending_effect(lease, stamp(1, effect), TTL)
+    assert marked.pending_effect is not None
+    assert marked.pending_effect.effect is effect
+
+
+async def test_a_new_mark_replaces_the_old(lease_store: Store) -> None:
+    lease = await held(lease_store)
+    await lease_store.mark_pending_effect(lease, stamp(1, Effect.IDEMPOTENT_WRITE), TTL)
+    second = stamp(1)
+    marked = await lease_store.mark_pending_effect(lease, second, TTL)
+    assert marked.pending_effect == second
+
+
+async def test_a_lost_lease_stamps_nothing(lease_store: Store, clock: ManualClock) -> None:
+    lease = await held(lease_store)
+    newer = await taken_over(lease_store, clock, lease)
+    await refused_unchanged(
+        lease_store, lease.key, lambda: lease_store.mark_pending_effect(lease, stamp(1), TTL)
+    )
+    current = await lease_store.get(lease.key)
+    assert current == newer
+    assert current.pending_effect is None
+
+
+async def test_the_stamp_survives_a_takeover(lease_store: Store, clock: ManualClock) -> None:
+    lease = await held(lease_store)
+    effect = stamp(1)
+    await lease_store.mark_pending_effect(lease, effect, TTL)
+    newer = await taken_over(lease_store, clock, lease)
+    assert newer.pending_effect == effect
+    # The stale holder can no longer clear it: the taker must see it and decide.
+    await refused_unchanged(lease_store, lease.key, lambda: lease_store.clear_pending_effect(lease))
+    cleared = await lease_store.clear_pending_effect(newer)
+    assert cleared.pending_effect is None
+
+
+async def test_mark_refuses_a_non_effect(lease_store: Store) -> None:
+    lease = await held(lease_store)
+    with pytest.raises(ValueError, match="PendingEffect"):
+        await lease_store.mark_pending_effect(lease, "non_idempotent_write", TTL)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="ttl"):
+        await lease_store.mark_pending_effect(lease, stamp(1), 0)
+    assert await lease_store.get(lease.key) == lease
+
+
+# -- dead letters
+
+
+async def test_dead_letter_without_epoch_ends_even_a_held_lease(lease_store: Store) -> None:
+    lease = await held(lease_store)
+    marked = await lease_store.mark_pending_effect(lease, stamp(1), TTL)
+    ended = await lease_store.dead_letter(lease.key, "non-idempotent write may have run")
+    assert ended == replace(
+        marked,
+        holder=None,
+        expires_at=None,
+        status=LeaseStatus.DEAD_LETTERED,
+        reason="non-idempotent write may have run",
+    )
+    assert await lease_store.get(lease.key) == ended
+
+
+async def test_dead_letter_at_the_current_epoch(lease_store: Store, clock: ManualClock) -> None:
+    lease = await held(lease_store)
+    newer = await taken_over(lease_store, clock, lease)
+    ended = await lease_store.dead_letter(lease.key, "found stamped", epoch=newer.epoch)
+    assert (ended.status, ended.epoch, ended.reason) == (
+        LeaseStatus.DEAD_LETTERED,
+        2,
+        "found stamped",
+    )
+
+
+async def test_dead_letter_at_a_stale_epoch_is_fenced(
+    lease_store: Store, clock: ManualClock
+) -> None:
+    lease = await held(lease_store)
+    await taken_over(lease_store, clock, lease)
+    await refused_unchanged(
+        lease_store, lease.key, lambda: lease_store.dead_letter(lease.key, "stale", epoch=1)
+    )
+    await refused_unchanged(
+        lease_store, lease.key, lambda: lease_store.dead_letter(lease.key, "future", epoch=3)
+    )
+
+
+async def test_dead_letter_of_an_absent_key(lease_store: Store) -> None:
+    key = new_key()
+    with pytest.raises(KeyError):
+        await lease_store.dead_letter(key, "nothing there")
+    with pytest.raises(KeyError):
+        await lease_store.dead_letter(key, "nothing there", epoch=1)
+    assert await lease_store.get(key) is None
+
+
+@pytest.mark.parametrize("reason", ["", None, 3])
+async def test_dead_letter_needs_a_reason(lease_store: Store, reason: object) -> None:
+    lease = await held(lease_store)
+    with pytest.raises(ValueError, match="reason"):
+        await lease_store.dead_letter(lease.key, reason)  # type: ignore[arg-type]
+    assert await lease_store.get(lease.key) == lease
+
+
+# -- takeover candidates
+
+
+async def test_takeover_candidates(lease_store: Store, clock: ManualClock) -> None:
+    expired = await held(lease_store, ttl=1.0)
+    live = await held(lease_store, ttl=100.0)
+    pending = await lease_store.release(await held(lease_store), LeaseStatus.PENDING)
+    waiting = await lease_store.release(await held(lease_store), LeaseStatus.WAITING)
+    done = await lease_store.release(await held(lease_store), LeaseStatus.DONE)
+    dead = await lease_store.dead_letter((await held(lease_store, ttl=1.0)).key, "gone")
+    mine = {lease.key for lease in (expired, live, pending, waiting, done, dead)}
+    clock.advance(1.0)  # `expired` ends exactly now
+
+    found = await lease_store.takeover_candidates(limit=10_000)
+    assert {c.key for c in found} & mine == {expired.key, pending.key}
+    assert next(c for c in found if c.key == expired.key) == expired
+    assert next(c for c in found if c.key == pending.key) == pending
+    order = [(c.expires_at or 0.0, c.scope_key) for c in found]
+    assert order == sorted(order)
+
+    # Once taken, a candidate is one no more.
+    assert await lease_store.acquire(expired.key, "B", TTL) is not None
+    found = await lease_store.takeover_candidates(limit=10_000)
+    assert {c.key for c in found} & mine == {pending.key}
+
+
+async def test_takeover_candidates_limit(lease_store: Store, clock: ManualClock) -> None:
+    for _ in range(3):
+        await held(lease_store, ttl=1.0)
+    clock.advance(1.0)
+    assert len(await lease_store.takeover_candidates(limit=2)) == 2
+    assert len(await lease_store.takeover_candidates(limit=1)) == 1
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(ValueError, match="limit"):
+            await lease_store.takeover_candidates(limit=bad)  # type: ignore[arg-type]
+
+
+# -- the store clock
+
+
+async def test_now_is_the_store_clock(lease_store: Store, clock: ManualClock) -> None:
+    assert await lease_store.now() == clock()
+    clock.advance(2.5)
+    assert await lease_store.now() == clock()
+
+
+async def test_postgres_judges_expiry_by_now(
+    make_engine: Callable[[str], AsyncEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # If the store read this process's clock, every hold would look long expired.
+    monkeypatch.setattr(sql_store, "time", SimpleNamespace(time=lambda: 1e12))
+    store = SqlLeaseRepository(make_engine("postgresql"))  # clock=None: the database's now()
+    await store.setup()
+    before = await store.now()
+    assert before < 1e11
+    key = new_key()
+    lease = await store.acquire(key, "A", 60.0)
+    after = await store.now()
+    assert lease is not None and lease.expires_at is not None
+    assert before + 60.0 <= lease.expires_at <= after + 60.0
+    assert await store.acquire(key, "B", 60.0) is None
+    assert key not in {c.key for c in await store.takeover_candidates(limit=10_000)}
+
+    # A short hold ends by the database clock: poll with a deadline, no fixed sleep.
+    short = await store.acquire(new_key(), "A", 0.05)
+    assert short is not None
+    deadline = time.monotonic() + 10.0
+    taken = None
+    while taken is None:
+        assert time.monotonic() < deadline, "the database clock never passed expires_at"
+        taken = await store.acquire(short.key, "B", 60.0)
+    assert (taken.epoch, taken.holder) == (2, "B")
+    assert taken.expires_at is not None and short.expires_at is not None
+    assert taken.expires_at >= short.expires_at + 60.0 - 0.05
+
+
+# -- text every store can hold (PostgreSQL refuses NUL; no driver encodes a lone surrogate)
+
+
+@pytest.mark.parametrize("bad", ["A\x00B", "A\ud800"])
+async def test_unstorable_holder_is_refused_everywhere(lease_store: Store, bad: str) -> None:
+    key = new_key()
+    with pytest.raises(ValueError, match="holder"):
+        await lease_store.acquire(key, bad, TTL)
+    assert await lease_store.get(key) is None
+
+
+async def test_reasons_are_cleaned_alike_everywhere(lease_store: Store) -> None:
+    lease = await held(lease_store)
+    released = await lease_store.release(lease, LeaseStatus.FAILED, reason="boom\x00\ud800!")
+    assert released.reason == "boom\ufffd\ufffd!"
+    assert await lease_store.get(lease.key) == released
+    ended = await lease_store.dead_letter(lease.key, "\x00")
+    assert ended.reason == "\ufffd"
+    with pytest.raises(ValueError, match="reason"):
+        await lease_store.release(lease, LeaseStatus.DONE, reason=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "effect",
+    [
+        PendingEffect(effect="sometimes", node="n", task_id="t", token=1),  # type: ignore[arg-type]
+        PendingEffect(effect=Effect.NON_IDEMPOTENT_WRITE, node="", task_id="t", token=1),
+        PendingEffect(effect=Effect.NON_IDEMPOTENT_WRITE, node="n\x00", task_id="t", token=1),
+        PendingEffect(effect=Effect.NON_IDEMPOTENT_WRITE, node="n", task_id=None, token=1),  # type: ignore[arg-type]
+        PendingEffect(effect=Effect.NON_IDEMPOTENT_WRITE, node="n", task_id="t", token=True),
+        PendingEffect(effect=Effect.NON_IDEMPOTENT_WRITE, node="n", task_id="t", token=-1),
+    ],
+)
+async def test_unstorable_stamp_is_refused_everywhere(
+    lease_store: Store, effect: PendingEffect
+) -> None:
+    lease = await held(lease_store)
+    with pytest.raises(ValueError, match="effect"):
+        await lease_store.mark_pending_effect(lease, effect, TTL)
+    assert await lease_store.get(lease.key) == lease
+
+
+async def test_a_stamp_given_as_str_reads_back_as_effect(lease_store: Store) -> None:
+    lease = await held(lease_store)
+    given = PendingEffect(effect="idempotent_write", node="n", task_id="t", token=1)  # type: ignore[arg-type]
+    marked = await lease_store.mark_pending_effect(lease, given, TTL)
+    assert marked.pending_effect == given
+    stored = await lease_store.get(lease.key)
+    assert stored is not None and stored.pending_effect is not None
+    assert stored.pending_effect.effect is Effect.IDEMPOTENT_WRITE
