@@ -78,6 +78,12 @@ class RunHandle:
         self.stop_reason: str | None = None
         self.pending_effect: PendingEffect | None = None
         self._listeners: list[StopListener] = []
+        # The loop the run's store calls belong to; sync steps running in worker threads
+        # submit their guarded writes to it.
+        try:
+            self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self.loop = None
 
     # -- what the lease is now
 

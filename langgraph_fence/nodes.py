@@ -1,0 +1,446 @@
+"""The node wrapper: every fenced step runs in a frame under the run's live lease.
+
+Before the body: the lease must be held (``assert_held``, no I/O); a write step stamps
+``pending_effect`` and renews in one guarded write, so a worker that lost the lease stamps
+nothing and stops before the side effect. During the body: the frame is the current
+:class:`~langgraph_fence.ExecutionContext`; losing the lease cancels the step. After it: the
+frame's fence refuses, and a fencing error (found anywhere in the failure's chain) is
+recorded on the run and raised in place of anything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar, overload
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.config import get_config
+from langgraph.types import RetryPolicy
+
+from .context import CONTEXT_CONFIG_KEY, ExecutionContext, _reset_frame, _set_frame
+from .effects import Effect
+from .errors import (
+    ExecutionContextUnavailableError,
+    ExecutionDeadLetteredError,
+    find_fence_error,
+)
+from .fence import FENCE_CONFIG_KEY, ExecutionFence, RunHandle
+from .lease import PendingEffect
+
+__all__ = ["fence_graph", "fenced", "guard_retry_policy"]
+
+logger = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Set on a function wrapped by :func:`fenced`; holds its declared :class:`Effect`.
+EFFECT_ATTRIBUTE = "__langgraph_fence_effect__"
+
+
+def _check_effect(effect: object, *, name: str = "effect") -> Effect:
+    if not isinstance(effect, Effect):
+        raise ValueError(
+            f"{name} must be an Effect (Effect.READ_ONLY, Effect.IDEMPOTENT_WRITE or "
+            f"Effect.NON_IDEMPOTENT_WRITE), got {effect!r}"
+        )
+    return effect
+
+
+def _configurable(config: Any) -> dict[str, Any]:
+    if not isinstance(config, Mapping):
+        return {}
+    configurable = config.get("configurable")
+    return configurable if isinstance(configurable, dict) else {}
+
+
+def _step_config(node: str, kwargs: Mapping[str, Any]) -> RunnableConfig:
+    config = kwargs.get("config")
+    if isinstance(config, Mapping) and isinstance(config.get("configurable"), dict):
+        return config  # type: ignore[return-value]
+    try:
+        return get_config()
+    except RuntimeError:
+        raise ExecutionContextUnavailableError(
+            f"node {node!r} ran outside a LangGraph run and without a held lease: run the "
+            "graph with Instance.ainvoke()/astream(), or test the node with "
+            "langgraph_fence.testing.run_node()"
+        ) from None
+
+
+def handle_of(config: Any, *, node: str) -> RunHandle:
+    """The run handle in ``config``, or a clear refusal."""
+    handle = _configurable(config).get(FENCE_CONFIG_KEY)
+    if handle is None:
+        raise ExecutionContextUnavailableError(
+            f"node {node!r} ran without a held lease: run the graph with "
+            "Instance.ainvoke()/astream() (which acquires the lease), or test the node with "
+            "langgraph_fence.testing.run_node()"
+        )
+    if not isinstance(handle, RunHandle):
+        raise ValueError(
+            f"config['configurable'][{FENCE_CONFIG_KEY!r}] holds a {type(handle).__name__}, "
+            "not a RunHandle: that key is reserved for langgraph-fence; do not set it yourself"
+        )
+    return handle
+
+
+class _Step:
+    """One step's frame: entered before the body, left after it, on every path."""
+
+    __slots__ = ("_reset", "_unsubscribe", "config", "effect", "frame", "handle", "node")
+
+    def __init__(self, node: str, effect: Effect, config: RunnableConfig) -> None:
+        self.node = node
+        self.effect = effect
+        self.config = config
+        self.handle = handle_of(config, node=node)
+        self._reset: Any = None
+        self._unsubscribe: Callable[[], None] | None = None
+        self.frame: ExecutionContext | None = None
+
+    def _pending(self) -> PendingEffect:
+        return PendingEffect(self.effect, self.node, self._task_id(), self.handle.token)
+
+    def _task_id(self) -> str:
+        return str(_configurable(self.config).get("__pregel_task_id") or self.node)
+
+    def _attempt(self) -> int:
+        runtime = _configurable(self.config).get("__pregel_runtime")
+        info = getattr(runtime, "execution_info", None)
+        return int(getattr(info, "node_attempt", 1) or 1)
+
+    def _enter_frame(self) -> None:
+        configurable = _configurable(self.config)
+        fence = ExecutionFence(self.handle, label=f"node {self.node!r}")
+        self.frame = ExecutionContext(
+            fence=fence,
+            node=self.node,
+            task_id=self._task_id(),
+            attempt=self._attempt(),
+            checkpoint_ns=str(configurable.get("checkpoint_ns", "")),
+            thread_id=str(configurable.get("thread_id", "")),
+            effect=self.effect,
+            _handle=self.handle,
+        )
+        # The task's configurable dict is its own: the frame is visible to the node through
+        # its config and get_config(), and does not leak into the next step or the saver.
+        configurable[CONTEXT_CONFIG_KEY] = self.frame
+        self._reset = _set_frame(self.frame)
+
+    def _refuse_repeat(self) -> None:
+        """In-process recovery: never run a non-idempotent write again in the same run."""
+        standing = self.handle.pending_effect
+        if (
+            standing is not None
+            and standing.effect is Effect.NON_IDEMPOTENT_WRITE
+            and standing.task_id == self._task_id()
+        ):
+            raise ExecutionDeadLetteredError(
+                f"node {standing.node!r} of execution {self.handle.scope_key!r} is a "
+                f"non-idempotent write whose earlier attempt (token {standing.token}) may have "
+                "happened: it is not repeated; the execution is dead-lettered"
+            )
+
+    async def enter_async(self) -> None:
+        self.handle.check()
+        if self.effect.is_write:
+            self._refuse_repeat()
+            await self.handle.mark_pending_effect(self._pending())
+        self._enter_frame()
+        task = asyncio.current_task()
+        if task is not None:
+
+            def cancel_step(error: BaseException) -> None:
+                task.cancel(f"langgraph-fence: {error}")
+
+            self._unsubscribe = self.handle.on_stop(cancel_step)
+
+    def enter_sync(self) -> None:
+        """Enter from a worker thread (a sync node); guarded writes go to the run's loop."""
+        self.handle.check()
+        if self.effect.is_write:
+            self._refuse_repeat()
+            loop = self.handle.loop
+            if loop is None or not loop.is_running():
+                raise ExecutionContextUnavailableError(
+                    f"node {self.node!r} declares {self.effect.value} but its run has no "
+                    "running event loop to stamp the lease on: run the graph with "
+                    "Instance.ainvoke()/astream()"
+                )
+            future = asyncio.run_coroutine_threadsafe(
+                self.handle.mark_pending_effect(self._pending()), loop
+            )
+            future.result()
+        self._enter_frame()
+
+    def leave(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+        if self.frame is not None:
+            self.frame.fence._close()
+        if self._reset is not None:
+            _reset_frame(self._reset)
+            self._reset = None
+
+    def failure(self, exc: BaseException) -> BaseException:
+        """What the step raises for ``exc``: the run's fencing error first, always."""
+        found = find_fence_error(exc)
+        if found is not None:
+            return self.handle.record(found)
+        if self.handle.error is not None:
+            return self.handle.error
+        if (
+            isinstance(exc, Exception)
+            and self.effect is Effect.NON_IDEMPOTENT_WRITE
+            and not isinstance(exc, ExecutionDeadLetteredError)
+        ):
+            # The stamp stands: the write may have happened. Never retried, never repeated.
+            dead = ExecutionDeadLetteredError(
+                f"node {self.node!r} of execution {self.handle.scope_key!r} failed during a "
+                f"non-idempotent write (token {self.handle.token}): {type(exc).__name__}: "
+                f"{exc}. The write may have happened, so it is not retried; the execution is "
+                "dead-lettered"
+            )
+            dead.__cause__ = exc
+            return dead
+        return exc
+
+    def success(self) -> None:
+        if self.handle.error is not None:
+            raise self.handle.error
+
+
+async def _run_async(step: _Step, call: Callable[[], Awaitable[Any]]) -> Any:
+    await step.enter_async()
+    failure: BaseException | None = None
+    try:
+        result = await call()
+    except asyncio.CancelledError:
+        if step.handle.error is None:
+            raise
+        # The run lost its lease and cancelled this step: the fencing error, not the
+        # cancellation, is what the step ends with.
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        failure = step.handle.error
+    except BaseException as exc:
+        failure = step.failure(exc)
+        if failure is exc:
+            raise
+    finally:
+        step.leave()
+    if failure is not None:
+        # Raised outside the except block: the recorded error object is raised as it is.
+        raise failure
+    step.success()
+    return result
+
+
+def _run_sync(step: _Step, call: Callable[[], Any]) -> Any:
+    step.enter_sync()
+    failure: BaseException | None = None
+    try:
+        result = call()
+    except BaseException as exc:
+        failure = step.failure(exc)
+        if failure is exc:
+            raise
+    finally:
+        step.leave()
+    if failure is not None:
+        raise failure
+    step.success()
+    return result
+
+
+def _wrap_async(fn: Callable[..., Awaitable[Any]], node: str | None, effect: Effect) -> Any:
+    @functools.wraps(fn)
+    async def fenced_node(*args: Any, **kwargs: Any) -> Any:
+        name = node or fn.__name__
+        step = _Step(name, effect, _step_config(name, kwargs))
+        return await _run_async(step, lambda: fn(*args, **kwargs))
+
+    setattr(fenced_node, EFFECT_ATTRIBUTE, effect)
+    return fenced_node
+
+
+def _wrap_sync(fn: Callable[..., Any], node: str | None, effect: Effect) -> Any:
+    @functools.wraps(fn)
+    def fenced_node(*args: Any, **kwargs: Any) -> Any:
+        name = node or fn.__name__
+        step = _Step(name, effect, _step_config(name, kwargs))
+        return _run_sync(step, lambda: fn(*args, **kwargs))
+
+    setattr(fenced_node, EFFECT_ATTRIBUTE, effect)
+    return fenced_node
+
+
+def _wrap(fn: Callable[..., Any], node: str | None, effect: Effect) -> Any:
+    if inspect.iscoroutinefunction(fn):
+        return _wrap_async(fn, node, effect)
+    return _wrap_sync(fn, node, effect)
+
+
+@overload
+def fenced(fn: F, /) -> F: ...
+
+
+@overload
+def fenced(*, effect: Effect = Effect.READ_ONLY, name: str | None = None) -> Callable[[F], F]: ...
+
+
+def fenced(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    effect: Effect = Effect.READ_ONLY,
+    name: str | None = None,
+) -> Any:
+    """Run a node function under the run's lease: ``@fenced`` or ``@fenced(effect=...)``.
+
+    Guarantees: the body starts only while the lease is held; a write step
+    (``IDEMPOTENT_WRITE``, ``NON_IDEMPOTENT_WRITE``) first stamps ``pending_effect`` and
+    renews in one guarded write, so a worker that lost the lease stops before the side
+    effect; the frame (:func:`~langgraph_fence.get_execution_context`) exists for the
+    body only; a fencing error anywhere in a failure is raised in its place (the same
+    object), and a failed non-idempotent write raises
+    :class:`~langgraph_fence.ExecutionDeadLetteredError` instead of being retried.
+
+    Sync and async functions keep their kind, signature and injected parameters
+    (``config``, ``runtime``, ``store``, ``writer``). A fenced node run without a lease
+    refuses with :class:`~langgraph_fence.ExecutionContextUnavailableError`.
+
+    Args:
+        effect: what the node does to the world (default ``READ_ONLY``).
+        name: the node's name in frames and stamps (default: the function's name).
+    """
+    _check_effect(effect)
+    if fn is not None:
+        if not callable(fn):
+            raise ValueError(f"fenced() decorates a node function, got {fn!r}")
+        return _wrap(fn, name, effect)
+
+    def decorate(f: Callable[..., Any]) -> Any:
+        if not callable(f):
+            raise ValueError(f"fenced() decorates a node function, got {f!r}")
+        return _wrap(f, name, effect)
+
+    return decorate
+
+
+class _FenceGuardedRetryOn:
+    """A ``retry_on`` that never retries a fencing error or a dead-lettered write."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __call__(self, exc: Exception) -> bool:
+        if find_fence_error(exc) is not None or _contains(exc, ExecutionDeadLetteredError):
+            return False
+        inner = self.inner
+        if isinstance(inner, Sequence):
+            return isinstance(exc, tuple(inner))
+        if isinstance(inner, type) and issubclass(inner, BaseException):
+            return isinstance(exc, inner)
+        return bool(inner(exc))
+
+
+def _contains(exc: BaseException, kind: type[BaseException]) -> bool:
+    seen: set[int] = set()
+    stack: list[BaseException] = [exc]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, kind):
+            return True
+        if isinstance(current, BaseExceptionGroup):
+            stack.extend(current.exceptions)
+        for linked in (current.__cause__, current.__context__):
+            if linked is not None:
+                stack.append(linked)
+    return False
+
+
+def guard_retry_policy(
+    policy: RetryPolicy | Sequence[RetryPolicy] | None,
+) -> RetryPolicy | Sequence[RetryPolicy] | None:
+    """``policy`` with every ``retry_on`` guarded: fencing errors are never retried."""
+    if policy is None:
+        return None
+    if isinstance(policy, RetryPolicy):
+        if isinstance(policy.retry_on, _FenceGuardedRetryOn):
+            return policy
+        return policy._replace(retry_on=_FenceGuardedRetryOn(policy.retry_on))
+    return [guard_retry_policy(p) for p in policy]  # type: ignore[misc]
+
+
+def fence_graph(builder: Any, effects: Mapping[str, Effect] | None = None) -> Any:
+    """Fence every node of a ``StateGraph`` before ``compile()``; returns the builder.
+
+    Each node runs as if decorated with :func:`fenced` (nodes already decorated keep their
+    own effect), with its declared effect from ``effects`` (undeclared nodes are
+    ``READ_ONLY``), and its ``retry_policy`` guarded so a fencing error is never retried,
+    whatever ``retry_on`` says. A compiled subgraph used as a node is left as it is (its
+    steps run under the root's lease when its own builder is fenced too).
+
+    Raises:
+        ValueError: ``effects`` names a node the graph does not have, or holds a value that
+            is not an :class:`Effect`.
+    """
+    nodes = getattr(builder, "nodes", None)
+    if not isinstance(nodes, dict):
+        raise ValueError(
+            f"builder must be a StateGraph (before compile()), got {type(builder).__name__}"
+        )
+    effects = dict(effects or {})
+    unknown = sorted(set(effects) - set(nodes))
+    if unknown:
+        raise ValueError(
+            f"effects names nodes the graph does not have: {unknown}; its nodes are {sorted(nodes)}"
+        )
+    for node_name, node_effect in effects.items():
+        _check_effect(node_effect, name=f"effects[{node_name!r}]")
+    from langgraph._internal._runnable import RunnableCallable
+    from langgraph.pregel import Pregel
+
+    for node_name, spec in nodes.items():
+        spec.retry_policy = guard_retry_policy(spec.retry_policy)
+        runnable = spec.runnable
+        if isinstance(runnable, Pregel):
+            continue
+        if isinstance(runnable, RunnableCallable):
+            declared = getattr(runnable.func, EFFECT_ATTRIBUTE, None) or getattr(
+                runnable.afunc, EFFECT_ATTRIBUTE, None
+            )
+            if declared is not None:
+                if node_name in effects and effects[node_name] is not declared:
+                    raise ValueError(
+                        f"node {node_name!r} is decorated with @fenced(effect={declared}) but "
+                        f"effects says {effects[node_name]}: declare it in one place"
+                    )
+                continue
+            effect = effects.get(node_name, Effect.READ_ONLY)
+            if runnable.func is not None:
+                runnable.func = _wrap_sync(runnable.func, node_name, effect)
+            if runnable.afunc is not None:
+                runnable.afunc = _wrap_async(runnable.afunc, node_name, effect)
+            continue
+        effect = effects.get(node_name, Effect.READ_ONLY)
+        inner = runnable
+
+        async def call_runnable(state: Any, config: RunnableConfig, _inner: Any = inner) -> Any:
+            return await _inner.ainvoke(state, config)
+
+        spec.runnable = RunnableCallable(
+            None, _wrap_async(call_runnable, node_name, effect), name=node_name
+        )
+    return builder

@@ -1,0 +1,261 @@
+"""The node wrapper: frames, refusals, preserved signatures, and retry guards."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import operator
+from typing import Annotated, Any, TypedDict
+
+import pytest
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import RetryPolicy
+
+from langgraph_fence import (
+    Effect,
+    ExecutionContextUnavailableError,
+    ExecutionDeadLetteredError,
+    ExecutionFencedError,
+    LeaseKey,
+    MemoryLeaseRepository,
+)
+from langgraph_fence.context import ExecutionContext, get_execution_context
+from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
+from langgraph_fence.nodes import fence_graph, fenced
+from langgraph_fence.testing import ManualClock, run_node
+
+
+class State(TypedDict):
+    log: Annotated[list[str], operator.add]
+
+
+async def test_a_fenced_node_runs_in_a_frame_with_the_held_token() -> None:
+    seen: dict[str, Any] = {}
+
+    @fenced
+    async def step(state: State, config: RunnableConfig) -> dict[str, Any]:
+        frame = get_execution_context()
+        frame.fence.assert_held()
+        seen["frame"] = frame
+        seen["from_config"] = config["configurable"]["execution_context"]
+        return {"log": ["ok"]}
+
+    out = await run_node(step, {"log": []}, fence=7, tenant_id="acme", thread_id="order-1")
+    assert out == {"log": ["ok"]}
+    frame = seen["frame"]
+    assert isinstance(frame, ExecutionContext)
+    assert seen["from_config"] is frame
+    assert frame.node == "step"
+    assert frame.thread_id == "order-1"
+    assert frame.fence.token == 7
+    assert frame.fence.scope_key == "acme:order-1"
+    assert frame.fence.tenant_id == "acme"
+    assert frame.fence.lease_execution_id == "order-1"
+
+
+async def test_a_fence_kept_past_its_step_refuses() -> None:
+    kept = []
+
+    @fenced
+    async def step(state: State) -> dict[str, Any]:
+        kept.append(get_execution_context().fence)
+        return {}
+
+    await run_node(step, {"log": []})
+    with pytest.raises(ExecutionContextUnavailableError, match="after its step ended"):
+        kept[0].assert_held()
+    with pytest.raises(ExecutionContextUnavailableError):
+        await kept[0].confirm_now()
+
+
+async def test_a_lost_lease_stops_the_step_before_its_body() -> None:
+    ran = []
+
+    @fenced(effect=Effect.NON_IDEMPOTENT_WRITE)
+    async def charge(state: State) -> dict[str, Any]:
+        ran.append(True)
+        return {}
+
+    with pytest.raises(ExecutionFencedError) as info:
+        await run_node(charge, {"log": []}, fence="lost")
+    assert ran == []
+    assert info.value.token_held == 1
+    assert info.value.token_seen == 2
+
+
+async def test_a_sync_node_sees_its_frame_in_the_worker_thread() -> None:
+    seen = []
+
+    @fenced
+    def step(state: State) -> dict[str, Any]:
+        seen.append(get_execution_context().node)
+        return {"log": ["sync"]}
+
+    assert not inspect.iscoroutinefunction(step)
+    assert await run_node(step, {"log": []}) == {"log": ["sync"]}
+    assert seen == ["step"]
+
+
+async def test_a_node_run_without_a_lease_refuses_and_says_how_to_run_it() -> None:
+    @fenced
+    async def step(state: State, config: RunnableConfig) -> dict[str, Any]:
+        return {}
+
+    with pytest.raises(ExecutionContextUnavailableError, match=r"Instance\.ainvoke"):
+        await step({"log": []}, config={"configurable": {"thread_id": "t"}})
+    with pytest.raises(ExecutionContextUnavailableError, match="run_node"):
+        await step({"log": []})
+
+
+async def test_no_frame_outside_a_step() -> None:
+    with pytest.raises(ExecutionContextUnavailableError, match="no fenced step"):
+        get_execution_context()
+
+
+def test_fenced_keeps_the_signature_langgraph_reads() -> None:
+    async def node(state: State, config: RunnableConfig, *, store: Any = None) -> dict[str, Any]:
+        return {}
+
+    wrapped = fenced(effect=Effect.IDEMPOTENT_WRITE)(node)
+    assert inspect.signature(wrapped) == inspect.signature(node)
+    assert inspect.iscoroutinefunction(wrapped)
+    builder = StateGraph(State)
+    builder.add_node("node", wrapped)
+    assert builder.nodes["node"].input_schema is State
+
+
+def test_bad_effects_are_refused_naming_the_argument() -> None:
+    with pytest.raises(ValueError, match="effect must be an Effect"):
+        fenced(effect="write")  # type: ignore[call-overload]
+    builder = StateGraph(State)
+    builder.add_node("a", lambda s: {})
+    with pytest.raises(ValueError, match="does not have"):
+        fence_graph(builder, effects={"b": Effect.READ_ONLY})
+    with pytest.raises(ValueError, match=r"effects\['a'\]"):
+        fence_graph(builder, effects={"a": "read"})  # type: ignore[dict-item]
+
+
+async def _held_config(thread_id: str) -> tuple[RunnableConfig, RunHandle]:
+    clock = ManualClock()
+    store = MemoryLeaseRepository(clock=clock)
+    lease = await store.acquire(LeaseKey("t", thread_id), "me", 30.0)
+    assert lease is not None
+    handle = RunHandle(store, lease, 30.0, clock=clock)
+    return {"configurable": {"thread_id": thread_id, FENCE_CONFIG_KEY: handle}}, handle
+
+
+async def test_a_fencing_error_is_never_retried_whatever_retry_on_says() -> None:
+    attempts = []
+    asked: list[BaseException] = []
+
+    def retry_everything(exc: BaseException) -> bool:
+        asked.append(exc)
+        return True
+
+    async def flaky(state: State) -> dict[str, Any]:
+        attempts.append(1)
+        frame = get_execution_context()
+        raise RuntimeError("wrapped") from frame.fence.fenced(frame.fence.token + 1)
+
+    builder = StateGraph(State)
+    builder.add_node(
+        "flaky",
+        flaky,
+        retry_policy=[
+            RetryPolicy(retry_on=retry_everything, initial_interval=0.001, jitter=False),
+            RetryPolicy(retry_on=Exception, initial_interval=0.001, jitter=False),
+        ],
+    )
+    builder.add_edge(START, "flaky")
+    builder.add_edge("flaky", END)
+    graph = fence_graph(builder).compile(checkpointer=InMemorySaver())
+    config, handle = await _held_config("retry")
+    with pytest.raises(ExecutionFencedError) as info:
+        await graph.ainvoke({"log": []}, config)
+    assert attempts == [1]
+    assert asked == []  # the guard answered before the user's retry_on was consulted
+    assert info.value is handle.error
+
+
+async def test_other_errors_are_still_retried_as_declared() -> None:
+    attempts = []
+
+    async def flaky(state: State) -> dict[str, Any]:
+        attempts.append(1)
+        if len(attempts) < 3:
+            raise ConnectionError("transient")
+        return {"log": ["done"]}
+
+    builder = StateGraph(State)
+    builder.add_node(
+        "flaky", flaky, retry_policy=RetryPolicy(initial_interval=0.001, jitter=False)
+    )
+    builder.add_edge(START, "flaky")
+    builder.add_edge("flaky", END)
+    graph = fence_graph(builder, effects={"flaky": Effect.IDEMPOTENT_WRITE}).compile(
+        checkpointer=InMemorySaver()
+    )
+    config, _ = await _held_config("retry-ok")
+    assert await graph.ainvoke({"log": []}, config) == {"log": ["done"]}
+    assert len(attempts) == 3
+
+
+async def test_a_failed_non_idempotent_write_is_dead_lettered_not_retried() -> None:
+    attempts = []
+    asked: list[BaseException] = []
+
+    def retry_everything(exc: BaseException) -> bool:
+        asked.append(exc)
+        return True
+
+    async def charge(state: State) -> dict[str, Any]:
+        attempts.append(1)
+        raise ConnectionError("the card network hung up mid-charge")
+
+    builder = StateGraph(State)
+    builder.add_node(
+        "charge",
+        charge,
+        retry_policy=RetryPolicy(
+            retry_on=retry_everything, initial_interval=0.001, jitter=False
+        ),
+    )
+    builder.add_edge(START, "charge")
+    builder.add_edge("charge", END)
+    graph = fence_graph(builder, effects={"charge": Effect.NON_IDEMPOTENT_WRITE}).compile(
+        checkpointer=InMemorySaver()
+    )
+    config, handle = await _held_config("charge")
+    with pytest.raises(ExecutionDeadLetteredError, match="not retried") as info:
+        await graph.ainvoke({"log": []}, config)
+    assert attempts == [1]
+    assert asked == []
+    assert isinstance(info.value.__cause__, ConnectionError)
+    lease = await handle.repository.get(handle.key)
+    assert lease is not None and lease.pending_effect is not None
+    assert lease.pending_effect.node == "charge"
+
+
+async def test_losing_the_lease_cancels_the_step_and_raises_the_fencing_error() -> None:
+    entered = asyncio.Event()
+
+    @fenced
+    async def slow(state: State) -> dict[str, Any]:
+        entered.set()
+        await asyncio.Event().wait()  # only cancellation ends this
+        return {}
+
+    builder = StateGraph(State)
+    builder.add_node("slow", slow)
+    builder.add_edge(START, "slow")
+    builder.add_edge("slow", END)
+    graph = builder.compile(checkpointer=InMemorySaver())
+    config, handle = await _held_config("cancel")
+    run = asyncio.create_task(graph.ainvoke({"log": []}, config))
+    await asyncio.wait_for(entered.wait(), 5)
+    error = handle.fenced(2, source="a test")
+    with pytest.raises(ExecutionFencedError) as info:
+        await asyncio.wait_for(run, 5)
+    assert info.value is error
