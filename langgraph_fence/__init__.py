@@ -5,6 +5,7 @@ a superseded token is refused, and a non-idempotent write that may already have 
 never repeated.
 """
 
+from .checkpoint import FencedCheckpointer
 from .effects import Effect
 from .errors import (
     ExecutionContextUnavailableError,
@@ -29,6 +30,7 @@ __all__ = [
     "ExecutionLeaseHeldError",
     "ExecutionLeaseLostError",
     "ExecutionLeaseRepository",
+    "FencedCheckpointer",
     "LangGraphFenceError",
     "Lease",
     "LeaseKey",

@@ -1,0 +1,120 @@
+"""What the saver hands its dialect drivers, and what they hand back: plain values, no I/O."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+__all__ = [
+    "CheckpointQuery",
+    "CheckpointRow",
+    "Driver",
+    "Guard",
+    "StoredCheckpoint",
+    "driver_connection",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Guard:
+    """The lease a write must still hold: key, holder and epoch, in state ``running``.
+
+    ``clear_task`` set: the guard also clears the lease's pending-effect stamp when the stamp
+    belongs to that task, in the same statement or transaction as the write.
+    """
+
+    tenant_id: str
+    execution_id: str
+    holder: str
+    epoch: int
+    clear_task: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRow:
+    """One checkpoint, serialized, ready to insert."""
+
+    thread_id: str
+    checkpoint_ns: str
+    checkpoint_id: str
+    parent_checkpoint_id: str | None
+    type: str
+    checkpoint: bytes
+    channel_versions: str
+    metadata: str
+    run_id: str | None
+
+
+#: ``(channel, version, type, blob)``
+BlobRow = tuple[str, str, str, bytes | None]
+#: ``(idx, channel, type, blob)``
+WriteRow = tuple[int, str, str, bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointQuery:
+    """Which checkpoints to read, newest first."""
+
+    thread_id: str | None = None
+    checkpoint_ns: str | None = None
+    checkpoint_id: str | None = None
+    metadata_filter: Mapping[str, Any] | None = None
+    before_id: str | None = None
+    limit: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredCheckpoint:
+    """One checkpoint as read back, with its channel blobs and pending writes."""
+
+    thread_id: str
+    checkpoint_ns: str
+    checkpoint_id: str
+    parent_checkpoint_id: str | None
+    type: str
+    checkpoint: bytes
+    metadata: str
+    #: ``(channel, type, blob)`` for every channel version the checkpoint references
+    blobs: Sequence[tuple[str, str, bytes | None]]
+    #: ``(task_id, channel, type, blob, task_path, idx)``
+    writes: Sequence[tuple[str, str, str, bytes, str, int]]
+
+
+class Driver(Protocol):
+    """The hot paths of one dialect, each one statement (PostgreSQL) or one transaction run
+    in one hop to the connection's thread (SQLite)."""
+
+    async def put(self, row: CheckpointRow, blobs: Sequence[BlobRow], guard: Guard | None) -> bool:
+        """Insert the blobs and the checkpoint; ``False`` (and nothing written) when the
+        guard found no current lease."""
+        ...
+
+    async def put_writes(
+        self,
+        thread_id: str,
+        checkpoint_ns: str,
+        checkpoint_id: str,
+        task_id: str,
+        task_path: str,
+        writes: Sequence[WriteRow],
+        upsert: bool,
+        guard: Guard | None,
+    ) -> bool:
+        """Insert a task's writes; ``False`` (and nothing written) when the guard refused."""
+        ...
+
+    async def select(self, query: CheckpointQuery) -> list[StoredCheckpoint]:
+        """The checkpoints matching ``query``, newest first, with blobs and writes."""
+        ...
+
+
+@asynccontextmanager
+async def driver_connection(engine: AsyncEngine) -> AsyncIterator[Any]:
+    """The driver's own connection (asyncpg / aiosqlite), checked out of the engine's pool."""
+    async with engine.connect() as conn:
+        raw = await conn.get_raw_connection()
+        yield raw.driver_connection

@@ -1,0 +1,224 @@
+"""The SQLite hot paths: each write is ONE ``BEGIN IMMEDIATE`` transaction run in ONE hop to
+the aiosqlite connection's thread.
+
+Why one hop: aiosqlite runs every call on its connection's thread and wakes the event loop
+for each answer; a transaction of five calls (begin, guard, blobs, checkpoint, commit) pays
+five of those round trips. Here the whole transaction is one function queued on that thread
+(aiosqlite's ``Connection._execute``, the method its own public calls use), so it pays one.
+``BEGIN IMMEDIATE`` takes the database's write lock first, so the guard's read of the lease
+row and the inserts see no other writer in between: a take-over (an UPDATE of the lease row)
+either committed before the guard read it, or waits until this transaction ends.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from ._rows import (
+    BlobRow,
+    CheckpointQuery,
+    CheckpointRow,
+    Guard,
+    StoredCheckpoint,
+    WriteRow,
+    driver_connection,
+)
+
+__all__ = ["SqliteDriver"]
+
+T = TypeVar("T")
+
+_LEASE_WHERE = (
+    "tenant_id = :tenant_id AND execution_id = :execution_id AND holder = :holder"
+    " AND epoch = :epoch AND status = 'running'"
+)
+_GUARD = f"SELECT epoch FROM fence_leases WHERE {_LEASE_WHERE}"
+_GUARD_CLEAR = f"""UPDATE fence_leases SET
+    pending_effect = CASE WHEN pending_task = :task THEN NULL ELSE pending_effect END,
+    pending_node = CASE WHEN pending_task = :task THEN NULL ELSE pending_node END,
+    pending_token = CASE WHEN pending_task = :task THEN NULL ELSE pending_token END,
+    pending_task = CASE WHEN pending_task = :task THEN NULL ELSE pending_task END,
+    updated_at = :now
+WHERE {_LEASE_WHERE}
+RETURNING epoch"""
+
+_INSERT_BLOB = """INSERT INTO fence_checkpoint_blobs
+    (thread_id, checkpoint_ns, channel, version, type, blob) VALUES (?, ?, ?, ?, ?, ?)
+ON CONFLICT (thread_id, checkpoint_ns, channel, version) DO NOTHING"""
+_INSERT_CHECKPOINT = """INSERT INTO fence_checkpoints (thread_id, checkpoint_ns, checkpoint_id,
+    parent_checkpoint_id, type, checkpoint, channel_versions, metadata, run_id, fence_token)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (thread_id, checkpoint_ns, checkpoint_id) DO UPDATE SET
+    type = excluded.type, checkpoint = excluded.checkpoint,
+    channel_versions = excluded.channel_versions, metadata = excluded.metadata,
+    run_id = excluded.run_id, fence_token = excluded.fence_token"""
+_INSERT_WRITE = """INSERT INTO fence_checkpoint_writes (thread_id, checkpoint_ns, checkpoint_id,
+    task_id, task_path, idx, channel, type, blob, fence_token)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (thread_id, checkpoint_ns, checkpoint_id, task_id, idx) {conflict}"""
+_INSERT_WRITE_SQL = {
+    False: _INSERT_WRITE.format(conflict="DO NOTHING"),
+    True: _INSERT_WRITE.format(
+        conflict="DO UPDATE SET channel = excluded.channel, type = excluded.type,"
+        " blob = excluded.blob, fence_token = excluded.fence_token"
+    ),
+}
+_SELECT = """SELECT thread_id, checkpoint_ns, checkpoint_id, parent_checkpoint_id, type,
+    checkpoint, metadata, channel_versions FROM fence_checkpoints"""
+_SELECT_BLOBS = """SELECT b.channel, b.type, b.blob FROM json_each(?) AS v
+JOIN fence_checkpoint_blobs b ON b.thread_id = ? AND b.checkpoint_ns = ?
+    AND b.channel = v.key AND b.version = v.value"""
+_SELECT_WRITES = """SELECT task_id, channel, type, blob, task_path, idx
+FROM fence_checkpoint_writes WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?"""
+
+
+def _check_guard(conn: sqlite3.Connection, guard: Guard | None) -> int | bool | None:
+    """The epoch the guard found (``None`` unfenced), or ``False`` when it found none."""
+    if guard is None:
+        return None
+    params: dict[str, Any] = {
+        "tenant_id": guard.tenant_id,
+        "execution_id": guard.execution_id,
+        "holder": guard.holder,
+        "epoch": guard.epoch,
+    }
+    if guard.clear_task is None:
+        row = conn.execute(_GUARD, params).fetchone()
+    else:
+        params.update(task=guard.clear_task, now=time.time())
+        row = conn.execute(_GUARD_CLEAR, params).fetchone()
+    return False if row is None else int(row[0])
+
+
+def _in_transaction(conn: sqlite3.Connection, body: Callable[[sqlite3.Connection], bool]) -> bool:
+    """Run ``body`` in one BEGIN IMMEDIATE transaction; commit only when it returns True."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        keep = body(conn)
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT" if keep else "ROLLBACK")
+    return keep
+
+
+class SqliteDriver:
+    """Hot paths on SQLite through aiosqlite (see the module docstring)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        async with driver_connection(self._engine) as aio:
+            result: T = await aio._execute(lambda: fn(aio._conn))
+            return result
+
+    async def put(self, row: CheckpointRow, blobs: Sequence[BlobRow], guard: Guard | None) -> bool:
+        def body(conn: sqlite3.Connection) -> bool:
+            token = _check_guard(conn, guard)
+            if token is False:
+                return False
+            if blobs:
+                conn.executemany(
+                    _INSERT_BLOB, [(row.thread_id, row.checkpoint_ns, *b) for b in blobs]
+                )
+            conn.execute(
+                _INSERT_CHECKPOINT,
+                (
+                    row.thread_id,
+                    row.checkpoint_ns,
+                    row.checkpoint_id,
+                    row.parent_checkpoint_id,
+                    row.type,
+                    row.checkpoint,
+                    row.channel_versions,
+                    row.metadata,
+                    row.run_id,
+                    token,
+                ),
+            )
+            return True
+
+        return await self._run(lambda conn: _in_transaction(conn, body))
+
+    async def put_writes(
+        self,
+        thread_id: str,
+        checkpoint_ns: str,
+        checkpoint_id: str,
+        task_id: str,
+        task_path: str,
+        writes: Sequence[WriteRow],
+        upsert: bool,
+        guard: Guard | None,
+    ) -> bool:
+        def body(conn: sqlite3.Connection) -> bool:
+            token = _check_guard(conn, guard)
+            if token is False:
+                return False
+            conn.executemany(
+                _INSERT_WRITE_SQL[upsert],
+                [
+                    (thread_id, checkpoint_ns, checkpoint_id, task_id, task_path, *w, token)
+                    for w in writes
+                ],
+            )
+            return True
+
+        return await self._run(lambda conn: _in_transaction(conn, body))
+
+    async def select(self, query: CheckpointQuery) -> list[StoredCheckpoint]:
+        wheres: list[str] = []
+        args: list[Any] = []
+        if query.thread_id is not None:
+            wheres.append("thread_id = ?")
+            args.append(query.thread_id)
+        if query.checkpoint_ns is not None:
+            wheres.append("checkpoint_ns = ?")
+            args.append(query.checkpoint_ns)
+        if query.checkpoint_id is not None:
+            wheres.append("checkpoint_id = ?")
+            args.append(query.checkpoint_id)
+        for key, value in (query.metadata_filter or {}).items():
+            wheres.append("json_extract(metadata, ?) IS json_extract(?, '$')")
+            args.extend([f"$.{json.dumps(key)}", json.dumps(value)])
+        if query.before_id is not None:
+            wheres.append("checkpoint_id < ?")
+            args.append(query.before_id)
+        sql = _SELECT
+        if wheres:
+            sql += " WHERE " + " AND ".join(wheres)
+        sql += " ORDER BY checkpoint_id DESC"
+        if query.limit is not None:
+            sql += " LIMIT ?"
+            args.append(int(query.limit))
+
+        def read(conn: sqlite3.Connection) -> list[StoredCheckpoint]:
+            out = []
+            for r in conn.execute(sql, args).fetchall():
+                blobs = conn.execute(_SELECT_BLOBS, (r[7], r[0], r[1])).fetchall()
+                writes = conn.execute(_SELECT_WRITES, (r[0], r[1], r[2])).fetchall()
+                out.append(
+                    StoredCheckpoint(
+                        thread_id=r[0],
+                        checkpoint_ns=r[1],
+                        checkpoint_id=r[2],
+                        parent_checkpoint_id=r[3],
+                        type=r[4],
+                        checkpoint=r[5],
+                        metadata=r[6],
+                        blobs=blobs,
+                        writes=writes,
+                    )
+                )
+            return out
+
+        # No transaction: blobs are never rewritten once a checkpoint references them, and a
+        # write landing between two statements only makes the answer newer.
+        return await self._run(read)

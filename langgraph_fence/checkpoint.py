@@ -1,0 +1,475 @@
+"""The checkpointer side of the fence: every checkpoint write is made under the run's token.
+
+:class:`FencedCheckpointer` wraps any LangGraph saver. The run handle travels in
+``config["configurable"]["__fence"]`` (the ``__`` prefix keeps it out of persisted metadata);
+LangGraph hands that config, by reference, to every ``aput``/``aput_writes`` of the run and
+of its subgraphs.
+
+Two strengths of guarantee, depending on the inner saver:
+
+* **Fence-aware inner saver** (one that answers ``guards(handle)`` with ``True``, such as
+  :class:`checkpointers.SqlCheckpointer` on the lease table's database): the token is
+  checked inside the inner saver's own write (one statement on PostgreSQL, one transaction
+  on SQLite). A write made under a superseded token never lands: no window.
+* **Any other saver**: the wrapper checks first (locally, then one read of the lease) and
+  then delegates. A take-over that commits between that read and the inner write is not
+  seen: the stale write lands once, and the run is refused at its next write. The window is
+  one read plus one write long; use a fence-aware saver where that matters.
+
+A refusal is recorded on the handle (the runtime re-raises the recorded error whatever else
+surfaces), the run is asked to drain at the next superstep boundary, and the error is raised.
+Reads are never fenced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, ClassVar, TypeVar
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import (
+    BaseCheckpointSaver,
+    ChannelVersions,
+    Checkpoint,
+    CheckpointMetadata,
+    CheckpointTuple,
+    DeltaChannelHistory,
+)
+
+from .errors import (
+    ExecutionContextUnavailableError,
+    ExecutionFencedError,
+    ExecutionLeaseLostError,
+)
+from .fence import FENCE_CONFIG_KEY, RunHandle
+from .lease import Lease, LeaseStatus, fenced_error
+
+__all__ = [
+    "FencedCheckpointer",
+    "check_write_scope",
+    "fence_handle",
+    "forget_pending_effect",
+    "lease_matches",
+    "refuse_write",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_RUNTIME_KEY = "__pregel_runtime"
+
+
+def fence_handle(config: RunnableConfig) -> RunHandle | None:
+    """The run handle at ``config["configurable"]["__fence"]``, or ``None`` when absent.
+
+    Raises:
+        ValueError: something other than a :class:`~langgraph_fence.fence.RunHandle` is
+            there (a lease, a token, another library's object), or the handle's lease does
+            not come from the handle's repository.
+    """
+    configurable = config.get("configurable") or {}
+    handle = configurable.get(FENCE_CONFIG_KEY)
+    if handle is None:
+        return None
+    if not isinstance(handle, RunHandle):
+        raise ValueError(
+            f'config["configurable"]["{FENCE_CONFIG_KEY}"] must be the RunHandle of the run '
+            f"(langgraph_fence.fence.RunHandle), got {type(handle).__name__}: pass the handle "
+            "the runtime created for the run (Instance.ainvoke does), or leave the key out to "
+            "write unfenced"
+        )
+    lease = handle.lease
+    if not isinstance(lease, Lease) or lease.store_id != handle.repository.store_id:
+        raise ValueError(
+            f'config["configurable"]["{FENCE_CONFIG_KEY}"] holds a RunHandle whose lease '
+            f"({getattr(lease, 'store_id', type(lease).__name__)!r}) does not come from its "
+            f"repository ({handle.repository.store_id!r}): build the handle from the lease "
+            "its own repository returned"
+        )
+    return handle
+
+
+def check_write_scope(handle: RunHandle, config: RunnableConfig, *, action: str) -> None:
+    """Refuse a write to a thread that is not the handle's execution.
+
+    The thread's execution is ``configurable["execution_id"]`` (default: the ``thread_id``)
+    of tenant ``configurable["tenant_id"]`` when given. A handle of another execution holds
+    no right to this thread, whatever its token.
+
+    Raises:
+        ExecutionFencedError: the handle covers another execution (not recorded here).
+    """
+    configurable = config["configurable"]
+    execution_id = configurable.get("execution_id") or str(configurable.get("thread_id"))
+    tenant_id = configurable.get("tenant_id")
+    key = handle.key
+    if key.execution_id != execution_id or (tenant_id is not None and tenant_id != key.tenant_id):
+        raise ExecutionFencedError(
+            f"{action} refused: thread {configurable.get('thread_id')!r} belongs to execution "
+            f"{execution_id!r}{'' if tenant_id is None else f' of tenant {tenant_id!r}'}, but "
+            f"the run handle holds the lease of {handle.scope_key!r} (token {handle.token}): a "
+            "lease covers its own execution only. Pass the handle of this thread's execution.",
+            scope_key=handle.scope_key,
+            token_held=handle.token,
+            token_seen=None,
+        )
+
+
+def lease_matches(lease: Lease, current: Lease | None) -> bool:
+    """Whether ``current`` (as stored now) is still the hold ``lease`` describes."""
+    return (
+        current is not None
+        and current.epoch == lease.epoch
+        and current.holder == lease.holder
+        and current.status is LeaseStatus.RUNNING
+    )
+
+
+def refuse_write(
+    handle: RunHandle, config: RunnableConfig, error: ExecutionLeaseLostError
+) -> ExecutionLeaseLostError:
+    """Record ``error`` on the handle, ask the run to drain, and return the error to raise.
+
+    The handle keeps the first fencing error of the run; that one is returned, so every
+    place that raises raises the same object. The drain goes through LangGraph's
+    ``RunControl`` (``runtime.control.request_drain``) when the run has one: a run with
+    ``durability="async"`` then stops at the next superstep boundary instead of running on
+    ahead of its refused checkpoints.
+    """
+    recorded = handle.record(error)
+    runtime = (config.get("configurable") or {}).get(_RUNTIME_KEY)
+    control = getattr(runtime, "control", None)
+    if control is not None:
+        control.request_drain(f"execution {handle.scope_key} fenced at token {handle.token}")
+    return recorded
+
+
+def forget_pending_effect(handle: RunHandle) -> None:
+    """Tell the handle its pending-effect stamp was cleared in the store."""
+    handle.pending_effect = None
+    lease = handle.lease
+    if lease.pending_effect is not None:
+        # A clear is no renewal: sent "a ttl ago", it leaves confirmed_until where it was.
+        handle.replace_lease(
+            replace(lease, pending_effect=None), sent_at=handle.clock() - handle.ttl
+        )
+
+
+def _without_handle(config: RunnableConfig) -> RunnableConfig:
+    configurable = {k: v for k, v in config["configurable"].items() if k != FENCE_CONFIG_KEY}
+    return {**config, "configurable": configurable}
+
+
+_LOOP_THREAD_ERROR = (
+    "Synchronous calls to {name} are only allowed from a thread other than its event loop's; "
+    "on the loop use the async methods (await checkpointer.aput(...), graph.ainvoke(...))"
+)
+
+
+class FencedCheckpointer(BaseCheckpointSaver[Any]):
+    """Wraps any saver so that every checkpoint write is made under the run's fencing token.
+
+    Args:
+        inner: the saver that stores the checkpoints.
+        require_fence: refuse writes that carry no run handle
+            (:class:`~langgraph_fence.ExecutionContextUnavailableError`) instead of passing
+            them through unfenced.
+
+    With a handle at ``config["configurable"]["__fence"]``:
+
+    * the handle must cover the thread's execution (``execution_id``, default the
+      ``thread_id``), else the write is refused;
+    * if ``inner.guards(handle)`` is true (a fence-aware saver on the lease table's
+      database), the write is delegated and the inner saver checks the token inside its own
+      statement or transaction: **no window**;
+    * otherwise the wrapper checks ``handle.check()`` (no I/O), then reads the lease once
+      and compares epoch, holder and status, then delegates with the handle removed from
+      the config. **Remaining window:** a take-over committed after that read and before
+      the inner write completes is not seen; the stale write lands, once, and the next
+      write of the run is refused. Writes already in flight when the take-over happens can
+      land the same way. Only a fence-aware saver closes this window.
+
+    Pending effect: when ``handle.pending_effect`` belongs to the task whose writes are
+    being saved, a fence-aware saver clears the stamp in the same statement/transaction as
+    the writes; with any other saver the wrapper clears it right after the inner write
+    (``repository.clear_pending_effect``), so a crash between the two leaves the stamp
+    standing and the step is dead-lettered rather than repeated (safe, not exact).
+
+    On refusal the error is recorded on the handle, the run is asked to drain
+    (``runtime.control.request_drain``), and the recorded error is raised. Reads are never
+    fenced. The wrapper overrides only the optional methods (``acopy_thread``,
+    ``adelete_for_runs``, ``aprune``, the delta-channel history) that ``inner`` implements,
+    so capability detection sees what the inner saver really does.
+    """
+
+    #: The optional methods forwarded only when the inner saver's class overrides them.
+    OPTIONAL_METHODS: ClassVar[tuple[str, ...]] = (
+        "adelete_for_runs",
+        "delete_for_runs",
+        "acopy_thread",
+        "copy_thread",
+        "aprune",
+        "prune",
+        "aget_delta_channel_history",
+        "get_delta_channel_history",
+    )
+    _classes: ClassVar[dict[frozenset[str], type[FencedCheckpointer]]] = {}
+
+    inner: BaseCheckpointSaver[Any]
+
+    def __new__(
+        cls, inner: BaseCheckpointSaver[Any], *, require_fence: bool = False
+    ) -> FencedCheckpointer:
+        if cls is FencedCheckpointer:
+            cls = _class_for(type(inner))
+        return super().__new__(cls)
+
+    def __init__(self, inner: BaseCheckpointSaver[Any], *, require_fence: bool = False) -> None:
+        if not isinstance(inner, BaseCheckpointSaver):
+            raise ValueError(
+                f"inner must be a LangGraph BaseCheckpointSaver, got {type(inner).__name__}"
+            )
+        super().__init__(serde=inner.serde)
+        self.inner = inner
+        self.require_fence = bool(require_fence)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def __repr__(self) -> str:
+        return f"FencedCheckpointer({self.inner!r}, require_fence={self.require_fence})"
+
+    @property
+    def config_specs(self) -> list[Any]:
+        specs: list[Any] = self.inner.config_specs
+        return specs
+
+    def get_next_version(self, current: Any, channel: None) -> Any:
+        return self.inner.get_next_version(current, channel)
+
+    # -- reads: never fenced
+
+    async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        return await self.inner.aget_tuple(config)
+
+    async def alist(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> AsyncIterator[CheckpointTuple]:
+        async for item in self.inner.alist(config, filter=filter, before=before, limit=limit):
+            yield item
+
+    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        return self.inner.get_tuple(config)
+
+    def list(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> Iterator[CheckpointTuple]:
+        return self.inner.list(config, filter=filter, before=before, limit=limit)
+
+    # -- writes
+
+    def _handle(self, config: RunnableConfig, action: str) -> RunHandle | None:
+        handle = fence_handle(config)
+        if handle is None and self.require_fence:
+            raise ExecutionContextUnavailableError(
+                f"{action} refused: this FencedCheckpointer requires a run handle at "
+                f'config["configurable"]["{FENCE_CONFIG_KEY}"] and the config has none. Run '
+                "the graph through the runtime (Instance.ainvoke), or build the wrapper with "
+                "require_fence=False to let unfenced writes through"
+            )
+        return handle
+
+    def _guards(self, handle: RunHandle) -> bool:
+        guards = getattr(self.inner, "guards", None)
+        return callable(guards) and bool(guards(handle))
+
+    async def _admit(
+        self, handle: RunHandle, config: RunnableConfig, action: str
+    ) -> tuple[bool, RunnableConfig]:
+        """Check what must be checked before delegating; ``(inner guards it, config)``."""
+        self._loop = asyncio.get_running_loop()
+        try:
+            if handle.error is not None:
+                raise handle.error
+            check_write_scope(handle, config, action=action)
+            if self._guards(handle):
+                return True, config
+            handle.check()
+            current = await handle.repository.get(handle.key)
+            if not lease_matches(handle.lease, current):
+                raise fenced_error(handle.lease, current, action=action)
+        except ExecutionLeaseLostError as exc:
+            raise refuse_write(handle, config, exc) from None
+        return False, _without_handle(config)
+
+    async def aput(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        handle = self._handle(config, "aput")
+        if handle is None:
+            return await self.inner.aput(config, checkpoint, metadata, new_versions)
+        _, inner_config = await self._admit(handle, config, "aput")
+        try:
+            return await self.inner.aput(inner_config, checkpoint, metadata, new_versions)
+        except ExecutionLeaseLostError as exc:
+            raise refuse_write(handle, config, exc) from None
+
+    async def aput_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        handle = self._handle(config, "aput_writes")
+        if handle is None:
+            await self.inner.aput_writes(config, writes, task_id, task_path)
+            return
+        guarded, inner_config = await self._admit(handle, config, "aput_writes")
+        try:
+            await self.inner.aput_writes(inner_config, writes, task_id, task_path)
+            pending = handle.pending_effect
+            if not guarded and pending is not None and pending.task_id == task_id:
+                # Not in the inner write's transaction: a crash in between leaves the stamp
+                # standing, and the step is dead-lettered instead of repeated.
+                await handle.repository.clear_pending_effect(handle.lease)
+                forget_pending_effect(handle)
+        except ExecutionLeaseLostError as exc:
+            raise refuse_write(handle, config, exc) from None
+
+    async def adelete_thread(self, thread_id: str) -> None:
+        await self.inner.adelete_thread(thread_id)
+
+    def delete_thread(self, thread_id: str) -> None:
+        self.inner.delete_thread(thread_id)
+
+    # -- sync twins of the writes
+
+    def _run_sync(self, coro_fn: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Run the async write on the loop the saver serves, from a worker thread."""
+        loop = self._loop or getattr(self.inner, "loop", None)
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not None and (loop is None or running is loop):
+            raise asyncio.InvalidStateError(_LOOP_THREAD_ERROR.format(name="FencedCheckpointer"))
+        if isinstance(loop, asyncio.AbstractEventLoop) and loop.is_running():
+            return asyncio.run_coroutine_threadsafe(coro_fn(), loop).result()
+        # No loop serves this saver (a plain sync program): run the check on a loop of our own.
+        return asyncio.run(coro_fn())
+
+    def put(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        if self._handle(config, "put") is None:
+            return self.inner.put(config, checkpoint, metadata, new_versions)
+        return self._run_sync(lambda: self.aput(config, checkpoint, metadata, new_versions))
+
+    def put_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        if self._handle(config, "put_writes") is None:
+            self.inner.put_writes(config, writes, task_id, task_path)
+            return
+        self._run_sync(lambda: self.aput_writes(config, writes, task_id, task_path))
+
+
+# -- optional methods: forwarded only where the inner saver's class overrides them. Admin
+# operations on whole threads and runs; not fenced (no run writes through them).
+
+
+async def _adelete_for_runs(self: FencedCheckpointer, run_ids: Sequence[str]) -> None:
+    await self.inner.adelete_for_runs(run_ids)
+
+
+def _delete_for_runs(self: FencedCheckpointer, run_ids: Sequence[str]) -> None:
+    self.inner.delete_for_runs(run_ids)
+
+
+async def _acopy_thread(
+    self: FencedCheckpointer, source_thread_id: str, target_thread_id: str
+) -> None:
+    await self.inner.acopy_thread(source_thread_id, target_thread_id)
+
+
+def _copy_thread(self: FencedCheckpointer, source_thread_id: str, target_thread_id: str) -> None:
+    self.inner.copy_thread(source_thread_id, target_thread_id)
+
+
+async def _aprune(
+    self: FencedCheckpointer, thread_ids: Sequence[str], *, strategy: str = "keep_latest"
+) -> None:
+    await self.inner.aprune(thread_ids, strategy=strategy)
+
+
+def _prune(
+    self: FencedCheckpointer, thread_ids: Sequence[str], *, strategy: str = "keep_latest"
+) -> None:
+    self.inner.prune(thread_ids, strategy=strategy)
+
+
+async def _aget_delta_channel_history(
+    self: FencedCheckpointer, *, config: RunnableConfig, channels: Sequence[str]
+) -> Mapping[str, DeltaChannelHistory]:
+    return await self.inner.aget_delta_channel_history(config=config, channels=channels)
+
+
+def _get_delta_channel_history(
+    self: FencedCheckpointer, *, config: RunnableConfig, channels: Sequence[str]
+) -> Mapping[str, DeltaChannelHistory]:
+    return self.inner.get_delta_channel_history(config=config, channels=channels)
+
+
+_OPTIONAL_IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {
+    "adelete_for_runs": _adelete_for_runs,
+    "delete_for_runs": _delete_for_runs,
+    "acopy_thread": _acopy_thread,
+    "copy_thread": _copy_thread,
+    "aprune": _aprune,
+    "prune": _prune,
+    "aget_delta_channel_history": _aget_delta_channel_history,
+    "get_delta_channel_history": _get_delta_channel_history,
+}
+
+
+def _class_for(inner_type: type) -> type[FencedCheckpointer]:
+    """The FencedCheckpointer class that overrides exactly what ``inner_type`` overrides."""
+    names = frozenset(
+        name
+        for name in FencedCheckpointer.OPTIONAL_METHODS
+        if getattr(inner_type, name, None) is not getattr(BaseCheckpointSaver, name)
+    )
+    cls = FencedCheckpointer._classes.get(names)
+    if cls is None:
+        namespace: dict[str, Any] = {name: _OPTIONAL_IMPLEMENTATIONS[name] for name in names}
+        namespace["__module__"] = FencedCheckpointer.__module__
+        namespace["__qualname__"] = FencedCheckpointer.__qualname__
+        namespace["__doc__"] = FencedCheckpointer.__doc__
+        cls = type("FencedCheckpointer", (FencedCheckpointer,), namespace)
+        FencedCheckpointer._classes[names] = cls
+    return cls
