@@ -39,9 +39,15 @@ def normalize_url(url: str | URL) -> URL:
         ValueError: the URL cannot be parsed or names an unsupported driver (the message
             names the two supported ones).
     """
-    text = url if isinstance(url, str) else url.render_as_string(hide_password=False)
-    if isinstance(text, str) and text.startswith("postgres://"):
-        text = "postgresql://" + text[len("postgres://") :]
+    if isinstance(url, URL):
+        text = url.render_as_string(hide_password=False)
+    elif isinstance(url, str):
+        text = url
+    else:
+        raise ValueError(f"url must be a str or sqlalchemy URL, got {url!r}; use {SUPPORTED}")
+    if text.startswith(("postgres://", "postgres+")):
+        # The scheme Heroku and libpq accept; SQLAlchemy knows only "postgresql".
+        text = "postgresql" + text[len("postgres") :]
     try:
         parsed = make_url(text)
     except ArgumentError as exc:

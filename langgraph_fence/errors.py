@@ -55,10 +55,12 @@ class ExecutionLeaseLostError(LangGraphFenceError, RuntimeError):
         self.token_seen = token_seen
 
     def __reduce__(self) -> tuple[object, ...]:
-        # Keep the keyword-only fields when the error crosses a process boundary (pickle).
+        # Keep the keyword-only fields when the error crosses a process boundary (pickle),
+        # and the instance dict (notes added on the way, attributes set by the runtime).
         return (
             _rebuild,
             (type(self), str(self), self.scope_key, self.token_held, self.token_seen),
+            self.__dict__ or None,
         )
 
 

@@ -1,0 +1,281 @@
+"""RunHandle and ExecutionFence over a memory store, on controlled clocks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from langgraph_fence import (
+    Effect,
+    ExecutionContextUnavailableError,
+    ExecutionFence,
+    ExecutionFencedError,
+    ExecutionLeaseLostError,
+    Lease,
+    LeaseKey,
+    MemoryLeaseRepository,
+    PendingEffect,
+)
+from langgraph_fence.fence import RunHandle, safety_margin
+from langgraph_fence.testing import ManualClock
+from tests.conftest import unique
+
+TTL = 10.0
+MARGIN = safety_margin(TTL)
+
+
+class InFlight:
+    """A store whose calls take ``delay`` seconds of the local clock, and are counted."""
+
+    def __init__(self, inner: MemoryLeaseRepository, clock: ManualClock, delay: float) -> None:
+        self.inner = inner
+        self.clock = clock
+        self.delay = delay
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self.inner, name)
+        if not callable(target):
+            return target
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(name)
+            self.clock.advance(self.delay)  # the answer comes back `delay` later
+            return await target(*args, **kwargs)
+
+        return call
+
+
+class Run:
+    """A held lease with a handle and a fence; the store and the worker keep separate clocks
+    so a takeover can be seen before the worker's own window runs out."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.store_clock = ManualClock()
+        self.local = ManualClock(start=500.0)
+        self.store = MemoryLeaseRepository(clock=self.store_clock)
+        self.wire = InFlight(self.store, self.local, delay)
+        self.key = LeaseKey(unique("t"), unique("e"))
+        self.heard: list[BaseException] = []
+
+    async def start(self) -> tuple[RunHandle, ExecutionFence]:
+        lease = await self.store.acquire(self.key, "A", TTL)
+        assert lease is not None
+        handle = RunHandle(self.wire, lease, TTL, clock=self.local)  # type: ignore[arg-type]
+        handle.on_stop(self.heard.append)
+        return handle, ExecutionFence(handle, label="node 'charge'")
+
+    async def take_over(self) -> Lease:
+        self.store_clock.advance(TTL)
+        newer = await self.store.acquire(self.key, "B", TTL)
+        assert newer is not None
+        return newer
+
+
+async def test_fence_reads_the_handle() -> None:
+    run = Run()
+    handle, fence = await run.start()
+    assert fence.scope_key == run.key.scope_key
+    assert (fence.tenant_id, fence.lease_execution_id) == (run.key.tenant_id, run.key.execution_id)
+    assert fence.token == handle.token == 1
+    assert fence.confirmed_until == run.local() + TTL - MARGIN
+    assert "token=1" in repr(fence)
+
+
+def test_safety_margin() -> None:
+    assert safety_margin(10.0) == 1.0
+    assert safety_margin(300.0) == 2.0
+    assert 0 < safety_margin(0.01) < 0.01
+
+
+async def test_confirmed_until_counts_from_when_the_renewal_was_sent() -> None:
+    run = Run(delay=3.0)
+    handle, fence = await run.start()
+    run.local.advance(4.0)
+    sent = run.local()
+    await handle.renew()
+    assert run.local() == sent + 3.0  # the clock moved while the renewal was in flight
+    assert fence.confirmed_until == sent + TTL - MARGIN
+    assert run.wire.calls == ["renew"]
+
+
+async def test_confirmed_until_never_goes_back() -> None:
+    run = Run()
+    handle, fence = await run.start()
+    latest = fence.confirmed_until
+    # An older renewal answering late does not shorten the window.
+    handle.replace_lease(handle.lease, sent_at=run.local() - 5.0)
+    assert fence.confirmed_until == latest
+    with pytest.raises(ValueError, match="cannot replace"):
+        other = await run.store.acquire(LeaseKey(unique("t"), unique("e")), "A", TTL)
+        assert other is not None
+        handle.replace_lease(other, sent_at=run.local())
+
+
+async def test_assert_held_until_confirmed_until_then_lease_lost() -> None:
+    run = Run()
+    handle, fence = await run.start()
+    fence.assert_held()
+    run.local.advance(fence.confirmed_until - run.local() - 0.001)
+    fence.assert_held()
+    assert run.wire.calls == []  # no I/O
+    run.local.advance(0.001)
+    with pytest.raises(ExecutionLeaseLostError) as caught:
+        fence.assert_held()
+    error = caught.value
+    assert type(error) is ExecutionLeaseLostError
+    assert (error.scope_key, error.token_held) == (run.key.scope_key, 1)
+    assert handle.error is error and run.heard == [error]
+    with pytest.raises(ExecutionLeaseLostError) as again:
+        fence.assert_held()
+    assert again.value is error and run.heard == [error]
+
+
+async def test_assert_held_after_an_observed_takeover_is_fenced() -> None:
+    run = Run()
+    handle, fence = await run.start()
+    await run.take_over()
+    fence.assert_held()  # nothing observed yet, and the local window still holds
+    with pytest.raises(ExecutionFencedError) as caught:
+        await handle.renew()
+    error = caught.value
+    assert (error.token_held, error.token_seen) == (1, 2)
+    with pytest.raises(ExecutionFencedError) as again:
+        fence.assert_held()
+    assert again.value is error
+    assert run.heard == [error]
+
+
+async def test_confirm_now_is_one_renewal() -> None:
+    run = Run(delay=0.5)
+    handle, fence = await run.start()
+    run.store_clock.advance(6.0)
+    run.local.advance(6.0)
+    sent = run.local()
+    await fence.confirm_now()
+    assert run.wire.calls == ["renew"]
+    stored = await run.store.get(run.key)
+    assert stored is not None and stored.expires_at == run.store_clock() + TTL
+    assert handle.lease == stored
+    assert fence.confirmed_until == sent + TTL - MARGIN
+
+
+async def test_confirm_now_after_takeover_raises_and_stands() -> None:
+    run = Run()
+    handle, fence = await run.start()
+    newer = await run.take_over()
+    with pytest.raises(ExecutionFencedError) as caught:
+        await fence.confirm_now()
+    assert caught.value.token_seen == newer.epoch
+    assert handle.error is caught.value
+    with pytest.raises(ExecutionFencedError):
+        await fence.confirm_now()
+    assert run.wire.calls == ["renew"]  # the second one did not even ask
+    assert await run.store.get(run.key) == newer
+
+
+async def test_confirm_now_when_asked_to_stop_is_a_cancellation() -> None:
+    run = Run()
+    handle, fence = await run.start()
+    handle.request_stop("instance draining")
+    with pytest.raises(asyncio.CancelledError, match="draining"):
+        await fence.confirm_now()
+    assert run.wire.calls == ["renew"]
+
+
+async def test_mark_pending_effect_after_takeover_stamps_nothing() -> None:
+    run = Run()
+    handle, _fence = await run.start()
+    newer = await run.take_over()
+    effect = PendingEffect(Effect.NON_IDEMPOTENT_WRITE, "charge", "task-1", 1)
+    with pytest.raises(ExecutionFencedError):
+        await handle.mark_pending_effect(effect)
+    assert handle.pending_effect is None
+    assert await run.store.get(run.key) == newer
+
+
+async def test_fenced_returns_records_and_tells_listeners_once() -> None:
+    run = Run()
+    handle, fence = await run.start()
+    error = fence.fenced(5)
+    assert isinstance(error, ExecutionFencedError)
+    assert (error.scope_key, error.token_held, error.token_seen) == (run.key.scope_key, 1, 5)
+    assert handle.error is error
+    assert run.heard == [error]
+    second = fence.fenced(6)
+    assert second is error  # the first fencing error stands
+    assert run.heard == [error]
+    with pytest.raises(ExecutionFencedError) as caught:
+        fence.assert_held()
+    assert caught.value is error
+
+
+async def test_fenced_upgrades_a_plain_loss() -> None:
+    run = Run()
+    handle, fence = await run.start()
+    run.local.advance(TTL)
+    with pytest.raises(ExecutionLeaseLostError):
+        fence.assert_held()
+    error = fence.fenced(2)
+    assert handle.error is error and type(error) is ExecutionFencedError
+
+
+@pytest.mark.parametrize("observed", [1, 0, -3, True, 1.5, "2", None])
+async def test_fenced_refuses_a_token_that_is_not_newer(observed: object) -> None:
+    run = Run()
+    handle, fence = await run.start()
+    with pytest.raises(ValueError, match="observed_token"):
+        fence.fenced(observed)  # type: ignore[arg-type]
+    assert handle.error is None and run.heard == []
+    fence.assert_held()
+
+
+@pytest.mark.parametrize(
+    "use",
+    [
+        lambda fence: fence.assert_held(),
+        lambda fence: fence.fenced(9),
+    ],
+    ids=["assert_held", "fenced"],
+)
+async def test_a_fence_past_its_step_refuses(use: Callable[[ExecutionFence], object]) -> None:
+    run = Run()
+    handle, fence = await run.start()
+    fence._close()
+    with pytest.raises(ExecutionContextUnavailableError) as caught:
+        use(fence)
+    assert run.key.scope_key in str(caught.value)
+    assert "node 'charge'" in str(caught.value)
+    assert handle.error is None and run.heard == []
+    # Reading its values stays harmless.
+    assert fence.token == 1
+    assert "ended" in repr(fence)
+
+
+async def test_confirm_now_past_its_step_refuses_without_io() -> None:
+    run = Run()
+    _handle, fence = await run.start()
+    fence._close()
+    with pytest.raises(ExecutionContextUnavailableError):
+        await fence.confirm_now()
+    assert run.wire.calls == []
+
+
+async def test_a_failing_listener_does_not_silence_the_others() -> None:
+    run = Run()
+    handle, fence = await run.start()
+
+    def broken(_error: BaseException) -> None:
+        raise RuntimeError("listener bug")
+
+    handle.on_stop(broken)
+    later: list[BaseException] = []
+    unsubscribe = handle.on_stop(later.append)
+    gone: list[BaseException] = []
+    handle.on_stop(gone.append)()  # unsubscribed at once
+    error = fence.fenced(3)
+    assert run.heard == [error] and later == [error] and gone == []
+    unsubscribe()
