@@ -1,0 +1,164 @@
+"""langgraph#8796 with real processes on real PostgreSQL: a frozen worker cannot fork the chain.
+
+Worker A (a process of its own, ``fork_worker.py``) takes the lease with a 1.5 s TTL and runs
+n1 -> n2 -> n3 with ``durability="sync"``. Inside n2 it signals; the test freezes it with
+SIGSTOP. Worker B (this test) waits until the lease has expired on PostgreSQL's clock, takes
+it (epoch + 1), resumes the thread and finishes it. Then A is continued: its n2 returns and
+its writes must all be refused (it exits with ExecutionFencedError), and the checkpoint
+chain must not fork: every checkpoint has at most one child and the head is B's, under B's
+token. Without the fence, A would land a second child of n1's checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from sqlalchemy import text
+
+from checkpointers import SqlCheckpointer
+from langgraph_fence import FencedCheckpointer, LeaseKey, SqlLeaseRepository
+from langgraph_fence.fence import RunHandle
+from tests.chaos.fork_worker import EXIT_FENCED, build_graph, engine_for
+from tests.conftest import unique
+
+pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
+
+WORKER = Path(__file__).with_name("fork_worker.py")
+ROOT = Path(__file__).parents[2]
+TTL_A = 1.5
+DEADLINE = 25.0
+
+T = TypeVar("T")
+
+
+def read_signal(path: Path) -> str | None:
+    return path.read_text() if path.exists() else None
+
+
+async def poll(probe: Callable[[], Awaitable[T | None]], deadline: float, what: str) -> T:
+    """Call ``probe`` until it returns something, or fail at ``deadline`` (monotonic)."""
+    while True:
+        found = await probe()
+        if found is not None:
+            return found
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def test_a_frozen_worker_cannot_fork_the_chain(
+    pg_schema: tuple[str, str], tmp_path: Path
+) -> None:
+    url, schema = pg_schema
+    tenant, thread = unique("tenant"), unique("thread")
+    key = LeaseKey(tenant, thread)
+    inside_n2 = tmp_path / "inside-n2"
+    started = time.monotonic()
+    deadline = started + DEADLINE
+
+    engine = engine_for(url, schema)
+    repo = SqlLeaseRepository(engine)
+    saver = SqlCheckpointer(engine)
+    await saver.setup()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    worker_a = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(WORKER),
+        url,
+        schema,
+        tenant,
+        thread,
+        str(TTL_A),
+        str(inside_n2),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=ROOT,
+        env=env,
+    )
+    try:
+
+        async def a_is_inside_n2() -> str | None:
+            if worker_a.returncode is not None:
+                pytest.fail(f"worker A exited early: {await worker_a.stderr.read()!r}")  # type: ignore[union-attr]
+            return read_signal(inside_n2)
+
+        token_a = int(await poll(a_is_inside_n2, deadline, "worker A to reach n2"))
+        os.kill(worker_a.pid, signal.SIGSTOP)
+
+        lease_b = await poll(
+            lambda: repo.acquire(key, "worker-B", 30), deadline, "A's lease to expire"
+        )
+        assert lease_b.epoch == token_a + 1
+        handle_b = RunHandle(repo, lease_b, 30)
+        graph = build_graph(FencedCheckpointer(saver))
+        config: Any = {"configurable": {"thread_id": thread, "tenant_id": tenant}}
+        resumed = await graph.ainvoke(
+            None, {"configurable": {**config["configurable"], "__fence": handle_b}}
+        )
+        assert resumed == {"log": ["n1", "n2", "n3"]}
+
+        os.kill(worker_a.pid, signal.SIGCONT)
+        assert worker_a.stdin is not None
+        worker_a.stdin.write(b"go\n")
+        await worker_a.stdin.drain()
+        stdout, stderr = await asyncio.wait_for(
+            worker_a.communicate(), timeout=max(0.1, deadline - time.monotonic())
+        )
+        assert worker_a.returncode == EXIT_FENCED, (stdout, stderr)
+        report = json.loads(stdout.decode().strip().splitlines()[-1])
+        assert report == {
+            "result": "fenced",
+            "token_held": token_a,
+            "token_seen": lease_b.epoch,
+            "recorded": True,
+        }
+
+        async with engine.connect() as conn:
+            chain = (
+                await conn.execute(
+                    text(
+                        "SELECT checkpoint_id, parent_checkpoint_id, fence_token"
+                        " FROM fence_checkpoints WHERE thread_id = :t AND checkpoint_ns = ''"
+                        " ORDER BY checkpoint_id"
+                    ),
+                    {"t": thread},
+                )
+            ).all()
+            stale_writes = (
+                await conn.execute(
+                    text(
+                        "SELECT w.task_id FROM fence_checkpoint_writes w"
+                        " JOIN fence_checkpoints c ON c.thread_id = w.thread_id"
+                        " AND c.checkpoint_ns = w.checkpoint_ns"
+                        " AND c.checkpoint_id = w.checkpoint_id"
+                        " WHERE w.thread_id = :t AND w.fence_token = :a AND c.fence_token = :b"
+                    ),
+                    {"t": thread, "a": token_a, "b": lease_b.epoch},
+                )
+            ).all()
+        children: dict[str | None, int] = {}
+        for _, parent, _ in chain:
+            children[parent] = children.get(parent, 0) + 1
+        assert all(count == 1 for count in children.values()), f"the chain forked: {chain}"
+        assert [row[2] for row in chain] == [token_a] * 3 + [lease_b.epoch] * 2, chain
+        assert stale_writes == [], "A wrote under its old token onto B's checkpoints"
+        head = await saver.aget_tuple(config)
+        assert head is not None and head.checkpoint["id"] == chain[-1][0]
+        assert head.checkpoint["channel_values"]["log"] == ["n1", "n2", "n3"]
+    finally:
+        if worker_a.returncode is None:
+            os.kill(worker_a.pid, signal.SIGCONT)
+            worker_a.kill()
+            await worker_a.wait()
+        await engine.dispose()
+    assert time.monotonic() - started < 30
