@@ -182,14 +182,22 @@ class RunHandle:
             )
 
     async def renew(self) -> Lease:
-        """A strict renewal: one guarded round trip; a refusal is recorded and raised."""
-        if self.error is not None:
+        """A strict renewal: one guarded round trip; a refusal is recorded and raised.
+
+        A run already known to be fenced does not ask again. A run that only lost track of
+        its lease (renewals failed until its window ran out) still asks: the answer tells
+        whether it was taken over (the recorded error becomes ``ExecutionFencedError``),
+        but a run that lost its lease stays stopped either way.
+        """
+        if isinstance(self.error, ExecutionFencedError):
             raise self.error
         sent_at = self.clock()
         try:
             lease = await self.repository.renew(self._lease, self.ttl)
         except ExecutionFencedError as exc:
             raise self.record(exc) from None
+        if self.error is not None:
+            raise self.error
         self.replace_lease(lease, sent_at=sent_at)
         return lease
 
@@ -294,7 +302,7 @@ class ExecutionFence:
         ``asyncio.CancelledError`` when the run was asked to stop.
         """
         handle = self._require_active()
-        handle.check()
+        # The round trip comes first: after a lapse it tells a takeover from a slow store.
         await handle.renew()
         if handle.stop_reason is not None:
             raise asyncio.CancelledError(handle.stop_reason)

@@ -1,0 +1,449 @@
+"""``Instance``: the process-level runtime that runs graphs under leases.
+
+One instance holds leases, renews them on timers, runs graphs with the run's handle in their
+config, and releases each lease with the run's outcome. Where a run loses its lease (a
+renewal refused, or renewals failing until the confirmed window ran out) the instance marks
+the run's handle, drains the graph at the next superstep boundary, cancels the steps in
+flight, and raises the recorded fencing error, whatever LangGraph surfaced instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.errors import GraphDrained
+from langgraph.runtime import RunControl
+
+from .errors import (
+    ExecutionDeadLetteredError,
+    ExecutionFencedError,
+    ExecutionLeaseHeldError,
+    ExecutionLeaseLostError,
+    find_fence_error,
+)
+from .fence import FENCE_CONFIG_KEY, RunHandle, safety_margin
+from .lease import ExecutionLeaseRepository, LeaseKey, LeaseStatus, validate_ttl
+from .nodes import _contains
+
+if TYPE_CHECKING:
+    from langgraph.checkpoint.base import BaseCheckpointSaver
+
+__all__ = ["Instance"]
+
+logger = logging.getLogger(__name__)
+
+Sleep = Callable[[float], Awaitable[Any]]
+
+
+def _default_instance_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(slots=True, eq=False)
+class _Run:
+    """One run in flight: its config, handle, control and timers."""
+
+    config: RunnableConfig
+    handle: RunHandle
+    control: RunControl
+    base_config: RunnableConfig
+    timers: list[asyncio.Task[None]] = field(default_factory=list)
+
+
+class Instance:
+    """Runs LangGraph graphs under execution leases, one fencing token per run.
+
+    Guarantees: a run starts only after its lease is taken (epoch + 1); every step and
+    checkpoint of the run carries that token; the lease is renewed every
+    ``renew_interval``; a run whose lease is lost stops at the next superstep boundary
+    and its ``ainvoke`` raises :class:`~langgraph_fence.ExecutionFencedError` (taken
+    over) or :class:`~langgraph_fence.ExecutionLeaseLostError` (could not be renewed in
+    time), the same object that was recorded, never a cancellation or a sibling's error
+    in its place. The lease is released with the run's outcome: ``done``, ``waiting``
+    (interrupted), or ``failed`` with the error as reason.
+
+    Args:
+        repository: the lease store.
+        saver: the checkpoint saver; wrapped in :class:`~langgraph_fence.FencedCheckpointer`
+            unless it already is one. Compile graphs with ``checkpointer=instance.checkpointer``.
+        instance_id: this instance's holder id (default: host, pid and a random suffix).
+        lease_ttl: seconds a hold lasts without renewal (default 30).
+        renew_interval: seconds between renewals (default ``lease_ttl / 3``); must be below
+            ``lease_ttl``.
+        clock: this process's clock for confirmed windows (default ``time.monotonic``).
+        sleep: how timers wait (default ``asyncio.sleep``); tests pass a controlled one.
+    """
+
+    def __init__(
+        self,
+        repository: ExecutionLeaseRepository,
+        saver: BaseCheckpointSaver[Any],
+        *,
+        instance_id: str | None = None,
+        lease_ttl: float = 30.0,
+        renew_interval: float | None = None,
+        clock: Callable[[], float] | None = None,
+        sleep: Sleep | None = None,
+    ) -> None:
+        from .checkpoint import FencedCheckpointer
+
+        if not isinstance(repository, ExecutionLeaseRepository):
+            raise ValueError(
+                "repository must implement ExecutionLeaseRepository, got "
+                f"{type(repository).__name__}"
+            )
+        self.lease_ttl = validate_ttl(lease_ttl, name="lease_ttl")
+        if renew_interval is None:
+            renew_interval = self.lease_ttl / 3
+        self.renew_interval = validate_ttl(renew_interval, name="renew_interval")
+        if self.renew_interval >= self.lease_ttl - safety_margin(self.lease_ttl):
+            raise ValueError(
+                f"renew_interval ({renew_interval}) must be below lease_ttl ({lease_ttl}) minus "
+                f"its safety margin ({safety_margin(self.lease_ttl):g} s), or the lease "
+                "lapses between renewals: use lease_ttl / 3 (the default)"
+            )
+        if instance_id is not None and (not isinstance(instance_id, str) or not instance_id):
+            raise ValueError(f"instance_id must be a non-empty str, got {instance_id!r}")
+        self.instance_id = instance_id or _default_instance_id()
+        self.repository = repository
+        self.checkpointer: FencedCheckpointer = (
+            saver if isinstance(saver, FencedCheckpointer) else FencedCheckpointer(saver)
+        )
+        self.clock = clock or time.monotonic
+        self._sleep: Sleep = sleep or asyncio.sleep
+        self._runs: set[_Run] = set()
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, url: str, **options: Any) -> AsyncIterator[Instance]:
+        """Open an instance on one database: its lease table and checkpoints side by side.
+
+        Creates the engine, the :class:`~langgraph_fence.SqlLeaseRepository` and the
+        :class:`checkpointers.SqlCheckpointer` on the same database (so the checkpointer
+        checks the token inside its own writes), runs their migrations, and closes
+        everything on exit.
+
+        Args:
+            url: ``sqlite+aiosqlite:///path.db`` or ``postgresql+asyncpg://...``.
+            **options: :class:`Instance` options (``instance_id``, ``lease_ttl``,
+                ``renew_interval``, ``clock``, ``sleep``).
+        """
+        from checkpointers import SqlCheckpointer
+
+        from .database import create_engine
+        from .stores.sql import SqlLeaseRepository
+
+        engine = create_engine(url)
+        try:
+            repository = SqlLeaseRepository(engine)
+            await repository.setup()
+            saver = SqlCheckpointer(engine)
+            await saver.setup()
+            instance = cls(repository, saver, **options)
+            try:
+                yield instance
+            finally:
+                await instance.aclose()
+        finally:
+            await engine.dispose()
+
+    async def aclose(self) -> None:
+        """Stop the timers of every run still in flight (their leases then lapse)."""
+        for run in list(self._runs):
+            await _cancel_all(run.timers)
+
+    # -- running graphs
+
+    async def ainvoke(
+        self,
+        graph: Any,
+        input: Any,
+        config: RunnableConfig | None = None,
+        *,
+        tenant_id: str,
+        execution_id: str | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run ``graph`` to its end (or an interrupt) under the execution's lease.
+
+        ``input=None`` resumes the thread from its last checkpoint, as in LangGraph.
+        New input on a thread whose execution is ``done`` or ``failed`` starts a new run
+        of it (epoch + 1); a dead-lettered execution never runs again.
+
+        Args:
+            graph: a graph compiled with ``checkpointer=instance.checkpointer``.
+            input: the graph's input, a ``Command``, or ``None`` to resume.
+            config: the run config; ``config["configurable"]["thread_id"]`` is required.
+            tenant_id: the tenant the execution belongs to.
+            execution_id: the lease's execution id (default: the thread id).
+            **kwargs: passed to ``graph.ainvoke`` (``durability``, ``context``, ...).
+
+        Raises:
+            ExecutionFencedError: the lease was taken over during the run.
+            ExecutionLeaseLostError: the lease could not be renewed in time.
+            ExecutionLeaseHeldError: another live instance holds the lease, or the
+                execution has ended.
+            ExecutionDeadLetteredError: the run was dead-lettered (a non-idempotent
+                write may have happened and is not repeated).
+            ValueError: bad arguments, before anything runs.
+        """
+        async with self._run(graph, input, config, tenant_id, execution_id, kwargs) as run:
+            return await graph.ainvoke(input, run.config, control=run.control, **kwargs)
+
+    async def astream(
+        self,
+        graph: Any,
+        input: Any,
+        config: RunnableConfig | None = None,
+        *,
+        tenant_id: str,
+        execution_id: str | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[Any]:
+        """Stream ``graph`` under the execution's lease; see :meth:`ainvoke`."""
+        async with self._run(graph, input, config, tenant_id, execution_id, kwargs) as run:
+            async for chunk in graph.astream(input, run.config, control=run.control, **kwargs):
+                yield chunk
+
+    # -- the life of one run
+
+    def _prepare(
+        self,
+        graph: Any,
+        config: RunnableConfig | None,
+        tenant_id: str,
+        execution_id: str | None,
+        kwargs: Mapping[str, Any],
+    ) -> tuple[LeaseKey, RunnableConfig]:
+        from .checkpoint import FencedCheckpointer
+
+        if not isinstance(getattr(graph, "checkpointer", None), FencedCheckpointer):
+            raise ValueError(
+                "graph was compiled without a fenced checkpointer: compile it with "
+                "builder.compile(checkpointer=instance.checkpointer)"
+            )
+        if "control" in kwargs:
+            raise ValueError(
+                "control is set by the instance (it drains the run when the lease is lost); "
+                "do not pass one"
+            )
+        if config is not None and not isinstance(config, Mapping):
+            raise ValueError(f"config must be a dict (a RunnableConfig), got {config!r}")
+        base: dict[str, Any] = dict(config or {})
+        configurable = dict(base.get("configurable") or {})
+        if FENCE_CONFIG_KEY in configurable:
+            raise ValueError(
+                f"config['configurable'][{FENCE_CONFIG_KEY!r}] is already set: the instance "
+                "puts the run's handle there; pass the config of the run, not of a step"
+            )
+        thread_id = configurable.get("thread_id")
+        if not isinstance(thread_id, str) or not thread_id:
+            raise ValueError(
+                "config['configurable']['thread_id'] must be a non-empty str: a fenced run "
+                "is one thread, e.g. {'configurable': {'thread_id': 'order-42'}}"
+            )
+        if tenant_id is None or not isinstance(tenant_id, str) or not tenant_id:
+            raise ValueError(f"tenant_id must be a non-empty str, got {tenant_id!r}")
+        if execution_id is None:
+            execution_id = thread_id
+        key = LeaseKey(tenant_id, execution_id)
+        base["configurable"] = configurable
+        return key, base  # type: ignore[return-value]
+
+    async def _acquire(self, key: LeaseKey, *, reopen: bool) -> RunHandle:
+        sent_at = self.clock()
+        lease = await self.repository.acquire(key, self.instance_id, self.lease_ttl, reopen=reopen)
+        if lease is None:
+            current = await self.repository.get(key)
+            raise ExecutionLeaseHeldError(_refusal(key, current, self.instance_id))
+        handle = RunHandle(
+            self.repository, lease, self.lease_ttl, clock=self.clock, confirmed_from=sent_at
+        )
+        standing = lease.pending_effect
+        if standing is not None:
+            from .effects import may_retry_after_fence
+
+            if not may_retry_after_fence(standing.effect):
+                reason = (
+                    f"found with a non-idempotent write of node {standing.node!r} stamped at "
+                    f"token {standing.token} and never cleared: it may have happened, so the "
+                    "execution is not repeated"
+                )
+                await self.repository.dead_letter(key, reason, epoch=lease.epoch)
+                raise ExecutionDeadLetteredError(
+                    f"execution {key.scope_key!r} was dead-lettered: {reason}"
+                )
+            # An idempotent write converges on repeat: clear the stamp and go on.
+            lease = await self.repository.clear_pending_effect(lease)
+            handle.replace_lease(lease, sent_at=sent_at)
+        return handle
+
+    @asynccontextmanager
+    async def _run(
+        self,
+        graph: Any,
+        input: Any,
+        config: RunnableConfig | None,
+        tenant_id: str,
+        execution_id: str | None,
+        kwargs: Mapping[str, Any],
+    ) -> AsyncIterator[_Run]:
+        key, base = self._prepare(graph, config, tenant_id, execution_id, kwargs)
+        handle = await self._acquire(key, reopen=input is not None)
+        control = RunControl()
+        run_config: dict[str, Any] = dict(base)
+        run_config["configurable"] = {
+            **base["configurable"],
+            FENCE_CONFIG_KEY: handle,
+            "tenant_id": key.tenant_id,
+            "execution_id": key.execution_id,
+        }
+        run = _Run(run_config, handle, control, base)  # type: ignore[arg-type]
+
+        def drain(error: BaseException) -> None:
+            control.request_drain(f"langgraph-fence: {error}")
+
+        handle.on_stop(drain)
+        run.timers = [
+            asyncio.create_task(self._renew_loop(handle), name=f"renew {key.scope_key}"),
+            asyncio.create_task(self._watchdog(handle), name=f"watchdog {key.scope_key}"),
+        ]
+        self._runs.add(run)
+        logger.info(
+            "run %s started at token %d on %s", key.scope_key, handle.token, self.instance_id
+        )
+        try:
+            try:
+                yield run
+            finally:
+                await _cancel_all(run.timers)
+        except BaseException as exc:
+            await self._settle_failure(run, exc)
+            raise  # _settle_failure raises what stands; this is for the type checker
+        else:
+            await self._settle_success(graph, run)
+        finally:
+            self._runs.discard(run)
+
+    async def _settle_success(self, graph: Any, run: _Run) -> None:
+        handle = run.handle
+        if handle.error is not None:
+            raise handle.error
+        state = await graph.aget_state(run.base_config)
+        status = LeaseStatus.WAITING if state.next else LeaseStatus.DONE
+        await self._release(run, status, None)
+        logger.info("run %s ended %s at token %d", handle.scope_key, status.value, handle.token)
+
+    async def _settle_failure(self, run: _Run, exc: BaseException) -> None:
+        handle = run.handle
+        # The fencing error is decided first, before cancellation, drains or anything else.
+        found = find_fence_error(exc)
+        if found is not None:
+            handle.record(found)
+        if handle.error is not None:
+            raise handle.error
+        if _contains(exc, ExecutionDeadLetteredError):
+            dead = _first(exc, ExecutionDeadLetteredError)
+            await self.repository.dead_letter(handle.key, str(dead), epoch=handle.token)
+            logger.warning("run %s dead-lettered: %s", handle.scope_key, dead)
+            if dead is not exc:
+                raise dead from exc
+            return
+        if isinstance(exc, GraphDrained):
+            # Drained by request (not by a fence): hand the execution back for any instance.
+            await self._release(run, LeaseStatus.PENDING, f"drained: {exc.reason}")
+            return
+        if isinstance(exc, asyncio.CancelledError):
+            reason = "cancelled"
+        else:
+            reason = f"{type(exc).__name__}: {exc}"
+        await self._release(run, LeaseStatus.FAILED, reason)
+
+    async def _release(self, run: _Run, status: LeaseStatus, reason: str | None) -> None:
+        handle = run.handle
+        try:
+            await self.repository.release(handle.lease, status, reason)
+        except ExecutionFencedError as exc:
+            raise handle.record(exc) from None
+
+    # -- timers
+
+    async def _renew_loop(self, handle: RunHandle) -> None:
+        while not isinstance(handle.error, ExecutionFencedError):
+            await self._sleep(self.renew_interval)
+            try:
+                # After a lapse this one more renewal tells a takeover (fenced) from a slow
+                # store (lost); the run stops either way.
+                await handle.renew()
+            except ExecutionLeaseLostError:
+                return  # recorded on the handle; the run stops
+            except Exception:
+                # The store may be down for a moment: the watchdog decides when that
+                # has lasted too long; until then the next renewal may get through.
+                logger.warning("renewal of %s failed", handle.scope_key, exc_info=True)
+
+    async def _watchdog(self, handle: RunHandle) -> None:
+        while handle.error is None:
+            remaining = handle.confirmed_until - self.clock()
+            if remaining <= 0:
+                try:
+                    handle.check()
+                except ExecutionLeaseLostError:
+                    return
+            await self._sleep(max(remaining, 0.0) + 1e-3)
+
+
+def _refusal(key: LeaseKey, current: Any, me: str) -> str:
+    if current is None:
+        return f"the lease of execution {key.scope_key!r} could not be taken; try again"
+    if current.status in (LeaseStatus.DONE, LeaseStatus.FAILED, LeaseStatus.DEAD_LETTERED):
+        extra = f" ({current.reason})" if current.reason else ""
+        return (
+            f"execution {key.scope_key!r} has ended as {current.status.value}{extra}: it is not "
+            "resumed; start it again with new input (done/failed), or inspect it with "
+            "`langgraph-fence executions`"
+        )
+    who = "this instance" if current.holder == me else f"instance {current.holder!r}"
+    return (
+        f"execution {key.scope_key!r} is held by {who} at token {current.epoch} until "
+        f"{current.expires_at} (store clock): wait for that run to end, or for its lease to "
+        "expire if that instance died"
+    )
+
+
+def _first(exc: BaseException, kind: type[BaseException]) -> BaseException:
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, kind):
+            return current
+        if isinstance(current, BaseExceptionGroup):
+            stack.extend(current.exceptions)
+        stack.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+    return exc
+
+
+async def _cancel_all(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            logger.exception("timer task failed")
