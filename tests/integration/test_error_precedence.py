@@ -47,14 +47,16 @@ async def test_the_fencing_error_beats_a_siblings_simultaneous_error_every_time(
         both_in = asyncio.Barrier(2)
         raised: list[ExecutionFencedError] = []
 
-        async def fenced_side(state: State) -> dict[str, Any]:
+        async def fenced_side(
+            state: State, both_in: asyncio.Barrier = both_in, raised: list[Any] = raised
+        ) -> dict[str, Any]:
             fence = get_execution_context().fence
             await both_in.wait()
             error = fence.fenced(fence.token + 1)
             raised.append(error)
             raise error
 
-        async def failing_side(state: State) -> dict[str, Any]:
+        async def failing_side(state: State, both_in: asyncio.Barrier = both_in) -> dict[str, Any]:
             await both_in.wait()
             raise ValueError("a sibling failed at the same instant")
 

@@ -182,7 +182,7 @@ async def test_bad_input_is_refused_before_anything_runs(instance: Instance) -> 
     unfenced.add_node("n", lambda s: {})
     unfenced.add_edge(START, "n")
     plain = unfenced.compile(checkpointer=InMemorySaver())
-    with pytest.raises(ValueError, match="instance.checkpointer"):
+    with pytest.raises(ValueError, match=r"instance\.checkpointer"):
         await instance.ainvoke(plain, {"items": []}, good, tenant_id="t")
     assert await instance.repository.get(LeaseKey("t", thread)) is None
 
