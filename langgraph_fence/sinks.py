@@ -30,7 +30,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from .database import dialect_of
+from .database import Dialect, dialect_of
 from .errors import ExecutionFencedError
 from .fence import ExecutionFence
 from .migrations import Migration, migrate
@@ -387,27 +387,34 @@ async def _check_arguments(conn: object, fence: object, idempotency_key: object)
             "conn is not in a transaction: call fenced_write inside `async with conn.begin():` "
             "so the sink's rows commit or roll back with your own statements"
         )
+    if await _is_autocommit(conn, dialect):
+        raise ValueError(
+            "conn is in AUTOCOMMIT: each statement would commit on its own and nothing would "
+            "roll back together; take the connection out of it before conn.begin() "
+            "(`conn = await conn.execution_options(isolation_level='READ COMMITTED')` on "
+            "PostgreSQL), or use langgraph_fence.database.transaction(engine)"
+        )
+
+
+async def _is_autocommit(conn: AsyncConnection, dialect: Dialect) -> bool:
+    # What SQLAlchemy was told (an execution option, or the engine's isolation_level).
+    # There is no public accessor for the engine-level setting; ask the private one if present.
+    sync = conn.sync_connection
+    if sync is not None:
+        told = getattr(sync, "_is_autocommit_isolation", None)
+        option = sync.get_execution_options().get("isolation_level")
+        if option == "AUTOCOMMIT" or (callable(told) and told()):
+            return True
+    # What the driver does (an autocommit set on the raw connection behind SQLAlchemy's back).
     fairy = await conn.get_raw_connection()
     raw: Any = fairy.dbapi_connection
     if dialect == "postgresql":
-        if conn.dialect.detect_autocommit_setting(raw):
-            raise ValueError(
-                "conn is in AUTOCOMMIT: each statement would commit on its own and nothing "
-                "would roll back together; use `conn = await conn.execution_options("
-                "isolation_level='READ COMMITTED')` before conn.begin(), or "
-                "langgraph_fence.database.transaction(engine)"
-            )
-    else:
-        in_driver_transaction = getattr(fairy.driver_connection, "in_transaction", None)
-        # isolation_level None: SQLAlchemy, not the driver, opens transactions; one must be
-        # open now (create_engine's BEGIN IMMEDIATE), else every statement commits alone.
-        if raw.isolation_level is None and in_driver_transaction is False:
-            raise ValueError(
-                "conn is in AUTOCOMMIT: no SQLite transaction is open, so each statement "
-                "would commit on its own; drop isolation_level='AUTOCOMMIT' and use "
-                "`async with conn.begin():` (langgraph_fence.database.create_engine begins "
-                "with BEGIN IMMEDIATE)"
-            )
+        return bool(conn.dialect.detect_autocommit_setting(raw))
+    # isolation_level None: the driver opens no transaction of its own, so one must be open
+    # now (langgraph_fence's engines send BEGIN IMMEDIATE when SQLAlchemy begins).
+    return raw.isolation_level is None and (
+        getattr(fairy.driver_connection, "in_transaction", None) is False
+    )
 
 
 def _refusal(
