@@ -1,8 +1,149 @@
-"""The ``langgraph-fence`` command."""
+"""The ``langgraph-fence`` command: demo, migrate, executions, dead-letters.
+
+The only module that prints; it prints through rich.
+"""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``langgraph-fence`` console script."""
-    raise SystemExit("langgraph-fence: the CLI is not built yet")
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["main"]
+
+DB_HELP = "database URL: sqlite+aiosqlite:///path.db or postgresql+asyncpg://user@host/db"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="langgraph-fence",
+        description="Fencing tokens for LangGraph: stale workers never land a write.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log the library's events")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = commands.add_parser(
+        "demo", help="two instances, a stall past the lease, the stale writes refused"
+    )
+    demo.add_argument("--db", default=None, help=DB_HELP + " (default: a temporary SQLite file)")
+    migrate = commands.add_parser("migrate", help="create or upgrade every table on a database")
+    migrate.add_argument("--db", required=True, help=DB_HELP)
+    executions = commands.add_parser("executions", help="list executions and their leases")
+    executions.add_argument("--db", required=True, help=DB_HELP)
+    executions.add_argument("--status", default=None, help="only this status")
+    executions.add_argument("--limit", type=int, default=50)
+    dead = commands.add_parser("dead-letters", help="list dead-lettered executions and why")
+    dead.add_argument("--db", required=True, help=DB_HELP)
+    dead.add_argument("--limit", type=int, default=50)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``langgraph-fence`` console script; returns the exit code."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR)
+    console = Console()
+    try:
+        if args.command == "demo":
+            return asyncio.run(_demo(console, args.db))
+        if args.command == "migrate":
+            return asyncio.run(_migrate(console, args.db))
+        if args.command == "executions":
+            return asyncio.run(_executions(console, args.db, args.status, args.limit))
+        if args.command == "dead-letters":
+            return asyncio.run(_executions(console, args.db, "dead_lettered", args.limit))
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    raise AssertionError(f"unknown command {args.command!r}")
+
+
+async def _demo(console: Console, db: str | None) -> int:
+    from .database import normalize_url
+    from .demo import run_demo
+
+    if db is not None:
+        normalize_url(db)
+    console.print("[bold]langgraph-fence demo[/bold]: one order, two instances, one stall\n")
+    result = await run_demo(db)
+    table = Table(title=f"timeline of execution {result.execution} on {result.db}")
+    table.add_column("t (s)", justify="right")
+    table.add_column("worker")
+    table.add_column("token", justify="right")
+    table.add_column("event")
+    for event in result.events:
+        style = "red" if event.outcome == "refused" else None
+        token = "" if event.token is None else str(event.token)
+        table.add_row(f"{event.at:.2f}", event.worker, token, event.what, style=style)
+    console.print(table)
+    refused = sum(1 for e in result.events if e.outcome == "refused")
+    console.print(f"\nrefused stale writes and steps: [bold]{refused}[/bold]")
+    console.print(f"payments for the order: {result.payments}  (order, cents, token)")
+    console.print(f"final state log: {result.final_state.get('log')}")
+    if result.ok:
+        console.print("[green]OK[/green]: charged once, by the holder of token 2; A was fenced")
+        return 0
+    for problem in result.problems:
+        console.print(f"[red]PROBLEM[/red]: {problem}")
+    return 1
+
+
+async def _migrate(console: Console, db: str) -> int:
+    from checkpointers import SqlCheckpointer
+
+    from .database import create_engine
+    from .sinks import setup_sink
+    from .stores.sql import SqlLeaseRepository
+
+    engine = create_engine(db)
+    try:
+        await SqlLeaseRepository(engine).setup()
+        await SqlCheckpointer(engine).setup()
+        await setup_sink(engine)
+    finally:
+        await engine.dispose()
+    console.print("migrated: leases, checkpoints, sink")
+    return 0
+
+
+async def _executions(console: Console, db: str, status: str | None, limit: int) -> int:
+    from sqlalchemy import select
+
+    from .database import create_engine
+    from .schema import LEASES
+
+    if limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {limit}")
+    engine = create_engine(db)
+    try:
+        query: Any = select(LEASES).order_by(LEASES.c.updated_at.desc()).limit(limit)
+        if status is not None:
+            query = query.where(LEASES.c.status == status)
+        async with engine.connect() as conn:
+            rows = (await conn.execute(query)).all()
+    finally:
+        await engine.dispose()
+    table = Table(title="dead-lettered executions" if status == "dead_lettered" else "executions")
+    for column in ("scope key", "status", "token", "holder", "pending effect", "reason"):
+        table.add_column(column)
+    for row in rows:
+        pending = "" if row.pending_effect is None else f"{row.pending_effect} @ {row.pending_node}"
+        table.add_row(
+            row.scope_key,
+            row.status,
+            str(row.epoch),
+            row.holder or "",
+            pending,
+            row.reason or "",
+        )
+    console.print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -146,7 +146,13 @@ class RunHandle:
             and isinstance(error, ExecutionFencedError)
         ):
             self.error = error
-            logger.warning("execution %s fenced at token %s: %s", self.scope_key, self.token, error)
+            logger.warning(
+                "execution %s %s at token %s: %s",
+                self.scope_key,
+                "fenced" if isinstance(error, ExecutionFencedError) else "lost its lease",
+                self.token,
+                error,
+            )
             for listener in list(self._listeners):
                 try:
                     listener(error)

@@ -351,6 +351,7 @@ class Instance:
         if found is not None:
             handle.record(found)
         if handle.error is not None:
+            await self._classify_loss(handle)
             raise handle.error
         if _contains(exc, ExecutionDeadLetteredError):
             dead = _first(exc, ExecutionDeadLetteredError)
@@ -368,6 +369,22 @@ class Instance:
         else:
             reason = f"{type(exc).__name__}: {exc}"
         await self._release(run, LeaseStatus.FAILED, reason)
+
+    async def _classify_loss(self, handle: RunHandle) -> None:
+        """After a lapse, ask the store once whether the run was taken over.
+
+        A run that only lost track of its lease raises ``ExecutionLeaseLostError``; if the
+        store shows a newer token, the caller gets the ``ExecutionFencedError`` instead. One
+        round trip, on the failure path only, bounded by the renew interval.
+        """
+        if isinstance(handle.error, ExecutionFencedError):
+            return
+        try:
+            await asyncio.wait_for(handle.renew(), timeout=self.renew_interval)
+        except (ExecutionLeaseLostError, TimeoutError):
+            pass
+        except Exception:
+            logger.warning("could not classify the loss of %s", handle.scope_key, exc_info=True)
 
     async def _release(self, run: _Run, status: LeaseStatus, reason: str | None) -> None:
         handle = run.handle

@@ -154,8 +154,14 @@ class _Step:
         task = asyncio.current_task()
         if task is not None:
 
+            cancelled: list[bool] = []
+
             def cancel_step(error: BaseException) -> None:
-                task.cancel(f"langgraph-fence: {error}")
+                # Once: a lapse (lost) followed by the store's answer (fenced) must not
+                # cancel the step's handling of the first cancellation.
+                if not cancelled:
+                    cancelled.append(True)
+                    task.cancel(f"langgraph-fence: {error}")
 
             self._unsubscribe = self.handle.on_stop(cancel_step)
 
