@@ -259,9 +259,10 @@ async def fenced_write(
 ) -> AsyncIterator[FencedWrite]:
     """Fence one write made on ``conn`` inside the caller's transaction; exactly-once per key.
 
-    Usage::
+    Usage (``engine.begin()`` on an engine of your own; on one made by
+    :func:`langgraph_fence.database.create_engine`, use ``transaction(engine)``)::
 
-        async with engine.connect() as conn, conn.begin():
+        async with engine.begin() as conn:
             async with fenced_write(conn, fence, f"charge:{order_id}") as write:
                 if write.applied:
                     receipt = write.result
@@ -274,8 +275,9 @@ async def fenced_write(
     a mark above the token refuses the write with the error ``fence.fenced(mark)`` returns,
     which also stops the run's whole tree; (2) the idempotency key is claimed; a key applied
     before is reported through ``write.applied`` and ``write.result``. When the block ends
-    normally the recorded result is stored with the key. Everything commits or rolls back
-    with the caller's transaction.
+    normally the recorded result is stored with the key (``write.record`` only keeps it until
+    then), and an error leaving the block withdraws the claim. Everything commits or rolls
+    back with the caller's transaction.
 
     Guarantee: exactly-once for writes made through this sink on ``conn`` in the same
     transaction; a token equal to the mark passes and the mark never goes down. Keyed by
