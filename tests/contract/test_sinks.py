@@ -11,6 +11,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from langgraph_fence import (
     ExecutionContextUnavailableError,
@@ -27,8 +28,9 @@ from langgraph_fence import (
     LeaseKey,
     LeaseStatus,
     MemoryLeaseRepository,
+    sinks,
 )
-from langgraph_fence.database import transaction
+from langgraph_fence.database import normalize_url, transaction
 from langgraph_fence.fence import RunHandle
 from langgraph_fence.sinks import (
     FencedWrite,
@@ -37,7 +39,7 @@ from langgraph_fence.sinks import (
     setup_sink,
 )
 from langgraph_fence.testing import ManualClock
-from tests.conftest import SQL_BACKENDS, unique
+from tests.conftest import SQL_BACKENDS, pg_engine_options, unique
 
 LEASE_TTL = 10.0  # on the lease store's manual clock
 HOLD_TTL = 3600.0  # on the handle's real clock: local checks never expire inside a test
@@ -538,16 +540,18 @@ async def test_a_writer_blocked_behind_the_applier_sees_its_result(
     assert await mark_of(engines[0], scope) == 2
 
 
+@pytest.mark.parametrize("mark_exists", [False, True], ids=["new-mark", "existing-mark"])
 @pytest.mark.parametrize("isolation", ["READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE"])
 async def test_postgresql_race_on_one_key_at_each_isolation_level(
-    make_engine: Callable[[str], AsyncEngine], isolation: str
+    make_engine: Callable[[str], AsyncEngine], isolation: str, mark_exists: bool
 ) -> None:
     """Two instances on two engines: one applies, the other waits, then skips with its result.
 
     The waiter's transaction has its snapshot before the applier commits. At READ COMMITTED
-    it simply waits on the mark's row lock and then reads the committed key. At REPEATABLE
-    READ and SERIALIZABLE PostgreSQL fails it with a serialization failure instead; the user
-    retries the whole transaction (as :func:`write_with_retry` does) and then skips.
+    it simply waits (on the mark's row lock, or on its primary key for a new execution) and
+    then reads the committed key. At REPEATABLE READ and SERIALIZABLE PostgreSQL fails it
+    with a serialization failure instead; the user retries the whole transaction (as
+    :func:`write_with_retry` does) and then skips.
     """
     first_engine, second_engine = make_engine("postgresql"), make_engine("postgresql")
     await setup_sink(first_engine)
@@ -556,6 +560,8 @@ async def test_postgresql_race_on_one_key_at_each_isolation_level(
     try:
         (holder,) = await takeovers(1)
         scope = holder.scope_key
+        if mark_exists:
+            await write_with_retry(first_engine, holder, "earlier", "earlier")
         applied = asyncio.Event()
         may_commit = asyncio.Event()
         waiter_pid: list[int] = []
@@ -596,7 +602,8 @@ async def test_postgresql_race_on_one_key_at_each_isolation_level(
         else:
             assert second.retries >= 1, "a snapshot older than the commit must be refused"
             assert all(is_serialization_failure(e) for e in second.errors)
-        assert await user_rows(first_engine, scope) == [("k", 1, "applier")]
+        rows = await user_rows(first_engine, scope)
+        assert [r for r in rows if r[0] == "k"] == [("k", 1, "applier")]
     finally:
         await first_engine.dispose()
         await second_engine.dispose()
@@ -756,6 +763,74 @@ async def test_a_fence_kept_past_its_step_is_refused(engine: AsyncEngine) -> Non
         async with transaction(engine) as conn, fenced_write(conn, fence, "k"):
             pass
     assert await mark_of(engine, fence.scope_key) is None
+
+
+async def test_a_plain_sqlalchemy_engine_of_the_users_works(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """The documented usage on an engine the user made: ``engine.begin()``, default isolation."""
+    if backend == "postgresql":
+        url, schema = request.getfixturevalue("pg_schema")
+        dsn = normalize_url(url).render_as_string(hide_password=False)
+        plain = create_async_engine(dsn, **pg_engine_options(schema))
+    else:
+        plain = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'plain.db'}")
+    try:
+        assert await setup_sink(plain) == 1
+        (holder,) = await takeovers(1)
+        fence = ExecutionFence(holder)
+        seen = []
+        for _attempt in range(2):
+            async with plain.begin() as conn, fenced_write(conn, fence, "charge:42") as write:
+                seen.append(write.applied)
+                if not write.applied:
+                    write.record({"payment_id": 7})
+        assert seen == [False, True]
+        assert await applied_rows(plain, fence.scope_key) == {"charge:42": (1, {"payment_id": 7})}
+    finally:
+        await plain.dispose()
+
+
+async def test_sqlite_busy_counts_as_a_conflict_to_retry(tmp_path: Path) -> None:
+    """A deferred SQLite transaction that cannot take the write lock: the user retries it."""
+    plain = create_async_engine(
+        f"sqlite+aiosqlite:///{tmp_path / 'busy.db'}", connect_args={"timeout": 0.01}
+    )
+    try:
+        await setup_sink(plain)
+        old, new = await takeovers(2)
+        async with plain.connect() as first, plain.connect() as second:
+            await first.begin()
+            await second.begin()
+            async with fenced_write(first, ExecutionFence(new), "k") as write:
+                write.record(None)
+            with pytest.raises(DBAPIError) as busy:
+                async with fenced_write(second, ExecutionFence(old), "k"):
+                    pass
+            assert is_serialization_failure(busy.value)
+            await first.commit()
+            await second.rollback()
+        assert old.error is None, "a lock timeout is not a refusal"
+        assert await mark_of(plain, new.scope_key) == 2
+    finally:
+        await plain.dispose()
+
+
+def test_the_reference_sql_in_the_docs_is_the_sql_the_sink_runs() -> None:
+    doc = " ".join((Path(__file__).parents[2] / "docs" / "exactly-once.md").read_text().split())
+    for statement in (sinks.CHECK_AND_RAISE_MARK_SQL, sinks.CLAIM_KEY_SQL):
+        sqlite_form = " ".join(statement.split())
+        assert sqlite_form.removesuffix("RETURNING token") in doc
+        postgres_form = (
+            sqlite_form.replace(":scope_key", "$1")
+            .replace(":token", "$2")
+            .replace(":idempotency_key", "$3")
+        )
+        assert postgres_form.removesuffix("RETURNING token") in doc
+    for migration in sinks.SINK_MIGRATIONS:
+        for ddl in (*migration.sqlite, *migration.postgresql):
+            assert isinstance(ddl, str)
+            assert " ".join(ddl.split()).rstrip(" )") in doc
 
 
 def test_is_serialization_failure_is_false_for_other_errors() -> None:
