@@ -27,6 +27,7 @@ from .context import get_execution_context
 from .database import create_engine
 from .effects import Effect
 from .errors import ExecutionLeaseLostError, find_fence_error
+from .executions import SqlExecutionRecords
 from .faults import StallableRepository, StallGate
 from .instance import Instance
 from .lease import LeaseKey
@@ -210,6 +211,8 @@ async def _run(
     saver = saver_cls(engine)
     await saver.setup()
     await setup_sink(engine)
+    records = SqlExecutionRecords(engine)
+    await records.setup()
     async with engine.begin() as conn:
         await conn.execute(
             text(
@@ -226,6 +229,7 @@ async def _run(
             lease_ttl=LEASE_TTL,
             renew_interval=RENEW_INTERVAL,
             sleep=gate.gated_sleep(asyncio.sleep),
+            records=records,
         )
         for name, gate in gates.items()
     }

@@ -99,6 +99,10 @@ class StallableRepository:
         await self.gate.wait()
         return await self.inner.takeover_candidates(limit)
 
+    async def take_over(self, candidate: Lease, holder: str, ttl: float) -> Lease | None:
+        await self.gate.wait()
+        return await self.inner.take_over(candidate, holder, ttl)
+
     async def now(self) -> float:
         await self.gate.wait()
         return await self.inner.now()

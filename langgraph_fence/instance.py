@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from langchain_core.runnables import RunnableConfig
 from langgraph.errors import GraphDrained
 from langgraph.runtime import RunControl
+from langgraph.types import Command
 
 from .errors import (
     ExecutionDeadLetteredError,
@@ -31,8 +32,14 @@ from .errors import (
     ExecutionLeaseLostError,
     find_fence_error,
 )
+from .executions import (
+    ExecutionRecord,
+    ExecutionRecords,
+    MemoryExecutionRecords,
+    SqlExecutionRecords,
+)
 from .fence import FENCE_CONFIG_KEY, RunHandle, safety_margin
-from .lease import ExecutionLeaseRepository, LeaseKey, LeaseStatus, validate_ttl
+from .lease import ExecutionLeaseRepository, Lease, LeaseKey, LeaseStatus, validate_ttl
 from .nodes import _contains
 
 if TYPE_CHECKING:
@@ -82,6 +89,9 @@ class Instance:
             ``lease_ttl``.
         clock: this process's clock for confirmed windows (default ``time.monotonic``).
         sleep: how timers wait (default ``asyncio.sleep``); tests pass a controlled one.
+        records: where each execution's graph name, thread and input are recorded so any
+            instance's :meth:`serve` can resume it (default: in memory, this process only;
+            :meth:`open` keeps them in the database).
     """
 
     def __init__(
@@ -94,6 +104,7 @@ class Instance:
         renew_interval: float | None = None,
         clock: Callable[[], float] | None = None,
         sleep: Sleep | None = None,
+        records: ExecutionRecords | None = None,
     ) -> None:
         from .checkpoint import FencedCheckpointer
 
@@ -121,11 +132,16 @@ class Instance:
         )
         self.clock = clock or time.monotonic
         self._sleep: Sleep = sleep or asyncio.sleep
+        self.records: ExecutionRecords = (
+            records if records is not None else MemoryExecutionRecords()
+        )
         self._runs: set[_Run] = set()
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, url: str, **options: Any) -> AsyncIterator[Instance]:
+    async def open(
+        cls, url: str, *, engine_options: Mapping[str, Any] | None = None, **options: Any
+    ) -> AsyncIterator[Instance]:
         """Open an instance on one database: its lease table and checkpoints side by side.
 
         Creates the engine, the :class:`~langgraph_fence.SqlLeaseRepository` and the
@@ -135,6 +151,7 @@ class Instance:
 
         Args:
             url: ``sqlite+aiosqlite:///path.db`` or ``postgresql+asyncpg://...``.
+            engine_options: passed to :func:`langgraph_fence.database.create_engine`.
             **options: :class:`Instance` options (``instance_id``, ``lease_ttl``,
                 ``renew_interval``, ``clock``, ``sleep``).
         """
@@ -143,13 +160,15 @@ class Instance:
         from .database import create_engine
         from .stores.sql import SqlLeaseRepository
 
-        engine = create_engine(url)
+        engine = create_engine(url, **dict(engine_options or {}))
         try:
             repository = SqlLeaseRepository(engine)
             await repository.setup()
             saver = SqlCheckpointer(engine)
             await saver.setup()
-            instance = cls(repository, saver, **options)
+            records = SqlExecutionRecords(engine)
+            await records.setup()
+            instance = cls(repository, saver, records=records, **options)
             try:
                 yield instance
             finally:
@@ -172,6 +191,7 @@ class Instance:
         *,
         tenant_id: str,
         execution_id: str | None = None,
+        graph_name: str | None = None,
         **kwargs: Any,
     ) -> Any:
         """Run ``graph`` to its end (or an interrupt) under the execution's lease.
@@ -186,6 +206,8 @@ class Instance:
             config: the run config; ``config["configurable"]["thread_id"]`` is required.
             tenant_id: the tenant the execution belongs to.
             execution_id: the lease's execution id (default: the thread id).
+            graph_name: the name :meth:`serve` finds the graph under when another instance
+                takes the execution over (default: ``graph.name``).
             **kwargs: passed to ``graph.ainvoke`` (``durability``, ``context``, ...).
 
         Raises:
@@ -197,7 +219,9 @@ class Instance:
                 write may have happened and is not repeated).
             ValueError: bad arguments, before anything runs.
         """
-        async with self._run(graph, input, config, tenant_id, execution_id, kwargs) as run:
+        async with self._run(
+            graph, input, config, tenant_id, execution_id, kwargs, graph_name=graph_name
+        ) as run:
             return await graph.ainvoke(input, run.config, control=run.control, **kwargs)
 
     async def astream(
@@ -208,12 +232,166 @@ class Instance:
         *,
         tenant_id: str,
         execution_id: str | None = None,
+        graph_name: str | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[Any]:
         """Stream ``graph`` under the execution's lease; see :meth:`ainvoke`."""
-        async with self._run(graph, input, config, tenant_id, execution_id, kwargs) as run:
+        async with self._run(
+            graph, input, config, tenant_id, execution_id, kwargs, graph_name=graph_name
+        ) as run:
             async for chunk in graph.astream(input, run.config, control=run.control, **kwargs):
                 yield chunk
+
+    # -- taking executions over
+
+    async def serve(
+        self,
+        graphs: Mapping[str, Any],
+        *,
+        concurrency: int = 4,
+        poll_interval: float = 1.0,
+        stop: asyncio.Event | None = None,
+        handle_signals: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        """Take over expired executions and run them to their end, until ``stop`` is set.
+
+        Every ``poll_interval`` seconds the loop asks the store for executions whose lease
+        expired (their instance died or froze) or that were handed back, and takes each
+        over in ONE guarded statement that also decides its fate: an execution found with a
+        ``NON_IDEMPOTENT_WRITE`` stamp standing is dead-lettered (the write may have
+        happened; the reason names the node and the token that stamped it), any other is
+        taken (epoch + 1) and resumed from its last checkpoint, or from its recorded input
+        if it died before its first checkpoint. Two instances never both take, or both
+        dead-letter, one execution. An execution whose graph is not in ``graphs`` is left
+        untouched (and logged once).
+
+        On ``stop`` (or SIGTERM / SIGINT with ``handle_signals``) the loop takes no more
+        work, drains its running graphs at their next superstep boundary, and releases
+        their leases as ``pending`` so another instance resumes them at once.
+
+        Args:
+            graphs: graph name -> graph compiled with ``checkpointer=instance.checkpointer``.
+            concurrency: how many executions this loop runs at once.
+            poll_interval: seconds between looks at the store.
+            stop: set it to stop the loop gracefully.
+            handle_signals: set ``stop`` on SIGTERM and SIGINT (main thread only).
+            **kwargs: passed to each ``graph.ainvoke`` (``durability``, ...).
+        """
+        from .checkpoint import FencedCheckpointer
+
+        if not isinstance(graphs, Mapping) or not graphs:
+            raise ValueError("graphs must be a non-empty mapping of graph name -> graph")
+        for name, graph in graphs.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"graph names must be non-empty str, got {name!r}")
+            if not isinstance(getattr(graph, "checkpointer", None), FencedCheckpointer):
+                raise ValueError(
+                    f"graphs[{name!r}] was compiled without a fenced checkpointer: compile it "
+                    "with builder.compile(checkpointer=instance.checkpointer)"
+                )
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
+        poll = validate_ttl(poll_interval, name="poll_interval")
+        stop = stop if stop is not None else asyncio.Event()
+        remove_signals = _on_signals(stop) if handle_signals else (lambda: None)
+        running: dict[asyncio.Task[None], list[_Run]] = {}
+        ignored: set[LeaseKey] = set()
+        logger.info("instance %s serves %s", self.instance_id, sorted(graphs))
+        try:
+            while not stop.is_set():
+                free = concurrency - len(running)
+                if free > 0:
+                    await self._take_work(graphs, free, running, ignored, kwargs)
+                waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait())]
+                waiters.extend(running)
+                await asyncio.wait(waiters, timeout=poll, return_when=asyncio.FIRST_COMPLETED)
+                waiters[0].cancel()
+                for task in [t for t in running if t.done()]:
+                    running.pop(task)
+        finally:
+            remove_signals()
+            for runs in running.values():
+                for run in runs:
+                    run.control.request_drain("langgraph-fence: the instance is stopping")
+            if running:
+                await asyncio.gather(*running, return_exceptions=True)
+            logger.info("instance %s stopped serving", self.instance_id)
+
+    async def _take_work(
+        self,
+        graphs: Mapping[str, Any],
+        free: int,
+        running: dict[asyncio.Task[None], list[_Run]],
+        ignored: set[LeaseKey],
+        kwargs: Mapping[str, Any],
+    ) -> None:
+        try:
+            candidates = await self.repository.takeover_candidates(limit=free * 4)
+        except Exception:
+            logger.warning("could not read takeover candidates", exc_info=True)
+            return
+        for candidate in candidates:
+            if free <= 0:
+                return
+            record = await self.records.get(candidate.key)
+            if record is None or record.graph not in graphs:
+                if candidate.key not in ignored:
+                    ignored.add(candidate.key)
+                    logger.warning(
+                        "execution %s is expired but its graph %r is not served here: left "
+                        "untouched",
+                        candidate.scope_key,
+                        None if record is None else record.graph,
+                    )
+                continue
+            taken = await self.repository.take_over(candidate, self.instance_id, self.lease_ttl)
+            if taken is None:
+                continue  # renewed by its holder or taken by another instance meanwhile
+            if taken.status is LeaseStatus.DEAD_LETTERED:
+                logger.warning("execution %s dead-lettered: %s", taken.scope_key, taken.reason)
+                continue
+            runs: list[_Run] = []
+            task = asyncio.create_task(
+                self._resume(graphs[record.graph], record, taken, runs, kwargs),
+                name=f"resume {taken.scope_key}",
+            )
+            running[task] = runs
+            free -= 1
+
+    async def _resume(
+        self,
+        graph: Any,
+        record: ExecutionRecord,
+        taken: Lease,
+        runs: list[_Run],
+        kwargs: Mapping[str, Any],
+    ) -> None:
+        config: RunnableConfig = {"configurable": {"thread_id": record.thread_id}}
+        try:
+            has_checkpoint = await graph.checkpointer.aget_tuple(config) is not None
+            input = None if has_checkpoint else record.input
+            logger.info(
+                "resuming %s at token %d from its %s",
+                taken.scope_key,
+                taken.epoch,
+                "last checkpoint" if has_checkpoint else "recorded input",
+            )
+            async with self._run(
+                graph,
+                input,
+                config,
+                taken.key.tenant_id,
+                taken.key.execution_id,
+                kwargs,
+                taken=taken,
+            ) as run:
+                runs.append(run)
+                await graph.ainvoke(input, run.config, control=run.control, **kwargs)
+        except GraphDrained:
+            logger.info("run %s drained and handed back", taken.scope_key)
+        except Exception:
+            logger.warning("resumed run %s ended with an error", taken.scope_key, exc_info=True)
 
     # -- the life of one run
 
@@ -297,9 +475,17 @@ class Instance:
         tenant_id: str,
         execution_id: str | None,
         kwargs: Mapping[str, Any],
+        *,
+        graph_name: str | None = None,
+        taken: Lease | None = None,
     ) -> AsyncIterator[_Run]:
         key, base = self._prepare(graph, config, tenant_id, execution_id, kwargs)
-        handle = await self._acquire(key, reopen=input is not None)
+        if graph_name is not None and (not isinstance(graph_name, str) or not graph_name):
+            raise ValueError(f"graph_name must be a non-empty str, got {graph_name!r}")
+        if taken is None:
+            handle = await self._acquire(key, reopen=input is not None)
+        else:
+            handle = RunHandle(self.repository, taken, self.lease_ttl, clock=self.clock)
         control = RunControl()
         run_config: dict[str, Any] = dict(base)
         run_config["configurable"] = {
@@ -324,6 +510,17 @@ class Instance:
         )
         try:
             try:
+                if taken is None and input is not None and not isinstance(input, Command):
+                    # Before the graph runs: if this process dies before the first checkpoint
+                    # lands, the instance that takes over starts again from this input.
+                    await self.records.record(
+                        ExecutionRecord(
+                            key,
+                            graph_name or str(getattr(graph, "name", None) or "LangGraph"),
+                            str(base["configurable"]["thread_id"]),
+                            input,
+                        )
+                    )
                 yield run
             finally:
                 await _cancel_all(run.timers)
@@ -418,6 +615,29 @@ class Instance:
                 except ExecutionLeaseLostError:
                     return
             await self._sleep(max(remaining, 0.0) + 1e-3)
+
+
+def _on_signals(stop: asyncio.Event) -> Callable[[], None]:
+    """Set ``stop`` on SIGTERM and SIGINT; returns how to undo it."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    loop = asyncio.get_running_loop()
+    installed = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+        except (NotImplementedError, RuntimeError):
+            pass
+
+    def remove() -> None:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+    return remove
 
 
 def _refusal(key: LeaseKey, current: Any, me: str) -> str:

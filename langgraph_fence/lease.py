@@ -30,12 +30,14 @@ __all__ = [
     "LeaseStatus",
     "PendingEffect",
     "clean_reason",
+    "dead_letter_reason",
     "decide_acquire",
     "decide_clear_pending_effect",
     "decide_dead_letter",
     "decide_mark_pending_effect",
     "decide_release",
     "decide_renew",
+    "decide_take_over",
     "is_takeover_candidate",
     "release_status",
     "validate_holder",
@@ -380,6 +382,55 @@ def decide_dead_letter(
     )
 
 
+def dead_letter_reason(effect: PendingEffect, epoch: int, holder: str) -> str:
+    """Why a takeover dead-lettered an execution found mid non-idempotent write."""
+    return (
+        f"taken over at token {epoch} by {holder}: node '{effect.node}' stamped a "
+        f"non-idempotent write at token {effect.token} that was never cleared; it may have "
+        "happened, so the execution is not repeated"
+    )
+
+
+def decide_take_over(
+    current: Lease | None, candidate: Lease, holder: str, ttl: float, now: float
+) -> Lease | None:
+    """Take over an execution found as a takeover candidate, deciding its fate at once.
+
+    ``None`` when it is no longer the candidate that was found (its holder renewed it, or
+    another instance took it: the epoch moved or it is no longer expired). Otherwise the
+    epoch goes + 1 and, with a ``NON_IDEMPOTENT_WRITE`` stamp standing, the execution is
+    dead-lettered (the stamp is kept for inspection); with any other stamp (or none) it is
+    taken for ``holder`` and an idempotent stamp is cleared: the resumed run stamps again
+    before it repeats that write.
+    """
+    _validate_holder(holder)
+    ttl = validate_ttl(ttl)
+    if current is None or current.epoch != candidate.epoch:
+        return None
+    if not is_takeover_candidate(current, now):
+        return None
+    epoch = current.epoch + 1
+    stamp = current.pending_effect
+    if stamp is not None and stamp.effect is Effect.NON_IDEMPOTENT_WRITE:
+        return replace(
+            current,
+            holder=None,
+            epoch=epoch,
+            expires_at=None,
+            status=LeaseStatus.DEAD_LETTERED,
+            reason=dead_letter_reason(stamp, epoch, holder),
+        )
+    return replace(
+        current,
+        holder=holder,
+        epoch=epoch,
+        expires_at=now + ttl,
+        status=LeaseStatus.RUNNING,
+        pending_effect=None,
+        reason=None,
+    )
+
+
 @runtime_checkable
 class ExecutionLeaseRepository(Protocol):
     """The lease contract every store implements (memory, SQLite, PostgreSQL).
@@ -437,6 +488,16 @@ class ExecutionLeaseRepository(Protocol):
 
     async def takeover_candidates(self, limit: int = 100) -> Sequence[Lease]:
         """Leases any instance may take now: running and expired, or pending and free."""
+        ...
+
+    async def take_over(self, candidate: Lease, holder: str, ttl: float) -> Lease | None:
+        """Take a candidate over and decide its fate, in one guarded statement.
+
+        ``None`` when the candidate moved on since it was read (renewed, or taken by another
+        instance). Otherwise epoch + 1 and either ``running`` for ``holder``, or
+        ``dead_lettered`` when a ``NON_IDEMPOTENT_WRITE`` stamp stands: two instances never
+        both resume, or both dead-letter, one execution.
+        """
         ...
 
     async def now(self) -> float:

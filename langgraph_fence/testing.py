@@ -85,18 +85,21 @@ class Leases:
     def __init__(self, engine: AsyncEngine, clock: ManualClock) -> None:
         from checkpointers import SqlCheckpointer
 
+        from .executions import SqlExecutionRecords
         from .stores.sql import SqlLeaseRepository
 
         self.clock = clock
         self.engine = engine
         self.store = SqlLeaseRepository(engine, clock=clock)
         self.saver = SqlCheckpointer(engine)
+        self.records = SqlExecutionRecords(engine)
         self._gates: dict[str, StallGate] = {}
 
     async def setup(self) -> None:
         """Create the tables (the fixture does this)."""
         await self.store.setup()
         await self.saver.setup()
+        await self.records.setup()
 
     def instance(
         self, name: str, *, lease_ttl: float = 30.0, renew_interval: float | None = None
@@ -116,6 +119,7 @@ class Leases:
             renew_interval=renew_interval,
             clock=self.clock,
             sleep=gate.gated_sleep(self.clock.sleep),
+            records=self.records,
         )
 
     def _gate(self, instance: Instance) -> StallGate:

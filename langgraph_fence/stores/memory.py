@@ -18,6 +18,7 @@ from ..lease import (
     decide_mark_pending_effect,
     decide_release,
     decide_renew,
+    decide_take_over,
     is_takeover_candidate,
 )
 from .common import check_key, check_lease, check_limit
@@ -126,3 +127,14 @@ class MemoryLeaseRepository:
         found = [lease for lease in self._rows.values() if is_takeover_candidate(lease, now)]
         found.sort(key=lambda lease: (lease.expires_at or 0.0, lease.scope_key))
         return found[:limit]
+
+    async def take_over(self, candidate: Lease, holder: str, ttl: float) -> Lease | None:
+        """Take a candidate over and decide its fate (resume or dead-letter), guarded."""
+        check_lease(self, candidate)
+        async with self._lock:
+            taken = decide_take_over(
+                self._rows.get(candidate.key), candidate, holder, ttl, self._clock()
+            )
+            if taken is not None:
+                self._rows[candidate.key] = taken
+            return taken

@@ -1,0 +1,378 @@
+"""Takeover by any instance: serve() resumes, dead-letters, skips, and stops gracefully.
+
+In the manner of the nr-llm ADR-112 suite, on a real SQLite store and checkpointer with a
+controlled clock (the ``leases`` fixture), and the stamp order on both kinds of saver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import operator
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, TypedDict
+
+import pytest
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import RetryPolicy
+
+from langgraph_fence import (
+    Effect,
+    ExecutionFencedError,
+    Lease,
+    LeaseKey,
+    LeaseStatus,
+    MemoryLeaseRepository,
+)
+from langgraph_fence.context import get_execution_context
+from langgraph_fence.executions import ExecutionRecord
+from langgraph_fence.instance import Instance
+from langgraph_fence.nodes import fence_graph
+from langgraph_fence.testing import Leases
+from tests.conftest import unique
+
+worker: contextvars.ContextVar[str] = contextvars.ContextVar("worker", default="?")
+
+
+class Order(TypedDict, total=False):
+    order: str
+    log: Annotated[list[str], operator.add]
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], within: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within
+    while not await check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("the condition did not hold in time")
+        await asyncio.sleep(0.01)
+
+
+class Shop:
+    """An order graph whose charge step can hold instance A inside it."""
+
+    def __init__(self, effect: Effect) -> None:
+        self.effect = effect
+        self.charges: list[tuple[str, int]] = []
+        self.a_inside = asyncio.Event()
+        self.a_go = asyncio.Event()
+
+    def graph(self, instance: Instance) -> Any:
+        async def prepare(state: Order) -> dict[str, Any]:
+            return {"log": [f"prepare by {worker.get()}"]}
+
+        async def charge(state: Order) -> dict[str, Any]:
+            token = get_execution_context().fence.token
+            self.charges.append((worker.get(), token))
+            if worker.get() == "A":
+                self.a_inside.set()
+                await self.a_go.wait()
+            return {"log": [f"charge at token {token}"]}
+
+        async def finish(state: Order) -> dict[str, Any]:
+            return {"log": ["finish"]}
+
+        builder = StateGraph(Order)
+        builder.add_node("prepare", prepare)
+        builder.add_node("charge", charge, retry_policy=RetryPolicy(max_attempts=5))
+        builder.add_node("finish", finish)
+        builder.add_edge(START, "prepare")
+        builder.add_edge("prepare", "charge")
+        builder.add_edge("charge", "finish")
+        builder.add_edge("finish", END)
+        return fence_graph(builder, effects={"charge": self.effect}).compile(
+            checkpointer=instance.checkpointer, name="shop"
+        )
+
+
+async def _reap_mid_charge(leases: Leases, effect: Effect) -> tuple[Shop, LeaseKey, Any]:
+    """Run on A until it is inside charge (stamped), stall A, expire its lease, serve on B."""
+    shop = Shop(effect)
+    a, b = leases.instance("A"), leases.instance("B")
+    thread = unique("order")
+    key = LeaseKey("acme", thread)
+
+    async def run_a() -> Any:
+        worker.set("A")
+        return await a.ainvoke(
+            shop.graph(a),
+            {"order": thread, "log": []},
+            {"configurable": {"thread_id": thread}},
+            tenant_id="acme",
+            durability="sync",
+        )
+
+    task_a = asyncio.create_task(run_a())
+    await asyncio.wait_for(shop.a_inside.wait(), 10)
+    leases.stall(a)
+    leases.advance(31.0)
+    stop = asyncio.Event()
+    worker.set("B")
+    serving = asyncio.create_task(
+        b.serve(
+            {"shop": shop.graph(b)},
+            poll_interval=0.02,
+            stop=stop,
+            handle_signals=False,
+            durability="sync",
+        )
+    )
+
+    async def settled() -> bool:
+        lease = await leases.store.get(key)
+        return lease is not None and lease.status in (LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED)
+
+    await eventually(settled)
+    stop.set()
+    await asyncio.wait_for(serving, 10)
+    leases.resume(a)
+    shop.a_go.set()
+    with pytest.raises(ExecutionFencedError):
+        await asyncio.wait_for(task_a, 10)
+    return shop, key, b
+
+
+async def test_a_run_reaped_mid_non_idempotent_write_is_dead_lettered(leases: Leases) -> None:
+    shop, key, _ = await _reap_mid_charge(leases, Effect.NON_IDEMPOTENT_WRITE)
+    lease = await leases.store.get(key)
+    assert lease is not None and lease.status is LeaseStatus.DEAD_LETTERED
+    assert lease.reason is not None
+    assert "'charge'" in lease.reason and "at token 1" in lease.reason
+    # Never repeated, even though the node has retries left.
+    assert shop.charges == [("A", 1)]
+
+
+async def test_a_run_reaped_mid_idempotent_write_is_reclaimed(leases: Leases) -> None:
+    shop, key, b = await _reap_mid_charge(leases, Effect.IDEMPOTENT_WRITE)
+    lease = await leases.store.get(key)
+    assert lease is not None and lease.status is LeaseStatus.DONE and lease.epoch == 2
+    assert lease.pending_effect is None
+    assert shop.charges == [("A", 1), ("B", 2)]
+    state = await shop.graph(b).aget_state({"configurable": {"thread_id": key.execution_id}})
+    assert state.values["log"] == ["prepare by A", "charge at token 2", "finish"]
+
+
+async def test_a_run_renewed_between_the_candidate_query_and_the_take_is_skipped(
+    leases: Leases,
+) -> None:
+    shop = Shop(Effect.IDEMPOTENT_WRITE)
+    b = leases.instance("B")
+    key = LeaseKey("acme", unique("order"))
+    holder = await leases.store.acquire(key, "A", 30.0)
+    assert holder is not None
+    await b.records.record(ExecutionRecord(key, "shop", key.execution_id, {"log": []}))
+    leases.advance(31.0)
+
+    class RenewsRightAfterTheQuery:
+        """Fault point: the holder wakes up between B's candidate query and B's take."""
+
+        def __init__(self) -> None:
+            self.renewed: list[Lease] = []
+
+        async def __call__(self) -> None:
+            assert holder is not None
+            self.renewed.append(await leases.store.renew(holder, 30.0))
+
+    fault = RenewsRightAfterTheQuery()
+    real_candidates = b.repository.takeover_candidates
+
+    async def candidates_then_renew(limit: int = 100) -> Any:
+        found = await real_candidates(limit)
+        if not fault.renewed:
+            await fault()
+        return found
+
+    b.repository.takeover_candidates = candidates_then_renew  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    serving = asyncio.create_task(
+        b.serve({"shop": shop.graph(b)}, poll_interval=0.02, stop=stop, handle_signals=False)
+    )
+    await eventually(lambda: asyncio.sleep(0, bool(fault.renewed)))
+    await asyncio.sleep(0.1)  # several more polls: the renewed lease is not a candidate
+    stop.set()
+    await asyncio.wait_for(serving, 10)
+    lease = await leases.store.get(key)
+    assert lease is not None and lease.holder == "A" and lease.epoch == 1
+    assert shop.charges == []
+
+
+async def test_an_execution_of_an_unknown_graph_is_left_untouched(
+    leases: Leases, caplog: pytest.LogCaptureFixture
+) -> None:
+    b = leases.instance("B")
+    key = LeaseKey("acme", unique("order"))
+    assert await leases.store.acquire(key, "A", 30.0) is not None
+    await b.records.record(ExecutionRecord(key, "payroll", key.execution_id, {"log": []}))
+    leases.advance(31.0)
+    stop = asyncio.Event()
+    with caplog.at_level(logging.WARNING, logger="langgraph_fence"):
+        serving = asyncio.create_task(
+            b.serve(
+                {"shop": Shop(Effect.READ_ONLY).graph(b)},
+                poll_interval=0.02,
+                stop=stop,
+                handle_signals=False,
+            )
+        )
+        await eventually(lambda: asyncio.sleep(0, "not served here" in caplog.text))
+        stop.set()
+        await asyncio.wait_for(serving, 10)
+    lease = await leases.store.get(key)
+    assert lease is not None and lease.status is LeaseStatus.RUNNING and lease.epoch == 1
+    assert caplog.text.count("not served here") == 1  # logged once, not every poll
+
+
+async def test_a_run_that_died_before_its_first_checkpoint_starts_from_its_input(
+    leases: Leases,
+) -> None:
+    shop = Shop(Effect.IDEMPOTENT_WRITE)
+    b = leases.instance("B")
+    key = LeaseKey("acme", unique("order"))
+    assert await leases.store.acquire(key, "A", 30.0) is not None
+    await b.records.record(
+        ExecutionRecord(key, "shop", key.execution_id, {"order": "o", "log": ["input"]})
+    )
+    leases.advance(31.0)
+    stop = asyncio.Event()
+    worker.set("B")
+    serving = asyncio.create_task(
+        b.serve({"shop": shop.graph(b)}, poll_interval=0.02, stop=stop, handle_signals=False)
+    )
+
+    async def done() -> bool:
+        lease = await leases.store.get(key)
+        return lease is not None and lease.status is LeaseStatus.DONE
+
+    await eventually(done)
+    stop.set()
+    await asyncio.wait_for(serving, 10)
+    state = await shop.graph(b).aget_state({"configurable": {"thread_id": key.execution_id}})
+    assert state.values["log"] == ["input", "prepare by B", "charge at token 2", "finish"]
+
+
+async def test_stop_drains_at_a_superstep_and_hands_the_execution_back(leases: Leases) -> None:
+    b, c = leases.instance("B"), leases.instance("C")
+    in_step, release = asyncio.Event(), asyncio.Event()
+    ran: list[tuple[str, str]] = []
+
+    async def first(state: Order) -> dict[str, Any]:
+        ran.append(("first", worker.get()))
+        in_step.set()
+        await release.wait()
+        return {"log": ["first"]}
+
+    async def second(state: Order) -> dict[str, Any]:
+        ran.append(("second", worker.get()))
+        return {"log": ["second"]}
+
+    def build(instance: Instance) -> Any:
+        builder = StateGraph(Order)
+        builder.add_node("first", first)
+        builder.add_node("second", second)
+        builder.add_edge(START, "first")
+        builder.add_edge("first", "second")
+        builder.add_edge("second", END)
+        return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="two")
+
+    key = LeaseKey("acme", unique("order"))
+    assert await leases.store.acquire(key, "dead", 30.0) is not None
+    await b.records.record(ExecutionRecord(key, "two", key.execution_id, {"log": []}))
+    leases.advance(31.0)
+    stop_b = asyncio.Event()
+    worker.set("B")
+    serving_b = asyncio.create_task(
+        b.serve({"two": build(b)}, poll_interval=0.02, stop=stop_b, handle_signals=False)
+    )
+    await asyncio.wait_for(in_step.wait(), 10)
+    stop_b.set()  # SIGTERM: finish the step in flight, then hand the execution back
+    release.set()
+    await asyncio.wait_for(serving_b, 10)
+    lease = await leases.store.get(key)
+    assert lease is not None and lease.status is LeaseStatus.PENDING and lease.holder is None
+    assert ran == [("first", "B")]
+
+    stop_c = asyncio.Event()
+    worker.set("C")
+    serving_c = asyncio.create_task(
+        c.serve({"two": build(c)}, poll_interval=0.02, stop=stop_c, handle_signals=False)
+    )
+
+    async def done() -> bool:
+        current = await leases.store.get(key)
+        return current is not None and current.status is LeaseStatus.DONE
+
+    await eventually(done)  # at once: no lease expiry to wait for (the clock did not move)
+    stop_c.set()
+    await asyncio.wait_for(serving_c, 10)
+    assert ran == [("first", "B"), ("second", "C")]
+
+
+async def test_bad_input_to_serve_is_refused() -> None:
+    instance = Instance(MemoryLeaseRepository(), InMemorySaver())
+    builder = StateGraph(Order)
+    builder.add_node("n", lambda s: {})
+    builder.add_edge(START, "n")
+    plain = builder.compile(checkpointer=InMemorySaver())
+    fenced = builder.compile(checkpointer=instance.checkpointer)
+    for graphs, options, named in [
+        ({}, {}, "graphs"),
+        ({"n": plain}, {}, "instance.checkpointer"),
+        ({"n": fenced}, {"concurrency": 0}, "concurrency"),
+        ({"n": fenced}, {"poll_interval": 0}, "poll_interval"),
+    ]:
+        with pytest.raises(ValueError, match=named):
+            await instance.serve(graphs, handle_signals=False, **options)
+
+
+class Recording:
+    """A lease store that writes down the order of the calls that matter."""
+
+    def __init__(self, inner: Any, events: list[str]) -> None:
+        self.inner = inner
+        self.events = events
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def mark_pending_effect(self, lease: Lease, effect: Any, ttl: float) -> Lease:
+        self.events.append(f"stamp+renew {effect.node}")
+        return await self.inner.mark_pending_effect(lease, effect, ttl)
+
+    async def clear_pending_effect(self, lease: Lease) -> Lease:
+        self.events.append("clear")
+        return await self.inner.clear_pending_effect(lease)
+
+
+@pytest.mark.parametrize("saver_kind", ["sql", "memory"])
+async def test_the_order_is_stamp_renew_effect_clear(leases: Leases, saver_kind: str) -> None:
+    events: list[str] = []
+    store = Recording(leases.store, events)
+    saver = leases.saver if saver_kind == "sql" else InMemorySaver()
+    instance = Instance(store, saver, clock=leases.clock)  # type: ignore[arg-type]
+
+    async def charge(state: Order) -> dict[str, Any]:
+        lease = await leases.store.get(get_execution_context().fence._handle.key)
+        assert lease is not None and lease.pending_effect is not None  # stamped before
+        events.append("effect")
+        return {"log": ["charged"]}
+
+    builder = StateGraph(Order)
+    builder.add_node("charge", charge)
+    builder.add_edge(START, "charge")
+    builder.add_edge("charge", END)
+    graph = fence_graph(builder, effects={"charge": Effect.NON_IDEMPOTENT_WRITE}).compile(
+        checkpointer=instance.checkpointer
+    )
+    thread = unique("order")
+    config: RunnableConfig = {"configurable": {"thread_id": thread}}
+    await instance.ainvoke(graph, {"log": []}, config, tenant_id="acme", durability="sync")
+    if saver_kind == "sql":
+        # Cleared inside the checkpointer's own write of the task: no extra store call.
+        assert events == ["stamp+renew charge", "effect"]
+    else:
+        assert events == ["stamp+renew charge", "effect", "clear"]
+    lease = await leases.store.get(LeaseKey("acme", thread))
+    assert lease is not None and lease.pending_effect is None  # no trace left behind
+    assert lease.status is LeaseStatus.DONE
