@@ -31,6 +31,21 @@ def _parser() -> argparse.ArgumentParser:
         "demo", help="two instances, a stall past the lease, the stale writes refused"
     )
     demo.add_argument("--db", default=None, help=DB_HELP + " (default: a temporary SQLite file)")
+    worker = commands.add_parser(
+        "worker", help="serve: take over expired executions and run them (until SIGTERM)"
+    )
+    worker.add_argument("--db", required=True, help=DB_HELP)
+    worker.add_argument(
+        "--graphs",
+        required=True,
+        metavar="MODULE:FUNCTION",
+        help="a function taking the Instance and returning {graph name: compiled graph}",
+    )
+    worker.add_argument("--concurrency", type=int, default=4)
+    worker.add_argument("--poll-interval", type=float, default=1.0)
+    worker.add_argument("--lease-ttl", type=float, default=30.0)
+    worker.add_argument("--instance-id", default=None)
+    worker.add_argument("--schema", default=None, help="PostgreSQL schema (search_path) to use")
     migrate = commands.add_parser("migrate", help="create or upgrade every table on a database")
     migrate.add_argument("--db", required=True, help=DB_HELP)
     executions = commands.add_parser("executions", help="list executions and their leases")
@@ -51,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return asyncio.run(_demo(console, args.db))
+        if args.command == "worker":
+            return asyncio.run(_worker(console, args))
         if args.command == "migrate":
             return asyncio.run(_migrate(console, args.db))
         if args.command == "executions":
@@ -93,10 +110,47 @@ async def _demo(console: Console, db: str | None) -> int:
     return 1
 
 
+def _load_graphs_factory(spec: str) -> Any:
+    import importlib
+
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"--graphs must be MODULE:FUNCTION, got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"--graphs: cannot import {module_name!r}: {exc}") from exc
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise ValueError(f"--graphs: {spec!r} is not a function of the module")
+    return factory
+
+
+async def _worker(console: Console, args: argparse.Namespace) -> int:
+    from .instance import Instance
+
+    factory = _load_graphs_factory(args.graphs)
+    engine_options: dict[str, Any] = {}
+    if args.schema:
+        engine_options["connect_args"] = {"server_settings": {"search_path": args.schema}}
+    async with Instance.open(
+        args.db,
+        engine_options=engine_options,
+        instance_id=args.instance_id,
+        lease_ttl=args.lease_ttl,
+    ) as instance:
+        graphs = factory(instance)
+        console.print(f"worker {instance.instance_id} serves {sorted(graphs)}")
+        await instance.serve(graphs, concurrency=args.concurrency, poll_interval=args.poll_interval)
+    console.print(f"worker {instance.instance_id} stopped")
+    return 0
+
+
 async def _migrate(console: Console, db: str) -> int:
     from checkpointers import SqlCheckpointer
 
     from .database import create_engine
+    from .executions import SqlExecutionRecords
     from .sinks import setup_sink
     from .stores.sql import SqlLeaseRepository
 
@@ -104,10 +158,11 @@ async def _migrate(console: Console, db: str) -> int:
     try:
         await SqlLeaseRepository(engine).setup()
         await SqlCheckpointer(engine).setup()
+        await SqlExecutionRecords(engine).setup()
         await setup_sink(engine)
     finally:
         await engine.dispose()
-    console.print("migrated: leases, checkpoints, sink")
+    console.print("migrated: leases, checkpoints, execution records, sink")
     return 0
 
 
