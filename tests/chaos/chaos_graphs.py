@@ -1,0 +1,280 @@
+"""Graphs and worker scripts for the real-process chaos tests and the takeover benchmark.
+
+Graph factories, for ``langgraph-fence worker --graphs tests.chaos.chaos_graphs:FUNCTION``
+(each takes the :class:`~langgraph_fence.instance.Instance` and returns ``{name: graph}``):
+
+* :func:`hold_graphs`: ``fence_hold`` = start -> work -> end. A worker started with the
+  ``hold`` script below stops inside ``work`` (a long model call); any other worker runs
+  through it, and writes when it entered ``work`` to ``$LGF_CHAOS_MARK_DIR/<thread>.json``
+  (``time.monotonic()``, the same clock in every process of the machine).
+* :func:`chaos_graphs`: ``chaos_plain`` and ``chaos_sink`` = prepare -> charge -> finish.
+  ``charge`` appends one row per charge to the external table ``chaos_effects``: in
+  ``chaos_plain`` with a plain INSERT (``NON_IDEMPOTENT_WRITE``: at most once), in
+  ``chaos_sink`` through :func:`langgraph_fence.sinks.fenced_write` (``IDEMPOTENT_WRITE``:
+  exactly once). Each node takes a little while, so signals land inside steps.
+
+The ``hold`` script (one run through ``Instance.ainvoke``, held inside ``work``)::
+
+    python -m tests.chaos.chaos_graphs hold URL SCHEMA TENANT THREAD TTL RENEW SIGNAL_FILE
+
+writes SIGNAL_FILE (JSON: token, pid) once inside ``work``, then waits until its run is
+stopped. It prints one JSON line saying how ``ainvoke`` ended, with ``time.monotonic()`` at
+that moment, and exits 3 on ``ExecutionFencedError``, 4 on any other lease loss, 0 when the
+run finished, 1 on anything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import operator
+import os
+import random
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, Any, TypedDict
+
+from langgraph.graph import END, START, StateGraph
+from sqlalchemy import text
+
+from langgraph_fence import Effect, ExecutionFencedError, ExecutionLeaseLostError
+from langgraph_fence.context import get_execution_context
+from langgraph_fence.database import transaction
+from langgraph_fence.instance import Instance
+from langgraph_fence.nodes import fence_graph
+from langgraph_fence.sinks import fenced_write
+
+EXIT_FINISHED = 0
+EXIT_FENCED = 3
+EXIT_LEASE_LOST = 4
+MARK_DIR_ENV = "LGF_CHAOS_MARK_DIR"
+HOLD_GRAPH = "fence_hold"
+PLAIN_GRAPH = "chaos_plain"
+SINK_GRAPH = "chaos_sink"
+
+#: The external table the chaos graphs charge into; no unique key, so a repeat shows.
+CREATE_EFFECTS = """
+CREATE TABLE IF NOT EXISTS chaos_effects (
+    id BIGSERIAL PRIMARY KEY,
+    execution_id TEXT NOT NULL,
+    variant TEXT NOT NULL,
+    token BIGINT NOT NULL,
+    worker TEXT NOT NULL
+)
+"""
+_INSERT_EFFECT = text(
+    "INSERT INTO chaos_effects (execution_id, variant, token, worker) "
+    "VALUES (:execution_id, :variant, :token, :worker)"
+)
+
+
+class State(TypedDict, total=False):
+    log: Annotated[list[str], operator.add]
+
+
+def write_json_atomically(path: Path, payload: dict[str, Any]) -> None:
+    """Create ``path`` holding ``payload`` in one rename (a poller never reads half of it)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(payload))
+    os.replace(partial, path)
+
+
+def _token() -> int:
+    return get_execution_context().fence.token
+
+
+# -- fence_hold: one long node
+
+
+def build_hold_graph(
+    instance: Instance,
+    *,
+    inside_work: Callable[[int], Awaitable[None]] | None = None,
+    mark_dir: Path | None = None,
+) -> Any:
+    """start -> work -> end; ``inside_work(token)`` holds the holder inside ``work``."""
+
+    async def start(state: State) -> dict[str, list[str]]:
+        return {"log": [f"start@{_token()}"]}
+
+    async def work(state: State) -> dict[str, list[str]]:
+        token = _token()
+        if mark_dir is not None:
+            thread = get_execution_context().thread_id
+            write_json_atomically(
+                mark_dir / f"{thread}.json",
+                {"at": time.monotonic(), "token": token, "pid": os.getpid()},
+            )
+        if inside_work is not None:
+            await inside_work(token)
+        return {"log": [f"work@{token}"]}
+
+    async def end(state: State) -> dict[str, list[str]]:
+        return {"log": [f"end@{_token()}"]}
+
+    builder = StateGraph(State)
+    for name, node in (("start", start), ("work", work), ("end", end)):
+        builder.add_node(name, node)
+    builder.add_edge(START, "start")
+    builder.add_edge("start", "work")
+    builder.add_edge("work", "end")
+    builder.add_edge("end", END)
+    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name=HOLD_GRAPH)
+
+
+def hold_graphs(instance: Instance) -> dict[str, Any]:
+    """``--graphs`` factory of the takeover workers: ``fence_hold``, marking ``work``."""
+    mark_dir = os.environ.get(MARK_DIR_ENV)
+    return {HOLD_GRAPH: build_hold_graph(instance, mark_dir=Path(mark_dir) if mark_dir else None)}
+
+
+# -- chaos_plain / chaos_sink: a charge that must not happen twice
+
+
+async def _pause(low: float, high: float) -> None:
+    # Simulated work (a model call): it gives SIGSTOP and SIGKILL a step to land in.
+    await asyncio.sleep(random.uniform(low, high))
+
+
+def build_chaos_graph(instance: Instance, variant: str) -> Any:
+    """prepare -> charge -> finish; ``charge`` appends one row to ``chaos_effects``."""
+    engine = instance.repository.engine  # type: ignore[attr-defined]
+    worker = instance.instance_id
+
+    async def prepare(state: State) -> dict[str, list[str]]:
+        await _pause(0.05, 0.4)
+        return {"log": [f"prepare@{_token()}"]}
+
+    async def charge_plain(state: State) -> dict[str, list[str]]:
+        fence = get_execution_context().fence
+        await _pause(0.02, 0.15)
+        async with engine.connect() as conn:  # autocommit: the row lands at once
+            await conn.execute(
+                _INSERT_EFFECT,
+                {
+                    "execution_id": fence.lease_execution_id,
+                    "variant": variant,
+                    "token": fence.token,
+                    "worker": worker,
+                },
+            )
+        await _pause(0.02, 0.15)
+        return {"log": [f"charge@{fence.token}"]}
+
+    async def charge_sink(state: State) -> dict[str, list[str]]:
+        fence = get_execution_context().fence
+        await _pause(0.02, 0.15)
+        async with transaction(engine) as conn:
+            async with fenced_write(conn, fence, "charge") as write:
+                if not write.applied:
+                    await conn.execute(
+                        _INSERT_EFFECT,
+                        {
+                            "execution_id": fence.lease_execution_id,
+                            "variant": variant,
+                            "token": fence.token,
+                            "worker": worker,
+                        },
+                    )
+                    write.record(fence.token)
+            # Inside the transaction: a stall here holds the sink's row lock, as a slow
+            # commit would.
+            await _pause(0.0, 0.05)
+        await _pause(0.02, 0.15)
+        return {"log": [f"charge@{fence.token}"]}
+
+    async def finish(state: State) -> dict[str, list[str]]:
+        await _pause(0.02, 0.1)
+        return {"log": [f"finish@{_token()}"]}
+
+    if variant == PLAIN_GRAPH:
+        charge, effect = charge_plain, Effect.NON_IDEMPOTENT_WRITE
+    elif variant == SINK_GRAPH:
+        charge, effect = charge_sink, Effect.IDEMPOTENT_WRITE
+    else:
+        raise ValueError(f"unknown chaos graph {variant!r}")
+    builder = StateGraph(State)
+    builder.add_node("prepare", prepare)
+    builder.add_node("charge", charge)
+    builder.add_node("finish", finish)
+    builder.add_edge(START, "prepare")
+    builder.add_edge("prepare", "charge")
+    builder.add_edge("charge", "finish")
+    builder.add_edge("finish", END)
+    return fence_graph(builder, effects={"charge": effect}).compile(
+        checkpointer=instance.checkpointer, name=variant
+    )
+
+
+def chaos_graphs(instance: Instance) -> dict[str, Any]:
+    """``--graphs`` factory of the chaos workers: ``chaos_plain`` and ``chaos_sink``."""
+    return {name: build_chaos_graph(instance, name) for name in (PLAIN_GRAPH, SINK_GRAPH)}
+
+
+# -- the hold script
+
+
+async def hold(
+    url: str,
+    schema: str,
+    tenant: str,
+    thread: str,
+    ttl: float,
+    renew: float,
+    signal_file: Path,
+) -> int:
+    """Run ``fence_hold`` once through ``Instance.ainvoke``, held inside ``work``."""
+    options = {"connect_args": {"server_settings": {"search_path": schema}}}
+    async with Instance.open(
+        url,
+        engine_options=options,
+        instance_id=f"holder-{os.getpid()}",
+        lease_ttl=ttl,
+        renew_interval=renew,
+    ) as instance:
+
+        async def inside_work(token: int) -> None:
+            write_json_atomically(signal_file, {"token": token, "pid": os.getpid()})
+            await asyncio.Event().wait()  # until the run is stopped (cancelled)
+
+        graph = build_hold_graph(instance, inside_work=inside_work)
+        report: dict[str, Any]
+        try:
+            result = await instance.ainvoke(
+                graph,
+                {"log": []},
+                {"configurable": {"thread_id": thread}},
+                tenant_id=tenant,
+                durability="sync",
+            )
+        except BaseException as exc:
+            at = time.monotonic()
+            report = {"result": "error", "raised": type(exc).__name__, "at": at}
+            code = 1
+            if isinstance(exc, ExecutionLeaseLostError):
+                report.update(token_held=exc.token_held, token_seen=exc.token_seen)
+                fenced = isinstance(exc, ExecutionFencedError)
+                report["result"] = "fenced" if fenced else "lease-lost"
+                code = EXIT_FENCED if fenced else EXIT_LEASE_LOST
+            else:
+                report["error"] = repr(exc)
+            print(json.dumps(report), flush=True)
+            return code
+        print(json.dumps({"result": "finished", "state": result}), flush=True)
+        return EXIT_FINISHED
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 8 or argv[0] != "hold":
+        print(__doc__, file=sys.stderr)
+        return 2
+    _, url, schema, tenant, thread, ttl, renew, signal_file = argv
+    return asyncio.run(
+        hold(url, schema, tenant, thread, float(ttl), float(renew), Path(signal_file))
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

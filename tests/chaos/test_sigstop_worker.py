@@ -1,0 +1,242 @@
+"""A worker frozen past its lease (SIGSTOP) stops within one renew interval once continued.
+
+Worker A (``chaos_graphs.py hold``, a process of its own) runs ``fence_hold`` through
+``Instance.ainvoke`` with a 2 s lease renewed every 0.5 s, and signals once inside ``work``
+(a long model call). The test freezes it with SIGSTOP. Worker B is the product's own
+``langgraph-fence worker`` process: once A's lease has expired on PostgreSQL's clock it
+takes the execution over (epoch + 1) and resumes it to ``done``. Then A is continued: its
+``ainvoke`` must raise ``ExecutionFencedError`` (exit code 3) within one renew interval plus
+a small slack, and A must write nothing more: the thread's checkpoint and write rows are the
+same after A's exit as they were when B finished, and no row carries A's token on top of B's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from checkpointers import SqlCheckpointer
+from langgraph_fence import LeaseKey, LeaseStatus, SqlLeaseRepository
+from langgraph_fence.database import create_engine
+from langgraph_fence.executions import SqlExecutionRecords
+from tests.chaos.chaos_graphs import EXIT_FENCED, HOLD_GRAPH
+from tests.conftest import pg_engine_options, unique
+
+pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
+
+ROOT = Path(__file__).parents[2]
+TTL = 2.0
+RENEW = 0.5
+POLL = 0.2
+#: Room for the event loop to wake and one round trip to PostgreSQL, on a busy 2-core box.
+SLACK = 0.75
+DEADLINE = 40.0
+
+T = TypeVar("T")
+
+
+async def poll(probe: Callable[[], Awaitable[T | None]], deadline: float, what: str) -> T:
+    """Call ``probe`` until it returns something, or fail at ``deadline`` (monotonic)."""
+    while True:
+        found = await probe()
+        if found is not None:
+            return found
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def rows_of(engine: AsyncEngine, thread: str) -> tuple[list[Any], list[Any]]:
+    """Every checkpoint and write row of ``thread``, with the token each was written under."""
+    async with engine.connect() as conn:
+        checkpoints = (
+            await conn.execute(
+                text(
+                    "SELECT checkpoint_ns, checkpoint_id, parent_checkpoint_id, fence_token"
+                    " FROM fence_checkpoints WHERE thread_id = :t"
+                    " ORDER BY checkpoint_ns, checkpoint_id"
+                ),
+                {"t": thread},
+            )
+        ).all()
+        writes = (
+            await conn.execute(
+                text(
+                    "SELECT checkpoint_ns, checkpoint_id, task_id, idx, channel, fence_token"
+                    " FROM fence_checkpoint_writes WHERE thread_id = :t"
+                    " ORDER BY checkpoint_ns, checkpoint_id, task_id, idx"
+                ),
+                {"t": thread},
+            )
+        ).all()
+    return [tuple(r) for r in checkpoints], [tuple(r) for r in writes]
+
+
+def tail(path: Path, limit: int = 3000) -> str:
+    return path.read_text(errors="replace")[-limit:] if path.exists() else "<none>"
+
+
+async def stop_process(proc: asyncio.subprocess.Process, *, grace: float) -> None:
+    """Continue, SIGTERM, and SIGKILL after ``grace`` seconds: the process is gone after."""
+    if proc.returncode is not None:
+        return
+    try:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), grace)
+    except (TimeoutError, ProcessLookupError):
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_a_sigstopped_worker_is_fenced_within_one_renew_interval(
+    pg_schema: tuple[str, str], tmp_path: Path
+) -> None:
+    url, schema = pg_schema
+    tenant, thread = unique("tenant"), unique("thread")
+    key = LeaseKey(tenant, thread)
+    inside_work = tmp_path / "inside-work.json"
+    started = time.monotonic()
+    deadline = started + DEADLINE
+
+    engine = create_engine(url, **pg_engine_options(schema))
+    repo = SqlLeaseRepository(engine)
+    await repo.setup()
+    saver = SqlCheckpointer(engine)
+    await saver.setup()
+    await SqlExecutionRecords(engine).setup()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("LGF_CHAOS_MARK_DIR", None)
+    a_out, a_err = tmp_path / "a.out", tmp_path / "a.err"
+    b_out, b_err = tmp_path / "b.out", tmp_path / "b.err"
+    procs: list[asyncio.subprocess.Process] = []
+    try:
+        with a_out.open("wb") as out, a_err.open("wb") as err:
+            worker_a = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "tests.chaos.chaos_graphs",
+                "hold",
+                url,
+                schema,
+                tenant,
+                thread,
+                str(TTL),
+                str(RENEW),
+                str(inside_work),
+                stdout=out,
+                stderr=err,
+                cwd=ROOT,
+                env=env,
+            )
+        procs.append(worker_a)
+        with b_out.open("wb") as out, b_err.open("wb") as err:
+            worker_b = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "langgraph_fence.cli",
+                "-v",
+                "worker",
+                "--db",
+                url,
+                "--schema",
+                schema,
+                "--graphs",
+                "tests.chaos.chaos_graphs:hold_graphs",
+                "--lease-ttl",
+                str(TTL),
+                "--poll-interval",
+                str(POLL),
+                "--instance-id",
+                "worker-B",
+                stdout=out,
+                stderr=err,
+                cwd=ROOT,
+                env=env,
+            )
+        procs.append(worker_b)
+
+        async def a_is_inside_work() -> dict[str, Any] | None:
+            if worker_a.returncode is not None:
+                pytest.fail(f"worker A exited early ({worker_a.returncode}): {tail(a_err)}")
+            if not inside_work.exists():
+                return None
+            found: dict[str, Any] = json.loads(inside_work.read_text())
+            return found
+
+        token_a = int((await poll(a_is_inside_work, deadline, "worker A to enter work"))["token"])
+        os.kill(worker_a.pid, signal.SIGSTOP)
+
+        async def b_finished() -> Any:
+            if worker_b.returncode is not None:
+                pytest.fail(f"worker B exited ({worker_b.returncode}): {tail(b_err)}")
+            lease = await repo.get(key)
+            if lease is not None and lease.status is LeaseStatus.DONE:
+                return lease
+            return None
+
+        lease_b = await poll(b_finished, deadline, "worker B to take over and finish")
+        assert lease_b.epoch == token_a + 1, lease_b
+        state = await saver.aget_tuple({"configurable": {"thread_id": thread, "checkpoint_ns": ""}})
+        assert state is not None
+        token_b = lease_b.epoch
+        assert state.checkpoint["channel_values"]["log"] == [
+            f"start@{token_a}",
+            f"work@{token_b}",
+            f"end@{token_b}",
+        ]
+        checkpoints_before, writes_before = await rows_of(engine, thread)
+        assert any(row[-1] == token_a for row in checkpoints_before)  # A's own, before the stop
+        assert any(row[-1] == token_b for row in checkpoints_before)  # B's, after the take
+
+        continued_at = time.monotonic()
+        os.kill(worker_a.pid, signal.SIGCONT)
+        try:
+            await asyncio.wait_for(worker_a.wait(), RENEW + SLACK + 5.0)
+        except TimeoutError:
+            pytest.fail(f"worker A did not stop after SIGCONT: {tail(a_out)} {tail(a_err)}")
+        exited_after = time.monotonic() - continued_at
+        lines = a_out.read_text().strip().splitlines()
+        assert lines, f"worker A printed nothing: {tail(a_err)}"
+        report = json.loads(lines[-1])
+        assert worker_a.returncode == EXIT_FENCED, (report, tail(a_err))
+        assert report["raised"] == "ExecutionFencedError", report
+        assert report["token_held"] == token_a and report["token_seen"] == token_b, report
+        fenced_after = report["at"] - continued_at  # time.monotonic is one clock per machine
+        assert fenced_after <= RENEW + SLACK, (
+            f"worker A went on for {fenced_after:.3f} s after SIGCONT: more than one renew "
+            f"interval ({RENEW} s) + {SLACK} s"
+        )
+
+        checkpoints_after, writes_after = await rows_of(engine, thread)
+        assert checkpoints_after == checkpoints_before, "A landed a checkpoint after SIGCONT"
+        assert writes_after == writes_before, "A landed a write after SIGCONT"
+        b_checkpoints = {row[1] for row in checkpoints_after if row[-1] == token_b}
+        stale_on_b = [row for row in writes_after if row[1] in b_checkpoints and row[-1] != token_b]
+        assert stale_on_b == [], f"writes under another token on B's checkpoints: {stale_on_b}"
+        lease = await repo.get(key)
+        assert lease is not None and lease.status is LeaseStatus.DONE and lease.epoch == token_b
+        assert (await SqlExecutionRecords(engine).get(key)) is not None
+        print(
+            f"\nA fenced {fenced_after * 1000:.0f} ms after SIGCONT (exit after "
+            f"{exited_after * 1000:.0f} ms); B took over at token {token_b} and finished"
+        )
+    finally:
+        for proc in procs:
+            await stop_process(proc, grace=10.0)
+        await engine.dispose()
+    assert worker_b.returncode == 0, f"worker B did not stop cleanly: {tail(b_err)}"
+    assert HOLD_GRAPH in b_out.read_text()
+    assert time.monotonic() - started < DEADLINE + 15
