@@ -6,11 +6,15 @@ multi-statement transaction opens one explicitly with :func:`transaction`.
 
 SQLite connections leave transaction control to SQLAlchemy and begin every transaction with
 ``BEGIN IMMEDIATE``: a writer takes the write lock up front and waits for it (busy timeout)
-instead of failing with "database is locked" when it upgrades a read lock.
+instead of failing with "database is locked" when it upgrades a read lock. Connections that
+only read (see :func:`read_only`) begin with a plain ``BEGIN``: in WAL mode a reader never
+waits for the writer, and never makes the writers wait.
 """
 
 from __future__ import annotations
 
+import logging
+import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Literal
@@ -21,12 +25,29 @@ from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import StaticPool
 
-__all__ = ["Dialect", "create_engine", "dialect_of", "normalize_url", "transaction"]
+__all__ = [
+    "READ_ONLY",
+    "SINGLE_STATEMENT",
+    "Dialect",
+    "create_engine",
+    "dialect_of",
+    "normalize_url",
+    "read_only",
+    "single_statement",
+    "transaction",
+]
+
+logger = logging.getLogger(__name__)
 
 Dialect = Literal["sqlite", "postgresql"]
 
 SUPPORTED = "'sqlite+aiosqlite:///path.db' or 'postgresql+asyncpg://user@host/db'"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+#: Execution option of a connection that only reads: on SQLite it takes no write lock.
+READ_ONLY = "langgraph_fence_read_only"
+#: Execution option of a connection that runs one statement per transaction: no BEGIN is
+#: sent, the statement commits on its own (it is atomic on its own).
+SINGLE_STATEMENT = "langgraph_fence_single_statement"
 
 
 def normalize_url(url: str | URL) -> URL:
@@ -96,14 +117,48 @@ def configure_sqlite(engine: AsyncEngine) -> None:
         # Let SQLAlchemy, not the driver, decide when a transaction begins.
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+        except sqlite3.OperationalError as exc:
+            # Several processes opening a new file at once: switching to WAL needs the file
+            # to itself and SQLite fails it at once, without the busy handler. WAL is kept in
+            # the file, so whichever connection switches it serves every later one; until
+            # then this connection works in the file's rollback-journal mode.
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            logger.debug("SQLite journal_mode=WAL deferred: %s", exc)
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()
 
     @event.listens_for(engine.sync_engine, "begin")
     def _on_begin(conn: Any) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        options = conn.get_execution_options()
+        if options.get(SINGLE_STATEMENT):
+            return  # the driver runs the statement in autocommit: one step, no lock upgrade
+        if options.get(READ_ONLY):
+            conn.exec_driver_sql("BEGIN")
+        else:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def read_only(engine: AsyncEngine) -> AsyncEngine:
+    """A view of ``engine`` (same pool) for reads: on SQLite its transactions take no write lock.
+
+    Only for connections that never write: a write in such a transaction may fail with
+    "database is locked" instead of waiting.
+    """
+    return engine.execution_options(**{READ_ONLY: True})
+
+
+def single_statement(engine: AsyncEngine) -> AsyncEngine:
+    """A view of ``engine`` (same pool) whose every statement commits on its own.
+
+    PostgreSQL engines are in autocommit already; on SQLite no ``BEGIN`` is sent, so a
+    statement takes the write lock only for its own run (not for the three round trips of
+    BEGIN, statement, COMMIT). Only for connections that run one statement per use.
+    """
+    return engine.execution_options(**{SINGLE_STATEMENT: True})
 
 
 def dialect_of(engine: AsyncEngine | AsyncConnection) -> Dialect:

@@ -58,11 +58,27 @@ _CANDIDATES_INDEX = (
     "CREATE INDEX IF NOT EXISTS fence_leases_candidates ON fence_leases (status, expires_at)"
 )
 
+# Version 2: on PostgreSQL a unique index other than the upsert's conflict target turns a
+# lost race of two first takes into a unique violation instead of "not taken" (ON CONFLICT
+# arbitrates only its target). scope_key is a function of the primary key, so a plain index
+# keeps it unique all the same. SQLite serialises writers: its upsert always meets the
+# primary key first, and dropping a column constraint there would mean rebuilding the table.
+_SCOPE_KEY_NOT_UNIQUE = [
+    "ALTER TABLE fence_leases DROP CONSTRAINT IF EXISTS fence_leases_scope_key_key",
+    "CREATE INDEX IF NOT EXISTS fence_leases_scope_key ON fence_leases (scope_key)",
+]
+
 LEASE_MIGRATIONS = [
     Migration(
         version=1,
         description="the lease table",
         sqlite=[_CREATE_LEASES.format(double="REAL"), _CANDIDATES_INDEX],
         postgresql=[_CREATE_LEASES.format(double="DOUBLE PRECISION"), _CANDIDATES_INDEX],
+    ),
+    Migration(
+        version=2,
+        description="scope_key indexed but not a second unique constraint (upsert races)",
+        sqlite=[],
+        postgresql=_SCOPE_KEY_NOT_UNIQUE,
     ),
 ]

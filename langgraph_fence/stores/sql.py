@@ -29,7 +29,7 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ..database import create_engine, dialect_of
+from ..database import create_engine, dialect_of, read_only, single_statement
 from ..effects import Effect
 from ..lease import (
     REOPENABLE_STATUSES,
@@ -93,6 +93,10 @@ class SqlLeaseRepository:
 
     def __init__(self, engine: AsyncEngine, *, clock: Callable[[], float] | None = None) -> None:
         self._engine = engine
+        # Reads (get, takeover_candidates) never take SQLite's write lock.
+        self._reader = read_only(engine)
+        # Every write is one statement: no BEGIN/COMMIT around it on either database.
+        self._writer = single_statement(engine)
         self._dialect = dialect_of(engine)
         if self._dialect == "sqlite" and clock is None:
             clock = time.time
@@ -262,7 +266,7 @@ class SqlLeaseRepository:
         return params
 
     async def _one(self, stmt: Any, params: dict[str, Any]) -> Row[Any] | None:
-        async with self._engine.begin() as conn:
+        async with self._writer.connect() as conn:
             result = await conn.execute(stmt, params)
             return result.first()
 
@@ -290,7 +294,7 @@ class SqlLeaseRepository:
         """The store's clock, in seconds."""
         if self._clock is not None:
             return self._clock()
-        async with self._engine.connect() as conn:
+        async with self._reader.connect() as conn:
             return float((await conn.execute(self._now_stmt)).scalar_one())
 
     async def acquire(
@@ -338,7 +342,7 @@ class SqlLeaseRepository:
     async def get(self, key: LeaseKey) -> Lease | None:
         """The lease of ``key`` as stored now, or ``None``."""
         check_key(key)
-        async with self._engine.connect() as conn:
+        async with self._reader.connect() as conn:
             row = (
                 await conn.execute(
                     self._get, {"p_tenant_id": key.tenant_id, "p_execution_id": key.execution_id}
@@ -389,6 +393,6 @@ class SqlLeaseRepository:
     async def takeover_candidates(self, limit: int = 100) -> Sequence[Lease]:
         """Leases any instance may take now: running and expired, or pending and free."""
         check_limit(limit)
-        async with self._engine.connect() as conn:
+        async with self._reader.connect() as conn:
             rows = (await conn.execute(self._candidates, self._params(limit=limit))).all()
         return [self._lease(row) for row in rows]
