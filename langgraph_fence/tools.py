@@ -1,0 +1,384 @@
+"""Lease-before-op for LangChain tools: every tool call is fenced on its own.
+
+:func:`fence_tools` returns copies of LangChain tools whose calls run under the lease of the
+step that calls them (a ``ToolNode`` of a graph passed through ``fence_graph()``, a
+``create_react_agent``-style loop, or any fenced node that calls ``tool.ainvoke()``):
+
+* before the tool's body: the lease must be held (``assert_held``, no I/O); a write tool
+  (``IDEMPOTENT_WRITE``, ``NON_IDEMPOTENT_WRITE``) stamps ``pending_effect`` and renews in
+  ONE guarded write, so a worker that lost the lease stamps nothing and raises before the
+  side effect. ``READ_ONLY`` tools cost no extra write;
+* the stamp names the tool (``"<node>:<tool>"``) and the step's task, so the checkpointer
+  clears it with that task's writes;
+* a non-idempotent tool that raises surfaces :class:`ToolWriteDeadLetteredError` (an
+  :class:`~langgraph_fence.ExecutionDeadLetteredError`): never retried, never turned into a
+  ``ToolMessage`` the model could answer by calling the tool again.
+
+The guarantee is **at most once, not exactly once**: a write that completed but whose step
+did not record its writes is dead-lettered, never repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import weakref
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from contextvars import ContextVar
+from typing import Any, ClassVar, cast
+
+from langchain_core.tools import BaseTool
+from langchain_core.tools import tool as create_tool
+from langgraph.errors import GraphBubbleUp
+
+from .context import ExecutionContext, current_frame
+from .effects import Effect
+from .errors import (
+    ExecutionContextUnavailableError,
+    ExecutionDeadLetteredError,
+    find_fence_error,
+)
+from .fence import RunHandle
+from .lease import PendingEffect
+from .nodes import _check_effect
+
+__all__ = ["ToolWriteDeadLetteredError", "fence_tools"]
+
+logger = logging.getLogger(__name__)
+
+#: Set on the class of a fenced tool; holds the tool's declared :class:`Effect`.
+EFFECT_ATTRIBUTE = "__langgraph_fence_effect__"
+
+# How strong a stamp is: a stamp standing for a task is never replaced by a weaker one.
+_RANK = {Effect.READ_ONLY: 0, Effect.IDEMPOTENT_WRITE: 1, Effect.NON_IDEMPOTENT_WRITE: 2}
+
+
+class ToolWriteDeadLetteredError(ExecutionDeadLetteredError, GraphBubbleUp):
+    """A non-idempotent tool call failed, or would have been repeated: the run is dead-lettered.
+
+    It is an :class:`~langgraph_fence.ExecutionDeadLetteredError`, and also a LangGraph
+    ``GraphBubbleUp``, the kind of error ``ToolNode`` always re-raises whatever its
+    ``handle_tool_errors`` says, and no ``RetryPolicy`` retries: the model never sees it as
+    a tool error it could answer by calling the tool again. ``Instance`` dead-letters the
+    execution and raises it.
+    """
+
+    code: ClassVar[str] = "execution.dead-lettered.tool-write"
+
+
+class _RunTools:
+    """What the fenced tools of one run share: the stamp lock, and which attempt stamped."""
+
+    __slots__ = ("lock", "stamped_in")
+
+    def __init__(self) -> None:
+        # Parallel tool calls of one step stamp one row: deciding the stamp and writing it
+        # happen under this lock, so a weaker stamp never lands after a stronger one.
+        self.lock = asyncio.Lock()
+        # task id -> the attempt in which a tool of that task stamped NON_IDEMPOTENT_WRITE.
+        self.stamped_in: dict[str, int] = {}
+
+
+_runs: weakref.WeakKeyDictionary[RunHandle, _RunTools] = weakref.WeakKeyDictionary()
+_runs_lock = threading.Lock()
+
+
+def _run_tools(handle: RunHandle) -> _RunTools:
+    with _runs_lock:
+        state = _runs.get(handle)
+        if state is None:
+            state = _runs[handle] = _RunTools()
+        return state
+
+
+# The tool whose async path has already fenced this call: its body may run through the
+# sync path in a worker thread (BaseTool._arun -> run_in_executor(self._run)), which must
+# not stamp a second time.
+_fenced_call: ContextVar[BaseTool | None] = ContextVar("langgraph_fence_tool_call", default=None)
+
+
+def _frame(tool: BaseTool) -> ExecutionContext:
+    frame = current_frame()
+    if frame is None:
+        raise ExecutionContextUnavailableError(
+            f"tool {tool.name!r} was called outside a fenced step: a fenced tool runs inside "
+            "a node wrapped with fence_graph() or @fenced (put the ToolNode in a graph passed "
+            "through fence_graph()), in a run started with Instance.ainvoke()/astream(), or "
+            "in a test with langgraph_fence.testing.run_node()"
+        )
+    return frame
+
+
+def _effect_of(tool: BaseTool) -> Effect:
+    return cast(Effect, getattr(type(tool), EFFECT_ATTRIBUTE))
+
+
+def _refuse_repeat(frame: ExecutionContext, tool: BaseTool) -> None:
+    """In-process recovery: a retried attempt never runs after a non-idempotent tool call.
+
+    A ``RetryPolicy`` retries the whole step: the tools it already called would be called
+    again. If a non-idempotent tool of an earlier attempt of this task stamped the lease and
+    the stamp still stands, nothing of this attempt runs.
+    """
+    handle = frame._handle
+    standing = handle.pending_effect
+    if (
+        standing is None
+        or standing.effect is not Effect.NON_IDEMPOTENT_WRITE
+        or standing.task_id != frame.task_id
+    ):
+        return
+    stamped_in = _run_tools(handle).stamped_in.get(frame.task_id)
+    if stamped_in is not None and stamped_in < frame.attempt:
+        raise ToolWriteDeadLetteredError(
+            f"node {frame.node!r} of execution {handle.scope_key!r} is being retried "
+            f"(attempt {frame.attempt}) after a non-idempotent tool call {standing.node!r} "
+            f"of attempt {stamped_in} (token {standing.token}) that may have happened: tool "
+            f"{tool.name!r} does not run, nothing is repeated, and the execution is "
+            "dead-lettered"
+        )
+
+
+async def _stamp(frame: ExecutionContext, tool: BaseTool, effect: Effect) -> None:
+    """Stamp ``pending_effect`` for this tool call and renew, in one guarded write."""
+    handle = frame._handle
+    state = _run_tools(handle)
+    async with state.lock:
+        stamp = PendingEffect(effect, f"{frame.node}:{tool.name}", frame.task_id, handle.token)
+        standing = handle.pending_effect
+        if (
+            standing is not None
+            and standing.task_id == frame.task_id
+            and _RANK[standing.effect] > _RANK[effect]
+        ):
+            # Never downgrade within a task: a non-idempotent call of this step may still be
+            # in flight (a parallel tool call) or done but not recorded; a takeover must see
+            # NON_IDEMPOTENT_WRITE, and dead-letter, not resume. The renewal still happens.
+            stamp = PendingEffect(standing.effect, standing.node, frame.task_id, handle.token)
+        await handle.mark_pending_effect(stamp)
+        if stamp.effect is Effect.NON_IDEMPOTENT_WRITE:
+            state.stamped_in.setdefault(frame.task_id, frame.attempt)
+
+
+def _stamp_from_thread(frame: ExecutionContext, tool: BaseTool, effect: Effect) -> None:
+    """Stamp from a worker thread (a sync tool): the guarded write runs on the run's loop."""
+    loop = frame._handle.loop
+    if loop is None or not loop.is_running():
+        raise ExecutionContextUnavailableError(
+            f"tool {tool.name!r} declares {effect.value} but its run has no running event loop "
+            "to stamp the lease on: run the graph with Instance.ainvoke()/astream()"
+        )
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        # Waiting here for a write the loop itself must run would deadlock.
+        raise ExecutionContextUnavailableError(
+            f"tool {tool.name!r} declares {effect.value} and was called with a blocking "
+            "tool.invoke() on the event loop's own thread: call `await tool.ainvoke(...)` "
+            "from async code"
+        )
+    asyncio.run_coroutine_threadsafe(_stamp(frame, tool, effect), loop).result()
+
+
+def _dead_letter(
+    frame: ExecutionContext, tool: BaseTool, effect: Effect, exc: Exception
+) -> ToolWriteDeadLetteredError | None:
+    """The error a failed call raises instead of ``exc``, or ``None`` to raise ``exc``.
+
+    A fencing error (anywhere in ``exc``), an error already recorded on the run, and an
+    interrupt (``GraphBubbleUp``) go on as they are; the node wrapper and the instance put
+    the fencing error first. Any other failure of a non-idempotent call is dead-lettered.
+    """
+    if effect is not Effect.NON_IDEMPOTENT_WRITE:
+        return None
+    if isinstance(exc, ToolWriteDeadLetteredError) or isinstance(exc, GraphBubbleUp):
+        return None
+    handle = frame._handle
+    if find_fence_error(exc) is not None or handle.error is not None:
+        return None
+    dead = ToolWriteDeadLetteredError(
+        f"tool {tool.name!r} of node {frame.node!r} of execution {handle.scope_key!r} failed "
+        f"during a non-idempotent write (token {handle.token}): {type(exc).__name__}: {exc}. "
+        "The write may have happened, so it is neither retried nor reported to the model as "
+        "a tool error; the execution is dead-lettered"
+    )
+    logger.warning("execution %s at token %s: %s", handle.scope_key, handle.token, dead)
+    return dead
+
+
+def _call_sync(tool: BaseTool, body: Callable[[], Any]) -> Any:
+    if _fenced_call.get() is tool:
+        # The async path fenced this call and runs its body here, in a worker thread. A call
+        # the body makes to this same tool is fenced again.
+        _fenced_call.set(None)
+        return body()
+    frame = _frame(tool)
+    effect = _effect_of(tool)
+    frame.fence.assert_held()
+    _refuse_repeat(frame, tool)
+    if effect.is_write:
+        _stamp_from_thread(frame, tool, effect)
+    try:
+        return body()
+    except Exception as exc:
+        dead = _dead_letter(frame, tool, effect, exc)
+        if dead is None:
+            raise
+        raise dead from exc
+
+
+async def _call_async(tool: BaseTool, body: Callable[[], Awaitable[Any]]) -> Any:
+    frame = _frame(tool)
+    effect = _effect_of(tool)
+    frame.fence.assert_held()
+    _refuse_repeat(frame, tool)
+    if effect.is_write:
+        await _stamp(frame, tool, effect)
+    reset = _fenced_call.set(tool)
+    try:
+        return await body()
+    except Exception as exc:
+        dead = _dead_letter(frame, tool, effect, exc)
+        if dead is None:
+            raise
+        raise dead from exc
+    finally:
+        _fenced_call.reset(reset)
+
+
+_classes: dict[tuple[type[BaseTool], Effect], type[BaseTool]] = {}
+_classes_lock = threading.Lock()
+
+
+def _fenced_class(cls: type[BaseTool], effect: Effect) -> type[BaseTool]:
+    """``cls`` with its ``_run``/``_arun`` fenced; everything else inherited unchanged.
+
+    The overrides carry the parent's signature and annotations (``functools.wraps``), so
+    ``BaseTool.run``/``arun`` pass ``config`` and ``run_manager`` exactly as before. Only
+    an ``_arun`` the class implements itself is overridden: a class that runs its sync body
+    in a thread keeps doing so, and that body is fenced.
+    """
+    with _classes_lock:
+        cached = _classes.get((cls, effect))
+        if cached is not None:
+            return cached
+        parent_run = cls._run
+        namespace: dict[str, Any] = {"__module__": cls.__module__, EFFECT_ATTRIBUTE: effect}
+
+        @functools.wraps(parent_run)
+        def _run(self: BaseTool, *args: Any, **kwargs: Any) -> Any:
+            return _call_sync(self, lambda: parent_run(self, *args, **kwargs))
+
+        namespace["_run"] = _run
+        if cls._arun is not BaseTool._arun:
+            parent_arun = cls._arun
+
+            @functools.wraps(parent_arun)
+            async def _arun(self: BaseTool, *args: Any, **kwargs: Any) -> Any:
+                return await _call_async(self, lambda: parent_arun(self, *args, **kwargs))
+
+            namespace["_arun"] = _arun
+        metaclass: Any = type(cls)  # pydantic's model metaclass: the subclass is a model too
+        fenced_cls = cast(type[BaseTool], metaclass(cls.__name__, (cls,), namespace))
+        fenced_cls.__qualname__ = cls.__qualname__
+        _classes[(cls, effect)] = fenced_cls
+        return fenced_cls
+
+
+def _as_tool(candidate: object, index: int) -> BaseTool:
+    if isinstance(candidate, BaseTool):
+        return candidate
+    if callable(candidate) and not isinstance(candidate, type):
+        # As ToolNode does with a plain function.
+        return create_tool(cast(Callable[..., Any], candidate))
+    raise ValueError(
+        f"tools[{index}] must be a LangChain tool (a BaseTool or an @tool function) or a plain "
+        f"function, got {candidate!r}"
+    )
+
+
+def fence_tools(
+    tools: Iterable[BaseTool | Callable[..., Any]],
+    effects: Mapping[str, Effect] | None = None,
+) -> list[BaseTool]:
+    """Fence LangChain tools: each call runs lease-before-op under the calling step's lease.
+
+    Pass the result to ``ToolNode`` (or a model's ``bind_tools``) in place of the tools, in a
+    graph passed through ``fence_graph()`` and run by ``Instance``. Each returned tool keeps
+    the original's name, description, argument schema, sync/async support and
+    ``ToolMessage``/``tool_call_id`` behaviour; only its body is fenced.
+
+    Guarantees, per tool call:
+
+    * the body starts only while the step's lease is held; a write tool first stamps
+      ``pending_effect`` (effect, ``"<node>:<tool>"``, the step's task id, token) and renews
+      in one guarded write, so a worker that lost the lease stamps nothing and raises
+      :class:`~langgraph_fence.ExecutionFencedError` before the side effect. ``READ_ONLY``
+      tools make no write;
+    * the checkpointer clears the stamp with the step's writes (in the same transaction with
+      ``SqlCheckpointer``). A stamp never downgrades within one step: once a
+      ``NON_IDEMPOTENT_WRITE`` call stamped, an idempotent call of the same step (a parallel
+      tool call) renews but keeps ``NON_IDEMPOTENT_WRITE`` standing, so a takeover
+      dead-letters instead of resuming;
+    * a ``NON_IDEMPOTENT_WRITE`` call that raises surfaces :class:`ToolWriteDeadLetteredError`
+      (never retried by a ``RetryPolicy``, never turned into a ``ToolMessage`` whatever
+      ``ToolNode``'s ``handle_tool_errors`` says), and a retried attempt of a step whose
+      non-idempotent call already stamped runs nothing. A fencing error is re-raised as it
+      is; the node wrapper raises it even where a ``ToolNode`` caught it.
+
+    Limit: **at most once, not exactly once**. A write that completed but whose step did not
+    record its writes (crash, takeover) is dead-lettered, never repeated, never confirmed.
+    Exactly-once needs an external system that checks the token (see
+    :mod:`langgraph_fence.sinks`).
+
+    Args:
+        tools: ``BaseTool`` instances, ``@tool`` functions, or plain functions (made into
+            tools as ``ToolNode`` does).
+        effects: each tool's effect by tool name. Undeclared tools are
+            ``NON_IDEMPOTENT_WRITE`` (fail-closed).
+
+    Returns:
+        The fenced tools, in the order given.
+
+    Raises:
+        ValueError: a tool that is not a tool or a function, two tools with one name, a tool
+            fenced already, ``effects`` naming a tool not in ``tools``, or a value in
+            ``effects`` that is not an :class:`Effect`.
+    """
+    if isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Iterable):
+        raise ValueError(f"tools must be a list of LangChain tools or functions, got {tools!r}")
+    if effects is not None and not isinstance(effects, Mapping):
+        raise ValueError(f"effects must map tool names to Effect values, got {effects!r}")
+    declared = dict(effects or {})
+    converted = [_as_tool(candidate, index) for index, candidate in enumerate(tools)]
+    seen: set[str] = set()
+    for tool in converted:
+        if tool.name in seen:
+            raise ValueError(
+                f"duplicate tool name {tool.name!r}: a model calls tools by name, so each "
+                "name must be unique"
+            )
+        seen.add(tool.name)
+        if hasattr(type(tool), EFFECT_ATTRIBUTE):
+            raise ValueError(
+                f"tool {tool.name!r} is fenced already: pass the original tool to fence_tools()"
+            )
+    unknown = sorted(name for name in declared if name not in seen)
+    if unknown:
+        raise ValueError(
+            f"effects names tools not in the list: {unknown}; the tools are {sorted(seen)}"
+        )
+    for name, effect in declared.items():
+        _check_effect(effect, name=f"effects[{name!r}]")
+    fenced: list[BaseTool] = []
+    for tool in converted:
+        effect = declared.get(tool.name, Effect.NON_IDEMPOTENT_WRITE)
+        copy = tool.model_copy()
+        # Same fields, same state, a class whose _run/_arun are fenced (see _fenced_class).
+        object.__setattr__(copy, "__class__", _fenced_class(type(tool), effect))
+        fenced.append(copy)
+    return fenced
