@@ -22,6 +22,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from ._connections import Connections
 from ._rows import (
     BlobRow,
     CheckpointQuery,
@@ -29,7 +30,6 @@ from ._rows import (
     Guard,
     StoredCheckpoint,
     WriteRow,
-    driver_connection,
 )
 
 __all__ = ["PostgresDriver"]
@@ -134,7 +134,8 @@ class PostgresDriver:
     """Hot paths on PostgreSQL through asyncpg (see the module docstring)."""
 
     def __init__(self, engine: AsyncEngine) -> None:
-        self._engine = engine
+        self._connections = Connections(engine)
+        self.aclose = self._connections.aclose
 
     async def put(self, row: CheckpointRow, blobs: Sequence[BlobRow], guard: Guard | None) -> bool:
         kind, guard_args = _guard_args(guard)
@@ -154,7 +155,7 @@ class PostgresDriver:
             [b[3] for b in blobs],
             *guard_args,
         ]
-        async with driver_connection(self._engine) as conn:
+        async with self._connections() as conn:
             landed = await conn.fetchrow(_PUT_SQL[kind], *args)
         return landed is not None
 
@@ -182,7 +183,7 @@ class PostgresDriver:
             [w[3] for w in writes],
             *guard_args,
         ]
-        async with driver_connection(self._engine) as conn:
+        async with self._connections() as conn:
             landed = await conn.fetchrow(_PUT_WRITES_SQL[upsert][kind], *args)
         return landed is not None
 
@@ -210,7 +211,7 @@ class PostgresDriver:
         sql += " ORDER BY c.checkpoint_id DESC"
         if query.limit is not None:
             sql += f" LIMIT {arg(int(query.limit))}"
-        async with driver_connection(self._engine) as conn:
+        async with self._connections() as conn:
             rows = await conn.fetch(sql, *args)
         return [
             StoredCheckpoint(

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
-
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 __all__ = [
     "CheckpointQuery",
@@ -15,7 +12,6 @@ __all__ = [
     "Driver",
     "Guard",
     "StoredCheckpoint",
-    "driver_connection",
 ]
 
 
@@ -111,10 +107,6 @@ class Driver(Protocol):
         """The checkpoints matching ``query``, newest first, with blobs and writes."""
         ...
 
-
-@asynccontextmanager
-async def driver_connection(engine: AsyncEngine) -> AsyncIterator[Any]:
-    """The driver's own connection (asyncpg / aiosqlite), checked out of the engine's pool."""
-    async with engine.connect() as conn:
-        raw = await conn.get_raw_connection()
-        yield raw.driver_connection
+    async def aclose(self) -> None:
+        """Give the held connections back to the engine's pool."""
+        ...

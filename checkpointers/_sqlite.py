@@ -12,6 +12,7 @@ either committed before the guard read it, or waits until this transaction ends.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 import time
@@ -20,6 +21,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from ._connections import Connections
 from ._rows import (
     BlobRow,
     CheckpointQuery,
@@ -27,7 +29,6 @@ from ._rows import (
     Guard,
     StoredCheckpoint,
     WriteRow,
-    driver_connection,
 )
 
 __all__ = ["SqliteDriver"]
@@ -112,12 +113,23 @@ class SqliteDriver:
     """Hot paths on SQLite through aiosqlite (see the module docstring)."""
 
     def __init__(self, engine: AsyncEngine) -> None:
-        self._engine = engine
+        self._connections = Connections(engine)
+        self.aclose = self._connections.aclose
+        self._write_lock: asyncio.Lock | None = None
 
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        async with driver_connection(self._engine) as aio:
+        async with self._connections() as aio:
             result: T = await aio._execute(lambda: fn(aio._conn))
             return result
+
+    async def _write(self, body: Callable[[sqlite3.Connection], bool]) -> bool:
+        # SQLite admits one writer at a time. Two of this process's writes racing for the
+        # lock would make the loser sleep in SQLite's busy handler (milliseconds); queueing
+        # them here costs nothing. Other processes still wait through the busy timeout.
+        if self._write_lock is None:
+            self._write_lock = asyncio.Lock()
+        async with self._write_lock:
+            return await self._run(lambda conn: _in_transaction(conn, body))
 
     async def put(self, row: CheckpointRow, blobs: Sequence[BlobRow], guard: Guard | None) -> bool:
         def body(conn: sqlite3.Connection) -> bool:
@@ -145,7 +157,7 @@ class SqliteDriver:
             )
             return True
 
-        return await self._run(lambda conn: _in_transaction(conn, body))
+        return await self._write(body)
 
     async def put_writes(
         self,
@@ -171,7 +183,7 @@ class SqliteDriver:
             )
             return True
 
-        return await self._run(lambda conn: _in_transaction(conn, body))
+        return await self._write(body)
 
     async def select(self, query: CheckpointQuery) -> list[StoredCheckpoint]:
         wheres: list[str] = []

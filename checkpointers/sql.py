@@ -208,6 +208,14 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         await migrate(self._engine, COMPONENT, CHECKPOINT_MIGRATIONS)
         self.loop = asyncio.get_running_loop()
 
+    async def aclose(self) -> None:
+        """Give the connections this saver keeps between calls back to the engine's pool.
+
+        Call it before disposing of an engine you passed in (``from_conn_string`` does it).
+        The saver stays usable: the next call checks a connection out again.
+        """
+        await self._driver.aclose()
+
     def _check_open(self) -> None:
         if self._closed_reason is not None:
             raise RuntimeError(f"this SqlCheckpointer is closed: {self._closed_reason}")
