@@ -6,6 +6,7 @@ never repeated.
 """
 
 from .checkpoint import FencedCheckpointer
+from .context import ExecutionContext, get_execution_context
 from .effects import Effect
 from .errors import (
     ExecutionContextUnavailableError,
@@ -17,12 +18,16 @@ from .errors import (
     find_fence_error,
 )
 from .fence import ExecutionFence
+from .instance import Instance
 from .lease import ExecutionLeaseRepository, Lease, LeaseKey, LeaseStatus, PendingEffect
+from .nodes import fence_graph, fenced
 from .scope import parse_scope_key, scope_key
 from .stores import MemoryLeaseRepository, SqlLeaseRepository
+from .tools import fence_tools
 
 __all__ = [
     "Effect",
+    "ExecutionContext",
     "ExecutionContextUnavailableError",
     "ExecutionDeadLetteredError",
     "ExecutionFence",
@@ -31,6 +36,7 @@ __all__ = [
     "ExecutionLeaseLostError",
     "ExecutionLeaseRepository",
     "FencedCheckpointer",
+    "Instance",
     "LangGraphFenceError",
     "Lease",
     "LeaseKey",
@@ -38,7 +44,11 @@ __all__ = [
     "MemoryLeaseRepository",
     "PendingEffect",
     "SqlLeaseRepository",
+    "fence_graph",
+    "fence_tools",
+    "fenced",
     "find_fence_error",
+    "get_execution_context",
     "parse_scope_key",
     "scope_key",
 ]
