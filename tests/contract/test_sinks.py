@@ -331,8 +331,8 @@ async def test_an_error_in_the_block_rolls_back_the_users_rows_and_the_key(
 async def test_equal_token_passes_and_the_mark_follows_the_newest_token(
     engine: AsyncEngine,
 ) -> None:
-    h1, h2, h3 = await takeovers(3)
-    scope = h1.scope_key
+    _, h2, h3 = await takeovers(3)
+    scope = h2.scope_key
     await write_with_retry(engine, h2, "a", "h2")
     # Another step of the same run (a second fence over the same lease): equal token passes.
     again = await write_with_retry(engine, h2, "b", "h2-again")
@@ -344,7 +344,6 @@ async def test_equal_token_passes_and_the_mark_follows_the_newest_token(
     assert stale.refused is not None
     assert await mark_of(engine, scope) == 3
     assert [row[0] for row in await user_rows(engine, scope)] == ["a", "b", "c"]
-    del h1
 
 
 async def test_the_same_key_twice_in_one_transaction_is_applied_once(engine: AsyncEngine) -> None:
@@ -693,7 +692,7 @@ async def test_a_write_overtaken_by_its_own_runs_new_token_is_refused_without_fe
 # -- bad input
 
 
-async def test_bad_arguments_are_refused_with_the_fix(engine: AsyncEngine, backend: str) -> None:
+async def test_bad_arguments_are_refused_with_the_fix(engine: AsyncEngine) -> None:
     (holder,) = await takeovers(1)
     fence = ExecutionFence(holder)
     async with transaction(engine) as conn:
@@ -725,7 +724,6 @@ async def test_bad_arguments_are_refused_with_the_fix(engine: AsyncEngine, backe
         with pytest.raises(ValueError, match="inside a transaction"):
             await setup_sink(conn)
         await conn.rollback()
-    del backend
 
 
 async def test_record_misuse_is_refused(engine: AsyncEngine) -> None:
