@@ -21,6 +21,12 @@ writes SIGNAL_FILE (JSON: token, pid) once inside ``work``, then waits until its
 stopped. It prints one JSON line saying how ``ainvoke`` ended, with ``time.monotonic()`` at
 that moment, and exits 3 on ``ExecutionFencedError``, 4 on any other lease loss, 0 when the
 run finished, 1 on anything else.
+
+The ``start`` script (a client that starts executions through ``Instance.ainvoke``)::
+
+    python -m tests.chaos.chaos_graphs start URL SCHEMA TENANT TTL IDS_FILE CONCURRENCY
+
+IDS_FILE holds one ``GRAPH EXECUTION_ID`` line per execution.
 """
 
 from __future__ import annotations
@@ -266,14 +272,59 @@ async def hold(
         return EXIT_FINISHED
 
 
+# -- the start script
+
+
+async def start(
+    url: str, schema: str, tenant: str, ttl: float, jobs: list[list[str]], concurrency: int
+) -> int:
+    """Start every execution of ``jobs`` (``[graph, execution_id]``) with ``ainvoke``.
+
+    The runs go ``concurrency`` at a time; a run that fails (fenced after a freeze,
+    dead-lettered, ...) is counted by its error class, and the next one starts. The last
+    line printed is the count of each outcome, as JSON.
+    """
+    options = {"connect_args": {"server_settings": {"search_path": schema}}}
+    outcomes: dict[str, int] = {}
+    async with Instance.open(
+        url, engine_options=options, instance_id=f"starter-{os.getpid()}", lease_ttl=ttl
+    ) as instance:
+        graphs = chaos_graphs(instance)
+        gate = asyncio.Semaphore(concurrency)
+        print("starter ready", flush=True)
+
+        async def run(graph: str, execution_id: str) -> None:
+            async with gate:
+                try:
+                    await instance.ainvoke(
+                        graphs[graph],
+                        {"log": []},
+                        {"configurable": {"thread_id": execution_id}},
+                        tenant_id=tenant,
+                    )
+                    outcome = "done"
+                except Exception as exc:
+                    outcome = type(exc).__name__
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+        await asyncio.gather(*(run(graph, execution_id) for graph, execution_id in jobs))
+    print(json.dumps(outcomes), flush=True)
+    return 0
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 8 or argv[0] != "hold":
-        print(__doc__, file=sys.stderr)
-        return 2
-    _, url, schema, tenant, thread, ttl, renew, signal_file = argv
-    return asyncio.run(
-        hold(url, schema, tenant, thread, float(ttl), float(renew), Path(signal_file))
-    )
+    if len(argv) == 8 and argv[0] == "hold":
+        _, url, schema, tenant, thread, ttl, renew, signal_file = argv
+        return asyncio.run(
+            hold(url, schema, tenant, thread, float(ttl), float(renew), Path(signal_file))
+        )
+    if len(argv) == 7 and argv[0] == "start":
+        _, url, schema, tenant, ttl, ids_file, concurrency = argv
+        lines = Path(ids_file).read_text().splitlines()
+        jobs = [line.split() for line in lines if line.strip()]
+        return asyncio.run(start(url, schema, tenant, float(ttl), jobs, int(concurrency)))
+    print(__doc__, file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,509 @@
+"""Chaos on real PostgreSQL: serve() workers frozen and killed while they charge.
+
+Three ``langgraph-fence worker`` processes (the product's CLI, ``serve()`` inside) run
+executions of two graphs (``chaos_graphs.py``): ``chaos_plain``, whose ``charge`` appends a
+row to an external table with a plain INSERT (``NON_IDEMPOTENT_WRITE``), and ``chaos_sink``,
+whose ``charge`` writes the same row through the exactly-once sink (``IDEMPOTENT_WRITE``).
+A client process starts some executions itself through ``Instance.ainvoke``; the test
+records the others as pending (lease taken by the test, execution recorded, lease handed
+back: what a graceful stop leaves), in waves while the chaos runs. So ``ainvoke``'s first
+run, serve's first take, its start from the recorded input and its takeover of expired runs
+are all on the path. Once two servers are up, the test freezes random processes past their
+lease (SIGSTOP, then SIGCONT) and kills others (SIGKILL) while new servers start; if the
+client is killed, the test records as pending what it never started. After a quiet period
+in which the survivors finish:
+
+* every execution is ``done`` or ``dead_lettered`` with a reason: none lost, none still
+  pending or running, none ``failed``;
+* ``chaos_plain``: no execution charged twice; every ``done`` one charged exactly once;
+* ``chaos_sink``: every execution ``done``, charged exactly once, none dead-lettered;
+* the chaos hit running executions (some were taken over mid-run), and every server that
+  was not killed stops cleanly on SIGTERM.
+
+Bounded: one seed (printed; ``LGF_CHAOS_SEED`` replays the choices), at most four worker
+processes and one client alive at once, a fixed count of executions, deadlines on every
+wait; every child is killed in ``finally``.
+
+A second test kills the client between ``ainvoke``'s acquire and its record of the execution
+(held there by a table lock): the execution must still be taken over, not lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from checkpointers import SqlCheckpointer
+from langgraph_fence import LeaseKey, LeaseStatus, SqlLeaseRepository
+from langgraph_fence.database import create_engine
+from langgraph_fence.executions import ExecutionRecord, SqlExecutionRecords
+from langgraph_fence.sinks import setup_sink
+from tests.chaos.chaos_graphs import CREATE_EFFECTS, PLAIN_GRAPH, SINK_GRAPH
+from tests.conftest import pg_engine_options, unique
+
+pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
+
+ROOT = Path(__file__).parents[2]
+TTL = 1.5
+POLL = 0.2
+CONCURRENCY = 3
+WORKERS = 3
+MAX_ALIVE = 4
+PLAIN_COUNT = 100
+SINK_COUNT = 50
+STARTER_COUNT = 40  # of them started by a client through Instance.ainvoke
+STARTUP_DEADLINE = 30.0  # for the first two servers to come up
+FEED_SECONDS = 15.0  # executions are recorded in waves over this long
+CHAOS_SECONDS = 22.0  # signals are sent for this long
+QUIET_DEADLINE = 30.0  # then the survivors must finish within this
+TERMINAL = {LeaseStatus.DONE, LeaseStatus.FAILED, LeaseStatus.DEAD_LETTERED}
+
+
+@dataclass(eq=False)
+class Worker:
+    name: str
+    proc: asyncio.subprocess.Process
+    out: Path
+    err: Path
+    kind: str = "serve"  # or "starter": a client calling Instance.ainvoke
+    stopped_until: float | None = None
+    killed: bool = False
+    adopted: bool = False
+    ready: bool = False  # it said so on stdout: serving, or starting executions
+
+
+@dataclass
+class Chaos:
+    root: Path
+    url: str
+    schema: str
+    rng: random.Random
+    workers: list[Worker] = field(default_factory=list)
+    spawned: int = 0
+    kills: int = 0
+    stops: int = 0
+    crashes: list[str] = field(default_factory=list)
+
+    async def spawn(self) -> Worker:
+        self.spawned += 1
+        name = f"w{self.spawned}"
+        out, err = self.root / f"{name}.out", self.root / f"{name}.err"
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        with out.open("wb") as out_file, err.open("wb") as err_file:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "langgraph_fence.cli",
+                "-v",
+                "worker",
+                "--db",
+                self.url,
+                "--schema",
+                self.schema,
+                "--graphs",
+                "tests.chaos.chaos_graphs:chaos_graphs",
+                "--lease-ttl",
+                str(TTL),
+                "--poll-interval",
+                str(POLL),
+                "--concurrency",
+                str(CONCURRENCY),
+                "--instance-id",
+                name,
+                stdout=out_file,
+                stderr=err_file,
+                cwd=ROOT,
+                env=env,
+            )
+        worker = Worker(name, proc, out, err)
+        self.workers.append(worker)
+        return worker
+
+    async def spawn_starter(self, tenant: str, jobs: list[tuple[LeaseKey, str]]) -> Worker:
+        """A client process that starts ``jobs`` with ``Instance.ainvoke``, 4 at a time."""
+        ids = self.root / "starter.ids"
+        ids.write_text("".join(f"{graph} {key.execution_id}\n" for key, graph in jobs))
+        out, err = self.root / "starter.out", self.root / "starter.err"
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        with out.open("wb") as out_file, err.open("wb") as err_file:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "tests.chaos.chaos_graphs",
+                "start",
+                self.url,
+                self.schema,
+                tenant,
+                str(TTL),
+                str(ids),
+                "4",
+                stdout=out_file,
+                stderr=err_file,
+                cwd=ROOT,
+                env=env,
+            )
+        worker = Worker("starter", proc, out, err, kind="starter")
+        self.workers.append(worker)
+        return worker
+
+    def alive(self) -> list[Worker]:
+        return [w for w in self.workers if w.proc.returncode is None and not w.killed]
+
+    def update_ready(self) -> None:
+        for worker in self.alive():
+            if not worker.ready and worker.out.exists():
+                said = worker.out.read_text(errors="replace")
+                worker.ready = ("serves" if worker.kind == "serve" else "ready") in said
+
+    def ready_servers(self) -> list[Worker]:
+        return [w for w in self.alive() if w.ready and w.kind == "serve"]
+
+    def check_crashes(self) -> None:
+        for worker in self.workers:
+            code = worker.proc.returncode
+            finished = worker.kind == "starter" and code == 0
+            if code is not None and not worker.killed and not finished:
+                if worker.name not in self.crashes:
+                    self.crashes.append(worker.name)
+
+    async def act(self, now: float) -> None:
+        """One random act of chaos: freeze one worker past its lease, or kill one.
+
+        Only workers that are up (serving, or starting executions) are hit, and only while
+        at least two servers are up and not frozen, so that the chaos lands inside runs.
+        """
+        up = [w for w in self.alive() if w.ready and w.stopped_until is None]
+        if sum(1 for w in up if w.kind == "serve") < 2:
+            return
+        choice = self.rng.random()
+        if choice < 0.5:
+            victim = self.rng.choice(up)
+            os.kill(victim.proc.pid, signal.SIGSTOP)
+            victim.stopped_until = now + TTL + self.rng.uniform(0.3, 1.5)
+            self.stops += 1
+        elif choice < 0.85:
+            victim = self.rng.choice(up)
+            victim.killed = True
+            victim.proc.kill()
+            await victim.proc.wait()
+            self.kills += 1
+            await self.spawn()  # a new one starts while the others work
+
+    def continue_due(self, now: float, *, all_of_them: bool = False) -> None:
+        for worker in self.alive():
+            if worker.stopped_until is not None and (all_of_them or worker.stopped_until <= now):
+                os.kill(worker.proc.pid, signal.SIGCONT)
+                worker.stopped_until = None
+
+    async def shutdown(self) -> dict[str, int | None]:
+        """SIGCONT + SIGTERM every worker; SIGKILL what has not stopped in 10 s."""
+        codes: dict[str, int | None] = {}
+        for worker in self.workers:
+            if worker.proc.returncode is None:
+                try:
+                    os.kill(worker.proc.pid, signal.SIGCONT)
+                    worker.proc.terminate()
+                except ProcessLookupError:
+                    pass
+        for worker in self.workers:
+            try:
+                await asyncio.wait_for(worker.proc.wait(), 10.0)
+            except TimeoutError:
+                worker.proc.kill()
+                await worker.proc.wait()
+                codes[worker.name] = None
+                continue
+            if not worker.killed and worker.kind == "serve":
+                codes[worker.name] = worker.proc.returncode
+        return codes
+
+
+async def record_pending(
+    repo: SqlLeaseRepository, records: SqlExecutionRecords, key: LeaseKey, graph: str
+) -> None:
+    """An execution no instance holds yet: recorded, then handed back for any to take."""
+    lease = await repo.acquire(key, "chaos-test", 30.0)
+    assert lease is not None, key
+    await records.record(ExecutionRecord(key, graph, key.execution_id, {"log": []}))
+    await repo.release(lease, LeaseStatus.PENDING)
+
+
+async def statuses(engine: AsyncEngine, tenant: str) -> list[tuple[str, str, int, str | None]]:
+    async with engine.connect() as conn:
+        rows = (
+            await conn.execute(
+                text(
+                    "SELECT execution_id, status, epoch, reason FROM fence_leases"
+                    " WHERE tenant_id = :t ORDER BY execution_id"
+                ),
+                {"t": tenant},
+            )
+        ).all()
+    return [(r[0], r[1], int(r[2]), r[3]) for r in rows]
+
+
+async def effects(engine: AsyncEngine, prefix: str) -> Counter[str]:
+    async with engine.connect() as conn:
+        rows = (
+            await conn.execute(
+                text(
+                    "SELECT execution_id, count(*) FROM chaos_effects"
+                    " WHERE execution_id LIKE :p GROUP BY execution_id"
+                ),
+                {"p": f"{prefix}%"},
+            )
+        ).all()
+    return Counter({r[0]: int(r[1]) for r in rows})
+
+
+async def adopt(
+    repo: SqlLeaseRepository, records: SqlExecutionRecords, jobs: list[tuple[LeaseKey, str]]
+) -> set[LeaseKey]:
+    """The starter was killed: record as pending what it never got to start.
+
+    What it did start (a lease row exists) is serve's to take over; nothing else is
+    touched, so an execution it started but did not record stays as it left it.
+    """
+    adopted = set()
+    for key, graph in jobs:
+        if await repo.get(key) is None:
+            await record_pending(repo, records, key, graph)
+            adopted.add(key)
+    return adopted
+
+
+def starter_fate(starter: Worker) -> str:
+    if starter.killed:
+        return "killed"
+    return f"exit {starter.proc.returncode}"
+
+
+def tails(chaos: Chaos, names: list[str]) -> str:
+    parts = []
+    for worker in chaos.workers:
+        if worker.name in names:
+            text_ = worker.err.read_text(errors="replace") if worker.err.exists() else ""
+            parts.append(f"--- {worker.name} (exit {worker.proc.returncode}):\n{text_[-2500:]}")
+    return "\n".join(parts)
+
+
+async def test_serve_workers_frozen_and_killed_never_charge_twice(
+    pg_schema: tuple[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, schema = pg_schema
+    seed = int(os.environ.get("LGF_CHAOS_SEED", random.randrange(1 << 30)))
+    rng = random.Random(seed)
+    tenant = unique("chaos")
+    prefix = unique("x")
+    keys = [(LeaseKey(tenant, f"{prefix}-p{i:03d}"), PLAIN_GRAPH) for i in range(PLAIN_COUNT)]
+    keys += [(LeaseKey(tenant, f"{prefix}-s{i:03d}"), SINK_GRAPH) for i in range(SINK_COUNT)]
+    rng.shuffle(keys)
+    # A client process starts some of them itself, through Instance.ainvoke (epoch 1); the
+    # test records the rest as pending for serve() to start (epoch 2 at the first take).
+    by_starter = keys[:STARTER_COUNT]
+    pending = keys[STARTER_COUNT:]
+    started = time.monotonic()
+
+    engine = create_engine(url, **pg_engine_options(schema))
+    repo = SqlLeaseRepository(engine)
+    await repo.setup()
+    await SqlCheckpointer(engine).setup()
+    records = SqlExecutionRecords(engine)
+    await records.setup()
+    await setup_sink(engine)
+    async with engine.connect() as conn:
+        await conn.execute(text(CREATE_EFFECTS))
+    chaos = Chaos(tmp_path, url, schema, rng)
+    codes: dict[str, int | None] = {}
+    adopted: set[LeaseKey] = set()
+    try:
+        starter = await chaos.spawn_starter(tenant, by_starter)
+        for _ in range(WORKERS):
+            await chaos.spawn()
+        # Start-up: the chaos begins once two servers are up (imports take seconds here).
+        while len(chaos.ready_servers()) < 2:
+            chaos.update_ready()
+            chaos.check_crashes()
+            if chaos.crashes or time.monotonic() > started + STARTUP_DEADLINE:
+                pytest.fail(f"seed {seed}: the workers did not start: {tails(chaos, ['w1'])}")
+            await asyncio.sleep(0.05)
+        # Chaos: feed executions in waves, and every 0.8-1.6 s freeze or kill a worker.
+        fed = 0
+        chaos_start = next_act = time.monotonic()
+        chaos_end = chaos_start + CHAOS_SECONDS
+        while (now := time.monotonic()) < chaos_end:
+            share = (now - chaos_start) / FEED_SECONDS
+            due = min(len(pending), int(len(pending) * share) + 1)
+            while fed < due:
+                key, graph = pending[fed]
+                await record_pending(repo, records, key, graph)
+                fed += 1
+            if starter.killed and not starter.adopted:
+                adopted = await adopt(repo, records, by_starter)
+                starter.adopted = True
+            chaos.continue_due(now)
+            chaos.check_crashes()
+            chaos.update_ready()
+            if now >= next_act and len(chaos.alive()) <= MAX_ALIVE:
+                await chaos.act(now)
+                next_act = now + rng.uniform(0.8, 1.6)
+            await asyncio.sleep(0.05)
+        while fed < len(pending):
+            await record_pending(repo, records, *pending[fed])
+            fed += 1
+        chaos.continue_due(time.monotonic(), all_of_them=True)
+        if starter.killed and not starter.adopted:
+            adopted = await adopt(repo, records, by_starter)
+            starter.adopted = True
+
+        # Quiet: the survivors finish everything (or the test fails at the deadline).
+        quiet_end = time.monotonic() + QUIET_DEADLINE
+        trace = tmp_path / "quiet.trace"
+        while True:
+            rows = await statuses(engine, tenant)
+            open_ = [r for r in rows if LeaseStatus(r[1]) not in TERMINAL]
+            if len(rows) == len(keys) and not open_:
+                break
+            with trace.open("a") as out:  # what stays open, for a post-mortem
+                out.write(f"{time.monotonic() - started:.1f} {len(rows)} {open_}\n")
+            chaos.check_crashes()
+            if time.monotonic() > quiet_end or not chaos.alive():
+                unrecorded = [
+                    r[0] for r in open_ if await records.get(LeaseKey(tenant, r[0])) is None
+                ]
+                pytest.fail(
+                    f"seed {seed}: {len(open_)} executions still open after the quiet period "
+                    f"({len(unrecorded)} of them without an execution record): {open_[:10]}\n"
+                    f"{tails(chaos, [w.name for w in chaos.alive()])}"
+                )
+            await asyncio.sleep(0.2)
+        quiet_took = time.monotonic() - (quiet_end - QUIET_DEADLINE)
+        if not starter.killed:
+            # Every run it started has ended one way or another: so must the client.
+            try:
+                await asyncio.wait_for(starter.proc.wait(), 10.0)
+            except TimeoutError:
+                pytest.fail(f"seed {seed}: the starter hung: {tails(chaos, ['starter'])}")
+            chaos.check_crashes()
+    finally:
+        codes = await chaos.shutdown()
+
+    try:
+        rows = await statuses(engine, tenant)
+        charged = await effects(engine, prefix)
+    finally:
+        await engine.dispose()
+    by_id = {r[0]: r for r in rows}
+    graph_of = {key.execution_id: graph for key, graph in keys}
+    assert set(by_id) == set(graph_of), "an execution was lost"
+    count = Counter((graph_of[r[0]], r[1]) for r in rows)
+    # Started by the client: first held at 1; recorded as pending (by the test, or adopted
+    # from a killed client): first held at 2.
+    first_token = {key.execution_id: 1 for key, _ in by_starter if key not in adopted}
+    takeovers = sum(1 for r in rows if r[2] > first_token.get(r[0], 2))
+    plain_done = count[(PLAIN_GRAPH, "done")]
+    plain_dead = count[(PLAIN_GRAPH, "dead_lettered")]
+    sink_done = count[(SINK_GRAPH, "done")]
+    with capsys.disabled():
+        print(
+            f"\nchaos seed {seed}: {len(keys)} executions in {time.monotonic() - started:.1f} s "
+            f"(quiet period {quiet_took:.1f} s); workers started {chaos.spawned}, "
+            f"SIGKILL {chaos.kills}, SIGSTOP+SIGCONT {chaos.stops}; started by ainvoke "
+            f"{len(by_starter)} (starter {starter_fate(starter)}); taken over mid-run "
+            f"{takeovers}; {PLAIN_GRAPH}: done {plain_done}, dead-lettered {plain_dead}; "
+            f"{SINK_GRAPH}: done {sink_done}, dead-lettered "
+            f"{count[(SINK_GRAPH, 'dead_lettered')]}; charge rows {sum(charged.values())}"
+        )
+
+    failures = []
+    for execution_id, status, epoch, reason in rows:
+        graph = graph_of[execution_id]
+        rows_charged = charged.get(execution_id, 0)
+        if status not in ("done", "dead_lettered"):
+            failures.append(f"{execution_id} ({graph}) ended {status} at {epoch}: {reason}")
+        elif status == "dead_lettered" and not reason:
+            failures.append(f"{execution_id} ({graph}) dead-lettered without a reason")
+        if rows_charged > 1:
+            failures.append(f"{execution_id} ({graph}) charged {rows_charged} times")
+        if status == "done" and rows_charged != 1:
+            failures.append(f"{execution_id} ({graph}) done but charged {rows_charged} times")
+        if graph == SINK_GRAPH and status != "done":
+            failures.append(f"{execution_id} ({graph}, the sink) ended {status}: {reason}")
+    assert not failures, f"seed {seed}:\n" + "\n".join(failures[:30])
+    assert not chaos.crashes, f"seed {seed}: workers crashed: {tails(chaos, chaos.crashes)}"
+    bad_exits = {name: code for name, code in codes.items() if code != 0}
+    assert not bad_exits, f"seed {seed}: workers did not stop cleanly on SIGTERM: {bad_exits}"
+    assert chaos.kills >= 1 and chaos.stops >= 1, f"seed {seed}: the chaos did not happen"
+    assert takeovers >= 1, f"seed {seed}: no execution was taken over mid-run"
+    assert time.monotonic() - started < STARTUP_DEADLINE + CHAOS_SECONDS + QUIET_DEADLINE + 30
+
+
+async def test_a_client_killed_between_its_acquire_and_its_record_is_not_lost(
+    pg_schema: tuple[str, str], tmp_path: Path
+) -> None:
+    """``ainvoke`` takes the lease, then records the execution: a death between is a leak.
+
+    The test holds a lock on ``fence_executions``, so the client's record waits in
+    PostgreSQL after its acquire has committed; it SIGKILLs the client there (what a crash
+    or an OOM kill between the two statements does), lets go of the lock, and starts a
+    ``serve`` worker. Guarantee 6 (DESIGN.md): an expired execution is taken over, and every
+    execution ends done, failed or dead-lettered with a reason: this one must not stay
+    ``running`` forever.
+    """
+    url, schema = pg_schema
+    tenant = unique("gap")
+    key = LeaseKey(tenant, unique("x-p"))
+    engine = create_engine(url, **pg_engine_options(schema))
+    repo = SqlLeaseRepository(engine)
+    await repo.setup()
+    await SqlCheckpointer(engine).setup()
+    records = SqlExecutionRecords(engine)
+    await records.setup()
+    await setup_sink(engine)
+    async with engine.connect() as conn:
+        await conn.execute(text(CREATE_EFFECTS))
+    chaos = Chaos(tmp_path, url, schema, random.Random(0))
+    deadline = time.monotonic() + 40.0
+    try:
+        async with engine.connect() as locker:
+            locker = await locker.execution_options(isolation_level="READ COMMITTED")
+            async with locker.begin():
+                await locker.execute(text("LOCK TABLE fence_executions IN EXCLUSIVE MODE"))
+                starter = await chaos.spawn_starter(tenant, [(key, PLAIN_GRAPH)])
+                while (lease := await repo.get(key)) is None:
+                    if starter.proc.returncode is not None or time.monotonic() > deadline:
+                        pytest.fail(f"the client did not acquire: {tails(chaos, ['starter'])}")
+                    await asyncio.sleep(0.02)
+                assert lease.status is LeaseStatus.RUNNING and lease.epoch == 1, lease
+                starter.killed = True
+                starter.proc.kill()
+                await starter.proc.wait()
+        assert await records.get(key) is None  # killed between the acquire and the record
+        await chaos.spawn()
+        deadline = time.monotonic() + 15.0  # start-up, TTL, a few polls, one short run
+        while (lease := await repo.get(key)) is None or lease.status not in TERMINAL:
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    f"execution {key.scope_key} was left {lease.status.value if lease else None}"
+                    f" at token {lease.epoch if lease else None}, holder "
+                    f"{lease.holder if lease else None}, {TTL} s lease long expired: the client "
+                    "died after Instance.ainvoke acquired its lease and before it recorded the "
+                    "execution, and serve() never takes it over (no record): it is lost"
+                )
+            chaos.check_crashes()
+            assert not chaos.crashes, tails(chaos, chaos.crashes)
+            await asyncio.sleep(0.1)
+    finally:
+        await chaos.shutdown()
+        await engine.dispose()
