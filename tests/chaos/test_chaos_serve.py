@@ -36,7 +36,9 @@ import random
 import signal
 import sys
 import time
+import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,7 +52,7 @@ from langgraph_fence.database import create_engine
 from langgraph_fence.executions import ExecutionRecord, SqlExecutionRecords
 from langgraph_fence.sinks import setup_sink
 from tests.chaos.chaos_graphs import CREATE_EFFECTS, PLAIN_GRAPH, SINK_GRAPH
-from tests.conftest import pg_engine_options, unique
+from tests.conftest import _pg_admin, pg_engine_options, unique
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
 
@@ -68,6 +70,22 @@ FEED_SECONDS = 15.0  # executions are recorded in waves over this long
 CHAOS_SECONDS = 22.0  # signals are sent for this long
 QUIET_DEADLINE = 30.0  # then the survivors must finish within this
 TERMINAL = {LeaseStatus.DONE, LeaseStatus.FAILED, LeaseStatus.DEAD_LETTERED}
+
+
+@pytest.fixture
+def own_schema(pg_schema: tuple[str, str]) -> Iterator[tuple[str, str]]:
+    """``(url, schema)``: a schema of this test's own, dropped after it.
+
+    serve() looks at every execution in its schema: other tests' leftovers in the session's
+    schema must not change what these workers see.
+    """
+    url, _ = pg_schema
+    schema = f"lgf_chaos_{uuid.uuid4().hex[:12]}"
+    _pg_admin(url, f'CREATE SCHEMA "{schema}"')
+    try:
+        yield url, schema
+    finally:
+        _pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 @dataclass(eq=False)
@@ -207,7 +225,12 @@ class Chaos:
                 worker.stopped_until = None
 
     async def shutdown(self) -> dict[str, int | None]:
-        """SIGCONT + SIGTERM every worker; SIGKILL what has not stopped in 10 s."""
+        """SIGCONT + SIGTERM every worker; SIGKILL what has not stopped in 10 s.
+
+        Returns the exit code of every server that was serving (one still importing when
+        SIGTERM came has no handler yet and holds nothing: it just dies).
+        """
+        self.update_ready()
         codes: dict[str, int | None] = {}
         for worker in self.workers:
             if worker.proc.returncode is None:
@@ -224,7 +247,7 @@ class Chaos:
                 await worker.proc.wait()
                 codes[worker.name] = None
                 continue
-            if not worker.killed and worker.kind == "serve":
+            if not worker.killed and worker.kind == "serve" and worker.ready:
                 codes[worker.name] = worker.proc.returncode
         return codes
 
@@ -299,9 +322,9 @@ def tails(chaos: Chaos, names: list[str]) -> str:
 
 
 async def test_serve_workers_frozen_and_killed_never_charge_twice(
-    pg_schema: tuple[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    own_schema: tuple[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    url, schema = pg_schema
+    url, schema = own_schema
     seed = int(os.environ.get("LGF_CHAOS_SEED", random.randrange(1 << 30)))
     rng = random.Random(seed)
     tenant = unique("chaos")
@@ -450,7 +473,7 @@ async def test_serve_workers_frozen_and_killed_never_charge_twice(
 
 
 async def test_a_client_killed_between_its_acquire_and_its_record_is_not_lost(
-    pg_schema: tuple[str, str], tmp_path: Path
+    own_schema: tuple[str, str], tmp_path: Path
 ) -> None:
     """``ainvoke`` takes the lease, then records the execution: a death between is a leak.
 
@@ -461,7 +484,7 @@ async def test_a_client_killed_between_its_acquire_and_its_record_is_not_lost(
     execution ends done, failed or dead-lettered with a reason: this one must not stay
     ``running`` forever.
     """
-    url, schema = pg_schema
+    url, schema = own_schema
     tenant = unique("gap")
     key = LeaseKey(tenant, unique("x-p"))
     engine = create_engine(url, **pg_engine_options(schema))
@@ -504,6 +527,61 @@ async def test_a_client_killed_between_its_acquire_and_its_record_is_not_lost(
             chaos.check_crashes()
             assert not chaos.crashes, tails(chaos, chaos.crashes)
             await asyncio.sleep(0.1)
+    finally:
+        await chaos.shutdown()
+        await engine.dispose()
+
+
+async def test_executions_serve_cannot_run_do_not_starve_those_it_can(
+    own_schema: tuple[str, str], tmp_path: Path
+) -> None:
+    """Executions of a graph a worker does not serve must not hide the ones it does.
+
+    Twelve pending executions of ``payroll`` (served by some other deployment) sort first
+    among the takeover candidates; one pending ``chaos_plain`` execution sorts after them. A
+    ``langgraph-fence worker --concurrency 3`` serving only the chaos graphs must leave the
+    twelve untouched and still run the thirteenth.
+    """
+    url, schema = own_schema
+    engine = create_engine(url, **pg_engine_options(schema))
+    repo = SqlLeaseRepository(engine)
+    await repo.setup()
+    await SqlCheckpointer(engine).setup()
+    records = SqlExecutionRecords(engine)
+    await records.setup()
+    await setup_sink(engine)
+    async with engine.connect() as conn:
+        await conn.execute(text(CREATE_EFFECTS))
+    others = [LeaseKey("a-payroll", f"run-{i:02d}") for i in range(CONCURRENCY * 4)]
+    for key in others:
+        await record_pending(repo, records, key, "payroll")
+    mine = LeaseKey("z-shop", unique("x-p"))
+    await record_pending(repo, records, mine, PLAIN_GRAPH)
+    chaos = Chaos(tmp_path, url, schema, random.Random(0))
+    try:
+        worker = await chaos.spawn()
+        deadline = time.monotonic() + STARTUP_DEADLINE
+        while not worker.ready:
+            chaos.update_ready()
+            chaos.check_crashes()
+            if chaos.crashes or time.monotonic() > deadline:
+                pytest.fail(f"the worker did not start: {tails(chaos, [worker.name])}")
+            await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 10.0  # a few polls and one short run
+        while (lease := await repo.get(mine)) is None or lease.status not in TERMINAL:
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    f"{mine.scope_key} is still {lease.status.value if lease else None} after "
+                    f"10 s of a worker serving its graph: serve() reads the takeover "
+                    f"candidates {CONCURRENCY * 4} at a time (concurrency x 4), oldest first, "
+                    f"and the {len(others)} executions of a graph it does not serve fill that "
+                    "window on every poll"
+                )
+            await asyncio.sleep(0.1)
+        assert lease.status is LeaseStatus.DONE, lease
+        for key in others:
+            left = await repo.get(key)
+            assert left is not None and left.status is LeaseStatus.PENDING and left.epoch == 1
     finally:
         await chaos.shutdown()
         await engine.dispose()

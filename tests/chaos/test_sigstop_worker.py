@@ -18,7 +18,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,7 +32,7 @@ from langgraph_fence import LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.database import create_engine
 from langgraph_fence.executions import SqlExecutionRecords
 from tests.chaos.chaos_graphs import EXIT_FENCED, HOLD_GRAPH
-from tests.conftest import pg_engine_options, unique
+from tests.conftest import _pg_admin, pg_engine_options, unique
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
 
@@ -44,6 +45,22 @@ SLACK = 0.75
 DEADLINE = 40.0
 
 T = TypeVar("T")
+
+
+@pytest.fixture
+def own_schema(pg_schema: tuple[str, str]) -> Iterator[tuple[str, str]]:
+    """``(url, schema)``: a schema of this test's own, dropped after it.
+
+    serve() looks at every execution in its schema: other tests' leftovers in the session's
+    schema must not change what these workers see.
+    """
+    url, _ = pg_schema
+    schema = f"lgf_chaos_{uuid.uuid4().hex[:12]}"
+    _pg_admin(url, f'CREATE SCHEMA "{schema}"')
+    try:
+        yield url, schema
+    finally:
+        _pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 async def poll(probe: Callable[[], Awaitable[T | None]], deadline: float, what: str) -> T:
@@ -102,9 +119,9 @@ async def stop_process(proc: asyncio.subprocess.Process, *, grace: float) -> Non
 
 
 async def test_a_sigstopped_worker_is_fenced_within_one_renew_interval(
-    pg_schema: tuple[str, str], tmp_path: Path
+    own_schema: tuple[str, str], tmp_path: Path
 ) -> None:
-    url, schema = pg_schema
+    url, schema = own_schema
     tenant, thread = unique("tenant"), unique("thread")
     key = LeaseKey(tenant, thread)
     inside_work = tmp_path / "inside-work.json"
