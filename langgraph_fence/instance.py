@@ -327,7 +327,9 @@ class Instance:
         kwargs: Mapping[str, Any],
     ) -> None:
         try:
-            candidates = await self.repository.takeover_candidates(limit=free * 4)
+            # Executions this loop cannot run (graphs it does not serve) stay candidates:
+            # widen the window by as many, or they would hide the ones it can run.
+            candidates = await self.repository.takeover_candidates(limit=free * 4 + len(ignored))
         except Exception:
             logger.warning("could not read takeover candidates", exc_info=True)
             return
@@ -483,6 +485,19 @@ class Instance:
         if graph_name is not None and (not isinstance(graph_name, str) or not graph_name):
             raise ValueError(f"graph_name must be a non-empty str, got {graph_name!r}")
         if taken is None:
+            if input is not None and not isinstance(input, Command):
+                # Recorded before the lease is taken: a process that dies after its acquire
+                # must leave a record for the instance that takes the execution over (one
+                # that dies before it leaves no lease, so nothing to take over). It resumes
+                # from the last checkpoint, or from this input if no checkpoint landed.
+                await self.records.record(
+                    ExecutionRecord(
+                        key,
+                        graph_name or str(getattr(graph, "name", None) or "LangGraph"),
+                        str(base["configurable"]["thread_id"]),
+                        input,
+                    )
+                )
             handle = await self._acquire(key, reopen=input is not None)
         else:
             handle = RunHandle(self.repository, taken, self.lease_ttl, clock=self.clock)
@@ -510,17 +525,6 @@ class Instance:
         )
         try:
             try:
-                if taken is None and input is not None and not isinstance(input, Command):
-                    # Before the graph runs: if this process dies before the first checkpoint
-                    # lands, the instance that takes over starts again from this input.
-                    await self.records.record(
-                        ExecutionRecord(
-                            key,
-                            graph_name or str(getattr(graph, "name", None) or "LangGraph"),
-                            str(base["configurable"]["thread_id"]),
-                            input,
-                        )
-                    )
                 yield run
             finally:
                 await _cancel_all(run.timers)

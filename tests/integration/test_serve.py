@@ -287,6 +287,11 @@ async def test_stop_drains_at_a_superstep_and_hands_the_execution_back(leases: L
     )
     await asyncio.wait_for(in_step.wait(), 10)
     stop_b.set()  # SIGTERM: finish the step in flight, then hand the execution back
+
+    async def drain_requested() -> bool:
+        return any(run.control.drain_requested for run in b._runs)
+
+    await eventually(drain_requested)
     release.set()
     await asyncio.wait_for(serving_b, 10)
     lease = await leases.store.get(key)
