@@ -1,5 +1,6 @@
-"""The SQLite hot paths: each write is ONE ``BEGIN IMMEDIATE`` transaction run in ONE hop to
-the aiosqlite connection's thread.
+"""The SQLite hot paths: each write is ONE ``BEGIN IMMEDIATE`` transaction (a savepoint of one,
+when writes arriving together are committed as a group) run in ONE hop to the aiosqlite
+connection's thread.
 
 Why one hop: aiosqlite runs every call on its connection's thread and wakes the event loop
 for each answer; a transaction of five calls (begin, guard, blobs, checkpoint, commit) pays
@@ -17,6 +18,7 @@ import json
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -97,16 +99,33 @@ def _check_guard(conn: sqlite3.Connection, guard: Guard | None) -> int | bool | 
     return False if row is None else int(row[0])
 
 
-def _in_transaction(conn: sqlite3.Connection, body: Callable[[sqlite3.Connection], bool]) -> bool:
-    """Run ``body`` in one BEGIN IMMEDIATE transaction; commit only when it returns True."""
+Body = Callable[[sqlite3.Connection], bool]
+
+
+def _commit_group(conn: sqlite3.Connection, bodies: Sequence[Body]) -> list[bool | Exception]:
+    """Run each write in its own savepoint of ONE ``BEGIN IMMEDIATE`` transaction.
+
+    A write whose guard refused it (``False``) or that raised is rolled back to its
+    savepoint alone; the others commit together, with one sync to disk for the group.
+    """
     conn.execute("BEGIN IMMEDIATE")
+    results: list[bool | Exception] = []
     try:
-        keep = body(conn)
+        for body in bodies:
+            conn.execute("SAVEPOINT fence_write")
+            try:
+                landed: bool | Exception = body(conn)
+            except Exception as exc:
+                landed = exc
+            if landed is not True:
+                conn.execute("ROLLBACK TO fence_write")
+            conn.execute("RELEASE fence_write")
+            results.append(landed)
+        conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
         raise
-    conn.execute("COMMIT" if keep else "ROLLBACK")
-    return keep
+    return results
 
 
 class SqliteDriver:
@@ -115,21 +134,57 @@ class SqliteDriver:
     def __init__(self, engine: AsyncEngine) -> None:
         self._connections = Connections(engine)
         self.aclose = self._connections.aclose
-        self._write_lock: asyncio.Lock | None = None
+        self._pending: list[tuple[Body, asyncio.Future[bool]]] = []
+        self._flusher: asyncio.Task[None] | None = None
 
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         async with self._connections() as aio:
             result: T = await aio._execute(lambda: fn(aio._conn))
             return result
 
-    async def _write(self, body: Callable[[sqlite3.Connection], bool]) -> bool:
-        # SQLite admits one writer at a time. Two of this process's writes racing for the
-        # lock would make the loser sleep in SQLite's busy handler (milliseconds); queueing
-        # them here costs nothing. Other processes still wait through the busy timeout.
-        if self._write_lock is None:
-            self._write_lock = asyncio.Lock()
-        async with self._write_lock:
-            return await self._run(lambda conn: _in_transaction(conn, body))
+    async def _write(self, body: Body) -> bool:
+        """Queue a write for the next group commit and wait for its own outcome.
+
+        SQLite admits one writer at a time, and each commit waits for the disk. Writes of
+        this process that arrive while a commit is under way (a fan-out superstep's writes,
+        a checkpoint racing its tasks' writes under ``durability="async"``) are committed
+        together by the next one: each in its own savepoint, so a refused or failing write
+        takes no other with it, and each caller learns only its own outcome once the group
+        is on disk. Queueing here also keeps two of this process's writers from sleeping in
+        SQLite's busy handler; other processes still wait through the busy timeout.
+        """
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._pending.append((body, future))
+        if self._flusher is None or self._flusher.done():
+            # A task of its own: a caller cancelled while waiting must not stop the others'
+            # commit (a write already handed to SQLite lands or fails as a whole anyway).
+            self._flusher = asyncio.ensure_future(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        while self._pending:
+            group, self._pending = self._pending, []
+            bodies = [body for body, _ in group]
+            try:
+                results = await self._run(partial(_commit_group, bodies=bodies))
+            except BaseException as exc:
+                for _, future in group:
+                    if future.done():
+                        continue
+                    if isinstance(exc, asyncio.CancelledError):
+                        future.cancel()
+                    else:
+                        future.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+                continue
+            for (_, future), landed in zip(group, results, strict=True):
+                if future.done():
+                    continue
+                if isinstance(landed, Exception):
+                    future.set_exception(landed)
+                else:
+                    future.set_result(landed)
 
     async def put(self, row: CheckpointRow, blobs: Sequence[BlobRow], guard: Guard | None) -> bool:
         def body(conn: sqlite3.Connection) -> bool:

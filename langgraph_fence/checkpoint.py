@@ -102,9 +102,15 @@ def check_write_scope(handle: RunHandle, config: RunnableConfig, *, action: str)
 
     Raises:
         ExecutionFencedError: the handle covers another execution (not recorded here).
+        ValueError: the config names no thread.
     """
-    configurable = config["configurable"]
-    execution_id = configurable.get("execution_id") or str(configurable.get("thread_id"))
+    configurable = config.get("configurable") or {}
+    if configurable.get("thread_id") is None:
+        raise ValueError(
+            f'{action} needs config["configurable"]["thread_id"]: pass '
+            'config={"configurable": {"thread_id": "<your thread id>"}}'
+        )
+    execution_id = configurable.get("execution_id") or str(configurable["thread_id"])
     tenant_id = configurable.get("tenant_id")
     key = handle.key
     if key.execution_id != execution_id or (tenant_id is not None and tenant_id != key.tenant_id):

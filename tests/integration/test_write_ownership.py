@@ -299,3 +299,31 @@ async def test_a_refused_write_drains_an_async_durability_run(
     assert raised.value is handle.error
     # c may or may not have started before the refusal was known; d never does.
     assert ran[:2] == ["a", "b"] and "d" not in ran, ran
+
+
+async def test_concurrent_writes_each_get_their_own_outcome(
+    workers: tuple[Worker, Worker], clock: ManualClock
+) -> None:
+    """A fan-out superstep's writes arrive together (SQLite commits them as one group): the
+    stale writer among them is refused alone, and every other write lands."""
+    a, b = workers
+    stale_thread, live_thread = unique("thread"), unique("thread")
+    stale = await a.take(LeaseKey("tenant", stale_thread))
+    stale_head = await put(a, stale_thread, stale, None)
+    live = await b.take(LeaseKey("tenant", live_thread))
+    live_head = await put(b, live_thread, live, None)
+    clock.advance(TTL + 1)
+    await b.take(LeaseKey("tenant", stale_thread))
+
+    writes = [
+        b.saver.aput_writes(config(live_thread, live, live_head), [("data", i)], f"task-{i}")
+        for i in range(8)
+    ]
+    # Through the same saver, so on SQLite it joins the same group commit.
+    writes.insert(4, b.saver.aput_writes(config(stale_thread, stale, stale_head), [("d", 0)], "x"))
+    outcomes = await asyncio.gather(*writes, return_exceptions=True)
+    assert isinstance(outcomes.pop(4), ExecutionFencedError)
+    assert outcomes == [None] * 8
+    landed = await rows(b.engine, "fence_checkpoint_writes", live_thread)
+    assert sorted(w[1] for w in landed) == [f"task-{i}" for i in range(8)]
+    assert await rows(a.engine, "fence_checkpoint_writes", stale_thread) == []
