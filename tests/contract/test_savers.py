@@ -80,8 +80,15 @@ async def test_conformance(
         assert result.passed and result.tests_passed > 0, (cap, result)
 
 
-def test_wrapper_claims_only_what_its_inner_saver_implements() -> None:
-    memory = DetectedCapabilities.from_instance(FencedCheckpointer(InMemorySaver()))
-    assert memory.detected == BASE_CAPABILITIES
-    sql_type = FencedCheckpointer._classes  # built per inner type, cached
-    assert all(issubclass(cls, FencedCheckpointer) for cls in sql_type.values())
+def test_wrapper_claims_only_what_its_inner_saver_implements(
+    make_engine: Callable[[str], AsyncEngine],
+) -> None:
+    over_memory = FencedCheckpointer(InMemorySaver())
+    assert DetectedCapabilities.from_instance(over_memory).detected == BASE_CAPABILITIES
+    assert isinstance(over_memory, FencedCheckpointer)
+    over_sql = FencedCheckpointer(SqlCheckpointer(make_engine("sqlite")))
+    assert DetectedCapabilities.from_instance(over_sql).detected == (
+        BASE_CAPABILITIES | EXTENDED_CAPABILITIES
+    )
+    assert type(over_sql) is not type(over_memory)
+    assert type(FencedCheckpointer(InMemorySaver())) is type(over_memory), "classes are cached"
