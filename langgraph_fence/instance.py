@@ -173,6 +173,7 @@ class Instance:
                 yield instance
             finally:
                 await instance.aclose()
+                await saver.aclose()
         finally:
             await engine.dispose()
 
