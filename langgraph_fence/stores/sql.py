@@ -15,11 +15,14 @@ from typing import Any
 from sqlalchemy import (
     ColumnElement,
     Double,
+    Text,
     and_,
     bindparam,
+    case,
     cast,
     func,
     literal,
+    null,
     or_,
     select,
     update,
@@ -255,6 +258,59 @@ class SqlLeaseRepository:
             .limit(bindparam("p_limit"))
         )
         self._now_stmt = select(now)
+        self._take_over = self._build_take_over(now, ttl)
+
+    def _build_take_over(self, now: ColumnElement[float], ttl: Any) -> Any:
+        # The take and the decision are one statement, on the row as it is now: the stamp
+        # read with the candidate may have changed since (an expired holder may still stamp).
+        non_idempotent = _C.pending_effect == Effect.NON_IDEMPOTENT_WRITE.value
+        holder = bindparam("p_holder", type_=Text)
+        reason = (
+            literal("taken over at token ", Text)
+            + cast(_C.epoch + 1, Text)
+            + literal(" by ", Text)
+            + holder
+            + literal(": node '", Text)
+            + _C.pending_node
+            + literal("' stamped a non-idempotent write at token ", Text)
+            + cast(_C.pending_token, Text)
+            + literal(
+                " that was never cleared; it may have happened, so the execution is not "
+                "repeated",
+                Text,
+            )
+        )
+        takeable = or_(
+            and_(
+                _C.status == LeaseStatus.RUNNING.value,
+                or_(_C.expires_at.is_(None), _C.expires_at <= now),
+            ),
+            and_(_C.status == LeaseStatus.PENDING.value, _C.holder.is_(None)),
+        )
+
+        def unless_dead(column: Any) -> Any:
+            return case((non_idempotent, column), else_=null())
+
+        return (
+            update(LEASES)
+            .where(and_(_KEY, _C.epoch == bindparam("p_epoch"), takeable))
+            .values(
+                epoch=_C.epoch + 1,
+                holder=case((non_idempotent, null()), else_=holder),
+                expires_at=case((non_idempotent, null()), else_=now + ttl),
+                status=case(
+                    (non_idempotent, LeaseStatus.DEAD_LETTERED.value),
+                    else_=LeaseStatus.RUNNING.value,
+                ),
+                reason=case((non_idempotent, reason), else_=null()),
+                pending_effect=unless_dead(_C.pending_effect),
+                pending_node=unless_dead(_C.pending_node),
+                pending_task=unless_dead(_C.pending_task),
+                pending_token=unless_dead(_C.pending_token),
+                updated_at=now,
+            )
+            .returning(*_RETURNING)
+        )
 
     # -- I/O
 
@@ -396,3 +452,16 @@ class SqlLeaseRepository:
         async with self._reader.connect() as conn:
             rows = (await conn.execute(self._candidates, self._params(limit=limit))).all()
         return [self._lease(row) for row in rows]
+
+    async def take_over(self, candidate: Lease, holder: str, ttl: float) -> Lease | None:
+        """Take a candidate over and decide its fate (resume or dead-letter): one statement."""
+        check_lease(self, candidate)
+        params = self._params(
+            tenant_id=candidate.key.tenant_id,
+            execution_id=candidate.key.execution_id,
+            epoch=candidate.epoch,
+            holder=validate_holder(holder),
+            ttl=validate_ttl(ttl),
+        )
+        row = await self._one(self._take_over, params)
+        return None if row is None else self._lease(row)
