@@ -301,24 +301,29 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         guards = getattr(self.inner, "guards", None)
         return callable(guards) and bool(guards(handle))
 
-    async def _admit(
-        self, handle: RunHandle, config: RunnableConfig, action: str
-    ) -> tuple[bool, RunnableConfig]:
-        """Check what must be checked before delegating; ``(inner guards it, config)``."""
-        self._loop = asyncio.get_running_loop()
+    def _admit_guarded(self, handle: RunHandle, config: RunnableConfig, action: str) -> bool:
+        """The local checks (no I/O); True when the inner saver checks the token itself."""
         try:
             if handle.error is not None:
                 raise handle.error
             check_write_scope(handle, config, action=action)
-            if self._guards(handle):
-                return True, config
+        except ExecutionLeaseLostError as exc:
+            raise refuse_write(handle, config, exc) from None
+        return self._guards(handle)
+
+    async def _check_outside(
+        self, handle: RunHandle, config: RunnableConfig, action: str
+    ) -> RunnableConfig:
+        """For an inner saver that cannot check the token: check it here, by one read."""
+        self._loop = asyncio.get_running_loop()
+        try:
             handle.check()
             current = await handle.repository.get(handle.key)
             if not lease_matches(handle.lease, current):
                 raise fenced_error(handle.lease, current, action=action)
         except ExecutionLeaseLostError as exc:
             raise refuse_write(handle, config, exc) from None
-        return False, _without_handle(config)
+        return _without_handle(config)
 
     async def aput(
         self,
@@ -330,7 +335,9 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         handle = self._handle(config, "aput")
         if handle is None:
             return await self.inner.aput(config, checkpoint, metadata, new_versions)
-        _, inner_config = await self._admit(handle, config, "aput")
+        inner_config = config
+        if not self._admit_guarded(handle, config, "aput"):
+            inner_config = await self._check_outside(handle, config, "aput")
         try:
             return await self.inner.aput(inner_config, checkpoint, metadata, new_versions)
         except ExecutionLeaseLostError as exc:
@@ -347,7 +354,10 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         if handle is None:
             await self.inner.aput_writes(config, writes, task_id, task_path)
             return
-        guarded, inner_config = await self._admit(handle, config, "aput_writes")
+        inner_config = config
+        guarded = self._admit_guarded(handle, config, "aput_writes")
+        if not guarded:
+            inner_config = await self._check_outside(handle, config, "aput_writes")
         try:
             await self.inner.aput_writes(inner_config, writes, task_id, task_path)
             pending = handle.pending_effect
