@@ -153,7 +153,6 @@ class _Step:
         self._enter_frame()
         task = asyncio.current_task()
         if task is not None:
-
             cancelled: list[bool] = []
 
             def cancel_step(error: BaseException) -> None:

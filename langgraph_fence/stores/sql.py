@@ -275,8 +275,7 @@ class SqlLeaseRepository:
             + literal("' stamped a non-idempotent write at token ", Text)
             + cast(_C.pending_token, Text)
             + literal(
-                " that was never cleared; it may have happened, so the execution is not "
-                "repeated",
+                " that was never cleared; it may have happened, so the execution is not repeated",
                 Text,
             )
         )

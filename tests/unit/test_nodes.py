@@ -189,9 +189,7 @@ async def test_other_errors_are_still_retried_as_declared() -> None:
         return {"log": ["done"]}
 
     builder = StateGraph(State)
-    builder.add_node(
-        "flaky", flaky, retry_policy=RetryPolicy(initial_interval=0.001, jitter=False)
-    )
+    builder.add_node("flaky", flaky, retry_policy=RetryPolicy(initial_interval=0.001, jitter=False))
     builder.add_edge(START, "flaky")
     builder.add_edge("flaky", END)
     graph = fence_graph(builder, effects={"flaky": Effect.IDEMPOTENT_WRITE}).compile(
@@ -218,9 +216,7 @@ async def test_a_failed_non_idempotent_write_is_dead_lettered_not_retried() -> N
     builder.add_node(
         "charge",
         charge,
-        retry_policy=RetryPolicy(
-            retry_on=retry_everything, initial_interval=0.001, jitter=False
-        ),
+        retry_policy=RetryPolicy(retry_on=retry_everything, initial_interval=0.001, jitter=False),
     )
     builder.add_edge(START, "charge")
     builder.add_edge("charge", END)
