@@ -349,7 +349,7 @@ def fence_tools(
             fenced already, ``effects`` naming a tool not in ``tools``, or a value in
             ``effects`` that is not an :class:`Effect`.
     """
-    if isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Iterable):
+    if isinstance(tools, str | bytes | Mapping | BaseTool) or not isinstance(tools, Iterable):
         raise ValueError(f"tools must be a list of LangChain tools or functions, got {tools!r}")
     if effects is not None and not isinstance(effects, Mapping):
         raise ValueError(f"effects must map tool names to Effect values, got {effects!r}")
