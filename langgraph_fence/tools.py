@@ -330,10 +330,13 @@ def fence_tools(
       non-idempotent call already stamped runs nothing. A fencing error is re-raised as it
       is; the node wrapper raises it even where a ``ToolNode`` caught it.
 
-    Limit: **at most once, not exactly once**. A write that completed but whose step did not
+    Limits: **at most once, not exactly once**. A write that completed but whose step did not
     record its writes (crash, takeover) is dead-lettered, never repeated, never confirmed.
     Exactly-once needs an external system that checks the token (see
-    :mod:`langgraph_fence.sinks`).
+    :mod:`langgraph_fence.sinks`). A ``READ_ONLY`` call checks the lease locally only, so a
+    read may still run just after another worker took over (reads are safe to repeat). The
+    lease holds one stamp: the no-downgrade rule holds within a step, not between two steps
+    of one superstep that both call write tools.
 
     Args:
         tools: ``BaseTool`` instances, ``@tool`` functions, or plain functions (made into
