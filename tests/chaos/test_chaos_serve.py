@@ -24,8 +24,9 @@ Bounded: one seed (printed; ``LGF_CHAOS_SEED`` replays the choices), at most fou
 processes and one client alive at once, a fixed count of executions, deadlines on every
 wait; every child is killed in ``finally``.
 
-A second test kills the client between ``ainvoke``'s acquire and its record of the execution
-(held there by a table lock): the execution must still be taken over, not lost.
+Further tests kill the client inside each write ``ainvoke`` makes to start an execution
+(held there by a table lock): nothing may be lost; and they check that executions of a graph a
+worker does not serve do not hide the ones it does.
 """
 
 from __future__ import annotations
@@ -479,20 +480,42 @@ async def test_serve_workers_frozen_and_killed_never_charge_twice(
     assert time.monotonic() - started < STARTUP_DEADLINE + CHAOS_SECONDS + QUIET_DEADLINE + 30
 
 
-async def test_a_client_killed_between_its_acquire_and_its_record_is_not_lost(
-    own_schema: tuple[str, str], tmp_path: Path
-) -> None:
-    """``ainvoke`` takes the lease, then records the execution: a death between is a leak.
+async def blocked_on(engine: AsyncEngine, schema: str, table: str) -> bool:
+    """Whether some session waits for a lock on ``schema.table``."""
+    async with engine.connect() as conn:
+        waiting = (
+            await conn.execute(
+                text(
+                    "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation"
+                    " JOIN pg_namespace n ON n.oid = c.relnamespace"
+                    " WHERE n.nspname = :schema AND c.relname = :table AND NOT l.granted"
+                ),
+                {"schema": schema, "table": table},
+            )
+        ).scalar_one()
+    return bool(waiting)
 
-    The test holds a lock on ``fence_executions``, so the client's record waits in
-    PostgreSQL after its acquire has committed; it SIGKILLs the client there (what a crash
-    or an OOM kill between the two statements does), lets go of the lock, and starts a
-    ``serve`` worker. Guarantee 6 (DESIGN.md): an expired execution is taken over, and every
-    execution ends done, failed or dead-lettered with a reason: this one must not stay
-    ``running`` forever.
+
+@pytest.mark.parametrize(
+    "table",
+    ["fence_executions", "fence_leases", "fence_checkpoints"],
+    ids=["at-its-record", "at-its-acquire", "at-its-first-checkpoint"],
+)
+async def test_a_client_killed_while_it_starts_an_execution_loses_nothing(
+    own_schema: tuple[str, str], tmp_path: Path, table: str
+) -> None:
+    """A client is SIGKILLed inside each write ``ainvoke`` makes to start an execution.
+
+    The test holds a lock on ``table``, so the client's write there waits in PostgreSQL;
+    once PostgreSQL shows it waiting, the test SIGKILLs the client (a crash or an OOM kill
+    at that point), lets go of the lock, and a ``serve`` worker runs. Guarantee 6
+    (DESIGN.md): the execution either never began (no lease: nothing to take over) or is
+    taken over and ends ``done`` or ``dead_lettered`` with a reason; never a lease left
+    ``running`` that no instance can resume. Its charge happened at most once, and exactly
+    once if it is done.
     """
     url, schema = own_schema
-    tenant = unique("gap")
+    tenant = unique("start")
     key = LeaseKey(tenant, unique("x-p"))
     engine = create_engine(url, **pg_engine_options(schema))
     repo = SqlLeaseRepository(engine)
@@ -504,39 +527,56 @@ async def test_a_client_killed_between_its_acquire_and_its_record_is_not_lost(
     async with engine.connect() as conn:
         await conn.execute(text(CREATE_EFFECTS))
     chaos = Chaos(tmp_path, url, schema, random.Random(0))
-    deadline = time.monotonic() + 40.0
     try:
+        server = await chaos.spawn()  # up before the lock: its start-up reads the tables
+        deadline = time.monotonic() + STARTUP_DEADLINE
+        while not server.ready:
+            chaos.update_ready()
+            chaos.check_crashes()
+            if chaos.crashes or time.monotonic() > deadline:
+                pytest.fail(f"the worker did not start: {tails(chaos, [server.name])}")
+            await asyncio.sleep(0.05)
         async with engine.connect() as locker:
             locker = await locker.execution_options(isolation_level="READ COMMITTED")
             async with locker.begin():
-                await locker.execute(text("LOCK TABLE fence_executions IN EXCLUSIVE MODE"))
+                await locker.execute(text(f"LOCK TABLE {table} IN EXCLUSIVE MODE"))
                 starter = await chaos.spawn_starter(tenant, [(key, PLAIN_GRAPH)])
-                while (lease := await repo.get(key)) is None:
+                deadline = time.monotonic() + STARTUP_DEADLINE
+                while not await blocked_on(engine, schema, table):
                     if starter.proc.returncode is not None or time.monotonic() > deadline:
-                        pytest.fail(f"the client did not acquire: {tails(chaos, ['starter'])}")
+                        pytest.fail(
+                            f"the client never waited on {table}: {tails(chaos, ['starter'])}"
+                        )
                     await asyncio.sleep(0.02)
-                assert lease.status is LeaseStatus.RUNNING and lease.epoch == 1, lease
                 starter.killed = True
                 starter.proc.kill()
                 await starter.proc.wait()
-        assert await records.get(key) is None  # killed between the acquire and the record
-        await chaos.spawn()
-        deadline = time.monotonic() + 15.0  # start-up, TTL, a few polls, one short run
-        while (lease := await repo.get(key)) is None or lease.status not in TERMINAL:
+        began = await repo.get(key)
+        deadline = time.monotonic() + 15.0  # TTL, a few polls, one short run
+        while (lease := await repo.get(key)) is not None and lease.status not in TERMINAL:
             if time.monotonic() > deadline:
+                recorded = await records.get(key) is not None
                 pytest.fail(
-                    f"execution {key.scope_key} was left {lease.status.value if lease else None}"
-                    f" at token {lease.epoch if lease else None}, holder "
-                    f"{lease.holder if lease else None}, {TTL} s lease long expired: the client "
-                    "died after Instance.ainvoke acquired its lease and before it recorded the "
-                    "execution, and serve() never takes it over (no record): it is lost"
+                    f"{key.scope_key} was left {lease.status.value} at token {lease.epoch}, "
+                    f"holder {lease.holder}, its {TTL} s lease long expired (execution "
+                    f"{'recorded' if recorded else 'NOT recorded'}): the client was killed "
+                    f"while it waited on {table}, and no instance took the execution over"
                 )
             chaos.check_crashes()
             assert not chaos.crashes, tails(chaos, chaos.crashes)
             await asyncio.sleep(0.1)
+        charged = (await effects(engine, key.execution_id)).get(key.execution_id, 0)
     finally:
         await chaos.shutdown()
         await engine.dispose()
+    if table == "fence_checkpoints":
+        assert began is not None, "the client was past its acquire: the lease must exist"
+    if lease is None:
+        assert charged == 0
+    else:
+        assert lease.status in (LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED), lease
+        assert lease.status is LeaseStatus.DONE or lease.reason, lease
+        assert charged <= 1 and (charged == 1 or lease.status is not LeaseStatus.DONE), charged
 
 
 async def test_executions_serve_cannot_run_do_not_starve_those_it_can(
