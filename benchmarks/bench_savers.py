@@ -1,0 +1,236 @@
+"""Side-by-side throughput of the official savers and SqlCheckpointer, fenced and unfenced.
+
+    python benchmarks/bench_savers.py [--runs 10] [--repeats 9] [--pg URL] [--only DB]
+
+The graphs of ``../shared/research/baseline-perf.md``: ``linear`` (10 nodes in a row, each
+appends about 200 bytes to a list in the state) and ``fanout`` (one node sends to 8 parallel
+nodes with ``Send``, then a join). Every run is a new thread. Savers, all in ONE process and
+interleaved repeat by repeat so that drift hits them alike:
+
+* ``official``: ``AsyncSqliteSaver`` (one aiosqlite connection, WAL) or ``AsyncPostgresSaver``
+  (psycopg pool of 4);
+* ``sql``: ``SqlCheckpointer`` without a run handle (unfenced);
+* ``fenced``: ``FencedCheckpointer(SqlCheckpointer)`` with a held lease and its run handle in
+  the config, so every ``aput``/``aput_writes`` checks the token inside its own write. The
+  lease is acquired before the timed runs (one acquire per thread, not per write).
+
+Reports node executions per second (median of the repeats), the ratios fenced / sql and
+fenced / official, and the CPU time per node execution (all threads of the process): on a
+loaded machine the CPU figures say more about a saver's own cost than wall-clock rates do.
+Needs the ``bench`` extra (``pip install -e '.[bench]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import operator
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Annotated, Any, TypedDict
+
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import Send
+
+from checkpointers import SqlCheckpointer
+from langgraph_fence import FencedCheckpointer, LeaseKey, SqlLeaseRepository
+from langgraph_fence.database import create_engine, normalize_url
+from langgraph_fence.fence import RunHandle
+
+DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432/test"
+SCHEMA = "lgf_bench"
+PAYLOAD = "x" * 200
+NODES_PER_RUN = 10
+DURABILITIES = ("sync", "async")
+
+
+class State(TypedDict):
+    items: Annotated[list[str], operator.add]
+
+
+def linear_graph(checkpointer: Any) -> Any:
+    builder = StateGraph(State)
+    names = [f"n{i}" for i in range(NODES_PER_RUN)]
+    for name in names:
+        builder.add_node(name, lambda state: {"items": [PAYLOAD]})
+    builder.add_edge(START, names[0])
+    for left, right in itertools.pairwise(names):
+        builder.add_edge(left, right)
+    builder.add_edge(names[-1], END)
+    return builder.compile(checkpointer=checkpointer)
+
+
+def fanout_graph(checkpointer: Any) -> Any:
+    builder = StateGraph(State)
+    builder.add_node("split", lambda state: {"items": [PAYLOAD]})
+    builder.add_node("work", lambda state: {"items": [PAYLOAD]})
+    builder.add_node("join", lambda state: {"items": [PAYLOAD]})
+    builder.add_edge(START, "split")
+    builder.add_conditional_edges(
+        "split", lambda state: [Send("work", {"items": []}) for _ in range(8)], ["work"]
+    )
+    builder.add_edge("work", "join")
+    builder.add_edge("join", END)
+    return builder.compile(checkpointer=checkpointer)
+
+
+GRAPHS: dict[str, Callable[[Any], Any]] = {"linear": linear_graph, "fanout": fanout_graph}
+
+
+class Target:
+    """One saver under test, with how to make a run's config."""
+
+    def __init__(self, name: str, saver: Any, leases: SqlLeaseRepository | None = None) -> None:
+        self.name = name
+        self.saver = saver
+        self.leases = leases
+
+    async def configs(self, count: int) -> list[dict[str, Any]]:
+        configs = []
+        for _ in range(count):
+            thread = uuid.uuid4().hex
+            configurable: dict[str, Any] = {"thread_id": thread}
+            if self.leases is not None:
+                lease = await self.leases.acquire(LeaseKey("bench", thread), "bench", 600)
+                assert lease is not None
+                configurable["__fence"] = RunHandle(self.leases, lease, 600)
+            configs.append({"configurable": configurable})
+        return configs
+
+
+async def measure(
+    target: Target, graph_name: str, durability: str, runs: int
+) -> tuple[float, float]:
+    """Over ``runs`` sequential runs, each on a new thread: node executions per second, and
+    CPU microseconds (all of this process's threads) per node execution."""
+    graph = GRAPHS[graph_name](target.saver)
+    configs = await target.configs(runs)
+    started, cpu_started = time.perf_counter(), time.process_time()
+    for config in configs:
+        await graph.ainvoke({"items": []}, config, durability=durability)
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    nodes = runs * NODES_PER_RUN
+    return nodes / elapsed, cpu / nodes * 1e6
+
+
+@asynccontextmanager
+async def sqlite_targets(directory: Path) -> AsyncIterator[list[Target]]:
+    from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+
+    async with AsyncSqliteSaver.from_conn_string(str(directory / "official.db")) as official:
+        await official.setup()
+        engine = create_engine(f"sqlite+aiosqlite:///{directory / 'fence.db'}")
+        try:
+            yield await _fence_targets(engine, official)
+        finally:
+            await engine.dispose()
+
+
+@asynccontextmanager
+async def postgres_targets(url: str) -> AsyncIterator[list[Target]]:
+    import asyncpg
+    from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+    from psycopg.rows import dict_row
+    from psycopg_pool import AsyncConnectionPool
+
+    dsn = normalize_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    admin = await asyncpg.connect(dsn)
+    try:
+        await admin.execute(f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE')
+        await admin.execute(f'CREATE SCHEMA "{SCHEMA}"')
+    finally:
+        await admin.close()
+    pool = AsyncConnectionPool(
+        f"{dsn}?options=-csearch_path%3D{SCHEMA}",
+        min_size=4,
+        max_size=4,
+        open=False,
+        kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row},
+    )
+    await pool.open()
+    engine = create_engine(url, connect_args={"server_settings": {"search_path": SCHEMA}})
+    try:
+        official = AsyncPostgresSaver(pool)  # type: ignore[arg-type]
+        await official.setup()
+        yield await _fence_targets(engine, official)
+    finally:
+        await engine.dispose()
+        await pool.close()
+
+
+async def _fence_targets(engine: Any, official: Any) -> list[Target]:
+    saver = SqlCheckpointer(engine)
+    await saver.setup()
+    leases = SqlLeaseRepository(engine)
+    return [
+        Target("official", official),
+        Target("sql", saver),
+        Target("fenced", FencedCheckpointer(saver), leases),
+    ]
+
+
+async def bench(
+    backend: str, targets: list[Target], runs: int, repeats: int
+) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    for graph_name in GRAPHS:
+        for durability in DURABILITIES:
+            samples: dict[str, list[tuple[float, float]]] = {t.name: [] for t in targets}
+            for target in targets:  # warm up: connections, prepared statements, tables
+                await measure(target, graph_name, durability, max(3, runs // 10))
+            for _ in range(repeats):
+                for target in targets:
+                    samples[target.name].append(await measure(target, graph_name, durability, runs))
+            row: dict[str, Any] = {}
+            for name, values in samples.items():
+                row[name] = statistics.median(rate for rate, _ in values)
+                row[f"{name}_cpu"] = statistics.median(cpu for _, cpu in values)
+            row.update(backend=backend, graph=graph_name, durability=durability)
+            results.append(row)
+            print(_line(row), file=sys.stderr, flush=True)
+    return results
+
+
+def _line(row: dict[str, Any]) -> str:
+    return (
+        f"| {row['backend']} | {row['graph']} | {row['durability']} | {row['official']:.0f} | "
+        f"{row['sql']:.0f} | {row['fenced']:.0f} | {row['fenced'] / row['sql']:.2f} | "
+        f"{row['fenced'] / row['official']:.2f} | {row['official_cpu']:.0f} / "
+        f"{row['sql_cpu']:.0f} / {row['fenced_cpu']:.0f} |"
+    )
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=10, help="graph runs per sample")
+    parser.add_argument("--repeats", type=int, default=9, help="samples per saver (median)")
+    parser.add_argument("--pg", default=DEFAULT_PG, help="PostgreSQL URL")
+    parser.add_argument("--only", choices=["sqlite", "postgresql"], help="one backend only")
+    args = parser.parse_args()
+    print(
+        "| db | graph | durability | official | sql | fenced | fenced/sql | fenced/official "
+        "| CPU µs/node official / sql / fenced |\n"
+        "|---|---|---|---:|---:|---:|---:|---:|---:|"
+    )
+    rows: list[dict[str, Any]] = []
+    async with AsyncExitStack() as stack:
+        if args.only != "postgresql":
+            directory = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            targets = await stack.enter_async_context(sqlite_targets(directory))
+            rows += await bench("sqlite", targets, args.runs, args.repeats)
+        if args.only != "sqlite":
+            targets = await stack.enter_async_context(postgres_targets(args.pg))
+            rows += await bench("postgresql", targets, args.runs, args.repeats)
+    for row in rows:
+        print(_line(row))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
