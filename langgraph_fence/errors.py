@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections import deque
 from typing import ClassVar
 
+from langgraph.errors import GraphBubbleUp
+
 __all__ = [
     "ExecutionContextUnavailableError",
     "ExecutionDeadLetteredError",
@@ -16,6 +18,7 @@ __all__ = [
     "ExecutionLeaseHeldError",
     "ExecutionLeaseLostError",
     "LangGraphFenceError",
+    "WriteDeadLetteredError",
     "find_fence_error",
 ]
 
@@ -91,6 +94,21 @@ class ExecutionDeadLetteredError(LangGraphFenceError, RuntimeError):
     """The execution was dead-lettered: repeating it could repeat a non-idempotent write."""
 
     code: ClassVar[str] = "execution.dead-lettered"
+
+
+class WriteDeadLetteredError(ExecutionDeadLetteredError, GraphBubbleUp):
+    """A step's non-idempotent write failed, or would have been repeated: dead-lettered.
+
+    Raised inside the step (by a fenced node or a fenced tool). It is also a LangGraph
+    ``GraphBubbleUp``: no ``RetryPolicy`` retries it, ``ToolNode`` re-raises it whatever its
+    ``handle_tool_errors`` says (the model never sees it as a tool error it could answer by
+    calling the tool again), and LangGraph saves no error write for the task, so the
+    ``pending_effect`` stamp stays standing until the execution is dead-lettered: a crash
+    in between still dead-letters it on takeover. ``Instance`` dead-letters the execution
+    and raises this error.
+    """
+
+    code: ClassVar[str] = "execution.dead-lettered.write"
 
 
 def _rebuild(

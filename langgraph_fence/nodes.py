@@ -26,6 +26,7 @@ from .effects import Effect
 from .errors import (
     ExecutionContextUnavailableError,
     ExecutionDeadLetteredError,
+    WriteDeadLetteredError,
     find_fence_error,
 )
 from .fence import FENCE_CONFIG_KEY, ExecutionFence, RunHandle
@@ -132,14 +133,18 @@ class _Step:
         self._reset = _set_frame(self.frame)
 
     def _refuse_repeat(self) -> None:
-        """In-process recovery: never run a non-idempotent write again in the same run."""
+        """In-process recovery: never run a non-idempotent write again in the same run.
+
+        Checked for every step, not only write steps: a read-only node may call a fenced
+        tool that stamped a non-idempotent write in an earlier attempt of this task.
+        """
         standing = self.handle.pending_effect
         if (
             standing is not None
             and standing.effect is Effect.NON_IDEMPOTENT_WRITE
             and standing.task_id == self._task_id()
         ):
-            raise ExecutionDeadLetteredError(
+            raise WriteDeadLetteredError(
                 f"node {standing.node!r} of execution {self.handle.scope_key!r} is a "
                 f"non-idempotent write whose earlier attempt (token {standing.token}) may have "
                 "happened: it is not repeated; the execution is dead-lettered"
@@ -147,8 +152,8 @@ class _Step:
 
     async def enter_async(self) -> None:
         self.handle.check()
+        self._refuse_repeat()
         if self.effect.is_write:
-            self._refuse_repeat()
             await self.handle.mark_pending_effect(self._pending())
         self._enter_frame()
         task = asyncio.current_task()
@@ -167,8 +172,8 @@ class _Step:
     def enter_sync(self) -> None:
         """Enter from a worker thread (a sync node); guarded writes go to the run's loop."""
         self.handle.check()
+        self._refuse_repeat()
         if self.effect.is_write:
-            self._refuse_repeat()
             loop = self.handle.loop
             if loop is None or not loop.is_running():
                 raise ExecutionContextUnavailableError(
@@ -198,13 +203,19 @@ class _Step:
             return self.handle.record(found)
         if self.handle.error is not None:
             return self.handle.error
-        if (
-            isinstance(exc, Exception)
-            and self.effect is Effect.NON_IDEMPOTENT_WRITE
-            and not isinstance(exc, ExecutionDeadLetteredError)
-        ):
-            # The stamp stands: the write may have happened. Never retried, never repeated.
-            dead = ExecutionDeadLetteredError(
+        if not isinstance(exc, Exception) or isinstance(exc, ExecutionDeadLetteredError):
+            return exc
+        standing = self.handle.pending_effect
+        stamped_here = (
+            standing is not None
+            and standing.effect is Effect.NON_IDEMPOTENT_WRITE
+            and standing.task_id == self._task_id()
+        )
+        if self.effect is Effect.NON_IDEMPOTENT_WRITE or stamped_here:
+            # The stamp stands (this node's, or a tool's it called): the write may have
+            # happened. Never retried, never repeated; a GraphBubbleUp, so LangGraph saves no
+            # error write that would clear the stamp before the execution is dead-lettered.
+            dead = WriteDeadLetteredError(
                 f"node {self.node!r} of execution {self.handle.scope_key!r} failed during a "
                 f"non-idempotent write (token {self.handle.token}): {type(exc).__name__}: "
                 f"{exc}. The write may have happened, so it is not retried; the execution is "

@@ -10,7 +10,7 @@ step that calls them (a ``ToolNode`` of a graph passed through ``fence_graph()``
   side effect. ``READ_ONLY`` tools cost no extra write;
 * the stamp names the tool (``"<node>:<tool>"``) and the step's task, so the checkpointer
   clears it with that task's writes;
-* a non-idempotent tool that raises surfaces :class:`ToolWriteDeadLetteredError` (an
+* a non-idempotent tool that raises surfaces :class:`WriteDeadLetteredError` (an
   :class:`~langgraph_fence.ExecutionDeadLetteredError`): never retried, never turned into a
   ``ToolMessage`` the model could answer by calling the tool again.
 
@@ -27,7 +27,7 @@ import threading
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextvars import ContextVar
-from typing import Any, ClassVar, cast
+from typing import Any, cast
 
 from langchain_core.tools import BaseTool
 from langchain_core.tools import tool as create_tool
@@ -37,14 +37,14 @@ from .context import ExecutionContext, current_frame
 from .effects import Effect
 from .errors import (
     ExecutionContextUnavailableError,
-    ExecutionDeadLetteredError,
+    WriteDeadLetteredError,
     find_fence_error,
 )
 from .fence import RunHandle
 from .lease import PendingEffect
 from .nodes import _check_effect
 
-__all__ = ["ToolWriteDeadLetteredError", "fence_tools"]
+__all__ = ["fence_tools"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,19 +53,6 @@ EFFECT_ATTRIBUTE = "__langgraph_fence_effect__"
 
 # How strong a stamp is: a stamp standing for a task is never replaced by a weaker one.
 _RANK = {Effect.READ_ONLY: 0, Effect.IDEMPOTENT_WRITE: 1, Effect.NON_IDEMPOTENT_WRITE: 2}
-
-
-class ToolWriteDeadLetteredError(ExecutionDeadLetteredError, GraphBubbleUp):
-    """A non-idempotent tool call failed, or would have been repeated: the run is dead-lettered.
-
-    It is an :class:`~langgraph_fence.ExecutionDeadLetteredError`, and also a LangGraph
-    ``GraphBubbleUp``, the kind of error ``ToolNode`` always re-raises whatever its
-    ``handle_tool_errors`` says, and no ``RetryPolicy`` retries: the model never sees it as
-    a tool error it could answer by calling the tool again. ``Instance`` dead-letters the
-    execution and raises it.
-    """
-
-    code: ClassVar[str] = "execution.dead-lettered.tool-write"
 
 
 class _RunTools:
@@ -132,7 +119,7 @@ def _refuse_repeat(frame: ExecutionContext, tool: BaseTool) -> None:
         return
     stamped_in = _run_tools(handle).stamped_in.get(frame.task_id)
     if stamped_in is not None and stamped_in < frame.attempt:
-        raise ToolWriteDeadLetteredError(
+        raise WriteDeadLetteredError(
             f"node {frame.node!r} of execution {handle.scope_key!r} is being retried "
             f"(attempt {frame.attempt}) after a non-idempotent tool call {standing.node!r} "
             f"of attempt {stamped_in} (token {standing.token}) that may have happened: tool "
@@ -186,7 +173,7 @@ def _stamp_from_thread(frame: ExecutionContext, tool: BaseTool, effect: Effect) 
 
 def _dead_letter(
     frame: ExecutionContext, tool: BaseTool, effect: Effect, exc: Exception
-) -> ToolWriteDeadLetteredError | None:
+) -> WriteDeadLetteredError | None:
     """The error a failed call raises instead of ``exc``, or ``None`` to raise ``exc``.
 
     A fencing error (anywhere in ``exc``), an error already recorded on the run, and an
@@ -195,12 +182,12 @@ def _dead_letter(
     """
     if effect is not Effect.NON_IDEMPOTENT_WRITE:
         return None
-    if isinstance(exc, ToolWriteDeadLetteredError) or isinstance(exc, GraphBubbleUp):
+    if isinstance(exc, WriteDeadLetteredError) or isinstance(exc, GraphBubbleUp):
         return None
     handle = frame._handle
     if find_fence_error(exc) is not None or handle.error is not None:
         return None
-    dead = ToolWriteDeadLetteredError(
+    dead = WriteDeadLetteredError(
         f"tool {tool.name!r} of node {frame.node!r} of execution {handle.scope_key!r} failed "
         f"during a non-idempotent write (token {handle.token}): {type(exc).__name__}: {exc}. "
         "The write may have happened, so it is neither retried nor reported to the model as "
@@ -324,7 +311,7 @@ def fence_tools(
       ``NON_IDEMPOTENT_WRITE`` call stamped, an idempotent call of the same step (a parallel
       tool call) renews but keeps ``NON_IDEMPOTENT_WRITE`` standing, so a takeover
       dead-letters instead of resuming;
-    * a ``NON_IDEMPOTENT_WRITE`` call that raises surfaces :class:`ToolWriteDeadLetteredError`
+    * a ``NON_IDEMPOTENT_WRITE`` call that raises surfaces :class:`WriteDeadLetteredError`
       (never retried by a ``RetryPolicy``, never turned into a ``ToolMessage`` whatever
       ``ToolNode``'s ``handle_tool_errors`` says), and a retried attempt of a step whose
       non-idempotent call already stamped runs nothing. A fencing error is re-raised as it

@@ -45,10 +45,10 @@ from langgraph_fence import (
     get_execution_context,
 )
 from langgraph_fence.effects import may_retry_after_fence
+from langgraph_fence.errors import WriteDeadLetteredError
 from langgraph_fence.fence import FENCE_CONFIG_KEY
 from langgraph_fence.lease import Lease
 from langgraph_fence.testing import ManualClock, run_node
-from langgraph_fence.tools import ToolWriteDeadLetteredError
 from tests.conftest import SQL_BACKENDS, unique
 
 TENANT = "acme"
@@ -432,7 +432,7 @@ async def test_a_failed_non_idempotent_call_is_dead_lettered_never_retried(
     with pytest.raises(ExecutionDeadLetteredError) as info:
         await run(instance, graph, calls(("charge", {"order": "o1"})), thread)
 
-    assert isinstance(info.value, ToolWriteDeadLetteredError)
+    assert isinstance(info.value, WriteDeadLetteredError)
     assert isinstance(info.value.__cause__, ConnectionError)
     assert ran == [1]  # exactly once: not retried, not handed back to the model
     row = await env.row(thread)
@@ -495,15 +495,17 @@ async def test_a_retry_after_a_non_idempotent_call_runs_nothing(env: Env) -> Non
         fence_tools([charge, check_stock], effects={"check_stock": Effect.READ_ONLY}),
         retry=RetryPolicy(retry_on=ConnectionError, initial_interval=0.001, jitter=False),
     )
-    with pytest.raises(ExecutionDeadLetteredError, match="being retried"):
+    # The step failed with a non-idempotent stamp of its own standing: dead-lettered at
+    # once, no retried attempt (it would have been refused before running anything).
+    with pytest.raises(WriteDeadLetteredError, match="not retried"):
         await run(
             instance,
             graph,
             calls(("charge", {"order": "o1"}), ("check_stock", {"order": "o1"})),
             thread,
         )
-    assert charged == [1]  # the retried attempt did not charge again
-    assert checked == [1]  # nor run anything else
+    assert charged == [1]  # no attempt charged again
+    assert checked == [1]  # nor ran anything else
     assert (await env.row(thread)).status is LeaseStatus.DEAD_LETTERED
 
 
