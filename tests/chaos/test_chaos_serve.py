@@ -48,11 +48,18 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from checkpointers import SqlCheckpointer
-from langgraph_fence import LeaseKey, LeaseStatus, SqlLeaseRepository
+from langgraph_fence import ExecutionLeaseHeldError, LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.database import create_engine
 from langgraph_fence.executions import ExecutionRecord, SqlExecutionRecords
+from langgraph_fence.instance import Instance
 from langgraph_fence.sinks import setup_sink
-from tests.chaos.chaos_graphs import CREATE_EFFECTS, PLAIN_GRAPH, SINK_GRAPH
+from tests.chaos.chaos_graphs import (
+    CREATE_EFFECTS,
+    HOLD_GRAPH,
+    PLAIN_GRAPH,
+    SINK_GRAPH,
+    build_hold_graph,
+)
 from tests.conftest import _pg_admin, pg_engine_options, unique
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
@@ -108,6 +115,7 @@ class Chaos:
     url: str
     schema: str
     rng: random.Random
+    graphs: str = "chaos_graphs"  # the factory in chaos_graphs.py the servers serve
     workers: list[Worker] = field(default_factory=list)
     spawned: int = 0
     kills: int = 0
@@ -131,7 +139,7 @@ class Chaos:
                 "--schema",
                 self.schema,
                 "--graphs",
-                "tests.chaos.chaos_graphs:chaos_graphs",
+                f"tests.chaos.chaos_graphs:{self.graphs}",
                 "--lease-ttl",
                 str(TTL),
                 "--poll-interval",
@@ -630,5 +638,92 @@ async def test_executions_serve_cannot_run_do_not_starve_those_it_can(
             left = await repo.get(key)
             assert left is not None and left.status is LeaseStatus.PENDING and left.epoch == 1
     finally:
+        await chaos.shutdown()
+        await engine.dispose()
+
+
+async def test_a_refused_start_does_not_rewrite_the_record_of_a_running_execution(
+    own_schema: tuple[str, str], tmp_path: Path
+) -> None:
+    """A second ``ainvoke`` on a held execution is refused, and must change nothing.
+
+    Worker A (``chaos_graphs.py hold``) runs ``fence_hold`` and stays inside ``work``. A
+    client (this test) calls ``ainvoke`` on the same execution with another graph name and
+    input: refused with ``ExecutionLeaseHeldError``. A is then SIGKILLed; the ``serve``
+    worker, which serves ``fence_hold``, must take the execution over from its own record
+    and finish it, with A's input.
+    """
+    url, schema = own_schema
+    tenant, thread = unique("tenant"), unique("thread")
+    key = LeaseKey(tenant, thread)
+    inside_work = tmp_path / "inside-work.json"
+    engine = create_engine(url, **pg_engine_options(schema))
+    repo = SqlLeaseRepository(engine)
+    await repo.setup()
+    await SqlCheckpointer(engine).setup()
+    records = SqlExecutionRecords(engine)
+    await records.setup()
+    chaos = Chaos(tmp_path, url, schema, random.Random(0), graphs="hold_graphs")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    holder: asyncio.subprocess.Process | None = None
+    try:
+        server = await chaos.spawn()
+        with (tmp_path / "a.out").open("wb") as out, (tmp_path / "a.err").open("wb") as err:
+            holder = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "tests.chaos.chaos_graphs",
+                "hold",
+                url,
+                schema,
+                tenant,
+                thread,
+                "2.0",
+                "0.5",
+                str(inside_work),
+                stdout=out,
+                stderr=err,
+                cwd=ROOT,
+                env=env,
+            )
+        deadline = time.monotonic() + STARTUP_DEADLINE
+        while not (inside_work.exists() and server.ready):
+            chaos.update_ready()
+            if holder.returncode is not None or chaos.crashes or time.monotonic() > deadline:
+                pytest.fail("worker A or the server did not start")
+            await asyncio.sleep(0.05)
+        before = await records.get(key)
+        assert before is not None and before.graph == HOLD_GRAPH, before
+
+        async with Instance.open(
+            url, engine_options=pg_engine_options(schema), instance_id="client", lease_ttl=2.0
+        ) as client:
+            other = build_hold_graph(client)
+            with pytest.raises(ExecutionLeaseHeldError):
+                await client.ainvoke(
+                    other,
+                    {"log": ["another start"]},
+                    {"configurable": {"thread_id": thread}},
+                    tenant_id=tenant,
+                    graph_name="refunds",
+                )
+        after = await records.get(key)
+        holder.kill()
+        await holder.wait()
+        deadline = time.monotonic() + 15.0  # TTL, a few polls, one short run
+        while (lease := await repo.get(key)) is None or lease.status not in TERMINAL:
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    f"{key.scope_key} was left {lease.status.value if lease else None} after "
+                    f"its holder died: its record was rewritten by the refused start from "
+                    f"{before} to {after}, so serve() looks for graph {after and after.graph!r}"
+                )
+            await asyncio.sleep(0.1)
+        assert after == before, "the refused start rewrote the execution's record"
+        assert lease.status is LeaseStatus.DONE, lease
+    finally:
+        if holder is not None and holder.returncode is None:
+            holder.kill()
+            await holder.wait()
         await chaos.shutdown()
         await engine.dispose()
