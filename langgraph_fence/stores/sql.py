@@ -80,6 +80,14 @@ _GUARD = and_(
 )
 
 
+def _autocommit(engine: AsyncEngine) -> bool:
+    """Whether every connection of ``engine`` is in autocommit (as create_engine makes them)."""
+    level = engine.get_execution_options().get("isolation_level") or getattr(
+        engine.sync_engine.dialect, "_on_connect_isolation_level", None
+    )
+    return level == "AUTOCOMMIT"
+
+
 class SqlLeaseRepository:
     """An :class:`~langgraph_fence.ExecutionLeaseRepository` on SQLite or PostgreSQL.
 
@@ -101,6 +109,10 @@ class SqlLeaseRepository:
         # Every write is one statement: no BEGIN/COMMIT around it on either database.
         self._writer = single_statement(engine)
         self._dialect = dialect_of(engine)
+        if self._dialect == "postgresql" and not _autocommit(engine):
+            # An engine not made by create_engine: without autocommit, a statement sent
+            # without BEGIN/COMMIT would be rolled back when its connection goes home.
+            self._writer = self._writer.execution_options(isolation_level="AUTOCOMMIT")
         if self._dialect == "sqlite" and clock is None:
             clock = time.time
         self._clock = clock

@@ -11,9 +11,10 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from langgraph_fence import (
     Effect,
@@ -25,9 +26,10 @@ from langgraph_fence import (
     PendingEffect,
     SqlLeaseRepository,
 )
+from langgraph_fence.database import create_engine, normalize_url
 from langgraph_fence.stores import sql as sql_store
 from langgraph_fence.testing import ManualClock
-from tests.conftest import unique
+from tests.conftest import pg_engine_options, unique
 
 TTL = 10.0
 Store = ExecutionLeaseRepository
@@ -568,3 +570,95 @@ async def test_a_stamp_given_as_str_reads_back_as_effect(lease_store: Store) -> 
     stored = await lease_store.get(lease.key)
     assert stored is not None and stored.pending_effect is not None
     assert stored.pending_effect.effect is Effect.IDEMPOTENT_WRITE
+
+
+# -- the hot paths cost one round trip on PostgreSQL
+
+
+class WireLog:
+    """Wraps an asyncpg connection's protocol and records every call that talks to the server."""
+
+    WIRE = frozenset(
+        {
+            "bind_execute",
+            "bind_execute_many",
+            "prepare",
+            "query",
+            "execute",
+            "bind",
+            "close_statement",
+        }
+    )
+
+    def __init__(self, protocol: Any, log: list[str]) -> None:
+        self._protocol = protocol
+        self._log = log
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._protocol, name)
+        if name not in self.WIRE:
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._log.append(name)
+            return attr(*args, **kwargs)
+
+        return call
+
+
+async def test_postgres_hot_paths_are_one_round_trip(pg_schema: tuple[str, str]) -> None:
+    url, schema = pg_schema
+    engine = create_engine(url, pool_size=1, max_overflow=0, **pg_engine_options(schema))
+    try:
+        store = SqlLeaseRepository(engine, clock=ManualClock())
+        await store.setup()  # a transaction on this very connection, then back to autocommit
+        wire: list[str] = []
+        async with engine.connect() as conn:
+            raw = await conn.get_raw_connection()
+            driver = raw.driver_connection
+            driver._protocol = WireLog(driver._protocol, wire)  # type: ignore[union-attr]
+        # Warm up: each statement is prepared once per connection, then reused.
+        warm = await store.acquire(new_key(), "A", TTL)
+        assert warm is not None
+        warm = await store.renew(warm, TTL)
+        warm = await store.mark_pending_effect(warm, stamp(1), TTL)
+        warm = await store.clear_pending_effect(warm)
+        await store.release(warm, LeaseStatus.WAITING)
+
+        key = new_key()
+        wire.clear()
+        lease = await store.acquire(key, "A", TTL)
+        assert lease is not None
+        assert wire == ["bind_execute"], f"acquire: {wire}"
+        for name, call in [
+            ("renew", lambda: store.renew(lease, TTL)),
+            ("mark", lambda: store.mark_pending_effect(lease, stamp(1), TTL)),
+            ("clear", lambda: store.clear_pending_effect(lease)),
+            ("release", lambda: store.release(lease, LeaseStatus.WAITING)),
+            ("take", lambda: store.acquire(key, "B", TTL)),
+        ]:
+            wire.clear()
+            await call()
+            # One Bind/Execute/Sync: no BEGIN or COMMIT, no re-prepare.
+            assert wire == ["bind_execute"], f"{name}: {wire}"
+    finally:
+        await engine.dispose()
+
+
+async def test_postgres_store_on_a_plain_engine_still_commits(pg_schema: tuple[str, str]) -> None:
+    # An engine the user made without langgraph-fence's create_engine (no autocommit).
+    url, schema = pg_schema
+    options = pg_engine_options(schema)
+    plain = create_async_engine(normalize_url(url), **options)
+    other = create_engine(url, **options)
+    try:
+        store = SqlLeaseRepository(plain, clock=ManualClock())
+        await store.setup()
+        lease = await store.acquire(new_key(), "A", TTL)
+        assert lease is not None
+        renewed = await store.renew(lease, TTL * 2)
+        seen = await SqlLeaseRepository(other, clock=ManualClock()).get(lease.key)
+        assert seen == replace(renewed, store_id=seen.store_id if seen else "")
+    finally:
+        await plain.dispose()
+        await other.dispose()
