@@ -43,8 +43,13 @@ class ExecutionRecord:
 class ExecutionRecords(Protocol):
     """Where execution records are kept (next to the leases)."""
 
-    async def record(self, record: ExecutionRecord) -> None:
-        """Keep ``record`` (the latest run with input of a key replaces the one before)."""
+    async def record(self, record: ExecutionRecord, *, unless_held: bool = False) -> bool:
+        """Keep ``record`` (the latest run with input of a key replaces the one before).
+
+        With ``unless_held``, nothing is written while the execution's lease is held (or
+        the execution was dead-lettered): a start that will be refused must not rewrite the
+        record of the run in flight. Returns whether the record was written.
+        """
         ...
 
     async def get(self, key: LeaseKey) -> ExecutionRecord | None:
@@ -58,9 +63,10 @@ class MemoryExecutionRecords:
     def __init__(self) -> None:
         self._rows: dict[LeaseKey, ExecutionRecord] = {}
 
-    async def record(self, record: ExecutionRecord) -> None:
-        """Keep ``record``."""
+    async def record(self, record: ExecutionRecord, *, unless_held: bool = False) -> bool:
+        """Keep ``record``; in memory nothing knows the lease, so ``unless_held`` is moot."""
         self._rows[record.key] = record
+        return True
 
     async def get(self, key: LeaseKey) -> ExecutionRecord | None:
         """The record of ``key``, or ``None``."""
@@ -97,6 +103,22 @@ _UPSERT = text(
     "thread_id = excluded.thread_id, input_type = excluded.input_type, "
     "input = excluded.input, recorded_at = excluded.recorded_at"
 )
+# The same upsert, skipped while the lease is held by anyone (expired or not: a start that
+# takes an expired lease over writes its record again once it holds it) or dead-lettered.
+_NOT_HELD = (
+    "NOT EXISTS (SELECT 1 FROM fence_leases l WHERE l.tenant_id = :tenant_id "
+    "AND l.execution_id = :execution_id AND ((l.status = 'running' AND l.holder IS NOT NULL) "
+    "OR l.status = 'dead_lettered'))"
+)
+_UPSERT_UNLESS_HELD = text(
+    "INSERT INTO fence_executions "
+    "(tenant_id, execution_id, graph, thread_id, input_type, input, recorded_at) "
+    "SELECT :tenant_id, :execution_id, :graph, :thread_id, :input_type, :input, :at "
+    f"WHERE {_NOT_HELD} "
+    "ON CONFLICT (tenant_id, execution_id) DO UPDATE SET graph = excluded.graph, "
+    "thread_id = excluded.thread_id, input_type = excluded.input_type, "
+    f"input = excluded.input, recorded_at = excluded.recorded_at WHERE {_NOT_HELD}"
+)
 _SELECT = text(
     "SELECT graph, thread_id, input_type, input FROM fence_executions "
     "WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
@@ -115,12 +137,15 @@ class SqlExecutionRecords:
         """Create or upgrade the table; safe from several processes at once."""
         await migrate(self._engine, "executions", EXECUTION_MIGRATIONS)
 
-    async def record(self, record: ExecutionRecord) -> None:
-        """Keep ``record`` (one upsert)."""
+    async def record(self, record: ExecutionRecord, *, unless_held: bool = False) -> bool:
+        """Keep ``record`` (one upsert); with ``unless_held``, not while the lease is held.
+
+        The lease table must be on the same database (as :meth:`Instance.open` puts it).
+        """
         input_type, blob = _serde.dumps_typed(record.input)
         async with self._writer.begin() as conn:
-            await conn.execute(
-                _UPSERT,
+            result = await conn.execute(
+                _UPSERT_UNLESS_HELD if unless_held else _UPSERT,
                 {
                     "tenant_id": record.key.tenant_id,
                     "execution_id": record.key.execution_id,
@@ -131,6 +156,7 @@ class SqlExecutionRecords:
                     "at": time.time(),
                 },
             )
+            return bool(result.rowcount)
 
     async def get(self, key: LeaseKey) -> ExecutionRecord | None:
         """The record of ``key``, or ``None``."""

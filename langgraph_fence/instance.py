@@ -486,21 +486,24 @@ class Instance:
         if graph_name is not None and (not isinstance(graph_name, str) or not graph_name):
             raise ValueError(f"graph_name must be a non-empty str, got {graph_name!r}")
         if taken is None:
+            record = None
             if input is not None and not isinstance(input, Command):
+                record = ExecutionRecord(
+                    key,
+                    graph_name or str(getattr(graph, "name", None) or "LangGraph"),
+                    str(base["configurable"]["thread_id"]),
+                    input,
+                )
                 # Recorded before the lease is taken: a process that dies after its acquire
                 # must leave a record for the instance that takes the execution over (one
-                # that dies before it leaves no lease, so nothing to take over). It resumes
-                # from the last checkpoint, or from this input if no checkpoint landed.
-                await self.records.record(
-                    ExecutionRecord(
-                        key,
-                        graph_name or str(getattr(graph, "name", None) or "LangGraph"),
-                        str(base["configurable"]["thread_id"]),
-                        input,
-                    )
-                )
+                # that dies before it leaves no lease, so nothing to take over). Skipped
+                # while the lease is held: a start that is refused must not rewrite the
+                # record of the run in flight.
+                if await self.records.record(record, unless_held=True):
+                    record = None
             handle = await self._acquire(key, reopen=input is not None)
         else:
+            record = None
             handle = RunHandle(self.repository, taken, self.lease_ttl, clock=self.clock)
         control = RunControl()
         run_config: dict[str, Any] = dict(base)
@@ -526,6 +529,9 @@ class Instance:
         )
         try:
             try:
+                if record is not None:
+                    # The lease was held (expired) when the record was skipped; it is ours now.
+                    await self.records.record(record)
                 yield run
             finally:
                 await _cancel_all(run.timers)

@@ -23,6 +23,7 @@ from langgraph_fence import (
     SqlLeaseRepository,
 )
 from langgraph_fence.context import get_execution_context
+from langgraph_fence.executions import SqlExecutionRecords
 from langgraph_fence.instance import Instance
 from langgraph_fence.nodes import fence_graph
 from tests.conftest import SQL_BACKENDS, unique
@@ -46,7 +47,9 @@ async def instance(
     await repository.setup()
     saver = SqlCheckpointer(engine)
     await saver.setup()
-    inst = Instance(repository, saver, instance_id=unique("inst"), lease_ttl=10.0)
+    records = SqlExecutionRecords(engine)
+    await records.setup()
+    inst = Instance(repository, saver, instance_id=unique("inst"), lease_ttl=10.0, records=records)
     yield inst
     await inst.aclose()
     await engine.dispose()
@@ -304,3 +307,23 @@ async def test_a_renewal_refused_mid_run_stops_it_with_the_fencing_error(
         await asyncio.wait_for(run, 10)
     assert info.value.token_held == 1 and info.value.token_seen == 2
     assert await _tokens(instance, thread) <= {1, None}
+
+
+async def test_a_refused_start_leaves_the_record_of_the_run_in_flight(instance: Instance) -> None:
+    from langgraph_fence.executions import ExecutionRecord
+
+    graph = _graph(instance, [])
+    thread = unique("thread")
+    key = LeaseKey("acme", thread)
+    original = ExecutionRecord(key, "orders", thread, {"items": ["a"], "log": []})
+    await instance.records.record(original)
+    assert await instance.repository.acquire(key, "other-instance", 60.0) is not None
+    with pytest.raises(ExecutionLeaseHeldError):
+        await instance.ainvoke(
+            graph,
+            {"items": ["b"], "log": []},
+            {"configurable": {"thread_id": thread}},
+            tenant_id="acme",
+            graph_name="refunds",
+        )
+    assert await instance.records.get(key) == original
