@@ -334,6 +334,8 @@ class Instance:
         except Exception:
             logger.warning("could not read takeover candidates", exc_info=True)
             return
+        # Forget the ones that are no longer candidates (ended, or taken by their servers).
+        ignored.intersection_update(candidate.key for candidate in candidates)
         for candidate in candidates:
             if free <= 0:
                 return
