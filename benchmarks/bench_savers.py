@@ -1,11 +1,11 @@
 """Side-by-side throughput of the official savers and SqlCheckpointer, fenced and unfenced.
 
-    python benchmarks/bench_savers.py [--runs 10] [--repeats 9] [--pg URL] [--only DB]
+    python benchmarks/bench_savers.py [--runs 90] [--pg URL] [--only DB]
 
 The graphs of ``../shared/research/baseline-perf.md``: ``linear`` (10 nodes in a row, each
 appends about 200 bytes to a list in the state) and ``fanout`` (one node sends to 8 parallel
-nodes with ``Send``, then a join). Every run is a new thread. Savers, all in ONE process and
-interleaved repeat by repeat so that drift hits them alike:
+nodes with ``Send``, then a join). Every run is a new thread. Savers, all in ONE process,
+taking turns run by run so that drift and load from elsewhere hit them alike:
 
 * ``official``: ``AsyncSqliteSaver`` (one aiosqlite connection, WAL) or ``AsyncPostgresSaver``
   (psycopg pool of 4);
@@ -14,7 +14,7 @@ interleaved repeat by repeat so that drift hits them alike:
   the config, so every ``aput``/``aput_writes`` checks the token inside its own write. The
   lease is acquired before the timed runs (one acquire per thread, not per write).
 
-Reports node executions per second (median of the repeats), the ratios fenced / sql and
+Reports node executions per second (from the median run time), the ratios fenced / sql and
 fenced / official, and the CPU time per node execution (all threads of the process): on a
 loaded machine the CPU figures say more about a saver's own cost than wall-clock rates do.
 Needs the ``bench`` extra (``pip install -e '.[bench]'``).
@@ -48,6 +48,7 @@ DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432/test"
 SCHEMA = "lgf_bench"
 PAYLOAD = "x" * 200
 NODES_PER_RUN = 10
+WARM_UP = 5
 DURABILITIES = ("sync", "async")
 
 
@@ -105,19 +106,11 @@ class Target:
         return configs
 
 
-async def measure(
-    target: Target, graph_name: str, durability: str, runs: int
-) -> tuple[float, float]:
-    """Over ``runs`` sequential runs, each on a new thread: node executions per second, and
-    CPU microseconds (all of this process's threads) per node execution."""
-    graph = GRAPHS[graph_name](target.saver)
-    configs = await target.configs(runs)
+async def one_run(graph: Any, config: dict[str, Any], durability: str) -> tuple[float, float]:
+    """One run: (wall seconds, CPU seconds of all this process's threads)."""
     started, cpu_started = time.perf_counter(), time.process_time()
-    for config in configs:
-        await graph.ainvoke({"items": []}, config, durability=durability)
-    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-    nodes = runs * NODES_PER_RUN
-    return nodes / elapsed, cpu / nodes * 1e6
+    await graph.ainvoke({"items": []}, config, durability=durability)
+    return time.perf_counter() - started, time.process_time() - cpu_started
 
 
 @asynccontextmanager
@@ -176,22 +169,28 @@ async def _fence_targets(engine: Any, official: Any) -> list[Target]:
     ]
 
 
-async def bench(
-    backend: str, targets: list[Target], runs: int, repeats: int
-) -> list[dict[str, Any]]:
+async def bench(backend: str, targets: list[Target], runs: int) -> list[dict[str, Any]]:
+    """Per cell, ``runs`` runs per saver, the savers taking turns run by run (in a rotating
+    order), so that load from elsewhere hits them alike; medians of the per-run figures."""
     results: list[dict[str, Any]] = []
     for graph_name in GRAPHS:
         for durability in DURABILITIES:
+            graphs = [GRAPHS[graph_name](t.saver) for t in targets]
+            configs = [await t.configs(runs + WARM_UP) for t in targets]
             samples: dict[str, list[tuple[float, float]]] = {t.name: [] for t in targets}
-            for target in targets:  # warm up: connections, prepared statements, tables
-                await measure(target, graph_name, durability, max(3, runs // 10))
-            for _ in range(repeats):
-                for target in targets:
-                    samples[target.name].append(await measure(target, graph_name, durability, runs))
+            for i in range(runs + WARM_UP):
+                order = list(range(len(targets)))
+                order = order[i % len(order) :] + order[: i % len(order)]
+                for k in order:
+                    sample = await one_run(graphs[k], configs[k][i], durability)
+                    if i >= WARM_UP:  # connections, prepared statements, caches
+                        samples[targets[k].name].append(sample)
             row: dict[str, Any] = {}
             for name, values in samples.items():
-                row[name] = statistics.median(rate for rate, _ in values)
-                row[f"{name}_cpu"] = statistics.median(cpu for _, cpu in values)
+                row[name] = NODES_PER_RUN / statistics.median(wall for wall, _ in values)
+                row[f"{name}_cpu"] = (
+                    statistics.median(cpu for _, cpu in values) / NODES_PER_RUN * 1e6
+                )
             row.update(backend=backend, graph=graph_name, durability=durability)
             results.append(row)
             print(_line(row), file=sys.stderr, flush=True)
@@ -209,8 +208,7 @@ def _line(row: dict[str, Any]) -> str:
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=10, help="graph runs per sample")
-    parser.add_argument("--repeats", type=int, default=9, help="samples per saver (median)")
+    parser.add_argument("--runs", type=int, default=90, help="runs per saver and cell")
     parser.add_argument("--pg", default=DEFAULT_PG, help="PostgreSQL URL")
     parser.add_argument("--only", choices=["sqlite", "postgresql"], help="one backend only")
     args = parser.parse_args()
@@ -224,10 +222,10 @@ async def main() -> None:
         if args.only != "postgresql":
             directory = Path(stack.enter_context(tempfile.TemporaryDirectory()))
             targets = await stack.enter_async_context(sqlite_targets(directory))
-            rows += await bench("sqlite", targets, args.runs, args.repeats)
+            rows += await bench("sqlite", targets, args.runs)
         if args.only != "sqlite":
             targets = await stack.enter_async_context(postgres_targets(args.pg))
-            rows += await bench("postgresql", targets, args.runs, args.repeats)
+            rows += await bench("postgresql", targets, args.runs)
     for row in rows:
         print(_line(row))
 

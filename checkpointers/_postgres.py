@@ -34,8 +34,13 @@ from ._rows import (
 
 __all__ = ["PostgresDriver"]
 
+# The lease is found by its primary key. ``(status = 'running') IS TRUE`` is the same test
+# as ``status = 'running'`` but no index can serve it: otherwise, on a table whose
+# statistics are young, the planner may pick the (status, expires_at) index and filter every
+# running lease on each write (measured: 0.2 ms with 400 running leases, growing with them).
 _LEASE_WHERE = (
-    "tenant_id = $a AND execution_id = $b AND holder = $c AND epoch = $d AND status = 'running'"
+    "tenant_id = $a AND execution_id = $b AND holder = $c AND epoch = $d"
+    " AND (status = 'running') IS TRUE"
 )
 _GUARD_NONE = "SELECT NULL::bigint AS epoch"
 _GUARD_SHARE = f"SELECT epoch FROM fence_leases WHERE {_LEASE_WHERE} FOR SHARE"
