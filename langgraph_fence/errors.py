@@ -7,9 +7,12 @@ a prefix (``code.startswith("execution.lease-lost")``) as well as on the class.
 from __future__ import annotations
 
 from collections import deque
-from typing import ClassVar
+from collections.abc import Iterator
+from typing import ClassVar, TypeVar
 
 from langgraph.errors import GraphBubbleUp
+
+E = TypeVar("E", bound=BaseException)
 
 __all__ = [
     "ExecutionContextUnavailableError",
@@ -19,7 +22,9 @@ __all__ = [
     "ExecutionLeaseLostError",
     "LangGraphFenceError",
     "WriteDeadLetteredError",
+    "find_error",
     "find_fence_error",
+    "linked_errors",
 ]
 
 
@@ -121,6 +126,34 @@ def _rebuild(
     return cls(message, scope_key=scope_key, token_held=token_held, token_seen=token_seen)
 
 
+def linked_errors(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, its ``__cause__``/``__context__`` chains and nested groups, breadth first.
+
+    Each error is yielded once, so a cycle in the links ends the walk.
+    """
+    seen: set[int] = set()
+    queue: deque[BaseException] = deque([exc])
+    while queue:
+        current = queue.popleft()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        if isinstance(current, BaseExceptionGroup):
+            queue.extend(current.exceptions)
+        if current.__cause__ is not None:
+            queue.append(current.__cause__)
+        if current.__context__ is not None:
+            queue.append(current.__context__)
+
+
+def find_error(exc: BaseException | None, kind: type[E]) -> E | None:
+    """The first error of ``kind`` linked to ``exc`` (see :func:`linked_errors`), or ``None``."""
+    if exc is None:
+        return None
+    return next((e for e in linked_errors(exc) if isinstance(e, kind)), None)
+
+
 def find_fence_error(exc: BaseException | None) -> ExecutionLeaseLostError | None:
     """Return the fencing error inside ``exc``, or ``None``.
 
@@ -129,24 +162,4 @@ def find_fence_error(exc: BaseException | None) -> ExecutionLeaseLostError | Non
     wins over a plain :class:`ExecutionLeaseLostError` wherever both occur; otherwise the
     first one found (nearest to ``exc``) is returned.
     """
-    if exc is None:
-        return None
-    seen: set[int] = set()
-    queue: deque[BaseException] = deque([exc])
-    first_lost: ExecutionLeaseLostError | None = None
-    while queue:
-        current = queue.popleft()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, ExecutionFencedError):
-            return current
-        if isinstance(current, ExecutionLeaseLostError) and first_lost is None:
-            first_lost = current
-        if isinstance(current, BaseExceptionGroup):
-            queue.extend(current.exceptions)
-        if current.__cause__ is not None:
-            queue.append(current.__cause__)
-        if current.__context__ is not None:
-            queue.append(current.__context__)
-    return first_lost
+    return find_error(exc, ExecutionFencedError) or find_error(exc, ExecutionLeaseLostError)

@@ -30,6 +30,7 @@ from .errors import (
     ExecutionFencedError,
     ExecutionLeaseHeldError,
     ExecutionLeaseLostError,
+    find_error,
     find_fence_error,
 )
 from .executions import (
@@ -40,7 +41,6 @@ from .executions import (
 )
 from .fence import FENCE_CONFIG_KEY, RunHandle, safety_margin
 from .lease import ExecutionLeaseRepository, Lease, LeaseKey, LeaseStatus, validate_ttl
-from .nodes import _contains
 
 if TYPE_CHECKING:
     from langgraph.checkpoint.base import BaseCheckpointSaver
@@ -563,8 +563,8 @@ class Instance:
         if handle.error is not None:
             await self._classify_loss(handle)
             raise handle.error
-        if _contains(exc, ExecutionDeadLetteredError):
-            dead = _first(exc, ExecutionDeadLetteredError)
+        dead = find_error(exc, ExecutionDeadLetteredError)
+        if dead is not None:
             await self.repository.dead_letter(handle.key, str(dead), epoch=handle.token)
             logger.warning("run %s dead-lettered: %s", handle.scope_key, dead)
             if dead is not exc:
@@ -669,22 +669,6 @@ def _refusal(key: LeaseKey, current: Any, me: str) -> str:
         f"{current.expires_at} (store clock): wait for that run to end, or for its lease to "
         "expire if that instance died"
     )
-
-
-def _first(exc: BaseException, kind: type[BaseException]) -> BaseException:
-    seen: set[int] = set()
-    stack = [exc]
-    while stack:
-        current = stack.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, kind):
-            return current
-        if isinstance(current, BaseExceptionGroup):
-            stack.extend(current.exceptions)
-        stack.extend(e for e in (current.__cause__, current.__context__) if e is not None)
-    return exc
 
 
 async def _cancel_all(tasks: list[asyncio.Task[None]]) -> None:

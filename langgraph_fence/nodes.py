@@ -27,6 +27,7 @@ from .errors import (
     ExecutionContextUnavailableError,
     ExecutionDeadLetteredError,
     WriteDeadLetteredError,
+    find_error,
     find_fence_error,
 )
 from .fence import FENCE_CONFIG_KEY, ExecutionFence, RunHandle
@@ -358,7 +359,7 @@ class _FenceGuardedRetryOn:
         self.inner = inner
 
     def __call__(self, exc: Exception) -> bool:
-        if find_fence_error(exc) is not None or _contains(exc, ExecutionDeadLetteredError):
+        if find_fence_error(exc) is not None or find_error(exc, ExecutionDeadLetteredError):
             return False
         inner = self.inner
         if isinstance(inner, Sequence):
@@ -366,24 +367,6 @@ class _FenceGuardedRetryOn:
         if isinstance(inner, type) and issubclass(inner, BaseException):
             return isinstance(exc, inner)
         return bool(inner(exc))
-
-
-def _contains(exc: BaseException, kind: type[BaseException]) -> bool:
-    seen: set[int] = set()
-    stack: list[BaseException] = [exc]
-    while stack:
-        current = stack.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, kind):
-            return True
-        if isinstance(current, BaseExceptionGroup):
-            stack.extend(current.exceptions)
-        for linked in (current.__cause__, current.__context__):
-            if linked is not None:
-                stack.append(linked)
-    return False
 
 
 def guard_retry_policy(
