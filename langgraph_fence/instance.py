@@ -568,7 +568,7 @@ class Instance:
             await self.repository.dead_letter(handle.key, str(dead), epoch=handle.token)
             logger.warning("run %s dead-lettered: %s", handle.scope_key, dead)
             if dead is not exc:
-                raise dead from exc
+                raise dead  # keeps its own cause: the error the write failed with
             return
         if isinstance(exc, GraphDrained):
             # Drained by request (not by a fence): hand the execution back for any instance.
