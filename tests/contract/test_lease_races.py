@@ -14,16 +14,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-import asyncpg
 import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence import ExecutionFencedError, Lease, LeaseKey, SqlLeaseRepository
-from langgraph_fence.database import create_engine, normalize_url
+from langgraph_fence.database import create_engine
 from langgraph_fence.schema import LEASE_MIGRATIONS
 from langgraph_fence.testing import ManualClock
-from tests.conftest import SQL_BACKENDS, pg_engine_options, unique
+from tests.conftest import SQL_BACKENDS, _pg_admin_async, pg_engine_options, unique
 
 T = TypeVar("T")
 TTL = 10.0
@@ -190,7 +189,7 @@ async def fresh_database(
         url, _ = request.getfixturevalue("pg_schema")
         schema = f"lgf_mig_{uuid.uuid4().hex[:12]}"
         options = pg_engine_options(schema)
-        await admin(url, f'CREATE SCHEMA "{schema}"')
+        await _pg_admin_async(url, f'CREATE SCHEMA "{schema}"')
 
     def make() -> AsyncEngine:
         engine = create_engine(url, **options)
@@ -200,16 +199,7 @@ async def fresh_database(
     yield make
     await asyncio.gather(*(engine.dispose() for engine in engines))
     if schema is not None:
-        await admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-
-
-async def admin(url: str, sql: str) -> None:
-    dsn = normalize_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-    conn = await asyncpg.connect(dsn, timeout=10)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
+        await _pg_admin_async(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 async def test_concurrent_setup_migrates_once(
