@@ -134,7 +134,9 @@ class RunHandle:
         """Record a fencing error for the run and stop it; returns the error that stands.
 
         The first :class:`ExecutionFencedError` recorded stands for the rest of the run (it
-        replaces a plain lease loss recorded earlier); every listener is told once.
+        replaces a plain lease loss recorded earlier). Listeners are told of each error that
+        comes to stand: once in all, or twice when a fence replaces a plain lease loss; an
+        error that does not replace the standing one is not announced.
         """
         if not isinstance(error, ExecutionLeaseLostError):
             raise ValueError(

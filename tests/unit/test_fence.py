@@ -219,8 +219,13 @@ async def test_fenced_upgrades_a_plain_loss() -> None:
     run.local.advance(TTL)
     with pytest.raises(ExecutionLeaseLostError):
         fence.assert_held()
+    lost = handle.error
     error = fence.fenced(2)
     assert handle.error is error and type(error) is ExecutionFencedError
+    # Listeners hear the loss, then the fence that replaced it; later errors are not news.
+    assert run.heard == [lost, error]
+    fence.fenced(3)
+    assert run.heard == [lost, error]
 
 
 @pytest.mark.parametrize("observed", [1, 0, -3, True, 1.5, "2", None])
