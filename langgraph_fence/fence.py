@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from langgraph.errors import GraphDrained
+
 from .errors import (
     ExecutionContextUnavailableError,
     ExecutionFencedError,
@@ -306,14 +308,16 @@ class ExecutionFence:
     async def confirm_now(self) -> None:
         """Prove the lease is held with one strict renewal, before a call that can't check tokens.
 
-        Raises what :meth:`assert_held` raises, the refusal of the renewal, and
-        ``asyncio.CancelledError`` when the run was asked to stop.
+        Raises what :meth:`assert_held` raises and the refusal of the renewal (the fencing
+        error first), then LangGraph's ``GraphDrained`` when the run is being drained (its
+        instance is stopping): the step ends without its writes and runs again wherever the
+        execution is resumed, so no side effect starts during a shutdown.
         """
         handle = self._require_active()
         # The round trip comes first: after a lapse it tells a takeover from a slow store.
         await handle.renew()
         if handle.stop_reason is not None:
-            raise asyncio.CancelledError(handle.stop_reason)
+            raise GraphDrained(handle.stop_reason)
 
     def fenced(self, observed_token: int) -> ExecutionFencedError:
         """The error to raise when an external system has seen ``observed_token`` > ours.

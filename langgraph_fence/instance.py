@@ -314,7 +314,9 @@ class Instance:
             remove_signals()
             for runs in running.values():
                 for run in runs:
-                    run.control.request_drain("langgraph-fence: the instance is stopping")
+                    reason = "langgraph-fence: the instance is stopping"
+                    run.handle.request_stop(reason)  # confirm_now() refuses from here on
+                    run.control.request_drain(reason)
             if running:
                 await asyncio.gather(*running, return_exceptions=True)
             logger.info("instance %s stopped serving", self.instance_id)

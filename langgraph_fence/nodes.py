@@ -19,6 +19,7 @@ from typing import Any, TypeVar, overload
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.config import get_config
+from langgraph.errors import GraphBubbleUp
 from langgraph.types import RetryPolicy
 
 from .context import CONTEXT_CONFIG_KEY, ExecutionContext, _reset_frame, _set_frame
@@ -205,6 +206,10 @@ class _Step:
         if self.handle.error is not None:
             return self.handle.error
         if not isinstance(exc, Exception) or isinstance(exc, ExecutionDeadLetteredError):
+            return exc
+        if isinstance(exc, GraphBubbleUp):
+            # An interrupt or a drain is control flow, not a failed write. A stamp it leaves
+            # standing is judged where the execution resumes (fail-closed there).
             return exc
         standing = self.handle.pending_effect
         stamped_here = (

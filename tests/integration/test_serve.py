@@ -381,3 +381,79 @@ async def test_the_order_is_stamp_renew_effect_clear(leases: Leases, saver_kind:
     lease = await leases.store.get(LeaseKey("acme", thread))
     assert lease is not None and lease.pending_effect is None  # no trace left behind
     assert lease.status is LeaseStatus.DONE
+
+
+@pytest.mark.parametrize(
+    ("effect", "ends"),
+    [(Effect.IDEMPOTENT_WRITE, LeaseStatus.DONE), (Effect.NON_IDEMPOTENT_WRITE, None)],
+)
+async def test_confirm_now_during_a_graceful_stop_drains_the_step(
+    leases: Leases, effect: Effect, ends: LeaseStatus | None
+) -> None:
+    b, c = leases.instance("B"), leases.instance("C")
+    in_step, go = asyncio.Event(), asyncio.Event()
+    sent: list[str] = []
+
+    async def send_email(state: Order) -> dict[str, Any]:
+        if worker.get() == "B":
+            in_step.set()
+            await go.wait()
+        await get_execution_context().fence.confirm_now()  # before a call that can't check
+        sent.append(worker.get())
+        return {"log": ["sent"]}
+
+    def build(instance: Instance) -> Any:
+        builder = StateGraph(Order)
+        builder.add_node("send_email", send_email)
+        builder.add_edge(START, "send_email")
+        builder.add_edge("send_email", END)
+        return fence_graph(builder, effects={"send_email": effect}).compile(
+            checkpointer=instance.checkpointer, name="mail"
+        )
+
+    key = LeaseKey("acme", unique("mail"))
+    assert await leases.store.acquire(key, "dead", 30.0) is not None
+    await b.records.record(ExecutionRecord(key, "mail", key.execution_id, {"log": []}))
+    leases.advance(31.0)
+    stop_b = asyncio.Event()
+    worker.set("B")
+    serving_b = asyncio.create_task(
+        b.serve({"mail": build(b)}, poll_interval=0.02, stop=stop_b, handle_signals=False)
+    )
+    await asyncio.wait_for(in_step.wait(), 10)
+    stop_b.set()
+
+    async def stopping() -> bool:
+        return any(run.handle.stop_reason for run in b._runs)
+
+    await eventually(stopping)
+    go.set()
+    await asyncio.wait_for(serving_b, 10)
+    assert sent == []  # the e-mail was not sent during the shutdown
+    lease = await leases.store.get(key)
+    assert lease is not None and lease.status is LeaseStatus.PENDING
+    # Handed back. An idempotent write is resumed and C sends it once; a non-idempotent one
+    # is dead-lettered by C's take: its stamp stands and nothing proves it did not start.
+    stop_c = asyncio.Event()
+    worker.set("C")
+    serving_c = asyncio.create_task(
+        c.serve({"mail": build(c)}, poll_interval=0.02, stop=stop_c, handle_signals=False)
+    )
+
+    async def ended() -> bool:
+        current = await leases.store.get(key)
+        return current is not None and current.status in (
+            LeaseStatus.DONE,
+            LeaseStatus.DEAD_LETTERED,
+        )
+
+    await eventually(ended)
+    stop_c.set()
+    await asyncio.wait_for(serving_c, 10)
+    final = await leases.store.get(key)
+    assert final is not None
+    if ends is LeaseStatus.DONE:
+        assert final.status is LeaseStatus.DONE and sent == ["C"]
+    else:
+        assert final.status is LeaseStatus.DEAD_LETTERED and sent == []
+        assert final.reason is not None and "'send_email'" in final.reason

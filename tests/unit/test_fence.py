@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -177,11 +176,13 @@ async def test_confirm_now_after_takeover_raises_and_stands() -> None:
     assert await run.store.get(run.key) == newer
 
 
-async def test_confirm_now_when_asked_to_stop_is_a_cancellation() -> None:
+async def test_confirm_now_when_asked_to_stop_is_a_drain() -> None:
+    from langgraph.errors import GraphDrained
+
     run = Run()
     handle, fence = await run.start()
     handle.request_stop("instance draining")
-    with pytest.raises(asyncio.CancelledError, match="draining"):
+    with pytest.raises(GraphDrained, match="draining"):
         await fence.confirm_now()
     assert run.wire.calls == ["renew"]
 
