@@ -87,9 +87,9 @@ class StallableRepository:
         await self.gate.wait()
         return await self.inner.mark_pending_effect(lease, effect, ttl)
 
-    async def clear_pending_effect(self, lease: Lease) -> Lease:
+    async def clear_pending_effect(self, lease: Lease, task_id: str | None = None) -> Lease:
         await self.gate.wait()
-        return await self.inner.clear_pending_effect(lease)
+        return await self.inner.clear_pending_effect(lease, task_id)
 
     async def dead_letter(self, key: LeaseKey, reason: str, *, epoch: int | None = None) -> Lease:
         await self.gate.wait()

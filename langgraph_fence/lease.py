@@ -352,9 +352,18 @@ def decide_mark_pending_effect(
     return replace(held, expires_at=now + ttl, pending_effect=effect)
 
 
-def decide_clear_pending_effect(current: Lease | None, lease: Lease) -> Lease:
-    """Clear the stamp; guarded, so a lost lease's stamp stands for the taker to see."""
+def decide_clear_pending_effect(
+    current: Lease | None, lease: Lease, task_id: str | None = None
+) -> Lease:
+    """Clear the stamp; guarded, so a lost lease's stamp stands for the taker to see.
+
+    With ``task_id``, only a stamp of that task is cleared: another task's stamp (a
+    parallel step stamped after it) stands.
+    """
     held = _guard(current, lease, action="clear_pending_effect")
+    stamp = held.pending_effect
+    if task_id is not None and (stamp is None or stamp.task_id != task_id):
+        return held
     return replace(held, pending_effect=None)
 
 
@@ -478,8 +487,8 @@ class ExecutionLeaseRepository(Protocol):
         """Stamp ``pending_effect`` and renew in one guarded write."""
         ...
 
-    async def clear_pending_effect(self, lease: Lease) -> Lease:
-        """Clear ``pending_effect``; guarded."""
+    async def clear_pending_effect(self, lease: Lease, task_id: str | None = None) -> Lease:
+        """Clear ``pending_effect`` (only a stamp of ``task_id``, when given); guarded."""
         ...
 
     async def dead_letter(self, key: LeaseKey, reason: str, *, epoch: int | None = None) -> Lease:

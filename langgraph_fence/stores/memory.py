@@ -104,11 +104,11 @@ class MemoryLeaseRepository:
             self._rows[lease.key] = marked
             return marked
 
-    async def clear_pending_effect(self, lease: Lease) -> Lease:
-        """Clear ``pending_effect``; guarded."""
+    async def clear_pending_effect(self, lease: Lease, task_id: str | None = None) -> Lease:
+        """Clear ``pending_effect`` (only a stamp of ``task_id``, when given); guarded."""
         check_lease(self, lease)
         async with self._lock:
-            cleared = decide_clear_pending_effect(self._rows.get(lease.key), lease)
+            cleared = decide_clear_pending_effect(self._rows.get(lease.key), lease, task_id)
             self._rows[lease.key] = cleared
             return cleared
 

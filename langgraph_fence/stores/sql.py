@@ -226,14 +226,21 @@ class SqlLeaseRepository:
             )
             .returning(*_RETURNING)
         )
+        task = bindparam("p_task", type_=Text)
+        this_task = or_(task.is_(None), _C.pending_task == task)
+
+        def cleared(column: Any) -> Any:
+            # Only a stamp of the given task (or any, without one) is cleared.
+            return case((this_task, null()), else_=column)
+
         self._clear = (
             update(LEASES)
             .where(_GUARD)
             .values(
-                pending_effect=None,
-                pending_node=None,
-                pending_task=None,
-                pending_token=None,
+                pending_effect=cleared(_C.pending_effect),
+                pending_node=cleared(_C.pending_node),
+                pending_task=cleared(_C.pending_task),
+                pending_token=cleared(_C.pending_token),
                 updated_at=now,
             )
             .returning(*_RETURNING)
@@ -433,10 +440,10 @@ class SqlLeaseRepository:
             pending_token=effect.token,
         )
 
-    async def clear_pending_effect(self, lease: Lease) -> Lease:
-        """Clear ``pending_effect``; guarded."""
+    async def clear_pending_effect(self, lease: Lease, task_id: str | None = None) -> Lease:
+        """Clear ``pending_effect`` (only a stamp of ``task_id``, when given); guarded."""
         check_lease(self, lease)
-        return await self._guarded(self._clear, lease, "clear_pending_effect")
+        return await self._guarded(self._clear, lease, "clear_pending_effect", task=task_id)
 
     async def dead_letter(self, key: LeaseKey, reason: str, *, epoch: int | None = None) -> Lease:
         """End the execution as ``dead_lettered``; guarded by ``epoch`` when given."""

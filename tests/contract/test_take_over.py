@@ -182,3 +182,22 @@ async def test_two_instances_racing_never_both_take_or_both_dead_letter(
         assert winners[0].status is expected and winners[0].epoch == 2
     for store in stores:
         await store.engine.dispose()
+
+
+async def test_a_clear_for_one_task_leaves_another_tasks_stamp(
+    lease_store: ExecutionLeaseRepository, clock: ManualClock
+) -> None:
+    lease = await lease_store.acquire(LeaseKey(unique("t"), unique("e")), "A", TTL)
+    assert lease is not None
+    first = PendingEffect(Effect.NON_IDEMPOTENT_WRITE, "charge", "task-1", 1)
+    second = PendingEffect(Effect.NON_IDEMPOTENT_WRITE, "email", "task-2", 1)
+    await lease_store.mark_pending_effect(lease, first, TTL)
+    lease = await lease_store.mark_pending_effect(lease, second, TTL)
+    # task-1's writes land after task-2 stamped: task-2's stamp must stand.
+    kept = await lease_store.clear_pending_effect(lease, "task-1")
+    assert kept.pending_effect == second
+    assert (await lease_store.get(lease.key)) == kept
+    cleared = await lease_store.clear_pending_effect(lease, "task-2")
+    assert cleared.pending_effect is None
+    again = await lease_store.mark_pending_effect(lease, first, TTL)
+    assert (await lease_store.clear_pending_effect(again)).pending_effect is None  # any
