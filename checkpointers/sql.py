@@ -44,6 +44,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from langgraph_fence.checkpoint import (
     check_write_scope,
+    clears_pending_effect,
     fence_handle,
     forget_pending_effect,
     refuse_write,
@@ -237,7 +238,12 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
     # -- fencing
 
     def _guard_for(
-        self, handle: RunHandle | None, config: RunnableConfig, action: str, task_id: str | None
+        self,
+        handle: RunHandle | None,
+        config: RunnableConfig,
+        action: str,
+        task_id: str = "",
+        writes: Sequence[tuple[str, Any]] | None = None,
     ) -> Guard | None:
         if handle is None:
             return None
@@ -256,14 +262,13 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         except ExecutionLeaseLostError as exc:
             raise refuse_write(handle, config, exc) from None
         lease = handle.lease
-        pending = handle.pending_effect
-        clear = task_id if pending is not None and pending.task_id == task_id else None
+        clears = writes is not None and clears_pending_effect(handle, task_id, writes)
         return Guard(
             tenant_id=lease.key.tenant_id,
             execution_id=lease.key.execution_id,
             holder=lease.holder or "",
             epoch=lease.epoch,
-            clear_task=clear,
+            clear_task=task_id if clears else None,
         )
 
     async def _refused(
@@ -292,7 +297,7 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         self._ready()
         thread_id, checkpoint_ns = _thread_of(config, "aput")
         handle = fence_handle(config)
-        guard = self._guard_for(handle, config, "aput", None)
+        guard = self._guard_for(handle, config, "aput")
         inline: dict[str, Any] = {}
         blob_values: dict[str, Any] = {}
         for channel, value in checkpoint["channel_values"].items():
@@ -341,8 +346,9 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
     ) -> None:
         """Save a task's writes for a checkpoint; fenced with a handle.
 
-        With a handle whose ``pending_effect`` belongs to ``task_id``, the same statement or
-        transaction clears the lease's pending-effect stamp, and the handle forgets it.
+        With a handle whose ``pending_effect`` belongs to ``task_id``, and writes of a finished
+        step (no error or interrupt write), the same statement or transaction clears the
+        lease's pending-effect stamp, and the handle forgets it.
 
         Raises:
             ExecutionFencedError: the run's token is no longer the lease's; nothing written.
@@ -358,7 +364,7 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
                 "aput returned for the checkpoint the writes belong to"
             )
         handle = fence_handle(config)
-        guard = self._guard_for(handle, config, "aput_writes", task_id)
+        guard = self._guard_for(handle, config, "aput_writes", task_id, writes)
         dumps = self.serde.dumps_typed
         rows = [
             (WRITES_IDX_MAP.get(channel, idx), channel, *dumps(value))

@@ -38,6 +38,7 @@ from langgraph.checkpoint.base import (
     CheckpointTuple,
     DeltaChannelHistory,
 )
+from langgraph.checkpoint.serde.types import ERROR, INTERRUPT
 
 from .errors import (
     ExecutionContextUnavailableError,
@@ -50,6 +51,7 @@ from .lease import Lease, LeaseStatus, fenced_error
 __all__ = [
     "FencedCheckpointer",
     "check_write_scope",
+    "clears_pending_effect",
     "fence_handle",
     "forget_pending_effect",
     "lease_matches",
@@ -154,6 +156,27 @@ def refuse_write(
     return recorded
 
 
+#: Writes that record a step that did not finish: its effect may or may not have happened.
+_UNFINISHED = frozenset({ERROR, INTERRUPT})
+
+
+def clears_pending_effect(
+    handle: RunHandle, task_id: str, writes: Sequence[tuple[str, Any]]
+) -> bool:
+    """Whether these writes of ``task_id`` clear the handle's pending-effect stamp.
+
+    Only the task that was stamped, and only writes of a finished step: an error or an
+    interrupt write leaves the stamp standing (nothing proves the effect did not start), so
+    a resume of that step is dead-lettered rather than repeated.
+    """
+    pending = handle.pending_effect
+    return (
+        pending is not None
+        and pending.task_id == task_id
+        and not any(channel in _UNFINISHED for channel, _ in writes)
+    )
+
+
 def forget_pending_effect(handle: RunHandle) -> None:
     """Tell the handle its pending-effect stamp was cleared in the store."""
     handle.pending_effect = None
@@ -199,9 +222,10 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
       write of the run is refused. Writes already in flight when the take-over happens can
       land the same way. Only a fence-aware saver closes this window.
 
-    Pending effect: when ``handle.pending_effect`` belongs to the task whose writes are
-    being saved, a fence-aware saver clears the stamp in the same statement/transaction as
-    the writes; with any other saver the wrapper clears it right after the inner write
+    Pending effect: when ``handle.pending_effect`` belongs to the task whose finished-step
+    writes are being saved (not an error or interrupt write), a fence-aware saver clears the
+    stamp in the same statement/transaction as the writes; with any other saver the wrapper
+    clears it right after the inner write
     (``repository.clear_pending_effect``), so a crash between the two leaves the stamp
     standing and the step is dead-lettered rather than repeated (safe, not exact).
 
@@ -360,8 +384,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             inner_config = await self._check_outside(handle, config, "aput_writes")
         try:
             await self.inner.aput_writes(inner_config, writes, task_id, task_path)
-            pending = handle.pending_effect
-            if not guarded and pending is not None and pending.task_id == task_id:
+            if not guarded and clears_pending_effect(handle, task_id, writes):
                 # Not in the inner write's transaction: a crash in between leaves the stamp
                 # standing, and the step is dead-lettered instead of repeated.
                 await handle.repository.clear_pending_effect(handle.lease)

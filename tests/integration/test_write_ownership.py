@@ -23,6 +23,7 @@ import pytest
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.checkpoint.conformance.test_utils import generate_checkpoint, generate_metadata
+from langgraph.checkpoint.serde.types import ERROR, INTERRUPT
 from langgraph.graph import END, START, StateGraph
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -226,6 +227,14 @@ async def test_pending_effect_is_cleared_by_the_tasks_own_write(
     assert stored is not None and stored.pending_effect == effect, "another task's write cleared"
     assert handle.pending_effect == effect
 
+    # A step that failed or was interrupted did not finish: nothing proves its effect did
+    # not start, so its error/interrupt write leaves the stamp standing.
+    for channel in (ERROR, INTERRUPT):
+        await a.saver.aput_writes(config(thread, handle, head), [(channel, "x")], "task-charge")
+        stored = await a.leases.get(key)
+        assert stored is not None and stored.pending_effect == effect, channel
+        assert handle.pending_effect == effect
+
     await a.saver.aput_writes(config(thread, handle, head), [("data", 2)], "task-charge")
     stored = await a.leases.get(key)
     assert stored is not None and stored.pending_effect is None
@@ -239,10 +248,8 @@ async def test_pending_effect_is_cleared_by_the_tasks_own_write(
         await a.saver.aput_writes(config(thread, handle, head), [("data", 3)], "task-charge")
     stored = await a.leases.get(key)
     assert stored is not None and stored.pending_effect == effect
-    assert [w[1] for w in await rows(a.engine, "fence_checkpoint_writes", thread)] == [
-        "another-task",
-        "task-charge",
-    ]
+    landed = {w[1] for w in await rows(a.engine, "fence_checkpoint_writes", thread)}
+    assert landed == {"another-task", "task-charge"}
 
 
 class State(TypedDict):
