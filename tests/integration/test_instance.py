@@ -327,3 +327,35 @@ async def test_a_refused_start_leaves_the_record_of_the_run_in_flight(instance: 
             graph_name="refunds",
         )
     assert await instance.records.get(key) == original
+
+
+async def test_an_interrupt_inside_a_non_idempotent_step_dead_letters_its_resume(
+    instance: Instance,
+) -> None:
+    from langgraph.types import Command, interrupt
+
+    from langgraph_fence import Effect, ExecutionDeadLetteredError
+
+    charged: list[str] = []
+
+    async def approve_and_charge(state: State) -> dict[str, Any]:
+        answer = interrupt("charge the card?")  # the step re-runs from the top on resume
+        charged.append(answer)
+        return {"log": ["charged"]}
+
+    builder = StateGraph(State)
+    builder.add_node("charge", approve_and_charge)
+    builder.add_edge(START, "charge")
+    builder.add_edge("charge", END)
+    graph = fence_graph(builder, effects={"charge": Effect.NON_IDEMPOTENT_WRITE}).compile(
+        checkpointer=instance.checkpointer
+    )
+    thread = unique("thread")
+    config = {"configurable": {"thread_id": thread}}
+    await instance.ainvoke(graph, {"log": []}, config, tenant_id="acme")
+    # Fail-closed: nothing proves the write did not start before the interrupt.
+    with pytest.raises(ExecutionDeadLetteredError, match="'charge'"):
+        await instance.ainvoke(graph, Command(resume="yes"), config, tenant_id="acme")
+    assert charged == []
+    lease = await instance.repository.get(LeaseKey("acme", thread))
+    assert lease is not None and lease.status is LeaseStatus.DEAD_LETTERED
