@@ -39,7 +39,7 @@ from langgraph.checkpoint.base import (
     writes_sort_key,
 )
 from langgraph.checkpoint.serde.base import SerializerProtocol
-from sqlalchemy import text
+from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from langgraph_fence.checkpoint import (
@@ -161,6 +161,7 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         self._store_id = f"sql:{engine.url.render_as_string(hide_password=True)}"
         self.loop: asyncio.AbstractEventLoop | None = None
         self._closed_reason: str | None = None
+        event.listen(engine.sync_engine, "engine_disposed", self._on_engine_disposed)
 
     @classmethod
     @asynccontextmanager
@@ -216,6 +217,15 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         The saver stays usable: the next call checks a connection out again.
         """
         await self._driver.aclose()
+
+    def _on_engine_disposed(self, _engine: Any) -> None:
+        # SQLAlchemy would quietly open new connections on a disposed engine; a saver whose
+        # engine its owner disposed is a saver someone meant to close.
+        if self._closed_reason is None:
+            self._closed_reason = (
+                "its engine was disposed (engine.dispose()): create a new engine and a new "
+                "SqlCheckpointer on it"
+            )
 
     def _check_open(self) -> None:
         if self._closed_reason is not None:

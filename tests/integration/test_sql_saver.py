@@ -154,6 +154,30 @@ async def test_a_closed_saver_is_refused(
         await opened.aput(config, checkpoint_with_blob(), generate_metadata(), {"big": 1})
 
 
+async def test_a_saver_whose_engine_was_disposed_is_refused(
+    make_engine: Callable[[str], AsyncEngine],
+) -> None:
+    engine = make_engine("sqlite")
+    saver = SqlCheckpointer(engine)
+    await saver.setup()
+    thread = unique("thread")
+    config: Any = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    await saver.aput(config, checkpoint_with_blob(), generate_metadata(), {"big": 1})
+    await engine.dispose()
+    with pytest.raises(RuntimeError, match=r"engine was disposed.*new SqlCheckpointer"):
+        await saver.aput(config, checkpoint_with_blob(), generate_metadata(), {"big": 1})
+    with pytest.raises(RuntimeError, match="disposed"):
+        await saver.aget_tuple(config)
+    with pytest.raises(RuntimeError, match="disposed"):
+        await asyncio.to_thread(saver.get_tuple, config)
+    async with engine.connect() as conn:
+        count = await conn.execute(
+            text("SELECT count(*) FROM fence_checkpoints WHERE thread_id = :t"), {"t": thread}
+        )
+        assert count.scalar_one() == 1, "the refused write left a row"
+    await engine.dispose()
+
+
 async def test_a_saver_not_set_up_says_so(make_engine: Callable[[str], AsyncEngine]) -> None:
     fresh = SqlCheckpointer(make_engine("sqlite"))
     with pytest.raises(RuntimeError, match=r"await saver\.setup\(\)"):
