@@ -10,7 +10,8 @@ lease lives in this database's ``fence_leases`` table, ``aput`` and ``aput_write
 token (key + holder + epoch + ``running``) and write in ONE statement on PostgreSQL and ONE
 transaction on SQLite. A refused write leaves no row and raises
 :class:`~langgraph_fence.ExecutionFencedError` carrying the epoch found. The write that saves a
-task's writes also clears that task's pending-effect stamp.
+task's finished-step writes also clears that task's pending-effect stamp (an error or
+interrupt write leaves it standing).
 
 Hot paths (writes, reads) run on the raw driver connection of the engine's pool (see
 ``_postgres.py`` and ``_sqlite.py`` for why); maintenance (delete, copy, prune) runs through
