@@ -397,7 +397,7 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
             raise await self._refused(handle, config, "aput_writes")
         if guard is not None and guard.clear_task is not None:
             assert handle is not None
-            forget_pending_effect(handle)
+            forget_pending_effect(handle, task_id)
 
     def get_next_version(self, current: str | None, channel: None) -> str:
         """``<32-digit counter>.<random fraction>``: ordered, and unique across writers."""

@@ -177,11 +177,15 @@ def clears_pending_effect(
     )
 
 
-def forget_pending_effect(handle: RunHandle) -> None:
-    """Tell the handle its pending-effect stamp was cleared in the store."""
-    handle.pending_effect = None
+def forget_pending_effect(handle: RunHandle, task_id: str) -> None:
+    """Tell the handle the pending-effect stamp of ``task_id`` was cleared in the store.
+
+    A parallel step may have stamped since the write was sent; its newer stamp stays.
+    """
+    if handle.pending_effect is not None and handle.pending_effect.task_id == task_id:
+        handle.pending_effect = None
     lease = handle.lease
-    if lease.pending_effect is not None:
+    if lease.pending_effect is not None and lease.pending_effect.task_id == task_id:
         # A clear is no renewal: sent "a ttl ago", it leaves confirmed_until where it was.
         handle.replace_lease(
             replace(lease, pending_effect=None), sent_at=handle.clock() - handle.ttl
@@ -387,8 +391,8 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             if not guarded and clears_pending_effect(handle, task_id, writes):
                 # Not in the inner write's transaction: a crash in between leaves the stamp
                 # standing, and the step is dead-lettered instead of repeated.
-                await handle.repository.clear_pending_effect(handle.lease)
-                forget_pending_effect(handle)
+                await handle.repository.clear_pending_effect(handle.lease, task_id)
+                forget_pending_effect(handle, task_id)
         except ExecutionLeaseLostError as exc:
             raise refuse_write(handle, config, exc) from None
 
