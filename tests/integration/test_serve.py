@@ -345,9 +345,9 @@ class Recording:
         self.events.append(f"stamp+renew {effect.node}")
         return await self.inner.mark_pending_effect(lease, effect, ttl)
 
-    async def clear_pending_effect(self, lease: Lease) -> Lease:
+    async def clear_pending_effect(self, lease: Lease, task_id: str | None = None) -> Lease:
         self.events.append("clear")
-        return await self.inner.clear_pending_effect(lease)
+        return await self.inner.clear_pending_effect(lease, task_id)
 
 
 @pytest.mark.parametrize("saver_kind", ["sql", "memory"])
