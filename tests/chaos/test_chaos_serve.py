@@ -37,9 +37,7 @@ import random
 import signal
 import sys
 import time
-import uuid
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,7 +58,7 @@ from tests.chaos.chaos_graphs import (
     SINK_GRAPH,
     build_hold_graph,
 )
-from tests.conftest import _pg_admin, pg_engine_options, unique
+from tests.conftest import pg_engine_options, unique
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
 
@@ -78,22 +76,6 @@ FEED_SECONDS = 15.0  # executions are recorded in waves over this long
 CHAOS_SECONDS = 22.0  # signals are sent for this long
 QUIET_DEADLINE = 30.0  # then the survivors must finish within this
 TERMINAL = {LeaseStatus.DONE, LeaseStatus.FAILED, LeaseStatus.DEAD_LETTERED}
-
-
-@pytest.fixture
-def own_schema(pg_schema: tuple[str, str]) -> Iterator[tuple[str, str]]:
-    """``(url, schema)``: a schema of this test's own, dropped after it.
-
-    serve() looks at every execution in its schema: other tests' leftovers in the session's
-    schema must not change what these workers see.
-    """
-    url, _ = pg_schema
-    schema = f"lgf_chaos_{uuid.uuid4().hex[:12]}"
-    _pg_admin(url, f'CREATE SCHEMA "{schema}"')
-    try:
-        yield url, schema
-    finally:
-        _pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 @dataclass(eq=False)

@@ -17,9 +17,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -27,6 +26,7 @@ from sqlalchemy import text
 from checkpointers import SqlCheckpointer
 from langgraph_fence import FencedCheckpointer, LeaseKey, SqlLeaseRepository
 from langgraph_fence.fence import RunHandle
+from tests.chaos.conftest import poll
 from tests.chaos.fork_worker import EXIT_FENCED, build_graph, engine_for
 from tests.conftest import unique
 
@@ -37,22 +37,9 @@ ROOT = Path(__file__).parents[2]
 TTL_A = 1.5
 DEADLINE = 25.0
 
-T = TypeVar("T")
-
 
 def read_signal(path: Path) -> str | None:
     return path.read_text() if path.exists() else None
-
-
-async def poll(probe: Callable[[], Awaitable[T | None]], deadline: float, what: str) -> T:
-    """Call ``probe`` until it returns something, or fail at ``deadline`` (monotonic)."""
-    while True:
-        found = await probe()
-        if found is not None:
-            return found
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def test_a_frozen_worker_cannot_fork_the_chain(

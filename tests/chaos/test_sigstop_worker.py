@@ -18,10 +18,8 @@ import os
 import signal
 import sys
 import time
-import uuid
-from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -32,7 +30,8 @@ from langgraph_fence import LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.database import create_engine
 from langgraph_fence.executions import SqlExecutionRecords
 from tests.chaos.chaos_graphs import EXIT_FENCED, HOLD_GRAPH
-from tests.conftest import _pg_admin, pg_engine_options, unique
+from tests.chaos.conftest import poll
+from tests.conftest import pg_engine_options, unique
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
 
@@ -43,35 +42,6 @@ POLL = 0.2
 #: Room for the event loop to wake and one round trip to PostgreSQL, on a busy 2-core box.
 SLACK = 0.75
 DEADLINE = 40.0
-
-T = TypeVar("T")
-
-
-@pytest.fixture
-def own_schema(pg_schema: tuple[str, str]) -> Iterator[tuple[str, str]]:
-    """``(url, schema)``: a schema of this test's own, dropped after it.
-
-    serve() looks at every execution in its schema: other tests' leftovers in the session's
-    schema must not change what these workers see.
-    """
-    url, _ = pg_schema
-    schema = f"lgf_chaos_{uuid.uuid4().hex[:12]}"
-    _pg_admin(url, f'CREATE SCHEMA "{schema}"')
-    try:
-        yield url, schema
-    finally:
-        _pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-
-
-async def poll(probe: Callable[[], Awaitable[T | None]], deadline: float, what: str) -> T:
-    """Call ``probe`` until it returns something, or fail at ``deadline`` (monotonic)."""
-    while True:
-        found = await probe()
-        if found is not None:
-            return found
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def rows_of(engine: AsyncEngine, thread: str) -> tuple[list[Any], list[Any]]:
