@@ -10,7 +10,8 @@ import asyncio
 import contextvars
 import logging
 import operator
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypedDict
 
 import pytest
@@ -48,6 +49,35 @@ async def eventually(check: Callable[[], Awaitable[bool]], within: float = 10.0)
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("the condition did not hold in time")
         await asyncio.sleep(0.01)
+
+
+async def until_status(leases: Leases, key: LeaseKey, *statuses: LeaseStatus) -> None:
+    """Wait (with a deadline) until the lease of ``key`` is in one of ``statuses``."""
+
+    async def reached() -> bool:
+        lease = await leases.store.get(key)
+        return lease is not None and lease.status in statuses
+
+    await eventually(reached)
+
+
+@asynccontextmanager
+async def serving(
+    instance: Instance, graphs: dict[str, Any], **options: Any
+) -> AsyncIterator[asyncio.Event]:
+    """``instance.serve(graphs)``, polling fast, for the block; yields its stop event.
+
+    Leaving the block stops the loop (if the block did not) and waits for it to end.
+    """
+    stop = asyncio.Event()
+    task = asyncio.create_task(
+        instance.serve(graphs, poll_interval=0.02, stop=stop, handle_signals=False, **options)
+    )
+    try:
+        yield stop
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
 
 
 class Shop:
@@ -108,25 +138,9 @@ async def _reap_mid_charge(leases: Leases, effect: Effect) -> tuple[Shop, LeaseK
     await asyncio.wait_for(shop.a_inside.wait(), 10)
     leases.stall(a)
     leases.advance(31.0)
-    stop = asyncio.Event()
     worker.set("B")
-    serving = asyncio.create_task(
-        b.serve(
-            {"shop": shop.graph(b)},
-            poll_interval=0.02,
-            stop=stop,
-            handle_signals=False,
-            durability="sync",
-        )
-    )
-
-    async def settled() -> bool:
-        lease = await leases.store.get(key)
-        return lease is not None and lease.status in (LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED)
-
-    await eventually(settled)
-    stop.set()
-    await asyncio.wait_for(serving, 10)
+    async with serving(b, {"shop": shop.graph(b)}, durability="sync"):
+        await until_status(leases, key, LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED)
     leases.resume(a)
     shop.a_go.set()
     with pytest.raises(ExecutionFencedError):
@@ -177,22 +191,19 @@ async def test_a_run_renewed_between_the_candidate_query_and_the_take_is_skipped
 
     fault = RenewsRightAfterTheQuery()
     real_candidates = b.repository.takeover_candidates
+    polls: list[int] = []
 
     async def candidates_then_renew(limit: int = 100) -> Any:
         found = await real_candidates(limit)
+        polls.append(len(found))
         if not fault.renewed:
             await fault()
         return found
 
     b.repository.takeover_candidates = candidates_then_renew  # type: ignore[method-assign]
-    stop = asyncio.Event()
-    serving = asyncio.create_task(
-        b.serve({"shop": shop.graph(b)}, poll_interval=0.02, stop=stop, handle_signals=False)
-    )
-    await eventually(lambda: asyncio.sleep(0, bool(fault.renewed)))
-    await asyncio.sleep(0.1)  # several more polls: the renewed lease is not a candidate
-    stop.set()
-    await asyncio.wait_for(serving, 10)
+    async with serving(b, {"shop": shop.graph(b)}):
+        # The take after the first query, then several more polls: none takes it.
+        await eventually(lambda: asyncio.sleep(0, len(polls) >= 5))
     lease = await leases.store.get(key)
     assert lease is not None and lease.holder == "A" and lease.epoch == 1
     assert shop.charges == []
@@ -206,19 +217,9 @@ async def test_an_execution_of_an_unknown_graph_is_left_untouched(
     assert await leases.store.acquire(key, "A", 30.0) is not None
     await b.records.record(ExecutionRecord(key, "payroll", key.execution_id, {"log": []}))
     leases.advance(31.0)
-    stop = asyncio.Event()
     with caplog.at_level(logging.WARNING, logger="langgraph_fence"):
-        serving = asyncio.create_task(
-            b.serve(
-                {"shop": Shop(Effect.READ_ONLY).graph(b)},
-                poll_interval=0.02,
-                stop=stop,
-                handle_signals=False,
-            )
-        )
-        await eventually(lambda: asyncio.sleep(0, "not served here" in caplog.text))
-        stop.set()
-        await asyncio.wait_for(serving, 10)
+        async with serving(b, {"shop": Shop(Effect.READ_ONLY).graph(b)}):
+            await eventually(lambda: asyncio.sleep(0, "not served here" in caplog.text))
     lease = await leases.store.get(key)
     assert lease is not None and lease.status is LeaseStatus.RUNNING and lease.epoch == 1
     assert caplog.text.count("not served here") == 1  # logged once, not every poll
@@ -235,19 +236,9 @@ async def test_a_run_that_died_before_its_first_checkpoint_starts_from_its_input
         ExecutionRecord(key, "shop", key.execution_id, {"order": "o", "log": ["input"]})
     )
     leases.advance(31.0)
-    stop = asyncio.Event()
     worker.set("B")
-    serving = asyncio.create_task(
-        b.serve({"shop": shop.graph(b)}, poll_interval=0.02, stop=stop, handle_signals=False)
-    )
-
-    async def done() -> bool:
-        lease = await leases.store.get(key)
-        return lease is not None and lease.status is LeaseStatus.DONE
-
-    await eventually(done)
-    stop.set()
-    await asyncio.wait_for(serving, 10)
+    async with serving(b, {"shop": shop.graph(b)}):
+        await until_status(leases, key, LeaseStatus.DONE)
     state = await shop.graph(b).aget_state({"configurable": {"thread_id": key.execution_id}})
     assert state.values["log"] == ["input", "prepare by B", "charge at token 2", "finish"]
 
@@ -280,37 +271,24 @@ async def test_stop_drains_at_a_superstep_and_hands_the_execution_back(leases: L
     assert await leases.store.acquire(key, "dead", 30.0) is not None
     await b.records.record(ExecutionRecord(key, "two", key.execution_id, {"log": []}))
     leases.advance(31.0)
-    stop_b = asyncio.Event()
     worker.set("B")
-    serving_b = asyncio.create_task(
-        b.serve({"two": build(b)}, poll_interval=0.02, stop=stop_b, handle_signals=False)
-    )
-    await asyncio.wait_for(in_step.wait(), 10)
-    stop_b.set()  # SIGTERM: finish the step in flight, then hand the execution back
+    async with serving(b, {"two": build(b)}) as stop_b:
+        await asyncio.wait_for(in_step.wait(), 10)
+        stop_b.set()  # SIGTERM: finish the step in flight, then hand the execution back
 
-    async def drain_requested() -> bool:
-        return any(run.control.drain_requested for run in b._runs)
+        async def drain_requested() -> bool:
+            return any(run.control.drain_requested for run in b._runs)
 
-    await eventually(drain_requested)
-    release.set()
-    await asyncio.wait_for(serving_b, 10)
+        await eventually(drain_requested)
+        release.set()
     lease = await leases.store.get(key)
     assert lease is not None and lease.status is LeaseStatus.PENDING and lease.holder is None
     assert ran == [("first", "B")]
 
-    stop_c = asyncio.Event()
     worker.set("C")
-    serving_c = asyncio.create_task(
-        c.serve({"two": build(c)}, poll_interval=0.02, stop=stop_c, handle_signals=False)
-    )
-
-    async def done() -> bool:
-        current = await leases.store.get(key)
-        return current is not None and current.status is LeaseStatus.DONE
-
-    await eventually(done)  # at once: no lease expiry to wait for (the clock did not move)
-    stop_c.set()
-    await asyncio.wait_for(serving_c, 10)
+    async with serving(c, {"two": build(c)}):
+        # At once: no lease expiry to wait for (the clock did not move).
+        await until_status(leases, key, LeaseStatus.DONE)
     assert ran == [("first", "B"), ("second", "C")]
 
 
@@ -415,41 +393,24 @@ async def test_confirm_now_during_a_graceful_stop_drains_the_step(
     assert await leases.store.acquire(key, "dead", 30.0) is not None
     await b.records.record(ExecutionRecord(key, "mail", key.execution_id, {"log": []}))
     leases.advance(31.0)
-    stop_b = asyncio.Event()
     worker.set("B")
-    serving_b = asyncio.create_task(
-        b.serve({"mail": build(b)}, poll_interval=0.02, stop=stop_b, handle_signals=False)
-    )
-    await asyncio.wait_for(in_step.wait(), 10)
-    stop_b.set()
+    async with serving(b, {"mail": build(b)}) as stop_b:
+        await asyncio.wait_for(in_step.wait(), 10)
+        stop_b.set()
 
-    async def stopping() -> bool:
-        return any(run.handle.stop_reason for run in b._runs)
+        async def stopping() -> bool:
+            return any(run.handle.stop_reason for run in b._runs)
 
-    await eventually(stopping)
-    go.set()
-    await asyncio.wait_for(serving_b, 10)
+        await eventually(stopping)
+        go.set()
     assert sent == []  # the e-mail was not sent during the shutdown
     lease = await leases.store.get(key)
     assert lease is not None and lease.status is LeaseStatus.PENDING
     # Handed back. An idempotent write is resumed and C sends it once; a non-idempotent one
     # is dead-lettered by C's take: its stamp stands and nothing proves it did not start.
-    stop_c = asyncio.Event()
     worker.set("C")
-    serving_c = asyncio.create_task(
-        c.serve({"mail": build(c)}, poll_interval=0.02, stop=stop_c, handle_signals=False)
-    )
-
-    async def ended() -> bool:
-        current = await leases.store.get(key)
-        return current is not None and current.status in (
-            LeaseStatus.DONE,
-            LeaseStatus.DEAD_LETTERED,
-        )
-
-    await eventually(ended)
-    stop_c.set()
-    await asyncio.wait_for(serving_c, 10)
+    async with serving(c, {"mail": build(c)}):
+        await until_status(leases, key, LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED)
     final = await leases.store.get(key)
     assert final is not None
     if ends is LeaseStatus.DONE:
