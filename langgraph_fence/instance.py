@@ -25,6 +25,7 @@ from langgraph.errors import GraphDrained
 from langgraph.runtime import RunControl
 from langgraph.types import Command
 
+from .effects import may_retry_after_fence
 from .errors import (
     ExecutionDeadLetteredError,
     ExecutionFencedError,
@@ -40,7 +41,14 @@ from .executions import (
     SqlExecutionRecords,
 )
 from .fence import FENCE_CONFIG_KEY, RunHandle, safety_margin
-from .lease import ExecutionLeaseRepository, Lease, LeaseKey, LeaseStatus, validate_ttl
+from .lease import (
+    ExecutionLeaseRepository,
+    Lease,
+    LeaseKey,
+    LeaseStatus,
+    dead_letter_reason,
+    validate_ttl,
+)
 
 if TYPE_CHECKING:
     from langgraph.checkpoint.base import BaseCheckpointSaver
@@ -456,14 +464,9 @@ class Instance:
         )
         standing = lease.pending_effect
         if standing is not None:
-            from .effects import may_retry_after_fence
-
             if not may_retry_after_fence(standing.effect):
-                reason = (
-                    f"found with a non-idempotent write of node {standing.node!r} stamped at "
-                    f"token {standing.token} and never cleared: it may have happened, so the "
-                    "execution is not repeated"
-                )
+                # The same decision, and the same reason, as serve()'s take_over.
+                reason = dead_letter_reason(standing, lease.epoch, self.instance_id)
                 await self.repository.dead_letter(key, reason, epoch=lease.epoch)
                 raise ExecutionDeadLetteredError(
                     f"execution {key.scope_key!r} was dead-lettered: {reason}"
