@@ -134,18 +134,25 @@ class _Step:
         configurable[CONTEXT_CONFIG_KEY] = self.frame
         self._reset = _set_frame(self.frame)
 
-    def _refuse_repeat(self) -> None:
-        """In-process recovery: never run a non-idempotent write again in the same run.
-
-        Checked for every step, not only write steps: a read-only node may call a fenced
-        tool that stamped a non-idempotent write in an earlier attempt of this task.
-        """
+    def _standing_non_idempotent(self) -> PendingEffect | None:
+        """This task's non-idempotent stamp (the node's or a tool's), if it stands."""
         standing = self.handle.pending_effect
         if (
             standing is not None
             and standing.effect is Effect.NON_IDEMPOTENT_WRITE
             and standing.task_id == self._task_id()
         ):
+            return standing
+        return None
+
+    def _refuse_repeat(self) -> None:
+        """In-process recovery: never run a non-idempotent write again in the same run.
+
+        Checked for every step, not only write steps: a read-only node may call a fenced
+        tool that stamped a non-idempotent write in an earlier attempt of this task.
+        """
+        standing = self._standing_non_idempotent()
+        if standing is not None:
             raise WriteDeadLetteredError(
                 f"node {standing.node!r} of execution {self.handle.scope_key!r} is a "
                 f"non-idempotent write whose earlier attempt (token {standing.token}) may have "
@@ -211,12 +218,7 @@ class _Step:
             # An interrupt or a drain is control flow, not a failed write. A stamp it leaves
             # standing is judged where the execution resumes (fail-closed there).
             return exc
-        standing = self.handle.pending_effect
-        stamped_here = (
-            standing is not None
-            and standing.effect is Effect.NON_IDEMPOTENT_WRITE
-            and standing.task_id == self._task_id()
-        )
+        stamped_here = self._standing_non_idempotent() is not None
         if self.effect is Effect.NON_IDEMPOTENT_WRITE or stamped_here:
             # The stamp stands (this node's, or a tool's it called): the write may have
             # happened. Never retried, never repeated; a GraphBubbleUp, so LangGraph saves no
