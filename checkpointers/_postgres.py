@@ -22,6 +22,8 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from langgraph_fence.schema import STAMP_SQL, stamp_patch
+
 from ._connections import Connections
 from ._rows import (
     BlobRow,
@@ -42,18 +44,24 @@ _LEASE_WHERE = (
     "tenant_id = $a AND execution_id = $b AND holder = $c AND epoch = $d"
     " AND (status = 'running') IS TRUE"
 )
-_GUARD_NONE = "SELECT NULL::bigint AS epoch"
-_GUARD_SHARE = f"SELECT epoch FROM fence_leases WHERE {_LEASE_WHERE} FOR SHARE"
-# Clears the stamp only when it belongs to the task whose writes land; every SET expression
-# reads the row as it was, so pending_task is compared before it is cleared.
-_GUARD_CLEAR = f"""UPDATE fence_leases SET
-    pending_effect = CASE WHEN pending_task = $e THEN NULL ELSE pending_effect END,
-    pending_node = CASE WHEN pending_task = $e THEN NULL ELSE pending_node END,
-    pending_token = CASE WHEN pending_task = $e THEN NULL ELSE pending_token END,
-    pending_task = CASE WHEN pending_task = $e THEN NULL ELSE pending_task END,
+_GUARD_NONE = "SELECT NULL::bigint AS epoch, false AS cleared"
+_GUARD_SHARE = f"SELECT epoch, false AS cleared FROM fence_leases WHERE {_LEASE_WHERE} FOR SHARE"
+_PATCH = STAMP_SQL["postgresql"]["patch"].format(param="$e")
+# A checkpoint's guard: the entries it clears go with it, in the same statement.
+_GUARD_CLEAR = f"""UPDATE fence_leases SET pending_effects = {_PATCH},
     updated_at = extract(epoch from now())
 WHERE {_LEASE_WHERE}
-RETURNING epoch"""
+RETURNING epoch, true AS cleared"""
+# A task's writes clear its entries only when their checkpoint is stored (a resume sees
+# them); writes racing their checkpoint's own statement leave the entries to the checkpoint
+# that follows. Every SET expression reads the row as it was.
+_GUARD_CLEAR_IF_STORED = f"""UPDATE fence_leases SET
+    pending_effects = CASE WHEN stored.yes THEN {_PATCH} ELSE pending_effects END,
+    updated_at = extract(epoch from now())
+FROM (SELECT EXISTS (SELECT 1 FROM fence_checkpoints
+    WHERE thread_id = $1 AND checkpoint_ns = $2 AND checkpoint_id = $3) AS yes) AS stored
+WHERE {_LEASE_WHERE}
+RETURNING epoch, stored.yes AS cleared"""
 
 _PUT = """WITH guard AS ({guard}),
 blobs AS (
@@ -81,7 +89,7 @@ ins AS (
         AS w(idx, channel, type, blob)
     ON CONFLICT (thread_id, checkpoint_ns, checkpoint_id, task_id, idx) {conflict}
 )
-SELECT epoch FROM guard"""
+SELECT epoch, cleared FROM guard"""
 
 _WRITES_UPSERT = (
     "DO UPDATE SET channel = excluded.channel, type = excluded.type, blob = excluded.blob,"
@@ -111,17 +119,22 @@ def _numbered(sql: str, first: int, names: str) -> str:
     return sql
 
 
-def _guarded(template: str, first: int, **fmt: str) -> dict[str, str]:
+def _guarded(template: str, first: int, clear: str, **fmt: str) -> dict[str, str]:
     return {
         "none": template.format(guard=_GUARD_NONE, **fmt),
         "share": template.format(guard=_numbered(_GUARD_SHARE, first, "abcd"), **fmt),
-        "clear": template.format(guard=_numbered(_GUARD_CLEAR, first, "abcde"), **fmt),
+        "clear": template.format(guard=_numbered(clear, first, "abcde"), **fmt),
     }
 
 
-_PUT_SQL = _guarded(_PUT, 14)
+_PUT_SQL = _guarded(_PUT, 14, _GUARD_CLEAR)
 _PUT_WRITES_SQL = {
-    upsert: _guarded(_PUT_WRITES, 10, conflict=_WRITES_UPSERT if upsert else "DO NOTHING")
+    upsert: _guarded(
+        _PUT_WRITES,
+        10,
+        _GUARD_CLEAR_IF_STORED,
+        conflict=_WRITES_UPSERT if upsert else "DO NOTHING",
+    )
     for upsert in (False, True)
 }
 
@@ -130,9 +143,9 @@ def _guard_args(guard: Guard | None) -> tuple[str, list[Any]]:
     if guard is None:
         return "none", []
     args: list[Any] = [guard.tenant_id, guard.execution_id, guard.holder, guard.epoch]
-    if guard.clear_task is None:
+    if not guard.clear_keys:
         return "share", args
-    return "clear", [*args, guard.clear_task]
+    return "clear", [*args, stamp_patch(remove=guard.clear_keys)]
 
 
 class PostgresDriver:
@@ -174,7 +187,7 @@ class PostgresDriver:
         writes: Sequence[WriteRow],
         upsert: bool,
         guard: Guard | None,
-    ) -> bool:
+    ) -> tuple[bool, bool]:
         kind, guard_args = _guard_args(guard)
         args = [
             thread_id,
@@ -190,7 +203,7 @@ class PostgresDriver:
         ]
         async with self._connections() as conn:
             landed = await conn.fetchrow(_PUT_WRITES_SQL[upsert][kind], *args)
-        return landed is not None
+        return (False, False) if landed is None else (True, bool(landed[1]))
 
     async def select(self, query: CheckpointQuery) -> list[StoredCheckpoint]:
         wheres: list[str] = []

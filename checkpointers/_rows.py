@@ -19,15 +19,16 @@ __all__ = [
 class Guard:
     """The lease a write must still hold: key, holder and epoch, in state ``running``.
 
-    ``clear_task`` set: the guard also clears the lease's pending-effect stamp when the stamp
-    belongs to that task, in the same statement or transaction as the write.
+    ``clear_keys``: entries of the lease's stamp set the write clears in its own statement or
+    transaction: a checkpoint always (it lands with them), a task's writes only when the
+    checkpoint they belong to is stored (orphan writes prove nothing to a resume).
     """
 
     tenant_id: str
     execution_id: str
     holder: str
     epoch: int
-    clear_task: str | None = None
+    clear_keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +100,10 @@ class Driver(Protocol):
         writes: Sequence[WriteRow],
         upsert: bool,
         guard: Guard | None,
-    ) -> bool:
-        """Insert a task's writes; ``False`` (and nothing written) when the guard refused."""
+    ) -> tuple[bool, bool]:
+        """Insert a task's writes: ``(landed, cleared)``. ``landed`` is ``False`` (and nothing
+        written) when the guard refused; ``cleared`` tells whether ``guard.clear_keys`` were
+        cleared (only when the writes' checkpoint is stored)."""
         ...
 
     async def select(self, query: CheckpointQuery) -> list[StoredCheckpoint]:

@@ -23,6 +23,8 @@ from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from langgraph_fence.schema import STAMP_SQL, stamp_patch
+
 from ._connections import Connections
 from ._rows import (
     BlobRow,
@@ -43,13 +45,12 @@ _LEASE_WHERE = (
 )
 _GUARD = f"SELECT epoch FROM fence_leases WHERE {_LEASE_WHERE}"
 _GUARD_CLEAR = f"""UPDATE fence_leases SET
-    pending_effect = CASE WHEN pending_task = :task THEN NULL ELSE pending_effect END,
-    pending_node = CASE WHEN pending_task = :task THEN NULL ELSE pending_node END,
-    pending_token = CASE WHEN pending_task = :task THEN NULL ELSE pending_token END,
-    pending_task = CASE WHEN pending_task = :task THEN NULL ELSE pending_task END,
+    pending_effects = {STAMP_SQL["sqlite"]["patch"].format(param=":patch")},
     updated_at = :now
 WHERE {_LEASE_WHERE}
 RETURNING epoch"""
+_CHECKPOINT_STORED = """SELECT 1 FROM fence_checkpoints
+WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?"""
 
 _INSERT_BLOB = """INSERT INTO fence_checkpoint_blobs
     (thread_id, checkpoint_ns, channel, version, type, blob) VALUES (?, ?, ?, ?, ?, ?)
@@ -81,8 +82,14 @@ _SELECT_WRITES = """SELECT task_id, channel, type, blob, task_path, idx
 FROM fence_checkpoint_writes WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?"""
 
 
-def _check_guard(conn: sqlite3.Connection, guard: Guard | None) -> int | bool | None:
-    """The epoch the guard found (``None`` unfenced), or ``False`` when it found none."""
+def _check_guard(
+    conn: sqlite3.Connection, guard: Guard | None, *, clear: bool = True
+) -> int | bool | None:
+    """The epoch the guard found (``None`` unfenced), or ``False`` when it found none.
+
+    With ``clear`` and ``guard.clear_keys``, the same check clears those entries of the
+    stamp set.
+    """
     if guard is None:
         return None
     params: dict[str, Any] = {
@@ -91,11 +98,11 @@ def _check_guard(conn: sqlite3.Connection, guard: Guard | None) -> int | bool | 
         "holder": guard.holder,
         "epoch": guard.epoch,
     }
-    if guard.clear_task is None:
-        row = conn.execute(_GUARD, params).fetchone()
-    else:
-        params.update(task=guard.clear_task, now=time.time())
+    if clear and guard.clear_keys:
+        params.update(patch=stamp_patch(remove=guard.clear_keys), now=time.time())
         row = conn.execute(_GUARD_CLEAR, params).fetchone()
+    else:
+        row = conn.execute(_GUARD, params).fetchone()
     return False if row is None else int(row[0])
 
 
@@ -224,11 +231,21 @@ class SqliteDriver:
         writes: Sequence[WriteRow],
         upsert: bool,
         guard: Guard | None,
-    ) -> bool:
+    ) -> tuple[bool, bool]:
+        cleared: list[bool] = []
+
         def body(conn: sqlite3.Connection) -> bool:
-            token = _check_guard(conn, guard)
+            # In the write lock: a checkpoint seen here stays stored with the writes.
+            stored = bool(guard and guard.clear_keys) and (
+                conn.execute(
+                    _CHECKPOINT_STORED, (thread_id, checkpoint_ns, checkpoint_id)
+                ).fetchone()
+                is not None
+            )
+            token = _check_guard(conn, guard, clear=stored)
             if token is False:
                 return False
+            cleared[:] = [stored]
             conn.executemany(
                 _INSERT_WRITE_SQL[upsert],
                 [
@@ -238,7 +255,8 @@ class SqliteDriver:
             )
             return True
 
-        return await self._write(body)
+        landed = await self._write(body)
+        return landed, landed and bool(cleared and cleared[0])
 
     async def select(self, query: CheckpointQuery) -> list[StoredCheckpoint]:
         wheres: list[str] = []

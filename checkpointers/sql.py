@@ -10,8 +10,9 @@ lease lives in this database's ``fence_leases`` table, ``aput`` and ``aput_write
 token (key + holder + epoch + ``running``) and write in ONE statement on PostgreSQL and ONE
 transaction on SQLite. A refused write leaves no row and raises
 :class:`~langgraph_fence.ExecutionFencedError` carrying the epoch found. The write that saves a
-task's finished-step writes also clears that task's pending-effect stamp (an error or
-interrupt write leaves it standing).
+checkpoint also clears the stamp-set entries of the supersteps before it, and a task's
+finished-step writes clear the task's own entries where their checkpoint is stored (an
+error or interrupt write leaves them standing; see ``docs/stamps.md``).
 
 Hot paths (writes, reads) run on the raw driver connection of the engine's pool (see
 ``_postgres.py`` and ``_sqlite.py`` for why); maintenance (delete, copy, prune) runs through
@@ -45,13 +46,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from langgraph_fence.checkpoint import (
     check_write_scope,
-    clears_pending_effect,
+    checkpoint_clear_keys,
     fence_handle,
-    forget_pending_effect,
     refuse_write,
+    writes_clear_keys,
 )
 from langgraph_fence.database import Dialect, create_engine, dialect_of, transaction
 from langgraph_fence.errors import ExecutionLeaseLostError
+from langgraph_fence.faults import fault_point
 from langgraph_fence.fence import RunHandle
 from langgraph_fence.lease import fenced_error
 from langgraph_fence.migrations import migrate
@@ -253,8 +255,7 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         handle: RunHandle | None,
         config: RunnableConfig,
         action: str,
-        task_id: str = "",
-        writes: Sequence[tuple[str, Any]] | None = None,
+        clear_keys: Callable[[RunHandle], tuple[str, ...]],
     ) -> Guard | None:
         if handle is None:
             return None
@@ -273,13 +274,12 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         except ExecutionLeaseLostError as exc:
             raise refuse_write(handle, config, exc) from None
         lease = handle.lease
-        clears = writes is not None and clears_pending_effect(handle, task_id, writes)
         return Guard(
             tenant_id=lease.key.tenant_id,
             execution_id=lease.key.execution_id,
             holder=lease.holder or "",
             epoch=lease.epoch,
-            clear_task=task_id if clears else None,
+            clear_keys=clear_keys(handle),
         )
 
     async def _refused(
@@ -308,7 +308,9 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         self._ready()
         thread_id, checkpoint_ns = _thread_of(config, "aput")
         handle = fence_handle(config)
-        guard = self._guard_for(handle, config, "aput")
+        guard = self._guard_for(
+            handle, config, "aput", lambda h: checkpoint_clear_keys(h, config, checkpoint["id"])
+        )
         inline: dict[str, Any] = {}
         blob_values: dict[str, Any] = {}
         for channel, value in checkpoint["channel_values"].items():
@@ -337,9 +339,14 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
             metadata=json.dumps(meta),
             run_id=None if run_id is None else str(run_id),
         )
+        await fault_point("checkpoint.before", config=config, checkpoint=checkpoint)
         if not await self._driver.put(row, blobs, guard):
             assert handle is not None
             raise await self._refused(handle, config, "aput")
+        if guard is not None and guard.clear_keys:
+            assert handle is not None
+            handle.forget_pending_effects(guard.clear_keys)
+        await fault_point("checkpoint.after", config=config, checkpoint=checkpoint)
         return {
             "configurable": {
                 "thread_id": thread_id,
@@ -357,9 +364,10 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
     ) -> None:
         """Save a task's writes for a checkpoint; fenced with a handle.
 
-        With a handle whose ``pending_effect`` belongs to ``task_id``, and writes of a finished
-        step (no error or interrupt write), the same statement or transaction clears the
-        lease's pending-effect stamp, and the handle forgets it.
+        With a handle, writes of a finished step (no error or interrupt write) clear the
+        task's entries of the lease's stamp set in the same statement or transaction, when
+        the checkpoint they belong to is stored (otherwise the checkpoint that follows
+        clears them).
 
         Raises:
             ExecutionFencedError: the run's token is no longer the lease's; nothing written.
@@ -375,14 +383,17 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
                 "aput returned for the checkpoint the writes belong to"
             )
         handle = fence_handle(config)
-        guard = self._guard_for(handle, config, "aput_writes", task_id, writes)
+        guard = self._guard_for(
+            handle, config, "aput_writes", lambda h: writes_clear_keys(h, task_id, writes)
+        )
         dumps = self.serde.dumps_typed
         rows = [
             (WRITES_IDX_MAP.get(channel, idx), channel, *dumps(value))
             for idx, (channel, value) in enumerate(writes)
         ]
         upsert = all(channel in WRITES_IDX_MAP for channel, _ in writes)
-        landed = await self._driver.put_writes(
+        await fault_point("writes.before", config=config, task_id=task_id, writes=writes)
+        landed, cleared = await self._driver.put_writes(
             thread_id,
             checkpoint_ns,
             _text_arg(checkpoint_id, "checkpoint_id"),
@@ -395,9 +406,10 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         if not landed:
             assert handle is not None
             raise await self._refused(handle, config, "aput_writes")
-        if guard is not None and guard.clear_task is not None:
-            assert handle is not None
-            forget_pending_effect(handle, task_id)
+        if cleared:
+            assert handle is not None and guard is not None
+            handle.forget_pending_effects(guard.clear_keys)
+        await fault_point("writes.after", config=config, task_id=task_id, writes=writes)
 
     def get_next_version(self, current: str | None, channel: None) -> str:
         """``<32-digit counter>.<random fraction>``: ordered, and unique across writers."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
-from dataclasses import replace
 from typing import Any, ClassVar, TypeVar
 
 from langchain_core.runnables import RunnableConfig
@@ -45,17 +44,18 @@ from .errors import (
     ExecutionFencedError,
     ExecutionLeaseLostError,
 )
+from .faults import fault_point
 from .fence import FENCE_CONFIG_KEY, RunHandle
 from .lease import Lease, LeaseStatus, fenced_error
 
 __all__ = [
     "FencedCheckpointer",
     "check_write_scope",
-    "clears_pending_effect",
+    "checkpoint_clear_keys",
     "fence_handle",
-    "forget_pending_effect",
     "lease_matches",
     "refuse_write",
+    "writes_clear_keys",
 ]
 
 logger = logging.getLogger(__name__)
@@ -160,36 +160,40 @@ def refuse_write(
 _UNFINISHED = frozenset({ERROR, INTERRUPT})
 
 
-def clears_pending_effect(
+def writes_clear_keys(
     handle: RunHandle, task_id: str, writes: Sequence[tuple[str, Any]]
-) -> bool:
-    """Whether these writes of ``task_id`` clear the handle's pending-effect stamp.
+) -> tuple[str, ...]:
+    """The entries of the stamp set these writes of ``task_id`` may clear.
 
-    Only the task that was stamped, and only writes of a finished step: an error or an
-    interrupt write leaves the stamp standing (nothing proves the effect did not start), so
-    a resume of that step is dead-lettered rather than repeated.
+    Only the task's own entries, and only with writes of a finished step: an error or an
+    interrupt write leaves them standing (nothing proves the effect did not start), so a
+    resume of that step is dead-lettered rather than repeated. The saver clears them only
+    where the writes are seen by a resume: their checkpoint is stored.
     """
-    pending = handle.pending_effect
-    return (
-        pending is not None
-        and pending.task_id == task_id
-        and not any(channel in _UNFINISHED for channel, _ in writes)
+    if any(channel in _UNFINISHED for channel, _ in writes):
+        return ()
+    return tuple(k for k, e in handle.pending_effects.items() if e.task_id == task_id)
+
+
+def checkpoint_clear_keys(
+    handle: RunHandle, config: RunnableConfig, checkpoint_id: str
+) -> tuple[str, ...]:
+    """The entries of the stamp set a root checkpoint ``checkpoint_id`` clears.
+
+    A root checkpoint is taken after every task of the supersteps before it finished and
+    their writes were applied, so a resume from it (or a later one) never runs those steps
+    again: it clears every entry whose superstep checkpoint is older. Checkpoint ids are
+    ordered (LangGraph's uuid6), so "older" is a string comparison. A subgraph's checkpoint
+    clears nothing: the root's next checkpoint does.
+    """
+    ns = (config.get("configurable") or {}).get("checkpoint_ns") or ""
+    if ns:
+        return ()
+    return tuple(
+        k
+        for k, e in handle.pending_effects.items()
+        if e.checkpoint_id and e.checkpoint_id < checkpoint_id
     )
-
-
-def forget_pending_effect(handle: RunHandle, task_id: str) -> None:
-    """Tell the handle the pending-effect stamp of ``task_id`` was cleared in the store.
-
-    A parallel step may have stamped since the write was sent; its newer stamp stays.
-    """
-    if handle.pending_effect is not None and handle.pending_effect.task_id == task_id:
-        handle.pending_effect = None
-    lease = handle.lease
-    if lease.pending_effect is not None and lease.pending_effect.task_id == task_id:
-        # A clear is no renewal: sent "a ttl ago", it leaves confirmed_until where it was.
-        handle.replace_lease(
-            replace(lease, pending_effect=None), sent_at=handle.clock() - handle.ttl
-        )
 
 
 def _without_handle(config: RunnableConfig) -> RunnableConfig:
@@ -226,12 +230,14 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
       write of the run is refused. Writes already in flight when the take-over happens can
       land the same way. Only a fence-aware saver closes this window.
 
-    Pending effect: when ``handle.pending_effect`` belongs to the task whose finished-step
-    writes are being saved (not an error or interrupt write), a fence-aware saver clears the
-    stamp in the same statement/transaction as the writes; with any other saver the wrapper
-    clears it right after the inner write
-    (``repository.clear_pending_effect``), so a crash between the two leaves the stamp
-    standing and the step is dead-lettered rather than repeated (safe, not exact).
+    The stamp set (see ``docs/stamps.md``): an entry is cleared only once a resume would
+    see the step's writes. A root checkpoint clears the entries of the supersteps before
+    it; a task's finished-step writes (not an error or interrupt write) clear its own
+    entries when the checkpoint they belong to is stored. A fence-aware saver does either in
+    the same statement/transaction as the write; with any other saver the wrapper clears
+    right after the inner write (``repository.clear_pending_effects``, after one read that
+    finds the writes' checkpoint), so a crash between the two leaves the entry standing and
+    the step is dead-lettered rather than repeated (safe, not exact).
 
     On refusal the error is recorded on the handle, the run is asked to drain
     (``runtime.control.request_drain``), and the recorded error is raised. Reads are never
@@ -364,10 +370,21 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         if handle is None:
             return await self.inner.aput(config, checkpoint, metadata, new_versions)
         inner_config = config
-        if not self._admit_guarded(handle, config, "aput"):
+        guarded = self._admit_guarded(handle, config, "aput")
+        if not guarded:
             inner_config = await self._check_outside(handle, config, "aput")
         try:
-            return await self.inner.aput(inner_config, checkpoint, metadata, new_versions)
+            if not guarded:  # a fence-aware inner saver marks its own fault points
+                await fault_point("checkpoint.before", config=config, checkpoint=checkpoint)
+            saved = await self.inner.aput(inner_config, checkpoint, metadata, new_versions)
+            keys = () if guarded else checkpoint_clear_keys(handle, config, checkpoint["id"])
+            if keys:
+                # Not in the inner write's transaction: a crash in between leaves the
+                # entries standing, and their steps are dead-lettered instead of repeated.
+                await self._clear(handle, keys)
+            if not guarded:
+                await fault_point("checkpoint.after", config=config, checkpoint=checkpoint)
+            return saved
         except ExecutionLeaseLostError as exc:
             raise refuse_write(handle, config, exc) from None
 
@@ -387,14 +404,31 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         if not guarded:
             inner_config = await self._check_outside(handle, config, "aput_writes")
         try:
+            if not guarded:
+                await fault_point("writes.before", config=config, task_id=task_id, writes=writes)
             await self.inner.aput_writes(inner_config, writes, task_id, task_path)
-            if not guarded and clears_pending_effect(handle, task_id, writes):
-                # Not in the inner write's transaction: a crash in between leaves the stamp
-                # standing, and the step is dead-lettered instead of repeated.
-                await handle.repository.clear_pending_effect(handle.lease, task_id)
-                forget_pending_effect(handle, task_id)
+            if guarded:
+                return
+            await fault_point("writes.after", config=config, task_id=task_id, writes=writes)
+            keys = writes_clear_keys(handle, task_id, writes)
+            # Writes whose checkpoint is not stored are seen by no resume: they prove
+            # nothing, and the checkpoint that follows clears the entries instead.
+            if keys and await self.inner.aget_tuple(inner_config) is not None:
+                await self._clear(handle, keys)
         except ExecutionLeaseLostError as exc:
             raise refuse_write(handle, config, exc) from None
+
+    async def _clear(self, handle: RunHandle, keys: tuple[str, ...]) -> None:
+        # Taken off the handle first: a step's writes and the next checkpoint may both ask
+        # to clear one entry at once, and one of them is enough.
+        taken = handle.forget_pending_effects(keys)
+        if not taken:
+            return
+        try:
+            await handle.repository.clear_pending_effects(handle.lease, list(taken))
+        except BaseException:
+            handle.restore_pending_effects(taken)
+            raise
 
     async def adelete_thread(self, thread_id: str) -> None:
         await self.inner.adelete_thread(thread_id)

@@ -170,7 +170,7 @@ async def _executions(console: Console, db: str, status: str | None, limit: int)
     from sqlalchemy import select
 
     from .database import create_engine
-    from .schema import LEASES
+    from .schema import LEASES, effects_from_json
 
     if limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
@@ -184,10 +184,13 @@ async def _executions(console: Console, db: str, status: str | None, limit: int)
     finally:
         await engine.dispose()
     table = Table(title="dead-lettered executions" if status == "dead_lettered" else "executions")
-    for column in ("scope key", "status", "token", "holder", "pending effect", "reason"):
+    for column in ("scope key", "status", "token", "holder", "pending effects", "reason"):
         table.add_column(column)
     for row in rows:
-        pending = "" if row.pending_effect is None else f"{row.pending_effect} @ {row.pending_node}"
+        pending = "\n".join(
+            f"{e.effect.value} @ {e.node} (token {e.token})"
+            for e in effects_from_json(row.pending_effects)
+        )
         table.add_row(
             row.scope_key,
             row.status,

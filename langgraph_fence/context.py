@@ -51,6 +51,9 @@ class ExecutionContext:
     thread_id: str
     effect: Effect
     _handle: RunHandle
+    # The root checkpoint whose superstep this step belongs to (checkpoint_map[""]): the
+    # stamps the step makes are cleared by a later root checkpoint.
+    _superstep: str = ""
 
     @property
     def tenant_id(self) -> str:

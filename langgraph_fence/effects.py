@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
-__all__ = ["Effect", "may_retry_after_fence"]
+if TYPE_CHECKING:
+    from .fence import RunHandle
+    from .lease import PendingEffect
+
+__all__ = ["Effect", "standing_non_idempotent"]
 
 
 class Effect(enum.StrEnum):
     """The side effect a node or tool may have.
 
     ``READ_ONLY`` steps are never stamped (repeating them is always safe). Before an
-    ``IDEMPOTENT_WRITE`` or ``NON_IDEMPOTENT_WRITE`` step's body runs, the instance stamps the
-    lease's ``pending_effect`` and renews it in one guarded write; a run found with a
-    ``NON_IDEMPOTENT_WRITE`` stamp standing is dead-lettered, never repeated.
+    ``IDEMPOTENT_WRITE`` or ``NON_IDEMPOTENT_WRITE`` step's body runs, the instance adds an
+    entry for it to the lease's stamp set and renews, in one guarded write; a run found with
+    any ``NON_IDEMPOTENT_WRITE`` entry standing is dead-lettered, never repeated.
     """
 
     READ_ONLY = "read_only"
@@ -26,15 +31,11 @@ class Effect(enum.StrEnum):
         return self is not Effect.READ_ONLY
 
 
-def may_retry_after_fence(effect: Effect | str | None) -> bool:
-    """Whether a run found with this ``pending_effect`` stamp standing may be run again.
-
-    Only a standing ``NON_IDEMPOTENT_WRITE`` forbids it: the write may already have happened.
-    An unset or unknown value is retryable (the fail-safe default of an un-migrated row).
-    """
-    if effect is None:
-        return True
-    try:
-        return Effect(effect) is not Effect.NON_IDEMPOTENT_WRITE
-    except ValueError:
-        return True
+def standing_non_idempotent(handle: RunHandle, task_id: str) -> PendingEffect | None:
+    """The refuse-to-repeat rule: a non-idempotent entry ``task_id`` stamped in this run and
+    not yet cleared, if one stands. A step (or tool call) of that task must not run again:
+    the write may have happened."""
+    for effect in handle.pending_effects.values():
+        if effect.task_id == task_id and effect.effect is Effect.NON_IDEMPOTENT_WRITE:
+            return effect
+    return None

@@ -1,20 +1,81 @@
-"""Fault points for tests and the demo: stall an instance as a GC pause or SIGSTOP would.
+"""Fault points for tests and the demo.
 
-A :class:`StallGate` stands between an instance and the world: while it is closed, the
-instance's timers (renewal, lease watchdog) do not fire and its lease-store calls block,
-exactly as if the process were frozen. Its running steps are not frozen (a test drives them
-with events), which is the interesting case: a step that goes on after its lease ran out.
+Two kinds:
+
+* A :class:`StallGate` stands between an instance and the world: while it is closed, the
+  instance's timers (renewal, lease watchdog) do not fire and its lease-store calls block,
+  exactly as if the process were frozen. Its running steps are not frozen (a test drives
+  them with events), which is the interesting case: a step that goes on after its lease ran
+  out.
+* Named fault points (as DBOS's ``debug_trigger_point``): :func:`fault_point` marks a
+  boundary a crash or a lost connection can fall on; a test arms one with
+  :func:`arm_fault` (kill the process there, raise a connection error, wait for an event).
+  Unarmed, a point costs one dict lookup. The points, in the order a write step meets them:
+
+  ``stamp.after``        the step's stamp (and renewal) landed; its body has not started
+  ``effect.after``       the step's body returned; its writes are not saved yet
+  ``writes.before``      a task's writes are about to be saved (``aput_writes``)
+  ``writes.after``       a task's writes were saved (and, with the SQL saver, its entries
+                         cleared where their checkpoint is stored); with another saver the
+                         clear comes after this point
+  ``checkpoint.before``  a checkpoint is about to be saved (``aput``)
+  ``checkpoint.after``   a checkpoint was saved (and the entries it clears cleared)
+  ``release.before``     the run ended; its lease is about to be released
+
+  Under ``durability="async"`` a superstep's checkpoint and the next superstep's writes are
+  saved concurrently, so ``writes.*`` and ``checkpoint.*`` meet in both orders.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from .lease import ExecutionLeaseRepository, Lease, LeaseKey, LeaseStatus, PendingEffect
 
-__all__ = ["StallGate", "StallableRepository"]
+__all__ = ["FAULT_POINTS", "StallGate", "StallableRepository", "arm_fault", "fault_point"]
+
+#: Every named fault point (see the module docstring).
+FAULT_POINTS = (
+    "stamp.after",
+    "effect.after",
+    "writes.before",
+    "writes.after",
+    "checkpoint.before",
+    "checkpoint.after",
+    "release.before",
+)
+
+FaultAction = Callable[[Mapping[str, Any]], Awaitable[None] | None]
+_armed: dict[str, FaultAction] = {}
+
+
+async def fault_point(name: str, **context: Any) -> None:
+    """Run the action armed at ``name``, if any, with ``context`` (the config, the task...).
+
+    The action may raise (a lost connection), block (a stall) or end the process (a kill).
+    """
+    action = _armed.get(name)
+    if action is not None:
+        outcome = action(context)
+        if outcome is not None:
+            await outcome
+
+
+@contextmanager
+def arm_fault(name: str, action: FaultAction) -> Iterator[None]:
+    """Arm ``action`` at the fault point ``name`` for the ``with`` block (one per name)."""
+    if name not in FAULT_POINTS:
+        raise ValueError(f"name must be one of {', '.join(FAULT_POINTS)}, got {name!r}")
+    if name in _armed:
+        raise ValueError(f"fault point {name!r} is armed already: disarm it first")
+    _armed[name] = action
+    try:
+        yield
+    finally:
+        del _armed[name]
 
 
 class StallGate:
@@ -87,9 +148,9 @@ class StallableRepository:
         await self.gate.wait()
         return await self.inner.mark_pending_effect(lease, effect, ttl)
 
-    async def clear_pending_effect(self, lease: Lease, task_id: str | None = None) -> Lease:
+    async def clear_pending_effects(self, lease: Lease, keys: Iterable[str] | None = None) -> Lease:
         await self.gate.wait()
-        return await self.inner.clear_pending_effect(lease, task_id)
+        return await self.inner.clear_pending_effects(lease, keys)
 
     async def dead_letter(self, key: LeaseKey, reason: str, *, epoch: int | None = None) -> Lease:
         await self.gate.wait()

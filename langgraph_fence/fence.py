@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from langgraph.errors import GraphDrained
@@ -23,6 +24,7 @@ from .errors import (
     ExecutionFencedError,
     ExecutionLeaseLostError,
 )
+from .faults import fault_point
 from .lease import Lease, LeaseKey, PendingEffect, validate_ttl
 
 if TYPE_CHECKING:
@@ -78,7 +80,9 @@ class RunHandle:
         self.confirmed_until = sent + self.ttl - safety_margin(self.ttl)
         self.error: ExecutionLeaseLostError | None = None
         self.stop_reason: str | None = None
-        self.pending_effect: PendingEffect | None = None
+        # The entries of the stamp set this run made and has not seen cleared, by key: what
+        # its own writes and checkpoints may clear, and what the refuse-to-repeat rule reads.
+        self.pending_effects: dict[str, PendingEffect] = {}
         self._listeners: list[StopListener] = []
         # The loop the run's store calls belong to; sync steps running in worker threads
         # submit their guarded writes to it.
@@ -212,16 +216,34 @@ class RunHandle:
         return lease
 
     async def mark_pending_effect(self, effect: PendingEffect) -> Lease:
-        """Stamp ``effect`` and renew, in one guarded write; a refusal is recorded and raised."""
+        """Add ``effect`` to the stamp set and renew, in one guarded write; a refusal is
+        recorded and raised."""
         self.check()
         sent_at = self.clock()
         try:
             lease = await self.repository.mark_pending_effect(self._lease, effect, self.ttl)
         except ExecutionFencedError as exc:
             raise self.record(exc) from None
+        self.pending_effects[effect.key] = effect
         self.replace_lease(lease, sent_at=sent_at)
-        self.pending_effect = effect
+        await fault_point("stamp.after", handle=self, effect=effect)
         return lease
+
+    def forget_pending_effects(self, keys: Iterable[str]) -> dict[str, PendingEffect]:
+        """Take note that the store cleared (or is clearing) the entries ``keys``; returns
+        the entries this run still had of them, so a clear that failed can hand them back
+        with :meth:`restore_pending_effects`. A clear is no renewal: the hold stays as it was.
+        """
+        gone = {k: e for k in keys if (e := self.pending_effects.pop(k, None)) is not None}
+        lease = self._lease
+        remaining = tuple(e for e in lease.pending_effects if e.key not in gone)
+        if remaining != lease.pending_effects:
+            self._lease = replace(lease, pending_effects=remaining)
+        return gone
+
+    def restore_pending_effects(self, entries: dict[str, PendingEffect]) -> None:
+        """Hand back entries :meth:`forget_pending_effects` took whose clear did not land."""
+        self.pending_effects.update(entries)
 
     def fenced(self, observed_token: int, *, source: str) -> ExecutionFencedError:
         """Record that ``source`` has seen ``observed_token`` (newer than ours) and stop."""

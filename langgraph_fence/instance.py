@@ -25,7 +25,6 @@ from langgraph.errors import GraphDrained
 from langgraph.runtime import RunControl
 from langgraph.types import Command
 
-from .effects import may_retry_after_fence
 from .errors import (
     ExecutionDeadLetteredError,
     ExecutionFencedError,
@@ -40,6 +39,7 @@ from .executions import (
     MemoryExecutionRecords,
     SqlExecutionRecords,
 )
+from .faults import fault_point
 from .fence import FENCE_CONFIG_KEY, RunHandle, safety_margin
 from .lease import (
     ExecutionLeaseRepository,
@@ -47,6 +47,7 @@ from .lease import (
     LeaseKey,
     LeaseStatus,
     dead_letter_reason,
+    non_idempotent_standing,
     validate_ttl,
 )
 
@@ -462,17 +463,17 @@ class Instance:
         handle = RunHandle(
             self.repository, lease, self.lease_ttl, clock=self.clock, confirmed_from=sent_at
         )
-        standing = lease.pending_effect
-        if standing is not None:
-            if not may_retry_after_fence(standing.effect):
+        if lease.pending_effects:
+            standing = non_idempotent_standing(lease)
+            if standing:
                 # The same decision, and the same reason, as serve()'s take_over.
                 reason = dead_letter_reason(standing, lease.epoch, self.instance_id)
                 await self.repository.dead_letter(key, reason, epoch=lease.epoch)
                 raise ExecutionDeadLetteredError(
                     f"execution {key.scope_key!r} was dead-lettered: {reason}"
                 )
-            # An idempotent write converges on repeat: clear the stamp and go on.
-            lease = await self.repository.clear_pending_effect(lease)
+            # Idempotent writes converge on repeat: clear their entries and go on.
+            lease = await self.repository.clear_pending_effects(lease)
             handle.replace_lease(lease, sent_at=sent_at)
         return handle
 
@@ -603,6 +604,7 @@ class Instance:
 
     async def _release(self, run: _Run, status: LeaseStatus, reason: str | None) -> None:
         handle = run.handle
+        await fault_point("release.before", handle=handle, status=status)
         try:
             await self.repository.release(handle.lease, status, reason)
         except ExecutionFencedError as exc:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol, overload, runtime_checkable
 
@@ -32,17 +32,21 @@ __all__ = [
     "clean_reason",
     "dead_letter_reason",
     "decide_acquire",
-    "decide_clear_pending_effect",
+    "decide_clear_pending_effects",
     "decide_dead_letter",
     "decide_mark_pending_effect",
     "decide_release",
     "decide_renew",
     "decide_take_over",
     "is_takeover_candidate",
+    "non_idempotent_standing",
     "release_status",
+    "standing_writes",
+    "validate_effect_keys",
     "validate_holder",
     "validate_pending_effect",
     "validate_ttl",
+    "with_effects",
 ]
 
 
@@ -93,12 +97,30 @@ class LeaseKey:
 
 @dataclass(frozen=True, slots=True)
 class PendingEffect:
-    """The stamp left on a lease before a write step runs: which write, by whom, under what."""
+    """One entry of a lease's stamp set, left before a write step (or tool call) runs.
+
+    Attributes:
+        effect: the write's :class:`Effect`.
+        node: the node (``"<node>:<tool>"`` for a tool call) that stamped it.
+        task_id: LangGraph's id of the task the write runs in.
+        token: the epoch it was stamped under.
+        checkpoint_id: the root checkpoint whose superstep the task belongs to (LangGraph's
+            ``checkpoint_map[""]``); a later root checkpoint proves the step's writes were
+            recorded. Empty when unknown: such an entry is cleared only by its task's writes.
+        call: tells apart several stamps of one task (tool calls); empty for a node's own.
+    """
 
     effect: Effect
     node: str
     task_id: str
     token: int
+    checkpoint_id: str = ""
+    call: str = ""
+
+    @property
+    def key(self) -> str:
+        """The entry's key in the stamp set: the task id, with the call after a ``/``."""
+        return f"{self.task_id}/{self.call}" if self.call else self.task_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +132,8 @@ class Lease:
         holder: the instance id holding it, or ``None``.
         epoch: the fencing token; 0 only for a row recorded but never taken.
         expires_at: when the hold ends, in the store's clock (seconds), or ``None``.
-        pending_effect: the write stamped before it ran and not yet cleared, or ``None``.
+        pending_effects: the stamp set: every write stamped before it ran and not yet
+            cleared, one entry per task (or tool call), ordered by key.
         status: where the execution stands.
         reason: why it ended (``failed``/``dead_lettered``), else ``None``.
         store_id: identifies the store that returned it; another store refuses it.
@@ -120,7 +143,7 @@ class Lease:
     holder: str | None
     epoch: int
     expires_at: float | None
-    pending_effect: PendingEffect | None
+    pending_effects: tuple[PendingEffect, ...]
     status: LeaseStatus
     reason: str | None = None
     store_id: str = ""
@@ -129,6 +152,31 @@ class Lease:
     def scope_key(self) -> str:
         """The scope key of the lease's execution."""
         return self.key.scope_key
+
+    @property
+    def pending_effect(self) -> PendingEffect | None:
+        """The strongest standing entry (a non-idempotent one first), or ``None``.
+
+        A summary for display; what a takeover decides reads the whole set.
+        """
+        if not self.pending_effects:
+            return None
+        return max(self.pending_effects, key=lambda e: _RANK[e.effect])
+
+
+#: How strong an entry is, for :attr:`Lease.pending_effect`.
+_RANK = {Effect.READ_ONLY: 0, Effect.IDEMPOTENT_WRITE: 1, Effect.NON_IDEMPOTENT_WRITE: 2}
+
+
+def with_effects(lease: Lease, effects: Iterable[PendingEffect]) -> Lease:
+    """``lease`` with ``effects`` as its stamp set (one entry per key, ordered by key)."""
+    by_key = {effect.key: effect for effect in effects}
+    return replace(lease, pending_effects=tuple(by_key[k] for k in sorted(by_key)))
+
+
+def non_idempotent_standing(lease: Lease) -> tuple[PendingEffect, ...]:
+    """The entries of ``lease``'s stamp set whose write may have happened (guarantee 3)."""
+    return tuple(e for e in lease.pending_effects if e.effect is Effect.NON_IDEMPOTENT_WRITE)
 
 
 def validate_ttl(ttl: float, *, name: str = "ttl") -> float:
@@ -215,6 +263,12 @@ def validate_pending_effect(effect: PendingEffect) -> PendingEffect:
         ) from None
     _check_text(effect.node, "effect.node", "the node's name")
     _check_text(effect.task_id, "effect.task_id", "the task's id")
+    for name in ("checkpoint_id", "call"):
+        value = getattr(effect, name)
+        if not isinstance(value, str):
+            raise ValueError(f"effect.{name} must be a str, got {value!r}")
+        if value:
+            _check_text(value, f"effect.{name}", "an id")
     token = effect.token
     if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < 2**63:
         raise ValueError(f"effect.token must be the lease's epoch (an int >= 0), got {token!r}")
@@ -252,13 +306,13 @@ def decide_acquire(
     Taken when absent (epoch 1), free, or expired (epoch + 1). Never taken while another
     holder's hold has not expired, and never in a terminal status, except that ``reopen``
     lets a new run start again on a ``done`` or ``failed`` execution (a new turn on a
-    finished thread); a dead-lettered execution is never reopened. A standing
-    ``pending_effect`` is kept: the taker decides what it means.
+    finished thread); a dead-lettered execution is never reopened. The stamp set is kept:
+    the taker decides what it means.
     """
     _validate_holder(holder)
     ttl = validate_ttl(ttl)
     if current is None:
-        return Lease(key, holder, 1, now + ttl, None, LeaseStatus.RUNNING, None, store_id)
+        return Lease(key, holder, 1, now + ttl, (), LeaseStatus.RUNNING, None, store_id)
     if current.status in TERMINAL_STATUSES and not (
         reopen and current.status in REOPENABLE_STATUSES
     ):
@@ -335,36 +389,62 @@ def release_status(status: LeaseStatus | str) -> LeaseStatus:
 def decide_release(
     current: Lease | None, lease: Lease, status: LeaseStatus, reason: str | None = None
 ) -> Lease:
-    """Give the lease up with ``status``; the epoch stays, the holder and expiry are cleared."""
+    """Give the lease up with ``status``; the epoch stays, the holder and expiry are cleared.
+
+    ``done`` also clears the stamp set: a run that ended ``done`` recorded every step it
+    ran, so nothing of it is repeated. Any other status keeps the set for the next taker.
+    """
     status = release_status(status)
     reason = clean_reason(reason)
     held = _guard(current, lease, action="release")
-    return replace(held, holder=None, expires_at=None, status=status, reason=reason)
+    effects = () if status is LeaseStatus.DONE else held.pending_effects
+    return replace(
+        held,
+        holder=None,
+        expires_at=None,
+        status=status,
+        reason=reason,
+        pending_effects=effects,
+    )
 
 
 def decide_mark_pending_effect(
     current: Lease | None, lease: Lease, effect: PendingEffect, ttl: float, now: float
 ) -> Lease:
-    """Stamp ``effect`` and renew, in one guarded write; a lost lease stamps nothing."""
+    """Add ``effect`` to the stamp set (replacing an entry of its key) and renew, in one
+    guarded write; a lost lease stamps nothing."""
     ttl = validate_ttl(ttl)
     effect = validate_pending_effect(effect)
     held = _guard(current, lease, action="mark_pending_effect")
-    return replace(held, expires_at=now + ttl, pending_effect=effect)
+    return with_effects(replace(held, expires_at=now + ttl), (*held.pending_effects, effect))
 
 
-def decide_clear_pending_effect(
-    current: Lease | None, lease: Lease, task_id: str | None = None
+def validate_effect_keys(keys: Iterable[str] | None) -> tuple[str, ...] | None:
+    """``keys`` as a tuple of entry keys, ``None`` meaning every entry; else ``ValueError``."""
+    if keys is None:
+        return None
+    if isinstance(keys, str):
+        raise ValueError(f"keys must be a collection of entry keys, not one str: {keys!r}")
+    found = tuple(keys)
+    for key in found:
+        _check_text(key, "keys", "the key of a stamp-set entry (PendingEffect.key)")
+    return found
+
+
+def decide_clear_pending_effects(
+    current: Lease | None, lease: Lease, keys: Iterable[str] | None = None
 ) -> Lease:
-    """Clear the stamp; guarded, so a lost lease's stamp stands for the taker to see.
-
-    With ``task_id``, only a stamp of that task is cleared: another task's stamp (a
-    parallel step stamped after it) stands.
-    """
-    held = _guard(current, lease, action="clear_pending_effect")
-    stamp = held.pending_effect
-    if task_id is not None and (stamp is None or stamp.task_id != task_id):
-        return held
-    return replace(held, pending_effect=None)
+    """Remove the entries ``keys`` (every entry with ``None``) from the stamp set; guarded,
+    so a lost lease's stamps stand for the taker to see. Other entries (a parallel task's)
+    stand; a key not in the set is no error."""
+    wanted = validate_effect_keys(keys)
+    held = _guard(current, lease, action="clear_pending_effects")
+    if wanted is None:
+        return replace(held, pending_effects=())
+    gone = set(wanted)
+    return replace(
+        held, pending_effects=tuple(e for e in held.pending_effects if e.key not in gone)
+    )
 
 
 def decide_dead_letter(
@@ -391,12 +471,20 @@ def decide_dead_letter(
     )
 
 
-def dead_letter_reason(effect: PendingEffect, epoch: int, holder: str) -> str:
-    """Why a takeover dead-lettered an execution found mid non-idempotent write."""
+def standing_writes(effects: Iterable[PendingEffect]) -> str:
+    """``node 'a' at token 1, node 'b' at token 1``: the entries named in order of key.
+
+    The SQL stores build the same text in their take-over statement.
+    """
+    return ", ".join(f"node '{e.node}' at token {e.token}" for e in effects)
+
+
+def dead_letter_reason(effects: Sequence[PendingEffect], epoch: int, holder: str) -> str:
+    """Why a takeover dead-lettered an execution found mid non-idempotent write(s)."""
     return (
-        f"taken over at token {epoch} by {holder}: node '{effect.node}' stamped a "
-        f"non-idempotent write at token {effect.token} that was never cleared; it may have "
-        "happened, so the execution is not repeated"
+        f"taken over at token {epoch} by {holder}: non-idempotent writes stamped and never "
+        f"cleared: {standing_writes(effects)}; they may have happened, so the execution is not "
+        "repeated"
     )
 
 
@@ -407,10 +495,10 @@ def decide_take_over(
 
     ``None`` when it is no longer the candidate that was found (its holder renewed it, or
     another instance took it: the epoch moved or it is no longer expired). Otherwise the
-    epoch goes + 1 and, with a ``NON_IDEMPOTENT_WRITE`` stamp standing, the execution is
-    dead-lettered (the stamp is kept for inspection); with any other stamp (or none) it is
-    taken for ``holder`` and an idempotent stamp is cleared: the resumed run stamps again
-    before it repeats that write.
+    epoch goes + 1 and, with any ``NON_IDEMPOTENT_WRITE`` entry standing in the stamp set,
+    the execution is dead-lettered (the set is kept for inspection; the reason names every
+    such entry); with only idempotent entries (or none) it is taken for ``holder`` and the
+    set is cleared: the resumed run stamps again before it repeats a write.
     """
     _validate_holder(holder)
     ttl = validate_ttl(ttl)
@@ -419,15 +507,15 @@ def decide_take_over(
     if not is_takeover_candidate(current, now):
         return None
     epoch = current.epoch + 1
-    stamp = current.pending_effect
-    if stamp is not None and stamp.effect is Effect.NON_IDEMPOTENT_WRITE:
+    standing = non_idempotent_standing(current)
+    if standing:
         return replace(
             current,
             holder=None,
             epoch=epoch,
             expires_at=None,
             status=LeaseStatus.DEAD_LETTERED,
-            reason=dead_letter_reason(stamp, epoch, holder),
+            reason=dead_letter_reason(standing, epoch, holder),
         )
     return replace(
         current,
@@ -435,7 +523,7 @@ def decide_take_over(
         epoch=epoch,
         expires_at=now + ttl,
         status=LeaseStatus.RUNNING,
-        pending_effect=None,
+        pending_effects=(),
         reason=None,
     )
 
@@ -454,7 +542,7 @@ class ExecutionLeaseRepository(Protocol):
     * Expiry is judged by the store's clock (PostgreSQL ``now()``; an injectable clock for
       SQLite and memory), never by the worker's.
     * Holder operations (``renew``, ``release``, ``mark_pending_effect``,
-      ``clear_pending_effect``) are guarded by key + holder + epoch + ``running`` and raise
+      ``clear_pending_effects``) are guarded by key + holder + epoch + ``running`` and raise
       :class:`~langgraph_fence.ExecutionFencedError` carrying the epoch seen when refused;
       a refused operation changes nothing.
     * A lease from another store is refused with ``ValueError``.
@@ -484,11 +572,11 @@ class ExecutionLeaseRepository(Protocol):
         ...
 
     async def mark_pending_effect(self, lease: Lease, effect: PendingEffect, ttl: float) -> Lease:
-        """Stamp ``pending_effect`` and renew in one guarded write."""
+        """Add ``effect`` to the stamp set and renew, in one guarded write."""
         ...
 
-    async def clear_pending_effect(self, lease: Lease, task_id: str | None = None) -> Lease:
-        """Clear ``pending_effect`` (only a stamp of ``task_id``, when given); guarded."""
+    async def clear_pending_effects(self, lease: Lease, keys: Iterable[str] | None = None) -> Lease:
+        """Remove the entries ``keys`` (all with ``None``) from the stamp set; guarded."""
         ...
 
     async def dead_letter(self, key: LeaseKey, reason: str, *, epoch: int | None = None) -> Lease:
@@ -503,9 +591,9 @@ class ExecutionLeaseRepository(Protocol):
         """Take a candidate over and decide its fate, in one guarded statement.
 
         ``None`` when the candidate moved on since it was read (renewed, or taken by another
-        instance). Otherwise epoch + 1 and either ``running`` for ``holder``, or
-        ``dead_lettered`` when a ``NON_IDEMPOTENT_WRITE`` stamp stands: two instances never
-        both resume, or both dead-letter, one execution.
+        instance). Otherwise epoch + 1 and either ``running`` for ``holder`` (the stamp set
+        cleared), or ``dead_lettered`` when any ``NON_IDEMPOTENT_WRITE`` entry stands: two
+        instances never both resume, or both dead-letter, one execution.
         """
         ...
 

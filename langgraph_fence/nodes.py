@@ -23,7 +23,7 @@ from langgraph.errors import GraphBubbleUp
 from langgraph.types import RetryPolicy
 
 from .context import CONTEXT_CONFIG_KEY, ExecutionContext, _reset_frame, _set_frame
-from .effects import Effect
+from .effects import Effect, standing_non_idempotent
 from .errors import (
     ExecutionContextUnavailableError,
     ExecutionDeadLetteredError,
@@ -31,6 +31,7 @@ from .errors import (
     find_error,
     find_fence_error,
 )
+from .faults import fault_point
 from .fence import FENCE_CONFIG_KEY, ExecutionFence, RunHandle
 from .lease import PendingEffect
 
@@ -106,7 +107,15 @@ class _Step:
         self.frame: ExecutionContext | None = None
 
     def _pending(self) -> PendingEffect:
-        return PendingEffect(self.effect, self.node, self._task_id(), self.handle.token)
+        return PendingEffect(
+            self.effect, self.node, self._task_id(), self.handle.token, self._superstep()
+        )
+
+    def _superstep(self) -> str:
+        checkpoint_map = _configurable(self.config).get("checkpoint_map")
+        if isinstance(checkpoint_map, Mapping):
+            return str(checkpoint_map.get("") or "")
+        return ""
 
     def _task_id(self) -> str:
         return str(_configurable(self.config).get("__pregel_task_id") or self.node)
@@ -128,6 +137,7 @@ class _Step:
             thread_id=str(configurable.get("thread_id", "")),
             effect=self.effect,
             _handle=self.handle,
+            _superstep=self._superstep(),
         )
         # The task's configurable dict is its own: the frame is visible to the node through
         # its config and get_config(), and does not leak into the next step or the saver.
@@ -135,15 +145,8 @@ class _Step:
         self._reset = _set_frame(self.frame)
 
     def _standing_non_idempotent(self) -> PendingEffect | None:
-        """This task's non-idempotent stamp (the node's or a tool's), if it stands."""
-        standing = self.handle.pending_effect
-        if (
-            standing is not None
-            and standing.effect is Effect.NON_IDEMPOTENT_WRITE
-            and standing.task_id == self._task_id()
-        ):
-            return standing
-        return None
+        """A non-idempotent entry of this task (the node's or a tool's), if one stands."""
+        return standing_non_idempotent(self.handle, self._task_id())
 
     def _refuse_repeat(self) -> None:
         """In-process recovery: never run a non-idempotent write again in the same run.
@@ -243,6 +246,7 @@ async def _run_async(step: _Step, call: Callable[[], Awaitable[Any]]) -> Any:
     failure: BaseException | None = None
     try:
         result = await call()
+        await fault_point("effect.after", node=step.node, handle=step.handle, config=step.config)
     except asyncio.CancelledError:
         if step.handle.error is None:
             raise

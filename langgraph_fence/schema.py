@@ -2,17 +2,38 @@
 
 ``fence_leases`` holds one row per execution key. ``epoch`` is the fencing token;
 ``expires_at`` is in the store's clock (seconds since the epoch, PostgreSQL's ``now()`` or the
-injected clock). The pending-effect stamp lives in four columns so a single statement can
-test it (``pending_effect = 'non_idempotent_write'``) on both dialects.
+injected clock).
+
+The stamp set lives in ``pending_effects``, a JSON object on the lease row (``JSONB`` on
+PostgreSQL, ``TEXT`` on SQLite) keyed by :attr:`PendingEffect.key`: one entry per task, or per
+tool call. On the row, not in a table of its own, so that stamping (with the renewal),
+clearing (with a step's writes) and the take-over decision each stay ONE statement. Every
+change to the set is a JSON merge patch (an entry to add, ``null`` for one to remove) applied
+by :data:`STAMP_SQL`'s ``patch``, the one definition the lease store and both checkpoint
+drivers use.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Column, Double, MetaData, PrimaryKeyConstraint, Table, Text
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
 
+from sqlalchemy import JSON, BigInteger, Column, Double, MetaData, PrimaryKeyConstraint, Table, Text
+from sqlalchemy.dialects.postgresql import JSONB
+
+from .effects import Effect
+from .lease import PendingEffect
 from .migrations import Migration
 
-__all__ = ["LEASES", "LEASE_MIGRATIONS", "metadata"]
+__all__ = [
+    "LEASES",
+    "LEASE_MIGRATIONS",
+    "STAMP_SQL",
+    "effects_from_json",
+    "metadata",
+    "stamp_patch",
+]
 
 metadata = MetaData()
 
@@ -26,10 +47,7 @@ LEASES = Table(
     Column("holder", Text),
     Column("expires_at", Double),
     Column("status", Text, nullable=False),
-    Column("pending_effect", Text),
-    Column("pending_node", Text),
-    Column("pending_task", Text),
-    Column("pending_token", BigInteger),
+    Column("pending_effects", JSON().with_variant(JSONB(), "postgresql"), nullable=False),
     Column("reason", Text),
     Column("updated_at", Double, nullable=False),
     PrimaryKeyConstraint("tenant_id", "execution_id"),
@@ -82,3 +100,111 @@ LEASE_MIGRATIONS = [
         postgresql=_SCOPE_KEY_NOT_UNIQUE,
     ),
 ]
+
+# Version 3: the stamp set. One stamp per lease let a parallel task's clear remove the stamp
+# of a task still mid-write (a non-idempotent write then ran twice after a takeover).
+_STAMP_ENTRY = {
+    "postgresql": (
+        "jsonb_build_object(pending_task, jsonb_build_object('effect', pending_effect, "
+        "'node', pending_node, 'task_id', pending_task, 'token', pending_token, "
+        "'checkpoint_id', '', 'call', ''))"
+    ),
+    "sqlite": (
+        "json_object(pending_task, json_object('effect', pending_effect, "
+        "'node', pending_node, 'task_id', pending_task, 'token', pending_token, "
+        "'checkpoint_id', '', 'call', ''))"
+    ),
+}
+_OLD_STAMP_COLUMNS = ("pending_effect", "pending_node", "pending_task", "pending_token")
+
+
+def _stamp_set_steps(dialect: str, column_type: str, empty: str) -> list[str]:
+    return [
+        f"ALTER TABLE fence_leases ADD COLUMN pending_effects {column_type} NOT NULL"
+        f" DEFAULT {empty}",
+        f"UPDATE fence_leases SET pending_effects = {_STAMP_ENTRY[dialect]}"
+        " WHERE pending_effect IS NOT NULL AND pending_task IS NOT NULL",
+        *(f"ALTER TABLE fence_leases DROP COLUMN {c}" for c in _OLD_STAMP_COLUMNS),
+    ]
+
+
+LEASE_MIGRATIONS.append(
+    Migration(
+        version=3,
+        description="the stamp set: pending_effects, one entry per task or tool call",
+        sqlite=_stamp_set_steps("sqlite", "TEXT", "'{}'"),
+        postgresql=_stamp_set_steps("postgresql", "JSONB", "'{}'::jsonb"),
+    )
+)
+
+#: The stamp-set SQL per dialect, on ``fence_leases.pending_effects``: ``patch`` applies a
+#: merge patch given as JSON text in ``{param}``; ``non_idempotent`` is true when any entry
+#: is a ``NON_IDEMPOTENT_WRITE``; ``standing_writes`` names those entries in order of key,
+#: as :func:`langgraph_fence.lease.standing_writes` does.
+STAMP_SQL: Mapping[str, Mapping[str, str]] = {
+    "postgresql": {
+        "patch": (
+            "jsonb_strip_nulls(fence_leases.pending_effects"
+            " || CAST(CAST({param} AS text) AS jsonb))"
+        ),
+        "non_idempotent": (
+            "jsonb_path_exists(fence_leases.pending_effects,"
+            " '$.* ? (@.effect == \"non_idempotent_write\")')"
+        ),
+        "standing_writes": (
+            "(SELECT string_agg(format('node ''%s'' at token %s', e.value->>'node',"
+            " e.value->>'token'), ', ' ORDER BY e.key COLLATE \"C\")"
+            " FROM jsonb_each(fence_leases.pending_effects) AS e"
+            " WHERE e.value->>'effect' = 'non_idempotent_write')"
+        ),
+    },
+    "sqlite": {
+        "patch": "json_patch(fence_leases.pending_effects, {param})",
+        "non_idempotent": (
+            "EXISTS (SELECT 1 FROM json_each(fence_leases.pending_effects) AS e"
+            " WHERE json_extract(e.value, '$.effect') = 'non_idempotent_write')"
+        ),
+        "standing_writes": (
+            "(SELECT group_concat(w, ', ') FROM (SELECT 'node ''' ||"
+            " json_extract(e.value, '$.node') || ''' at token ' ||"
+            " json_extract(e.value, '$.token') AS w"
+            " FROM json_each(fence_leases.pending_effects) AS e"
+            " WHERE json_extract(e.value, '$.effect') = 'non_idempotent_write'"
+            " ORDER BY e.key))"
+        ),
+    },
+}
+
+
+def _entry(effect: PendingEffect) -> dict[str, Any]:
+    return {
+        "effect": Effect(effect.effect).value,
+        "node": effect.node,
+        "task_id": effect.task_id,
+        "token": effect.token,
+        "checkpoint_id": effect.checkpoint_id,
+        "call": effect.call,
+    }
+
+
+def stamp_patch(add: Iterable[PendingEffect] = (), remove: Iterable[str] = ()) -> str:
+    """The merge patch (JSON text) that adds ``add`` and removes the entries ``remove``."""
+    patch: dict[str, Any] = dict.fromkeys(remove)
+    patch.update((effect.key, _entry(effect)) for effect in add)
+    return json.dumps(patch, ensure_ascii=False, separators=(",", ":"))
+
+
+def effects_from_json(value: Any) -> tuple[PendingEffect, ...]:
+    """The stamp set as stored (a dict, or its JSON text), ordered by key."""
+    entries = json.loads(value) if isinstance(value, str | bytes) else (value or {})
+    return tuple(
+        PendingEffect(
+            effect=Effect(entry["effect"]),
+            node=entry["node"],
+            task_id=entry["task_id"],
+            token=int(entry["token"]),
+            checkpoint_id=entry.get("checkpoint_id", ""),
+            call=entry.get("call", ""),
+        )
+        for _, entry in sorted(entries.items())
+    )

@@ -5,11 +5,12 @@ step that calls them (a ``ToolNode`` of a graph passed through ``fence_graph()``
 ``create_react_agent``-style loop, or any fenced node that calls ``tool.ainvoke()``):
 
 * before the tool's body: the lease must be held (``assert_held``, no I/O); a write tool
-  (``IDEMPOTENT_WRITE``, ``NON_IDEMPOTENT_WRITE``) stamps ``pending_effect`` and renews in
-  ONE guarded write, so a worker that lost the lease stamps nothing and raises before the
-  side effect. ``READ_ONLY`` tools cost no extra write;
-* the stamp names the tool (``"<node>:<tool>"``) and the step's task, so the checkpointer
-  clears it with that task's writes;
+  (``IDEMPOTENT_WRITE``, ``NON_IDEMPOTENT_WRITE``) adds an entry of its own to the lease's
+  stamp set and renews, in ONE guarded write, so a worker that lost the lease stamps
+  nothing and raises before the side effect. ``READ_ONLY`` tools cost no extra write;
+* each call's entry names the tool (``"<node>:<tool>"``) and the step's task; parallel
+  calls of one step each have their own, so none clears another's, and the entries are
+  cleared once the step's writes are seen by a resume;
 * a non-idempotent tool that raises surfaces :class:`WriteDeadLetteredError` (an
   :class:`~langgraph_fence.ExecutionDeadLetteredError`): never retried, never turned into a
   ``ToolMessage`` the model could answer by calling the tool again.
@@ -24,6 +25,7 @@ import asyncio
 import functools
 import logging
 import threading
+import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextvars import ContextVar
@@ -34,7 +36,7 @@ from langchain_core.tools import tool as create_tool
 from langgraph.errors import GraphBubbleUp
 
 from .context import ExecutionContext, current_frame
-from .effects import Effect
+from .effects import Effect, standing_non_idempotent
 from .errors import (
     ExecutionContextUnavailableError,
     WriteDeadLetteredError,
@@ -51,19 +53,13 @@ logger = logging.getLogger(__name__)
 #: Set on the class of a fenced tool; holds the tool's declared :class:`Effect`.
 EFFECT_ATTRIBUTE = "__langgraph_fence_effect__"
 
-# How strong a stamp is: a stamp standing for a task is never replaced by a weaker one.
-_RANK = {Effect.READ_ONLY: 0, Effect.IDEMPOTENT_WRITE: 1, Effect.NON_IDEMPOTENT_WRITE: 2}
-
 
 class _RunTools:
-    """What the fenced tools of one run share: the stamp lock, and which attempt stamped."""
+    """What the fenced tools of one run share: which attempt stamped."""
 
-    __slots__ = ("lock", "stamped_in")
+    __slots__ = ("stamped_in",)
 
     def __init__(self) -> None:
-        # Parallel tool calls of one step stamp one row: deciding the stamp and writing it
-        # happen under this lock, so a weaker stamp never lands after a stronger one.
-        self.lock = asyncio.Lock()
         # task id -> the attempt in which a tool of that task stamped NON_IDEMPOTENT_WRITE.
         self.stamped_in: dict[str, int] = {}
 
@@ -110,12 +106,8 @@ def _refuse_repeat(frame: ExecutionContext, tool: BaseTool) -> None:
     the stamp still stands, nothing of this attempt runs.
     """
     handle = frame._handle
-    standing = handle.pending_effect
-    if (
-        standing is None
-        or standing.effect is not Effect.NON_IDEMPOTENT_WRITE
-        or standing.task_id != frame.task_id
-    ):
+    standing = standing_non_idempotent(handle, frame.task_id)
+    if standing is None:
         return
     stamped_in = _run_tools(handle).stamped_in.get(frame.task_id)
     if stamped_in is not None and stamped_in < frame.attempt:
@@ -129,24 +121,19 @@ def _refuse_repeat(frame: ExecutionContext, tool: BaseTool) -> None:
 
 
 async def _stamp(frame: ExecutionContext, tool: BaseTool, effect: Effect) -> None:
-    """Stamp ``pending_effect`` for this tool call and renew, in one guarded write."""
+    """Add this call's entry to the stamp set and renew, in one guarded write."""
     handle = frame._handle
-    state = _run_tools(handle)
-    async with state.lock:
-        stamp = PendingEffect(effect, f"{frame.node}:{tool.name}", frame.task_id, handle.token)
-        standing = handle.pending_effect
-        if (
-            standing is not None
-            and standing.task_id == frame.task_id
-            and _RANK[standing.effect] > _RANK[effect]
-        ):
-            # Never downgrade within a task: a non-idempotent call of this step may still be
-            # in flight (a parallel tool call) or done but not recorded; a takeover must see
-            # NON_IDEMPOTENT_WRITE, and dead-letter, not resume. The renewal still happens.
-            stamp = PendingEffect(standing.effect, standing.node, frame.task_id, handle.token)
-        await handle.mark_pending_effect(stamp)
-        if stamp.effect is Effect.NON_IDEMPOTENT_WRITE:
-            state.stamped_in.setdefault(frame.task_id, frame.attempt)
+    stamp = PendingEffect(
+        effect,
+        f"{frame.node}:{tool.name}",
+        frame.task_id,
+        handle.token,
+        frame._superstep,
+        call=f"{tool.name}/{uuid.uuid4().hex[:12]}",
+    )
+    await handle.mark_pending_effect(stamp)
+    if effect is Effect.NON_IDEMPOTENT_WRITE:
+        _run_tools(handle).stamped_in.setdefault(frame.task_id, frame.attempt)
 
 
 def _stamp_from_thread(frame: ExecutionContext, tool: BaseTool, effect: Effect) -> None:
@@ -306,11 +293,10 @@ def fence_tools(
       in one guarded write, so a worker that lost the lease stamps nothing and raises
       :class:`~langgraph_fence.ExecutionFencedError` before the side effect. ``READ_ONLY``
       tools make no write;
-    * the checkpointer clears the stamp with the step's writes (in the same transaction with
-      ``SqlCheckpointer``). A stamp never downgrades within one step: once a
-      ``NON_IDEMPOTENT_WRITE`` call stamped, an idempotent call of the same step (a parallel
-      tool call) renews but keeps ``NON_IDEMPOTENT_WRITE`` standing, so a takeover
-      dead-letters instead of resuming;
+    * each call's entry is its own: parallel calls of one step (and of parallel steps) never
+      clear one another's, and a takeover dead-letters while any non-idempotent call's
+      entry stands; the entries are cleared once the step's writes are seen by a resume
+      (in the same transaction with ``SqlCheckpointer``);
     * a ``NON_IDEMPOTENT_WRITE`` call that raises surfaces :class:`WriteDeadLetteredError`
       (never retried by a ``RetryPolicy``, never turned into a ``ToolMessage`` whatever
       ``ToolNode``'s ``handle_tool_errors`` says), and a retried attempt of a step whose
@@ -321,9 +307,7 @@ def fence_tools(
     record its writes (crash, takeover) is dead-lettered, never repeated, never confirmed.
     Exactly-once needs an external system that checks the token (see
     :mod:`langgraph_fence.sinks`). A ``READ_ONLY`` call checks the lease locally only, so a
-    read may still run just after another worker took over (reads are safe to repeat). The
-    lease holds one stamp: the no-downgrade rule holds within a step, not between two steps
-    of one superstep that both call write tools.
+    read may still run just after another worker took over (reads are safe to repeat).
 
     Args:
         tools: ``BaseTool`` instances, ``@tool`` functions, or plain functions (made into

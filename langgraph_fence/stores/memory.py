@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from ..lease import (
     Lease,
@@ -13,7 +13,7 @@ from ..lease import (
     LeaseStatus,
     PendingEffect,
     decide_acquire,
-    decide_clear_pending_effect,
+    decide_clear_pending_effects,
     decide_dead_letter,
     decide_mark_pending_effect,
     decide_release,
@@ -95,7 +95,7 @@ class MemoryLeaseRepository:
         return self._rows.get(key)
 
     async def mark_pending_effect(self, lease: Lease, effect: PendingEffect, ttl: float) -> Lease:
-        """Stamp ``pending_effect`` and renew in one guarded write."""
+        """Add ``effect`` to the stamp set and renew, in one guarded write."""
         check_lease(self, lease)
         async with self._lock:
             marked = decide_mark_pending_effect(
@@ -104,11 +104,11 @@ class MemoryLeaseRepository:
             self._rows[lease.key] = marked
             return marked
 
-    async def clear_pending_effect(self, lease: Lease, task_id: str | None = None) -> Lease:
-        """Clear ``pending_effect`` (only a stamp of ``task_id``, when given); guarded."""
+    async def clear_pending_effects(self, lease: Lease, keys: Iterable[str] | None = None) -> Lease:
+        """Remove the entries ``keys`` (all with ``None``) from the stamp set; guarded."""
         check_lease(self, lease)
         async with self._lock:
-            cleared = decide_clear_pending_effect(self._rows.get(lease.key), lease, task_id)
+            cleared = decide_clear_pending_effects(self._rows.get(lease.key), lease, keys)
             self._rows[lease.key] = cleared
             return cleared
 

@@ -8,11 +8,12 @@ one round trip. Only a refused operation pays a second read, to report the epoch
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 from sqlalchemy import (
+    Boolean,
     ColumnElement,
     Double,
     Text,
@@ -22,9 +23,11 @@ from sqlalchemy import (
     cast,
     func,
     literal,
+    literal_column,
     null,
     or_,
     select,
+    text,
     update,
 )
 from sqlalchemy.dialects import postgresql as pg_dialect
@@ -33,7 +36,6 @@ from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..database import create_engine, dialect_of, read_only, single_statement
-from ..effects import Effect
 from ..lease import (
     REOPENABLE_STATUSES,
     TERMINAL_STATUSES,
@@ -45,12 +47,13 @@ from ..lease import (
     decide_dead_letter,
     fenced_error,
     release_status,
+    validate_effect_keys,
     validate_holder,
     validate_pending_effect,
     validate_ttl,
 )
 from ..migrations import migrate
-from ..schema import LEASE_MIGRATIONS, LEASES
+from ..schema import LEASE_MIGRATIONS, LEASES, STAMP_SQL, effects_from_json, stamp_patch
 from .common import check_key, check_lease, check_limit
 
 __all__ = ["SqlLeaseRepository"]
@@ -63,10 +66,7 @@ _RETURNING = (
     _C.holder,
     _C.expires_at,
     _C.status,
-    _C.pending_effect,
-    _C.pending_node,
-    _C.pending_task,
-    _C.pending_token,
+    _C.pending_effects,
     _C.reason,
 )
 _KEY = and_(
@@ -201,48 +201,43 @@ class SqlLeaseRepository:
             .values(expires_at=now + ttl, updated_at=now)
             .returning(*_RETURNING)
         )
+        stamps = STAMP_SQL[self._dialect]
+        patched = text(stamps["patch"].format(param=":p_patch"))
+        status = bindparam("p_status", type_=Text)
         self._release = (
             update(LEASES)
             .where(_GUARD)
             .values(
                 holder=None,
                 expires_at=None,
-                status=bindparam("p_status"),
+                status=status,
                 reason=bindparam("p_reason"),
+                # A run that ended done recorded every step it ran: nothing of it stands.
+                pending_effects=case(
+                    (status == LeaseStatus.DONE.value, literal_column("'{}'")),
+                    else_=_C.pending_effects,
+                ),
                 updated_at=now,
             )
             .returning(*_RETURNING)
         )
-        self._mark = (
+        # Stamping and clearing both apply a merge patch to the stamp set.
+        self._patch = (
             update(LEASES)
             .where(_GUARD)
-            .values(
-                expires_at=now + ttl,
-                pending_effect=bindparam("p_pending_effect"),
-                pending_node=bindparam("p_pending_node"),
-                pending_task=bindparam("p_pending_task"),
-                pending_token=bindparam("p_pending_token"),
-                updated_at=now,
-            )
+            .values(pending_effects=patched, updated_at=now)
             .returning(*_RETURNING)
         )
-        task = bindparam("p_task", type_=Text)
-        this_task = or_(task.is_(None), _C.pending_task == task)
-
-        def cleared(column: Any) -> Any:
-            # Only a stamp of the given task (or any, without one) is cleared.
-            return case((this_task, null()), else_=column)
-
-        self._clear = (
+        self._patch_renew = (
             update(LEASES)
             .where(_GUARD)
-            .values(
-                pending_effect=cleared(_C.pending_effect),
-                pending_node=cleared(_C.pending_node),
-                pending_task=cleared(_C.pending_task),
-                pending_token=cleared(_C.pending_token),
-                updated_at=now,
-            )
+            .values(pending_effects=patched, expires_at=now + ttl, updated_at=now)
+            .returning(*_RETURNING)
+        )
+        self._clear_all = (
+            update(LEASES)
+            .where(_GUARD)
+            .values(pending_effects=literal_column("'{}'"), updated_at=now)
             .returning(*_RETURNING)
         )
         dead_letter_values = {
@@ -281,22 +276,19 @@ class SqlLeaseRepository:
 
     def _build_take_over(self, now: ColumnElement[float], ttl: Any) -> Any:
         # The take and the decision are one statement, on the row as it is now: the stamp
-        # read with the candidate may have changed since (an expired holder may still stamp).
-        non_idempotent = _C.pending_effect == Effect.NON_IDEMPOTENT_WRITE.value
+        # set read with the candidate may have changed since (an expired holder may still
+        # stamp). The reason is built in SQL as lease.dead_letter_reason builds it.
+        stamps = STAMP_SQL[self._dialect]
+        non_idempotent = literal_column(stamps["non_idempotent"], Boolean)
         holder = bindparam("p_holder", type_=Text)
         reason = (
             literal("taken over at token ", Text)
             + cast(_C.epoch + 1, Text)
             + literal(" by ", Text)
             + holder
-            + literal(": node '", Text)
-            + _C.pending_node
-            + literal("' stamped a non-idempotent write at token ", Text)
-            + cast(_C.pending_token, Text)
-            + literal(
-                " that was never cleared; it may have happened, so the execution is not repeated",
-                Text,
-            )
+            + literal(": non-idempotent writes stamped and never cleared: ", Text)
+            + literal_column(stamps["standing_writes"], Text)
+            + literal("; they may have happened, so the execution is not repeated", Text)
         )
         takeable = or_(
             and_(
@@ -305,10 +297,6 @@ class SqlLeaseRepository:
             ),
             and_(_C.status == LeaseStatus.PENDING.value, _C.holder.is_(None)),
         )
-
-        def unless_dead(column: Any) -> Any:
-            return case((non_idempotent, column), else_=null())
-
         return (
             update(LEASES)
             .where(and_(_KEY, _C.epoch == bindparam("p_epoch"), takeable))
@@ -321,10 +309,10 @@ class SqlLeaseRepository:
                     else_=LeaseStatus.RUNNING.value,
                 ),
                 reason=case((non_idempotent, reason), else_=null()),
-                pending_effect=unless_dead(_C.pending_effect),
-                pending_node=unless_dead(_C.pending_node),
-                pending_task=unless_dead(_C.pending_task),
-                pending_token=unless_dead(_C.pending_token),
+                # Dead-lettered: the set stays for inspection; resumed: it is cleared.
+                pending_effects=case(
+                    (non_idempotent, _C.pending_effects), else_=literal_column("'{}'")
+                ),
                 updated_at=now,
             )
             .returning(*_RETURNING)
@@ -345,20 +333,12 @@ class SqlLeaseRepository:
             return result.first()
 
     def _lease(self, row: Row[Any] | Any) -> Lease:
-        pending = None
-        if row.pending_effect is not None:
-            pending = PendingEffect(
-                effect=Effect(row.pending_effect),
-                node=row.pending_node,
-                task_id=row.pending_task,
-                token=row.pending_token,
-            )
         return Lease(
             key=LeaseKey(row.tenant_id, row.execution_id),
             holder=row.holder,
             epoch=row.epoch,
             expires_at=row.expires_at,
-            pending_effect=pending,
+            pending_effects=effects_from_json(row.pending_effects),
             status=LeaseStatus(row.status),
             reason=row.reason,
             store_id=self._store_id,
@@ -425,25 +405,23 @@ class SqlLeaseRepository:
         return None if row is None else self._lease(row)
 
     async def mark_pending_effect(self, lease: Lease, effect: PendingEffect, ttl: float) -> Lease:
-        """Stamp ``pending_effect`` and renew in one guarded write."""
+        """Add ``effect`` to the stamp set and renew, in one guarded write."""
         check_lease(self, lease)
         ttl = validate_ttl(ttl)
-        validate_pending_effect(effect)
+        effect = validate_pending_effect(effect)
         return await self._guarded(
-            self._mark,
-            lease,
-            "mark_pending_effect",
-            ttl=ttl,
-            pending_effect=Effect(effect.effect).value,
-            pending_node=effect.node,
-            pending_task=effect.task_id,
-            pending_token=effect.token,
+            self._patch_renew, lease, "mark_pending_effect", ttl=ttl, patch=stamp_patch([effect])
         )
 
-    async def clear_pending_effect(self, lease: Lease, task_id: str | None = None) -> Lease:
-        """Clear ``pending_effect`` (only a stamp of ``task_id``, when given); guarded."""
+    async def clear_pending_effects(self, lease: Lease, keys: Iterable[str] | None = None) -> Lease:
+        """Remove the entries ``keys`` (all with ``None``) from the stamp set; guarded."""
         check_lease(self, lease)
-        return await self._guarded(self._clear, lease, "clear_pending_effect", task=task_id)
+        wanted = validate_effect_keys(keys)
+        if wanted is None:
+            return await self._guarded(self._clear_all, lease, "clear_pending_effects")
+        return await self._guarded(
+            self._patch, lease, "clear_pending_effects", patch=stamp_patch(remove=wanted)
+        )
 
     async def dead_letter(self, key: LeaseKey, reason: str, *, epoch: int | None = None) -> Lease:
         """End the execution as ``dead_lettered``; guarded by ``epoch`` when given."""

@@ -80,7 +80,7 @@ async def test_acquire_absent_takes_epoch_one(lease_store: Store, clock: ManualC
         holder="A",
         epoch=1,
         expires_at=clock() + TTL,
-        pending_effect=None,
+        pending_effects=(),
         status=LeaseStatus.RUNNING,
         reason=None,
         store_id=lease_store.store_id,
@@ -266,7 +266,7 @@ async def test_holder_operations_are_guarded(
         "renew": lambda: lease_store.renew(probe, TTL),
         "release": lambda: lease_store.release(probe, LeaseStatus.DONE),
         "mark": lambda: lease_store.mark_pending_effect(probe, stamp(probe.epoch), TTL),
-        "clear": lambda: lease_store.clear_pending_effect(probe),
+        "clear": lambda: lease_store.clear_pending_effects(probe),
     }
     await refused_unchanged(lease_store, probe.key, ops[action])
     if guard == "no_row":
@@ -319,7 +319,28 @@ async def test_release_keeps_a_standing_stamp(lease_store: Store) -> None:
     effect = stamp(1)
     marked = await lease_store.mark_pending_effect(lease, effect, TTL)
     released = await lease_store.release(marked, LeaseStatus.FAILED, reason="crashed")
-    assert released.pending_effect == effect
+    assert released.pending_effects == (effect,)
+
+
+@pytest.mark.parametrize("status", [LeaseStatus.PENDING, LeaseStatus.WAITING])
+async def test_release_hands_the_stamp_set_on(lease_store: Store, status: LeaseStatus) -> None:
+    lease = await held(lease_store)
+    marked = await lease_store.mark_pending_effect(lease, stamp(1), TTL)
+    released = await lease_store.release(marked, status)
+    assert released.pending_effects == marked.pending_effects
+    assert await lease_store.get(lease.key) == released
+
+
+async def test_release_done_clears_the_stamp_set(lease_store: Store) -> None:
+    # A run that ended done recorded every step it ran: the next run on the thread must
+    # not find its stamps (with durability="exit" no write cleared them on the way).
+    lease = await held(lease_store)
+    await lease_store.mark_pending_effect(lease, stamp(1), TTL)
+    marked = await lease_store.mark_pending_effect(lease, stamp(1, Effect.IDEMPOTENT_WRITE), TTL)
+    assert len(marked.pending_effects) == 2
+    released = await lease_store.release(marked, LeaseStatus.DONE)
+    assert released.pending_effects == ()
+    assert await lease_store.get(lease.key) == released
 
 
 # -- the pending-effect stamp
@@ -330,11 +351,11 @@ async def test_mark_stamps_and_renews(lease_store: Store, clock: ManualClock) ->
     clock.advance(7.0)
     effect = stamp(lease.epoch)
     marked = await lease_store.mark_pending_effect(lease, effect, 30.0)
-    assert marked == replace(lease, pending_effect=effect, expires_at=clock() + 30.0)
+    assert marked == replace(lease, pending_effects=(effect,), expires_at=clock() + 30.0)
     assert await lease_store.get(lease.key) == marked
-    cleared = await lease_store.clear_pending_effect(marked)
+    cleared = await lease_store.clear_pending_effects(marked, [effect.key])
     # Clearing does not renew.
-    assert cleared == replace(marked, pending_effect=None)
+    assert cleared == replace(marked, pending_effects=())
     assert await lease_store.get(lease.key) == cleared
 
 
@@ -346,12 +367,58 @@ async def test_every_effect_round_trips(lease_store: Store, effect: Effect) -> N
     assert marked.pending_effect.effect is effect
 
 
-async def test_a_new_mark_replaces_the_old(lease_store: Store) -> None:
+async def test_a_mark_of_the_same_key_replaces_its_entry(lease_store: Store) -> None:
     lease = await held(lease_store)
-    await lease_store.mark_pending_effect(lease, stamp(1, Effect.IDEMPOTENT_WRITE), TTL)
-    second = stamp(1)
+    first = stamp(1, Effect.IDEMPOTENT_WRITE)
+    await lease_store.mark_pending_effect(lease, first, TTL)
+    second = replace(first, effect=Effect.NON_IDEMPOTENT_WRITE, node="charge-again")
     marked = await lease_store.mark_pending_effect(lease, second, TTL)
-    assert marked.pending_effect == second
+    assert marked.pending_effects == (second,)
+
+
+async def test_parallel_tasks_stamp_entries_of_their_own(lease_store: Store) -> None:
+    # The double charge of one stamp per lease: a fast task's clear removed the stamp of a
+    # slow task still mid-write. Each entry is cleared alone.
+    lease = await held(lease_store)
+    fast, slow = stamp(1), stamp(1)
+    tool_call = replace(fast, call="charge_card/1", node="tools:charge_card")
+    for effect in (fast, slow, tool_call):
+        lease = await lease_store.mark_pending_effect(lease, effect, TTL)
+    assert {e.key for e in lease.pending_effects} == {fast.key, slow.key, tool_call.key}
+    assert [e.key for e in lease.pending_effects] == sorted(e.key for e in lease.pending_effects)
+    cleared = await lease_store.clear_pending_effects(lease, [fast.key, tool_call.key])
+    assert cleared.pending_effects == (slow,)
+    assert await lease_store.get(lease.key) == cleared
+    # A key not in the set is no error and changes nothing else.
+    again = await lease_store.clear_pending_effects(cleared, [fast.key])
+    assert again.pending_effects == (slow,)
+    emptied = await lease_store.clear_pending_effects(again)
+    assert emptied.pending_effects == ()
+
+
+async def test_entries_keep_every_field(lease_store: Store) -> None:
+    lease = await held(lease_store)
+    effect = PendingEffect(
+        Effect.NON_IDEMPOTENT_WRITE,
+        "tools:send_email ünï \"q\" 'x'",
+        unique("task:%/"),
+        1,
+        checkpoint_id="1f1ed67a-a288-6759-8000-76d3032dbda9",
+        call="send_email/ab:c%",
+    )
+    await lease_store.mark_pending_effect(lease, effect, TTL)
+    stored = await lease_store.get(lease.key)
+    assert stored is not None and stored.pending_effects == (effect,)
+
+
+async def test_clear_refuses_keys_that_are_not_a_collection(lease_store: Store) -> None:
+    lease = await held(lease_store)
+    marked = await lease_store.mark_pending_effect(lease, stamp(1), TTL)
+    with pytest.raises(ValueError, match="keys must be a collection"):
+        await lease_store.clear_pending_effects(marked, marked.pending_effects[0].key)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="keys"):
+        await lease_store.clear_pending_effects(marked, [""])
+    assert await lease_store.get(lease.key) == marked
 
 
 async def test_a_lost_lease_stamps_nothing(lease_store: Store, clock: ManualClock) -> None:
@@ -362,7 +429,7 @@ async def test_a_lost_lease_stamps_nothing(lease_store: Store, clock: ManualCloc
     )
     current = await lease_store.get(lease.key)
     assert current == newer
-    assert current.pending_effect is None
+    assert current.pending_effects == ()
 
 
 async def test_the_stamp_survives_a_takeover(lease_store: Store, clock: ManualClock) -> None:
@@ -370,11 +437,13 @@ async def test_the_stamp_survives_a_takeover(lease_store: Store, clock: ManualCl
     effect = stamp(1)
     await lease_store.mark_pending_effect(lease, effect, TTL)
     newer = await taken_over(lease_store, clock, lease)
-    assert newer.pending_effect == effect
+    assert newer.pending_effects == (effect,)
     # The stale holder can no longer clear it: the taker must see it and decide.
-    await refused_unchanged(lease_store, lease.key, lambda: lease_store.clear_pending_effect(lease))
-    cleared = await lease_store.clear_pending_effect(newer)
-    assert cleared.pending_effect is None
+    await refused_unchanged(
+        lease_store, lease.key, lambda: lease_store.clear_pending_effects(lease)
+    )
+    cleared = await lease_store.clear_pending_effects(newer)
+    assert cleared.pending_effects == ()
 
 
 async def test_mark_refuses_a_non_effect(lease_store: Store) -> None:
@@ -566,7 +635,7 @@ async def test_a_stamp_given_as_str_reads_back_as_effect(lease_store: Store) -> 
     lease = await held(lease_store)
     given = PendingEffect(effect="idempotent_write", node="n", task_id="t", token=1)  # type: ignore[arg-type]
     marked = await lease_store.mark_pending_effect(lease, given, TTL)
-    assert marked.pending_effect == given
+    assert marked.pending_effects == (given,)
     stored = await lease_store.get(lease.key)
     assert stored is not None and stored.pending_effect is not None
     assert stored.pending_effect.effect is Effect.IDEMPOTENT_WRITE
@@ -622,7 +691,7 @@ async def test_postgres_hot_paths_are_one_round_trip(pg_schema: tuple[str, str])
         assert warm is not None
         warm = await store.renew(warm, TTL)
         warm = await store.mark_pending_effect(warm, stamp(1), TTL)
-        warm = await store.clear_pending_effect(warm)
+        warm = await store.clear_pending_effects(warm)
         await store.release(warm, LeaseStatus.WAITING)
 
         key = new_key()
@@ -633,7 +702,7 @@ async def test_postgres_hot_paths_are_one_round_trip(pg_schema: tuple[str, str])
         for name, call in [
             ("renew", lambda: store.renew(lease, TTL)),
             ("mark", lambda: store.mark_pending_effect(lease, stamp(1), TTL)),
-            ("clear", lambda: store.clear_pending_effect(lease)),
+            ("clear", lambda: store.clear_pending_effects(lease)),
             ("release", lambda: store.release(lease, LeaseStatus.WAITING)),
             ("take", lambda: store.acquire(key, "B", TTL)),
         ]:

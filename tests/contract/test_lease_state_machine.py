@@ -54,6 +54,7 @@ STEPS = st.sampled_from([0.0, 0.5, 1.0, 9.0, 10.0])
 STATUSES = st.sampled_from([*LeaseStatus, "bogus"])
 REASONS = st.sampled_from([None, "why", "quote: \x00 \ud800", ""])
 EFFECTS = st.sampled_from(list(Effect))
+TASKS = st.sampled_from(["task-1", "task-2", "task-3"])
 EPOCHS = st.one_of(st.none(), st.integers(min_value=0, max_value=6))
 
 
@@ -153,15 +154,30 @@ class LeaseMachine(RuleBasedStateMachine):
         self.both(lambda repo, lease: repo.release(lease, status, reason), *pair)
 
     @rule(
-        pair=leases, effect=EFFECTS, ttl=TTLS, node=st.sampled_from(["charge"] * 4 + ["", "n\x00"])
+        pair=leases,
+        effect=EFFECTS,
+        ttl=TTLS,
+        node=st.sampled_from(["charge"] * 4 + ["", "n\x00"]),
+        task=TASKS,
     )
-    def mark(self, pair: tuple[Lease, Lease], effect: Effect, ttl: float, node: str) -> None:
-        stamp = PendingEffect(effect, node, "task-1", pair[0].epoch)
+    def mark(
+        self, pair: tuple[Lease, Lease], effect: Effect, ttl: float, node: str, task: str
+    ) -> None:
+        stamp = PendingEffect(effect, node, task, pair[0].epoch)
         self.both(lambda repo, lease: repo.mark_pending_effect(lease, stamp, ttl), *pair)
 
-    @rule(pair=leases)
-    def clear(self, pair: tuple[Lease, Lease]) -> None:
-        self.both(lambda repo, lease: repo.clear_pending_effect(lease), *pair)
+    @rule(pair=leases, tasks=st.sets(TASKS) | st.none())
+    def clear(self, pair: tuple[Lease, Lease], tasks: set[str] | None) -> None:
+        self.both(lambda repo, lease: repo.clear_pending_effects(lease, tasks), *pair)
+
+    @rule(target=leases, pair=leases, holder=HOLDERS, ttl=TTLS)
+    def take_over(self, pair: tuple[Lease, Lease], holder: str, ttl: float) -> Any:
+        # The take and its verdict on the stamp set in one statement: the SQL stores must
+        # decide (and word the dead letter) as the model does.
+        expected, got = self.both(lambda repo, lease: repo.take_over(lease, holder, ttl), *pair)
+        if isinstance(expected, Lease):
+            return multiple((expected, got))
+        return multiple()
 
     @rule(key=KEYS, reason=REASONS, epoch=EPOCHS)
     def dead_letter(self, key: int, reason: str | None, epoch: int | None) -> None:

@@ -75,7 +75,7 @@ async def test_a_non_idempotent_write_in_flight_is_dead_lettered_by_the_take(
     assert decided.status is LeaseStatus.DEAD_LETTERED
     assert decided.epoch == 2 and decided.holder is None and decided.expires_at is None
     assert decided.pending_effect == pending  # kept, to show what may have happened
-    assert decided.reason == dead_letter_reason(pending, 2, "B")
+    assert decided.reason == dead_letter_reason([pending], 2, "B")
     assert "'charge'" in decided.reason and "token 1" in decided.reason
     # Ended: nobody takes it again, and the old holder is fenced.
     assert await lease_store.take_over(decided, "C", TTL) is None
@@ -184,7 +184,7 @@ async def test_two_instances_racing_never_both_take_or_both_dead_letter(
         await store.engine.dispose()
 
 
-async def test_a_clear_for_one_task_leaves_another_tasks_stamp(
+async def test_a_clear_for_one_task_leaves_another_tasks_entry(
     lease_store: ExecutionLeaseRepository, clock: ManualClock
 ) -> None:
     lease = await lease_store.acquire(LeaseKey(unique("t"), unique("e")), "A", TTL)
@@ -193,11 +193,52 @@ async def test_a_clear_for_one_task_leaves_another_tasks_stamp(
     second = PendingEffect(Effect.NON_IDEMPOTENT_WRITE, "email", "task-2", 1)
     await lease_store.mark_pending_effect(lease, first, TTL)
     lease = await lease_store.mark_pending_effect(lease, second, TTL)
-    # task-1's writes land after task-2 stamped: task-2's stamp must stand.
-    kept = await lease_store.clear_pending_effect(lease, "task-1")
-    assert kept.pending_effect == second
+    # task-1's writes land while task-2 is mid-write: task-2's entry must stand, and a
+    # takeover now must dead-letter, naming it.
+    kept = await lease_store.clear_pending_effects(lease, [first.key])
+    assert kept.pending_effects == (second,)
     assert (await lease_store.get(lease.key)) == kept
-    cleared = await lease_store.clear_pending_effect(lease, "task-2")
-    assert cleared.pending_effect is None
-    again = await lease_store.mark_pending_effect(lease, first, TTL)
-    assert (await lease_store.clear_pending_effect(again)).pending_effect is None  # any
+    clock.advance(TTL)
+    decided = await lease_store.take_over(kept, "B", TTL)
+    assert decided is not None and decided.status is LeaseStatus.DEAD_LETTERED
+    assert decided.reason == dead_letter_reason([second], 2, "B")
+    assert "node 'email' at token 1" in decided.reason
+
+
+@pytest.mark.parametrize("order", ["idempotent-first", "idempotent-last"])
+async def test_a_take_over_names_every_non_idempotent_entry_in_key_order(
+    lease_store: ExecutionLeaseRepository, clock: ManualClock, order: str
+) -> None:
+    lease = await lease_store.acquire(LeaseKey(unique("t"), unique("e")), "A", TTL)
+    assert lease is not None
+    entries = [
+        PendingEffect(Effect.NON_IDEMPOTENT_WRITE, "tools:send_email", "task-b", 1, call="e/1"),
+        PendingEffect(Effect.NON_IDEMPOTENT_WRITE, "charge 'x'", "task-a", 1),
+        PendingEffect(Effect.NON_IDEMPOTENT_WRITE, "tools:charge_card", "task-b", 1, call="c/2"),
+    ]
+    idempotent = PendingEffect(Effect.IDEMPOTENT_WRITE, "refresh", "task-c", 1)
+    stamps = [idempotent, *entries] if order == "idempotent-first" else [*entries, idempotent]
+    for effect in stamps:
+        lease = await lease_store.mark_pending_effect(lease, effect, TTL)
+    clock.advance(TTL)
+    decided = await lease_store.take_over(lease, "B", TTL)
+    assert decided is not None and decided.status is LeaseStatus.DEAD_LETTERED
+    named = sorted(entries, key=lambda e: e.key)
+    # The SQL stores build the reason in their one statement; it reads as the model's.
+    assert decided.reason == dead_letter_reason(named, 2, "B")
+    assert decided.pending_effects == tuple(sorted(stamps, key=lambda e: e.key))
+
+
+async def test_only_idempotent_entries_standing_resume_with_the_set_cleared(
+    lease_store: ExecutionLeaseRepository, clock: ManualClock
+) -> None:
+    lease = await lease_store.acquire(LeaseKey(unique("t"), unique("e")), "A", TTL)
+    assert lease is not None
+    for task in ("task-1", "task-2"):
+        lease = await lease_store.mark_pending_effect(
+            lease, PendingEffect(Effect.IDEMPOTENT_WRITE, "refresh", task, 1), TTL
+        )
+    clock.advance(TTL)
+    taken = await lease_store.take_over(lease, "B", TTL)
+    assert taken is not None and taken.status is LeaseStatus.RUNNING
+    assert taken.pending_effects == () and taken.holder == "B" and taken.epoch == 2

@@ -323,9 +323,9 @@ class Recording:
         self.events.append(f"stamp+renew {effect.node}")
         return await self.inner.mark_pending_effect(lease, effect, ttl)
 
-    async def clear_pending_effect(self, lease: Lease, task_id: str | None = None) -> Lease:
+    async def clear_pending_effects(self, lease: Lease, keys: Any = None) -> Lease:
         self.events.append("clear")
-        return await self.inner.clear_pending_effect(lease, task_id)
+        return await self.inner.clear_pending_effects(lease, keys)
 
 
 @pytest.mark.parametrize("saver_kind", ["sql", "memory"])

@@ -220,36 +220,100 @@ async def test_pending_effect_is_cleared_by_the_tasks_own_write(
     handle = await a.take(key)
     head = await put(a, thread, handle, None)
     effect = PendingEffect(Effect.NON_IDEMPOTENT_WRITE, "charge", "task-charge", handle.token)
+    other = PendingEffect(Effect.NON_IDEMPOTENT_WRITE, "email", "task-email", handle.token)
     await handle.mark_pending_effect(effect)
+    await handle.mark_pending_effect(other)
+    both = tuple(sorted((effect, other), key=lambda e: e.key))
 
     await a.saver.aput_writes(config(thread, handle, head), [("data", 1)], "another-task")
     stored = await a.leases.get(key)
-    assert stored is not None and stored.pending_effect == effect, "another task's write cleared"
-    assert handle.pending_effect == effect
+    assert stored is not None and stored.pending_effects == both, "another task's write cleared"
+    assert set(handle.pending_effects) == {effect.key, other.key}
 
     # A step that failed or was interrupted did not finish: nothing proves its effect did
-    # not start, so its error/interrupt write leaves the stamp standing.
+    # not start, so its error/interrupt write leaves the entry standing.
     for channel in (ERROR, INTERRUPT):
         await a.saver.aput_writes(config(thread, handle, head), [(channel, "x")], "task-charge")
         stored = await a.leases.get(key)
-        assert stored is not None and stored.pending_effect == effect, channel
-        assert handle.pending_effect == effect
+        assert stored is not None and stored.pending_effects == both, channel
 
     await a.saver.aput_writes(config(thread, handle, head), [("data", 2)], "task-charge")
     stored = await a.leases.get(key)
-    assert stored is not None and stored.pending_effect is None
-    assert handle.pending_effect is None and handle.lease.pending_effect is None
+    # Only the charge's entry went: the e-mail, still mid-write, stands.
+    assert stored is not None and stored.pending_effects == (other,)
+    assert set(handle.pending_effects) == {other.key}
+    assert handle.lease.pending_effects == (other,)
 
-    # A stale owner's stamp stands: its refused write clears nothing.
-    await handle.mark_pending_effect(effect)
+    # A stale owner's entry stands: its refused write clears nothing.
     clock.advance(TTL + 1)
     await b.take(key)
     with pytest.raises(ExecutionFencedError):
-        await a.saver.aput_writes(config(thread, handle, head), [("data", 3)], "task-charge")
+        await a.saver.aput_writes(config(thread, handle, head), [("data", 3)], "task-email")
     stored = await a.leases.get(key)
-    assert stored is not None and stored.pending_effect == effect
+    assert stored is not None and stored.pending_effects == (other,)
     landed = {w[1] for w in await rows(a.engine, "fence_checkpoint_writes", thread)}
     assert landed == {"another-task", "task-charge"}
+
+
+async def test_writes_whose_checkpoint_is_not_stored_clear_nothing(
+    workers: tuple[Worker, Worker],
+) -> None:
+    """Orphan writes (their checkpoint's own write failed or is still in flight) are seen by
+    no resume: a takeover resumes from the checkpoint before and would run the step again,
+    so they are no proof that it finished."""
+    a, _ = workers
+    thread = unique("thread")
+    key = LeaseKey("tenant", thread)
+    handle = await a.take(key)
+    head = await put(a, thread, handle, None)
+    missing = generate_checkpoint()["id"]  # a checkpoint that was never stored
+    effect = PendingEffect(
+        Effect.NON_IDEMPOTENT_WRITE, "charge", "task-charge", handle.token, checkpoint_id=missing
+    )
+    await handle.mark_pending_effect(effect)
+    await a.saver.aput_writes(config(thread, handle, missing), [("data", 1)], "task-charge")
+    stored = await a.leases.get(key)
+    assert stored is not None and stored.pending_effects == (effect,)
+    assert set(handle.pending_effects) == {effect.key}
+    # Its writes did land (they are the saver's to keep), under the run's token.
+    landed = {(w[0], w[1]) for w in await rows(a.engine, "fence_checkpoint_writes", thread)}
+    assert landed == {(missing, "task-charge")}
+    # The same writes on the stored checkpoint clear the entry.
+    await a.saver.aput_writes(config(thread, handle, head), [("data", 1)], "task-charge")
+    stored = await a.leases.get(key)
+    assert stored is not None and stored.pending_effects == ()
+
+
+async def test_a_root_checkpoint_clears_the_entries_of_the_supersteps_before_it(
+    workers: tuple[Worker, Worker],
+) -> None:
+    """With durability="exit" (no task writes are saved) and for writes that raced their
+    checkpoint, the next root checkpoint is what proves a step's writes were recorded."""
+    a, _ = workers
+    thread = unique("thread")
+    key = LeaseKey("tenant", thread)
+    handle = await a.take(key)
+    first = generate_checkpoint()["id"]
+    older = PendingEffect(Effect.NON_IDEMPOTENT_WRITE, "charge", "t1", 1, checkpoint_id=first)
+    unknown = PendingEffect(Effect.NON_IDEMPOTENT_WRITE, "legacy", "t0", 1)  # no superstep
+    await handle.mark_pending_effect(older)
+    await handle.mark_pending_effect(unknown)
+    # The checkpoint of the entry's own superstep clears nothing (its tasks are running).
+    checkpoint = generate_checkpoint()
+    checkpoint["id"] = first
+    await a.saver.aput(config(thread, handle), checkpoint, generate_metadata(), {})
+    stored = await a.leases.get(key)
+    assert stored is not None and {e.key for e in stored.pending_effects} == {"t0", "t1"}
+    # A subgraph's checkpoint clears nothing either: the root's next one does.
+    sub = {"configurable": {**config(thread, handle)["configurable"], "checkpoint_ns": "n:1"}}
+    await a.saver.aput(sub, generate_checkpoint(), generate_metadata(), {})
+    stored = await a.leases.get(key)
+    assert stored is not None and {e.key for e in stored.pending_effects} == {"t0", "t1"}
+    later = await put(a, thread, handle, first)
+    assert later > first
+    stored = await a.leases.get(key)
+    assert stored is not None and stored.pending_effects == (unknown,)
+    assert set(handle.pending_effects) == {"t0"}
 
 
 class State(TypedDict):

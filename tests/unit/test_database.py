@@ -131,7 +131,7 @@ async def test_a_lease_from_another_store_is_refused(
         "renew": lambda: lease_store.renew(foreign, 10),
         "release": lambda: lease_store.release(foreign, LeaseStatus.DONE),
         "mark": lambda: lease_store.mark_pending_effect(foreign, effect, 10),
-        "clear": lambda: lease_store.clear_pending_effect(foreign),
+        "clear": lambda: lease_store.clear_pending_effects(foreign),
     }
     for name, call in calls.items():
         with pytest.raises(ValueError, match="another store"):

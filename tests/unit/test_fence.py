@@ -194,7 +194,7 @@ async def test_mark_pending_effect_after_takeover_stamps_nothing() -> None:
     effect = PendingEffect(Effect.NON_IDEMPOTENT_WRITE, "charge", "task-1", 1)
     with pytest.raises(ExecutionFencedError):
         await handle.mark_pending_effect(effect)
-    assert handle.pending_effect is None
+    assert handle.pending_effects == {}
     assert await run.store.get(run.key) == newer
 
 

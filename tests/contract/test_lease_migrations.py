@@ -1,0 +1,101 @@
+"""The lease table's migrations keep what a live execution depends on.
+
+Version 3 moved the single pending-effect stamp (four columns) into the stamp set: a lease
+stamped before the upgrade must still dead-letter its takeover afterwards, with the same
+node and token named.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from langgraph_fence import Effect, LeaseKey, LeaseStatus, PendingEffect, SqlLeaseRepository
+from langgraph_fence.database import create_engine
+from langgraph_fence.migrations import migrate
+from langgraph_fence.schema import LEASE_MIGRATIONS
+from langgraph_fence.testing import ManualClock
+from tests.conftest import _pg_admin, pg_engine_options
+
+TTL = 10.0
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+async def fresh_engine(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[AsyncEngine]:
+    """An engine on an empty database: a new SQLite file, or a PostgreSQL schema of its own."""
+    if request.param == "sqlite":
+        engine = create_engine(f"sqlite+aiosqlite:///{tmp_path / 'old.db'}")
+        yield engine
+        await engine.dispose()
+        return
+    url, _ = request.getfixturevalue("pg_schema")
+    schema = f"lgf_migrate_{uuid.uuid4().hex[:12]}"
+    _pg_admin(url, f'CREATE SCHEMA "{schema}"')
+    engine = create_engine(url, **pg_engine_options(schema))
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
+        _pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+async def old_stamped_lease(engine: AsyncEngine, key: LeaseKey, clock: Callable[[], float]) -> None:
+    """A lease held at epoch 1 with a non-idempotent stamp, as version 2 stored it."""
+    await migrate(engine, "leases", LEASE_MIGRATIONS[:2])
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "INSERT INTO fence_leases (tenant_id, execution_id, scope_key, epoch, holder,"
+                " expires_at, status, pending_effect, pending_node, pending_task,"
+                " pending_token, updated_at) VALUES (:t, :e, :s, 1, 'A', :x, 'running',"
+                " 'non_idempotent_write', 'charge', 'task-1', 1, :now)"
+            ),
+            {
+                "t": key.tenant_id,
+                "e": key.execution_id,
+                "s": key.scope_key,
+                "x": clock() + TTL,
+                "now": clock(),
+            },
+        )
+
+
+async def test_an_old_stamp_survives_the_move_to_the_stamp_set(fresh_engine: AsyncEngine) -> None:
+    clock = ManualClock()
+    key = LeaseKey("acme", "order-42")
+    await old_stamped_lease(fresh_engine, key, clock)
+    store = SqlLeaseRepository(fresh_engine, clock=clock)
+    await store.setup()  # version 3
+    lease = await store.get(key)
+    assert lease is not None
+    assert lease.pending_effects == (
+        PendingEffect(Effect.NON_IDEMPOTENT_WRITE, "charge", "task-1", 1),
+    )
+    clock.advance(TTL)
+    decided = await store.take_over(lease, "B", TTL)
+    assert decided is not None and decided.status is LeaseStatus.DEAD_LETTERED
+    assert decided.reason is not None and "node 'charge' at token 1" in decided.reason
+
+
+async def test_an_unstamped_old_lease_has_an_empty_set(fresh_engine: AsyncEngine) -> None:
+    clock = ManualClock()
+    await migrate(fresh_engine, "leases", LEASE_MIGRATIONS[:2])
+    async with fresh_engine.begin() as conn:
+        await conn.execute(
+            text(
+                "INSERT INTO fence_leases (tenant_id, execution_id, scope_key, epoch, holder,"
+                " expires_at, status, updated_at) VALUES ('t', 'e', 't:e', 3, NULL, NULL,"
+                " 'done', 0)"
+            )
+        )
+    store = SqlLeaseRepository(fresh_engine, clock=clock)
+    await store.setup()
+    lease = await store.get(LeaseKey("t", "e"))
+    assert lease is not None and lease.pending_effects == () and lease.epoch == 3
