@@ -339,14 +339,18 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
             metadata=json.dumps(meta),
             run_id=None if run_id is None else str(run_id),
         )
-        await fault_point("checkpoint.before", config=config, checkpoint=checkpoint)
+        await fault_point(
+            "checkpoint.before", config=config, checkpoint=checkpoint, metadata=metadata
+        )
         if not await self._driver.put(row, blobs, guard):
             assert handle is not None
             raise await self._refused(handle, config, "aput")
         if guard is not None and guard.clear_keys:
             assert handle is not None
             handle.forget_pending_effects(guard.clear_keys)
-        await fault_point("checkpoint.after", config=config, checkpoint=checkpoint)
+        await fault_point(
+            "checkpoint.after", config=config, checkpoint=checkpoint, metadata=metadata
+        )
         return {
             "configurable": {
                 "thread_id": thread_id,

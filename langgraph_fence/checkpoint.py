@@ -375,7 +375,9 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             inner_config = await self._check_outside(handle, config, "aput")
         try:
             if not guarded:  # a fence-aware inner saver marks its own fault points
-                await fault_point("checkpoint.before", config=config, checkpoint=checkpoint)
+                await fault_point(
+                    "checkpoint.before", config=config, checkpoint=checkpoint, metadata=metadata
+                )
             saved = await self.inner.aput(inner_config, checkpoint, metadata, new_versions)
             keys = () if guarded else checkpoint_clear_keys(handle, config, checkpoint["id"])
             if keys:
@@ -383,7 +385,9 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
                 # entries standing, and their steps are dead-lettered instead of repeated.
                 await self._clear(handle, keys)
             if not guarded:
-                await fault_point("checkpoint.after", config=config, checkpoint=checkpoint)
+                await fault_point(
+                    "checkpoint.after", config=config, checkpoint=checkpoint, metadata=metadata
+                )
             return saved
         except ExecutionLeaseLostError as exc:
             raise refuse_write(handle, config, exc) from None

@@ -71,6 +71,22 @@ def pg_schema() -> Iterator[tuple[str, str]]:
     _pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
+@pytest.fixture
+def own_schema(pg_schema: tuple[str, str]) -> Iterator[tuple[str, str]]:
+    """``(url, schema)``: a schema of this test's own, dropped after it.
+
+    serve() looks at every execution in its schema: other tests' leftovers in the session's
+    schema must not change what these workers see.
+    """
+    url, _ = pg_schema
+    schema = f"lgf_chaos_{uuid.uuid4().hex[:12]}"
+    _pg_admin(url, f'CREATE SCHEMA "{schema}"')
+    try:
+        yield url, schema
+    finally:
+        _pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
 def pg_engine_options(schema: str) -> dict[str, Any]:
     """Engine options that put every connection in ``schema``."""
     return {"connect_args": {"server_settings": {"search_path": schema}}}

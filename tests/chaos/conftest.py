@@ -1,34 +1,16 @@
-"""What the real-process tests share: a PostgreSQL schema per test, and polling with a deadline."""
+"""What the real-process tests share: polling with a deadline (and ``own_schema``, from the
+top-level conftest)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import pytest
 
-from tests.conftest import _pg_admin
-
 T = TypeVar("T")
-
-
-@pytest.fixture
-def own_schema(pg_schema: tuple[str, str]) -> Iterator[tuple[str, str]]:
-    """``(url, schema)``: a schema of this test's own, dropped after it.
-
-    serve() looks at every execution in its schema: other tests' leftovers in the session's
-    schema must not change what these workers see.
-    """
-    url, _ = pg_schema
-    schema = f"lgf_chaos_{uuid.uuid4().hex[:12]}"
-    _pg_admin(url, f'CREATE SCHEMA "{schema}"')
-    try:
-        yield url, schema
-    finally:
-        _pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 async def poll(probe: Callable[[], Awaitable[T | None]], deadline: float, what: str) -> T:

@@ -1,0 +1,104 @@
+"""Never twice, in parallel too: write steps of one superstep killed mid-write, then taken over.
+
+Real processes on SQLite and PostgreSQL. Each kill is a process of its own, running one
+execution through ``Instance.ainvoke``: its slow write step has written and is still inside
+its step while the fast step's writes are stored, then the process is SIGKILLed. An
+instance in this process then takes every execution over with ``serve()``. With one stamp
+per lease the fast step's writes cleared the slow step's stamp and the takeover ran the
+slow write again (6 of 12 kills, reproduced on the first version); each task's entry of
+the stamp set now stands until that task's own writes are stored, so the takeover
+dead-letters, naming the slow write, and no write ever runs twice.
+
+``LGF_CHAOS_KILLS`` sets the kills per configuration (default 10).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from langgraph_fence import LeaseStatus
+from langgraph_fence.lease import Lease
+from tests.chaos.conftest import poll
+from tests.chaos.write_steps import Database, effects_of, spawn, take_over_all
+from tests.conftest import unique
+
+pytestmark = pytest.mark.chaos
+
+KILLS = int(os.environ.get("LGF_CHAOS_KILLS", "10"))
+DEADLINE = 120.0
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
+    if request.param == "sqlite":
+        return Database(f"sqlite+aiosqlite:///{tmp_path / 'fence.db'}", "")
+    url, schema = request.getfixturevalue("own_schema")
+    return Database(url, schema)
+
+
+async def kill_mid_write(
+    database: Database, variant: str, durability: str, directory: Path, ready_per_run: int
+) -> dict[str, tuple[Lease, list[str]]]:
+    """``KILLS`` processes, each killed while its slow writes are in flight; then a takeover.
+
+    Returns each execution's lease after the takeover, with the writes it performed.
+    """
+    (directory / "effects").mkdir()
+    (directory / "ready").mkdir()
+    ids = [unique(variant) for _ in range(KILLS)]
+    procs = [await spawn(database, variant, durability, directory, "-", [i]) for i in ids]
+    try:
+
+        async def all_ready() -> bool | None:
+            for execution_id, proc in zip(ids, procs, strict=True):
+                if proc.returncode is not None:
+                    log = (directory / f"doomed-{execution_id}.log").read_text()[-2000:]
+                    pytest.fail(f"a doomed worker exited {proc.returncode} before its kill:\n{log}")
+            ready = len(list((directory / "ready").iterdir()))
+            return True if ready >= ready_per_run * len(ids) else None
+
+        await poll(all_ready, time.monotonic() + DEADLINE, "every slow write to be in flight")
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGKILL)
+        codes = [await proc.wait() for proc in procs]
+    assert codes == [-signal.SIGKILL] * len(procs)
+    leases = await take_over_all(database, variant, directory, ids, deadline=DEADLINE)
+    return {i: (leases[i], effects_of(directory, i)) for i in ids}
+
+
+@pytest.mark.parametrize("durability", ["sync", "async"])
+@pytest.mark.parametrize("variant", ["pair-slow-first", "pair-slow-second"])
+async def test_a_slow_write_beside_a_fast_one_never_runs_twice(
+    database: Database, variant: str, durability: str, tmp_path: Path
+) -> None:
+    slow, fast = ("a", "b") if variant == "pair-slow-first" else ("b", "a")
+    outcome = await kill_mid_write(database, variant, durability, tmp_path, ready_per_run=1)
+    for execution_id, (lease, effects) in outcome.items():
+        where = f"{execution_id}: {effects}, {lease.status} {lease.reason}"
+        assert effects.count(slow) == 1, where  # written once, before the kill; never again
+        assert effects.count(fast) <= 1, where
+        # The slow step never recorded its writes: its entry stood, the takeover saw it.
+        assert lease.status is LeaseStatus.DEAD_LETTERED, where
+        assert lease.reason is not None and f"node '{slow}' at token 1" in lease.reason, where
+
+
+@pytest.mark.parametrize("durability", ["sync", "async"])
+async def test_a_send_fan_out_killed_with_two_charges_mid_write_never_repeats_one(
+    database: Database, durability: str, tmp_path: Path
+) -> None:
+    outcome = await kill_mid_write(database, "fanout", durability, tmp_path, ready_per_run=2)
+    for execution_id, (lease, effects) in outcome.items():
+        where = f"{execution_id}: {effects}, {lease.status} {lease.reason}"
+        for i in range(4):
+            assert effects.count(f"charge-{i}") <= 1, where
+        assert effects.count("charge-2") == effects.count("charge-3") == 1, where
+        assert lease.status is LeaseStatus.DEAD_LETTERED, where
+        # Both slow Send tasks' entries stood (each task has its own).
+        assert lease.reason is not None and lease.reason.count("node 'charge'") >= 2, where

@@ -1,0 +1,330 @@
+"""Graphs with non-idempotent write steps, and a worker script that is killed mid-run.
+
+Every write appends one line (``node token pid``) to ``EFFECTS_DIR/<execution id>``, a file
+of its own per execution: a line written before a SIGKILL is on disk, so a repeated write
+shows as a second line. The graphs (``build_graph(instance, variant, doomed=...)``):
+
+* ``pair-slow-first`` / ``pair-slow-second``: START -> (a, b) -> END, both
+  ``NON_IDEMPOTENT_WRITE``, in one superstep; the slow one is ``a`` or ``b``.
+* ``fanout``: START -> Send x4 -> ``charge`` (``NON_IDEMPOTENT_WRITE``); tasks 0 and 1 are
+  fast, 2 and 3 slow.
+* ``linear``: START -> hold -> charge -> receipt -> END, only ``charge`` a write.
+
+In a *doomed* process a slow task writes, then waits until the fast tasks' writes are
+stored (they are in the latest checkpoint's pending writes), writes
+``READY_DIR/<execution id>.<node>`` and waits to be killed: the moment at which one stamp
+per lease lost the slow write (the fast writes had cleared the only stamp). Anywhere else
+(the taker) every task just writes and returns.
+
+The script::
+
+    python -m tests.chaos.write_steps URL SCHEMA TENANT VARIANT DURABILITY TTL DIR FAULT IDS...
+
+runs one execution per id (thread = execution id) through ``Instance.ainvoke``, doomed.
+FAULT is ``-`` or a fault point (``langgraph_fence.faults.FAULT_POINTS``): the process then
+SIGKILLs itself the first time it reaches that point after the ``charge`` step began
+(``linear`` only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import operator
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, TypedDict
+
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import Send
+
+from langgraph_fence import (
+    Effect,
+    Instance,
+    LeaseKey,
+    LeaseStatus,
+    fence_graph,
+    get_execution_context,
+)
+from langgraph_fence.faults import arm_fault
+from langgraph_fence.lease import Lease
+
+VARIANTS = ("pair-slow-first", "pair-slow-second", "fanout", "linear")
+SLOW_WAIT = 60.0  # a doomed slow task waits this long at most for its kill
+
+
+class State(TypedDict, total=False):
+    log: Annotated[list[str], operator.add]
+    i: int
+
+
+def graph_name(variant: str) -> str:
+    return f"write_steps_{variant.replace('-', '_')}"
+
+
+def effects_of(directory: Path, execution_id: str) -> list[str]:
+    """The nodes that performed their write for ``execution_id``, one entry per write."""
+    path = directory / "effects" / execution_id
+    if not path.exists():
+        return []
+    return [line.split()[0] for line in path.read_text().splitlines() if line.strip()]
+
+
+def _record_effect(directory: Path, node: str) -> None:
+    frame = get_execution_context()
+    path = directory / "effects" / frame.thread_id
+    # O_APPEND: one write per line, each whole; it survives the process's SIGKILL.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, f"{node} {frame.fence.token} {os.getpid()}\n".encode())
+    finally:
+        os.close(fd)
+
+
+async def _wait_for_fast_writes(instance: Instance, thread: str, count: int) -> None:
+    """Until ``count`` tasks other than this one have their writes stored."""
+    me = get_execution_context().task_id
+    config: Any = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + SLOW_WAIT
+    while loop.time() < deadline:
+        found = await instance.checkpointer.aget_tuple(config)
+        writers = {w[0] for w in (found.pending_writes or [])} if found else set()
+        if len(writers - {me}) >= count:
+            return
+        await asyncio.sleep(0.02)
+    raise TimeoutError("the fast tasks' writes never showed")
+
+
+def build_graph(
+    instance: Instance,
+    variant: str,
+    directory: Path,
+    *,
+    doomed: bool,
+    on_effect: Callable[[str], None] | None = None,
+) -> Any:
+    """The compiled graph of ``variant`` (see the module docstring); ``on_effect(node)`` is
+    called right after each write."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+
+    def effect(node: str) -> None:
+        _record_effect(directory, node)
+        if on_effect is not None:
+            on_effect(node)
+
+    async def write(node: str, *, slow: bool, fast_writers: int) -> dict[str, Any]:
+        effect(node)
+        if doomed and slow:
+            thread = get_execution_context().thread_id
+            await _wait_for_fast_writes(instance, thread, fast_writers)
+            (directory / "ready" / f"{thread}.{node}").write_text("ready")
+            await asyncio.sleep(SLOW_WAIT)  # the kill lands here, mid-step
+        return {"log": [node]}
+
+    builder = StateGraph(State)
+    effects: dict[str, Effect] = {}
+    if variant.startswith("pair-"):
+        slow = "a" if variant == "pair-slow-first" else "b"
+        for node in ("a", "b"):
+
+            async def body(state: State, _node: str = node) -> dict[str, Any]:
+                return await write(_node, slow=_node == slow, fast_writers=1)
+
+            builder.add_node(node, body)
+            builder.add_edge(START, node)
+            builder.add_edge(node, END)
+            effects[node] = Effect.NON_IDEMPOTENT_WRITE
+    elif variant == "fanout":
+
+        async def charge(state: State) -> dict[str, Any]:
+            i = state["i"]
+            return await write(f"charge-{i}", slow=i >= 2, fast_writers=2)
+
+        def fan_out(state: State) -> list[Send]:
+            return [Send("charge", {"i": i}) for i in range(4)]
+
+        builder.add_node("charge", charge)
+        builder.add_conditional_edges(START, fan_out, ["charge"])
+        builder.add_edge("charge", END)
+        effects["charge"] = Effect.NON_IDEMPOTENT_WRITE
+    else:
+
+        async def hold(state: State) -> dict[str, Any]:
+            return {"log": ["hold"]}
+
+        async def charge_once(state: State) -> dict[str, Any]:
+            effect("charge")
+            return {"log": ["charge"]}
+
+        async def receipt(state: State) -> dict[str, Any]:
+            return {"log": ["receipt"]}
+
+        for name, node in (("hold", hold), ("charge", charge_once), ("receipt", receipt)):
+            builder.add_node(name, node)
+        builder.add_edge(START, "hold")
+        builder.add_edge("hold", "charge")
+        builder.add_edge("charge", "receipt")
+        builder.add_edge("receipt", END)
+        effects["charge"] = Effect.NON_IDEMPOTENT_WRITE
+    return fence_graph(builder, effects=effects).compile(
+        checkpointer=instance.checkpointer, name=graph_name(variant)
+    )
+
+
+def engine_options(url: str, schema: str) -> dict[str, Any]:
+    if url.startswith("sqlite"):
+        return {}
+    return {"connect_args": {"server_settings": {"search_path": schema}}}
+
+
+# -- for the tests: start doomed processes, take their executions over
+
+ROOT = Path(__file__).resolve().parents[2]
+DOOMED_TTL = 3.0  # long enough for ten processes starting at once on two cores
+TENANT = "acme"
+ENDED = frozenset({LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED, LeaseStatus.FAILED})
+
+
+@dataclass(frozen=True)
+class Database:
+    """Where the processes of one test meet: a SQLite file, or a PostgreSQL schema."""
+
+    url: str
+    schema: str
+
+
+async def spawn(
+    database: Database, variant: str, durability: str, directory: Path, fault: str, ids: list[str]
+) -> asyncio.subprocess.Process:
+    # A file of its own per process, kept for a failure's post-mortem.
+    log = os.open(directory / f"doomed-{ids[0]}.log", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        return await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tests.chaos.write_steps",
+            database.url,
+            database.schema or "-",
+            TENANT,
+            variant,
+            durability,
+            str(DOOMED_TTL),
+            str(directory),
+            fault,
+            *ids,
+            cwd=ROOT,
+            stdout=log,
+            stderr=log,
+        )
+    finally:
+        os.close(log)
+
+
+async def take_over_all(
+    database: Database, variant: str, directory: Path, ids: list[str], *, deadline: float
+) -> dict[str, Lease]:
+    """Serve ``variant`` from this process until every execution of ``ids`` has ended."""
+    from tests.chaos.conftest import poll  # here: the doomed processes need no pytest
+
+    async with Instance.open(
+        database.url,
+        engine_options=engine_options(database.url, database.schema),
+        instance_id="taker",
+        lease_ttl=DOOMED_TTL,
+    ) as taker:
+        graph = build_graph(taker, variant, directory, doomed=False)
+        stop = asyncio.Event()
+        serving = asyncio.create_task(
+            taker.serve(
+                {graph_name(variant): graph}, poll_interval=0.05, stop=stop, handle_signals=False
+            )
+        )
+
+        async def all_ended() -> dict[str, Lease] | None:
+            leases = {i: await taker.repository.get(LeaseKey(TENANT, i)) for i in ids}
+            if all(lease is not None and lease.status in ENDED for lease in leases.values()):
+                return {i: lease for i, lease in leases.items() if lease is not None}
+            return None
+
+        try:
+            return await poll(all_ended, time.monotonic() + deadline, "every takeover to end")
+        finally:
+            stop.set()
+            await asyncio.wait_for(serving, 30)
+
+
+def _kill_after_charge(point: str, charge_began: list[bool]) -> Any:
+    def action(context: Mapping[str, Any]) -> None:
+        if point == "stamp.after":
+            hit = context["effect"].node == "charge"
+        elif point == "effect.after":
+            hit = context["node"] == "charge"
+        else:
+            hit = bool(charge_began)
+        if hit:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return action
+
+
+async def doomed(
+    url: str,
+    schema: str,
+    tenant: str,
+    variant: str,
+    durability: str,
+    ttl: float,
+    directory: Path,
+    fault: str,
+    ids: list[str],
+) -> int:
+    async with Instance.open(
+        url,
+        engine_options=engine_options(url, schema),
+        instance_id=f"doomed-{os.getpid()}",
+        lease_ttl=ttl,
+    ) as instance:
+        charge_began: list[bool] = []
+        graph = build_graph(
+            instance,
+            variant,
+            directory,
+            doomed=True,
+            on_effect=lambda _n: charge_began.append(True),
+        )
+
+        async def run(execution_id: str) -> None:
+            await instance.ainvoke(
+                graph,
+                {"log": []},
+                {"configurable": {"thread_id": execution_id}},
+                tenant_id=tenant,
+                durability=durability,  # type: ignore[arg-type]
+            )
+
+        if fault == "-":
+            await asyncio.gather(*(run(i) for i in ids))
+        else:
+            with arm_fault(fault, _kill_after_charge(fault, charge_began)):
+                await asyncio.gather(*(run(i) for i in ids))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 9:
+        print(__doc__, file=sys.stderr)
+        return 2
+    url, schema, tenant, variant, durability, ttl, directory, fault, *ids = argv
+    return asyncio.run(
+        doomed(url, schema, tenant, variant, durability, float(ttl), Path(directory), fault, ids)
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
