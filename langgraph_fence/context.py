@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from .effects import Effect
 from .errors import ExecutionContextUnavailableError
@@ -12,9 +14,17 @@ from .fence import ExecutionFence, RunHandle
 
 __all__ = [
     "CONTEXT_CONFIG_KEY",
+    "STAMP_AT",
     "ExecutionContext",
+    "StampAt",
     "get_execution_context",
 ]
+
+#: Where a write step is stamped: before its whole body (the default, fail-closed), or
+#: where its body enters ``side_effect()`` (what runs before, an approval or a
+#: model call, is then safe to repeat). See :meth:`ExecutionContext.side_effect`.
+StampAt = Literal["body", "effect"]
+STAMP_AT: tuple[StampAt, ...] = ("body", "effect")
 
 #: Where the frame is also placed in the step's ``config["configurable"]``.
 CONTEXT_CONFIG_KEY = "execution_context"
@@ -55,6 +65,28 @@ class ExecutionContext:
     # stamps the step makes are cleared by a later root checkpoint.
     _superstep: str = ""
 
+    @asynccontextmanager
+    async def side_effect(self) -> AsyncIterator[None]:
+        """Mark where the step's side effect starts: ``async with ctx.side_effect(): ...``.
+
+        In a write step declared with ``stamp="effect"`` (``@fenced(..., stamp="effect")``,
+        ``fence_tools(..., stamp_at_effect=[...])``) the stamp and its renewal (one guarded
+        write) happen here, not before the body: what the body does before (an
+        ``interrupt()`` asking for approval, a model call) is safe to repeat, and a takeover
+        that finds no stamp resumes the step. Inside the block the step is a write in
+        flight: a takeover dead-letters it. In a step stamped before its body, the block
+        only checks that the lease is held.
+
+        Raises:
+            ExecutionFencedError: the lease was taken over (nothing was stamped).
+        """
+        self.fence.assert_held()
+        deferred = _deferred.get()
+        if deferred is not None and not deferred.done:
+            await deferred.stamp()
+            deferred.done = True
+        yield
+
     @property
     def tenant_id(self) -> str:
         """The tenant of the lease."""
@@ -87,6 +119,30 @@ def get_execution_context() -> ExecutionContext:
 def current_frame() -> ExecutionContext | None:
     """The running frame, or ``None`` (no error)."""
     return _current.get()
+
+
+class _DeferredStamp:
+    """The stamp a ``stamp="effect"`` step makes when its body enters ``side_effect()``."""
+
+    __slots__ = ("done", "stamp")
+
+    def __init__(self, stamp: Callable[[], Awaitable[Any]]) -> None:
+        self.stamp = stamp
+        self.done = False
+
+
+_deferred: ContextVar[_DeferredStamp | None] = ContextVar(
+    "langgraph_fence_deferred_stamp", default=None
+)
+
+
+def _defer_stamp(stamp: Callable[[], Awaitable[Any]]) -> Any:
+    """Until the returned token is reset, ``side_effect()`` in this context makes ``stamp``."""
+    return _deferred.set(_DeferredStamp(stamp))
+
+
+def _reset_deferred(token: Any) -> None:
+    _deferred.reset(token)
 
 
 def _set_frame(frame: ExecutionContext | None) -> Any:

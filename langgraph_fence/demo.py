@@ -116,7 +116,7 @@ def _build_graph(timeline: _Timeline, engine: Any, frozen: dict[str, asyncio.Eve
     async def charge_card(state: Order) -> dict[str, Any]:
         frame = get_execution_context()
         worker = _worker.get()
-        timeline.add(worker, frame.fence.token, "charge_card: stamped pending_effect, begins")
+        timeline.add(worker, frame.fence.token, "charge_card: stamped its pending effect, begins")
         thaw = frozen.get(worker)
         if thaw is not None:
             timeline.add(worker, frame.fence.token, "frozen inside charge_card (GC pause)")

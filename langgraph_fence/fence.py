@@ -21,6 +21,7 @@ from langgraph.errors import GraphDrained
 
 from .errors import (
     ExecutionContextUnavailableError,
+    ExecutionDeadLetteredError,
     ExecutionFencedError,
     ExecutionLeaseLostError,
 )
@@ -83,6 +84,10 @@ class RunHandle:
         # The entries of the stamp set this run made and has not seen cleared, by key: what
         # its own writes and checkpoints may clear, and what the refuse-to-repeat rule reads.
         self.pending_effects: dict[str, PendingEffect] = {}
+        # Once a write step is dead-lettered the run is dead, whatever catches the error (a
+        # tool-retry wrapper, a try/except in a node): every later step and tool body of the
+        # run is refused with it, and the run ends dead-lettered.
+        self.dead_letter: ExecutionDeadLetteredError | None = None
         self._listeners: list[StopListener] = []
         # The loop the run's store calls belong to; sync steps running in worker threads
         # submit their guarded writes to it.
@@ -194,6 +199,29 @@ class RunHandle:
                     token_seen=None,
                 )
             )
+
+    def record_dead_letter(self, error: ExecutionDeadLetteredError) -> ExecutionDeadLetteredError:
+        """Record that the run is dead-lettered; returns the first dead letter recorded."""
+        if self.dead_letter is None:
+            self.dead_letter = error
+            logger.warning(
+                "execution %s at token %s dead-lettered: %s",
+                self.scope_key,
+                self.token,
+                error,
+                extra={"scope_key": self.scope_key, "token": self.token},
+            )
+        return self.dead_letter
+
+    def check_alive(self) -> None:
+        """Raise the recorded fencing error, else the run's dead letter: no I/O.
+
+        Where a step or a tool body is about to start.
+        """
+        if self.error is not None:
+            raise self.error
+        if self.dead_letter is not None:
+            raise self.dead_letter
 
     async def renew(self) -> Lease:
         """A strict renewal: one guarded round trip; a refusal is recorded and raised.

@@ -466,8 +466,8 @@ class Instance:
         if lease.pending_effects:
             standing = non_idempotent_standing(lease)
             if standing:
-                # The same decision, and the same reason, as serve()'s take_over.
-                reason = dead_letter_reason(standing, lease.epoch, self.instance_id)
+                # The same decision as serve()'s take_over.
+                reason = dead_letter_reason(standing, lease.epoch, self.instance_id, how="resumed")
                 await self.repository.dead_letter(key, reason, epoch=lease.epoch)
                 raise ExecutionDeadLetteredError(
                     f"execution {key.scope_key!r} was dead-lettered: {reason}"
@@ -555,6 +555,11 @@ class Instance:
         handle = run.handle
         if handle.error is not None:
             raise handle.error
+        if handle.dead_letter is not None:
+            # The graph ended "normally" because something caught the dead letter (a
+            # tool-retry wrapper answering the model, a try/except): the run is dead all the same.
+            await self._dead_letter(handle, handle.dead_letter)
+            raise handle.dead_letter
         state = await graph.aget_state(run.base_config)
         status = LeaseStatus.WAITING if state.next else LeaseStatus.DONE
         await self._release(run, status, None)
@@ -569,10 +574,9 @@ class Instance:
         if handle.error is not None:
             await self._classify_loss(handle)
             raise handle.error
-        dead = find_error(exc, ExecutionDeadLetteredError)
+        dead = handle.dead_letter or find_error(exc, ExecutionDeadLetteredError)
         if dead is not None:
-            await self.repository.dead_letter(handle.key, str(dead), epoch=handle.token)
-            logger.warning("run %s dead-lettered: %s", handle.scope_key, dead)
+            await self._dead_letter(handle, dead)
             if dead is not exc:
                 raise dead  # keeps its own cause: the error the write failed with
             return
@@ -585,6 +589,15 @@ class Instance:
         else:
             reason = f"{type(exc).__name__}: {exc}"
         await self._release(run, LeaseStatus.FAILED, reason)
+
+    async def _dead_letter(self, handle: RunHandle, dead: ExecutionDeadLetteredError) -> None:
+        await self.repository.dead_letter(handle.key, str(dead), epoch=handle.token)
+        logger.warning(
+            "run %s dead-lettered: %s",
+            handle.scope_key,
+            dead,
+            extra={"scope_key": handle.scope_key, "token": handle.token},
+        )
 
     async def _classify_loss(self, handle: RunHandle) -> None:
         """After a lapse, ask the store once whether the run was taken over.

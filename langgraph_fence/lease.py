@@ -479,10 +479,13 @@ def standing_writes(effects: Iterable[PendingEffect]) -> str:
     return ", ".join(f"node '{e.node}' at token {e.token}" for e in effects)
 
 
-def dead_letter_reason(effects: Sequence[PendingEffect], epoch: int, holder: str) -> str:
-    """Why a takeover dead-lettered an execution found mid non-idempotent write(s)."""
+def dead_letter_reason(
+    effects: Sequence[PendingEffect], epoch: int, holder: str, *, how: str = "taken over"
+) -> str:
+    """Why an execution found mid non-idempotent write(s) was dead-lettered when it was
+    ``how`` (``"taken over"`` by ``serve()``, ``"resumed"`` by a new run of the thread)."""
     return (
-        f"taken over at token {epoch} by {holder}: non-idempotent writes stamped and never "
+        f"{how} at token {epoch} by {holder}: non-idempotent writes stamped and never "
         f"cleared: {standing_writes(effects)}; they may have happened, so the execution is not "
         "repeated"
     )

@@ -19,10 +19,19 @@ from typing import Any, TypeVar, overload
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.config import get_config
-from langgraph.errors import GraphBubbleUp
+from langgraph.errors import GraphBubbleUp, GraphInterrupt
 from langgraph.types import RetryPolicy
 
-from .context import CONTEXT_CONFIG_KEY, ExecutionContext, _reset_frame, _set_frame
+from .context import (
+    CONTEXT_CONFIG_KEY,
+    STAMP_AT,
+    ExecutionContext,
+    StampAt,
+    _defer_stamp,
+    _reset_deferred,
+    _reset_frame,
+    _set_frame,
+)
 from .effects import Effect, standing_non_idempotent
 from .errors import (
     ExecutionContextUnavailableError,
@@ -95,13 +104,27 @@ def handle_of(config: Any, *, node: str) -> RunHandle:
 class _Step:
     """One step's frame: entered before the body, left after it, on every path."""
 
-    __slots__ = ("_reset", "_unsubscribe", "config", "effect", "frame", "handle", "node")
+    __slots__ = (
+        "_deferred",
+        "_reset",
+        "_unsubscribe",
+        "config",
+        "effect",
+        "frame",
+        "handle",
+        "node",
+        "stamp_at",
+    )
 
-    def __init__(self, node: str, effect: Effect, config: RunnableConfig) -> None:
+    def __init__(
+        self, node: str, effect: Effect, config: RunnableConfig, stamp_at: StampAt = "body"
+    ) -> None:
         self.node = node
         self.effect = effect
         self.config = config
+        self.stamp_at = stamp_at
         self.handle = handle_of(config, node=node)
+        self._deferred: Any = None
         self._reset: Any = None
         self._unsubscribe: Callable[[], None] | None = None
         self.frame: ExecutionContext | None = None
@@ -156,17 +179,26 @@ class _Step:
         """
         standing = self._standing_non_idempotent()
         if standing is not None:
-            raise WriteDeadLetteredError(
-                f"node {standing.node!r} of execution {self.handle.scope_key!r} is a "
-                f"non-idempotent write whose earlier attempt (token {standing.token}) may have "
-                "happened: it is not repeated; the execution is dead-lettered"
+            raise self.handle.record_dead_letter(
+                WriteDeadLetteredError(
+                    f"node {standing.node!r} of execution {self.handle.scope_key!r} is a "
+                    f"non-idempotent write whose earlier attempt (token {standing.token}) may have "
+                    "happened: it is not repeated; the execution is dead-lettered"
+                )
             )
 
     async def enter_async(self) -> None:
         self.handle.check()
+        self.handle.check_alive()
         self._refuse_repeat()
         if self.effect.is_write:
-            await self.handle.mark_pending_effect(self._pending())
+            if self.stamp_at == "body":
+                await self.handle.mark_pending_effect(self._pending())
+            else:
+                # Stamped where the body enters ctx.side_effect(): what runs before it
+                # (an approval, a model call) is safe to repeat.
+                handle, pending = self.handle, self._pending()
+                self._deferred = _defer_stamp(lambda: handle.mark_pending_effect(pending))
         self._enter_frame()
         task = asyncio.current_task()
         if task is not None:
@@ -184,6 +216,7 @@ class _Step:
     def enter_sync(self) -> None:
         """Enter from a worker thread (a sync node); guarded writes go to the run's loop."""
         self.handle.check()
+        self.handle.check_alive()
         self._refuse_repeat()
         if self.effect.is_write:
             loop = self.handle.loop
@@ -200,6 +233,9 @@ class _Step:
         self._enter_frame()
 
     def leave(self) -> None:
+        if self._deferred is not None:
+            _reset_deferred(self._deferred)
+            self._deferred = None
         if self._unsubscribe is not None:
             self._unsubscribe()
         if self.frame is not None:
@@ -215,11 +251,28 @@ class _Step:
             return self.handle.record(found)
         if self.handle.error is not None:
             return self.handle.error
+        if self.handle.dead_letter is not None:
+            return self.handle.dead_letter  # whatever the step raised after it
         if not isinstance(exc, Exception) or isinstance(exc, ExecutionDeadLetteredError):
             return exc
+        if isinstance(exc, GraphInterrupt) and self._standing_non_idempotent() is not None:
+            # interrupt() while this step's non-idempotent entry stands (stamped before the
+            # body, or inside side_effect()): nothing tells whether the write began, so the
+            # resume could only be dead-lettered. Say so now, with the fix.
+            dead = WriteDeadLetteredError(
+                f"interrupted inside a non-idempotent step: node {self.node!r} of execution "
+                f"{self.handle.scope_key!r} called interrupt() while its write was stamped "
+                f"(token {self.handle.token}), so its resume could repeat the write; the "
+                "execution is dead-lettered. Ask for approval before the write: declare the "
+                "step with stamp='effect' (@fenced(effect=..., stamp='effect'), or "
+                "fence_tools(..., stamp_at_effect=[...])) and put the write in "
+                "`async with get_execution_context().side_effect():` after interrupt(), or "
+                "put the approval in a node of its own"
+            )
+            dead.__cause__ = exc
+            return self.handle.record_dead_letter(dead)
         if isinstance(exc, GraphBubbleUp):
-            # An interrupt or a drain is control flow, not a failed write. A stamp it leaves
-            # standing is judged where the execution resumes (fail-closed there).
+            # An interrupt or a drain is control flow, not a failed write.
             return exc
         stamped_here = self._standing_non_idempotent() is not None
         if self.effect is Effect.NON_IDEMPOTENT_WRITE or stamped_here:
@@ -233,12 +286,13 @@ class _Step:
                 "dead-lettered"
             )
             dead.__cause__ = exc
-            return dead
+            return self.handle.record_dead_letter(dead)
         return exc
 
     def success(self) -> None:
-        if self.handle.error is not None:
-            raise self.handle.error
+        # A dead letter caught inside the step (a try/except around a fenced call) still
+        # ends it: the run is dead.
+        self.handle.check_alive()
 
 
 async def _run_async(step: _Step, call: Callable[[], Awaitable[Any]]) -> Any:
@@ -286,11 +340,13 @@ def _run_sync(step: _Step, call: Callable[[], Any]) -> Any:
     return result
 
 
-def _wrap_async(fn: Callable[..., Awaitable[Any]], node: str | None, effect: Effect) -> Any:
+def _wrap_async(
+    fn: Callable[..., Awaitable[Any]], node: str | None, effect: Effect, stamp: StampAt = "body"
+) -> Any:
     @functools.wraps(fn)
     async def fenced_node(*args: Any, **kwargs: Any) -> Any:
         name = node or fn.__name__
-        step = _Step(name, effect, _step_config(name, kwargs))
+        step = _Step(name, effect, _step_config(name, kwargs), stamp)
         return await _run_async(step, lambda: fn(*args, **kwargs))
 
     setattr(fenced_node, EFFECT_ATTRIBUTE, effect)
@@ -308,10 +364,28 @@ def _wrap_sync(fn: Callable[..., Any], node: str | None, effect: Effect) -> Any:
     return fenced_node
 
 
-def _wrap(fn: Callable[..., Any], node: str | None, effect: Effect) -> Any:
+def _wrap(fn: Callable[..., Any], node: str | None, effect: Effect, stamp: StampAt) -> Any:
     if inspect.iscoroutinefunction(fn):
-        return _wrap_async(fn, node, effect)
+        return _wrap_async(fn, node, effect, stamp)
+    if stamp != "body":
+        raise ValueError(
+            f"stamp={stamp!r} needs an async node (side_effect() is an async context "
+            f"manager): make {getattr(fn, '__name__', fn)!r} an `async def`, or keep "
+            "stamp='body'"
+        )
     return _wrap_sync(fn, node, effect)
+
+
+def check_stamp_at(stamp: object, effect: Effect, *, name: str = "stamp") -> StampAt:
+    """``stamp`` if it is a :data:`~langgraph_fence.context.StampAt`, else ``ValueError``."""
+    if stamp not in STAMP_AT:
+        raise ValueError(f"{name} must be one of {', '.join(STAMP_AT)}, got {stamp!r}")
+    if stamp == "effect" and not effect.is_write:
+        raise ValueError(
+            f"{name}='effect' is for write steps (it defers their stamp); this one is "
+            f"{effect.value}: declare its effect, or drop {name}"
+        )
+    return stamp
 
 
 @overload
@@ -319,7 +393,9 @@ def fenced(fn: F, /) -> F: ...
 
 
 @overload
-def fenced(*, effect: Effect = Effect.READ_ONLY, name: str | None = None) -> Callable[[F], F]: ...
+def fenced(
+    *, effect: Effect = Effect.READ_ONLY, name: str | None = None, stamp: StampAt = "body"
+) -> Callable[[F], F]: ...
 
 
 def fenced(
@@ -328,6 +404,7 @@ def fenced(
     *,
     effect: Effect = Effect.READ_ONLY,
     name: str | None = None,
+    stamp: StampAt = "body",
 ) -> Any:
     """Run a node function under the run's lease: ``@fenced`` or ``@fenced(effect=...)``.
 
@@ -343,20 +420,29 @@ def fenced(
     (``config``, ``runtime``, ``store``, ``writer``). A fenced node run without a lease
     refuses with :class:`~langgraph_fence.ExecutionContextUnavailableError`.
 
+    An ``interrupt()`` while the step's non-idempotent stamp stands dead-letters the
+    execution at once (its resume could repeat the write), naming the fix: declare the
+    step ``stamp="effect"`` and ask for approval before ``side_effect()``.
+
     Args:
         effect: what the node does to the world (default ``READ_ONLY``).
         name: the node's name in frames and stamps (default: the function's name).
+        stamp: ``"body"`` (default): a write step is stamped before its body starts.
+            ``"effect"`` (async write nodes): stamped where the body enters
+            ``async with get_execution_context().side_effect():``; what runs before it
+            (an ``interrupt()`` for approval, a model call) is safe to repeat.
     """
     _check_effect(effect)
+    stamp = check_stamp_at(stamp, effect)
     if fn is not None:
         if not callable(fn):
             raise ValueError(f"fenced() decorates a node function, got {fn!r}")
-        return _wrap(fn, name, effect)
+        return _wrap(fn, name, effect, stamp)
 
     def decorate(f: Callable[..., Any]) -> Any:
         if not callable(f):
             raise ValueError(f"fenced() decorates a node function, got {f!r}")
-        return _wrap(f, name, effect)
+        return _wrap(f, name, effect, stamp)
 
     return decorate
 

@@ -31,11 +31,17 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextvars import ContextVar
 from typing import Any, cast
 
-from langchain_core.tools import BaseTool
+from langchain_core.tools import BaseTool, StructuredTool
 from langchain_core.tools import tool as create_tool
 from langgraph.errors import GraphBubbleUp
 
-from .context import ExecutionContext, current_frame
+from .context import (
+    ExecutionContext,
+    StampAt,
+    _defer_stamp,
+    _reset_deferred,
+    current_frame,
+)
 from .effects import Effect, standing_non_idempotent
 from .errors import (
     ExecutionContextUnavailableError,
@@ -44,7 +50,7 @@ from .errors import (
 )
 from .fence import RunHandle
 from .lease import PendingEffect
-from .nodes import _check_effect
+from .nodes import _check_effect, check_stamp_at
 
 __all__ = ["fence_tools"]
 
@@ -52,6 +58,8 @@ logger = logging.getLogger(__name__)
 
 #: Set on the class of a fenced tool; holds the tool's declared :class:`Effect`.
 EFFECT_ATTRIBUTE = "__langgraph_fence_effect__"
+#: Set on the class of a fenced tool; where its write is stamped (``"body"``/``"effect"``).
+STAMP_ATTRIBUTE = "__langgraph_fence_stamp__"
 
 
 class _RunTools:
@@ -111,12 +119,14 @@ def _refuse_repeat(frame: ExecutionContext, tool: BaseTool) -> None:
         return
     stamped_in = _run_tools(handle).stamped_in.get(frame.task_id)
     if stamped_in is not None and stamped_in < frame.attempt:
-        raise WriteDeadLetteredError(
-            f"node {frame.node!r} of execution {handle.scope_key!r} is being retried "
-            f"(attempt {frame.attempt}) after a non-idempotent tool call {standing.node!r} "
-            f"of attempt {stamped_in} (token {standing.token}) that may have happened: tool "
-            f"{tool.name!r} does not run, nothing is repeated, and the execution is "
-            "dead-lettered"
+        raise handle.record_dead_letter(
+            WriteDeadLetteredError(
+                f"node {frame.node!r} of execution {handle.scope_key!r} is being retried "
+                f"(attempt {frame.attempt}) after a non-idempotent tool call {standing.node!r} "
+                f"of attempt {stamped_in} (token {standing.token}) that may have happened: tool "
+                f"{tool.name!r} does not run, nothing is repeated, and the execution is "
+                "dead-lettered"
+            )
         )
 
 
@@ -180,8 +190,7 @@ def _dead_letter(
         "The write may have happened, so it is neither retried nor reported to the model as "
         "a tool error; the execution is dead-lettered"
     )
-    logger.warning("execution %s at token %s: %s", handle.scope_key, handle.token, dead)
-    return dead
+    return cast(WriteDeadLetteredError, handle.record_dead_letter(dead))
 
 
 def _call_sync(tool: BaseTool, body: Callable[[], Any]) -> Any:
@@ -193,6 +202,7 @@ def _call_sync(tool: BaseTool, body: Callable[[], Any]) -> Any:
     frame = _frame(tool)
     effect = _effect_of(tool)
     frame.fence.assert_held()
+    frame._handle.check_alive()  # a dead-lettered run runs no tool body, whoever retries
     _refuse_repeat(frame, tool)
     if effect.is_write:
         _stamp_from_thread(frame, tool, effect)
@@ -209,9 +219,15 @@ async def _call_async(tool: BaseTool, body: Callable[[], Awaitable[Any]]) -> Any
     frame = _frame(tool)
     effect = _effect_of(tool)
     frame.fence.assert_held()
+    frame._handle.check_alive()  # a dead-lettered run runs no tool body, whoever retries
     _refuse_repeat(frame, tool)
+    deferred = None
     if effect.is_write:
-        await _stamp(frame, tool, effect)
+        if getattr(type(tool), STAMP_ATTRIBUTE) == "body":
+            await _stamp(frame, tool, effect)
+        else:
+            # Stamped where the body enters side_effect(): an approval before it is safe.
+            deferred = _defer_stamp(lambda: _stamp(frame, tool, effect))
     reset = _fenced_call.set(tool)
     try:
         return await body()
@@ -222,13 +238,15 @@ async def _call_async(tool: BaseTool, body: Callable[[], Awaitable[Any]]) -> Any
         raise dead from exc
     finally:
         _fenced_call.reset(reset)
+        if deferred is not None:
+            _reset_deferred(deferred)
 
 
-_classes: dict[tuple[type[BaseTool], Effect], type[BaseTool]] = {}
+_classes: dict[tuple[type[BaseTool], Effect, StampAt], type[BaseTool]] = {}
 _classes_lock = threading.Lock()
 
 
-def _fenced_class(cls: type[BaseTool], effect: Effect) -> type[BaseTool]:
+def _fenced_class(cls: type[BaseTool], effect: Effect, stamp: StampAt) -> type[BaseTool]:
     """``cls`` with its ``_run``/``_arun`` fenced; everything else inherited unchanged.
 
     The overrides carry the parent's signature and annotations (``functools.wraps``), so
@@ -237,11 +255,15 @@ def _fenced_class(cls: type[BaseTool], effect: Effect) -> type[BaseTool]:
     in a thread keeps doing so, and that body is fenced.
     """
     with _classes_lock:
-        cached = _classes.get((cls, effect))
+        cached = _classes.get((cls, effect, stamp))
         if cached is not None:
             return cached
         parent_run = cls._run
-        namespace: dict[str, Any] = {"__module__": cls.__module__, EFFECT_ATTRIBUTE: effect}
+        namespace: dict[str, Any] = {
+            "__module__": cls.__module__,
+            EFFECT_ATTRIBUTE: effect,
+            STAMP_ATTRIBUTE: stamp,
+        }
 
         @functools.wraps(parent_run)
         def _run(self: BaseTool, *args: Any, **kwargs: Any) -> Any:
@@ -259,8 +281,15 @@ def _fenced_class(cls: type[BaseTool], effect: Effect) -> type[BaseTool]:
         metaclass: Any = type(cls)  # pydantic's model metaclass: the subclass is a model too
         fenced_cls = cast(type[BaseTool], metaclass(cls.__name__, (cls,), namespace))
         fenced_cls.__qualname__ = cls.__qualname__
-        _classes[(cls, effect)] = fenced_cls
+        _classes[(cls, effect, stamp)] = fenced_cls
         return fenced_cls
+
+
+def _runs_async(tool: BaseTool) -> bool:
+    """Whether the tool's async path runs its own coroutine (not its sync body in a thread)."""
+    if isinstance(tool, StructuredTool):
+        return tool.coroutine is not None
+    return type(tool)._arun is not BaseTool._arun
 
 
 def _as_tool(candidate: object, index: int) -> BaseTool:
@@ -278,6 +307,8 @@ def _as_tool(candidate: object, index: int) -> BaseTool:
 def fence_tools(
     tools: Iterable[BaseTool | Callable[..., Any]],
     effects: Mapping[str, Effect] | None = None,
+    *,
+    stamp_at_effect: Iterable[str] = (),
 ) -> list[BaseTool]:
     """Fence LangChain tools: each call runs lease-before-op under the calling step's lease.
 
@@ -314,6 +345,11 @@ def fence_tools(
             tools as ``ToolNode`` does).
         effects: each tool's effect by tool name. Undeclared tools are
             ``NON_IDEMPOTENT_WRITE`` (fail-closed).
+        stamp_at_effect: names of async write tools stamped where their body enters
+            ``async with get_execution_context().side_effect():`` instead of before the
+            body, so an ``interrupt()`` asking for approval before it is safe to resume.
+            An ``interrupt()`` while a tool's non-idempotent stamp stands dead-letters the
+            execution at once, naming this fix.
 
     Returns:
         The fenced tools, in the order given.
@@ -348,11 +384,28 @@ def fence_tools(
         )
     for name, effect in declared.items():
         _check_effect(effect, name=f"effects[{name!r}]")
+    if isinstance(stamp_at_effect, str) or not isinstance(stamp_at_effect, Iterable):
+        raise ValueError(f"stamp_at_effect must be a list of tool names, got {stamp_at_effect!r}")
+    deferred = set(stamp_at_effect)
+    unknown = sorted(name for name in deferred if name not in seen)
+    if unknown:
+        raise ValueError(
+            f"stamp_at_effect names tools not in the list: {unknown}; the tools are {sorted(seen)}"
+        )
     fenced: list[BaseTool] = []
     for tool in converted:
         effect = declared.get(tool.name, Effect.NON_IDEMPOTENT_WRITE)
+        stamp: StampAt = "body"
+        if tool.name in deferred:
+            stamp = check_stamp_at("effect", effect, name=f"stamp_at_effect[{tool.name!r}]")
+            if not _runs_async(tool):
+                raise ValueError(
+                    f"stamp_at_effect names {tool.name!r}, a sync tool: side_effect() is an "
+                    "async context manager; give the tool a coroutine, or stamp it before "
+                    "its body"
+                )
         copy = tool.model_copy()
         # Same fields, same state, a class whose _run/_arun are fenced (see _fenced_class).
-        object.__setattr__(copy, "__class__", _fenced_class(type(tool), effect))
+        object.__setattr__(copy, "__class__", _fenced_class(type(tool), effect, stamp))
         fenced.append(copy)
     return fenced

@@ -329,12 +329,12 @@ async def test_a_refused_start_leaves_the_record_of_the_run_in_flight(instance: 
     assert await instance.records.get(key) == original
 
 
-async def test_an_interrupt_inside_a_non_idempotent_step_dead_letters_its_resume(
+async def test_an_interrupt_under_a_body_wide_non_idempotent_stamp_dead_letters_at_once(
     instance: Instance,
 ) -> None:
     from langgraph.types import Command, interrupt
 
-    from langgraph_fence import Effect, ExecutionDeadLetteredError
+    from langgraph_fence import Effect, ExecutionDeadLetteredError, LangGraphFenceError
 
     charged: list[str] = []
 
@@ -352,9 +352,11 @@ async def test_an_interrupt_inside_a_non_idempotent_step_dead_letters_its_resume
     )
     thread = unique("thread")
     config = {"configurable": {"thread_id": thread}}
-    await instance.ainvoke(graph, {"log": []}, config, tenant_id="acme")
-    # Fail-closed: nothing proves the write did not start before the interrupt.
-    with pytest.raises(ExecutionDeadLetteredError, match="'charge'"):
+    # Fail-closed, and said at once: nothing proves the write did not start before the
+    # interrupt (the stamp covers the whole body), so no resume could run it safely.
+    with pytest.raises(ExecutionDeadLetteredError, match="interrupted inside a non-idempotent"):
+        await instance.ainvoke(graph, {"log": []}, config, tenant_id="acme")
+    with pytest.raises(LangGraphFenceError):
         await instance.ainvoke(graph, Command(resume="yes"), config, tenant_id="acme")
     assert charged == []
     lease = await instance.repository.get(LeaseKey("acme", thread))

@@ -16,9 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, TypedDict
 
 import pytest
-from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage, AnyMessage, BaseMessage, ToolMessage
-from langchain_core.outputs import ChatGeneration, ChatResult
+from langchain_core.messages import AIMessage, AnyMessage, ToolMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, StructuredTool, tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
@@ -48,6 +46,7 @@ from langgraph_fence.errors import WriteDeadLetteredError
 from langgraph_fence.fence import FENCE_CONFIG_KEY
 from langgraph_fence.lease import Lease
 from langgraph_fence.testing import ManualClock, run_node
+from tests.agents import ScriptedModel
 from tests.conftest import SQL_BACKENDS, unique
 
 TENANT = "acme"
@@ -591,25 +590,6 @@ async def test_parallel_tool_calls_stamp_entries_of_their_own_and_a_takeover_dea
 
 
 # -- a create_react_agent loop driven by a scripted chat model
-
-
-class ScriptedModel(BaseChatModel):
-    """A chat model that answers turn n with the n-th scripted message."""
-
-    turns: list[AIMessage]
-
-    @property
-    def _llm_type(self) -> str:
-        return "scripted"
-
-    def bind_tools(self, tools: Any, **kwargs: Any) -> Any:
-        return self
-
-    def _generate(
-        self, messages: list[BaseMessage], stop: Any = None, run_manager: Any = None, **kw: Any
-    ) -> ChatResult:
-        turn = sum(isinstance(m, AIMessage) for m in messages)
-        return ChatResult(generations=[ChatGeneration(message=self.turns[turn])])
 
 
 async def test_a_react_agent_loop_fences_each_call_of_its_tools(env: Env) -> None:

@@ -1,0 +1,265 @@
+"""An approval inside a write step: ``interrupt()`` before the write, then ``side_effect()``.
+
+A write step declared ``stamp="effect"`` (a node with ``@fenced(..., stamp="effect")``, a tool
+in ``fence_tools(..., stamp_at_effect=[...])``) is stamped where its body enters
+``side_effect()``, so an ``interrupt()`` before it (asking for approval) is safe to resume.
+On the first version the stamp covered the whole body: the interrupt left it standing and
+the resume was dead-lettered as "taken over ... by <the same instance>", though nothing was
+taken over and the write never began.
+
+Instance A runs the step; the kills are freezes (A's lease store and timers stop, as under
+SIGSTOP) long enough for A's lease to lapse; instance B then takes the execution over with
+``serve()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import operator
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, TypedDict
+
+import pytest
+from langchain_core.messages import AIMessage, AnyMessage
+from langchain_core.tools import tool
+from langgraph.graph import END, START, StateGraph
+from langgraph.graph.message import add_messages
+from langgraph.prebuilt import ToolNode
+from langgraph.types import Command, interrupt
+
+from checkpointers import SqlCheckpointer
+from langgraph_fence import (
+    Effect,
+    ExecutionDeadLetteredError,
+    ExecutionFencedError,
+    Instance,
+    LeaseKey,
+    LeaseStatus,
+    SqlLeaseRepository,
+    fence_graph,
+    fence_tools,
+    fenced,
+    get_execution_context,
+)
+from langgraph_fence.database import create_engine
+from langgraph_fence.executions import SqlExecutionRecords
+from langgraph_fence.faults import StallableRepository, StallGate
+from tests.chaos.conftest import poll
+from tests.chaos.write_steps import Database, engine_options
+from tests.conftest import unique
+
+TENANT = "acme"
+TTL = 0.6
+WAIT = 20.0
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
+    if request.param == "sqlite":
+        return Database(f"sqlite+aiosqlite:///{tmp_path / 'fence.db'}", "")
+    url, schema = request.getfixturevalue("own_schema")
+    return Database(url, schema)
+
+
+@dataclass
+class Refunds:
+    """The external system, and where instance A's step waits to be frozen."""
+
+    done: list[tuple[str, int]] = field(default_factory=list)
+    hold_a_at: str | None = None  # "after-approval" or "inside-effect"
+    a_reached: asyncio.Event = field(default_factory=asyncio.Event)
+    a_go: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def stop_here(self, stage: str) -> None:
+        if get_execution_context().fence._handle.lease.holder == "A" and stage == self.hold_a_at:
+            self.a_reached.set()
+            await self.a_go.wait()
+
+    async def approved_refund(self) -> str:
+        answer = interrupt("refund order o1?")
+        await self.stop_here("after-approval")
+        frame = get_execution_context()
+        async with frame.side_effect():
+            self.done.append((frame.fence._handle.lease.holder or "", frame.fence.token))
+            await self.stop_here("inside-effect")
+        return f"refunded ({answer})"
+
+
+class Log(TypedDict):
+    log: Annotated[list[str], operator.add]
+
+
+class Messages(TypedDict):
+    messages: Annotated[list[AnyMessage], add_messages]
+
+
+def build(kind: str, refunds: Refunds, instance: Instance, *, stamp: str = "effect") -> Any:
+    if kind == "node":
+
+        @fenced(effect=Effect.NON_IDEMPOTENT_WRITE, stamp=stamp)  # type: ignore[arg-type]
+        async def refund(state: Log) -> dict[str, list[str]]:
+            return {"log": [await refunds.approved_refund()]}
+
+        node_graph = StateGraph(Log)
+        node_graph.add_node("refund", refund)
+        node_graph.add_edge(START, "refund")
+        node_graph.add_edge("refund", END)
+        return node_graph.compile(checkpointer=instance.checkpointer, name="refund_node")
+
+    @tool
+    async def refund_order(order: str) -> str:
+        """Refund an order, once a person approved it."""
+        return await refunds.approved_refund()
+
+    deferred = ["refund_order"] if stamp == "effect" else []
+    tool_graph = StateGraph(Messages)
+    tool_graph.add_node("tools", ToolNode(fence_tools([refund_order], stamp_at_effect=deferred)))
+    tool_graph.add_edge(START, "tools")
+    tool_graph.add_edge("tools", END)
+    return fence_graph(tool_graph).compile(checkpointer=instance.checkpointer, name="refund_tool")
+
+
+def first_input(kind: str) -> Any:
+    if kind == "node":
+        return {"log": []}
+    call = {"name": "refund_order", "args": {"order": "o1"}, "id": "call-1"}
+    return {"messages": [AIMessage("", tool_calls=[call])]}
+
+
+@asynccontextmanager
+async def stallable(database: Database, name: str) -> AsyncIterator[tuple[Instance, StallGate]]:
+    """An instance on ``database`` whose lease store and timers a test can freeze."""
+    engine = create_engine(database.url, **engine_options(database.url, database.schema))
+    try:
+        store = SqlLeaseRepository(engine)
+        await store.setup()
+        saver = SqlCheckpointer(engine)
+        await saver.setup()
+        records = SqlExecutionRecords(engine)
+        await records.setup()
+        gate = StallGate()
+        instance = Instance(
+            StallableRepository(store, gate),
+            saver,
+            records=records,
+            instance_id=name,
+            lease_ttl=TTL,
+            sleep=gate.gated_sleep(asyncio.sleep),
+        )
+        try:
+            yield instance, gate
+        finally:
+            gate.resume()
+            await instance.aclose()
+            await saver.aclose()
+    finally:
+        await engine.dispose()
+
+
+async def invoke(instance: Instance, graph: Any, value: Any, thread: str) -> Any:
+    config: Any = {"configurable": {"thread_id": thread}}
+    return await instance.ainvoke(graph, value, config, tenant_id=TENANT)
+
+
+async def lease_of(instance: Instance, thread: str) -> Any:
+    return await instance.repository.get(LeaseKey(TENANT, thread))
+
+
+@pytest.mark.parametrize("kind", ["node", "tool"])
+async def test_an_approval_before_the_write_resumes_from_another_instance(
+    database: Database, kind: str
+) -> None:
+    refunds = Refunds()
+    thread = unique("approval")
+    async with stallable(database, "A") as (a, _), stallable(database, "B") as (b, _):
+        out = await invoke(a, build(kind, refunds, a), first_input(kind), thread)
+        assert "__interrupt__" in out
+        waiting = await lease_of(a, thread)
+        assert waiting.status is LeaseStatus.WAITING and waiting.pending_effects == ()
+        # The person approves; another worker resumes the thread.
+        await invoke(b, build(kind, refunds, b), Command(resume="approved"), thread)
+        done = await lease_of(b, thread)
+        assert done.status is LeaseStatus.DONE, done
+    assert refunds.done == [("B", 2)]
+
+
+async def freeze_a_at(
+    database: Database, kind: str, stage: str
+) -> tuple[Refunds, Any, BaseException | None]:
+    """A resumes the approved step and is frozen at ``stage``; B takes over and serves it.
+
+    Returns the refunds, the lease after B's turn, and what A's run ended with.
+    """
+    refunds = Refunds(hold_a_at=stage)
+    thread = unique("approval")
+    async with stallable(database, "A") as (a, gate_a), stallable(database, "B") as (b, _):
+        graph_a = build(kind, refunds, a)
+        await invoke(a, graph_a, first_input(kind), thread)
+        run_a = asyncio.create_task(invoke(a, graph_a, Command(resume="approved"), thread))
+        await asyncio.wait_for(refunds.a_reached.wait(), WAIT)
+        gate_a.stall()  # SIGSTOP: A's renewals stop, its lease lapses
+        graph_b = build(kind, refunds, b)
+        stop = asyncio.Event()
+        serving = asyncio.create_task(
+            b.serve({graph_b.name: graph_b}, poll_interval=0.05, stop=stop, handle_signals=False)
+        )
+
+        async def ended() -> Any:
+            lease = await lease_of(b, thread)
+            return lease if lease.status in (LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED) else None
+
+        try:
+            lease = await poll(ended, time.monotonic() + WAIT, "B's takeover to end")
+        finally:
+            stop.set()
+            await asyncio.wait_for(serving, WAIT)
+        gate_a.resume()  # SIGCONT: A wakes up inside its step
+        refunds.a_go.set()
+        outcome: BaseException | None = None
+        try:
+            await asyncio.wait_for(run_a, WAIT)
+        except BaseException as exc:
+            outcome = exc
+    return refunds, lease, outcome
+
+
+@pytest.mark.parametrize("kind", ["node", "tool"])
+async def test_frozen_after_the_approval_and_before_the_write_is_resumed_not_dead_lettered(
+    database: Database, kind: str
+) -> None:
+    refunds, lease, outcome = await freeze_a_at(database, kind, "after-approval")
+    assert lease.status is LeaseStatus.DONE, lease  # no stamp stood: B resumed the step
+    assert refunds.done == [("B", 3)]  # A's later side_effect() stamped nothing, wrote nothing
+    assert isinstance(outcome, ExecutionFencedError), outcome
+
+
+@pytest.mark.parametrize("kind", ["node", "tool"])
+async def test_frozen_inside_the_write_is_dead_lettered_naming_it(
+    database: Database, kind: str
+) -> None:
+    refunds, lease, outcome = await freeze_a_at(database, kind, "inside-effect")
+    assert lease.status is LeaseStatus.DEAD_LETTERED, lease
+    node = "refund" if kind == "node" else "tools:refund_order"
+    assert lease.reason is not None and f"node '{node}' at token 2" in lease.reason, lease.reason
+    assert refunds.done == [("A", 2)]  # once, by A; B did not repeat it
+    assert isinstance(outcome, ExecutionFencedError), outcome
+
+
+@pytest.mark.parametrize("kind", ["node", "tool"])
+async def test_an_interrupt_under_a_body_wide_stamp_is_refused_at_once(
+    database: Database, kind: str
+) -> None:
+    refunds = Refunds()
+    thread = unique("approval")
+    async with stallable(database, "A") as (a, _):
+        graph = build(kind, refunds, a, stamp="body")
+        with pytest.raises(ExecutionDeadLetteredError, match="interrupted inside a non-idempotent"):
+            await invoke(a, graph, first_input(kind), thread)
+        lease = await lease_of(a, thread)
+    assert lease.status is LeaseStatus.DEAD_LETTERED
+    assert "stamp='effect'" in lease.reason and "side_effect()" in lease.reason
+    assert refunds.done == []
