@@ -9,16 +9,18 @@ first run died before its first checkpoint landed, starts again from the recorde
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
-from sqlalchemy import text
+from langgraph.checkpoint.serde.base import SerializerProtocol
+from sqlalchemy import bindparam, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .database import dialect_of, single_statement
 from .lease import LeaseKey
 from .migrations import Migration, migrate
+from .serde import loads_checked, safe_serializer
 
 __all__ = [
     "ExecutionRecord",
@@ -26,8 +28,6 @@ __all__ = [
     "MemoryExecutionRecords",
     "SqlExecutionRecords",
 ]
-
-_serde = JsonPlusSerializer()
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +53,16 @@ class ExecutionRecords(Protocol):
         ...
 
     async def get(self, key: LeaseKey) -> ExecutionRecord | None:
-        """The record of ``key``, or ``None``."""
+        """The record of ``key``, or ``None``.
+
+        Raises:
+            ValueError: the stored input cannot be decoded, or names a type outside the
+                serializer's allow-list (nothing of it was imported or called).
+        """
+        ...
+
+    async def graphs_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, str]:
+        """The graph name of each of ``keys`` that has a record; no input is decoded."""
         ...
 
 
@@ -71,6 +80,10 @@ class MemoryExecutionRecords:
     async def get(self, key: LeaseKey) -> ExecutionRecord | None:
         """The record of ``key``, or ``None``."""
         return self._rows.get(key)
+
+    async def graphs_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, str]:
+        """The graph name of each of ``keys`` that has a record."""
+        return {key: self._rows[key].graph for key in keys if key in self._rows}
 
 
 _CREATE = """
@@ -123,15 +136,34 @@ _SELECT = text(
     "SELECT graph, thread_id, input_type, input FROM fence_executions "
     "WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
 )
+# By execution id only (one expanding parameter on both dialects); the tenant is matched
+# on the rows that come back.
+_SELECT_GRAPHS = text(
+    "SELECT tenant_id, execution_id, graph FROM fence_executions WHERE execution_id IN :ids"
+).bindparams(bindparam("ids", expanding=True))
+_GRAPHS_CHUNK = 500
 
 
 class SqlExecutionRecords:
-    """Execution records in ``fence_executions`` (SQLite or PostgreSQL), one statement each."""
+    """Execution records in ``fence_executions`` (SQLite or PostgreSQL), one statement each.
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    Args:
+        engine: the engine of the lease table's database.
+        serde: the serializer of the recorded inputs (default: LangGraph's in strict msgpack
+            mode, :func:`langgraph_fence.serde.safe_serializer`). A stored input that names a
+            type outside its allow-list is never constructed: :meth:`get` refuses it.
+    """
+
+    def __init__(self, engine: AsyncEngine, *, serde: SerializerProtocol | None = None) -> None:
         dialect_of(engine)
+        if serde is not None and not callable(getattr(serde, "loads_typed", None)):
+            raise ValueError(
+                "serde must be a LangGraph serializer (dumps_typed/loads_typed), got "
+                f"{type(serde).__name__}: pass e.g. JsonPlusSerializer(allowed_msgpack_modules=...)"
+            )
         self._engine = engine
         self._writer = single_statement(engine)
+        self.serde: SerializerProtocol = serde if serde is not None else safe_serializer()
 
     async def setup(self) -> None:
         """Create or upgrade the table; safe from several processes at once."""
@@ -142,7 +174,7 @@ class SqlExecutionRecords:
 
         The lease table must be on the same database (as :meth:`Instance.open` puts it).
         """
-        input_type, blob = _serde.dumps_typed(record.input)
+        input_type, blob = self.serde.dumps_typed(record.input)
         async with self._writer.begin() as conn:
             result = await conn.execute(
                 _UPSERT_UNLESS_HELD if unless_held else _UPSERT,
@@ -159,7 +191,12 @@ class SqlExecutionRecords:
             return bool(result.rowcount)
 
     async def get(self, key: LeaseKey) -> ExecutionRecord | None:
-        """The record of ``key``, or ``None``."""
+        """The record of ``key``, or ``None``.
+
+        Raises:
+            ValueError: the stored input cannot be decoded, or names a type outside the
+                serializer's allow-list (nothing of it was imported or called).
+        """
         async with self._engine.connect() as conn:
             row = (
                 await conn.execute(
@@ -172,5 +209,24 @@ class SqlExecutionRecords:
             key=key,
             graph=row.graph,
             thread_id=row.thread_id,
-            input=_serde.loads_typed((row.input_type, bytes(row.input))),
+            input=loads_checked(
+                self.serde,
+                (row.input_type, bytes(row.input)),
+                what=f"the recorded input of execution {key.scope_key!r}",
+            ),
         )
+
+    async def graphs_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, str]:
+        """The graph name of each of ``keys`` that has a record: one read per 500 keys, no
+        input decoded (a worker learns which graph an execution runs before it loads it)."""
+        wanted = set(keys)
+        ids = sorted({key.execution_id for key in wanted})
+        found: dict[LeaseKey, str] = {}
+        async with self._engine.connect() as conn:
+            for start in range(0, len(ids), _GRAPHS_CHUNK):
+                chunk = ids[start : start + _GRAPHS_CHUNK]
+                for row in await conn.execute(_SELECT_GRAPHS, {"ids": chunk}):
+                    key = LeaseKey(row.tenant_id, row.execution_id)
+                    if key in wanted:
+                        found[key] = row.graph
+        return found

@@ -1,0 +1,252 @@
+"""Issue 24 (hardening): what a crafted or broken row can do to a worker, on both databases.
+
+A row written by anyone who can write to the database must not run code on load, must not
+stop ``serve()``, and must cost a worker that does not serve its graph nothing per poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, TypedDict
+
+import ormsgpack
+import pytest
+from langgraph.graph import END, START, StateGraph
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from langgraph_fence import LeaseKey, LeaseStatus
+from langgraph_fence.executions import ExecutionRecord
+from langgraph_fence.instance import Instance
+from langgraph_fence.testing import Leases, ManualClock
+from tests.conftest import SQL_BACKENDS, unique
+from tests.integration.test_serve import eventually, serving, until_status
+
+TENANT = "acme"
+
+
+def leave_marker(path: str) -> str:
+    """The harmless stand-in for ``os.system``: proves code ran by leaving a file."""
+    Path(path).write_text("ran")
+    return path
+
+
+def crafted(path: Path) -> bytes:
+    """msgpack that, decoded permissively, calls ``leave_marker(path)`` (ext 0: module, name,
+    single argument): what an attacker with write access to the database would store."""
+    call = ormsgpack.packb((__name__, leave_marker.__name__, str(path)))
+    return ormsgpack.packb({"log": ormsgpack.Ext(0, call)})
+
+
+class Log(TypedDict, total=False):
+    log: list[str]
+
+
+def log_graph(instance: Instance, name: str = "served") -> Any:
+    async def step(state: Log) -> dict[str, Any]:
+        return {"log": [*state.get("log", []), "step"]}
+
+    builder = StateGraph(Log)
+    builder.add_node("step", step)
+    builder.add_edge(START, "step")
+    builder.add_edge("step", END)
+    return builder.compile(checkpointer=instance.checkpointer, name=name)
+
+
+@pytest.fixture(params=SQL_BACKENDS)
+async def db(
+    request: pytest.FixtureRequest, make_engine: Callable[[str], AsyncEngine]
+) -> AsyncIterator[Leases]:
+    """The ``leases`` fixture's instances, on SQLite and on PostgreSQL."""
+    engine = make_engine(request.param)
+    fixture = Leases(engine, ManualClock())
+    await fixture.setup()
+    try:
+        yield fixture
+    finally:
+        await engine.dispose()
+
+
+async def expired(
+    db: Leases, graph: str, *, raw: tuple[str, bytes] | None = None, tenant: str = TENANT
+) -> LeaseKey:
+    """An execution of ``graph`` whose instance died before its first checkpoint.
+
+    With ``raw`` its recorded input is replaced by those ``(input_type, bytes)``, as a row
+    written straight into ``fence_executions`` would be.
+    """
+    key = LeaseKey(tenant, unique("job"))
+    await db.records.record(ExecutionRecord(key, graph, key.execution_id, {"log": []}))
+    if raw is not None:
+        async with db.engine.begin() as conn:
+            await conn.execute(
+                text(
+                    "UPDATE fence_executions SET input_type = :t, input = :b "
+                    "WHERE tenant_id = :tenant AND execution_id = :e"
+                ),
+                {"t": raw[0], "b": raw[1], "tenant": key.tenant_id, "e": key.execution_id},
+            )
+    assert await db.store.acquire(key, "died", 30.0) is not None
+    return key
+
+
+async def test_crafted_record_runs_no_code_and_is_dead_lettered(db: Leases, tmp_path: Path) -> None:
+    served_marker, unserved_marker = tmp_path / "served-ran", tmp_path / "unserved-ran"
+    poisoned = await expired(db, "served", raw=("msgpack", crafted(served_marker)))
+    elsewhere = await expired(db, "not-served", raw=("msgpack", crafted(unserved_marker)))
+    good = await expired(db, "served")
+    db.advance(31.0)
+    worker = db.instance("B")
+    async with serving(worker, {"served": log_graph(worker)}):
+        await until_status(db, poisoned, LeaseStatus.DEAD_LETTERED)
+        await until_status(db, good, LeaseStatus.DONE)
+    assert not served_marker.exists(), "decoding the crafted record ran its code"
+    assert not unserved_marker.exists(), "a record of a graph not served here was decoded"
+    lease = await db.store.get(poisoned)
+    assert lease is not None and lease.reason is not None
+    assert f"{__name__}.leave_marker" in lease.reason
+    assert "allow-list" in lease.reason
+    untouched = await db.store.get(elsewhere)
+    assert untouched is not None and untouched.status is LeaseStatus.RUNNING
+    assert untouched.holder == "died" and untouched.epoch == 1
+
+
+async def test_undecodable_record_dead_letters_and_serve_goes_on(db: Leases) -> None:
+    pickled = await expired(db, "served", raw=("pickle", b"\x80\x04K\x01."))
+    good = await expired(db, "served")
+    db.advance(31.0)
+    worker = db.instance("B")
+    async with serving(worker, {"served": log_graph(worker)}) as stop:
+        await until_status(db, pickled, LeaseStatus.DEAD_LETTERED)
+        await until_status(db, good, LeaseStatus.DONE)
+        assert not stop.is_set()
+    lease = await db.store.get(pickled)
+    assert lease is not None and lease.reason is not None
+    assert "pickle" in lease.reason and "NotImplementedError" in lease.reason
+    assert lease.epoch == 2  # dead-lettered by the instance that took it, under its token
+
+
+async def test_crafted_checkpoint_blob_runs_no_code_on_get_state(
+    db: Leases, tmp_path: Path
+) -> None:
+    marker = tmp_path / "checkpoint-ran"
+    instance = db.instance("A")
+    graph = log_graph(instance)
+    thread = unique("thread")
+    config: Any = {"configurable": {"thread_id": thread}}
+    await instance.ainvoke(graph, {"log": []}, config, tenant_id=TENANT)
+    async with db.engine.begin() as conn:
+        changed = await conn.execute(
+            text(
+                "UPDATE fence_checkpoint_blobs SET type = 'msgpack', blob = :b "
+                "WHERE thread_id = :t AND channel = 'log'"
+            ),
+            {"b": crafted(marker), "t": thread},
+        )
+        assert changed.rowcount >= 1
+    await graph.aget_state(config)
+    assert not marker.exists(), "loading the crafted checkpoint blob ran its code"
+
+
+@dataclasses.dataclass
+class Point:
+    x: int
+    y: int
+
+
+class Plot(TypedDict, total=False):
+    point: Point
+    moved: bool
+
+
+async def test_strict_msgpack_compile_copies_the_fenced_checkpointer(
+    db: Leases, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What LANGGRAPH_STRICT_MSGPACK=true makes compile() do: derive an allow-list from the
+    # graph's schemas and hand it to checkpointer.with_allowlist() (a copy of the saver).
+    from langgraph._internal import _serde
+
+    monkeypatch.setattr(_serde, "STRICT_MSGPACK_ENABLED", True)
+    instance = db.instance("A")
+
+    async def move(state: Plot) -> dict[str, Any]:
+        return {"point": Point(state["point"].x + 1, state["point"].y), "moved": True}
+
+    builder = StateGraph(Plot)
+    builder.add_node("move", move)
+    builder.add_edge(START, "move")
+    builder.add_edge("move", END)
+    graph = builder.compile(checkpointer=instance.checkpointer)
+    copied = graph.checkpointer
+    assert copied is not instance.checkpointer  # the allow-list went into a copy
+    assert (__name__, "Point") in copied.inner.serde._allowed_msgpack_modules  # type: ignore[union-attr]
+    config: Any = {"configurable": {"thread_id": unique("plot")}}
+    await instance.ainvoke(graph, {"point": Point(1, 2)}, config, tenant_id=TENANT)
+    state = await graph.aget_state(config)
+    assert state.values["point"] == Point(2, 2)  # the type is rebuilt: it is allowed
+
+
+async def taken_by(db: Leases, key: LeaseKey, holder: str) -> bool:
+    lease = await db.store.get(key)
+    return lease is not None and (lease.holder == holder or lease.status is LeaseStatus.DONE)
+
+
+@pytest.mark.parametrize("waiting", [0, 200, 800])
+async def test_unserved_candidates_cost_nothing_per_poll(
+    db: Leases, waiting: int, request: pytest.FixtureRequest
+) -> None:
+    tenant = unique("tenant")  # the session's schema may hold other tests' candidates
+    unserved = [await expired(db, "not-served", tenant=tenant) for _ in range(waiting)]
+    db.advance(1.0)  # the served one expires after them: it is behind them in the window
+    served = await expired(db, "served", tenant=tenant)
+    db.advance(31.0)
+    worker = db.instance("B")
+    polls = 0
+    taken_in_poll: list[int] = []
+    looked_up: list[LeaseKey] = []
+    take_work, take_over = worker._take_work, worker.repository.take_over
+    read_graphs = db.records.graphs_of
+
+    async def counted_poll(*args: Any) -> None:
+        nonlocal polls
+        polls += 1
+        await take_work(*args)
+
+    async def counted_take_over(candidate: Any, holder: str, ttl: float) -> Any:
+        if candidate.key == served:
+            taken_in_poll.append(polls)
+        return await take_over(candidate, holder, ttl)
+
+    async def counted_graphs(keys: Any) -> Any:
+        looked_up.extend(keys)
+        return await read_graphs(keys)
+
+    worker._take_work = counted_poll  # type: ignore[method-assign]
+    worker.repository.take_over = counted_take_over  # type: ignore[method-assign]
+    db.records.graphs_of = counted_graphs  # type: ignore[method-assign]
+    started = time.perf_counter()
+    async with serving(worker, {"served": log_graph(worker)}):
+        await eventually(lambda: taken_by(db, served, worker.instance_id))
+        seconds = time.perf_counter() - started
+        after = polls
+        await eventually(lambda: asyncio.sleep(0, polls >= after + 3))  # 3 polls more
+        await until_status(db, served, LeaseStatus.DONE)
+    assert taken_in_poll == [1]  # taken in the first poll, however many wait ahead
+    # Each unserved execution's graph was looked up once (its input never decoded), and
+    # never again in the polls after.
+    mine = [key for key in looked_up if key.tenant_id == tenant]
+    assert len(mine) == len(set(mine)) and set(mine) == {*unserved, served}
+    for key in unserved[:5]:
+        lease = await db.store.get(key)
+        assert lease is not None and lease.holder == "died"
+    async with db.engine.begin() as conn:  # out of later tests' way
+        await conn.execute(
+            text("UPDATE fence_leases SET status = 'done', holder = NULL WHERE tenant_id = :t"),
+            {"t": tenant},
+        )
+    request.node.user_properties.append(("takeover_seconds", seconds))
+    print(f"\n[{request.node.callspec.id}] takeover behind {waiting} unserved: {seconds:.3f} s")
