@@ -23,12 +23,13 @@ REASON_MAX_CHARS = 500
 _SQLALCHEMY_PARTS = re.compile(
     r"\[(?:SQL|parameters|generated in|cached since)\b[^\n]*|\(Background on this error at:[^)]*\)"
 )
-# scheme://user:password@host -> scheme://user:***@host (the user stays: it says which).
-_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^:/@\s]*:)[^@\s]*(?P<at>@)")
+# user:password@ anywhere (a URL, or a mistyped one that no parser accepts): the user stays,
+# it says which account; over-masking "a:b@c" in other text is the safe way to be wrong.
+_URL_PASSWORD = re.compile(r"(?P<head>[^\s:/@'\"]*:)[^\s@'\"/]*(?P<at>@)")
 
 
 def mask_password(text: str) -> str:
-    """``text`` with the password of every ``scheme://user:password@host`` in it masked."""
+    """``text`` with the password of every ``user:password@host`` in it masked (``***``)."""
     return _URL_PASSWORD.sub(r"\g<head>***\g<at>", text)
 
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -18,6 +21,7 @@ import pytest
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 from langgraph.graph import END, START, StateGraph
 from sqlalchemy import event, text
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from checkpointers import SqlCheckpointer
@@ -265,3 +269,85 @@ async def test_unserved_candidates_cost_nothing_per_poll(
         )
     request.node.user_properties.append(("takeover_seconds", seconds))
     print(f"\n[{request.node.callspec.id}] takeover behind {waiting} unserved: {seconds:.3f} s")
+
+
+CARD = "4111111111111111"
+
+
+async def test_failure_reasons_are_bounded_and_hold_no_driver_parameters(db: Leases) -> None:
+    instance = db.instance("A")
+    async with db.engine.begin() as conn:
+        await conn.execute(
+            text("CREATE TABLE IF NOT EXISTS hardening_cards (id TEXT PRIMARY KEY, card TEXT)")
+        )
+
+    async def charge(state: Log) -> dict[str, Any]:
+        row = {"id": unique("charge"), "card": CARD}
+        async with db.engine.begin() as conn:  # the second insert violates the primary key
+            for _ in range(2):
+                await conn.execute(text("INSERT INTO hardening_cards VALUES (:id, :card)"), row)
+        return {}
+
+    async def shout(state: Log) -> dict[str, Any]:
+        raise RuntimeError(
+            "connect to postgresql://app:hunter2@db/prod failed " + "x" * 5000 + "\nline two"
+        )
+
+    reasons = []
+    for node, error in ((charge, IntegrityError), (shout, RuntimeError)):
+        builder = StateGraph(Log)
+        builder.add_node("node", node)
+        builder.add_edge(START, "node")
+        builder.add_edge("node", END)
+        graph = builder.compile(checkpointer=instance.checkpointer)
+        key = LeaseKey(TENANT, unique("fails"))
+        config: Any = {"configurable": {"thread_id": key.execution_id}}
+        with pytest.raises(error):
+            await instance.ainvoke(graph, {"log": []}, config, tenant_id=TENANT)
+        lease = await db.store.get(key)
+        assert lease is not None and lease.status is LeaseStatus.FAILED
+        assert lease.reason is not None
+        reasons.append(lease.reason)
+    charged, shouted = reasons
+    assert charged.startswith("IntegrityError: ")
+    assert CARD not in charged and "[SQL" not in charged and "parameters" not in charged
+    assert shouted.startswith("RuntimeError: connect to postgresql://app:***@db/prod failed")
+    assert "hunter2" not in shouted and "line two" not in shouted
+    assert len(shouted) <= 500
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "langgraph_fence.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "250"},
+    )
+
+
+async def test_cli_listings_filter_by_tenant(db: Leases, request: pytest.FixtureRequest) -> None:
+    mine, theirs = unique("mine"), unique("theirs")
+    for tenant in (mine, theirs):
+        key = LeaseKey(tenant, unique("job"))
+        lease = await db.store.acquire(key, "A", 30.0)
+        assert lease is not None
+        await db.store.dead_letter(key, f"secret of {tenant}", epoch=lease.epoch)
+    if request.node.callspec.params["db"] == "sqlite":
+        target = ["--db", db.engine.url.render_as_string(hide_password=False)]
+    else:
+        url, schema = request.getfixturevalue("pg_schema")
+        target = ["--db", url, "--schema", schema]
+    for command in ("executions", "dead-letters"):
+        done = await asyncio.to_thread(cli, command, *target, "--tenant", mine)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"secret of {mine}" in done.stdout
+        assert theirs not in done.stdout
+
+
+def test_a_mistyped_url_is_never_echoed_with_its_password() -> None:
+    for url in ("postgresql//app:hunter2@db/prod", "postgresql://app:hunter2@db:port/prod"):
+        done = cli("executions", "--db", url)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "hunter2" not in done.stdout + done.stderr
+        assert "app:***@db" in done.stdout
