@@ -14,6 +14,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 from sqlalchemy.exc import SQLAlchemyError
 
 from .redact import failure_reason, mask_password
@@ -211,14 +212,10 @@ async def _executions(console: Console, args: argparse.Namespace, status: str | 
             f"{e.effect.value} @ {e.node} (token {e.token})"
             for e in effects_from_json(row.pending_effects)
         )
-        table.add_row(
-            row.scope_key,
-            row.status,
-            str(row.epoch),
-            row.holder or "",
-            pending,
-            row.reason or "",
-        )
+        cells = (row.scope_key, row.status, str(row.epoch), row.holder or "", pending)
+        # Text, not markup: a stored reason or id is data ("[/b]" in a reason must not
+        # break the listing or restyle it).
+        table.add_row(*(Text(cell) for cell in (*cells, row.reason or "")))
     console.print(table)
     return 0
 
