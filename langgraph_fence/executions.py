@@ -9,7 +9,7 @@ first run died before its first checkpoint landed, starts again from the recorde
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,9 +20,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from .database import dialect_of, single_statement
 from .lease import LeaseKey
 from .migrations import Migration, migrate
-from .serde import loads_checked, safe_serializer
+from .serde import loads_checked, safe_serializer, with_allowlist
 
 __all__ = [
+    "ExecutionHead",
     "ExecutionRecord",
     "ExecutionRecords",
     "MemoryExecutionRecords",
@@ -40,6 +41,18 @@ class ExecutionRecord:
     input: Any
 
 
+@dataclass(frozen=True, slots=True)
+class ExecutionHead:
+    """What a worker reads of a record before it takes the execution: graph and thread.
+
+    Never the input: that is decoded only when a run needs it, by an instance serving
+    ``graph``.
+    """
+
+    graph: str
+    thread_id: str
+
+
 class ExecutionRecords(Protocol):
     """Where execution records are kept (next to the leases)."""
 
@@ -52,8 +65,15 @@ class ExecutionRecords(Protocol):
         """
         ...
 
-    async def get(self, key: LeaseKey) -> ExecutionRecord | None:
+    async def get(
+        self, key: LeaseKey, *, allow: Collection[tuple[str, ...]] = ()
+    ) -> ExecutionRecord | None:
         """The record of ``key``, or ``None``.
+
+        Args:
+            key: the execution.
+            allow: ``(module, name)`` pairs the input may construct besides what the
+                serializer allows (the served graph's schema types).
 
         Raises:
             ValueError: the stored input cannot be decoded, or names a type outside the
@@ -61,8 +81,8 @@ class ExecutionRecords(Protocol):
         """
         ...
 
-    async def graphs_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, str]:
-        """The graph name of each of ``keys`` that has a record; no input is decoded."""
+    async def heads_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, ExecutionHead]:
+        """Graph and thread of each of ``keys`` that has a record; no input is decoded."""
         ...
 
 
@@ -77,13 +97,16 @@ class MemoryExecutionRecords:
         self._rows[record.key] = record
         return True
 
-    async def get(self, key: LeaseKey) -> ExecutionRecord | None:
-        """The record of ``key``, or ``None``."""
+    async def get(
+        self, key: LeaseKey, *, allow: Collection[tuple[str, ...]] = ()
+    ) -> ExecutionRecord | None:
+        """The record of ``key``, or ``None`` (kept as objects: nothing to decode)."""
         return self._rows.get(key)
 
-    async def graphs_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, str]:
-        """The graph name of each of ``keys`` that has a record."""
-        return {key: self._rows[key].graph for key in keys if key in self._rows}
+    async def heads_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, ExecutionHead]:
+        """Graph and thread of each of ``keys`` that has a record."""
+        rows = self._rows
+        return {k: ExecutionHead(rows[k].graph, rows[k].thread_id) for k in keys if k in rows}
 
 
 _CREATE = """
@@ -138,10 +161,11 @@ _SELECT = text(
 )
 # By execution id only (one expanding parameter on both dialects); the tenant is matched
 # on the rows that come back.
-_SELECT_GRAPHS = text(
-    "SELECT tenant_id, execution_id, graph FROM fence_executions WHERE execution_id IN :ids"
+_SELECT_HEADS = text(
+    "SELECT tenant_id, execution_id, graph, thread_id FROM fence_executions "
+    "WHERE execution_id IN :ids"
 ).bindparams(bindparam("ids", expanding=True))
-_GRAPHS_CHUNK = 500
+_HEADS_CHUNK = 500
 
 
 class SqlExecutionRecords:
@@ -190,8 +214,15 @@ class SqlExecutionRecords:
             )
             return bool(result.rowcount)
 
-    async def get(self, key: LeaseKey) -> ExecutionRecord | None:
+    async def get(
+        self, key: LeaseKey, *, allow: Collection[tuple[str, ...]] = ()
+    ) -> ExecutionRecord | None:
         """The record of ``key``, or ``None``.
+
+        Args:
+            key: the execution.
+            allow: ``(module, name)`` pairs the input may construct besides what
+                :attr:`serde` allows (the served graph's schema types).
 
         Raises:
             ValueError: the stored input cannot be decoded, or names a type outside the
@@ -210,23 +241,23 @@ class SqlExecutionRecords:
             graph=row.graph,
             thread_id=row.thread_id,
             input=loads_checked(
-                self.serde,
+                with_allowlist(self.serde, allow),
                 (row.input_type, bytes(row.input)),
                 what=f"the recorded input of execution {key.scope_key!r}",
             ),
         )
 
-    async def graphs_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, str]:
-        """The graph name of each of ``keys`` that has a record: one read per 500 keys, no
+    async def heads_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, ExecutionHead]:
+        """Graph and thread of each of ``keys`` that has a record: one read per 500 keys, no
         input decoded (a worker learns which graph an execution runs before it loads it)."""
         wanted = set(keys)
         ids = sorted({key.execution_id for key in wanted})
-        found: dict[LeaseKey, str] = {}
+        found: dict[LeaseKey, ExecutionHead] = {}
         async with self._engine.connect() as conn:
-            for start in range(0, len(ids), _GRAPHS_CHUNK):
-                chunk = ids[start : start + _GRAPHS_CHUNK]
-                for row in await conn.execute(_SELECT_GRAPHS, {"ids": chunk}):
+            for start in range(0, len(ids), _HEADS_CHUNK):
+                chunk = ids[start : start + _HEADS_CHUNK]
+                for row in await conn.execute(_SELECT_HEADS, {"ids": chunk}):
                     key = LeaseKey(row.tenant_id, row.execution_id)
                     if key in wanted:
-                        found[key] = row.graph
+                        found[key] = ExecutionHead(row.graph, row.thread_id)
         return found

@@ -34,6 +34,7 @@ from .errors import (
     find_fence_error,
 )
 from .executions import (
+    ExecutionHead,
     ExecutionRecord,
     ExecutionRecords,
     MemoryExecutionRecords,
@@ -51,6 +52,7 @@ from .lease import (
     validate_ttl,
 )
 from .redact import failure_reason
+from .serde import graph_allowlist
 
 if TYPE_CHECKING:
     from langgraph.checkpoint.base import BaseCheckpointSaver
@@ -369,7 +371,7 @@ class Instance:
                 for key in [k for k, epoch in unserved.items() if current.get(k) != epoch]:
                     del unserved[key]
                 fresh = [c for c in candidates if c.key not in unserved]
-                names = await self.records.graphs_of([c.key for c in fresh]) if fresh else {}
+                heads = await self.records.heads_of([c.key for c in fresh]) if fresh else {}
             except Exception:
                 logger.warning("could not read takeover candidates", exc_info=True)
                 return
@@ -377,8 +379,9 @@ class Instance:
             for candidate in fresh:
                 if free <= 0:
                     return
-                graph_name = names.get(candidate.key)
-                if graph_name not in graphs:
+                head = heads.get(candidate.key)
+                graph_name = None if head is None else head.graph
+                if head is None or head.graph not in graphs:
                     unserved[candidate.key] = candidate.epoch
                     found_unserved = True
                     logger.warning(
@@ -389,7 +392,9 @@ class Instance:
                     )
                     continue
                 try:
-                    started = await self._take_one(graphs, candidate, running, kwargs)
+                    started = await self._take_one(
+                        graphs[head.graph], candidate, head, running, kwargs
+                    )
                 except Exception:
                     logger.warning("could not take %s over", candidate.scope_key, exc_info=True)
                     continue
@@ -404,37 +409,42 @@ class Instance:
 
     async def _take_one(
         self,
-        graphs: Mapping[str, Any],
+        graph: Any,
         candidate: Lease,
+        head: ExecutionHead,
         running: dict[asyncio.Task[None], list[_Run]],
         kwargs: Mapping[str, Any],
     ) -> bool:
-        """Take ``candidate`` over and start its run; whether a run was started."""
+        """Take ``candidate`` over and start its run; whether a run was started.
+
+        The recorded input is read only when the run needs it (no checkpoint yet), decoded
+        with the graph's own allow-list; a record that cannot be, dead-letters the execution.
+        """
         taken = await self.repository.take_over(candidate, self.instance_id, self.lease_ttl)
         if taken is None:
             return False  # renewed by its holder or taken by another instance meanwhile
         if taken.status is LeaseStatus.DEAD_LETTERED:
             logger.warning("execution %s dead-lettered: %s", taken.scope_key, taken.reason)
             return False
-        try:
-            record = await self.records.get(taken.key)
-            if record is None:
-                raise LookupError(f"the record of execution {taken.scope_key!r} is gone")
-            if record.graph not in graphs:
-                raise LookupError(
-                    f"the record of execution {taken.scope_key!r} now names graph "
-                    f"{record.graph!r}, which this instance does not serve"
-                )
-        except Exception as exc:
-            # Ours now (epoch + 1): left as it is, every instance would fail on it, poll
-            # after poll. It cannot run anywhere: dead-letter it, saying why.
-            reason = failure_reason(exc, prefix="its execution record cannot be loaded: ")
-            await self.repository.dead_letter(taken.key, reason, epoch=taken.epoch)
-            logger.warning("execution %s dead-lettered: %s", taken.scope_key, reason)
-            return False
+        # The record cannot change under us now: a new run of the key takes a new epoch.
+        config: RunnableConfig = {"configurable": {"thread_id": head.thread_id}}
+        input: Any = None
+        if await graph.checkpointer.aget_tuple(config) is None:
+            try:
+                record = await self.records.get(taken.key, allow=graph_allowlist(graph))
+                if record is None:
+                    raise LookupError(f"the record of execution {taken.scope_key!r} is gone")
+                input = record.input
+            except Exception as exc:
+                # Ours now (epoch + 1): left as it is, every instance would fail on it, poll
+                # after poll. It cannot run anywhere: dead-letter it, saying why.
+                reason = failure_reason(exc, prefix="its execution record cannot be loaded: ")
+                await self.repository.dead_letter(taken.key, reason, epoch=taken.epoch)
+                logger.warning("execution %s dead-lettered: %s", taken.scope_key, reason)
+                return False
         runs: list[_Run] = []
         task = asyncio.create_task(
-            self._resume(graphs[record.graph], record, taken, runs, kwargs),
+            self._resume(graph, config, input, taken, runs, kwargs),
             name=f"resume {taken.scope_key}",
         )
         running[task] = runs
@@ -443,20 +453,19 @@ class Instance:
     async def _resume(
         self,
         graph: Any,
-        record: ExecutionRecord,
+        config: RunnableConfig,
+        input: Any,
         taken: Lease,
         runs: list[_Run],
         kwargs: Mapping[str, Any],
     ) -> None:
-        config: RunnableConfig = {"configurable": {"thread_id": record.thread_id}}
+        """Run a taken execution: from its last checkpoint (``input`` None), or its input."""
         try:
-            has_checkpoint = await graph.checkpointer.aget_tuple(config) is not None
-            input = None if has_checkpoint else record.input
             logger.info(
                 "resuming %s at token %d from its %s",
                 taken.scope_key,
                 taken.epoch,
-                "last checkpoint" if has_checkpoint else "recorded input",
+                "last checkpoint" if input is None else "recorded input",
             )
             async with self._run(
                 graph,

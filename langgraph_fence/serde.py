@@ -19,7 +19,7 @@ dead-lettered with that reason instead of run on garbage input.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from contextvars import ContextVar
 from typing import Any
 
@@ -27,7 +27,7 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 from langgraph.checkpoint.serde.event_hooks import SerdeEvent, register_serde_event_listener
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 
-__all__ = ["loads_checked", "safe_serializer"]
+__all__ = ["graph_allowlist", "loads_checked", "safe_serializer", "with_allowlist"]
 
 _BLOCKED_KINDS = frozenset({"msgpack_blocked", "msgpack_method_blocked"})
 #: The names refused while the current :func:`loads_checked` call decodes (None elsewhere).
@@ -58,6 +58,29 @@ def safe_serializer(
     """
     allowed = tuple(allowed_msgpack_modules) if allowed_msgpack_modules is not None else ()
     return JsonPlusSerializer(allowed_msgpack_modules=allowed or None)
+
+
+def with_allowlist(
+    serde: SerializerProtocol, allow: Collection[tuple[str, ...]]
+) -> SerializerProtocol:
+    """``serde`` allowing ``allow`` too (a LangGraph ``JsonPlusSerializer``; any other
+    serializer has no msgpack allow-list and is returned as it is)."""
+    if allow and isinstance(serde, JsonPlusSerializer):
+        return serde.with_msgpack_allowlist(allow)
+    return serde
+
+
+def graph_allowlist(graph: Any) -> frozenset[tuple[str, ...]]:
+    """The types LangGraph's ``compile()`` allowed for ``graph``'s state under strict msgpack.
+
+    ``compile()`` derives them from the graph's schemas when ``LANGGRAPH_STRICT_MSGPACK`` is
+    set and keeps them on the compiled graph (``_serde_allowlist``, not a public name: empty
+    when absent, so a change in LangGraph makes this stricter, never looser).
+    """
+    found = getattr(graph, "_serde_allowlist", None)
+    if not isinstance(found, set | frozenset):
+        return frozenset()
+    return frozenset(item for item in found if isinstance(item, tuple))
 
 
 def loads_checked(serde: SerializerProtocol, typed: tuple[str, bytes], *, what: str) -> Any:

@@ -123,6 +123,31 @@ async def test_crafted_record_runs_no_code_and_is_dead_lettered(db: Leases, tmp_
     assert untouched.holder == "died" and untouched.epoch == 1
 
 
+async def test_a_record_is_not_decoded_when_a_checkpoint_resumes_the_run(
+    db: Leases, tmp_path: Path
+) -> None:
+    marker = tmp_path / "ran"
+    first = db.instance("A")
+    key = LeaseKey(TENANT, unique("job"))
+    config: Any = {"configurable": {"thread_id": key.execution_id}}
+    await first.ainvoke(log_graph(first), {"log": []}, config, tenant_id=TENANT)
+    async with db.engine.begin() as conn:  # the record crafted after its first checkpoint
+        await conn.execute(
+            text("UPDATE fence_executions SET input = :b WHERE execution_id = :e"),
+            {"b": crafted(marker), "e": key.execution_id},
+        )
+        await conn.execute(  # handed back, as a drained run is: any instance resumes it
+            text("UPDATE fence_leases SET status = 'pending', holder = NULL WHERE scope_key = :s"),
+            {"s": key.scope_key},
+        )
+    worker = db.instance("B")
+    async with serving(worker, {"served": log_graph(worker)}):
+        await until_status(db, key, LeaseStatus.DONE)
+    assert not marker.exists()
+    lease = await db.store.get(key)
+    assert lease is not None and lease.epoch == 2 and lease.reason is None
+
+
 async def test_undecodable_record_dead_letters_and_serve_goes_on(db: Leases) -> None:
     pickled = await expired(db, "served", raw=("pickle", b"\x80\x04K\x01."))
     good = await expired(db, "served")
@@ -205,6 +230,34 @@ async def test_strict_msgpack_compile_copies_the_fenced_checkpointer(
     assert state.values["point"] == Point(2, 2)  # the type is rebuilt: it is allowed
 
 
+async def test_strict_msgpack_a_recorded_input_of_the_graphs_own_type_is_resumed(
+    db: Leases, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from langgraph._internal import _serde
+
+    monkeypatch.setattr(_serde, "STRICT_MSGPACK_ENABLED", True)
+    key = LeaseKey(TENANT, unique("plot"))
+    await db.records.record(ExecutionRecord(key, "plot", key.execution_id, {"point": Point(1, 2)}))
+    assert await db.store.acquire(key, "died", 30.0) is not None  # died before a checkpoint
+    db.advance(31.0)
+    worker = db.instance("B")
+    builder = StateGraph(Plot)
+
+    async def move(state: Plot) -> dict[str, Any]:
+        return {"point": Point(state["point"].x + 1, state["point"].y), "moved": True}
+
+    builder.add_node("move", move)
+    builder.add_edge(START, "move")
+    builder.add_edge("move", END)
+    graph = builder.compile(checkpointer=worker.checkpointer)
+    async with serving(worker, {"plot": graph}):
+        await until_status(db, key, LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED)
+    lease = await db.store.get(key)
+    assert lease is not None and lease.status is LeaseStatus.DONE, lease
+    state = await graph.aget_state({"configurable": {"thread_id": key.execution_id}})
+    assert state.values["point"] == Point(2, 2)
+
+
 async def taken_by(db: Leases, key: LeaseKey, holder: str) -> bool:
     lease = await db.store.get(key)
     return lease is not None and (lease.holder == holder or lease.status is LeaseStatus.DONE)
@@ -241,9 +294,9 @@ async def test_unserved_candidates_cost_nothing_per_poll(
             taken_in_poll.append(polls)
         return await take_over(candidate, holder, ttl)
 
-    async def counted_load(key: LeaseKey) -> Any:
+    async def counted_load(key: LeaseKey, **options: Any) -> Any:
         loaded.append(key)
-        return await load(key)
+        return await load(key, **options)
 
     def count_record_reads(_c: Any, _cur: Any, statement: str, *_: Any) -> None:
         nonlocal record_reads
