@@ -427,7 +427,10 @@ class Instance:
             logger.warning("execution %s dead-lettered: %s", taken.scope_key, taken.reason)
             return False
         # The record cannot change under us now: a new run of the key takes a new epoch.
-        config: RunnableConfig = {"configurable": {"thread_id": head.thread_id}}
+        # The tenant names the thread too (another tenant's thread of the same id is another).
+        config: RunnableConfig = {
+            "configurable": {"thread_id": head.thread_id, "tenant_id": taken.key.tenant_id}
+        }
         input: Any = None
         if await graph.checkpointer.aget_tuple(config) is None:
             try:
