@@ -51,7 +51,7 @@ from .lease import (
     non_idempotent_standing,
     validate_ttl,
 )
-from .redact import failure_reason
+from .redact import bounded_reason, failure_reason
 from .serde import graph_allowlist
 
 if TYPE_CHECKING:
@@ -655,7 +655,7 @@ class Instance:
             return
         if isinstance(exc, GraphDrained):
             # Drained by request (not by a fence): hand the execution back for any instance.
-            await self._release(run, LeaseStatus.PENDING, f"drained: {exc.reason}")
+            await self._release(run, LeaseStatus.PENDING, bounded_reason(f"drained: {exc.reason}"))
             return
         if isinstance(exc, asyncio.CancelledError):
             reason = "cancelled"

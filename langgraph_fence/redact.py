@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["REASON_MAX_CHARS", "failure_reason", "mask_password"]
+__all__ = ["REASON_MAX_CHARS", "bounded_reason", "failure_reason", "mask_password"]
 
 #: The longest reason :func:`failure_reason` returns (longer ones end with "...").
 REASON_MAX_CHARS = 500
@@ -33,20 +33,25 @@ def mask_password(text: str) -> str:
     return _URL_PASSWORD.sub(r"\g<head>***\g<at>", text)
 
 
+def bounded_reason(text: str) -> str:
+    """``text`` as a stored reason: its first line, SQLAlchemy's quoted parts cut, URL
+    passwords masked, at most :data:`REASON_MAX_CHARS` characters."""
+    cut = _SQLALCHEMY_PARTS.sub("", text)
+    first = next((line.strip() for line in cut.splitlines() if line.strip()), "")
+    reason = mask_password(first)
+    if len(reason) > REASON_MAX_CHARS:
+        reason = reason[: REASON_MAX_CHARS - 3].rstrip() + "..."
+    return reason
+
+
 def failure_reason(exc: BaseException, *, prefix: str = "") -> str:
     """The reason stored for a failure: bounded, and free of what the driver quoted.
 
-    ``"<ExceptionType>: <first line of the message>"``, after SQLAlchemy's ``[SQL: ...]``,
-    ``[parameters: ...]`` and background-link parts are cut out and URL passwords masked;
-    at most :data:`REASON_MAX_CHARS` characters.
+    ``"<ExceptionType>: <first line of the message>"`` (see :func:`bounded_reason`).
 
     Args:
         exc: the error.
         prefix: what failed, put before the type (e.g. "the record cannot be decoded: ").
     """
-    message = _SQLALCHEMY_PARTS.sub("", str(exc))
-    first = next((line.strip() for line in message.splitlines() if line.strip()), "")
-    reason = mask_password(f"{prefix}{type(exc).__name__}" + (f": {first}" if first else ""))
-    if len(reason) > REASON_MAX_CHARS:
-        reason = reason[: REASON_MAX_CHARS - 3].rstrip() + "..."
-    return reason
+    first = bounded_reason(str(exc))
+    return bounded_reason(f"{prefix}{type(exc).__name__}" + (f": {first}" if first else ""))

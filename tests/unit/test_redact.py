@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from langgraph_fence.redact import REASON_MAX_CHARS, failure_reason, mask_password
+from langgraph_fence.redact import REASON_MAX_CHARS, bounded_reason, failure_reason, mask_password
 
 
 def test_sqlalchemy_statement_parameters_and_link_are_cut() -> None:
@@ -64,3 +64,10 @@ def test_reasons_are_bounded_one_line_and_never_hold_the_password(head: str, sec
     assert len(reason) <= REASON_MAX_CHARS
     assert "\n" not in reason
     assert f"{secret}PW@" not in reason
+
+
+def test_a_reason_of_our_own_text_is_bounded_the_same_way() -> None:
+    long = "drained: " + "y" * 2000 + "\n[parameters: secret]"
+    reason = bounded_reason(long)
+    assert reason.startswith("drained: y") and reason.endswith("...")
+    assert len(reason) == REASON_MAX_CHARS
