@@ -261,13 +261,11 @@ class _Step:
             # resume could only be dead-lettered. Say so now, with the fix.
             dead = WriteDeadLetteredError(
                 f"interrupted inside a non-idempotent step: node {self.node!r} of execution "
-                f"{self.handle.scope_key!r} called interrupt() while its write was stamped "
-                f"(token {self.handle.token}), so its resume could repeat the write; the "
-                "execution is dead-lettered. Ask for approval before the write: declare the "
-                "step with stamp='effect' (@fenced(effect=..., stamp='effect'), or "
-                "fence_tools(..., stamp_at_effect=[...])) and put the write in "
-                "`async with get_execution_context().side_effect():` after interrupt(), or "
-                "put the approval in a node of its own"
+                f"{self.handle.scope_key!r} called interrupt() under its write's stamp (token "
+                f"{self.handle.token}), so a resume could repeat the write; dead-lettered. To "
+                "ask for approval first, declare the step stamp='effect' (@fenced(..., "
+                "stamp='effect') or fence_tools(..., stamp_at_effect=[...])) and write in "
+                "`async with get_execution_context().side_effect():` after interrupt()"
             )
             dead.__cause__ = exc
             return self.handle.record_dead_letter(dead)
