@@ -49,12 +49,14 @@ from .fence import FENCE_CONFIG_KEY, RunHandle
 from .lease import Lease, LeaseStatus, fenced_error
 
 __all__ = [
+    "DEFAULT_TENANT",
     "FencedCheckpointer",
     "check_write_scope",
     "checkpoint_clear_keys",
     "fence_handle",
     "lease_matches",
     "refuse_write",
+    "thread_tenant",
     "writes_clear_keys",
 ]
 
@@ -93,6 +95,38 @@ def fence_handle(config: RunnableConfig) -> RunHandle | None:
             "its own repository returned"
         )
     return handle
+
+
+#: The tenant of a thread read or written with no tenant given (plain LangGraph use): the
+#: empty string. No lease can be of it (a lease's tenant is never empty), so a thread written
+#: without a tenant never meets any tenant's thread of the same id.
+DEFAULT_TENANT = ""
+
+
+def thread_tenant(config: RunnableConfig | None) -> str:
+    """The tenant a thread read or write belongs to: part of the thread's key.
+
+    ``config["configurable"]["tenant_id"]`` when given, else the tenant of the run handle at
+    ``config["configurable"]["__fence"]``, else :data:`DEFAULT_TENANT`. A tenant's
+    ``chat-1`` and another tenant's ``chat-1`` are two threads that never meet.
+
+    Raises:
+        ValueError: ``tenant_id`` is not a str.
+    """
+    configurable = config.get("configurable") if isinstance(config, Mapping) else None
+    if not isinstance(configurable, Mapping):
+        return DEFAULT_TENANT
+    tenant_id = configurable.get("tenant_id")
+    if tenant_id is None:
+        handle = configurable.get(FENCE_CONFIG_KEY)
+        return handle.key.tenant_id if isinstance(handle, RunHandle) else DEFAULT_TENANT
+    if not isinstance(tenant_id, str):
+        raise ValueError(
+            f'config["configurable"]["tenant_id"] must be a str (the tenant the thread belongs '
+            f"to), got {type(tenant_id).__name__}: pass the tenant's id as text, or leave the "
+            "key out for the default tenant"
+        )
+    return tenant_id
 
 
 def check_write_scope(handle: RunHandle, config: RunnableConfig, *, action: str) -> None:
