@@ -231,7 +231,11 @@ def checkpoint_clear_keys(
 
 
 def _without_handle(config: RunnableConfig) -> RunnableConfig:
+    # The handle goes, its tenant stays: the inner saver writes the tenant's own thread.
+    tenant_id = thread_tenant(config)
     configurable = {k: v for k, v in config["configurable"].items() if k != FENCE_CONFIG_KEY}
+    if tenant_id != DEFAULT_TENANT:
+        configurable["tenant_id"] = tenant_id
     return {**config, "configurable": configurable}
 
 
