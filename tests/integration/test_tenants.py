@@ -1,0 +1,328 @@
+"""One thread, one execution: the tenant is part of every thread's key.
+
+Two tenants that use the same thread id (``chat-1``: the normal case, not an attack) have two
+threads that never meet, in both savers' rows and in every read through a fenced graph. A
+thread is bound to one execution key: a run under another execution id is refused before it
+takes a lease or writes anything. Every test runs on SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import operator
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any, TypedDict
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from langchain_core.runnables import RunnableConfig
+from langgraph.graph import END, START, StateGraph
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from checkpointers import SqlCheckpointer
+from langgraph_fence import LeaseKey, SqlLeaseRepository
+from langgraph_fence.checkpoint import DEFAULT_TENANT
+from langgraph_fence.errors import ExecutionThreadBoundError
+from langgraph_fence.executions import SqlExecutionRecords
+from langgraph_fence.instance import Instance
+from langgraph_fence.nodes import fence_graph
+from tests.conftest import SQL_BACKENDS, unique
+
+TABLES = ("fence_checkpoints", "fence_checkpoint_blobs", "fence_checkpoint_writes")
+
+
+class Chat(TypedDict, total=False):
+    secret: str
+    log: Annotated[list[str], operator.add]
+
+
+@pytest.fixture(params=SQL_BACKENDS)
+async def instance(
+    request: pytest.FixtureRequest, make_engine: Callable[[str], AsyncEngine]
+) -> AsyncIterator[Instance]:
+    engine = make_engine(request.param)
+    repository = SqlLeaseRepository(engine)
+    await repository.setup()
+    saver = SqlCheckpointer(engine)
+    await saver.setup()
+    records = SqlExecutionRecords(engine)
+    await records.setup()
+    inst = Instance(repository, saver, instance_id=unique("inst"), lease_ttl=10.0, records=records)
+    yield inst
+    await inst.aclose()
+    await engine.dispose()
+
+
+def chat_graph(instance: Instance, step: Callable[[Chat], Any] | None = None) -> Any:
+    async def answer(state: Chat) -> dict[str, Any]:
+        if step is not None:
+            await step(state)
+        return {"log": [f"answer:{state.get('secret', '')}"]}
+
+    builder = StateGraph(Chat)
+    builder.add_node("answer", answer)
+    builder.add_edge(START, "answer")
+    builder.add_edge("answer", END)
+    return fence_graph(builder).compile(checkpointer=instance.checkpointer)
+
+
+def thread_config(thread_id: str, tenant_id: str | None = None) -> RunnableConfig:
+    configurable: dict[str, Any] = {"thread_id": thread_id}
+    if tenant_id is not None:
+        configurable["tenant_id"] = tenant_id
+    return {"configurable": configurable}
+
+
+def engine_of(instance: Instance) -> AsyncEngine:
+    inner = instance.checkpointer.inner
+    assert isinstance(inner, SqlCheckpointer)
+    return inner.engine
+
+
+async def tenant_rows(instance: Instance, thread_id: str) -> dict[str, list[bytes]]:
+    """``{tenant: [every stored value of the thread's rows, as bytes]}`` over the three tables."""
+    found: dict[str, list[bytes]] = {}
+    async with engine_of(instance).connect() as conn:
+        for table, column in zip(TABLES, ("checkpoint", "blob", "blob"), strict=True):
+            result = await conn.execute(
+                text(f"SELECT tenant_id, {column} FROM {table} WHERE thread_id = :t"),
+                {"t": thread_id},
+            )
+            for tenant, value in result.all():
+                found.setdefault(tenant, []).append(bytes(value or b""))
+    return found
+
+
+async def history(graph: Any, config: RunnableConfig) -> list[list[str]]:
+    return [list(s.values.get("log", [])) async for s in graph.aget_state_history(config)]
+
+
+async def assert_only_own(
+    instance: Instance, graph: Any, thread: str, mine: str, theirs: str
+) -> None:
+    """Tenant ``mine`` sees only its own secret on ``thread``, in every read and every row."""
+    config = thread_config(thread, mine)
+    state = await graph.aget_state(config)
+    assert state.values == {"secret": mine, "log": [f"answer:{mine}"]}
+    assert state.config["configurable"]["tenant_id"] == mine
+    for logs in await history(graph, config):
+        assert all(theirs not in line for line in logs), logs
+    listed = [t async for t in instance.checkpointer.alist(config)]
+    assert listed and all(t.config["configurable"]["tenant_id"] == mine for t in listed)
+    assert all(theirs not in str(t.checkpoint["channel_values"]) for t in listed)
+    rows = await tenant_rows(instance, thread)
+    assert rows[mine], f"tenant {mine} has no rows of its own"
+    assert not any(theirs.encode() in value for value in rows[mine]), "a row holds theirs"
+
+
+async def test_two_tenants_one_thread_id_in_sequence(instance: Instance) -> None:
+    thread = unique("chat")
+    acme, globex = unique("acme"), unique("globex")
+    graph = chat_graph(instance)
+    first = await instance.ainvoke(graph, {"secret": acme}, thread_config(thread), tenant_id=acme)
+    assert first == {"secret": acme, "log": [f"answer:{acme}"]}
+    # globex's chat-1 is another thread: it starts empty, never from acme's checkpoint.
+    second = await instance.ainvoke(
+        graph, {"secret": globex}, thread_config(thread), tenant_id=globex
+    )
+    assert second == {"secret": globex, "log": [f"answer:{globex}"]}
+
+    await assert_only_own(instance, graph, thread, acme, globex)
+    await assert_only_own(instance, graph, thread, globex, acme)
+    assert set(await tenant_rows(instance, thread)) == {acme, globex}
+    # With no tenant given (plain LangGraph use) the read is of the default tenant's thread.
+    assert DEFAULT_TENANT == ""
+    assert (await graph.aget_state(thread_config(thread))).values == {}
+    untenanted = [t async for t in instance.checkpointer.alist(None)]
+    assert all("tenant_id" not in t.config["configurable"] for t in untenanted)
+    assert all(t.config["configurable"]["thread_id"] != thread for t in untenanted)
+
+
+async def test_two_tenants_one_thread_id_at_the_same_time(instance: Instance) -> None:
+    thread = unique("chat")
+    acme, globex = unique("acme"), unique("globex")
+    inside = {acme: asyncio.Event(), globex: asyncio.Event()}
+
+    async def meet(state: Chat) -> None:
+        # Each run waits inside its step until the other is inside its own: both runs hold
+        # their leases and write the same thread id at the same time.
+        mine = state["secret"]
+        other = globex if mine == acme else acme
+        inside[mine].set()
+        await asyncio.wait_for(inside[other].wait(), 10)
+
+    graph = chat_graph(instance, meet)
+    results = await asyncio.gather(
+        instance.ainvoke(graph, {"secret": acme}, thread_config(thread), tenant_id=acme),
+        instance.ainvoke(graph, {"secret": globex}, thread_config(thread), tenant_id=globex),
+    )
+    assert results == [
+        {"secret": acme, "log": [f"answer:{acme}"]},
+        {"secret": globex, "log": [f"answer:{globex}"]},
+    ]
+    await assert_only_own(instance, graph, thread, acme, globex)
+    await assert_only_own(instance, graph, thread, globex, acme)
+
+
+async def checkpoint_count(instance: Instance, tenant: str, thread: str) -> int:
+    async with engine_of(instance).connect() as conn:
+        result = await conn.execute(
+            text("SELECT count(*) FROM fence_checkpoints WHERE tenant_id = :a AND thread_id = :t"),
+            {"a": tenant, "t": thread},
+        )
+        return int(result.scalar_one())
+
+
+async def test_a_second_execution_id_on_a_thread_is_refused_before_its_first_step(
+    instance: Instance,
+) -> None:
+    thread = unique("order")
+    acme = unique("acme")
+    steps: list[str] = []
+
+    async def count(state: Chat) -> None:
+        steps.append(state["secret"])
+
+    graph = chat_graph(instance, count)
+    await instance.ainvoke(
+        graph, {"secret": "e1"}, thread_config(thread), tenant_id=acme, execution_id="e1"
+    )
+    rows_before = await checkpoint_count(instance, acme, thread)
+    with pytest.raises(ExecutionThreadBoundError) as refused:
+        await instance.ainvoke(
+            graph, {"secret": "e2"}, thread_config(thread), tenant_id=acme, execution_id="e2"
+        )
+    # Refused before anything ran: no step, no lease, no record, no checkpoint; no fork.
+    assert isinstance(refused.value, ValueError)
+    assert refused.value.bound_execution_id == "e1"
+    assert "'e1'" in str(refused.value) and "execution_id='e1'" in str(refused.value)
+    assert steps == ["e1"]
+    assert await instance.repository.get(LeaseKey(acme, "e2")) is None
+    assert await instance.records.get(LeaseKey(acme, "e2")) is None
+    assert await checkpoint_count(instance, acme, thread) == rows_before
+    async with engine_of(instance).connect() as conn:
+        chain = (
+            await conn.execute(
+                text(
+                    "SELECT checkpoint_id, parent_checkpoint_id FROM fence_checkpoints"
+                    " WHERE tenant_id = :a AND thread_id = :t AND checkpoint_ns = ''"
+                ),
+                {"a": acme, "t": thread},
+            )
+        ).all()
+    parents = [parent for _, parent in chain]
+    assert len(parents) == len(set(parents)), f"the chain forked: {chain}"
+    state = await graph.aget_state(thread_config(thread, acme))
+    assert state.values["log"] == ["answer:e1"]
+    # The bound execution itself goes on; another tenant's same thread id is its own thread,
+    # bound to nothing of acme's: its e2 runs, and it never hears of e1.
+    await instance.ainvoke(
+        graph, {"secret": "e1 again"}, thread_config(thread), tenant_id=acme, execution_id="e1"
+    )
+    globex = unique("globex")
+    out = await instance.ainvoke(
+        graph, {"secret": "g"}, thread_config(thread), tenant_id=globex, execution_id="e2"
+    )
+    assert out == {"secret": "g", "log": ["answer:g"]}
+
+
+async def test_two_first_runs_racing_with_two_execution_ids_one_wins(
+    instance: Instance,
+) -> None:
+    thread, acme = unique("order"), unique("acme")
+    graph = chat_graph(instance)
+    outcomes = await asyncio.gather(
+        *(
+            instance.ainvoke(
+                graph, {"secret": e}, thread_config(thread), tenant_id=acme, execution_id=e
+            )
+            for e in ("e1", "e2")
+        ),
+        return_exceptions=True,
+    )
+    refused = [o for o in outcomes if isinstance(o, ExecutionThreadBoundError)]
+    ran = [o for o in outcomes if isinstance(o, dict)]
+    assert len(refused) == 1 and len(ran) == 1, outcomes
+    winner = ran[0]["secret"]
+    assert refused[0].bound_execution_id == winner
+    state = await graph.aget_state(thread_config(thread, acme))
+    assert state.values["log"] == [f"answer:{winner}"]
+
+
+# -- hypothesis: random tenants, thread ids and execution ids
+
+_ID = st.one_of(
+    st.sampled_from(["chat-1", "a:b", "50%", "%3A", "é", "租户", "🙂", "a b", "x"]),
+    st.text(
+        alphabet=st.characters(blacklist_categories=["Cs"], blacklist_characters="\x00"),
+        min_size=1,
+        max_size=6,
+    ),
+)
+_RUNS = st.lists(
+    st.tuples(st.sampled_from(["t1", "t2", "t3"]), _ID, st.sampled_from(["x1", "x2"])),
+    min_size=1,
+    max_size=6,
+)
+
+
+@settings(
+    max_examples=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(tenants=st.lists(_ID, min_size=3, max_size=3, unique=True), threads=_ID, runs=_RUNS)
+async def test_no_read_or_write_crosses_a_tenant_or_execution_key(
+    instance: Instance, tenants: list[str], threads: str, runs: list[tuple[str, str, str]]
+) -> None:
+    """Runs of random tenants on random thread ids under random execution ids: each run
+    lands in its own tenant's thread or is refused (thread bound to another execution id),
+    and every read of a tenant's thread shows exactly that tenant's runs."""
+    salt = uuid.uuid4().hex[:6]  # the database outlives examples: keys of this one only
+    names = {f"t{i + 1}": f"{salt}{tenant}" for i, tenant in enumerate(tenants)}
+    graph = chat_graph(instance)
+    bound: dict[tuple[str, str], str] = {}
+    model: dict[tuple[str, str], list[str]] = {}
+    for i, (tenant_name, thread_part, execution_part) in enumerate(runs):
+        tenant = names[tenant_name]
+        thread = f"{threads}{thread_part}"
+        execution_id = f"{salt}{execution_part}{thread_part}"
+        value = f"v{i}@{tenant_name}"
+        expected = bound.setdefault((tenant, thread), execution_id)
+        run = instance.ainvoke(
+            graph,
+            {"secret": value},
+            thread_config(thread),
+            tenant_id=tenant,
+            execution_id=execution_id,
+        )
+        if expected != execution_id:
+            with pytest.raises(ExecutionThreadBoundError) as refused:
+                await run
+            assert refused.value.bound_execution_id == expected
+            continue
+        await run
+        model.setdefault((tenant, thread), []).append(f"answer:{value}")
+    every_thread = {thread for _, thread in model} | {thread for _, thread in bound}
+    for tenant in names.values():
+        for thread in every_thread:
+            config = thread_config(thread, tenant)
+            state = await graph.aget_state(config)
+            assert state.values.get("log", []) == model.get((tenant, thread), [])
+            for logs in await history(graph, config):
+                assert set(logs) <= set(model.get((tenant, thread), []))
+            async for item in instance.checkpointer.alist(config):
+                assert item.config["configurable"]["tenant_id"] == tenant
+                assert item.config["configurable"]["thread_id"] == thread
+        listed = [t async for t in instance.checkpointer.alist(thread_config_none(tenant))]
+        assert {t.config["configurable"]["thread_id"] for t in listed} == {
+            thread for (owner, thread) in model if owner == tenant
+        }
+
+
+def thread_config_none(tenant: str) -> RunnableConfig:
+    """A config naming only the tenant: ``alist`` over all of that tenant's threads."""
+    return {"configurable": {"tenant_id": tenant}}
