@@ -18,18 +18,25 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.conformance.test_utils import generate_checkpoint
+from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 from langgraph.graph import END, START, StateGraph
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from checkpointers import SqlCheckpointer
+from checkpointers.schema import CHECKPOINT_MIGRATIONS
 from langgraph_fence import LeaseKey, SqlLeaseRepository
 from langgraph_fence.checkpoint import DEFAULT_TENANT
+from langgraph_fence.database import create_engine, transaction
 from langgraph_fence.errors import ExecutionThreadBoundError
-from langgraph_fence.executions import SqlExecutionRecords
+from langgraph_fence.executions import EXECUTION_MIGRATIONS, ExecutionRecord, SqlExecutionRecords
 from langgraph_fence.instance import Instance
+from langgraph_fence.migrations import migrate
 from langgraph_fence.nodes import fence_graph
-from tests.conftest import SQL_BACKENDS, unique
+from langgraph_fence.schema import LEASE_MIGRATIONS
+from tests.chaos.conftest import own_schema  # noqa: F401 - a PG schema of the test's own
+from tests.conftest import SQL_BACKENDS, pg_engine_options, unique
 
 TABLES = ("fence_checkpoints", "fence_checkpoint_blobs", "fence_checkpoint_writes")
 
@@ -326,3 +333,82 @@ async def test_no_read_or_write_crosses_a_tenant_or_execution_key(
 def thread_config_none(tenant: str) -> RunnableConfig:
     """A config naming only the tenant: ``alist`` over all of that tenant's threads."""
     return {"configurable": {"tenant_id": tenant}}
+
+
+# -- the migration of rows written before tenants
+
+
+@pytest.fixture(params=SQL_BACKENDS)
+async def fresh_engine(
+    request: pytest.FixtureRequest, make_engine: Callable[[str], AsyncEngine]
+) -> AsyncIterator[AsyncEngine]:
+    """An engine on a database no test has migrated: a new SQLite file, a new PG schema."""
+    if request.param == "sqlite":
+        engine = make_engine("sqlite")
+    else:
+        url, schema = request.getfixturevalue("own_schema")
+        engine = create_engine(url, **pg_engine_options(schema))
+    yield engine
+    await engine.dispose()
+
+
+async def test_rows_written_before_tenants_get_the_tenant_of_their_lease(
+    fresh_engine: AsyncEngine,
+) -> None:
+    engine = fresh_engine
+    await migrate(engine, "leases", LEASE_MIGRATIONS)
+    await migrate(engine, "checkpoints", CHECKPOINT_MIGRATIONS[:1])
+    await migrate(engine, "executions", EXECUTION_MIGRATIONS[:1])
+    leases = SqlLeaseRepository(engine)
+    for key in (
+        LeaseKey("acme", "leased"),  # a lease of the thread's default execution
+        LeaseKey("globex", "job-9"),  # the execution of the recorded thread below
+        LeaseKey("acme", "mixed"),  # two tenants wrote one chain: no owner can be told
+        LeaseKey("globex", "mixed"),
+    ):
+        assert await leases.acquire(key, "old-worker", 10.0) is not None
+    records = SqlExecutionRecords(engine)
+    await records.record(ExecutionRecord(LeaseKey("globex", "job-9"), "g", "recorded", {}))
+    type_, blob = JsonPlusSerializer().dumps_typed(generate_checkpoint())
+    async with transaction(engine) as conn:
+        for thread in ("leased", "recorded", "orphan", "mixed"):
+            await conn.execute(
+                text(
+                    "INSERT INTO fence_checkpoints (thread_id, checkpoint_ns, checkpoint_id,"
+                    " type, checkpoint, channel_versions, metadata)"
+                    " VALUES (:t, '', 'c1', :type, :blob, '{}', '{}')"
+                ),
+                {"t": thread, "type": type_, "blob": blob},
+            )
+            await conn.execute(
+                text(
+                    "INSERT INTO fence_checkpoint_blobs (thread_id, channel, version, type, blob)"
+                    " VALUES (:t, 'ch', '1', 'empty', NULL)"
+                ),
+                {"t": thread},
+            )
+            await conn.execute(
+                text(
+                    "INSERT INTO fence_checkpoint_writes (thread_id, checkpoint_id, task_id, idx,"
+                    " channel, type, blob) VALUES (:t, 'c1', 'task', 0, 'ch', :type, :blob)"
+                ),
+                {"t": thread, "type": type_, "blob": blob},
+            )
+
+    saver = SqlCheckpointer(engine)
+    await saver.setup()
+    await records.setup()
+
+    owners = {"leased": "acme", "recorded": "globex", "orphan": "", "mixed": ""}
+    async with engine.connect() as conn:
+        for table in TABLES:
+            found = dict(
+                (await conn.execute(text(f"SELECT thread_id, tenant_id FROM {table}"))).all()
+            )
+            assert found == owners, table
+    for thread, tenant in owners.items():
+        assert await saver.aget_tuple(thread_config(thread, tenant)) is not None
+        other = "globex" if tenant == "acme" else "acme"
+        assert await saver.aget_tuple(thread_config(thread, other)) is None
+    # The recorded thread is bound to the execution that recorded it.
+    assert await records.bind(LeaseKey("globex", "another"), "recorded") == "job-9"
