@@ -18,6 +18,7 @@ from rich.table import Table
 __all__ = ["main"]
 
 DB_HELP = "database URL: sqlite+aiosqlite:///path.db or postgresql+asyncpg://user@host/db"
+TENANT_HELP = "only this tenant's executions (its id as the runs gave it, not encoded)"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,9 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     executions = commands.add_parser("executions", help="list executions and their leases")
     executions.add_argument("--db", required=True, help=DB_HELP)
     executions.add_argument("--status", default=None, help="only this status")
+    executions.add_argument("--tenant", default=None, help=TENANT_HELP)
     executions.add_argument("--limit", type=int, default=50)
     dead = commands.add_parser("dead-letters", help="list dead-lettered executions and why")
     dead.add_argument("--db", required=True, help=DB_HELP)
+    dead.add_argument("--tenant", default=None, help=TENANT_HELP)
     dead.add_argument("--limit", type=int, default=50)
     return parser
 
@@ -71,9 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "migrate":
             return asyncio.run(_migrate(console, args.db))
         if args.command == "executions":
-            return asyncio.run(_executions(console, args.db, args.status, args.limit))
+            return asyncio.run(_executions(console, args.db, args.status, args.tenant, args.limit))
         if args.command == "dead-letters":
-            return asyncio.run(_executions(console, args.db, "dead_lettered", args.limit))
+            return asyncio.run(
+                _executions(console, args.db, "dead_lettered", args.tenant, args.limit)
+            )
     except ValueError as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 2
@@ -166,7 +171,9 @@ async def _migrate(console: Console, db: str) -> int:
     return 0
 
 
-async def _executions(console: Console, db: str, status: str | None, limit: int) -> int:
+async def _executions(
+    console: Console, db: str, status: str | None, tenant: str | None, limit: int
+) -> int:
     from sqlalchemy import select
 
     from .database import create_engine
@@ -179,12 +186,16 @@ async def _executions(console: Console, db: str, status: str | None, limit: int)
         query: Any = select(LEASES).order_by(LEASES.c.updated_at.desc()).limit(limit)
         if status is not None:
             query = query.where(LEASES.c.status == status)
+        if tenant is not None:
+            query = query.where(LEASES.c.tenant_id == tenant)
         async with engine.connect() as conn:
             rows = (await conn.execute(query)).all()
     finally:
         await engine.dispose()
-    table = Table(title="dead-lettered executions" if status == "dead_lettered" else "executions")
-    for column in ("scope key", "status", "token", "holder", "pending effects", "reason"):
+    title = "dead-lettered executions" if status == "dead_lettered" else "executions"
+    table = Table(title=title if tenant is None else f"{title} of tenant {tenant!r}")
+    columns = ("tenant", "execution", "scope key", "status", "token", "holder", "pending effects")
+    for column in (*columns, "reason"):
         table.add_column(column)
     for row in rows:
         pending = "\n".join(
@@ -192,6 +203,8 @@ async def _executions(console: Console, db: str, status: str | None, limit: int)
             for e in effects_from_json(row.pending_effects)
         )
         table.add_row(
+            row.tenant_id,
+            row.execution_id,
             row.scope_key,
             row.status,
             str(row.epoch),
