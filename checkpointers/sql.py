@@ -26,7 +26,7 @@ import json
 import random
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
@@ -178,6 +178,9 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
     ``delete_thread``, ``delete_for_runs``, ``copy_thread`` and ``prune`` are maintenance:
     not fenced, and not meant to run on a thread while a run writes to it.
     """
+
+    #: Every row is keyed by tenant: a wrapper passes tenant configs through as they are.
+    scopes_tenants: ClassVar[bool] = True
 
     def __init__(self, engine: AsyncEngine, *, serde: SerializerProtocol | None = None) -> None:
         if not isinstance(engine, AsyncEngine):

@@ -18,7 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.checkpoint.conformance.test_utils import generate_checkpoint
+from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 from langgraph.graph import END, START, StateGraph
 from sqlalchemy import text
@@ -27,7 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from checkpointers import SqlCheckpointer
 from checkpointers.schema import CHECKPOINT_MIGRATIONS
 from langgraph_fence import LeaseKey, SqlLeaseRepository
-from langgraph_fence.checkpoint import DEFAULT_TENANT
+from langgraph_fence.checkpoint import DEFAULT_TENANT, _inner_thread_id, _outer_thread_id
 from langgraph_fence.database import create_engine, transaction
 from langgraph_fence.errors import ExecutionThreadBoundError
 from langgraph_fence.executions import EXECUTION_MIGRATIONS, ExecutionRecord, SqlExecutionRecords
@@ -46,15 +48,22 @@ class Chat(TypedDict, total=False):
     log: Annotated[list[str], operator.add]
 
 
-@pytest.fixture(params=SQL_BACKENDS)
+#: SqlCheckpointer on each database, and a saver that knows no tenants (LangGraph's
+#: InMemorySaver, leases on SQLite): FencedCheckpointer keeps the tenants apart over it.
+SAVERS = [*SQL_BACKENDS, "memory-saver"]
+
+
+@pytest.fixture(params=SAVERS)
 async def instance(
     request: pytest.FixtureRequest, make_engine: Callable[[str], AsyncEngine]
 ) -> AsyncIterator[Instance]:
-    engine = make_engine(request.param)
+    engine = make_engine("sqlite" if request.param == "memory-saver" else request.param)
     repository = SqlLeaseRepository(engine)
     await repository.setup()
-    saver = SqlCheckpointer(engine)
-    await saver.setup()
+    saver: BaseCheckpointSaver[Any] = InMemorySaver()
+    if request.param != "memory-saver":
+        saver = SqlCheckpointer(engine)
+        await saver.setup()
     records = SqlExecutionRecords(engine)
     await records.setup()
     inst = Instance(repository, saver, instance_id=unique("inst"), lease_ttl=10.0, records=records)
@@ -83,16 +92,22 @@ def thread_config(thread_id: str, tenant_id: str | None = None) -> RunnableConfi
     return {"configurable": configurable}
 
 
-def engine_of(instance: Instance) -> AsyncEngine:
-    inner = instance.checkpointer.inner
-    assert isinstance(inner, SqlCheckpointer)
-    return inner.engine
-
-
 async def tenant_rows(instance: Instance, thread_id: str) -> dict[str, list[bytes]]:
-    """``{tenant: [every stored value of the thread's rows, as bytes]}`` over the three tables."""
+    """``{tenant: [every stored value of the thread's rows, as bytes]}``: over the three
+    tables of SqlCheckpointer, or over what InMemorySaver keeps of the thread."""
     found: dict[str, list[bytes]] = {}
-    async with engine_of(instance).connect() as conn:
+    inner = instance.checkpointer.inner
+    if isinstance(inner, InMemorySaver):
+        for inner_id, namespaces in inner.storage.items():
+            tenant, thread = _outer_thread_id(inner_id)
+            if thread == thread_id:
+                values = found.setdefault(tenant, [])
+                for checkpoints in namespaces.values():
+                    values.extend(bytes(c[1]) for c, _, _ in checkpoints.values())
+                values.extend(bytes(v[1]) for k, v in inner.blobs.items() if k[0] == inner_id)
+        return found
+    assert isinstance(inner, SqlCheckpointer)
+    async with inner.engine.connect() as conn:
         for table, column in zip(TABLES, ("checkpoint", "blob", "blob"), strict=True):
             result = await conn.execute(
                 text(f"SELECT tenant_id, {column} FROM {table} WHERE thread_id = :t"),
@@ -174,13 +189,16 @@ async def test_two_tenants_one_thread_id_at_the_same_time(instance: Instance) ->
     await assert_only_own(instance, graph, thread, globex, acme)
 
 
-async def checkpoint_count(instance: Instance, tenant: str, thread: str) -> int:
-    async with engine_of(instance).connect() as conn:
-        result = await conn.execute(
-            text("SELECT count(*) FROM fence_checkpoints WHERE tenant_id = :a AND thread_id = :t"),
-            {"a": tenant, "t": thread},
+async def chain(instance: Instance, tenant: str, thread: str) -> list[tuple[str, str | None]]:
+    """``(checkpoint id, parent id)`` of every root checkpoint of the tenant's thread."""
+    return [
+        (
+            t.config["configurable"]["checkpoint_id"],
+            None if t.parent_config is None else t.parent_config["configurable"]["checkpoint_id"],
         )
-        return int(result.scalar_one())
+        async for t in instance.checkpointer.alist(thread_config(thread, tenant))
+        if t.config["configurable"]["checkpoint_ns"] == ""
+    ]
 
 
 async def test_a_second_execution_id_on_a_thread_is_refused_before_its_first_step(
@@ -197,7 +215,7 @@ async def test_a_second_execution_id_on_a_thread_is_refused_before_its_first_ste
     await instance.ainvoke(
         graph, {"secret": "e1"}, thread_config(thread), tenant_id=acme, execution_id="e1"
     )
-    rows_before = await checkpoint_count(instance, acme, thread)
+    chain_before = await chain(instance, acme, thread)
     with pytest.raises(ExecutionThreadBoundError) as refused:
         await instance.ainvoke(
             graph, {"secret": "e2"}, thread_config(thread), tenant_id=acme, execution_id="e2"
@@ -209,19 +227,9 @@ async def test_a_second_execution_id_on_a_thread_is_refused_before_its_first_ste
     assert steps == ["e1"]
     assert await instance.repository.get(LeaseKey(acme, "e2")) is None
     assert await instance.records.get(LeaseKey(acme, "e2")) is None
-    assert await checkpoint_count(instance, acme, thread) == rows_before
-    async with engine_of(instance).connect() as conn:
-        chain = (
-            await conn.execute(
-                text(
-                    "SELECT checkpoint_id, parent_checkpoint_id FROM fence_checkpoints"
-                    " WHERE tenant_id = :a AND thread_id = :t AND checkpoint_ns = ''"
-                ),
-                {"a": acme, "t": thread},
-            )
-        ).all()
-    parents = [parent for _, parent in chain]
-    assert len(parents) == len(set(parents)), f"the chain forked: {chain}"
+    assert await chain(instance, acme, thread) == chain_before
+    parents = [parent for _, parent in chain_before]
+    assert len(chain_before) > 1 and len(parents) == len(set(parents)), chain_before
     state = await graph.aget_state(thread_config(thread, acme))
     assert state.values["log"] == ["answer:e1"]
     # The bound execution itself goes on; another tenant's same thread id is its own thread,
@@ -412,3 +420,19 @@ async def test_rows_written_before_tenants_get_the_tenant_of_their_lease(
         assert await saver.aget_tuple(thread_config(thread, other)) is None
     # The recorded thread is bound to the execution that recorded it.
     assert await records.bind(LeaseKey("globex", "another"), "recorded") == "job-9"
+
+
+@given(
+    tenant=st.one_of(st.just(DEFAULT_TENANT), _ID),
+    thread=st.one_of(_ID, st.builds("lgf-tenant:{}".format, _ID)),
+)
+def test_a_saver_without_tenants_keeps_each_pair_under_an_id_of_its_own(
+    tenant: str, thread: str
+) -> None:
+    """The ids FencedCheckpointer gives a tenant's thread in a saver that knows no tenants
+    decode back to the pair (so no two pairs share one); the default tenant's ids are kept
+    as they are unless they look like such an id."""
+    inner = _inner_thread_id(tenant, thread)
+    assert _outer_thread_id(inner) == (tenant, thread)
+    if tenant == DEFAULT_TENANT and not thread.startswith("lgf-tenant:"):
+        assert inner == thread
