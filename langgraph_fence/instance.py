@@ -215,7 +215,8 @@ class Instance:
             graph: a graph compiled with ``checkpointer=instance.checkpointer``.
             input: the graph's input, a ``Command``, or ``None`` to resume.
             config: the run config; ``config["configurable"]["thread_id"]`` is required.
-            tenant_id: the tenant the execution belongs to.
+            tenant_id: the tenant the execution and its thread belong to (part of the
+                thread's key: read the thread back with ``configurable["tenant_id"]``).
             execution_id: the lease's execution id (default: the thread id).
             graph_name: the name :meth:`serve` finds the graph under when another instance
                 takes the execution over (default: ``graph.name``).

@@ -436,3 +436,16 @@ def test_a_saver_without_tenants_keeps_each_pair_under_an_id_of_its_own(
     assert _outer_thread_id(inner) == (tenant, thread)
     if tenant == DEFAULT_TENANT and not thread.startswith("lgf-tenant:"):
         assert inner == thread
+
+
+async def test_a_tenant_id_that_is_not_text_is_refused_by_name(instance: Instance) -> None:
+    thread, acme = unique("chat"), unique("acme")
+    bad: Any = {"configurable": {"thread_id": thread, "tenant_id": 42}}
+    with pytest.raises(ValueError, match=r'\["tenant_id"\] must be a str'):
+        await instance.checkpointer.aget_tuple(bad)
+    # A run is of one tenant: a config naming another is refused before anything runs.
+    with pytest.raises(ValueError, match=f"tenant_id is '{acme}'"):
+        await instance.ainvoke(
+            chat_graph(instance), {"secret": "s"}, thread_config(thread, "other"), tenant_id=acme
+        )
+    assert await instance.repository.get(LeaseKey(acme, thread)) is None
