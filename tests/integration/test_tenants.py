@@ -449,3 +449,61 @@ async def test_a_tenant_id_that_is_not_text_is_refused_by_name(instance: Instanc
             chat_graph(instance), {"secret": "s"}, thread_config(thread, "other"), tenant_id=acme
         )
     assert await instance.repository.get(LeaseKey(acme, thread)) is None
+
+
+async def test_deleting_a_tenants_thread_leaves_the_other_tenants_alone(
+    instance: Instance,
+) -> None:
+    thread = unique("chat")
+    acme, globex = unique("acme"), unique("globex")
+    graph = chat_graph(instance)
+    for tenant in (acme, globex):
+        await instance.ainvoke(graph, {"secret": tenant}, thread_config(thread), tenant_id=tenant)
+    await instance.checkpointer.adelete_thread(thread)  # the default tenant's: nothing here
+    await instance.checkpointer.adelete_thread(thread, tenant_id=acme)
+    assert (await graph.aget_state(thread_config(thread, acme))).values == {}
+    assert (await graph.aget_state(thread_config(thread, globex))).values["secret"] == globex
+
+
+@pytest.fixture(params=SQL_BACKENDS)
+async def sql_saver(
+    request: pytest.FixtureRequest, make_engine: Callable[[str], AsyncEngine]
+) -> AsyncIterator[SqlCheckpointer]:
+    saver = SqlCheckpointer(make_engine(request.param))
+    await saver.setup()
+    yield saver
+    await saver.engine.dispose()
+
+
+async def test_copy_prune_and_delete_for_runs_stay_within_one_tenant(
+    sql_saver: SqlCheckpointer,
+) -> None:
+    thread, copy = unique("chat"), unique("copy")
+    acme, globex = unique("acme"), unique("globex")
+    run_ids = {}
+    for tenant in (acme, globex):
+        run_ids[tenant] = str(uuid.uuid4())
+        config: Any = {"configurable": {**thread_config(thread, tenant)["configurable"]}}
+        config["configurable"]["checkpoint_ns"] = ""
+        for _ in range(2):
+            metadata: Any = {"run_id": run_ids[tenant], "source": "loop", "step": 0}
+            config = await sql_saver.aput(config, generate_checkpoint(), metadata, {})
+
+    async def ids(tenant: str, thread_id: str) -> list[str]:
+        return [
+            t.config["configurable"]["checkpoint_id"]
+            async for t in sql_saver.alist(thread_config(thread_id, tenant))
+        ]
+
+    globex_before = await ids(globex, thread)
+    await sql_saver.acopy_thread(thread, copy, tenant_id=acme)
+    assert await ids(acme, copy) == await ids(acme, thread)
+    assert await ids(globex, copy) == []
+    await sql_saver.aprune([thread], tenant_id=acme)
+    assert len(await ids(acme, thread)) == 1
+    assert await ids(globex, thread) == globex_before
+    await sql_saver.adelete_for_runs([run_ids[globex]], tenant_id=acme)  # not acme's run
+    assert await ids(globex, thread) == globex_before
+    await sql_saver.adelete_for_runs([run_ids[globex]], tenant_id=globex)
+    assert await ids(globex, thread) == []
+    assert len(await ids(acme, thread)) == 1
