@@ -26,6 +26,7 @@ import json
 import random
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from langchain_core.runnables import RunnableConfig
@@ -60,6 +61,7 @@ from langgraph_fence.fence import RunHandle
 from langgraph_fence.lease import fenced_error
 from langgraph_fence.migrations import migrate
 from langgraph_fence.schema import LEASE_MIGRATIONS
+from langgraph_fence.serde import safe_serializer
 
 from ._postgres import PostgresDriver
 from ._rows import CheckpointQuery, CheckpointRow, Driver, Guard, StoredCheckpoint
@@ -154,6 +156,14 @@ def _prune_plan(
     return kept, dropped
 
 
+@dataclass(slots=True)
+class _Lifecycle:
+    """A saver's set-up loop and why it is closed: one holder shared by its copies."""
+
+    loop: asyncio.AbstractEventLoop | None = None
+    closed_reason: str | None = None
+
+
 class SqlCheckpointer(BaseCheckpointSaver[str]):
     """A LangGraph checkpoint saver on SQLite (aiosqlite) or PostgreSQL (asyncpg), fence-aware.
 
@@ -163,7 +173,10 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
     Args:
         engine: from :func:`langgraph_fence.database.create_engine` (PostgreSQL in
             autocommit, SQLite with ``BEGIN IMMEDIATE``).
-        serde: the serializer for checkpoints and writes (LangGraph's default when omitted).
+        serde: the serializer for checkpoints and writes (default: LangGraph's in strict
+            msgpack mode, :func:`langgraph_fence.serde.safe_serializer`: a stored blob
+            constructs only LangGraph's safe types and those the serializer allows; under
+            ``LANGGRAPH_STRICT_MSGPACK`` ``compile()`` adds the graph's own schema types).
 
     Fencing: a write whose config carries a run handle is guarded when :meth:`guards` says
     this saver can check that handle's lease (its lease table is in this database); a handle
@@ -188,16 +201,35 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
                 "engine must be a SQLAlchemy AsyncEngine from "
                 f"langgraph_fence.database.create_engine(url), got {type(engine).__name__}"
             )
-        super().__init__(serde=serde)
+        # Safe by default: strict msgpack, whatever LANGGRAPH_STRICT_MSGPACK says.
+        super().__init__(serde=serde if serde is not None else safe_serializer())
         self._engine = engine
         self._dialect: Dialect = dialect_of(engine)
         self._driver: Driver = (
             PostgresDriver(engine) if self._dialect == "postgresql" else SqliteDriver(engine)
         )
         self._store_id = f"sql:{engine.url.render_as_string(hide_password=True)}"
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._closed_reason: str | None = None
+        # Shared by the copies LangGraph makes (with_allowlist under strict msgpack): a copy
+        # is set up, and closed, with the saver it was made from.
+        self._lifecycle = _Lifecycle()
         event.listen(engine.sync_engine, "engine_disposed", self._on_engine_disposed)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop :meth:`setup` ran on (its engine's connections belong to it)."""
+        return self._lifecycle.loop
+
+    @loop.setter
+    def loop(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        self._lifecycle.loop = loop
+
+    @property
+    def _closed_reason(self) -> str | None:
+        return self._lifecycle.closed_reason
+
+    @_closed_reason.setter
+    def _closed_reason(self, reason: str | None) -> None:
+        self._lifecycle.closed_reason = reason
 
     @classmethod
     @asynccontextmanager

@@ -25,7 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Callable,
+    Collection,
+    Coroutine,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import unquote
 
@@ -351,6 +359,23 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
 
     def __repr__(self) -> str:
         return f"FencedCheckpointer({self.inner!r}, require_fence={self.require_fence})"
+
+    def __getnewargs_ex__(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        # copy.copy() (LangGraph's with_allowlist) and pickle build the object through
+        # __new__, which needs the inner saver to pick the class.
+        return (self.inner,), {"require_fence": self.require_fence}
+
+    def with_allowlist(self, extra_allowlist: Collection[tuple[str, ...]]) -> FencedCheckpointer:
+        """A wrapper of ``inner.with_allowlist(extra_allowlist)`` (LangGraph's strict mode).
+
+        ``compile()`` calls this with the types of the graph's schemas when
+        ``LANGGRAPH_STRICT_MSGPACK`` is set. The inner saver decodes every checkpoint, so the
+        allow-list must reach it; the wrapper's own ``serde`` is the inner one's.
+        """
+        inner = self.inner.with_allowlist(extra_allowlist)
+        if inner is self.inner:
+            return self
+        return FencedCheckpointer(inner, require_fence=self.require_fence)
 
     @property
     def config_specs(self) -> list[Any]:

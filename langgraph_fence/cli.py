@@ -14,11 +14,14 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
+from sqlalchemy.exc import SQLAlchemyError
+
+from .redact import failure_reason, mask_password
 
 __all__ = ["main"]
 
 DB_HELP = "database URL: sqlite+aiosqlite:///path.db or postgresql+asyncpg://user@host/db"
-TENANT_HELP = "only this tenant's executions (its id as the runs gave it, not encoded)"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,14 +53,15 @@ def _parser() -> argparse.ArgumentParser:
     migrate = commands.add_parser("migrate", help="create or upgrade every table on a database")
     migrate.add_argument("--db", required=True, help=DB_HELP)
     executions = commands.add_parser("executions", help="list executions and their leases")
-    executions.add_argument("--db", required=True, help=DB_HELP)
     executions.add_argument("--status", default=None, help="only this status")
-    executions.add_argument("--tenant", default=None, help=TENANT_HELP)
-    executions.add_argument("--limit", type=int, default=50)
     dead = commands.add_parser("dead-letters", help="list dead-lettered executions and why")
-    dead.add_argument("--db", required=True, help=DB_HELP)
-    dead.add_argument("--tenant", default=None, help=TENANT_HELP)
-    dead.add_argument("--limit", type=int, default=50)
+    for listing in (executions, dead):
+        listing.add_argument("--db", required=True, help=DB_HELP)
+        listing.add_argument(
+            "--tenant", default=None, help="only this tenant's executions (their reasons too)"
+        )
+        listing.add_argument("--limit", type=int, default=50)
+        listing.add_argument("--schema", default=None, help="PostgreSQL schema (search_path)")
     return parser
 
 
@@ -73,15 +77,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_worker(console, args))
         if args.command == "migrate":
             return asyncio.run(_migrate(console, args.db))
-        if args.command == "executions":
-            return asyncio.run(_executions(console, args.db, args.status, args.tenant, args.limit))
-        if args.command == "dead-letters":
-            return asyncio.run(
-                _executions(console, args.db, "dead_lettered", args.tenant, args.limit)
-            )
+        if args.command in ("executions", "dead-letters"):
+            status = "dead_lettered" if args.command == "dead-letters" else args.status
+            return asyncio.run(_executions(console, args, status))
     except ValueError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {mask_password(str(exc))}", markup=False, highlight=False)
         return 2
+    except (SQLAlchemyError, OSError) as exc:
+        # A database that cannot be reached or read: say so, without the driver's quoted
+        # statement and parameters, and without the URL's password.
+        console.print(f"error: {failure_reason(exc)}", markup=False, highlight=False)
+        return 1
     raise AssertionError(f"unknown command {args.command!r}")
 
 
@@ -135,12 +141,9 @@ async def _worker(console: Console, args: argparse.Namespace) -> int:
     from .instance import Instance
 
     factory = _load_graphs_factory(args.graphs)
-    engine_options: dict[str, Any] = {}
-    if args.schema:
-        engine_options["connect_args"] = {"server_settings": {"search_path": args.schema}}
     async with Instance.open(
         args.db,
-        engine_options=engine_options,
+        engine_options=_engine_options(args.schema),
         instance_id=args.instance_id,
         lease_ttl=args.lease_ttl,
     ) as instance:
@@ -171,29 +174,37 @@ async def _migrate(console: Console, db: str) -> int:
     return 0
 
 
-async def _executions(
-    console: Console, db: str, status: str | None, tenant: str | None, limit: int
-) -> int:
+def _engine_options(schema: str | None) -> dict[str, Any]:
+    if not schema:
+        return {}
+    return {"connect_args": {"server_settings": {"search_path": schema}}}
+
+
+async def _executions(console: Console, args: argparse.Namespace, status: str | None) -> int:
     from sqlalchemy import select
 
     from .database import create_engine
     from .schema import LEASES, effects_from_json
 
-    if limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {limit}")
-    engine = create_engine(db)
+    if args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    if args.tenant is not None and not args.tenant:
+        raise ValueError("--tenant must be a non-empty tenant id (or left out for every tenant)")
+    engine = create_engine(args.db, **_engine_options(args.schema))
     try:
-        query: Any = select(LEASES).order_by(LEASES.c.updated_at.desc()).limit(limit)
+        query: Any = select(LEASES).order_by(LEASES.c.updated_at.desc()).limit(args.limit)
         if status is not None:
             query = query.where(LEASES.c.status == status)
-        if tenant is not None:
-            query = query.where(LEASES.c.tenant_id == tenant)
+        if args.tenant is not None:
+            query = query.where(LEASES.c.tenant_id == args.tenant)
         async with engine.connect() as conn:
             rows = (await conn.execute(query)).all()
     finally:
         await engine.dispose()
     title = "dead-lettered executions" if status == "dead_lettered" else "executions"
-    table = Table(title=title if tenant is None else f"{title} of tenant {tenant!r}")
+    if args.tenant is not None:
+        title += f" of tenant {args.tenant}"
+    table = Table(title=title)
     columns = ("tenant", "execution", "scope key", "status", "token", "holder", "pending effects")
     for column in (*columns, "reason"):
         table.add_column(column)
@@ -202,7 +213,7 @@ async def _executions(
             f"{e.effect.value} @ {e.node} (token {e.token})"
             for e in effects_from_json(row.pending_effects)
         )
-        table.add_row(
+        cells = (
             row.tenant_id,
             row.execution_id,
             row.scope_key,
@@ -210,8 +221,10 @@ async def _executions(
             str(row.epoch),
             row.holder or "",
             pending,
-            row.reason or "",
         )
+        # Text, not markup: a stored reason or id is data ("[/b]" in a reason must not
+        # break the listing or restyle it).
+        table.add_row(*(Text(cell) for cell in (*cells, row.reason or "")))
     console.print(table)
     return 0
 

@@ -25,6 +25,8 @@ from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import StaticPool
 
+from .redact import mask_password
+
 __all__ = [
     "READ_ONLY",
     "SINGLE_STATEMENT",
@@ -65,14 +67,19 @@ def normalize_url(url: str | URL) -> URL:
     elif isinstance(url, str):
         text = url
     else:
-        raise ValueError(f"url must be a str or sqlalchemy URL, got {url!r}; use {SUPPORTED}")
+        raise ValueError(
+            f"url must be a str or sqlalchemy URL, got {type(url).__name__}; use {SUPPORTED}"
+        )
     if text.startswith(("postgres://", "postgres+")):
         # The scheme Heroku and libpq accept; SQLAlchemy knows only "postgresql".
         text = "postgresql" + text[len("postgres") :]
     try:
         parsed = make_url(text)
-    except ArgumentError as exc:
-        raise ValueError(f"url {url!r} is not a database URL; use {SUPPORTED}") from exc
+    except (ArgumentError, ValueError):
+        # Never echo a password back, not even from a URL too mistyped to parse.
+        raise ValueError(
+            f"url {mask_password(repr(text))} is not a database URL; use {SUPPORTED}"
+        ) from None
     backend, _, driver = parsed.drivername.partition("+")
     if backend == "sqlite" and driver in ("", "aiosqlite"):
         return parsed.set(drivername="sqlite+aiosqlite")

@@ -16,27 +16,28 @@ of the same id is another thread, with a binding of its own.
 from __future__ import annotations
 
 import time
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
-from sqlalchemy import text
+from langgraph.checkpoint.serde.base import SerializerProtocol
+from sqlalchemy import bindparam, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .database import dialect_of, single_statement, transaction
 from .errors import ExecutionThreadBoundError
 from .lease import LeaseKey
 from .migrations import Migration, migrate
+from .serde import loads_checked, safe_serializer, with_allowlist
 
 __all__ = [
+    "ExecutionHead",
     "ExecutionRecord",
     "ExecutionRecords",
     "MemoryExecutionRecords",
     "SqlExecutionRecords",
     "check_thread_binding",
 ]
-
-_serde = JsonPlusSerializer()
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,18 @@ class ExecutionRecord:
     graph: str
     thread_id: str
     input: Any
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionHead:
+    """What a worker reads of a record before it takes the execution: graph and thread.
+
+    Never the input: that is decoded only when a run needs it, by an instance serving
+    ``graph``.
+    """
+
+    graph: str
+    thread_id: str
 
 
 class ExecutionRecords(Protocol):
@@ -61,8 +74,24 @@ class ExecutionRecords(Protocol):
         """
         ...
 
-    async def get(self, key: LeaseKey) -> ExecutionRecord | None:
-        """The record of ``key``, or ``None``."""
+    async def get(
+        self, key: LeaseKey, *, allow: Collection[tuple[str, ...]] = ()
+    ) -> ExecutionRecord | None:
+        """The record of ``key``, or ``None``.
+
+        Args:
+            key: the execution.
+            allow: ``(module, name)`` pairs the input may construct besides what the
+                serializer allows (the served graph's schema types).
+
+        Raises:
+            ValueError: the stored input cannot be decoded, or names a type outside the
+                serializer's allow-list (nothing of it was imported or called).
+        """
+        ...
+
+    async def heads_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, ExecutionHead]:
+        """Graph and thread of each of ``keys`` that has a record; no input is decoded."""
         ...
 
     async def bind(self, key: LeaseKey, thread_id: str) -> str:
@@ -107,13 +136,20 @@ class MemoryExecutionRecords:
         self._rows[record.key] = record
         return True
 
-    async def get(self, key: LeaseKey) -> ExecutionRecord | None:
-        """The record of ``key``, or ``None``."""
+    async def get(
+        self, key: LeaseKey, *, allow: Collection[tuple[str, ...]] = ()
+    ) -> ExecutionRecord | None:
+        """The record of ``key``, or ``None`` (kept as objects: nothing to decode)."""
         return self._rows.get(key)
 
     async def bind(self, key: LeaseKey, thread_id: str) -> str:
         """Bind ``thread_id`` of ``key``'s tenant to ``key`` unless bound; the bound id."""
         return self._bindings.setdefault((key.tenant_id, thread_id), key.execution_id)
+
+    async def heads_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, ExecutionHead]:
+        """Graph and thread of each of ``keys`` that has a record."""
+        rows = self._rows
+        return {k: ExecutionHead(rows[k].graph, rows[k].thread_id) for k in keys if k in rows}
 
 
 _CREATE = """
@@ -192,6 +228,13 @@ _SELECT = text(
     "SELECT graph, thread_id, input_type, input FROM fence_executions "
     "WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
 )
+# By execution id only (one expanding parameter on both dialects); the tenant is matched
+# on the rows that come back.
+_SELECT_HEADS = text(
+    "SELECT tenant_id, execution_id, graph, thread_id FROM fence_executions "
+    "WHERE execution_id IN :ids"
+).bindparams(bindparam("ids", expanding=True))
+_HEADS_CHUNK = 500
 
 
 _BOUND = text(
@@ -206,12 +249,25 @@ _BIND = text(
 
 
 class SqlExecutionRecords:
-    """Execution records in ``fence_executions`` (SQLite or PostgreSQL), one statement each."""
+    """Execution records in ``fence_executions`` (SQLite or PostgreSQL), one statement each.
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    Args:
+        engine: the engine of the lease table's database.
+        serde: the serializer of the recorded inputs (default: LangGraph's in strict msgpack
+            mode, :func:`langgraph_fence.serde.safe_serializer`). A stored input that names a
+            type outside its allow-list is never constructed: :meth:`get` refuses it.
+    """
+
+    def __init__(self, engine: AsyncEngine, *, serde: SerializerProtocol | None = None) -> None:
         dialect_of(engine)
+        if serde is not None and not callable(getattr(serde, "loads_typed", None)):
+            raise ValueError(
+                "serde must be a LangGraph serializer (dumps_typed/loads_typed), got "
+                f"{type(serde).__name__}: pass e.g. JsonPlusSerializer(allowed_msgpack_modules=...)"
+            )
         self._engine = engine
         self._writer = single_statement(engine)
+        self.serde: SerializerProtocol = serde if serde is not None else safe_serializer()
 
     async def setup(self) -> None:
         """Create or upgrade the table; safe from several processes at once."""
@@ -222,7 +278,7 @@ class SqlExecutionRecords:
 
         The lease table must be on the same database (as :meth:`Instance.open` puts it).
         """
-        input_type, blob = _serde.dumps_typed(record.input)
+        input_type, blob = self.serde.dumps_typed(record.input)
         async with self._writer.begin() as conn:
             result = await conn.execute(
                 _UPSERT_UNLESS_HELD if unless_held else _UPSERT,
@@ -238,8 +294,20 @@ class SqlExecutionRecords:
             )
             return bool(result.rowcount)
 
-    async def get(self, key: LeaseKey) -> ExecutionRecord | None:
-        """The record of ``key``, or ``None``."""
+    async def get(
+        self, key: LeaseKey, *, allow: Collection[tuple[str, ...]] = ()
+    ) -> ExecutionRecord | None:
+        """The record of ``key``, or ``None``.
+
+        Args:
+            key: the execution.
+            allow: ``(module, name)`` pairs the input may construct besides what
+                :attr:`serde` allows (the served graph's schema types).
+
+        Raises:
+            ValueError: the stored input cannot be decoded, or names a type outside the
+                serializer's allow-list (nothing of it was imported or called).
+        """
         async with self._engine.connect() as conn:
             row = (
                 await conn.execute(
@@ -252,7 +320,11 @@ class SqlExecutionRecords:
             key=key,
             graph=row.graph,
             thread_id=row.thread_id,
-            input=_serde.loads_typed((row.input_type, bytes(row.input))),
+            input=loads_checked(
+                with_allowlist(self.serde, allow),
+                (row.input_type, bytes(row.input)),
+                what=f"the recorded input of execution {key.scope_key!r}",
+            ),
         )
 
     async def bind(self, key: LeaseKey, thread_id: str) -> str:
@@ -270,3 +342,18 @@ class SqlExecutionRecords:
             )
             bound = (await conn.execute(_BOUND, params)).scalar_one()
         return str(bound)
+
+    async def heads_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, ExecutionHead]:
+        """Graph and thread of each of ``keys`` that has a record: one read per 500 keys, no
+        input decoded (a worker learns which graph an execution runs before it loads it)."""
+        wanted = set(keys)
+        ids = sorted({key.execution_id for key in wanted})
+        found: dict[LeaseKey, ExecutionHead] = {}
+        async with self._engine.connect() as conn:
+            for start in range(0, len(ids), _HEADS_CHUNK):
+                chunk = ids[start : start + _HEADS_CHUNK]
+                for row in await conn.execute(_SELECT_HEADS, {"ids": chunk}):
+                    key = LeaseKey(row.tenant_id, row.execution_id)
+                    if key in wanted:
+                        found[key] = ExecutionHead(row.graph, row.thread_id)
+        return found

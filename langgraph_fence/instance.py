@@ -34,6 +34,7 @@ from .errors import (
     find_fence_error,
 )
 from .executions import (
+    ExecutionHead,
     ExecutionRecord,
     ExecutionRecords,
     MemoryExecutionRecords,
@@ -51,9 +52,12 @@ from .lease import (
     non_idempotent_standing,
     validate_ttl,
 )
+from .redact import bounded_reason, failure_reason
+from .serde import graph_allowlist
 
 if TYPE_CHECKING:
     from langgraph.checkpoint.base import BaseCheckpointSaver
+    from langgraph.checkpoint.serde.base import SerializerProtocol
 
 __all__ = ["Instance"]
 
@@ -150,7 +154,12 @@ class Instance:
     @classmethod
     @asynccontextmanager
     async def open(
-        cls, url: str, *, engine_options: Mapping[str, Any] | None = None, **options: Any
+        cls,
+        url: str,
+        *,
+        engine_options: Mapping[str, Any] | None = None,
+        serde: SerializerProtocol | None = None,
+        **options: Any,
     ) -> AsyncIterator[Instance]:
         """Open an instance on one database: its lease table and checkpoints side by side.
 
@@ -162,6 +171,9 @@ class Instance:
         Args:
             url: ``sqlite+aiosqlite:///path.db`` or ``postgresql+asyncpg://...``.
             engine_options: passed to :func:`langgraph_fence.database.create_engine`.
+            serde: the serializer of checkpoints and execution records (default: LangGraph's
+                in strict msgpack mode, :func:`langgraph_fence.serde.safe_serializer`; a
+                stored payload constructs no type outside its allow-list).
             **options: :class:`Instance` options (``instance_id``, ``lease_ttl``,
                 ``renew_interval``, ``clock``, ``sleep``).
         """
@@ -174,9 +186,9 @@ class Instance:
         try:
             repository = SqlLeaseRepository(engine)
             await repository.setup()
-            saver = SqlCheckpointer(engine)
+            saver = SqlCheckpointer(engine, serde=serde)
             await saver.setup()
-            records = SqlExecutionRecords(engine)
+            records = SqlExecutionRecords(engine, serde=serde)
             await records.setup()
             instance = cls(repository, saver, records=records, **options)
             try:
@@ -310,13 +322,13 @@ class Instance:
         stop = stop if stop is not None else asyncio.Event()
         remove_signals = _on_signals(stop) if handle_signals else (lambda: None)
         running: dict[asyncio.Task[None], list[_Run]] = {}
-        ignored: set[LeaseKey] = set()
+        unserved: dict[LeaseKey, int] = {}
         logger.info("instance %s serves %s", self.instance_id, sorted(graphs))
         try:
             while not stop.is_set():
                 free = concurrency - len(running)
                 if free > 0:
-                    await self._take_work(graphs, free, running, ignored, kwargs)
+                    await self._take_work(graphs, free, running, unserved, kwargs)
                 waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait())]
                 waiters.extend(running)
                 await asyncio.wait(waiters, timeout=poll, return_when=asyncio.FIRST_COMPLETED)
@@ -339,65 +351,128 @@ class Instance:
         graphs: Mapping[str, Any],
         free: int,
         running: dict[asyncio.Task[None], list[_Run]],
-        ignored: set[LeaseKey],
+        unserved: dict[LeaseKey, int],
         kwargs: Mapping[str, Any],
     ) -> None:
-        try:
-            # Executions this loop cannot run (graphs it does not serve) stay candidates:
-            # widen the window by as many, or they would hide the ones it can run.
-            candidates = await self.repository.takeover_candidates(limit=free * 4 + len(ignored))
-        except Exception:
-            logger.warning("could not read takeover candidates", exc_info=True)
-            return
-        # Forget the ones that are no longer candidates (ended, or taken by their servers).
-        ignored.intersection_update(candidate.key for candidate in candidates)
-        for candidate in candidates:
-            if free <= 0:
+        """Take up to ``free`` candidates over; nothing here may stop the serve loop.
+
+        An execution of a graph this loop does not serve is remembered with its epoch
+        (``unserved``) and costs no read on the polls after: its record is never loaded, its
+        input never decoded. A record is decoded only once its execution is taken, and a
+        record that cannot be decoded dead-letters its execution (guarded by the epoch just
+        taken) with the reason, instead of failing the loop.
+        """
+        window = free * 4
+        while free > 0:
+            try:
+                # Unserved executions stay candidates: widen the window by as many, or they
+                # would hide the ones this loop can run.
+                limit = window + len(unserved)
+                candidates = await self.repository.takeover_candidates(limit=limit)
+                # Forget the ones that are no longer candidates (ended, or taken by their
+                # servers); a new epoch is a new run, whose record may name another graph.
+                current = {candidate.key: candidate.epoch for candidate in candidates}
+                for key in [k for k, epoch in unserved.items() if current.get(k) != epoch]:
+                    del unserved[key]
+                fresh = [c for c in candidates if c.key not in unserved]
+                heads = await self.records.heads_of([c.key for c in fresh]) if fresh else {}
+            except Exception:
+                logger.warning("could not read takeover candidates", exc_info=True)
                 return
-            record = await self.records.get(candidate.key)
-            if record is None or record.graph not in graphs:
-                if candidate.key not in ignored:
-                    ignored.add(candidate.key)
+            found_unserved = False
+            for candidate in fresh:
+                if free <= 0:
+                    return
+                head = heads.get(candidate.key)
+                graph_name = None if head is None else head.graph
+                if head is None or head.graph not in graphs:
+                    unserved[candidate.key] = candidate.epoch
+                    found_unserved = True
                     logger.warning(
                         "execution %s is expired but its graph %r is not served here: left "
                         "untouched",
                         candidate.scope_key,
-                        None if record is None else record.graph,
+                        graph_name,
                     )
-                continue
-            taken = await self.repository.take_over(candidate, self.instance_id, self.lease_ttl)
-            if taken is None:
-                continue  # renewed by its holder or taken by another instance meanwhile
-            if taken.status is LeaseStatus.DEAD_LETTERED:
-                logger.warning("execution %s dead-lettered: %s", taken.scope_key, taken.reason)
-                continue
-            runs: list[_Run] = []
-            task = asyncio.create_task(
-                self._resume(graphs[record.graph], record, taken, runs, kwargs),
-                name=f"resume {taken.scope_key}",
-            )
-            running[task] = runs
-            free -= 1
+                    continue
+                try:
+                    started = await self._take_one(
+                        graphs[head.graph], candidate, head, running, kwargs
+                    )
+                except Exception:
+                    logger.warning("could not take %s over", candidate.scope_key, exc_info=True)
+                    continue
+                if started:
+                    free -= 1
+            if len(candidates) < limit or not found_unserved:
+                return
+            # A full window of newly found unserved executions may hide servable ones behind
+            # it: look again at once, past them (doubling, so N of them take log N looks,
+            # once; later polls skip them without a read).
+            window *= 2
+
+    async def _take_one(
+        self,
+        graph: Any,
+        candidate: Lease,
+        head: ExecutionHead,
+        running: dict[asyncio.Task[None], list[_Run]],
+        kwargs: Mapping[str, Any],
+    ) -> bool:
+        """Take ``candidate`` over and start its run; whether a run was started.
+
+        The recorded input is read only when the run needs it (no checkpoint yet), decoded
+        with the graph's own allow-list; a record that cannot be, dead-letters the execution.
+        """
+        taken = await self.repository.take_over(candidate, self.instance_id, self.lease_ttl)
+        if taken is None:
+            return False  # renewed by its holder or taken by another instance meanwhile
+        if taken.status is LeaseStatus.DEAD_LETTERED:
+            logger.warning("execution %s dead-lettered: %s", taken.scope_key, taken.reason)
+            return False
+        # The record cannot change under us now: a new run of the key takes a new epoch.
+        # The tenant names the thread too (another tenant's thread of the same id is another).
+        config: RunnableConfig = {
+            "configurable": {"thread_id": head.thread_id, "tenant_id": taken.key.tenant_id}
+        }
+        input: Any = None
+        if await graph.checkpointer.aget_tuple(config) is None:
+            try:
+                record = await self.records.get(taken.key, allow=graph_allowlist(graph))
+                if record is None:
+                    raise LookupError(f"the record of execution {taken.scope_key!r} is gone")
+                input = record.input
+            except Exception as exc:
+                # Ours now (epoch + 1): left as it is, every instance would fail on it, poll
+                # after poll. It cannot run anywhere: dead-letter it, saying why.
+                reason = failure_reason(exc, prefix="its execution record cannot be loaded: ")
+                await self.repository.dead_letter(taken.key, reason, epoch=taken.epoch)
+                logger.warning("execution %s dead-lettered: %s", taken.scope_key, reason)
+                return False
+        runs: list[_Run] = []
+        task = asyncio.create_task(
+            self._resume(graph, config, input, taken, runs, kwargs),
+            name=f"resume {taken.scope_key}",
+        )
+        running[task] = runs
+        return True
 
     async def _resume(
         self,
         graph: Any,
-        record: ExecutionRecord,
+        config: RunnableConfig,
+        input: Any,
         taken: Lease,
         runs: list[_Run],
         kwargs: Mapping[str, Any],
     ) -> None:
-        config: RunnableConfig = {
-            "configurable": {"thread_id": record.thread_id, "tenant_id": taken.key.tenant_id}
-        }
+        """Run a taken execution: from its last checkpoint (``input`` None), or its input."""
         try:
-            has_checkpoint = await graph.checkpointer.aget_tuple(config) is not None
-            input = None if has_checkpoint else record.input
             logger.info(
                 "resuming %s at token %d from its %s",
                 taken.scope_key,
                 taken.epoch,
-                "last checkpoint" if has_checkpoint else "recorded input",
+                "last checkpoint" if input is None else "recorded input",
             )
             async with self._run(
                 graph,
@@ -592,19 +667,19 @@ class Instance:
             raise handle.error
         dead = find_error(exc, ExecutionDeadLetteredError)
         if dead is not None:
-            await self.repository.dead_letter(handle.key, str(dead), epoch=handle.token)
+            await self.repository.dead_letter(handle.key, failure_reason(dead), epoch=handle.token)
             logger.warning("run %s dead-lettered: %s", handle.scope_key, dead)
             if dead is not exc:
                 raise dead  # keeps its own cause: the error the write failed with
             return
         if isinstance(exc, GraphDrained):
             # Drained by request (not by a fence): hand the execution back for any instance.
-            await self._release(run, LeaseStatus.PENDING, f"drained: {exc.reason}")
+            await self._release(run, LeaseStatus.PENDING, bounded_reason(f"drained: {exc.reason}"))
             return
         if isinstance(exc, asyncio.CancelledError):
             reason = "cancelled"
         else:
-            reason = f"{type(exc).__name__}: {exc}"
+            reason = failure_reason(exc)
         await self._release(run, LeaseStatus.FAILED, reason)
 
     async def _classify_loss(self, handle: RunHandle) -> None:
