@@ -35,6 +35,7 @@ from collections.abc import (
     Sequence,
 )
 from typing import Any, ClassVar, TypeVar
+from urllib.parse import unquote
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
@@ -55,14 +56,17 @@ from .errors import (
 from .faults import fault_point
 from .fence import FENCE_CONFIG_KEY, RunHandle
 from .lease import Lease, LeaseStatus, fenced_error
+from .scope import encode_part
 
 __all__ = [
+    "DEFAULT_TENANT",
     "FencedCheckpointer",
     "check_write_scope",
     "checkpoint_clear_keys",
     "fence_handle",
     "lease_matches",
     "refuse_write",
+    "thread_tenant",
     "writes_clear_keys",
 ]
 
@@ -103,6 +107,38 @@ def fence_handle(config: RunnableConfig) -> RunHandle | None:
     return handle
 
 
+#: The tenant of a thread read or written with no tenant given (plain LangGraph use): the
+#: empty string. No lease can be of it (a lease's tenant is never empty), so a thread written
+#: without a tenant never meets any tenant's thread of the same id.
+DEFAULT_TENANT = ""
+
+
+def thread_tenant(config: RunnableConfig | None) -> str:
+    """The tenant a thread read or write belongs to: part of the thread's key.
+
+    ``config["configurable"]["tenant_id"]`` when given, else the tenant of the run handle at
+    ``config["configurable"]["__fence"]``, else :data:`DEFAULT_TENANT`. A tenant's
+    ``chat-1`` and another tenant's ``chat-1`` are two threads that never meet.
+
+    Raises:
+        ValueError: ``tenant_id`` is not a str.
+    """
+    configurable = config.get("configurable") if isinstance(config, Mapping) else None
+    if not isinstance(configurable, Mapping):
+        return DEFAULT_TENANT
+    tenant_id = configurable.get("tenant_id")
+    if tenant_id is None:
+        handle = configurable.get(FENCE_CONFIG_KEY)
+        return handle.key.tenant_id if isinstance(handle, RunHandle) else DEFAULT_TENANT
+    if not isinstance(tenant_id, str):
+        raise ValueError(
+            f'config["configurable"]["tenant_id"] must be a str (the tenant the thread belongs '
+            f"to), got {type(tenant_id).__name__}: pass the tenant's id as text, or leave the "
+            "key out for the default tenant"
+        )
+    return tenant_id
+
+
 def check_write_scope(handle: RunHandle, config: RunnableConfig, *, action: str) -> None:
     """Refuse a write to a thread that is not the handle's execution.
 
@@ -133,6 +169,32 @@ def check_write_scope(handle: RunHandle, config: RunnableConfig, *, action: str)
             token_held=handle.token,
             token_seen=None,
         )
+
+
+#: How a saver that does not key threads by tenant stores a tenant's thread (see below).
+_TENANT_THREAD = "lgf-tenant:"
+
+
+def _inner_thread_id(tenant_id: str, thread_id: str) -> str:
+    """The thread id under which a saver that knows no tenants keeps the tenant's thread.
+
+    The default tenant's ids are kept as they are (plain LangGraph use sees its own ids);
+    any other tenant's become ``lgf-tenant:<tenant>:<thread>``, each part encoded as in a
+    scope key, so no two ``(tenant, thread)`` pairs share one: a default-tenant id that
+    itself starts with the prefix is encoded too, with an empty tenant part.
+    """
+    if tenant_id == DEFAULT_TENANT and not thread_id.startswith(_TENANT_THREAD):
+        return thread_id
+    tenant_part = "" if tenant_id == DEFAULT_TENANT else encode_part(tenant_id, name="tenant_id")
+    return f"{_TENANT_THREAD}{tenant_part}:{encode_part(thread_id, name='thread_id')}"
+
+
+def _outer_thread_id(inner_id: str) -> tuple[str, str]:
+    """``(tenant_id, thread_id)`` of an id made by :func:`_inner_thread_id`."""
+    if not inner_id.startswith(_TENANT_THREAD):
+        return DEFAULT_TENANT, inner_id
+    tenant_part, _, thread_part = inner_id[len(_TENANT_THREAD) :].partition(":")
+    return unquote(tenant_part), unquote(thread_part)
 
 
 def lease_matches(lease: Lease, current: Lease | None) -> bool:
@@ -205,7 +267,11 @@ def checkpoint_clear_keys(
 
 
 def _without_handle(config: RunnableConfig) -> RunnableConfig:
+    # The handle goes, its tenant stays: the inner saver writes the tenant's own thread.
+    tenant_id = thread_tenant(config)
     configurable = {k: v for k, v in config["configurable"].items() if k != FENCE_CONFIG_KEY}
+    if tenant_id != DEFAULT_TENANT:
+        configurable["tenant_id"] = tenant_id
     return {**config, "configurable": configurable}
 
 
@@ -268,6 +334,8 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     _classes: ClassVar[dict[frozenset[str], type[FencedCheckpointer]]] = {}
 
     inner: BaseCheckpointSaver[Any]
+    #: Every read and write of this saver sees the tenant's own threads only.
+    scopes_tenants: ClassVar[bool] = True
 
     def __new__(
         cls, inner: BaseCheckpointSaver[Any], *, require_fence: bool = False
@@ -285,6 +353,9 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         self.inner = inner
         self.require_fence = bool(require_fence)
         self._loop: asyncio.AbstractEventLoop | None = None
+        # A saver that keys threads by tenant itself (SqlCheckpointer) gets configs as they
+        # are; any other keeps a tenant's thread under an id of its own (_inner_thread_id).
+        self._scopes_tenants = bool(getattr(inner, "scopes_tenants", False))
 
     def __repr__(self) -> str:
         return f"FencedCheckpointer({self.inner!r}, require_fence={self.require_fence})"
@@ -314,10 +385,77 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     def get_next_version(self, current: Any, channel: None) -> Any:
         return self.inner.get_next_version(current, channel)
 
-    # -- reads: never fenced
+    # -- tenants: a saver that keys threads by tenant itself gets the configs as they are
+
+    def _inner_config(self, config: RunnableConfig | None) -> Any:
+        """``config`` as the inner saver must see it to keep the tenant's thread apart."""
+        if self._scopes_tenants or not isinstance(config, Mapping):
+            return config
+        configurable = config.get("configurable") or {}
+        if configurable.get("thread_id") is None:
+            # alist over all threads: the inner saver lists every thread, filtered here.
+            rest = {k: v for k, v in configurable.items() if k != "tenant_id"}
+            return {**config, "configurable": rest} if rest else None
+        thread_id = str(configurable["thread_id"])
+        inner_id = _inner_thread_id(thread_tenant(config), thread_id)
+        if inner_id == thread_id:
+            return config
+        return {**config, "configurable": {**configurable, "thread_id": inner_id}}
+
+    def _outer_config(self, config: Any) -> Any:
+        """A config the inner saver returned, as the caller names the thread."""
+        if self._scopes_tenants or not isinstance(config, Mapping):
+            return config
+        configurable = config.get("configurable") or {}
+        if configurable.get("thread_id") is None:
+            return config
+        inner_id = str(configurable["thread_id"])
+        tenant_id, thread_id = _outer_thread_id(inner_id)
+        if tenant_id == DEFAULT_TENANT and thread_id == inner_id:
+            return config
+        outer = {**configurable, "thread_id": thread_id}
+        if tenant_id != DEFAULT_TENANT:
+            outer["tenant_id"] = tenant_id
+        return {**config, "configurable": outer}
+
+    def _outer_tuple(self, item: CheckpointTuple | None) -> CheckpointTuple | None:
+        if self._scopes_tenants or item is None:
+            return item
+        return item._replace(
+            config=self._outer_config(item.config),
+            parent_config=self._outer_config(item.parent_config),
+        )
+
+    def _own_items(
+        self, config: RunnableConfig | None, limit: int | None
+    ) -> tuple[Callable[[CheckpointTuple], CheckpointTuple | None], int | None]:
+        """For ``alist``: how to map each inner item (``None``: another tenant's), and the
+        limit to ask the inner saver for (none when items must be filtered first)."""
+        if self._scopes_tenants:
+            return (lambda item: item), limit
+        tenant_id = thread_tenant(config)
+        named = (
+            isinstance(config, Mapping)
+            and (config.get("configurable") or {}).get("thread_id") is not None
+        )
+
+        def own(item: CheckpointTuple) -> CheckpointTuple | None:
+            outer = self._outer_tuple(item)
+            assert outer is not None
+            return outer if thread_tenant(outer.config) == tenant_id else None
+
+        return own, (limit if named else None)
+
+    def _thread_call(self, thread_id: str, tenant_id: str) -> tuple[str, dict[str, str]]:
+        """``(thread id, keyword arguments)`` for an inner admin call on the tenant's thread."""
+        if self._scopes_tenants:
+            return thread_id, ({} if tenant_id == DEFAULT_TENANT else {"tenant_id": tenant_id})
+        return _inner_thread_id(tenant_id, str(thread_id)), {}
+
+    # -- reads: never fenced; each sees the tenant's own threads only
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
-        return await self.inner.aget_tuple(config)
+        return self._outer_tuple(await self.inner.aget_tuple(self._inner_config(config)))
 
     async def alist(
         self,
@@ -327,11 +465,24 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         before: RunnableConfig | None = None,
         limit: int | None = None,
     ) -> AsyncIterator[CheckpointTuple]:
-        async for item in self.inner.alist(config, filter=filter, before=before, limit=limit):
-            yield item
+        own, inner_limit = self._own_items(config, limit)
+        listed = 0
+        async for item in self.inner.alist(
+            self._inner_config(config),
+            filter=filter,
+            before=self._inner_config(before),
+            limit=inner_limit,
+        ):
+            outer = own(item)
+            if outer is None:
+                continue
+            if limit is not None and listed >= limit:
+                return
+            listed += 1
+            yield outer
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
-        return self.inner.get_tuple(config)
+        return self._outer_tuple(self.inner.get_tuple(self._inner_config(config)))
 
     def list(
         self,
@@ -341,7 +492,17 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         before: RunnableConfig | None = None,
         limit: int | None = None,
     ) -> Iterator[CheckpointTuple]:
-        return self.inner.list(config, filter=filter, before=before, limit=limit)
+        own, inner_limit = self._own_items(config, limit)
+        items = self.inner.list(
+            self._inner_config(config),
+            filter=filter,
+            before=self._inner_config(before),
+            limit=inner_limit,
+        )
+        mine = (outer for item in items if (outer := own(item)) is not None)
+        if limit is None:
+            return mine
+        return (item for _, item in zip(range(limit), mine, strict=False))
 
     # -- writes
 
@@ -393,7 +554,10 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     ) -> RunnableConfig:
         handle = self._handle(config, "aput")
         if handle is None:
-            return await self.inner.aput(config, checkpoint, metadata, new_versions)
+            stored = await self.inner.aput(
+                self._inner_config(config), checkpoint, metadata, new_versions
+            )
+            return self._outer_config(stored)  # type: ignore[no-any-return]
         inner_config = config
         guarded = self._admit_guarded(handle, config, "aput")
         if not guarded:
@@ -403,7 +567,9 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
                 await fault_point(
                     "checkpoint.before", config=config, checkpoint=checkpoint, metadata=metadata
                 )
-            saved = await self.inner.aput(inner_config, checkpoint, metadata, new_versions)
+            saved = await self.inner.aput(
+                self._inner_config(inner_config), checkpoint, metadata, new_versions
+            )
             keys = () if guarded else checkpoint_clear_keys(handle, config, checkpoint["id"])
             if keys:
                 # Not in the inner write's transaction: a crash in between leaves the
@@ -413,7 +579,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
                 await fault_point(
                     "checkpoint.after", config=config, checkpoint=checkpoint, metadata=metadata
                 )
-            return saved
+            return self._outer_config(saved)  # type: ignore[no-any-return]
         except ExecutionLeaseLostError as exc:
             raise refuse_write(handle, config, exc) from None
 
@@ -426,7 +592,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     ) -> None:
         handle = self._handle(config, "aput_writes")
         if handle is None:
-            await self.inner.aput_writes(config, writes, task_id, task_path)
+            await self.inner.aput_writes(self._inner_config(config), writes, task_id, task_path)
             return
         inner_config = config
         guarded = self._admit_guarded(handle, config, "aput_writes")
@@ -435,14 +601,15 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         try:
             if not guarded:
                 await fault_point("writes.before", config=config, task_id=task_id, writes=writes)
-            await self.inner.aput_writes(inner_config, writes, task_id, task_path)
+            tenant_config = self._inner_config(inner_config)
+            await self.inner.aput_writes(tenant_config, writes, task_id, task_path)
             if guarded:
                 return
             await fault_point("writes.after", config=config, task_id=task_id, writes=writes)
             keys = writes_clear_keys(handle, task_id, writes)
             # Writes whose checkpoint is not stored are seen by no resume: they prove
             # nothing, and the checkpoint that follows clears the entries instead.
-            if keys and await self.inner.aget_tuple(inner_config) is not None:
+            if keys and await self.inner.aget_tuple(tenant_config) is not None:
                 await self._clear(handle, keys)
         except ExecutionLeaseLostError as exc:
             raise refuse_write(handle, config, exc) from None
@@ -459,11 +626,15 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             handle.restore_pending_effects(taken)
             raise
 
-    async def adelete_thread(self, thread_id: str) -> None:
-        await self.inner.adelete_thread(thread_id)
+    async def adelete_thread(self, thread_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
+        """Delete the tenant's ``thread_id`` (the default tenant's when none is given)."""
+        inner_id, tenant = self._thread_call(thread_id, tenant_id)
+        await self.inner.adelete_thread(inner_id, **tenant)
 
-    def delete_thread(self, thread_id: str) -> None:
-        self.inner.delete_thread(thread_id)
+    def delete_thread(self, thread_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
+        """Sync twin of :meth:`adelete_thread`."""
+        inner_id, tenant = self._thread_call(thread_id, tenant_id)
+        self.inner.delete_thread(inner_id, **tenant)
 
     # -- sync twins of the writes
 
@@ -489,7 +660,8 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
         if self._handle(config, "put") is None:
-            return self.inner.put(config, checkpoint, metadata, new_versions)
+            stored = self.inner.put(self._inner_config(config), checkpoint, metadata, new_versions)
+            return self._outer_config(stored)  # type: ignore[no-any-return]
         return self._run_sync(lambda: self.aput(config, checkpoint, metadata, new_versions))
 
     def put_writes(
@@ -500,7 +672,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         task_path: str = "",
     ) -> None:
         if self._handle(config, "put_writes") is None:
-            self.inner.put_writes(config, writes, task_id, task_path)
+            self.inner.put_writes(self._inner_config(config), writes, task_id, task_path)
             return
         self._run_sync(lambda: self.aput_writes(config, writes, task_id, task_path))
 
@@ -509,46 +681,93 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
 # operations on whole threads and runs; not fenced (no run writes through them).
 
 
-async def _adelete_for_runs(self: FencedCheckpointer, run_ids: Sequence[str]) -> None:
-    await self.inner.adelete_for_runs(run_ids)
+# Each within one tenant (the default tenant's when none is given), as the reads are. Run ids
+# are global: over a saver that does not key threads by tenant, delete_for_runs is not
+# scoped to one tenant (a run id is one run's, of one tenant, anyway).
 
 
-def _delete_for_runs(self: FencedCheckpointer, run_ids: Sequence[str]) -> None:
-    self.inner.delete_for_runs(run_ids)
+def _tenant_kw(self: FencedCheckpointer, tenant_id: str) -> dict[str, str]:
+    return {"tenant_id": tenant_id} if self._scopes_tenants and tenant_id else {}
+
+
+def _threads(self: FencedCheckpointer, thread_ids: Sequence[str], tenant_id: str) -> Any:
+    if self._scopes_tenants or isinstance(thread_ids, str):
+        return thread_ids  # a str: the inner saver refuses it with its own message
+    return [_inner_thread_id(tenant_id, str(t)) for t in thread_ids]
+
+
+async def _adelete_for_runs(
+    self: FencedCheckpointer, run_ids: Sequence[str], *, tenant_id: str = DEFAULT_TENANT
+) -> None:
+    await self.inner.adelete_for_runs(run_ids, **_tenant_kw(self, tenant_id))
+
+
+def _delete_for_runs(
+    self: FencedCheckpointer, run_ids: Sequence[str], *, tenant_id: str = DEFAULT_TENANT
+) -> None:
+    self.inner.delete_for_runs(run_ids, **_tenant_kw(self, tenant_id))
 
 
 async def _acopy_thread(
-    self: FencedCheckpointer, source_thread_id: str, target_thread_id: str
+    self: FencedCheckpointer,
+    source_thread_id: str,
+    target_thread_id: str,
+    *,
+    tenant_id: str = DEFAULT_TENANT,
 ) -> None:
-    await self.inner.acopy_thread(source_thread_id, target_thread_id)
+    source, target = _threads(self, [source_thread_id, target_thread_id], tenant_id)
+    await self.inner.acopy_thread(source, target, **_tenant_kw(self, tenant_id))
 
 
-def _copy_thread(self: FencedCheckpointer, source_thread_id: str, target_thread_id: str) -> None:
-    self.inner.copy_thread(source_thread_id, target_thread_id)
+def _copy_thread(
+    self: FencedCheckpointer,
+    source_thread_id: str,
+    target_thread_id: str,
+    *,
+    tenant_id: str = DEFAULT_TENANT,
+) -> None:
+    source, target = _threads(self, [source_thread_id, target_thread_id], tenant_id)
+    self.inner.copy_thread(source, target, **_tenant_kw(self, tenant_id))
 
 
 async def _aprune(
-    self: FencedCheckpointer, thread_ids: Sequence[str], *, strategy: str = "keep_latest"
+    self: FencedCheckpointer,
+    thread_ids: Sequence[str],
+    *,
+    strategy: str = "keep_latest",
+    tenant_id: str = DEFAULT_TENANT,
 ) -> None:
-    await self.inner.aprune(thread_ids, strategy=strategy)
+    await self.inner.aprune(
+        _threads(self, thread_ids, tenant_id), strategy=strategy, **_tenant_kw(self, tenant_id)
+    )
 
 
 def _prune(
-    self: FencedCheckpointer, thread_ids: Sequence[str], *, strategy: str = "keep_latest"
+    self: FencedCheckpointer,
+    thread_ids: Sequence[str],
+    *,
+    strategy: str = "keep_latest",
+    tenant_id: str = DEFAULT_TENANT,
 ) -> None:
-    self.inner.prune(thread_ids, strategy=strategy)
+    self.inner.prune(
+        _threads(self, thread_ids, tenant_id), strategy=strategy, **_tenant_kw(self, tenant_id)
+    )
 
 
 async def _aget_delta_channel_history(
     self: FencedCheckpointer, *, config: RunnableConfig, channels: Sequence[str]
 ) -> Mapping[str, DeltaChannelHistory]:
-    return await self.inner.aget_delta_channel_history(config=config, channels=channels)
+    return await self.inner.aget_delta_channel_history(
+        config=self._inner_config(config), channels=channels
+    )
 
 
 def _get_delta_channel_history(
     self: FencedCheckpointer, *, config: RunnableConfig, channels: Sequence[str]
 ) -> Mapping[str, DeltaChannelHistory]:
-    return self.inner.get_delta_channel_history(config=config, channels=channels)
+    return self.inner.get_delta_channel_history(
+        config=self._inner_config(config), channels=channels
+    )
 
 
 _OPTIONAL_IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {

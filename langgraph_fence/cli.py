@@ -205,14 +205,23 @@ async def _executions(console: Console, args: argparse.Namespace, status: str | 
     if args.tenant is not None:
         title += f" of tenant {args.tenant}"
     table = Table(title=title)
-    for column in ("scope key", "status", "token", "holder", "pending effects", "reason"):
+    columns = ("tenant", "execution", "scope key", "status", "token", "holder", "pending effects")
+    for column in (*columns, "reason"):
         table.add_column(column)
     for row in rows:
         pending = "\n".join(
             f"{e.effect.value} @ {e.node} (token {e.token})"
             for e in effects_from_json(row.pending_effects)
         )
-        cells = (row.scope_key, row.status, str(row.epoch), row.holder or "", pending)
+        cells = (
+            row.tenant_id,
+            row.execution_id,
+            row.scope_key,
+            row.status,
+            str(row.epoch),
+            row.holder or "",
+            pending,
+        )
         # Text, not markup: a stored reason or id is data ("[/b]" in a reason must not
         # break the listing or restyle it).
         table.add_row(*(Text(cell) for cell in (*cells, row.reason or "")))

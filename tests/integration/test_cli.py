@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 
 import pytest
 
+from langgraph_fence import LeaseKey, SqlLeaseRepository
+from langgraph_fence.database import create_engine
 from tests.conftest import pg_schema  # noqa: F401 - the fixture, for the PostgreSQL run
 
 
@@ -63,3 +66,35 @@ def test_listing_commands_read_the_lease_table(command: str, tmp_path: object) -
     )
     assert listed.returncode == 0, listed.stderr
     assert "scope key" in listed.stdout
+
+
+async def _take(db: str, keys: list[LeaseKey]) -> None:
+    engine = create_engine(db)
+    try:
+        store = SqlLeaseRepository(engine)
+        await store.setup()
+        for key in keys:
+            assert await store.acquire(key, "worker-1", 30.0) is not None
+    finally:
+        await engine.dispose()
+
+
+def test_executions_filter_by_tenant_and_show_it(tmp_path: object) -> None:
+    db = f"sqlite+aiosqlite:///{tmp_path}/cli.db"
+    asyncio.run(_take(db, [LeaseKey("acme", "chat-1"), LeaseKey("globex", "chat-1")]))
+
+    def listed(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "langgraph_fence.cli", "executions", "--db", db, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "COLUMNS": "200"},
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    both = listed()
+    assert "tenant" in both and "acme:chat-1" in both and "globex:chat-1" in both
+    only_acme = listed("--tenant", "acme")
+    assert "acme:chat-1" in only_acme and "globex" not in only_acme
