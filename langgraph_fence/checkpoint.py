@@ -12,9 +12,10 @@ Two strengths of guarantee, depending on the inner saver:
   checked inside the inner saver's own write (one statement on PostgreSQL, one transaction
   on SQLite). A write made under a superseded token never lands: no window.
 * **Any other saver**: the wrapper checks first (locally, then one read of the lease) and
-  then delegates. A take-over that commits between that read and the inner write is not
-  seen: the stale write lands once, and the run is refused at its next write. The window is
-  one read plus one write long; use a fence-aware saver where that matters.
+  then delegates. Every write the run has in flight when a take-over commits was checked
+  before it and lands (one per concurrent writer: more under ``durability="async"``), and a
+  stale checkpoint can land beside the new holder's (a fork of the thread's history); the
+  run is refused at its next write. Use a fence-aware saver where that matters.
 
 A refusal is recorded on the handle (the runtime re-raises the recorded error whatever else
 surfaces), the run is asked to drain at the next superstep boundary, and the error is raised.
@@ -300,9 +301,11 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     * otherwise the wrapper checks ``handle.check()`` (no I/O), then reads the lease once
       and compares epoch, holder and status, then delegates with the handle removed from
       the config. **Remaining window:** a take-over committed after that read and before
-      the inner write completes is not seen; the stale write lands, once, and the next
-      write of the run is refused. Writes already in flight when the take-over happens can
-      land the same way. Only a fence-aware saver closes this window.
+      the inner write completes is not seen. Every write of the run in flight at that
+      moment lands (the checkpoint and each task's writes; under ``durability="async"``
+      the next superstep's too), a stale checkpoint may land as a sibling of the new
+      holder's (a fork), and the run's next write is refused. Only a fence-aware saver
+      closes this window.
 
     The stamp set (see ``docs/stamps.md``): an entry is cleared only once a resume would
     see the step's writes. A root checkpoint clears the entries of the supersteps before
