@@ -26,14 +26,6 @@ pytestmark = pytest.mark.chaos
 DEADLINE = 90.0
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
-    if request.param == "sqlite":
-        return Database(f"sqlite+aiosqlite:///{tmp_path / 'fence.db'}", "")
-    url, schema = request.getfixturevalue("own_schema")
-    return Database(url, schema)
-
-
 @pytest.mark.parametrize("durability", ["sync", "async", "exit"])
 async def test_a_worker_killed_at_any_fault_point_never_repeats_the_charge(
     database: Database, durability: str, tmp_path: Path

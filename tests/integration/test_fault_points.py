@@ -29,6 +29,7 @@ from langgraph_fence.faults import FAULT_POINTS, arm_fault
 from tests.chaos.write_steps import (
     TENANT,
     Database,
+    at_charge,
     build_graph,
     effects_of,
     engine_options,
@@ -48,26 +49,12 @@ def reachable(durability: str) -> list[str]:
 CASES = [(d, p) for d in ("sync", "async", "exit") for p in reachable(d)]
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
-    if request.param == "sqlite":
-        return Database(f"sqlite+aiosqlite:///{tmp_path / 'fence.db'}", "")
-    url, schema = request.getfixturevalue("own_schema")
-    return Database(url, schema)
-
-
 def lost(point: str, began: list[str], gone: list[str]) -> Any:
     """Raise as a dead connection at ``point``: the first time after charge began, and
     every time once the connection is ``gone``."""
 
     def action(context: Mapping[str, Any]) -> None:
-        if point == "stamp.after":
-            hit = context["effect"].node == "charge"
-        elif point == "effect.after":
-            hit = context["node"] == "charge"
-        else:
-            hit = "charge" in began
-        if hit or gone:
+        if gone or at_charge(point, context, began):
             gone.append(point)
             raise ConnectionResetError(f"injected at {point}: connection lost")
 
