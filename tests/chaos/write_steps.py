@@ -368,6 +368,16 @@ def at_charge(point: str, context: Mapping[str, Any], charge_began: Sequence[obj
     return bool(charge_began)
 
 
+def assert_charged_at_most_once(point: str, lease: Lease, effects: list[str], where: str) -> None:
+    """The verdict of a ``linear`` run faulted at ``point`` and taken over: ``charge`` ran
+    once (never, if the fault came between its stamp and its body), and the execution is
+    done, or dead-lettered naming it."""
+    assert effects.count("charge") == (0 if point == "stamp.after" else 1), where
+    assert lease.status in (LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED), where
+    if lease.status is LeaseStatus.DEAD_LETTERED:
+        assert lease.reason is not None and "'charge'" in lease.reason, where
+
+
 def _kill_after_charge(point: str, charge_began: list[bool]) -> Any:
     def action(context: Mapping[str, Any]) -> None:
         if at_charge(point, context, charge_began):

@@ -29,6 +29,7 @@ from langgraph_fence.faults import FAULT_POINTS, arm_fault
 from tests.chaos.write_steps import (
     TENANT,
     Database,
+    assert_charged_at_most_once,
     at_charge,
     build_graph,
     effects_of,
@@ -111,11 +112,7 @@ async def test_a_connection_lost_at_any_fault_point_never_repeats_the_charge(
     lease = leases[execution_id]
     effects = effects_of(tmp_path, execution_id)
     where = f"{point}/{durability}: {effects}, {lease.status.value} {lease.reason}"
-    # Stamped but lost before its body: dead-lettered, never run. Otherwise run once.
-    assert effects.count("charge") == (0 if point == "stamp.after" else 1), where
-    assert lease.status in (LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED), where
-    if lease.status is LeaseStatus.DEAD_LETTERED:
-        assert lease.reason is not None and "'charge'" in lease.reason, where
+    assert_charged_at_most_once(point, lease, effects, where)
 
 
 async def test_orphan_writes_are_no_proof(database: Database, tmp_path: Path) -> None:
