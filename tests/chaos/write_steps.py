@@ -101,8 +101,11 @@ def _record_effect(directory: Path, node: str) -> None:
 
 async def _wait_for_fast_writes(instance: Instance, thread: str, count: int) -> None:
     """Until ``count`` tasks other than this one have their writes stored."""
-    me = get_execution_context().task_id
-    config: Any = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    frame = get_execution_context()
+    me = frame.task_id
+    config: Any = {
+        "configurable": {"thread_id": thread, "checkpoint_ns": "", "tenant_id": frame.tenant_id}
+    }
     loop = asyncio.get_running_loop()
     deadline = loop.time() + SLOW_WAIT
     while loop.time() < deadline:
