@@ -1,0 +1,296 @@
+"""Admin operations under the execution's lease, and erasure (issue 24, item 5).
+
+``adelete_thread``, ``aprune``, ``acopy_thread`` and ``adelete_for_runs`` made while a run of
+the thread writes used to land in the middle of it: the run ended ``done`` over a state
+missing a channel's blob, or a copy landed rows with no token in a running thread. Through
+an instance's checkpointer they now take the thread's execution lease for their duration
+and are refused while another instance holds it. Deleting a thread erases it: every row of
+it (checkpoints, blobs, writes, the execution record, the thread binding, the lease's
+reason, the sink's stored results); only the sink's high-water mark row stays, holding the
+scope key and a token. Every test runs on SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypedDict
+
+import pytest
+from langchain_core.runnables import RunnableConfig
+from langgraph.graph import END, START, StateGraph
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from checkpointers import SqlCheckpointer
+from langgraph_fence import LeaseKey, LeaseStatus, SqlLeaseRepository, get_execution_context
+from langgraph_fence.database import transaction
+from langgraph_fence.errors import ExecutionLeaseHeldError
+from langgraph_fence.executions import SqlExecutionRecords
+from langgraph_fence.instance import Instance
+from langgraph_fence.nodes import fence_graph
+from langgraph_fence.sinks import fenced_write, setup_sink
+from tests.conftest import SQL_BACKENDS, unique
+
+CARD = "4111111111111111"
+
+
+class Order(TypedDict, total=False):
+    card: str
+    first: str
+    second: str
+
+
+@pytest.fixture(params=SQL_BACKENDS)
+async def engine(
+    request: pytest.FixtureRequest, make_engine: Callable[[str], AsyncEngine]
+) -> AsyncIterator[AsyncEngine]:
+    engine = make_engine(request.param)
+    yield engine
+    await engine.dispose()
+
+
+async def open_instance(engine: AsyncEngine, name: str) -> Instance:
+    repository = SqlLeaseRepository(engine)
+    await repository.setup()
+    saver = SqlCheckpointer(engine)
+    await saver.setup()
+    records = SqlExecutionRecords(engine)
+    await records.setup()
+    await setup_sink(engine)
+    return Instance(repository, saver, instance_id=unique(name), lease_ttl=10.0, records=records)
+
+
+@pytest.fixture
+async def instance(engine: AsyncEngine) -> AsyncIterator[Instance]:
+    inst = await open_instance(engine, "worker")
+    yield inst
+    await inst.aclose()
+
+
+def order_graph(instance: Instance, second: Callable[[], Awaitable[None]] | None = None) -> Any:
+    """``first`` writes one channel, ``second`` (which may wait) another, each with a
+    checkpoint of its own; ``second`` also records a charge through the exactly-once sink."""
+    engine = instance.checkpointer.inner.engine  # type: ignore[attr-defined]
+
+    async def first(state: Order) -> dict[str, Any]:
+        return {"first": f"first:{state['card']}"}
+
+    async def second_step(state: Order) -> dict[str, Any]:
+        if second is not None:
+            await second()
+        fence = get_execution_context().fence
+        async with transaction(engine) as conn:
+            async with fenced_write(conn, fence, "charge") as write:
+                if not write.applied:
+                    write.record({"charged": state["card"]})
+        return {"second": "second"}
+
+    builder = StateGraph(Order)
+    builder.add_node("first", first)
+    builder.add_node("second", second_step)
+    builder.add_edge(START, "first")
+    builder.add_edge("first", "second")
+    builder.add_edge("second", END)
+    return fence_graph(builder).compile(checkpointer=instance.checkpointer)
+
+
+def config_of(thread: str, tenant: str) -> RunnableConfig:
+    return {"configurable": {"thread_id": thread, "tenant_id": tenant}}
+
+
+class Paused:
+    """A step that waits inside the run until the test lets it go (no sleeps)."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.proceed = asyncio.Event()
+
+    async def __call__(self) -> None:
+        self.entered.set()
+        await self.proceed.wait()
+
+
+async def run_paused(
+    instance: Instance, thread: str, tenant: str
+) -> tuple[Any, Paused, asyncio.Task[Any]]:
+    paused = Paused()
+    graph = order_graph(instance, paused)
+    run = asyncio.create_task(
+        instance.ainvoke(graph, {"card": CARD}, config_of(thread, tenant), tenant_id=tenant)
+    )
+    await asyncio.wait_for(paused.entered.wait(), 10)
+    return graph, paused, run
+
+
+ADMIN_CALLS: dict[str, Callable[[Instance, str, str], Awaitable[None]]] = {
+    "delete_thread": lambda i, thread, tenant: i.checkpointer.adelete_thread(
+        thread, tenant_id=tenant
+    ),
+    "prune_delete": lambda i, thread, tenant: i.checkpointer.aprune(
+        [thread], strategy="delete", tenant_id=tenant
+    ),
+    "prune_keep_latest": lambda i, thread, tenant: i.checkpointer.aprune(
+        [thread], tenant_id=tenant
+    ),
+}
+
+
+@pytest.mark.parametrize("call", sorted(ADMIN_CALLS))
+async def test_an_admin_call_on_a_running_thread_is_refused_and_the_run_stays_whole(
+    instance: Instance, call: str
+) -> None:
+    tenant, thread = unique("acme"), unique("order")
+    graph, paused, run = await run_paused(instance, thread, tenant)
+    with pytest.raises(ExecutionLeaseHeldError) as refused:
+        await ADMIN_CALLS[call](instance, thread, tenant)
+    message = str(refused.value)
+    assert thread in message and instance.instance_id in message, message
+    paused.proceed.set()
+    await asyncio.wait_for(run, 10)
+    state = await graph.aget_state(config_of(thread, tenant))
+    assert state.values == {"card": CARD, "first": f"first:{CARD}", "second": "second"}
+    lease = await instance.repository.get(LeaseKey(tenant, thread))
+    assert lease is not None and lease.status is LeaseStatus.DONE
+
+
+async def test_a_copy_into_a_running_thread_is_refused_and_lands_no_row(
+    instance: Instance, engine: AsyncEngine
+) -> None:
+    tenant, source, target = unique("acme"), unique("source"), unique("target")
+    await instance.ainvoke(
+        order_graph(instance),
+        {"card": "5500000000000004"},
+        config_of(source, tenant),
+        tenant_id=tenant,
+    )
+    graph, paused, run = await run_paused(instance, target, tenant)
+    with pytest.raises(ExecutionLeaseHeldError):
+        await instance.checkpointer.acopy_thread(source, target, tenant_id=tenant)
+    paused.proceed.set()
+    await asyncio.wait_for(run, 10)
+    async with engine.connect() as conn:
+        untokened = (
+            await conn.execute(
+                text(
+                    "SELECT count(*) FROM fence_checkpoints WHERE tenant_id = :tenant"
+                    " AND thread_id = :t AND fence_token IS NULL"
+                ),
+                {"tenant": tenant, "t": target},
+            )
+        ).scalar_one()
+    assert untokened == 0
+    state = await graph.aget_state(config_of(target, tenant))
+    assert state.values["card"] == CARD
+
+
+async def test_an_admin_call_on_an_idle_thread_runs_and_keeps_its_status(
+    instance: Instance,
+) -> None:
+    tenant, thread, copy = unique("acme"), unique("order"), unique("copy")
+    graph = order_graph(instance)
+    await instance.ainvoke(graph, {"card": CARD}, config_of(thread, tenant), tenant_id=tenant)
+    key = LeaseKey(tenant, thread)
+    before = await instance.repository.get(key)
+    assert before is not None
+    await instance.checkpointer.acopy_thread(thread, copy, tenant_id=tenant)
+    await instance.checkpointer.aprune([thread], tenant_id=tenant)
+    after = await instance.repository.get(key)
+    assert after is not None
+    # Each call took the lease once (the token moved on: a stale writer of before is
+    # fenced) and gave it back as it found it.
+    assert (after.status, after.holder, after.reason) == (before.status, None, before.reason)
+    assert after.epoch > before.epoch
+    assert (await graph.aget_state(config_of(copy, tenant))).values["second"] == "second"
+    assert len([s async for s in graph.aget_state_history(config_of(thread, tenant))]) == 1
+
+
+async def stored_anywhere(engine: AsyncEngine, needle: str) -> list[str]:
+    """Every ``table.column`` of langgraph-fence's tables whose text holds ``needle``."""
+    tables = (
+        "fence_checkpoints",
+        "fence_checkpoint_blobs",
+        "fence_checkpoint_writes",
+        "fence_executions",
+        "fence_thread_bindings",
+        "fence_leases",
+        "fence_applied",
+        "fence_high_water",
+    )
+    found = []
+    async with engine.connect() as conn:
+        for table in tables:
+            result = await conn.execute(text(f"SELECT * FROM {table}"))
+            for row in result.mappings():
+                for column, value in row.items():
+                    raw = value if isinstance(value, bytes | bytearray | memoryview) else None
+                    shown = bytes(raw).decode("latin-1") if raw is not None else str(value)
+                    if needle in shown:
+                        found.append(f"{table}.{column}")
+    return found
+
+
+async def test_deleting_a_thread_erases_every_row_of_it_and_the_id_can_be_used_again(
+    instance: Instance, engine: AsyncEngine
+) -> None:
+    tenant, thread = unique("acme"), unique("order")
+    secret = f"{CARD}-{uuid.uuid4().hex[:8]}"  # no other test's rows can hold it
+
+    async def fail_once() -> None:
+        raise RuntimeError(f"card {secret} declined")
+
+    failing = order_graph(instance, fail_once)
+    with pytest.raises(RuntimeError):
+        await instance.ainvoke(
+            failing, {"card": secret}, config_of(thread, tenant), tenant_id=tenant
+        )
+    graph = order_graph(instance)
+    # The retry charges through the sink and ends done: every table now holds the card.
+    await instance.ainvoke(graph, {"card": secret}, config_of(thread, tenant), tenant_id=tenant)
+    assert {"fence_checkpoint_blobs", "fence_executions", "fence_applied"} <= {
+        place.split(".")[0] for place in await stored_anywhere(engine, secret)
+    }
+    key = LeaseKey(tenant, thread)
+    before = await instance.repository.get(key)
+    assert before is not None
+
+    await instance.checkpointer.adelete_thread(thread, tenant_id=tenant)
+
+    assert await stored_anywhere(engine, secret) == []
+    lease = await instance.repository.get(key)
+    assert lease is not None  # the epoch never goes back: kept, with nothing of the run
+    assert (lease.status, lease.holder, lease.reason, lease.pending_effects) == (
+        LeaseStatus.DONE,
+        None,
+        None,
+        (),
+    )
+    assert await instance.records.get(key) is None
+    async with engine.connect() as conn:
+        binding = (
+            await conn.execute(
+                text("SELECT count(*) FROM fence_thread_bindings WHERE tenant_id = :a"),
+                {"a": tenant},
+            )
+        ).scalar_one()
+        mark = (
+            await conn.execute(
+                text("SELECT token FROM fence_high_water WHERE scope_key = :s"),
+                {"s": key.scope_key},
+            )
+        ).scalar_one()
+    assert binding == 0
+    assert mark == before.epoch  # the high-water mark row stays: a scope key and a token
+    assert (await graph.aget_state(config_of(thread, tenant))).values == {}
+
+    # A new run of the same thread, under another execution id even: a new thread, whose
+    # charge the sink applies again (its token is above the kept mark).
+    await instance.ainvoke(
+        graph,
+        {"card": "4000000000000002"},
+        config_of(thread, tenant),
+        tenant_id=tenant,
+        execution_id=unique("again"),
+    )
+    assert (await graph.aget_state(config_of(thread, tenant))).values["second"] == "second"
