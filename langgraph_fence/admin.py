@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import and_, delete, insert, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .database import transaction
@@ -141,8 +142,8 @@ async def _take(store: Any, key: LeaseKey, holder: str, ttl: float) -> AdminHold
     """Take ``key`` for the admin; the hold, or the lease that refused it."""
     from .stores.sql import SqlLeaseRepository
 
-    now = await store.now()
     if not isinstance(store, SqlLeaseRepository):
+        now = await store.now()
         async with store._lock:
             found = store._rows.get(key)
             taken = decide_admin_take(found, key, holder, ttl, now, store_id=store.store_id)
@@ -150,10 +151,20 @@ async def _take(store: Any, key: LeaseKey, holder: str, ttl: float) -> AdminHold
                 return found  # type: ignore[no-any-return]
             store._rows[key] = taken
             return AdminHold(found, taken)
+    try:
+        return await _take_row(store, key, holder, ttl)
+    except IntegrityError:
+        # A run's first acquire inserted the row between this take's read and its insert
+        # (PostgreSQL: nothing to lock before the row exists); now there is a row to lock.
+        return await _take_row(store, key, holder, ttl)
+
+
+async def _take_row(store: Any, key: LeaseKey, holder: str, ttl: float) -> AdminHold | Lease:
     where = and_(_C.tenant_id == key.tenant_id, _C.execution_id == key.execution_id)
     async with transaction(store.engine) as conn:
         row = (await conn.execute(select(LEASES).where(where).with_for_update())).first()
         found = None if row is None else store._lease(row)
+        now = await store.now()  # after the lock: a hold that expired meanwhile is free
         taken = decide_admin_take(found, key, holder, ttl, now, store_id=store.store_id)
         if taken is None:
             assert found is not None
@@ -166,8 +177,6 @@ async def _take(store: Any, key: LeaseKey, holder: str, ttl: float) -> AdminHold
             "updated_at": now,
         }
         if found is None:
-            # A run's first acquire racing this insert: one of the two meets the other's row
-            # (a unique violation here rolls this take back; the caller is told to retry).
             await conn.execute(
                 insert(LEASES).values(
                     tenant_id=key.tenant_id,

@@ -1,4 +1,4 @@
-"""The ``langgraph-fence`` command: demo, migrate, executions, dead-letters.
+"""The ``langgraph-fence`` command: demo, migrate, executions, dead-letters, erase.
 
 The only module that prints; it prints through rich.
 """
@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 from sqlalchemy.exc import SQLAlchemyError
 
+from .errors import ExecutionLeaseHeldError
 from .redact import failure_reason, mask_password
 
 __all__ = ["main"]
@@ -62,6 +63,28 @@ def _parser() -> argparse.ArgumentParser:
         )
         listing.add_argument("--limit", type=int, default=50)
         listing.add_argument("--schema", default=None, help="PostgreSQL schema (search_path)")
+    erase = commands.add_parser(
+        "erase",
+        help="erase one tenant's thread: every row of it (refused while a run holds it)",
+        description=(
+            "Erase a tenant's thread under its execution's lease (refused, naming the holder, "
+            "while another instance runs it): its checkpoints, blobs and writes, the "
+            "execution's record (the run's input), the thread's binding, the lease's reason "
+            "and stamps, and the exactly-once sink's stored results. What stays, holding no "
+            "data of the run: the lease row (done, no reason: its token must never go back) "
+            "and the sink's high-water mark row (the scope key and a token). Exit status 3 "
+            "when refused."
+        ),
+    )
+    erase.add_argument("--db", required=True, help=DB_HELP)
+    erase.add_argument("--tenant", required=True, help="the thread's tenant")
+    erase.add_argument("--thread", required=True, help="the thread id to erase")
+    erase.add_argument(
+        "--sink-db",
+        default=None,
+        help="database of the exactly-once sink's tables, when not --db (its results go too)",
+    )
+    erase.add_argument("--schema", default=None, help="PostgreSQL schema (search_path)")
     return parser
 
 
@@ -80,9 +103,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("executions", "dead-letters"):
             status = "dead_lettered" if args.command == "dead-letters" else args.status
             return asyncio.run(_executions(console, args, status))
+        if args.command == "erase":
+            return asyncio.run(_erase(console, args))
     except ValueError as exc:
         console.print(f"[red]error:[/red] {mask_password(str(exc))}", markup=False, highlight=False)
         return 2
+    except ExecutionLeaseHeldError as exc:
+        console.print(f"refused: {exc}", markup=False, highlight=False)
+        return 3
     except (SQLAlchemyError, OSError) as exc:
         # A database that cannot be reached or read: say so, without the driver's quoted
         # statement and parameters, and without the URL's password.
@@ -178,6 +206,39 @@ def _engine_options(schema: str | None) -> dict[str, Any]:
     if not schema:
         return {}
     return {"connect_args": {"server_settings": {"search_path": schema}}}
+
+
+async def _erase(console: Console, args: argparse.Namespace) -> int:
+    from .admin import ThreadAdmin
+    from .database import create_engine
+    from .instance import Instance
+
+    if not args.tenant:
+        raise ValueError("--tenant must be the thread's tenant id (non-empty)")
+    if not args.thread:
+        raise ValueError("--thread must be the id of the thread to erase (non-empty)")
+    options = _engine_options(args.schema)
+    sink = None if args.sink_db is None else create_engine(args.sink_db)
+    try:
+        async with Instance.open(args.db, engine_options=options) as instance:
+            checkpointer = instance.checkpointer
+            if sink is not None and checkpointer.admin is not None:
+                admin = checkpointer.admin
+                checkpointer.admin = ThreadAdmin(
+                    admin.repository, admin.records, holder=admin.holder, sink_engine=sink
+                )
+            await checkpointer.adelete_thread(args.thread, tenant_id=args.tenant)
+    finally:
+        if sink is not None:
+            await sink.dispose()
+    console.print(
+        f"erased thread {args.thread!r} of tenant {args.tenant!r}: checkpoints, record, "
+        "binding, lease reason, sink results (kept: the lease's token, the sink's "
+        "high-water mark)",
+        markup=False,
+        highlight=False,
+    )
+    return 0
 
 
 async def _executions(console: Console, args: argparse.Namespace, status: str | None) -> int:

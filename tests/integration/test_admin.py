@@ -19,12 +19,20 @@ from typing import Any, TypedDict
 
 import pytest
 from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
+from langgraph.types import Command, interrupt
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from checkpointers import SqlCheckpointer
-from langgraph_fence import LeaseKey, LeaseStatus, SqlLeaseRepository, get_execution_context
+from langgraph_fence import (
+    LeaseKey,
+    LeaseStatus,
+    MemoryLeaseRepository,
+    SqlLeaseRepository,
+    get_execution_context,
+)
 from langgraph_fence.database import transaction
 from langgraph_fence.errors import ExecutionLeaseHeldError
 from langgraph_fence.executions import SqlExecutionRecords
@@ -231,33 +239,8 @@ async def stored_anywhere(engine: AsyncEngine, needle: str) -> list[str]:
     return found
 
 
-async def test_deleting_a_thread_erases_every_row_of_it_and_the_id_can_be_used_again(
-    instance: Instance, engine: AsyncEngine
-) -> None:
-    tenant, thread = unique("acme"), unique("order")
-    secret = f"{CARD}-{uuid.uuid4().hex[:8]}"  # no other test's rows can hold it
-
-    async def fail_once() -> None:
-        raise RuntimeError(f"card {secret} declined")
-
-    failing = order_graph(instance, fail_once)
-    with pytest.raises(RuntimeError):
-        await instance.ainvoke(
-            failing, {"card": secret}, config_of(thread, tenant), tenant_id=tenant
-        )
-    graph = order_graph(instance)
-    # The retry charges through the sink and ends done: every table now holds the card.
-    await instance.ainvoke(graph, {"card": secret}, config_of(thread, tenant), tenant_id=tenant)
-    assert {"fence_checkpoint_blobs", "fence_executions", "fence_applied"} <= {
-        place.split(".")[0] for place in await stored_anywhere(engine, secret)
-    }
-    key = LeaseKey(tenant, thread)
-    before = await instance.repository.get(key)
-    assert before is not None
-
-    await instance.checkpointer.adelete_thread(thread, tenant_id=tenant)
-
-    assert await stored_anywhere(engine, secret) == []
+async def assert_erased(instance: Instance, engine: AsyncEngine, key: LeaseKey, mark: int) -> None:
+    """Nothing of the execution's thread is left but its lease's token and the sink's mark."""
     lease = await instance.repository.get(key)
     assert lease is not None  # the epoch never goes back: kept, with nothing of the run
     assert (lease.status, lease.holder, lease.reason, lease.pending_effects) == (
@@ -271,26 +254,154 @@ async def test_deleting_a_thread_erases_every_row_of_it_and_the_id_can_be_used_a
         binding = (
             await conn.execute(
                 text("SELECT count(*) FROM fence_thread_bindings WHERE tenant_id = :a"),
-                {"a": tenant},
+                {"a": key.tenant_id},
             )
         ).scalar_one()
-        mark = (
+        marks = (
             await conn.execute(
                 text("SELECT token FROM fence_high_water WHERE scope_key = :s"),
                 {"s": key.scope_key},
             )
-        ).scalar_one()
-    assert binding == 0
-    assert mark == before.epoch  # the high-water mark row stays: a scope key and a token
+        ).scalars()
+        assert binding == 0
+        # The high-water mark row stays: a scope key and a token, no result.
+        assert list(marks) == [mark]
+
+
+async def test_deleting_a_thread_erases_every_row_of_it_and_the_id_can_be_used_again(
+    instance: Instance, engine: AsyncEngine
+) -> None:
+    tenant, thread = unique("acme"), unique("order")
+    secret = f"{CARD}-{uuid.uuid4().hex[:8]}"  # no other test's rows can hold it
+    graph = order_graph(instance)
+    await instance.ainvoke(graph, {"card": secret}, config_of(thread, tenant), tenant_id=tenant)
+
+    async def declined() -> None:
+        raise RuntimeError(f"card {secret} declined")
+
+    # A second turn fails: its input is recorded and its error is the lease's reason.
+    with pytest.raises(RuntimeError):
+        await instance.ainvoke(
+            order_graph(instance, declined),
+            {"card": secret},
+            config_of(thread, tenant),
+            tenant_id=tenant,
+        )
+    held = {place.split(".")[0] for place in await stored_anywhere(engine, secret)}
+    assert {
+        "fence_checkpoint_blobs",
+        "fence_checkpoint_writes",
+        "fence_executions",
+        "fence_leases",
+        "fence_applied",
+    } <= held, held
+    key = LeaseKey(tenant, thread)
+    before = await instance.repository.get(key)
+    assert before is not None and before.status is LeaseStatus.FAILED
+
+    await instance.checkpointer.adelete_thread(thread, tenant_id=tenant)
+
+    assert await stored_anywhere(engine, secret) == []
+    await assert_erased(instance, engine, key, mark=1)
     assert (await graph.aget_state(config_of(thread, tenant))).values == {}
 
-    # A new run of the same thread, under another execution id even: a new thread, whose
-    # charge the sink applies again (its token is above the kept mark).
+    # A new run of the same thread, under another execution id even (the binding is gone):
+    # a new thread, whose charge the sink applies again.
+    again = unique("again")
     await instance.ainvoke(
         graph,
         {"card": "4000000000000002"},
         config_of(thread, tenant),
         tenant_id=tenant,
-        execution_id=unique("again"),
+        execution_id=again,
     )
     assert (await graph.aget_state(config_of(thread, tenant))).values["second"] == "second"
+    # And the erased execution itself starts again at the next token, above the kept mark.
+    await instance.checkpointer.adelete_thread(thread, tenant_id=tenant)
+    await instance.ainvoke(graph, {"card": "x"}, config_of(thread, tenant), tenant_id=tenant)
+    lease = await instance.repository.get(key)
+    assert lease is not None and lease.status is LeaseStatus.DONE
+    assert lease.epoch == before.epoch + 2
+
+
+async def test_a_dead_lettered_thread_is_erased_too(
+    instance: Instance, engine: AsyncEngine
+) -> None:
+    tenant, thread = unique("acme"), unique("order")
+    secret = f"{CARD}-{uuid.uuid4().hex[:8]}"
+    await instance.ainvoke(
+        order_graph(instance), {"card": secret}, config_of(thread, tenant), tenant_id=tenant
+    )
+    key = LeaseKey(tenant, thread)
+    await instance.repository.dead_letter(key, f"IntegrityError: card {secret}")
+
+    await instance.checkpointer.adelete_thread(thread, tenant_id=tenant)
+
+    assert await stored_anywhere(engine, secret) == []
+    await assert_erased(instance, engine, key, mark=1)
+
+
+async def test_an_interrupted_thread_pruned_meanwhile_still_resumes(instance: Instance) -> None:
+    tenant, thread = unique("acme"), unique("order")
+
+    async def ask(state: Order) -> dict[str, Any]:
+        return {"second": interrupt("charge?")}
+
+    builder = StateGraph(Order)
+    builder.add_node("ask", ask)
+    builder.add_edge(START, "ask")
+    builder.add_edge("ask", END)
+    graph = fence_graph(builder).compile(checkpointer=instance.checkpointer)
+    config = config_of(thread, tenant)
+    await instance.ainvoke(graph, {"card": CARD}, config, tenant_id=tenant)
+    key = LeaseKey(tenant, thread)
+    waiting = await instance.repository.get(key)
+    assert waiting is not None and waiting.status is LeaseStatus.WAITING
+
+    await instance.checkpointer.aprune([thread], tenant_id=tenant)
+
+    pruned = await instance.repository.get(key)
+    assert pruned is not None and pruned.status is LeaseStatus.WAITING
+    assert pruned.epoch == waiting.epoch + 1
+    await instance.ainvoke(graph, Command(resume="yes"), config, tenant_id=tenant)
+    assert (await graph.aget_state(config)).values == {"card": CARD, "second": "yes"}
+
+
+async def test_the_sync_twins_hold_the_lease_too(instance: Instance) -> None:
+    tenant, thread = unique("acme"), unique("order")
+    graph, paused, run = await run_paused(instance, thread, tenant)
+    with pytest.raises(ExecutionLeaseHeldError):
+        await asyncio.to_thread(instance.checkpointer.delete_thread, thread, tenant_id=tenant)
+    paused.proceed.set()
+    await asyncio.wait_for(run, 10)
+    await asyncio.to_thread(instance.checkpointer.delete_thread, thread, tenant_id=tenant)
+    assert (await graph.aget_state(config_of(thread, tenant))).values == {}
+    assert await instance.records.get(LeaseKey(tenant, thread)) is None
+
+
+async def test_on_memory_stores_a_running_thread_is_refused_and_an_idle_one_erased() -> None:
+    instance = Instance(MemoryLeaseRepository(), InMemorySaver(), instance_id=unique("mem"))
+    tenant, thread = unique("acme"), unique("chat")
+    paused = Paused()
+
+    async def step(state: Order) -> dict[str, Any]:
+        await paused()
+        return {"second": "second"}
+
+    builder = StateGraph(Order)
+    builder.add_node("step", step)
+    builder.add_edge(START, "step")
+    builder.add_edge("step", END)
+    graph = fence_graph(builder).compile(checkpointer=instance.checkpointer)
+    config = config_of(thread, tenant)
+    run = asyncio.create_task(instance.ainvoke(graph, {"card": CARD}, config, tenant_id=tenant))
+    await asyncio.wait_for(paused.entered.wait(), 10)
+    with pytest.raises(ExecutionLeaseHeldError):
+        await instance.checkpointer.adelete_thread(thread, tenant_id=tenant)
+    paused.proceed.set()
+    await asyncio.wait_for(run, 10)
+    await instance.checkpointer.adelete_thread(thread, tenant_id=tenant)
+    assert (await graph.aget_state(config)).values == {}
+    assert await instance.records.get(LeaseKey(tenant, thread)) is None
+    lease = await instance.repository.get(LeaseKey(tenant, thread))
+    assert lease is not None and (lease.status, lease.epoch) == (LeaseStatus.DONE, 2)
