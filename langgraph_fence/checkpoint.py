@@ -320,7 +320,10 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     (``runtime.control.request_drain``), and the recorded error is raised. Reads are never
     fenced. The wrapper overrides only the optional methods (``acopy_thread``,
     ``adelete_for_runs``, ``aprune``, the delta-channel history) that ``inner`` implements,
-    so capability detection sees what the inner saver really does.
+    so capability detection sees what the inner saver really does. Owned by an
+    :class:`~langgraph_fence.Instance`, those admin operations and ``adelete_thread`` hold
+    the thread's execution lease (refused while another instance runs it), and
+    ``adelete_thread`` erases the thread (:mod:`langgraph_fence.admin`).
     """
 
     #: The optional methods forwarded only when the inner saver's class overrides them.
