@@ -405,3 +405,20 @@ async def test_on_memory_stores_a_running_thread_is_refused_and_an_idle_one_eras
     assert await instance.records.get(LeaseKey(tenant, thread)) is None
     lease = await instance.repository.get(LeaseKey(tenant, thread))
     assert lease is not None and (lease.status, lease.epoch) == (LeaseStatus.DONE, 2)
+
+
+async def test_deleting_a_running_runs_checkpoints_is_refused(instance: Instance) -> None:
+    tenant, thread = unique("acme"), unique("order")
+    run_id = str(uuid.uuid4())
+    paused = Paused()
+    graph = order_graph(instance, paused)
+    config: Any = config_of(thread, tenant)
+    config["configurable"]["run_id"] = run_id  # kept in each checkpoint's metadata
+    run = asyncio.create_task(instance.ainvoke(graph, {"card": CARD}, config, tenant_id=tenant))
+    await asyncio.wait_for(paused.entered.wait(), 10)
+    with pytest.raises(ExecutionLeaseHeldError):
+        await instance.checkpointer.adelete_for_runs([run_id], tenant_id=tenant)
+    paused.proceed.set()
+    await asyncio.wait_for(run, 10)
+    await instance.checkpointer.adelete_for_runs([run_id], tenant_id=tenant)
+    assert (await graph.aget_state(config_of(thread, tenant))).values == {}
