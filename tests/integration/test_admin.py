@@ -46,7 +46,7 @@ CARD = "4111111111111111"
 
 class Order(TypedDict, total=False):
     card: str
-    first: str
+    first: list[str]  # not a scalar: kept in a blob row of its own, not inline
     second: str
 
 
@@ -83,7 +83,7 @@ def order_graph(instance: Instance, second: Callable[[], Awaitable[None]] | None
     engine = instance.checkpointer.inner.engine  # type: ignore[attr-defined]
 
     async def first(state: Order) -> dict[str, Any]:
-        return {"first": f"first:{state['card']}"}
+        return {"first": [f"first:{state['card']}"]}
 
     async def second_step(state: Order) -> dict[str, Any]:
         if second is not None:
@@ -158,7 +158,7 @@ async def test_an_admin_call_on_a_running_thread_is_refused_and_the_run_stays_wh
     paused.proceed.set()
     await asyncio.wait_for(run, 10)
     state = await graph.aget_state(config_of(thread, tenant))
-    assert state.values == {"card": CARD, "first": f"first:{CARD}", "second": "second"}
+    assert state.values == {"card": CARD, "first": [f"first:{CARD}"], "second": "second"}
     lease = await instance.repository.get(LeaseKey(tenant, thread))
     assert lease is not None and lease.status is LeaseStatus.DONE
 
