@@ -760,8 +760,16 @@ async def _adelete_for_runs(
         await self.inner.adelete_for_runs(run_ids, **_tenant_kw(self, tenant_id))
         return
     threads = await _run_threads(self, tenant_id, run_ids)
-    async with admin.hold(tenant_id, threads, action="delete_for_runs"):
-        await self.inner.adelete_for_runs(run_ids, **_tenant_kw(self, tenant_id))
+    while True:
+        async with admin.hold(tenant_id, threads, action="delete_for_runs"):
+            # Looked up again under the holds: a run whose first checkpoint landed after
+            # the first look-up is on a thread not held yet. Remaining window: a first
+            # checkpoint landing between this look-up and the delete.
+            found = await _run_threads(self, tenant_id, run_ids)
+            if set(found) <= set(threads):
+                await self.inner.adelete_for_runs(run_ids, **_tenant_kw(self, tenant_id))
+                return
+        threads = sorted({*threads, *found})
 
 
 def _delete_for_runs(

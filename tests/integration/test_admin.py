@@ -416,6 +416,12 @@ async def test_deleting_a_running_runs_checkpoints_is_refused(instance: Instance
     config["configurable"]["run_id"] = run_id  # kept in each checkpoint's metadata
     run = asyncio.create_task(instance.ainvoke(graph, {"card": CARD}, config, tenant_id=tenant))
     await asyncio.wait_for(paused.entered.wait(), 10)
+    # LangGraph stores the checkpoints in the background (durability "async"): wait until
+    # one of the run's has landed, or there is nothing of it to delete yet.
+    deadline = asyncio.get_running_loop().time() + 10
+    while await instance.checkpointer.aget_tuple(config_of(thread, tenant)) is None:
+        assert asyncio.get_running_loop().time() < deadline, "no checkpoint of the run landed"
+        await asyncio.sleep(0.01)
     with pytest.raises(ExecutionLeaseHeldError):
         await instance.checkpointer.adelete_for_runs([run_id], tenant_id=tenant)
     paused.proceed.set()
