@@ -27,9 +27,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from checkpointers import SqlCheckpointer
 from langgraph_fence import (
+    Effect,
     LeaseKey,
     LeaseStatus,
     MemoryLeaseRepository,
+    PendingEffect,
     SqlLeaseRepository,
     get_execution_context,
 )
@@ -39,6 +41,7 @@ from langgraph_fence.executions import SqlExecutionRecords
 from langgraph_fence.instance import Instance
 from langgraph_fence.nodes import fence_graph
 from langgraph_fence.sinks import fenced_write, setup_sink
+from langgraph_fence.testing import ManualClock
 from tests.conftest import SQL_BACKENDS, unique
 
 CARD = "4111111111111111"
@@ -428,3 +431,37 @@ async def test_deleting_a_running_runs_checkpoints_is_refused(instance: Instance
     await asyncio.wait_for(run, 10)
     await instance.checkpointer.adelete_for_runs([run_id], tenant_id=tenant)
     assert (await graph.aget_state(config_of(thread, tenant))).values == {}
+
+
+async def test_an_admin_call_keeps_a_dead_workers_stamps_for_its_taker(
+    engine: AsyncEngine, clock: ManualClock
+) -> None:
+    repository = SqlLeaseRepository(engine, clock=clock)
+    await repository.setup()
+    saver = SqlCheckpointer(engine)
+    await saver.setup()
+    records = SqlExecutionRecords(engine)
+    await records.setup()
+    admin = Instance(repository, saver, instance_id=unique("admin"), records=records)
+    tenant, thread = unique("acme"), unique("order")
+    key = LeaseKey(tenant, thread)
+    lease = await repository.acquire(key, "worker-1", 10.0)
+    assert lease is not None
+    charge = PendingEffect(Effect.NON_IDEMPOTENT_WRITE, "charge", unique("task"), lease.epoch)
+    lease = await repository.mark_pending_effect(lease, charge, 10.0)
+    with pytest.raises(ExecutionLeaseHeldError, match="worker-1"):
+        await admin.checkpointer.aprune([thread], tenant_id=tenant)
+    clock.advance(11)  # worker-1 died mid-charge
+
+    await admin.checkpointer.aprune([thread], tenant_id=tenant)
+
+    after = await repository.get(key)
+    assert after is not None
+    assert (after.status, after.holder, after.pending_effects) == (
+        LeaseStatus.PENDING,
+        None,
+        (charge,),
+    )
+    # The next taker still sees the charge that may have happened, and does not repeat it.
+    taken = await repository.take_over(after, "worker-2", 10.0)
+    assert taken is not None and taken.status is LeaseStatus.DEAD_LETTERED
