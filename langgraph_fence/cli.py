@@ -1,4 +1,4 @@
-"""The ``langgraph-fence`` command: demo, migrate, executions, dead-letters, erase.
+"""The ``langgraph-fence`` command: demo, migrate, executions, dead-letters.
 
 The only module that prints; it prints through rich.
 """
@@ -17,7 +17,6 @@ from rich.table import Table
 from rich.text import Text
 from sqlalchemy.exc import SQLAlchemyError
 
-from .errors import ExecutionLeaseHeldError
 from .redact import failure_reason, mask_password
 
 __all__ = ["main"]
@@ -53,16 +52,6 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--schema", default=None, help="PostgreSQL schema (search_path) to use")
     migrate = commands.add_parser("migrate", help="create or upgrade every table on a database")
     migrate.add_argument("--db", required=True, help=DB_HELP)
-    executions = commands.add_parser("executions", help="list executions and their leases")
-    executions.add_argument("--status", default=None, help="only this status")
-    dead = commands.add_parser("dead-letters", help="list dead-lettered executions and why")
-    for listing in (executions, dead):
-        listing.add_argument("--db", required=True, help=DB_HELP)
-        listing.add_argument(
-            "--tenant", default=None, help="only this tenant's executions (their reasons too)"
-        )
-        listing.add_argument("--limit", type=int, default=50)
-        listing.add_argument("--schema", default=None, help="PostgreSQL schema (search_path)")
     erase = commands.add_parser(
         "erase",
         help="erase one tenant's thread: every row of it (refused while a run holds it)",
@@ -85,11 +74,23 @@ def _parser() -> argparse.ArgumentParser:
         help="database of the exactly-once sink's tables, when not --db (its results go too)",
     )
     erase.add_argument("--schema", default=None, help="PostgreSQL schema (search_path)")
+    executions = commands.add_parser("executions", help="list executions and their leases")
+    executions.add_argument("--status", default=None, help="only this status")
+    dead = commands.add_parser("dead-letters", help="list dead-lettered executions and why")
+    for listing in (executions, dead):
+        listing.add_argument("--db", required=True, help=DB_HELP)
+        listing.add_argument(
+            "--tenant", default=None, help="only this tenant's executions (their reasons too)"
+        )
+        listing.add_argument("--limit", type=int, default=50)
+        listing.add_argument("--schema", default=None, help="PostgreSQL schema (search_path)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``langgraph-fence`` console script; returns the exit code."""
+    from .errors import ExecutionLeaseHeldError
+
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR)
     console = Console()
@@ -100,11 +101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_worker(console, args))
         if args.command == "migrate":
             return asyncio.run(_migrate(console, args.db))
+        if args.command == "erase":
+            return asyncio.run(_erase(console, args))
         if args.command in ("executions", "dead-letters"):
             status = "dead_lettered" if args.command == "dead-letters" else args.status
             return asyncio.run(_executions(console, args, status))
-        if args.command == "erase":
-            return asyncio.run(_erase(console, args))
     except ValueError as exc:
         console.print(f"[red]error:[/red] {mask_password(str(exc))}", markup=False, highlight=False)
         return 2
