@@ -35,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
         "demo", help="two instances, a stall past the lease, the stale writes refused"
     )
     demo.add_argument("--db", default=None, help=DB_HELP + " (default: a temporary SQLite file)")
+    demo.add_argument("--schema", default=None, help="PostgreSQL schema (search_path) to use")
     worker = commands.add_parser(
         "worker", help="serve: take over expired executions and run them (until SIGTERM)"
     )
@@ -96,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console()
     try:
         if args.command == "demo":
-            return asyncio.run(_demo(console, args.db))
+            return asyncio.run(_demo(console, args.db, args.schema))
         if args.command == "worker":
             return asyncio.run(_worker(console, args))
         if args.command == "migrate":
@@ -120,14 +121,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise AssertionError(f"unknown command {args.command!r}")
 
 
-async def _demo(console: Console, db: str | None) -> int:
+async def _demo(console: Console, db: str | None, schema: str | None) -> int:
     from .database import normalize_url
     from .demo import run_demo
 
     if db is not None:
         normalize_url(db)
     console.print("[bold]langgraph-fence demo[/bold]: one order, two instances, one stall\n")
-    result = await run_demo(db)
+    result = await run_demo(db, schema=schema)
     table = Table(title=f"timeline of execution {result.execution} on {result.db}")
     table.add_column("t (s)", justify="right")
     table.add_column("worker")
@@ -167,12 +168,13 @@ def _load_graphs_factory(spec: str) -> Any:
 
 
 async def _worker(console: Console, args: argparse.Namespace) -> int:
+    from .database import schema_options
     from .instance import Instance
 
     factory = _load_graphs_factory(args.graphs)
     async with Instance.open(
         args.db,
-        engine_options=_engine_options(args.schema),
+        engine_options=schema_options(args.schema),
         instance_id=args.instance_id,
         lease_ttl=args.lease_ttl,
     ) as instance:
@@ -203,22 +205,16 @@ async def _migrate(console: Console, db: str) -> int:
     return 0
 
 
-def _engine_options(schema: str | None) -> dict[str, Any]:
-    if not schema:
-        return {}
-    return {"connect_args": {"server_settings": {"search_path": schema}}}
-
-
 async def _erase(console: Console, args: argparse.Namespace) -> int:
     from .admin import ThreadAdmin
-    from .database import create_engine
+    from .database import create_engine, schema_options
     from .instance import Instance
 
     if not args.tenant:
         raise ValueError("--tenant must be the thread's tenant id (non-empty)")
     if not args.thread:
         raise ValueError("--thread must be the id of the thread to erase (non-empty)")
-    options = _engine_options(args.schema)
+    options = schema_options(args.schema)
     sink = None if args.sink_db is None else create_engine(args.sink_db)
     try:
         async with Instance.open(args.db, engine_options=options) as instance:
@@ -245,14 +241,14 @@ async def _erase(console: Console, args: argparse.Namespace) -> int:
 async def _executions(console: Console, args: argparse.Namespace, status: str | None) -> int:
     from sqlalchemy import select
 
-    from .database import create_engine
+    from .database import create_engine, schema_options
     from .schema import LEASES, effects_from_json
 
     if args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     if args.tenant is not None and not args.tenant:
         raise ValueError("--tenant must be a non-empty tenant id (or left out for every tenant)")
-    engine = create_engine(args.db, **_engine_options(args.schema))
+    engine = create_engine(args.db, **schema_options(args.schema))
     try:
         query: Any = select(LEASES).order_by(LEASES.c.updated_at.desc()).limit(args.limit)
         if status is not None:

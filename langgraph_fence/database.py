@@ -35,6 +35,7 @@ __all__ = [
     "dialect_of",
     "normalize_url",
     "read_only",
+    "schema_options",
     "single_statement",
     "transaction",
 ]
@@ -195,3 +196,10 @@ async def transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
             conn = await conn.execution_options(isolation_level="READ COMMITTED")
         async with conn.begin():
             yield conn
+
+
+def schema_options(schema: str | None) -> dict[str, Any]:
+    """Engine options that put every PostgreSQL connection in ``schema`` (none: ``{}``)."""
+    if not schema:
+        return {}
+    return {"connect_args": {"server_settings": {"search_path": schema}}}

@@ -24,7 +24,7 @@ from langchain_core.runnables import RunnableConfig
 from sqlalchemy import text
 
 from .context import get_execution_context
-from .database import create_engine
+from .database import create_engine, schema_options
 from .effects import Effect
 from .errors import ExecutionLeaseLostError, find_fence_error
 from .executions import SqlExecutionRecords
@@ -178,8 +178,9 @@ async def _wait_for_expiry(store: SqlLeaseRepository, key: LeaseKey, deadline: f
     raise TimeoutError(f"the lease of {key.scope_key} did not expire in time")
 
 
-async def run_demo(db: str | None = None) -> DemoResult:
-    """Run the demo on ``db`` (default: a SQLite file in a temporary folder)."""
+async def run_demo(db: str | None = None, *, schema: str | None = None) -> DemoResult:
+    """Run the demo on ``db`` (default: a SQLite file in a temporary folder), in PostgreSQL
+    ``schema`` when given."""
     from checkpointers import SqlCheckpointer
 
     with tempfile.TemporaryDirectory(prefix="langgraph-fence-demo-") as folder:
@@ -193,7 +194,7 @@ async def run_demo(db: str | None = None) -> DemoResult:
         if library_log.getEffectiveLevel() > logging.WARNING:
             library_log.setLevel(logging.WARNING)
         library_log.addHandler(handler)
-        engine = create_engine(url)
+        engine = create_engine(url, **schema_options(schema))
         try:
             await _run(engine, order_id, timeline, result, SqlCheckpointer)
         finally:

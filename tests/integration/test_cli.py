@@ -11,7 +11,6 @@ import pytest
 
 from langgraph_fence import LeaseKey, SqlLeaseRepository
 from langgraph_fence.database import create_engine
-from tests.conftest import pg_schema  # noqa: F401 - the fixture, for the PostgreSQL run
 
 
 def _demo(*args: str) -> subprocess.CompletedProcess[str]:
@@ -37,9 +36,10 @@ def test_the_demo_runs_on_embedded_sqlite() -> None:
     _assert_demo_output(_demo())
 
 
-def test_the_demo_runs_on_postgresql(pg_schema: tuple[str, str]) -> None:  # noqa: F811
-    url, _ = pg_schema
-    _assert_demo_output(_demo("--db", url))
+def test_the_demo_runs_on_postgresql(own_schema: tuple[str, str]) -> None:
+    # In a schema of its own: the database outlives the run, and other runs migrate theirs.
+    url, schema = own_schema
+    _assert_demo_output(_demo("--db", url, "--schema", schema))
 
 
 def test_an_unsupported_database_is_refused_naming_the_supported_ones() -> None:
