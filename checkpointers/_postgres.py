@@ -59,22 +59,24 @@ _GUARD_CLEAR_IF_STORED = f"""UPDATE fence_leases SET
     pending_effects = CASE WHEN stored.yes THEN {_PATCH} ELSE pending_effects END,
     updated_at = extract(epoch from now())
 FROM (SELECT EXISTS (SELECT 1 FROM fence_checkpoints
-    WHERE thread_id = $1 AND checkpoint_ns = $2 AND checkpoint_id = $3) AS yes) AS stored
+    WHERE tenant_id = $10 AND thread_id = $1 AND checkpoint_ns = $2 AND checkpoint_id = $3)
+    AS yes) AS stored
 WHERE {_LEASE_WHERE}
 RETURNING epoch, stored.yes AS cleared"""
 
 _PUT = """WITH guard AS ({guard}),
 blobs AS (
-    INSERT INTO fence_checkpoint_blobs (thread_id, checkpoint_ns, channel, version, type, blob)
-    SELECT $1, $2, b.channel, b.version, b.type, b.blob
+    INSERT INTO fence_checkpoint_blobs (tenant_id, thread_id, checkpoint_ns, channel, version,
+        type, blob)
+    SELECT $14, $1, $2, b.channel, b.version, b.type, b.blob
     FROM guard, unnest($10::text[], $11::text[], $12::text[], $13::bytea[])
         AS b(channel, version, type, blob)
-    ON CONFLICT (thread_id, checkpoint_ns, channel, version) DO NOTHING
+    ON CONFLICT (tenant_id, thread_id, checkpoint_ns, channel, version) DO NOTHING
 )
-INSERT INTO fence_checkpoints (thread_id, checkpoint_ns, checkpoint_id, parent_checkpoint_id,
-    type, checkpoint, channel_versions, metadata, run_id, fence_token)
-SELECT $1, $2, $3, $4, $5, $6, $7::jsonb, $8::jsonb, $9, guard.epoch FROM guard
-ON CONFLICT (thread_id, checkpoint_ns, checkpoint_id) DO UPDATE SET
+INSERT INTO fence_checkpoints (tenant_id, thread_id, checkpoint_ns, checkpoint_id,
+    parent_checkpoint_id, type, checkpoint, channel_versions, metadata, run_id, fence_token)
+SELECT $14, $1, $2, $3, $4, $5, $6, $7::jsonb, $8::jsonb, $9, guard.epoch FROM guard
+ON CONFLICT (tenant_id, thread_id, checkpoint_ns, checkpoint_id) DO UPDATE SET
     type = excluded.type, checkpoint = excluded.checkpoint,
     channel_versions = excluded.channel_versions, metadata = excluded.metadata,
     run_id = excluded.run_id, fence_token = excluded.fence_token
@@ -82,12 +84,12 @@ RETURNING fence_token"""
 
 _PUT_WRITES = """WITH guard AS ({guard}),
 ins AS (
-    INSERT INTO fence_checkpoint_writes (thread_id, checkpoint_ns, checkpoint_id, task_id,
-        task_path, idx, channel, type, blob, fence_token)
-    SELECT $1, $2, $3, $4, $5, w.idx, w.channel, w.type, w.blob, guard.epoch
+    INSERT INTO fence_checkpoint_writes (tenant_id, thread_id, checkpoint_ns, checkpoint_id,
+        task_id, task_path, idx, channel, type, blob, fence_token)
+    SELECT $10, $1, $2, $3, $4, $5, w.idx, w.channel, w.type, w.blob, guard.epoch
     FROM guard, unnest($6::int[], $7::text[], $8::text[], $9::bytea[])
         AS w(idx, channel, type, blob)
-    ON CONFLICT (thread_id, checkpoint_ns, checkpoint_id, task_id, idx) {conflict}
+    ON CONFLICT (tenant_id, thread_id, checkpoint_ns, checkpoint_id, task_id, idx) {conflict}
 )
 SELECT epoch, cleared FROM guard"""
 
@@ -102,12 +104,14 @@ _SELECT = """SELECT c.thread_id, c.checkpoint_ns, c.checkpoint_id, c.parent_chec
     c.type, c.checkpoint, c.metadata,
     ARRAY(SELECT ROW(b.channel, b.type, b.blob)
         FROM jsonb_each_text(c.channel_versions) AS v
-        JOIN fence_checkpoint_blobs b ON b.thread_id = c.thread_id
-            AND b.checkpoint_ns = c.checkpoint_ns AND b.channel = v.key AND b.version = v.value
+        JOIN fence_checkpoint_blobs b ON b.tenant_id = c.tenant_id
+            AND b.thread_id = c.thread_id AND b.checkpoint_ns = c.checkpoint_ns
+            AND b.channel = v.key AND b.version = v.value
     ) AS blobs,
     ARRAY(SELECT ROW(w.task_id, w.channel, w.type, w.blob, w.task_path, w.idx)
-        FROM fence_checkpoint_writes w WHERE w.thread_id = c.thread_id
-            AND w.checkpoint_ns = c.checkpoint_ns AND w.checkpoint_id = c.checkpoint_id
+        FROM fence_checkpoint_writes w WHERE w.tenant_id = c.tenant_id
+            AND w.thread_id = c.thread_id AND w.checkpoint_ns = c.checkpoint_ns
+            AND w.checkpoint_id = c.checkpoint_id
     ) AS writes
 FROM fence_checkpoints c"""
 
@@ -127,11 +131,11 @@ def _guarded(template: str, first: int, clear: str, **fmt: str) -> dict[str, str
     }
 
 
-_PUT_SQL = _guarded(_PUT, 14, _GUARD_CLEAR)
+_PUT_SQL = _guarded(_PUT, 15, _GUARD_CLEAR)
 _PUT_WRITES_SQL = {
     upsert: _guarded(
         _PUT_WRITES,
-        10,
+        11,
         _GUARD_CLEAR_IF_STORED,
         conflict=_WRITES_UPSERT if upsert else "DO NOTHING",
     )
@@ -171,6 +175,7 @@ class PostgresDriver:
             [b[1] for b in blobs],
             [b[2] for b in blobs],
             [b[3] for b in blobs],
+            row.tenant_id,
             *guard_args,
         ]
         async with self._connections() as conn:
@@ -179,6 +184,7 @@ class PostgresDriver:
 
     async def put_writes(
         self,
+        tenant_id: str,
         thread_id: str,
         checkpoint_ns: str,
         checkpoint_id: str,
@@ -199,6 +205,7 @@ class PostgresDriver:
             [w[1] for w in writes],
             [w[2] for w in writes],
             [w[3] for w in writes],
+            tenant_id,
             *guard_args,
         ]
         async with self._connections() as conn:
@@ -213,6 +220,7 @@ class PostgresDriver:
             args.append(value)
             return f"${len(args)}"
 
+        wheres.append(f"c.tenant_id = {arg(query.tenant_id)}")
         if query.thread_id is not None:
             wheres.append(f"c.thread_id = {arg(query.thread_id)}")
         if query.checkpoint_ns is not None:
@@ -223,9 +231,7 @@ class PostgresDriver:
             wheres.append(f"c.metadata @> {arg(json.dumps(query.metadata_filter))}::jsonb")
         if query.before_id is not None:
             wheres.append(f"c.checkpoint_id < {arg(query.before_id)}")
-        sql = _SELECT
-        if wheres:
-            sql += " WHERE " + " AND ".join(wheres)
+        sql = _SELECT + " WHERE " + " AND ".join(wheres)
         sql += " ORDER BY c.checkpoint_id DESC"
         if query.limit is not None:
             sql += f" LIMIT {arg(int(query.limit))}"
@@ -233,6 +239,7 @@ class PostgresDriver:
             rows = await conn.fetch(sql, *args)
         return [
             StoredCheckpoint(
+                tenant_id=query.tenant_id,
                 thread_id=r[0],
                 checkpoint_ns=r[1],
                 checkpoint_id=r[2],

@@ -1,4 +1,7 @@
-"""What the saver hands its dialect drivers, and what they hand back: plain values, no I/O."""
+"""What the saver hands its dialect drivers, and what they hand back: plain values, no I/O.
+
+Every row and every query names its tenant: the tenant is part of each thread's key.
+"""
 
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ class Guard:
 class CheckpointRow:
     """One checkpoint, serialized, ready to insert."""
 
+    tenant_id: str
     thread_id: str
     checkpoint_ns: str
     checkpoint_id: str
@@ -54,8 +58,9 @@ WriteRow = tuple[int, str, str, bytes]
 
 @dataclass(frozen=True, slots=True)
 class CheckpointQuery:
-    """Which checkpoints to read, newest first."""
+    """Which checkpoints to read, newest first: always of one tenant."""
 
+    tenant_id: str
     thread_id: str | None = None
     checkpoint_ns: str | None = None
     checkpoint_id: str | None = None
@@ -68,6 +73,7 @@ class CheckpointQuery:
 class StoredCheckpoint:
     """One checkpoint as read back, with its channel blobs and pending writes."""
 
+    tenant_id: str
     thread_id: str
     checkpoint_ns: str
     checkpoint_id: str
@@ -92,6 +98,7 @@ class Driver(Protocol):
 
     async def put_writes(
         self,
+        tenant_id: str,
         thread_id: str,
         checkpoint_ns: str,
         checkpoint_id: str,

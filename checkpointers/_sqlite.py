@@ -50,22 +50,24 @@ _GUARD_CLEAR = f"""UPDATE fence_leases SET
 WHERE {_LEASE_WHERE}
 RETURNING epoch"""
 _CHECKPOINT_STORED = """SELECT 1 FROM fence_checkpoints
-WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?"""
+WHERE tenant_id = ? AND thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?"""
 
 _INSERT_BLOB = """INSERT INTO fence_checkpoint_blobs
-    (thread_id, checkpoint_ns, channel, version, type, blob) VALUES (?, ?, ?, ?, ?, ?)
-ON CONFLICT (thread_id, checkpoint_ns, channel, version) DO NOTHING"""
-_INSERT_CHECKPOINT = """INSERT INTO fence_checkpoints (thread_id, checkpoint_ns, checkpoint_id,
-    parent_checkpoint_id, type, checkpoint, channel_versions, metadata, run_id, fence_token)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
-ON CONFLICT (thread_id, checkpoint_ns, checkpoint_id) DO UPDATE SET
+    (tenant_id, thread_id, checkpoint_ns, channel, version, type, blob)
+VALUES (?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (tenant_id, thread_id, checkpoint_ns, channel, version) DO NOTHING"""
+_INSERT_CHECKPOINT = """INSERT INTO fence_checkpoints (tenant_id, thread_id, checkpoint_ns,
+    checkpoint_id, parent_checkpoint_id, type, checkpoint, channel_versions, metadata, run_id,
+    fence_token)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (tenant_id, thread_id, checkpoint_ns, checkpoint_id) DO UPDATE SET
     type = excluded.type, checkpoint = excluded.checkpoint,
     channel_versions = excluded.channel_versions, metadata = excluded.metadata,
     run_id = excluded.run_id, fence_token = excluded.fence_token"""
-_INSERT_WRITE = """INSERT INTO fence_checkpoint_writes (thread_id, checkpoint_ns, checkpoint_id,
-    task_id, task_path, idx, channel, type, blob, fence_token)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
-ON CONFLICT (thread_id, checkpoint_ns, checkpoint_id, task_id, idx) {conflict}"""
+_INSERT_WRITE = """INSERT INTO fence_checkpoint_writes (tenant_id, thread_id, checkpoint_ns,
+    checkpoint_id, task_id, task_path, idx, channel, type, blob, fence_token)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (tenant_id, thread_id, checkpoint_ns, checkpoint_id, task_id, idx) {conflict}"""
 _INSERT_WRITE_SQL = {
     False: _INSERT_WRITE.format(conflict="DO NOTHING"),
     True: _INSERT_WRITE.format(
@@ -76,10 +78,11 @@ _INSERT_WRITE_SQL = {
 _SELECT = """SELECT thread_id, checkpoint_ns, checkpoint_id, parent_checkpoint_id, type,
     checkpoint, metadata, channel_versions FROM fence_checkpoints"""
 _SELECT_BLOBS = """SELECT b.channel, b.type, b.blob FROM json_each(?) AS v
-JOIN fence_checkpoint_blobs b ON b.thread_id = ? AND b.checkpoint_ns = ?
+JOIN fence_checkpoint_blobs b ON b.tenant_id = ? AND b.thread_id = ? AND b.checkpoint_ns = ?
     AND b.channel = v.key AND b.version = v.value"""
 _SELECT_WRITES = """SELECT task_id, channel, type, blob, task_path, idx
-FROM fence_checkpoint_writes WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?"""
+FROM fence_checkpoint_writes
+WHERE tenant_id = ? AND thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?"""
 
 
 def _check_guard(
@@ -200,11 +203,13 @@ class SqliteDriver:
                 return False
             if blobs:
                 conn.executemany(
-                    _INSERT_BLOB, [(row.thread_id, row.checkpoint_ns, *b) for b in blobs]
+                    _INSERT_BLOB,
+                    [(row.tenant_id, row.thread_id, row.checkpoint_ns, *b) for b in blobs],
                 )
             conn.execute(
                 _INSERT_CHECKPOINT,
                 (
+                    row.tenant_id,
                     row.thread_id,
                     row.checkpoint_ns,
                     row.checkpoint_id,
@@ -223,6 +228,7 @@ class SqliteDriver:
 
     async def put_writes(
         self,
+        tenant_id: str,
         thread_id: str,
         checkpoint_ns: str,
         checkpoint_id: str,
@@ -238,7 +244,7 @@ class SqliteDriver:
             # In the write lock: a checkpoint seen here stays stored with the writes.
             stored = bool(guard and guard.clear_keys) and (
                 conn.execute(
-                    _CHECKPOINT_STORED, (thread_id, checkpoint_ns, checkpoint_id)
+                    _CHECKPOINT_STORED, (tenant_id, thread_id, checkpoint_ns, checkpoint_id)
                 ).fetchone()
                 is not None
             )
@@ -249,7 +255,16 @@ class SqliteDriver:
             conn.executemany(
                 _INSERT_WRITE_SQL[upsert],
                 [
-                    (thread_id, checkpoint_ns, checkpoint_id, task_id, task_path, *w, token)
+                    (
+                        tenant_id,
+                        thread_id,
+                        checkpoint_ns,
+                        checkpoint_id,
+                        task_id,
+                        task_path,
+                        *w,
+                        token,
+                    )
                     for w in writes
                 ],
             )
@@ -259,8 +274,8 @@ class SqliteDriver:
         return landed, landed and bool(cleared and cleared[0])
 
     async def select(self, query: CheckpointQuery) -> list[StoredCheckpoint]:
-        wheres: list[str] = []
-        args: list[Any] = []
+        wheres: list[str] = ["tenant_id = ?"]
+        args: list[Any] = [query.tenant_id]
         if query.thread_id is not None:
             wheres.append("thread_id = ?")
             args.append(query.thread_id)
@@ -276,9 +291,7 @@ class SqliteDriver:
         if query.before_id is not None:
             wheres.append("checkpoint_id < ?")
             args.append(query.before_id)
-        sql = _SELECT
-        if wheres:
-            sql += " WHERE " + " AND ".join(wheres)
+        sql = _SELECT + " WHERE " + " AND ".join(wheres)
         sql += " ORDER BY checkpoint_id DESC"
         if query.limit is not None:
             sql += " LIMIT ?"
@@ -287,10 +300,12 @@ class SqliteDriver:
         def read(conn: sqlite3.Connection) -> list[StoredCheckpoint]:
             out = []
             for r in conn.execute(sql, args).fetchall():
-                blobs = conn.execute(_SELECT_BLOBS, (r[7], r[0], r[1])).fetchall()
-                writes = conn.execute(_SELECT_WRITES, (r[0], r[1], r[2])).fetchall()
+                tenant = query.tenant_id
+                blobs = conn.execute(_SELECT_BLOBS, (r[7], tenant, r[0], r[1])).fetchall()
+                writes = conn.execute(_SELECT_WRITES, (tenant, r[0], r[1], r[2])).fetchall()
                 out.append(
                     StoredCheckpoint(
+                        tenant_id=tenant,
                         thread_id=r[0],
                         checkpoint_ns=r[1],
                         checkpoint_id=r[2],

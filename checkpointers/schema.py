@@ -18,11 +18,25 @@ Differences from the official schema:
   column so ``delete_for_runs`` does not scan metadata.
 
 Table names carry the ``fence_`` prefix: they can live beside the official savers' tables.
+
+Tenants (version 2): every row carries ``tenant_id``, first in each primary key. A thread is
+``(tenant_id, thread_id)``: a tenant's ``chat-1`` and another's ``chat-1`` are two threads
+that never meet. Rows written with no tenant given (plain LangGraph use) belong to the
+default tenant, the empty string (:data:`langgraph_fence.checkpoint.DEFAULT_TENANT`), which
+no lease can have. Rows that existed before version 2 get the tenant of the thread's lease:
+the tenant of the execution records naming the thread, or of the lease whose execution id
+is the thread id. A thread that no lease names, or that leases of two tenants name (their
+writes are mixed in one chain and cannot be told apart), goes to the default tenant, so no
+tenant is shown rows another tenant may have written.
 """
 
 from __future__ import annotations
 
-from langgraph_fence.migrations import Migration
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from langgraph_fence.database import Dialect
+from langgraph_fence.migrations import Migration, MigrationStep
 
 __all__ = ["CHECKPOINT_MIGRATIONS", "COMPONENT"]
 
@@ -85,11 +99,123 @@ def _steps(*, binary: str, json: str) -> list[str]:
     ]
 
 
+# -- version 2: the tenant in every key
+
+_TABLES_V2 = {
+    "fence_checkpoints": (
+        """tenant_id TEXT NOT NULL,
+    thread_id TEXT NOT NULL,
+    checkpoint_ns TEXT NOT NULL DEFAULT '',
+    checkpoint_id TEXT NOT NULL,
+    parent_checkpoint_id TEXT,
+    type TEXT NOT NULL,
+    checkpoint {binary} NOT NULL,
+    channel_versions {json} NOT NULL,
+    metadata {json} NOT NULL,
+    run_id TEXT,
+    fence_token BIGINT,
+    CONSTRAINT fence_checkpoints_tenant_pkey
+        PRIMARY KEY (tenant_id, thread_id, checkpoint_ns, checkpoint_id)""",
+        "thread_id, checkpoint_ns, checkpoint_id, parent_checkpoint_id, type, checkpoint,"
+        " channel_versions, metadata, run_id, fence_token",
+    ),
+    "fence_checkpoint_blobs": (
+        """tenant_id TEXT NOT NULL,
+    thread_id TEXT NOT NULL,
+    checkpoint_ns TEXT NOT NULL DEFAULT '',
+    channel TEXT NOT NULL,
+    version TEXT NOT NULL,
+    type TEXT NOT NULL,
+    blob {binary},
+    CONSTRAINT fence_checkpoint_blobs_tenant_pkey
+        PRIMARY KEY (tenant_id, thread_id, checkpoint_ns, channel, version)""",
+        "thread_id, checkpoint_ns, channel, version, type, blob",
+    ),
+    "fence_checkpoint_writes": (
+        """tenant_id TEXT NOT NULL,
+    thread_id TEXT NOT NULL,
+    checkpoint_ns TEXT NOT NULL DEFAULT '',
+    checkpoint_id TEXT NOT NULL,
+    task_id TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    channel TEXT NOT NULL,
+    type TEXT NOT NULL,
+    blob {binary} NOT NULL,
+    task_path TEXT NOT NULL DEFAULT '',
+    fence_token BIGINT,
+    CONSTRAINT fence_checkpoint_writes_tenant_pkey
+        PRIMARY KEY (tenant_id, thread_id, checkpoint_ns, checkpoint_id, task_id, idx)""",
+        "thread_id, checkpoint_ns, checkpoint_id, task_id, idx, channel, type, blob,"
+        " task_path, fence_token",
+    ),
+}
+
+_OWNERS = "fence_thread_owners_v2"
+
+
+async def _table_exists(conn: AsyncConnection, dialect: Dialect, table: str) -> bool:
+    if dialect == "postgresql":
+        found = await conn.execute(text("SELECT to_regclass(:t) IS NOT NULL"), {"t": table})
+    else:
+        found = await conn.execute(
+            text("SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = :t"),
+            {"t": table},
+        )
+    return bool(found.scalar_one())
+
+
+async def _thread_owners(conn: AsyncConnection, dialect: Dialect) -> None:
+    """A temporary table: ``(thread_id, tenant_id)`` of each thread exactly one tenant's
+    lease names (execution records first, else a lease whose execution id is the thread)."""
+    named = []
+    if await _table_exists(conn, dialect, "fence_executions"):
+        named.append("SELECT tenant_id, thread_id FROM fence_executions")
+    if await _table_exists(conn, dialect, "fence_leases"):
+        named.append("SELECT tenant_id, execution_id AS thread_id FROM fence_leases")
+    if not named:
+        named.append("SELECT '' AS tenant_id, '' AS thread_id WHERE 1 = 0")
+    await conn.execute(
+        text(
+            f"CREATE TEMPORARY TABLE {_OWNERS} AS SELECT thread_id, min(tenant_id) AS tenant_id"
+            f" FROM ({' UNION '.join(named)}) named GROUP BY thread_id"
+            " HAVING count(DISTINCT tenant_id) = 1"
+        )
+    )
+
+
+def _rebuilt(table: str, *, binary: str, json: str) -> list[str]:
+    columns, copied = _TABLES_V2[table]
+    old = f"{table}_v1"
+    values = ", ".join(f"r.{column.strip()}" for column in copied.split(","))
+    return [
+        f"ALTER TABLE {table} RENAME TO {old}",
+        f"CREATE TABLE {table} (\n    {columns.format(binary=binary, json=json)}\n)",
+        f"INSERT INTO {table} (tenant_id, {copied})"
+        f" SELECT coalesce(o.tenant_id, ''), {values}"
+        f" FROM {old} r LEFT JOIN {_OWNERS} o ON o.thread_id = r.thread_id",
+        f"DROP TABLE {old}",
+    ]
+
+
+def _steps_v2(*, binary: str, json: str) -> list[MigrationStep]:
+    steps: list[MigrationStep] = [_thread_owners]
+    for table in _TABLES_V2:
+        steps.extend(_rebuilt(table, binary=binary, json=json))
+    steps += [_RUN_ID_INDEX, f"DROP TABLE {_OWNERS}"]
+    return steps
+
+
 CHECKPOINT_MIGRATIONS = [
     Migration(
         version=1,
         description="checkpoints, channel blobs and pending writes, with fence tokens",
         sqlite=_steps(binary="BLOB", json="TEXT"),
         postgresql=_steps(binary="BYTEA", json="JSONB"),
+    ),
+    Migration(
+        version=2,
+        description="the tenant in every checkpoint, blob and write key (from the lease)",
+        sqlite=_steps_v2(binary="BLOB", json="TEXT"),
+        postgresql=_steps_v2(binary="BYTEA", json="JSONB"),
     ),
 ]

@@ -27,7 +27,7 @@ import random
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
@@ -46,10 +46,12 @@ from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from langgraph_fence.checkpoint import (
+    DEFAULT_TENANT,
     check_write_scope,
     checkpoint_clear_keys,
     fence_handle,
     refuse_write,
+    thread_tenant,
     writes_clear_keys,
 )
 from langgraph_fence.database import Dialect, create_engine, dialect_of, transaction
@@ -98,6 +100,34 @@ def _thread_of(config: RunnableConfig | None, action: str) -> tuple[str, str]:
     thread_id = _text_arg(configurable["thread_id"], "thread_id")
     checkpoint_ns = _text_arg(configurable.get("checkpoint_ns") or "", "checkpoint_ns")
     return thread_id, checkpoint_ns
+
+
+def _tenant_arg(tenant_id: object) -> str:
+    if not isinstance(tenant_id, str) or "\x00" in tenant_id:
+        raise ValueError(
+            f"tenant_id must be a str without NUL bytes (the tenant whose threads to act on; "
+            f"'' for the default tenant), got {tenant_id!r}"
+        )
+    return tenant_id
+
+
+def _tenant_of(config: RunnableConfig | None) -> str:
+    return _text_arg(thread_tenant(config), "tenant_id")
+
+
+def _thread_config(
+    tenant_id: str, thread_id: str, checkpoint_ns: str, checkpoint_id: str
+) -> RunnableConfig:
+    """The config naming one checkpoint; it names the tenant unless it is the default one
+    (the plain LangGraph config, for plain LangGraph use)."""
+    configurable: dict[str, Any] = {
+        "thread_id": thread_id,
+        "checkpoint_ns": checkpoint_ns,
+        "checkpoint_id": checkpoint_id,
+    }
+    if tenant_id != DEFAULT_TENANT:
+        configurable["tenant_id"] = tenant_id
+    return {"configurable": configurable}
 
 
 def _is_inline(value: Any) -> bool:
@@ -159,8 +189,13 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
     refuse to be called from that loop's own thread.
 
     ``delete_thread``, ``delete_for_runs``, ``copy_thread`` and ``prune`` are maintenance:
-    not fenced, and not meant to run on a thread while a run writes to it.
+    not fenced here, and not meant to run on a thread while a run writes to it. Through an
+    instance's checkpointer they hold the thread's execution lease instead, and
+    ``delete_thread`` erases the execution's other rows too (:mod:`langgraph_fence.admin`).
     """
+
+    #: Every row is keyed by tenant: a wrapper passes tenant configs through as they are.
+    scopes_tenants: ClassVar[bool] = True
 
     def __init__(self, engine: AsyncEngine, *, serde: SerializerProtocol | None = None) -> None:
         if not isinstance(engine, AsyncEngine):
@@ -358,7 +393,9 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         type_, data = dumps(stored)
         meta = get_serializable_checkpoint_metadata(config, metadata)
         run_id = meta.get("run_id")
+        tenant_id = _tenant_of(config)
         row = CheckpointRow(
+            tenant_id=tenant_id,
             thread_id=thread_id,
             checkpoint_ns=checkpoint_ns,
             checkpoint_id=checkpoint["id"],
@@ -383,13 +420,7 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         await fault_point(
             "checkpoint.after", config=config, checkpoint=checkpoint, metadata=metadata
         )
-        return {
-            "configurable": {
-                "thread_id": thread_id,
-                "checkpoint_ns": checkpoint_ns,
-                "checkpoint_id": checkpoint["id"],
-            }
-        }
+        return _thread_config(tenant_id, thread_id, checkpoint_ns, checkpoint["id"])
 
     async def aput_writes(
         self,
@@ -430,6 +461,7 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         upsert = all(channel in WRITES_IDX_MAP for channel, _ in writes)
         await fault_point("writes.before", config=config, task_id=task_id, writes=writes)
         landed, cleared = await self._driver.put_writes(
+            _tenant_of(config),
             thread_id,
             checkpoint_ns,
             _text_arg(checkpoint_id, "checkpoint_id"),
@@ -469,37 +501,32 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         writes = sorted(row.writes, key=lambda w: writes_sort_key(w[4], w[0], w[5]))
         metadata = json.loads(row.metadata) if isinstance(row.metadata, str) else row.metadata
         parent = (
-            {
-                "configurable": {
-                    "thread_id": row.thread_id,
-                    "checkpoint_ns": row.checkpoint_ns,
-                    "checkpoint_id": row.parent_checkpoint_id,
-                }
-            }
+            _thread_config(
+                row.tenant_id, row.thread_id, row.checkpoint_ns, row.parent_checkpoint_id
+            )
             if row.parent_checkpoint_id
             else None
         )
         return CheckpointTuple(
-            {
-                "configurable": {
-                    "thread_id": row.thread_id,
-                    "checkpoint_ns": row.checkpoint_ns,
-                    "checkpoint_id": row.checkpoint_id,
-                }
-            },
+            _thread_config(row.tenant_id, row.thread_id, row.checkpoint_ns, row.checkpoint_id),
             checkpoint,
             metadata,
-            parent,  # type: ignore[arg-type]
+            parent,
             [(w[0], w[1], loads((w[2], w[3]))) for w in writes],
         )
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
-        """The checkpoint at ``checkpoint_id``, or the thread's latest in its namespace."""
+        """The checkpoint at ``checkpoint_id``, or the thread's latest in its namespace.
+
+        Only the tenant's own thread is read (the tenant: see
+        :func:`langgraph_fence.checkpoint.thread_tenant`).
+        """
         self._ready()
         thread_id, checkpoint_ns = _thread_of(config, "aget_tuple")
         checkpoint_id = get_checkpoint_id(config)
         rows = await self._driver.select(
             CheckpointQuery(
+                tenant_id=_tenant_of(config),
                 thread_id=thread_id,
                 checkpoint_ns=checkpoint_ns,
                 checkpoint_id=None if checkpoint_id is None else str(checkpoint_id),
@@ -516,7 +543,10 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         before: RunnableConfig | None = None,
         limit: int | None = None,
     ) -> AsyncIterator[CheckpointTuple]:
-        """Checkpoints newest first, by thread / namespace / id, metadata, ``before``, ``limit``."""
+        """Checkpoints newest first, by thread / namespace / id, metadata, ``before``, ``limit``.
+
+        Only the tenant's own threads are listed, also with no thread given.
+        """
         self._ready()
         thread_id = checkpoint_ns = checkpoint_id = None
         configurable = (config or {}).get("configurable") or {}
@@ -529,6 +559,7 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         before_id = get_checkpoint_id(before) if before is not None else None
         rows = await self._driver.select(
             CheckpointQuery(
+                tenant_id=_tenant_of(config),
                 thread_id=thread_id,
                 checkpoint_ns=checkpoint_ns,
                 checkpoint_id=checkpoint_id,
@@ -540,95 +571,132 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         for row in rows:
             yield self._tuple(row)
 
-    # -- maintenance: one transaction each, not fenced
+    # -- maintenance: one transaction each, not fenced, each within one tenant
 
     def _each(self) -> str:
         return "jsonb_each_text" if self._dialect == "postgresql" else "json_each"
 
-    async def _collect_blobs(self, conn: AsyncConnection, thread_id: str) -> None:
+    async def _collect_blobs(self, conn: AsyncConnection, tenant_id: str, thread_id: str) -> None:
         """Delete the thread's blobs that no checkpoint of it references any more."""
         await conn.execute(
             text(
-                "DELETE FROM fence_checkpoint_blobs WHERE thread_id = :t AND NOT EXISTS ("
-                f" SELECT 1 FROM fence_checkpoints c, {self._each()}(c.channel_versions) v"
-                " WHERE c.thread_id = fence_checkpoint_blobs.thread_id"
+                "DELETE FROM fence_checkpoint_blobs WHERE tenant_id = :tenant AND thread_id = :t"
+                f" AND NOT EXISTS (SELECT 1 FROM fence_checkpoints c, {self._each()}"
+                "(c.channel_versions) v WHERE c.tenant_id = fence_checkpoint_blobs.tenant_id"
+                " AND c.thread_id = fence_checkpoint_blobs.thread_id"
                 " AND c.checkpoint_ns = fence_checkpoint_blobs.checkpoint_ns"
                 " AND v.key = fence_checkpoint_blobs.channel"
                 " AND v.value = fence_checkpoint_blobs.version)"
             ),
-            {"t": thread_id},
+            {"tenant": tenant_id, "t": thread_id},
         )
 
-    async def adelete_thread(self, thread_id: str) -> None:
-        """Delete every checkpoint, blob and write of ``thread_id`` (all namespaces)."""
-        self._ready()
-        async with transaction(self._engine) as conn:
+    async def _delete_threads(
+        self, conn: AsyncConnection, tenant_id: str, thread_ids: Sequence[str]
+    ) -> None:
+        for thread_id in thread_ids:
             for table in _TABLES:
                 await conn.execute(
-                    text(f"DELETE FROM {table} WHERE thread_id = :t"), {"t": str(thread_id)}
+                    text(f"DELETE FROM {table} WHERE tenant_id = :tenant AND thread_id = :t"),
+                    {"tenant": tenant_id, "t": thread_id},
                 )
 
-    async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
-        """Delete the checkpoints saved by the given runs (``metadata["run_id"]``), their
-        pending writes, and the blobs no remaining checkpoint references."""
+    async def adelete_thread(self, thread_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
+        """Delete every checkpoint, blob and write of the tenant's ``thread_id`` (all
+        namespaces); another tenant's thread of the same id is another thread, left alone."""
+        self._ready()
+        tenant = _tenant_arg(tenant_id)
+        async with transaction(self._engine) as conn:
+            await self._delete_threads(conn, tenant, [str(thread_id)])
+
+    async def adelete_for_runs(
+        self, run_ids: Sequence[str], *, tenant_id: str = DEFAULT_TENANT
+    ) -> None:
+        """Delete the tenant's checkpoints saved by the given runs (``metadata["run_id"]``),
+        their pending writes, and the blobs no remaining checkpoint references."""
         self._ready()
         if isinstance(run_ids, str):
             raise TypeError("run_ids must be a sequence of run ids, not a str")
+        tenant = _tenant_arg(tenant_id)
         ids = [str(r) for r in run_ids]
         if not ids:
             return
         async with transaction(self._engine) as conn:
             in_runs = "run_id IN (" + ", ".join(f":r{i}" for i in range(len(ids))) + ")"
-            params = {f"r{i}": r for i, r in enumerate(ids)}
+            params: dict[str, str] = {f"r{i}": r for i, r in enumerate(ids)}
+            params["tenant"] = tenant
             threads = (
                 await conn.execute(
-                    text(f"SELECT DISTINCT thread_id FROM fence_checkpoints WHERE {in_runs}"),
+                    text(
+                        "SELECT DISTINCT thread_id FROM fence_checkpoints"
+                        f" WHERE tenant_id = :tenant AND {in_runs}"
+                    ),
                     params,
                 )
             ).scalars()
             affected = list(threads)
             await conn.execute(
                 text(
-                    "DELETE FROM fence_checkpoint_writes WHERE EXISTS (SELECT 1 FROM"
-                    " fence_checkpoints c WHERE c.thread_id = fence_checkpoint_writes.thread_id"
+                    "DELETE FROM fence_checkpoint_writes WHERE tenant_id = :tenant AND EXISTS"
+                    " (SELECT 1 FROM fence_checkpoints c"
+                    " WHERE c.tenant_id = fence_checkpoint_writes.tenant_id"
+                    " AND c.thread_id = fence_checkpoint_writes.thread_id"
                     " AND c.checkpoint_ns = fence_checkpoint_writes.checkpoint_ns"
                     " AND c.checkpoint_id = fence_checkpoint_writes.checkpoint_id"
                     f" AND c.{in_runs})"
                 ),
                 params,
             )
-            await conn.execute(text(f"DELETE FROM fence_checkpoints WHERE {in_runs}"), params)
+            await conn.execute(
+                text(f"DELETE FROM fence_checkpoints WHERE tenant_id = :tenant AND {in_runs}"),
+                params,
+            )
             for thread_id in affected:
-                await self._collect_blobs(conn, thread_id)
+                await self._collect_blobs(conn, tenant, thread_id)
 
-    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
-        """Copy every checkpoint, blob and write of one thread to another, in one transaction.
+    async def acopy_thread(
+        self, source_thread_id: str, target_thread_id: str, *, tenant_id: str = DEFAULT_TENANT
+    ) -> None:
+        """Copy every checkpoint, blob and write of one of the tenant's threads to another of
+        its threads, in one transaction. Never across tenants.
 
         Copies carry no ``fence_token``: no run wrote them under a token.
         """
         self._ready()
-        params = {"src": str(source_thread_id), "dst": str(target_thread_id)}
+        params = {
+            "tenant": _tenant_arg(tenant_id),
+            "src": str(source_thread_id),
+            "dst": str(target_thread_id),
+        }
         statements = (
-            "INSERT INTO fence_checkpoints (thread_id, checkpoint_ns, checkpoint_id,"
+            "INSERT INTO fence_checkpoints (tenant_id, thread_id, checkpoint_ns, checkpoint_id,"
             " parent_checkpoint_id, type, checkpoint, channel_versions, metadata, run_id,"
-            " fence_token) SELECT :dst, checkpoint_ns, checkpoint_id, parent_checkpoint_id,"
-            " type, checkpoint, channel_versions, metadata, run_id, NULL"
-            " FROM fence_checkpoints WHERE thread_id = :src ON CONFLICT DO NOTHING",
-            "INSERT INTO fence_checkpoint_blobs (thread_id, checkpoint_ns, channel, version,"
-            " type, blob) SELECT :dst, checkpoint_ns, channel, version, type, blob"
-            " FROM fence_checkpoint_blobs WHERE thread_id = :src ON CONFLICT DO NOTHING",
-            "INSERT INTO fence_checkpoint_writes (thread_id, checkpoint_ns, checkpoint_id,"
-            " task_id, idx, channel, type, blob, task_path, fence_token)"
-            " SELECT :dst, checkpoint_ns, checkpoint_id, task_id, idx, channel, type, blob,"
-            " task_path, NULL FROM fence_checkpoint_writes WHERE thread_id = :src"
+            " fence_token) SELECT tenant_id, :dst, checkpoint_ns, checkpoint_id,"
+            " parent_checkpoint_id, type, checkpoint, channel_versions, metadata, run_id, NULL"
+            " FROM fence_checkpoints WHERE tenant_id = :tenant AND thread_id = :src"
             " ON CONFLICT DO NOTHING",
+            "INSERT INTO fence_checkpoint_blobs (tenant_id, thread_id, checkpoint_ns, channel,"
+            " version, type, blob) SELECT tenant_id, :dst, checkpoint_ns, channel, version, type,"
+            " blob FROM fence_checkpoint_blobs WHERE tenant_id = :tenant AND thread_id = :src"
+            " ON CONFLICT DO NOTHING",
+            "INSERT INTO fence_checkpoint_writes (tenant_id, thread_id, checkpoint_ns,"
+            " checkpoint_id, task_id, idx, channel, type, blob, task_path, fence_token)"
+            " SELECT tenant_id, :dst, checkpoint_ns, checkpoint_id, task_id, idx, channel, type,"
+            " blob, task_path, NULL FROM fence_checkpoint_writes"
+            " WHERE tenant_id = :tenant AND thread_id = :src ON CONFLICT DO NOTHING",
         )
         async with transaction(self._engine) as conn:
             for statement in statements:
                 await conn.execute(text(statement), params)
 
-    async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
-        """Prune checkpoints of the given threads.
+    async def aprune(
+        self,
+        thread_ids: Sequence[str],
+        *,
+        strategy: str = "keep_latest",
+        tenant_id: str = DEFAULT_TENANT,
+    ) -> None:
+        """Prune checkpoints of the given threads of the tenant.
 
         ``"delete"`` removes everything of each thread. ``"keep_latest"`` keeps, per
         namespace, the latest checkpoint and its pending writes (and the blobs it
@@ -649,32 +717,30 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
             raise ValueError(
                 f"Unknown prune strategy: {strategy!r}; use one of {', '.join(PRUNE_STRATEGIES)}"
             )
+        tenant = _tenant_arg(tenant_id)
         ids = [str(t) for t in thread_ids]
         if not ids:
             return
         if strategy == "delete":
             async with transaction(self._engine) as conn:
-                for thread_id in ids:
-                    for table in _TABLES:
-                        await conn.execute(
-                            text(f"DELETE FROM {table} WHERE thread_id = :t"), {"t": thread_id}
-                        )
+                await self._delete_threads(conn, tenant, ids)
             return
         for thread_id in ids:
             async with transaction(self._engine) as conn:
-                await self._keep_latest(conn, thread_id)
+                await self._keep_latest(conn, tenant, thread_id)
 
-    async def _keep_latest(self, conn: AsyncConnection, thread_id: str) -> None:
+    async def _keep_latest(self, conn: AsyncConnection, tenant_id: str, thread_id: str) -> None:
         rows = (
             await conn.execute(
                 text(
                     "SELECT c.checkpoint_ns, c.checkpoint_id, c.metadata FROM fence_checkpoints c"
                     " JOIN (SELECT checkpoint_ns, max(checkpoint_id) AS head"
-                    " FROM fence_checkpoints WHERE thread_id = :t GROUP BY checkpoint_ns) h"
+                    " FROM fence_checkpoints WHERE tenant_id = :tenant AND thread_id = :t"
+                    " GROUP BY checkpoint_ns) h"
                     " ON c.checkpoint_ns = h.checkpoint_ns AND c.checkpoint_id = h.head"
-                    " WHERE c.thread_id = :t"
+                    " WHERE c.tenant_id = :tenant AND c.thread_id = :t"
                 ),
-                {"t": thread_id},
+                {"tenant": tenant_id, "t": thread_id},
             )
         ).all()
         if not rows:
@@ -694,38 +760,41 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
             names = [f":r{i}" for i in range(len(roots))]
             found = await conn.execute(
                 text(
-                    "SELECT checkpoint_id FROM fence_checkpoints WHERE thread_id = :t"
-                    f" AND checkpoint_ns = '' AND checkpoint_id IN ({', '.join(names)})"
+                    "SELECT checkpoint_id FROM fence_checkpoints WHERE tenant_id = :tenant"
+                    " AND thread_id = :t AND checkpoint_ns = ''"
+                    f" AND checkpoint_id IN ({', '.join(names)})"
                 ),
-                {"t": thread_id, **{n[1:]: r for n, r in zip(names, sorted(roots), strict=True)}},
+                {
+                    "tenant": tenant_id,
+                    "t": thread_id,
+                    **{n[1:]: r for n, r in zip(names, sorted(roots), strict=True)},
+                },
             )
             saved = set(found.scalars())
         kept, dropped = _prune_plan(heads, saved)
+        where = "tenant_id = :tenant AND thread_id = :t AND checkpoint_ns = :ns"
         for ns in dropped:
             for table in _TABLES:
                 await conn.execute(
-                    text(f"DELETE FROM {table} WHERE thread_id = :t AND checkpoint_ns = :ns"),
-                    {"t": thread_id, "ns": ns},
+                    text(f"DELETE FROM {table} WHERE {where}"),
+                    {"tenant": tenant_id, "t": thread_id, "ns": ns},
                 )
         for ns, head in kept.items():
-            params = {"t": thread_id, "ns": ns, "head": head}
+            params = {"tenant": tenant_id, "t": thread_id, "ns": ns, "head": head}
             # Older ids only: what a run saves meanwhile has a newer id and stays.
             for table in ("fence_checkpoint_writes", "fence_checkpoints"):
                 await conn.execute(
-                    text(
-                        f"DELETE FROM {table} WHERE thread_id = :t AND checkpoint_ns = :ns"
-                        " AND checkpoint_id < :head"
-                    ),
+                    text(f"DELETE FROM {table} WHERE {where} AND checkpoint_id < :head"),
                     params,
                 )
             await conn.execute(
                 text(
                     "UPDATE fence_checkpoints SET parent_checkpoint_id = NULL"
-                    " WHERE thread_id = :t AND checkpoint_ns = :ns AND checkpoint_id = :head"
+                    f" WHERE {where} AND checkpoint_id = :head"
                 ),
                 params,
             )
-        await self._collect_blobs(conn, thread_id)
+        await self._collect_blobs(conn, tenant_id, thread_id)
 
     # -- sync twins, for LangGraph's invoke/stream (called from worker threads)
 
@@ -796,18 +865,28 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         """Sync twin of :meth:`aput_writes`."""
         self._sync(lambda: self.aput_writes(config, writes, task_id, task_path))
 
-    def delete_thread(self, thread_id: str) -> None:
+    def delete_thread(self, thread_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
         """Sync twin of :meth:`adelete_thread`."""
-        self._sync(lambda: self.adelete_thread(thread_id))
+        self._sync(lambda: self.adelete_thread(thread_id, tenant_id=tenant_id))
 
-    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
+    def delete_for_runs(self, run_ids: Sequence[str], *, tenant_id: str = DEFAULT_TENANT) -> None:
         """Sync twin of :meth:`adelete_for_runs`."""
-        self._sync(lambda: self.adelete_for_runs(run_ids))
+        self._sync(lambda: self.adelete_for_runs(run_ids, tenant_id=tenant_id))
 
-    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+    def copy_thread(
+        self, source_thread_id: str, target_thread_id: str, *, tenant_id: str = DEFAULT_TENANT
+    ) -> None:
         """Sync twin of :meth:`acopy_thread`."""
-        self._sync(lambda: self.acopy_thread(source_thread_id, target_thread_id))
+        self._sync(
+            lambda: self.acopy_thread(source_thread_id, target_thread_id, tenant_id=tenant_id)
+        )
 
-    def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+    def prune(
+        self,
+        thread_ids: Sequence[str],
+        *,
+        strategy: str = "keep_latest",
+        tenant_id: str = DEFAULT_TENANT,
+    ) -> None:
         """Sync twin of :meth:`aprune`."""
-        self._sync(lambda: self.aprune(thread_ids, strategy=strategy))
+        self._sync(lambda: self.aprune(thread_ids, strategy=strategy, tenant_id=tenant_id))

@@ -12,9 +12,10 @@ Two strengths of guarantee, depending on the inner saver:
   checked inside the inner saver's own write (one statement on PostgreSQL, one transaction
   on SQLite). A write made under a superseded token never lands: no window.
 * **Any other saver**: the wrapper checks first (locally, then one read of the lease) and
-  then delegates. A take-over that commits between that read and the inner write is not
-  seen: the stale write lands once, and the run is refused at its next write. The window is
-  one read plus one write long; use a fence-aware saver where that matters.
+  then delegates. Every write the run has in flight when a take-over commits was checked
+  before it and lands (one per concurrent writer: more under ``durability="async"``), and a
+  stale checkpoint can land beside the new holder's (a fork of the thread's history); the
+  run is refused at its next write. Use a fence-aware saver where that matters.
 
 A refusal is recorded on the handle (the runtime re-raises the recorded error whatever else
 surfaces), the run is asked to drain at the next superstep boundary, and the error is raised.
@@ -34,7 +35,8 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from urllib.parse import unquote
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
@@ -55,14 +57,20 @@ from .errors import (
 from .faults import fault_point
 from .fence import FENCE_CONFIG_KEY, RunHandle
 from .lease import Lease, LeaseStatus, fenced_error
+from .scope import encode_part
+
+if TYPE_CHECKING:
+    from .admin import ThreadAdmin
 
 __all__ = [
+    "DEFAULT_TENANT",
     "FencedCheckpointer",
     "check_write_scope",
     "checkpoint_clear_keys",
     "fence_handle",
     "lease_matches",
     "refuse_write",
+    "thread_tenant",
     "writes_clear_keys",
 ]
 
@@ -103,6 +111,38 @@ def fence_handle(config: RunnableConfig) -> RunHandle | None:
     return handle
 
 
+#: The tenant of a thread read or written with no tenant given (plain LangGraph use): the
+#: empty string. No lease can be of it (a lease's tenant is never empty), so a thread written
+#: without a tenant never meets any tenant's thread of the same id.
+DEFAULT_TENANT = ""
+
+
+def thread_tenant(config: RunnableConfig | None) -> str:
+    """The tenant a thread read or write belongs to: part of the thread's key.
+
+    ``config["configurable"]["tenant_id"]`` when given, else the tenant of the run handle at
+    ``config["configurable"]["__fence"]``, else :data:`DEFAULT_TENANT`. A tenant's
+    ``chat-1`` and another tenant's ``chat-1`` are two threads that never meet.
+
+    Raises:
+        ValueError: ``tenant_id`` is not a str.
+    """
+    configurable = config.get("configurable") if isinstance(config, Mapping) else None
+    if not isinstance(configurable, Mapping):
+        return DEFAULT_TENANT
+    tenant_id = configurable.get("tenant_id")
+    if tenant_id is None:
+        handle = configurable.get(FENCE_CONFIG_KEY)
+        return handle.key.tenant_id if isinstance(handle, RunHandle) else DEFAULT_TENANT
+    if not isinstance(tenant_id, str):
+        raise ValueError(
+            f'config["configurable"]["tenant_id"] must be a str (the tenant the thread belongs '
+            f"to), got {type(tenant_id).__name__}: pass the tenant's id as text, or leave the "
+            "key out for the default tenant"
+        )
+    return tenant_id
+
+
 def check_write_scope(handle: RunHandle, config: RunnableConfig, *, action: str) -> None:
     """Refuse a write to a thread that is not the handle's execution.
 
@@ -133,6 +173,32 @@ def check_write_scope(handle: RunHandle, config: RunnableConfig, *, action: str)
             token_held=handle.token,
             token_seen=None,
         )
+
+
+#: How a saver that does not key threads by tenant stores a tenant's thread (see below).
+_TENANT_THREAD = "lgf-tenant:"
+
+
+def _inner_thread_id(tenant_id: str, thread_id: str) -> str:
+    """The thread id under which a saver that knows no tenants keeps the tenant's thread.
+
+    The default tenant's ids are kept as they are (plain LangGraph use sees its own ids);
+    any other tenant's become ``lgf-tenant:<tenant>:<thread>``, each part encoded as in a
+    scope key, so no two ``(tenant, thread)`` pairs share one: a default-tenant id that
+    itself starts with the prefix is encoded too, with an empty tenant part.
+    """
+    if tenant_id == DEFAULT_TENANT and not thread_id.startswith(_TENANT_THREAD):
+        return thread_id
+    tenant_part = "" if tenant_id == DEFAULT_TENANT else encode_part(tenant_id, name="tenant_id")
+    return f"{_TENANT_THREAD}{tenant_part}:{encode_part(thread_id, name='thread_id')}"
+
+
+def _outer_thread_id(inner_id: str) -> tuple[str, str]:
+    """``(tenant_id, thread_id)`` of an id made by :func:`_inner_thread_id`."""
+    if not inner_id.startswith(_TENANT_THREAD):
+        return DEFAULT_TENANT, inner_id
+    tenant_part, _, thread_part = inner_id[len(_TENANT_THREAD) :].partition(":")
+    return unquote(tenant_part), unquote(thread_part)
 
 
 def lease_matches(lease: Lease, current: Lease | None) -> bool:
@@ -205,7 +271,11 @@ def checkpoint_clear_keys(
 
 
 def _without_handle(config: RunnableConfig) -> RunnableConfig:
+    # The handle goes, its tenant stays: the inner saver writes the tenant's own thread.
+    tenant_id = thread_tenant(config)
     configurable = {k: v for k, v in config["configurable"].items() if k != FENCE_CONFIG_KEY}
+    if tenant_id != DEFAULT_TENANT:
+        configurable["tenant_id"] = tenant_id
     return {**config, "configurable": configurable}
 
 
@@ -234,9 +304,11 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     * otherwise the wrapper checks ``handle.check()`` (no I/O), then reads the lease once
       and compares epoch, holder and status, then delegates with the handle removed from
       the config. **Remaining window:** a take-over committed after that read and before
-      the inner write completes is not seen; the stale write lands, once, and the next
-      write of the run is refused. Writes already in flight when the take-over happens can
-      land the same way. Only a fence-aware saver closes this window.
+      the inner write completes is not seen. Every write of the run in flight at that
+      moment lands (the checkpoint and each task's writes; under ``durability="async"``
+      the next superstep's too), a stale checkpoint may land as a sibling of the new
+      holder's (a fork), and the run's next write is refused. Only a fence-aware saver
+      closes this window.
 
     The stamp set (see ``docs/stamps.md``): an entry is cleared only once a resume would
     see the step's writes. A root checkpoint clears the entries of the supersteps before
@@ -251,7 +323,10 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     (``runtime.control.request_drain``), and the recorded error is raised. Reads are never
     fenced. The wrapper overrides only the optional methods (``acopy_thread``,
     ``adelete_for_runs``, ``aprune``, the delta-channel history) that ``inner`` implements,
-    so capability detection sees what the inner saver really does.
+    so capability detection sees what the inner saver really does. Owned by an
+    :class:`~langgraph_fence.Instance`, those admin operations and ``adelete_thread`` hold
+    the thread's execution lease (refused while another instance runs it), and
+    ``adelete_thread`` erases the thread (:mod:`langgraph_fence.admin`).
     """
 
     #: The optional methods forwarded only when the inner saver's class overrides them.
@@ -268,6 +343,11 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     _classes: ClassVar[dict[frozenset[str], type[FencedCheckpointer]]] = {}
 
     inner: BaseCheckpointSaver[Any]
+    #: Set by the :class:`~langgraph_fence.Instance` that owns the wrapper: its admin
+    #: operations then take the execution's lease (:mod:`langgraph_fence.admin`).
+    admin: ThreadAdmin | None = None
+    #: Every read and write of this saver sees the tenant's own threads only.
+    scopes_tenants: ClassVar[bool] = True
 
     def __new__(
         cls, inner: BaseCheckpointSaver[Any], *, require_fence: bool = False
@@ -285,6 +365,9 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         self.inner = inner
         self.require_fence = bool(require_fence)
         self._loop: asyncio.AbstractEventLoop | None = None
+        # A saver that keys threads by tenant itself (SqlCheckpointer) gets configs as they
+        # are; any other keeps a tenant's thread under an id of its own (_inner_thread_id).
+        self._scopes_tenants = bool(getattr(inner, "scopes_tenants", False))
 
     def __repr__(self) -> str:
         return f"FencedCheckpointer({self.inner!r}, require_fence={self.require_fence})"
@@ -304,7 +387,9 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         inner = self.inner.with_allowlist(extra_allowlist)
         if inner is self.inner:
             return self
-        return FencedCheckpointer(inner, require_fence=self.require_fence)
+        copy = FencedCheckpointer(inner, require_fence=self.require_fence)
+        copy.admin = self.admin
+        return copy
 
     @property
     def config_specs(self) -> list[Any]:
@@ -314,10 +399,77 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     def get_next_version(self, current: Any, channel: None) -> Any:
         return self.inner.get_next_version(current, channel)
 
-    # -- reads: never fenced
+    # -- tenants: a saver that keys threads by tenant itself gets the configs as they are
+
+    def _inner_config(self, config: RunnableConfig | None) -> Any:
+        """``config`` as the inner saver must see it to keep the tenant's thread apart."""
+        if self._scopes_tenants or not isinstance(config, Mapping):
+            return config
+        configurable = config.get("configurable") or {}
+        if configurable.get("thread_id") is None:
+            # alist over all threads: the inner saver lists every thread, filtered here.
+            rest = {k: v for k, v in configurable.items() if k != "tenant_id"}
+            return {**config, "configurable": rest} if rest else None
+        thread_id = str(configurable["thread_id"])
+        inner_id = _inner_thread_id(thread_tenant(config), thread_id)
+        if inner_id == thread_id:
+            return config
+        return {**config, "configurable": {**configurable, "thread_id": inner_id}}
+
+    def _outer_config(self, config: Any) -> Any:
+        """A config the inner saver returned, as the caller names the thread."""
+        if self._scopes_tenants or not isinstance(config, Mapping):
+            return config
+        configurable = config.get("configurable") or {}
+        if configurable.get("thread_id") is None:
+            return config
+        inner_id = str(configurable["thread_id"])
+        tenant_id, thread_id = _outer_thread_id(inner_id)
+        if tenant_id == DEFAULT_TENANT and thread_id == inner_id:
+            return config
+        outer = {**configurable, "thread_id": thread_id}
+        if tenant_id != DEFAULT_TENANT:
+            outer["tenant_id"] = tenant_id
+        return {**config, "configurable": outer}
+
+    def _outer_tuple(self, item: CheckpointTuple | None) -> CheckpointTuple | None:
+        if self._scopes_tenants or item is None:
+            return item
+        return item._replace(
+            config=self._outer_config(item.config),
+            parent_config=self._outer_config(item.parent_config),
+        )
+
+    def _own_items(
+        self, config: RunnableConfig | None, limit: int | None
+    ) -> tuple[Callable[[CheckpointTuple], CheckpointTuple | None], int | None]:
+        """For ``alist``: how to map each inner item (``None``: another tenant's), and the
+        limit to ask the inner saver for (none when items must be filtered first)."""
+        if self._scopes_tenants:
+            return (lambda item: item), limit
+        tenant_id = thread_tenant(config)
+        named = (
+            isinstance(config, Mapping)
+            and (config.get("configurable") or {}).get("thread_id") is not None
+        )
+
+        def own(item: CheckpointTuple) -> CheckpointTuple | None:
+            outer = self._outer_tuple(item)
+            assert outer is not None
+            return outer if thread_tenant(outer.config) == tenant_id else None
+
+        return own, (limit if named else None)
+
+    def _thread_call(self, thread_id: str, tenant_id: str) -> tuple[str, dict[str, str]]:
+        """``(thread id, keyword arguments)`` for an inner admin call on the tenant's thread."""
+        if self._scopes_tenants:
+            return thread_id, ({} if tenant_id == DEFAULT_TENANT else {"tenant_id": tenant_id})
+        return _inner_thread_id(tenant_id, str(thread_id)), {}
+
+    # -- reads: never fenced; each sees the tenant's own threads only
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
-        return await self.inner.aget_tuple(config)
+        return self._outer_tuple(await self.inner.aget_tuple(self._inner_config(config)))
 
     async def alist(
         self,
@@ -327,11 +479,24 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         before: RunnableConfig | None = None,
         limit: int | None = None,
     ) -> AsyncIterator[CheckpointTuple]:
-        async for item in self.inner.alist(config, filter=filter, before=before, limit=limit):
-            yield item
+        own, inner_limit = self._own_items(config, limit)
+        listed = 0
+        async for item in self.inner.alist(
+            self._inner_config(config),
+            filter=filter,
+            before=self._inner_config(before),
+            limit=inner_limit,
+        ):
+            outer = own(item)
+            if outer is None:
+                continue
+            if limit is not None and listed >= limit:
+                return
+            listed += 1
+            yield outer
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
-        return self.inner.get_tuple(config)
+        return self._outer_tuple(self.inner.get_tuple(self._inner_config(config)))
 
     def list(
         self,
@@ -341,7 +506,17 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         before: RunnableConfig | None = None,
         limit: int | None = None,
     ) -> Iterator[CheckpointTuple]:
-        return self.inner.list(config, filter=filter, before=before, limit=limit)
+        own, inner_limit = self._own_items(config, limit)
+        items = self.inner.list(
+            self._inner_config(config),
+            filter=filter,
+            before=self._inner_config(before),
+            limit=inner_limit,
+        )
+        mine = (outer for item in items if (outer := own(item)) is not None)
+        if limit is None:
+            return mine
+        return (item for _, item in zip(range(limit), mine, strict=False))
 
     # -- writes
 
@@ -393,7 +568,10 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     ) -> RunnableConfig:
         handle = self._handle(config, "aput")
         if handle is None:
-            return await self.inner.aput(config, checkpoint, metadata, new_versions)
+            stored = await self.inner.aput(
+                self._inner_config(config), checkpoint, metadata, new_versions
+            )
+            return self._outer_config(stored)  # type: ignore[no-any-return]
         inner_config = config
         guarded = self._admit_guarded(handle, config, "aput")
         if not guarded:
@@ -403,7 +581,9 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
                 await fault_point(
                     "checkpoint.before", config=config, checkpoint=checkpoint, metadata=metadata
                 )
-            saved = await self.inner.aput(inner_config, checkpoint, metadata, new_versions)
+            saved = await self.inner.aput(
+                self._inner_config(inner_config), checkpoint, metadata, new_versions
+            )
             keys = () if guarded else checkpoint_clear_keys(handle, config, checkpoint["id"])
             if keys:
                 # Not in the inner write's transaction: a crash in between leaves the
@@ -413,7 +593,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
                 await fault_point(
                     "checkpoint.after", config=config, checkpoint=checkpoint, metadata=metadata
                 )
-            return saved
+            return self._outer_config(saved)  # type: ignore[no-any-return]
         except ExecutionLeaseLostError as exc:
             raise refuse_write(handle, config, exc) from None
 
@@ -426,7 +606,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     ) -> None:
         handle = self._handle(config, "aput_writes")
         if handle is None:
-            await self.inner.aput_writes(config, writes, task_id, task_path)
+            await self.inner.aput_writes(self._inner_config(config), writes, task_id, task_path)
             return
         inner_config = config
         guarded = self._admit_guarded(handle, config, "aput_writes")
@@ -435,14 +615,15 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         try:
             if not guarded:
                 await fault_point("writes.before", config=config, task_id=task_id, writes=writes)
-            await self.inner.aput_writes(inner_config, writes, task_id, task_path)
+            tenant_config = self._inner_config(inner_config)
+            await self.inner.aput_writes(tenant_config, writes, task_id, task_path)
             if guarded:
                 return
             await fault_point("writes.after", config=config, task_id=task_id, writes=writes)
             keys = writes_clear_keys(handle, task_id, writes)
             # Writes whose checkpoint is not stored are seen by no resume: they prove
             # nothing, and the checkpoint that follows clears the entries instead.
-            if keys and await self.inner.aget_tuple(inner_config) is not None:
+            if keys and await self.inner.aget_tuple(tenant_config) is not None:
                 await self._clear(handle, keys)
         except ExecutionLeaseLostError as exc:
             raise refuse_write(handle, config, exc) from None
@@ -459,11 +640,46 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             handle.restore_pending_effects(taken)
             raise
 
-    async def adelete_thread(self, thread_id: str) -> None:
-        await self.inner.adelete_thread(thread_id)
+    # -- admin operations: under the execution's lease when the wrapper is an instance's
 
-    def delete_thread(self, thread_id: str) -> None:
-        self.inner.delete_thread(thread_id)
+    def _admin_for(self, tenant_id: str) -> ThreadAdmin | None:
+        """The admin that holds leases for an operation on ``tenant_id``'s threads, or
+        ``None``: no instance attached one, or the default tenant, which no lease (so no
+        fenced run) can be of."""
+        if self.admin is None or tenant_id == DEFAULT_TENANT:
+            return None
+        return self.admin
+
+    async def adelete_thread(self, thread_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
+        """Erase the tenant's ``thread_id`` (the default tenant's when none is given).
+
+        Through an instance's checkpointer (``instance.checkpointer``), under the lease of
+        the thread's execution (refused with ``ExecutionLeaseHeldError`` while another
+        holder runs it): every checkpoint, blob and write of the thread, the execution's
+        record, the thread's binding, the sink's stored results of its scope key, and the
+        lease's reason and stamps are deleted; the lease row stays ``done`` (its epoch never
+        goes back) and so does the sink's high-water mark (a scope key and a token). See
+        :mod:`langgraph_fence.admin`. Over a wrapper no instance owns, or for the default
+        tenant, only the checkpoints, blobs and writes are deleted.
+        """
+        inner_id, tenant = self._thread_call(thread_id, tenant_id)
+        admin = self._admin_for(tenant_id)
+        if admin is None:
+            await self.inner.adelete_thread(inner_id, **tenant)
+            return
+        async with admin.hold(tenant_id, [str(thread_id)], action="delete_thread", erase=True) as (
+            hold,
+        ):
+            await self.inner.adelete_thread(inner_id, **tenant)
+            await admin.forget(hold, str(thread_id))
+
+    def delete_thread(self, thread_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
+        """Sync twin of :meth:`adelete_thread`."""
+        if self._admin_for(tenant_id) is not None:
+            self._run_sync(lambda: self.adelete_thread(thread_id, tenant_id=tenant_id))
+            return
+        inner_id, tenant = self._thread_call(thread_id, tenant_id)
+        self.inner.delete_thread(inner_id, **tenant)
 
     # -- sync twins of the writes
 
@@ -489,7 +705,8 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
         if self._handle(config, "put") is None:
-            return self.inner.put(config, checkpoint, metadata, new_versions)
+            stored = self.inner.put(self._inner_config(config), checkpoint, metadata, new_versions)
+            return self._outer_config(stored)  # type: ignore[no-any-return]
         return self._run_sync(lambda: self.aput(config, checkpoint, metadata, new_versions))
 
     def put_writes(
@@ -500,55 +717,152 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         task_path: str = "",
     ) -> None:
         if self._handle(config, "put_writes") is None:
-            self.inner.put_writes(config, writes, task_id, task_path)
+            self.inner.put_writes(self._inner_config(config), writes, task_id, task_path)
             return
         self._run_sync(lambda: self.aput_writes(config, writes, task_id, task_path))
 
 
 # -- optional methods: forwarded only where the inner saver's class overrides them. Admin
-# operations on whole threads and runs; not fenced (no run writes through them).
+# operations on whole threads and runs: under the executions' leases when an instance owns
+# the wrapper (see _admin_for).
 
 
-async def _adelete_for_runs(self: FencedCheckpointer, run_ids: Sequence[str]) -> None:
-    await self.inner.adelete_for_runs(run_ids)
+# Each within one tenant (the default tenant's when none is given), as the reads are. Run ids
+# are global: over a saver that does not key threads by tenant, delete_for_runs is not
+# scoped to one tenant (a run id is one run's, of one tenant, anyway).
 
 
-def _delete_for_runs(self: FencedCheckpointer, run_ids: Sequence[str]) -> None:
-    self.inner.delete_for_runs(run_ids)
+def _tenant_kw(self: FencedCheckpointer, tenant_id: str) -> dict[str, str]:
+    return {"tenant_id": tenant_id} if self._scopes_tenants and tenant_id else {}
+
+
+def _threads(self: FencedCheckpointer, thread_ids: Sequence[str], tenant_id: str) -> Any:
+    if self._scopes_tenants or isinstance(thread_ids, str):
+        return thread_ids  # a str: the inner saver refuses it with its own message
+    return [_inner_thread_id(tenant_id, str(t)) for t in thread_ids]
+
+
+async def _run_threads(
+    self: FencedCheckpointer, tenant_id: str, run_ids: Sequence[str]
+) -> list[str]:
+    """The tenant's threads holding a checkpoint of any of ``run_ids``."""
+    threads: set[str] = set()
+    for run_id in run_ids:
+        async for item in self.alist(
+            {"configurable": {"tenant_id": tenant_id}}, filter={"run_id": run_id}
+        ):
+            threads.add(str(item.config["configurable"]["thread_id"]))
+    return sorted(threads)
+
+
+async def _adelete_for_runs(
+    self: FencedCheckpointer, run_ids: Sequence[str], *, tenant_id: str = DEFAULT_TENANT
+) -> None:
+    admin = self._admin_for(tenant_id)
+    if admin is None or isinstance(run_ids, str):  # a str: the inner saver refuses it
+        await self.inner.adelete_for_runs(run_ids, **_tenant_kw(self, tenant_id))
+        return
+    threads = await _run_threads(self, tenant_id, run_ids)
+    while True:
+        async with admin.hold(tenant_id, threads, action="delete_for_runs"):
+            # Looked up again under the holds: a run whose first checkpoint landed after
+            # the first look-up is on a thread not held yet. Remaining window: a first
+            # checkpoint landing between this look-up and the delete.
+            found = await _run_threads(self, tenant_id, run_ids)
+            if set(found) <= set(threads):
+                await self.inner.adelete_for_runs(run_ids, **_tenant_kw(self, tenant_id))
+                return
+        threads = sorted({*threads, *found})
+
+
+def _delete_for_runs(
+    self: FencedCheckpointer, run_ids: Sequence[str], *, tenant_id: str = DEFAULT_TENANT
+) -> None:
+    if self._admin_for(tenant_id) is not None:
+        self._run_sync(lambda: _adelete_for_runs(self, run_ids, tenant_id=tenant_id))
+        return
+    self.inner.delete_for_runs(run_ids, **_tenant_kw(self, tenant_id))
 
 
 async def _acopy_thread(
-    self: FencedCheckpointer, source_thread_id: str, target_thread_id: str
+    self: FencedCheckpointer,
+    source_thread_id: str,
+    target_thread_id: str,
+    *,
+    tenant_id: str = DEFAULT_TENANT,
 ) -> None:
-    await self.inner.acopy_thread(source_thread_id, target_thread_id)
+    source, target = _threads(self, [source_thread_id, target_thread_id], tenant_id)
+    admin = self._admin_for(tenant_id)
+    if admin is None:
+        await self.inner.acopy_thread(source, target, **_tenant_kw(self, tenant_id))
+        return
+    # The target is held: the copy writes into it. The source is only read (reads are
+    # never fenced).
+    async with admin.hold(tenant_id, [str(target_thread_id)], action="copy_thread"):
+        await self.inner.acopy_thread(source, target, **_tenant_kw(self, tenant_id))
 
 
-def _copy_thread(self: FencedCheckpointer, source_thread_id: str, target_thread_id: str) -> None:
-    self.inner.copy_thread(source_thread_id, target_thread_id)
+def _copy_thread(
+    self: FencedCheckpointer,
+    source_thread_id: str,
+    target_thread_id: str,
+    *,
+    tenant_id: str = DEFAULT_TENANT,
+) -> None:
+    if self._admin_for(tenant_id) is not None:
+        self._run_sync(
+            lambda: _acopy_thread(self, source_thread_id, target_thread_id, tenant_id=tenant_id)
+        )
+        return
+    source, target = _threads(self, [source_thread_id, target_thread_id], tenant_id)
+    self.inner.copy_thread(source, target, **_tenant_kw(self, tenant_id))
 
 
 async def _aprune(
-    self: FencedCheckpointer, thread_ids: Sequence[str], *, strategy: str = "keep_latest"
+    self: FencedCheckpointer,
+    thread_ids: Sequence[str],
+    *,
+    strategy: str = "keep_latest",
+    tenant_id: str = DEFAULT_TENANT,
 ) -> None:
-    await self.inner.aprune(thread_ids, strategy=strategy)
+    admin = self._admin_for(tenant_id)
+    inner_ids = _threads(self, thread_ids, tenant_id)
+    if admin is None or isinstance(thread_ids, str):  # a str: the inner saver refuses it
+        await self.inner.aprune(inner_ids, strategy=strategy, **_tenant_kw(self, tenant_id))
+        return
+    async with admin.hold(tenant_id, [str(t) for t in thread_ids], action="prune"):
+        await self.inner.aprune(inner_ids, strategy=strategy, **_tenant_kw(self, tenant_id))
 
 
 def _prune(
-    self: FencedCheckpointer, thread_ids: Sequence[str], *, strategy: str = "keep_latest"
+    self: FencedCheckpointer,
+    thread_ids: Sequence[str],
+    *,
+    strategy: str = "keep_latest",
+    tenant_id: str = DEFAULT_TENANT,
 ) -> None:
-    self.inner.prune(thread_ids, strategy=strategy)
+    if self._admin_for(tenant_id) is not None:
+        self._run_sync(lambda: _aprune(self, thread_ids, strategy=strategy, tenant_id=tenant_id))
+        return
+    self.inner.prune(
+        _threads(self, thread_ids, tenant_id), strategy=strategy, **_tenant_kw(self, tenant_id)
+    )
 
 
 async def _aget_delta_channel_history(
     self: FencedCheckpointer, *, config: RunnableConfig, channels: Sequence[str]
 ) -> Mapping[str, DeltaChannelHistory]:
-    return await self.inner.aget_delta_channel_history(config=config, channels=channels)
+    return await self.inner.aget_delta_channel_history(
+        config=self._inner_config(config), channels=channels
+    )
 
 
 def _get_delta_channel_history(
     self: FencedCheckpointer, *, config: RunnableConfig, channels: Sequence[str]
 ) -> Mapping[str, DeltaChannelHistory]:
-    return self.inner.get_delta_channel_history(config=config, channels=channels)
+    return self.inner.get_delta_channel_history(
+        config=self._inner_config(config), channels=channels
+    )
 
 
 _OPTIONAL_IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {

@@ -20,6 +20,7 @@ __all__ = [
     "ExecutionFencedError",
     "ExecutionLeaseHeldError",
     "ExecutionLeaseLostError",
+    "ExecutionThreadBoundError",
     "LangGraphFenceError",
     "WriteDeadLetteredError",
     "find_error",
@@ -95,6 +96,32 @@ class ExecutionLeaseHeldError(LangGraphFenceError, RuntimeError):
     code: ClassVar[str] = "execution.lease-held"
 
 
+class ExecutionThreadBoundError(LangGraphFenceError, ValueError):
+    """The thread belongs to another execution key of the same tenant; nothing was run.
+
+    A thread is bound to the first ``(tenant_id, execution_id)`` that runs it; a run of it
+    under another execution id would hold another lease and fork the thread. Raised before
+    the lease is taken or anything is recorded. Another tenant's thread of the same id is
+    another thread and never raises this.
+
+    Attributes:
+        bound_execution_id: the execution id the thread is bound to.
+    """
+
+    code: ClassVar[str] = "execution.thread-bound"
+
+    def __init__(self, message: str, *, bound_execution_id: str | None = None) -> None:
+        super().__init__(message)
+        self.bound_execution_id = bound_execution_id
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            _rebuild_bound,
+            (type(self), str(self), self.bound_execution_id),
+            self.__dict__ or None,
+        )
+
+
 class ExecutionDeadLetteredError(LangGraphFenceError, RuntimeError):
     """The execution was dead-lettered: repeating it could repeat a non-idempotent write."""
 
@@ -124,6 +151,12 @@ def _rebuild(
     token_seen: int | None,
 ) -> ExecutionLeaseLostError:
     return cls(message, scope_key=scope_key, token_held=token_held, token_seen=token_seen)
+
+
+def _rebuild_bound(
+    cls: type[ExecutionThreadBoundError], message: str, bound_execution_id: str | None
+) -> ExecutionThreadBoundError:
+    return cls(message, bound_execution_id=bound_execution_id)
 
 
 def linked_errors(exc: BaseException) -> Iterator[BaseException]:

@@ -1,9 +1,16 @@
-"""What an instance needs to resume an execution it did not start: its graph, thread, input.
+"""What an instance needs to resume an execution it did not start, and which execution owns
+each thread.
 
 A run started with input records ``(graph name, thread id, input)`` for its execution key
 once, before the graph runs. Any instance's :meth:`~langgraph_fence.Instance.serve` loop that
 takes the execution over reads it back: it resumes from the last checkpoint, or, if the
 first run died before its first checkpoint landed, starts again from the recorded input.
+
+One thread, one execution: a tenant's thread is bound to the first execution key that runs
+it (:meth:`ExecutionRecords.bind`). A run of that thread under another execution id would
+hold another lease, pass every guard and fork the thread; the instance refuses it before it
+takes a lease. The binding is keyed by ``(tenant_id, thread_id)``: another tenant's thread
+of the same id is another thread, with a binding of its own.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 from sqlalchemy import bindparam, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from .database import dialect_of, single_statement
+from .database import dialect_of, single_statement, transaction
+from .errors import ExecutionThreadBoundError
 from .lease import LeaseKey
 from .migrations import Migration, migrate
 from .serde import loads_checked, safe_serializer, with_allowlist
@@ -28,6 +36,7 @@ __all__ = [
     "ExecutionRecords",
     "MemoryExecutionRecords",
     "SqlExecutionRecords",
+    "check_thread_binding",
 ]
 
 
@@ -85,12 +94,47 @@ class ExecutionRecords(Protocol):
         """Graph and thread of each of ``keys`` that has a record; no input is decoded."""
         ...
 
+    async def bind(self, key: LeaseKey, thread_id: str) -> str:
+        """Bind the tenant's ``thread_id`` to ``key`` unless it is bound already; return the
+        execution id it is bound to (``key.execution_id`` when this call bound it).
+
+        Two first runs racing with different execution ids: exactly one binds.
+        """
+        ...
+
+    async def forget(self, key: LeaseKey, thread_id: str) -> None:
+        """Delete the record of ``key`` and the binding of the tenant's ``thread_id`` (an
+        erasure: the input is gone, and the thread id can be bound again)."""
+        ...
+
+
+def check_thread_binding(key: LeaseKey, thread_id: str, bound: str) -> None:
+    """Refuse a run of ``thread_id`` under ``key`` when the thread is bound to ``bound``.
+
+    Raises:
+        ExecutionThreadBoundError: ``bound`` is not ``key.execution_id``. The message names
+            the bound execution: the caller is of the same tenant (the binding is per
+            tenant), so it is that tenant's own thread.
+    """
+    if bound == key.execution_id:
+        return
+    bound_key = LeaseKey(key.tenant_id, bound)
+    raise ExecutionThreadBoundError(
+        f"thread {thread_id!r} of tenant {key.tenant_id!r} belongs to execution {bound!r} "
+        f"(scope key {bound_key.scope_key!r}), and this run asked for execution "
+        f"{key.execution_id!r}: refused before anything ran (no lease taken, nothing "
+        f"written). A thread is run by one execution only, or two leases would fork it: pass "
+        f"execution_id={bound!r}, or use another thread id for a new execution",
+        bound_execution_id=bound,
+    )
+
 
 class MemoryExecutionRecords:
     """Execution records in this process's memory (for tests and one process)."""
 
     def __init__(self) -> None:
         self._rows: dict[LeaseKey, ExecutionRecord] = {}
+        self._bindings: dict[tuple[str, str], str] = {}
 
     async def record(self, record: ExecutionRecord, *, unless_held: bool = False) -> bool:
         """Keep ``record``; in memory nothing knows the lease, so ``unless_held`` is moot."""
@@ -102,6 +146,15 @@ class MemoryExecutionRecords:
     ) -> ExecutionRecord | None:
         """The record of ``key``, or ``None`` (kept as objects: nothing to decode)."""
         return self._rows.get(key)
+
+    async def bind(self, key: LeaseKey, thread_id: str) -> str:
+        """Bind ``thread_id`` of ``key``'s tenant to ``key`` unless bound; the bound id."""
+        return self._bindings.setdefault((key.tenant_id, thread_id), key.execution_id)
+
+    async def forget(self, key: LeaseKey, thread_id: str) -> None:
+        """Delete the record of ``key`` and the binding of ``thread_id`` of its tenant."""
+        self._rows.pop(key, None)
+        self._bindings.pop((key.tenant_id, thread_id), None)
 
     async def heads_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, ExecutionHead]:
         """Graph and thread of each of ``keys`` that has a record."""
@@ -122,13 +175,39 @@ CREATE TABLE IF NOT EXISTS fence_executions (
 )
 """
 
+_CREATE_BINDINGS = """
+CREATE TABLE IF NOT EXISTS fence_thread_bindings (
+    tenant_id TEXT NOT NULL,
+    thread_id TEXT NOT NULL,
+    execution_id TEXT NOT NULL,
+    bound_at {double} NOT NULL,
+    PRIMARY KEY (tenant_id, thread_id)
+)
+"""
+# Threads recorded before version 2 are bound to the execution that recorded them last (the
+# one a takeover would resume); two recorded at the same moment: the greater id, so the
+# choice does not depend on the order rows come back in.
+_BIND_RECORDED = """
+INSERT INTO fence_thread_bindings (tenant_id, thread_id, execution_id, bound_at)
+SELECT e.tenant_id, e.thread_id, e.execution_id, e.recorded_at FROM fence_executions e
+WHERE NOT EXISTS (SELECT 1 FROM fence_executions n WHERE n.tenant_id = e.tenant_id
+    AND n.thread_id = e.thread_id AND (n.recorded_at > e.recorded_at
+        OR (n.recorded_at = e.recorded_at AND n.execution_id > e.execution_id)))
+"""
+
 EXECUTION_MIGRATIONS = [
     Migration(
         version=1,
         description="execution records: graph, thread and input of each execution",
         sqlite=[_CREATE.format(binary="BLOB", double="REAL")],
         postgresql=[_CREATE.format(binary="BYTEA", double="DOUBLE PRECISION")],
-    )
+    ),
+    Migration(
+        version=2,
+        description="each tenant's thread bound to one execution key",
+        sqlite=[_CREATE_BINDINGS.format(double="REAL"), _BIND_RECORDED],
+        postgresql=[_CREATE_BINDINGS.format(double="DOUBLE PRECISION"), _BIND_RECORDED],
+    ),
 ]
 
 _UPSERT = text(
@@ -166,6 +245,23 @@ _SELECT_HEADS = text(
     "WHERE execution_id IN :ids"
 ).bindparams(bindparam("ids", expanding=True))
 _HEADS_CHUNK = 500
+_FORGET_RECORD = text(
+    "DELETE FROM fence_executions WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
+)
+_FORGET_BINDING = text(
+    "DELETE FROM fence_thread_bindings WHERE tenant_id = :tenant_id AND thread_id = :thread_id"
+)
+
+
+_BOUND = text(
+    "SELECT execution_id FROM fence_thread_bindings "
+    "WHERE tenant_id = :tenant_id AND thread_id = :thread_id"
+)
+_BIND = text(
+    "INSERT INTO fence_thread_bindings (tenant_id, thread_id, execution_id, bound_at) "
+    "VALUES (:tenant_id, :thread_id, :execution_id, :at) "
+    "ON CONFLICT (tenant_id, thread_id) DO NOTHING"
+)
 
 
 class SqlExecutionRecords:
@@ -246,6 +342,30 @@ class SqlExecutionRecords:
                 what=f"the recorded input of execution {key.scope_key!r}",
             ),
         )
+
+    async def bind(self, key: LeaseKey, thread_id: str) -> str:
+        """Bind the tenant's ``thread_id`` to ``key`` unless bound; the execution id it is
+        bound to. One read when bound already; else one insert and one read, in one
+        transaction (a racing first run's insert conflicts and reads the winner's id)."""
+        params = {"tenant_id": key.tenant_id, "thread_id": thread_id}
+        async with self._engine.connect() as conn:
+            bound = (await conn.execute(_BOUND, params)).scalar_one_or_none()
+        if bound is not None:
+            return str(bound)
+        async with transaction(self._engine) as conn:
+            await conn.execute(
+                _BIND, {**params, "execution_id": key.execution_id, "at": time.time()}
+            )
+            bound = (await conn.execute(_BOUND, params)).scalar_one()
+        return str(bound)
+
+    async def forget(self, key: LeaseKey, thread_id: str) -> None:
+        """Delete the record of ``key`` and the binding of ``thread_id`` of its tenant, in
+        one transaction."""
+        async with transaction(self._engine) as conn:
+            params = {"tenant_id": key.tenant_id}
+            await conn.execute(_FORGET_RECORD, {**params, "execution_id": key.execution_id})
+            await conn.execute(_FORGET_BINDING, {**params, "thread_id": thread_id})
 
     async def heads_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, ExecutionHead]:
         """Graph and thread of each of ``keys`` that has a record: one read per 500 keys, no

@@ -25,6 +25,7 @@ from langgraph.errors import GraphDrained
 from langgraph.runtime import RunControl
 from langgraph.types import Command
 
+from .admin import ThreadAdmin, admin_holder
 from .errors import (
     ExecutionDeadLetteredError,
     ExecutionFencedError,
@@ -39,6 +40,7 @@ from .executions import (
     ExecutionRecords,
     MemoryExecutionRecords,
     SqlExecutionRecords,
+    check_thread_binding,
 )
 from .faults import fault_point
 from .fence import FENCE_CONFIG_KEY, RunHandle, safety_margin
@@ -156,6 +158,13 @@ class Instance:
         self.records: ExecutionRecords = (
             records if records is not None else MemoryExecutionRecords()
         )
+        # Admin operations through this instance's checkpointer hold the execution's lease.
+        self.checkpointer.admin = ThreadAdmin(
+            repository,
+            self.records,
+            holder=admin_holder(self.instance_id),
+            ttl=self.lease_ttl,
+        )
         self._runs: set[_Run] = set()
 
     @classmethod
@@ -234,7 +243,8 @@ class Instance:
             graph: a graph compiled with ``checkpointer=instance.checkpointer``.
             input: the graph's input, a ``Command``, or ``None`` to resume.
             config: the run config; ``config["configurable"]["thread_id"]`` is required.
-            tenant_id: the tenant the execution belongs to.
+            tenant_id: the tenant the execution and its thread belong to (part of the
+                thread's key: read the thread back with ``configurable["tenant_id"]``).
             execution_id: the lease's execution id (default: the thread id).
             graph_name: the name :meth:`serve` finds the graph under when another instance
                 takes the execution over (default: ``graph.name``).
@@ -247,6 +257,8 @@ class Instance:
                 execution has ended.
             ExecutionDeadLetteredError: the run was dead-lettered (a non-idempotent
                 write may have happened and is not repeated).
+            ExecutionThreadBoundError: the tenant's thread belongs to another execution id
+                (a ``ValueError``); refused before anything runs.
             ValueError: bad arguments, before anything runs.
         """
         async with self._run(
@@ -560,9 +572,19 @@ class Instance:
             )
         if tenant_id is None or not isinstance(tenant_id, str) or not tenant_id:
             raise ValueError(f"tenant_id must be a non-empty str, got {tenant_id!r}")
+        given = configurable.get("tenant_id")
+        if given is not None and given != tenant_id:
+            raise ValueError(
+                f"config['configurable']['tenant_id'] is {given!r} and tenant_id is "
+                f"{tenant_id!r}: a run is of one tenant; pass the same tenant in both, or "
+                "leave it out of the config"
+            )
         if execution_id is None:
             execution_id = thread_id
         key = LeaseKey(tenant_id, execution_id)
+        # The tenant is part of the thread's key: every read the runtime makes of the
+        # thread (the state at the end of the run) is of this tenant's thread.
+        configurable["tenant_id"] = tenant_id
         base["configurable"] = configurable
         return key, base  # type: ignore[return-value]
 
@@ -606,6 +628,11 @@ class Instance:
         if graph_name is not None and (not isinstance(graph_name, str) or not graph_name):
             raise ValueError(f"graph_name must be a non-empty str, got {graph_name!r}")
         if taken is None:
+            # One thread, one execution: a run under another execution id of the thread's
+            # tenant would hold a lease of its own and fork the thread. Checked before the
+            # record and the lease, so a refused run leaves nothing behind.
+            thread_id = str(base["configurable"]["thread_id"])
+            check_thread_binding(key, thread_id, await self.records.bind(key, thread_id))
             record = None
             if input is not None and not isinstance(input, Command):
                 record = ExecutionRecord(

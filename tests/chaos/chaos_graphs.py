@@ -9,8 +9,8 @@ Graph factories, for ``langgraph-fence worker --graphs tests.chaos.chaos_graphs:
   (``time.monotonic()``, the same clock in every process of the machine).
 * :func:`poison_graphs`: ``poison_pill`` = prepare -> pill -> END. ``pill`` appends its
   token and pid to ``$LGF_CHAOS_MARK_DIR/<thread>.pill`` and SIGKILLs its own process: a
-  poison pill, which kills every worker that runs it (on a thread named ``healthy...`` it
-  just returns).
+  poison pill, which kills every worker that runs it, once prepare's checkpoint is stored
+  (on a thread named ``healthy...`` it just returns).
 * :func:`chaos_graphs`: ``chaos_plain`` and ``chaos_sink`` = prepare -> charge -> finish.
   ``charge`` appends one row per charge to the external table ``chaos_effects``: in
   ``chaos_plain`` with a plain INSERT (``NON_IDEMPOTENT_WRITE``: at most once), in
@@ -31,6 +31,10 @@ The ``start`` script (a client that starts executions through ``Instance.ainvoke
     python -m tests.chaos.chaos_graphs start URL SCHEMA TENANT TTL IDS_FILE CONCURRENCY
 
 IDS_FILE holds one ``GRAPH EXECUTION_ID`` line per execution.
+
+The ``serve`` script (``serve()`` with every connection tagged, so a test can kill them)::
+
+    python -m tests.chaos.chaos_graphs serve URL SCHEMA APPLICATION_NAME TTL POLL
 """
 
 from __future__ import annotations
@@ -247,6 +251,18 @@ def build_poison_graph(instance: Instance) -> Any:
         frame = get_execution_context()
         if frame.thread_id.startswith("healthy"):
             return {"log": ["no pill"]}  # what the workers run once the poison is gone
+        # Die only once prepare's checkpoint is stored (durability="async" saves it beside
+        # this step): the first run then makes its progress, every later one none, whatever
+        # the timing, so the test can count the takeovers the budget allows.
+        config = {
+            "configurable": {"thread_id": frame.thread_id, "tenant_id": frame.fence.tenant_id}
+        }
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            stored = await instance.checkpointer.aget_tuple(config)
+            if stored is not None and "prepare" in str(stored.checkpoint["channel_values"]):
+                break
+            await asyncio.sleep(0.01)
         path = Path(os.environ[MARK_DIR_ENV]) / f"{frame.thread_id}.pill"
         # O_APPEND: the line is on disk before the kill; one line per run of the step.
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -364,6 +380,23 @@ async def start(
     return 0
 
 
+# -- the serve script: a worker whose connections a test can find and kill
+
+
+async def serve(url: str, schema: str, application_name: str, ttl: float, poll: float) -> int:
+    """``serve()`` the chaos graphs with every connection tagged ``application_name``."""
+    settings = {"search_path": schema, "application_name": application_name}
+    async with Instance.open(
+        url,
+        engine_options={"connect_args": {"server_settings": settings}},
+        instance_id=f"{application_name}-{os.getpid()}",
+        lease_ttl=ttl,
+    ) as instance:
+        print("serving", flush=True)
+        await instance.serve(chaos_graphs(instance), poll_interval=poll, concurrency=4)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if len(argv) == 8 and argv[0] == "hold":
         _, url, schema, tenant, thread, ttl, renew, signal_file = argv
@@ -375,6 +408,9 @@ def main(argv: list[str]) -> int:
         lines = Path(ids_file).read_text().splitlines()
         jobs = [line.split() for line in lines if line.strip()]
         return asyncio.run(start(url, schema, tenant, float(ttl), jobs, int(concurrency)))
+    if len(argv) == 6 and argv[0] == "serve":
+        _, url, schema, application_name, ttl, poll = argv
+        return asyncio.run(serve(url, schema, application_name, float(ttl), float(poll)))
     print(__doc__, file=sys.stderr)
     return 2
 

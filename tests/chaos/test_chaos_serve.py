@@ -488,8 +488,8 @@ async def blocked_on(engine: AsyncEngine, schema: str, table: str) -> bool:
 
 @pytest.mark.parametrize(
     "table",
-    ["fence_executions", "fence_leases", "fence_checkpoints"],
-    ids=["at-its-record", "at-its-acquire", "at-its-first-checkpoint"],
+    ["fence_thread_bindings", "fence_executions", "fence_leases", "fence_checkpoints"],
+    ids=["at-its-binding", "at-its-record", "at-its-acquire", "at-its-first-checkpoint"],
 )
 async def test_a_client_killed_while_it_starts_an_execution_loses_nothing(
     own_schema: tuple[str, str], tmp_path: Path, table: str

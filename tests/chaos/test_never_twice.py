@@ -9,7 +9,11 @@ slow write again (6 of 12 kills, reproduced on the first version); each task's e
 the stamp set now stands until that task's own writes are stored, so the takeover
 dead-letters, naming the slow write, and no write ever runs twice.
 
-``LGF_CHAOS_KILLS`` sets the kills per configuration (default 10).
+The same for the agents users build (``create_react_agent`` v1 and v2, a ``ToolNode`` graph,
+LangChain's ``create_agent``) with two write tool calls in one model answer.
+
+``LGF_CHAOS_KILLS`` sets the kills per configuration (default 10), ``LGF_CHAOS_AGENT_KILLS``
+per agent configuration (default 5).
 """
 
 from __future__ import annotations
@@ -24,33 +28,31 @@ import pytest
 from langgraph_fence import LeaseStatus
 from langgraph_fence.lease import Lease
 from tests.chaos.conftest import poll
-from tests.chaos.write_steps import Database, effects_of, spawn, take_over_all
+from tests.chaos.write_steps import AGENTS, Database, effects_of, spawn, take_over_all
 from tests.conftest import unique
 
 pytestmark = pytest.mark.chaos
 
 KILLS = int(os.environ.get("LGF_CHAOS_KILLS", "10"))
+AGENT_KILLS = int(os.environ.get("LGF_CHAOS_AGENT_KILLS", "5"))
 DEADLINE = 120.0
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
-    if request.param == "sqlite":
-        return Database(f"sqlite+aiosqlite:///{tmp_path / 'fence.db'}", "")
-    url, schema = request.getfixturevalue("own_schema")
-    return Database(url, schema)
-
-
 async def kill_mid_write(
-    database: Database, variant: str, durability: str, directory: Path, ready_per_run: int
+    database: Database,
+    variant: str,
+    durability: str,
+    directory: Path,
+    ready_per_run: int,
+    kills: int = KILLS,
 ) -> dict[str, tuple[Lease, list[str]]]:
-    """``KILLS`` processes, each killed while its slow writes are in flight; then a takeover.
+    """``kills`` processes, each killed while its slow writes are in flight; then a takeover.
 
     Returns each execution's lease after the takeover, with the writes it performed.
     """
     (directory / "effects").mkdir()
     (directory / "ready").mkdir()
-    ids = [unique(variant) for _ in range(KILLS)]
+    ids = [unique(variant) for _ in range(kills)]
     procs = [await spawn(database, variant, durability, directory, "-", [i]) for i in ids]
     try:
 
@@ -102,3 +104,24 @@ async def test_a_send_fan_out_killed_with_two_charges_mid_write_never_repeats_on
         assert lease.status is LeaseStatus.DEAD_LETTERED, where
         # Both slow Send tasks' entries stood (each task has its own).
         assert lease.reason is not None and lease.reason.count("node 'charge'") >= 2, where
+
+
+@pytest.mark.parametrize("first", ["email", "charge"])
+@pytest.mark.parametrize("kind", AGENTS)
+async def test_an_agents_two_write_tool_calls_killed_mid_the_slow_one_never_run_twice(
+    database: Database, kind: str, first: str, tmp_path: Path
+) -> None:
+    """The agents users build, as shipped: one model answer with two undeclared tool calls
+    (send_email slow, charge_card fast, in either order), killed inside send_email. On the
+    first version create_react_agent (v2, each call a task) sent the e-mail twice in 3 of 3
+    kills and ended done."""
+    outcome = await kill_mid_write(
+        database, f"agent-{kind}-{first}", "async", tmp_path, ready_per_run=1, kills=AGENT_KILLS
+    )
+    for execution_id, (lease, effects) in outcome.items():
+        where = f"{execution_id}: {effects}, {lease.status} {lease.reason}"
+        assert effects.count("send_email") == 1, where
+        assert effects.count("charge_card") <= 1, where
+        assert lease.status is LeaseStatus.DEAD_LETTERED, where
+        # The reason names the call in flight, not only the last one that stamped.
+        assert lease.reason is not None and "node 'tools:send_email'" in lease.reason, where

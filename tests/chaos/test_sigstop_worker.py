@@ -176,7 +176,9 @@ async def test_a_sigstopped_worker_is_fenced_within_one_renew_interval(
 
         lease_b = await poll(b_finished, deadline, "worker B to take over and finish")
         assert lease_b.epoch == token_a + 1, lease_b
-        state = await saver.aget_tuple({"configurable": {"thread_id": thread, "checkpoint_ns": ""}})
+        state = await saver.aget_tuple(
+            {"configurable": {"thread_id": thread, "checkpoint_ns": "", "tenant_id": tenant}}
+        )
         assert state is not None
         token_b = lease_b.epoch
         assert state.checkpoint["channel_values"]["log"] == [

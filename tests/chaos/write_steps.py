@@ -9,6 +9,10 @@ shows as a second line. The graphs (``build_graph(instance, variant, doomed=...)
 * ``fanout``: START -> Send x4 -> ``charge`` (``NON_IDEMPOTENT_WRITE``); tasks 0 and 1 are
   fast, 2 and 3 slow.
 * ``linear``: START -> hold -> charge -> receipt -> END, only ``charge`` a write.
+* ``agent-<kind>-<first>``: the agents users build (``create_react_agent`` v1 and v2, a
+  custom ``ToolNode`` graph, LangChain's ``create_agent``), fenced, whose scripted model
+  answers with two undeclared (so non-idempotent) tool calls, ``send_email`` (slow) and
+  ``charge_card`` (fast), ``<first>`` first.
 
 In a *doomed* process a slow task writes, then waits until the fast tasks' writes are
 stored (they are in the latest checkpoint's pending writes), writes
@@ -34,12 +38,13 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
 from langgraph.graph import END, START, StateGraph
+from langgraph.graph.message import add_messages
 from langgraph.types import Send
 
 from langgraph_fence import (
@@ -48,18 +53,27 @@ from langgraph_fence import (
     LeaseKey,
     LeaseStatus,
     fence_graph,
+    fence_tools,
     get_execution_context,
 )
 from langgraph_fence.faults import arm_fault
 from langgraph_fence.lease import Lease
 
-VARIANTS = ("pair-slow-first", "pair-slow-second", "fanout", "linear")
+AGENTS = ("react-v1", "react-v2", "toolnode", "create-agent")
+#: The agents that run each tool call of one model answer as a task of its own.
+PER_CALL_TASKS = ("react-v2", "create-agent")
+AGENT_VARIANTS = tuple(f"agent-{kind}-{first}" for kind in AGENTS for first in ("email", "charge"))
+VARIANTS = ("pair-slow-first", "pair-slow-second", "fanout", "linear", *AGENT_VARIANTS)
 SLOW_WAIT = 60.0  # a doomed slow task waits this long at most for its kill
 
 
 class State(TypedDict, total=False):
     log: Annotated[list[str], operator.add]
     i: int
+
+
+class Messages(TypedDict):
+    messages: Annotated[list[Any], add_messages]
 
 
 def graph_name(variant: str) -> str:
@@ -87,8 +101,11 @@ def _record_effect(directory: Path, node: str) -> None:
 
 async def _wait_for_fast_writes(instance: Instance, thread: str, count: int) -> None:
     """Until ``count`` tasks other than this one have their writes stored."""
-    me = get_execution_context().task_id
-    config: Any = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    frame = get_execution_context()
+    me = frame.task_id
+    config: Any = {
+        "configurable": {"thread_id": thread, "checkpoint_ns": "", "tenant_id": frame.tenant_id}
+    }
     loop = asyncio.get_running_loop()
     deadline = loop.time() + SLOW_WAIT
     while loop.time() < deadline:
@@ -112,6 +129,8 @@ def build_graph(
     called right after each write."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+    if variant.startswith("agent-"):
+        return _build_agent(instance, variant, directory, doomed=doomed)
 
     def effect(node: str) -> None:
         _record_effect(directory, node)
@@ -175,6 +194,89 @@ def build_graph(
     return fence_graph(builder, effects=effects).compile(
         checkpointer=instance.checkpointer, name=graph_name(variant)
     )
+
+
+def _build_agent(instance: Instance, variant: str, directory: Path, *, doomed: bool) -> Any:
+    from langchain_core.messages import AIMessage
+    from langchain_core.tools import tool
+
+    from tests.agents import ScriptedModel
+
+    kind, first = variant.removeprefix("agent-").rsplit("-", 1)
+
+    @tool
+    async def send_email(to: str) -> str:
+        """Send an e-mail."""
+        _record_effect(directory, "send_email")
+        if doomed:
+            frame = get_execution_context()
+            await _wait_for_effect(directory, frame.thread_id, "charge_card")
+            if kind in PER_CALL_TASKS:
+                # charge_card's task is done: its writes (which cleared the only stamp on
+                # the first version) are stored before the kill.
+                await _wait_for_fast_writes(instance, frame.thread_id, 1)
+            (directory / "ready" / f"{frame.thread_id}.send_email").write_text("ready")
+            await asyncio.sleep(SLOW_WAIT)  # the kill lands here, mid-send
+        return "sent"
+
+    @tool
+    async def charge_card(order: str) -> str:
+        """Charge a card."""
+        _record_effect(directory, "charge_card")
+        return "charged"
+
+    calls = [
+        {"name": "send_email", "args": {"to": "a@example.com"}, "id": "call-email"},
+        {"name": "charge_card", "args": {"order": "o1"}, "id": "call-charge"},
+    ]
+    if first == "charge":
+        calls.reverse()
+    model = ScriptedModel(turns=[AIMessage("", tool_calls=calls), AIMessage("all done")])
+    tools = fence_tools([send_email, charge_card])  # undeclared: NON_IDEMPOTENT_WRITE
+    builder: Any
+    if kind in ("react-v1", "react-v2"):
+        import warnings
+
+        from langgraph.prebuilt import create_react_agent
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # deprecated in LangGraph 1.x, still the default
+            builder = create_react_agent(model, tools, version=kind[-2:]).builder
+    elif kind == "create-agent":
+        from langchain.agents import create_agent
+
+        builder = create_agent(model, tools).builder
+    else:
+        from langgraph.prebuilt import ToolNode
+
+        async def agent(state: Messages) -> dict[str, Any]:
+            return {"messages": [await model.ainvoke(state["messages"])]}
+
+        builder = StateGraph(Messages)
+        builder.add_node("agent", agent)
+        builder.add_node("tools", ToolNode(tools))
+        builder.add_edge(START, "agent")
+        builder.add_edge("agent", "tools")
+        builder.add_edge("tools", END)
+    return fence_graph(builder).compile(
+        checkpointer=instance.checkpointer, name=graph_name(variant)
+    )
+
+
+async def _wait_for_effect(directory: Path, execution_id: str, node: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + SLOW_WAIT
+    while node not in effects_of(directory, execution_id):
+        if loop.time() > deadline:
+            raise TimeoutError(f"{node} never wrote")
+        await asyncio.sleep(0.02)
+
+
+def first_input(variant: str) -> dict[str, Any]:
+    """What a doomed process starts ``variant`` with."""
+    if variant.startswith("agent-"):
+        return {"messages": [("user", "e-mail the receipt and charge the card")]}
+    return {"log": []}
 
 
 def engine_options(url: str, schema: str) -> dict[str, Any]:
@@ -259,15 +361,29 @@ async def take_over_all(
             await asyncio.wait_for(serving, 30)
 
 
+def at_charge(point: str, context: Mapping[str, Any], charge_began: Sequence[object]) -> bool:
+    """Whether the fault point ``point`` is reached in (or after) the ``charge`` step: its
+    stamp, its body's end, or any later point once its body began (``charge_began``)."""
+    if point == "stamp.after":
+        return bool(context["effect"].node == "charge")
+    if point == "effect.after":
+        return bool(context["node"] == "charge")
+    return bool(charge_began)
+
+
+def assert_charged_at_most_once(point: str, lease: Lease, effects: list[str], where: str) -> None:
+    """The verdict of a ``linear`` run faulted at ``point`` and taken over: ``charge`` ran
+    once (never, if the fault came between its stamp and its body), and the execution is
+    done, or dead-lettered naming it."""
+    assert effects.count("charge") == (0 if point == "stamp.after" else 1), where
+    assert lease.status in (LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED), where
+    if lease.status is LeaseStatus.DEAD_LETTERED:
+        assert lease.reason is not None and "'charge'" in lease.reason, where
+
+
 def _kill_after_charge(point: str, charge_began: list[bool]) -> Any:
     def action(context: Mapping[str, Any]) -> None:
-        if point == "stamp.after":
-            hit = context["effect"].node == "charge"
-        elif point == "effect.after":
-            hit = context["node"] == "charge"
-        else:
-            hit = bool(charge_began)
-        if hit:
+        if at_charge(point, context, charge_began):
             os.kill(os.getpid(), signal.SIGKILL)
 
     return action
@@ -302,7 +418,7 @@ async def doomed(
         async def run(execution_id: str) -> None:
             await instance.ainvoke(
                 graph,
-                {"log": []},
+                first_input(variant),
                 {"configurable": {"thread_id": execution_id}},
                 tenant_id=tenant,
                 durability=durability,  # type: ignore[arg-type]

@@ -224,7 +224,7 @@ async def test_strict_msgpack_compile_copies_the_fenced_checkpointer(
     copied = graph.checkpointer
     assert copied is not instance.checkpointer  # the allow-list went into a copy
     assert (__name__, "Point") in copied.inner.serde._allowed_msgpack_modules  # type: ignore[union-attr]
-    config: Any = {"configurable": {"thread_id": unique("plot")}}
+    config: Any = {"configurable": {"thread_id": unique("plot"), "tenant_id": TENANT}}
     await instance.ainvoke(graph, {"point": Point(1, 2)}, config, tenant_id=TENANT)
     state = await graph.aget_state(config)
     assert state.values["point"] == Point(2, 2)  # the type is rebuilt: it is allowed
@@ -254,7 +254,9 @@ async def test_strict_msgpack_a_recorded_input_of_the_graphs_own_type_is_resumed
         await until_status(db, key, LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED)
     lease = await db.store.get(key)
     assert lease is not None and lease.status is LeaseStatus.DONE, lease
-    state = await graph.aget_state({"configurable": {"thread_id": key.execution_id}})
+    state = await graph.aget_state(
+        {"configurable": {"thread_id": key.execution_id, "tenant_id": key.tenant_id}}
+    )
     assert state.values["point"] == Point(2, 2)
 
 

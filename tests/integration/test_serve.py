@@ -164,7 +164,9 @@ async def test_a_run_reaped_mid_idempotent_write_is_reclaimed(leases: Leases) ->
     assert lease is not None and lease.status is LeaseStatus.DONE and lease.epoch == 2
     assert lease.pending_effect is None
     assert shop.charges == [("A", 1), ("B", 2)]
-    state = await shop.graph(b).aget_state({"configurable": {"thread_id": key.execution_id}})
+    state = await shop.graph(b).aget_state(
+        {"configurable": {"thread_id": key.execution_id, "tenant_id": key.tenant_id}}
+    )
     assert state.values["log"] == ["prepare by A", "charge at token 2", "finish"]
 
 
@@ -239,7 +241,9 @@ async def test_a_run_that_died_before_its_first_checkpoint_starts_from_its_input
     worker.set("B")
     async with serving(b, {"shop": shop.graph(b)}):
         await until_status(leases, key, LeaseStatus.DONE)
-    state = await shop.graph(b).aget_state({"configurable": {"thread_id": key.execution_id}})
+    state = await shop.graph(b).aget_state(
+        {"configurable": {"thread_id": key.execution_id, "tenant_id": key.tenant_id}}
+    )
     assert state.values["log"] == ["input", "prepare by B", "charge at token 2", "finish"]
 
 

@@ -77,7 +77,8 @@ async def test_a_stalled_worker_is_fenced_after_a_takeover(leases: Leases) -> No
     graph = fence_graph(builder, effects={"charge": Effect.IDEMPOTENT_WRITE}).compile(
         checkpointer=a.checkpointer
     )
-    config: RunnableConfig = {"configurable": {"thread_id": "order-7"}}
+    # The tenant is part of the thread key: reads name it as the runs do.
+    config: RunnableConfig = {"configurable": {"thread_id": "order-7", "tenant_id": "acme"}}
     key = LeaseKey("acme", "order-7")
 
     async def run_a() -> Any:

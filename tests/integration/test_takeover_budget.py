@@ -67,7 +67,9 @@ async def three_takeovers_spent(leases: Leases, pill: Pill) -> tuple[LeaseKey, s
     )
     await asyncio.wait_for(pill.a_inside.wait(), 10)
     leases.stall(a)
-    latest = await leases.saver.aget_tuple({"configurable": {"thread_id": thread}})
+    latest = await leases.saver.aget_tuple(
+        {"configurable": {"thread_id": thread, "tenant_id": "acme"}}
+    )
     assert latest is not None
     mark = latest.config["configurable"]["checkpoint_id"]
     lease = await leases.store.get(key)
@@ -115,7 +117,9 @@ async def test_a_new_checkpoint_since_the_last_take_lets_it_run(leases: Leases, 
     graph = pill.graph(b)
     # Progress the takers made before they died: a checkpoint of the thread newer than the
     # one the last take saw.
-    await graph.aupdate_state({"configurable": {"thread_id": thread}}, {"log": ["fixed"]})
+    await graph.aupdate_state(
+        {"configurable": {"thread_id": thread, "tenant_id": "acme"}}, {"log": ["fixed"]}
+    )
     async with serving(b, {"pill": graph}):
         await until_status(leases, key, LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED)
     await end_a()

@@ -396,7 +396,9 @@ async def test_a_lost_lease_stops_the_call_before_the_body(
     row = await env.row(thread)
     assert (row.epoch, row.holder, row.pending_effect) == (2, "outsider", None)
     # Even where ToolNode turns errors into messages, no ToolMessage was checkpointed.
-    state = await instance.checkpointer.aget_tuple({"configurable": {"thread_id": thread}})
+    state = await instance.checkpointer.aget_tuple(
+        {"configurable": {"thread_id": thread, "tenant_id": TENANT}}
+    )
     assert state is None or not any(
         isinstance(m, ToolMessage) for m in state.checkpoint["channel_values"].get("messages", [])
     )
