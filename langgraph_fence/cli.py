@@ -1,4 +1,4 @@
-"""The ``langgraph-fence`` command: demo, migrate, executions, dead-letters.
+"""The ``langgraph-fence`` command: demo, worker, migrate, executions, dead-letters, resolve.
 
 The only module that prints; it prints through rich.
 """
@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 from sqlalchemy.exc import SQLAlchemyError
 
+from .lease import DEFAULT_MAX_TAKEOVERS
 from .redact import failure_reason, mask_password
 
 __all__ = ["main"]
@@ -50,6 +51,14 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--poll-interval", type=float, default=1.0)
     worker.add_argument("--lease-ttl", type=float, default=30.0)
     worker.add_argument("--instance-id", default=None)
+    worker.add_argument(
+        "--max-takeovers",
+        type=int,
+        default=DEFAULT_MAX_TAKEOVERS,
+        help="the takeover budget: an execution taken over more than this many times in a "
+        "row from workers that died with no new checkpoint is dead-lettered "
+        f"('crashed N workers'); default {DEFAULT_MAX_TAKEOVERS}",
+    )
     worker.add_argument("--schema", default=None, help="PostgreSQL schema (search_path) to use")
     migrate = commands.add_parser("migrate", help="create or upgrade every table on a database")
     migrate.add_argument("--db", required=True, help=DB_HELP)
@@ -85,6 +94,28 @@ def _parser() -> argparse.ArgumentParser:
         )
         listing.add_argument("--limit", type=int, default=50)
         listing.add_argument("--schema", default=None, help="PostgreSQL schema (search_path)")
+    resolve = commands.add_parser(
+        "resolve",
+        help="act on one dead-lettered execution (--retry: run it again)",
+        description="Act on one dead-lettered execution, named by tenant and execution id. "
+        "--retry makes it pending again with its takeover budget reset: any worker serving "
+        "its graph takes it at its next poll and resumes it from its last checkpoint (fix "
+        "the step that killed its workers first). Refused while a non-idempotent write "
+        "stamped before it was dead-lettered stands: that write may have happened, and a "
+        "retry would repeat it.",
+    )
+    resolve.add_argument("--db", required=True, help=DB_HELP)
+    resolve.add_argument("--tenant", required=True, help="the execution's tenant id")
+    resolve.add_argument(
+        "--execution", required=True, help="the execution id (the thread id unless set)"
+    )
+    resolve.add_argument("--schema", default=None, help="PostgreSQL schema (search_path)")
+    action = resolve.add_mutually_exclusive_group(required=True)
+    action.add_argument(
+        "--retry",
+        action="store_true",
+        help="make it pending again, its takeover budget reset",
+    )
     return parser
 
 
@@ -107,6 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("executions", "dead-letters"):
             status = "dead_lettered" if args.command == "dead-letters" else args.status
             return asyncio.run(_executions(console, args, status))
+        if args.command == "resolve":
+            return asyncio.run(_resolve(console, args))
     except ValueError as exc:
         console.print(f"[red]error:[/red] {mask_password(str(exc))}", markup=False, highlight=False)
         return 2
@@ -177,6 +210,7 @@ async def _worker(console: Console, args: argparse.Namespace) -> int:
         engine_options=schema_options(args.schema),
         instance_id=args.instance_id,
         lease_ttl=args.lease_ttl,
+        max_takeovers=args.max_takeovers,
     ) as instance:
         graphs = factory(instance)
         console.print(f"worker {instance.instance_id} serves {sorted(graphs)}")
@@ -284,6 +318,34 @@ async def _executions(console: Console, args: argparse.Namespace, status: str | 
         # break the listing or restyle it).
         table.add_row(*(Text(cell) for cell in (*cells, row.reason or "")))
     console.print(table)
+    return 0
+
+
+async def _resolve(console: Console, args: argparse.Namespace) -> int:
+    from .database import create_engine
+    from .lease import LeaseKey
+    from .stores.sql import SqlLeaseRepository
+
+    key = LeaseKey(args.tenant, args.execution)
+    engine = create_engine(args.db, **_engine_options(args.schema))
+    try:
+        repo = SqlLeaseRepository(engine)
+        await repo.setup()  # the budget's columns (lease migration 4) on an older database
+        try:
+            lease = await repo.retry(key)
+        except KeyError:
+            raise ValueError(
+                f"no execution {key.execution_id!r} of tenant {key.tenant_id!r}: see "
+                "`langgraph-fence dead-letters --tenant ...`"
+            ) from None
+    finally:
+        await engine.dispose()
+    console.print(
+        Text(
+            f"execution {lease.scope_key} is pending again at token {lease.epoch}, its "
+            "takeover budget reset: a worker serving its graph takes it at its next poll"
+        )
+    )
     return 0
 
 

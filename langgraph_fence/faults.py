@@ -160,9 +160,11 @@ class StallableRepository:
         await self.gate.wait()
         return await self.inner.takeover_candidates(limit)
 
-    async def take_over(self, candidate: Lease, holder: str, ttl: float) -> Lease | None:
+    async def take_over(
+        self, candidate: Lease, holder: str, ttl: float, **budget: Any
+    ) -> Lease | None:
         await self.gate.wait()
-        return await self.inner.take_over(candidate, holder, ttl)
+        return await self.inner.take_over(candidate, holder, ttl, **budget)
 
     async def now(self) -> float:
         await self.gate.wait()

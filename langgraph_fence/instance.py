@@ -45,12 +45,14 @@ from .executions import (
 from .faults import fault_point
 from .fence import FENCE_CONFIG_KEY, RunHandle, safety_margin
 from .lease import (
+    DEFAULT_MAX_TAKEOVERS,
     ExecutionLeaseRepository,
     Lease,
     LeaseKey,
     LeaseStatus,
     dead_letter_reason,
     non_idempotent_standing,
+    validate_max_takeovers,
     validate_ttl,
 )
 from .redact import bounded_reason, failure_reason
@@ -107,6 +109,10 @@ class Instance:
         records: where each execution's graph name, thread and input are recorded so any
             instance's :meth:`serve` can resume it (default: in memory, this process only;
             :meth:`open` keeps them in the database).
+        max_takeovers: the takeover budget of :meth:`serve` (default 3): how many times in
+            a row an execution is taken over from a holder that died with no new
+            checkpoint of its thread since the take before; the next take dead-letters it
+            ("crashed N workers") instead of handing it to one more worker.
     """
 
     def __init__(
@@ -120,6 +126,7 @@ class Instance:
         clock: Callable[[], float] | None = None,
         sleep: Sleep | None = None,
         records: ExecutionRecords | None = None,
+        max_takeovers: int = DEFAULT_MAX_TAKEOVERS,
     ) -> None:
         from .checkpoint import FencedCheckpointer
 
@@ -141,6 +148,7 @@ class Instance:
         if instance_id is not None and (not isinstance(instance_id, str) or not instance_id):
             raise ValueError(f"instance_id must be a non-empty str, got {instance_id!r}")
         self.instance_id = instance_id or _default_instance_id()
+        self.max_takeovers = _budget(max_takeovers)
         self.repository = repository
         self.checkpointer: FencedCheckpointer = (
             saver if isinstance(saver, FencedCheckpointer) else FencedCheckpointer(saver)
@@ -183,7 +191,7 @@ class Instance:
                 in strict msgpack mode, :func:`langgraph_fence.serde.safe_serializer`; a
                 stored payload constructs no type outside its allow-list).
             **options: :class:`Instance` options (``instance_id``, ``lease_ttl``,
-                ``renew_interval``, ``clock``, ``sleep``).
+                ``renew_interval``, ``clock``, ``sleep``, ``max_takeovers``).
         """
         from checkpointers import SqlCheckpointer
 
@@ -286,6 +294,7 @@ class Instance:
         poll_interval: float = 1.0,
         stop: asyncio.Event | None = None,
         handle_signals: bool = True,
+        max_takeovers: int | None = None,
         **kwargs: Any,
     ) -> None:
         """Take over expired executions and run them to their end, until ``stop`` is set.
@@ -300,6 +309,14 @@ class Instance:
         dead-letter, one execution. An execution whose graph is not in ``graphs`` is left
         untouched (and logged once).
 
+        The takeover budget: an execution taken over more than ``max_takeovers`` times in a
+        row from holders that died with no new checkpoint of its thread in between (a step
+        that kills its process, or runs it out of memory) is dead-lettered by the take that
+        would start one more worker on it, with the reason "crashed N workers". A new
+        checkpoint (the latest one of the thread's root namespace, read just before each
+        take) starts the count again; so does a run that ends or reaches an interrupt, and
+        ``langgraph-fence resolve --retry``. A handed-back (pending) execution costs nothing.
+
         On ``stop`` (or SIGTERM / SIGINT with ``handle_signals``) the loop takes no more
         work, drains its running graphs at their next superstep boundary, and releases
         their leases as ``pending`` so another instance resumes them at once.
@@ -310,6 +327,7 @@ class Instance:
             poll_interval: seconds between looks at the store.
             stop: set it to stop the loop gracefully.
             handle_signals: set ``stop`` on SIGTERM and SIGINT (main thread only).
+            max_takeovers: the takeover budget (default: the instance's ``max_takeovers``).
             **kwargs: passed to each ``graph.ainvoke`` (``durability``, ...).
         """
         from .checkpoint import FencedCheckpointer
@@ -327,6 +345,7 @@ class Instance:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
         poll = validate_ttl(poll_interval, name="poll_interval")
+        budget = self.max_takeovers if max_takeovers is None else _budget(max_takeovers)
         stop = stop if stop is not None else asyncio.Event()
         remove_signals = _on_signals(stop) if handle_signals else (lambda: None)
         running: dict[asyncio.Task[None], list[_Run]] = {}
@@ -336,7 +355,7 @@ class Instance:
             while not stop.is_set():
                 free = concurrency - len(running)
                 if free > 0:
-                    await self._take_work(graphs, free, running, unserved, kwargs)
+                    await self._take_work(graphs, free, running, unserved, budget, kwargs)
                 waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait())]
                 waiters.extend(running)
                 await asyncio.wait(waiters, timeout=poll, return_when=asyncio.FIRST_COMPLETED)
@@ -360,6 +379,7 @@ class Instance:
         free: int,
         running: dict[asyncio.Task[None], list[_Run]],
         unserved: dict[LeaseKey, int],
+        budget: int,
         kwargs: Mapping[str, Any],
     ) -> None:
         """Take up to ``free`` candidates over; nothing here may stop the serve loop.
@@ -405,7 +425,7 @@ class Instance:
                     continue
                 try:
                     started = await self._take_one(
-                        graphs[head.graph], candidate, head, running, kwargs
+                        graphs[head.graph], candidate, head, running, budget, kwargs
                     )
                 except Exception:
                     logger.warning("could not take %s over", candidate.scope_key, exc_info=True)
@@ -425,6 +445,7 @@ class Instance:
         candidate: Lease,
         head: ExecutionHead,
         running: dict[asyncio.Task[None], list[_Run]],
+        budget: int,
         kwargs: Mapping[str, Any],
     ) -> bool:
         """Take ``candidate`` over and start its run; whether a run was started.
@@ -432,19 +453,33 @@ class Instance:
         The recorded input is read only when the run needs it (no checkpoint yet), decoded
         with the graph's own allow-list; a record that cannot be, dead-letters the execution.
         """
-        taken = await self.repository.take_over(candidate, self.instance_id, self.lease_ttl)
+        # The tenant names the thread too (another tenant's thread of the same id is another).
+        config: RunnableConfig = {
+            "configurable": {"thread_id": head.thread_id, "tenant_id": candidate.key.tenant_id}
+        }
+        # The thread's progress, for the takeover budget: its latest checkpoint, read before
+        # the take (the take statement compares it with the mark the last take stored). The
+        # expired holder may still land a checkpoint between this read and the take: that
+        # progress is then seen by the next take, one take late.
+        latest = await graph.checkpointer.aget_tuple(config)
+        mark = None if latest is None else str(latest.config["configurable"]["checkpoint_id"])
+        taken = await self.repository.take_over(
+            candidate,
+            self.instance_id,
+            self.lease_ttl,
+            progress_mark=mark,
+            max_takeovers=budget,
+        )
         if taken is None:
             return False  # renewed by its holder or taken by another instance meanwhile
         if taken.status is LeaseStatus.DEAD_LETTERED:
             logger.warning("execution %s dead-lettered: %s", taken.scope_key, taken.reason)
             return False
         # The record cannot change under us now: a new run of the key takes a new epoch.
-        # The tenant names the thread too (another tenant's thread of the same id is another).
-        config: RunnableConfig = {
-            "configurable": {"thread_id": head.thread_id, "tenant_id": taken.key.tenant_id}
-        }
         input: Any = None
-        if await graph.checkpointer.aget_tuple(config) is None:
+        # A checkpoint found before the take is there still; none found is read again now
+        # the take fenced the old holder (it may have landed its first one in between).
+        if latest is None and await graph.checkpointer.aget_tuple(config) is None:
             try:
                 record = await self.records.get(taken.key, allow=graph_allowlist(graph))
                 if record is None:
@@ -752,6 +787,18 @@ class Instance:
                 except ExecutionLeaseLostError:
                     return
             await self._sleep(max(remaining, 0.0) + 1e-3)
+
+
+def _budget(max_takeovers: object) -> int:
+    """``max_takeovers`` if an int >= 1, else ``ValueError`` naming it and the fix."""
+    if max_takeovers is None:
+        raise ValueError(
+            "max_takeovers must be an int >= 1 (how many takeovers in a row without a new "
+            "checkpoint an execution gets before it is dead-lettered), got None"
+        )
+    budget = validate_max_takeovers(max_takeovers)  # type: ignore[arg-type]
+    assert budget is not None
+    return budget
 
 
 def _on_signals(stop: asyncio.Event) -> Callable[[], None]:

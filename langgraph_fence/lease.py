@@ -23,12 +23,14 @@ from .errors import ExecutionFencedError
 from .scope import encode_part, scope_key
 
 __all__ = [
+    "DEFAULT_MAX_TAKEOVERS",
     "TERMINAL_STATUSES",
     "ExecutionLeaseRepository",
     "Lease",
     "LeaseKey",
     "LeaseStatus",
     "PendingEffect",
+    "budget_reason",
     "clean_reason",
     "dead_letter_reason",
     "decide_acquire",
@@ -37,6 +39,7 @@ __all__ = [
     "decide_mark_pending_effect",
     "decide_release",
     "decide_renew",
+    "decide_retry",
     "decide_take_over",
     "is_takeover_candidate",
     "non_idempotent_standing",
@@ -44,7 +47,9 @@ __all__ = [
     "standing_writes",
     "validate_effect_keys",
     "validate_holder",
+    "validate_max_takeovers",
     "validate_pending_effect",
+    "validate_progress_mark",
     "validate_ttl",
     "with_effects",
 ]
@@ -137,6 +142,11 @@ class Lease:
         status: where the execution stands.
         reason: why it ended (``failed``/``dead_lettered``), else ``None``.
         store_id: identifies the store that returned it; another store refuses it.
+        takeovers: the takeover budget spent: how many times ``take_over`` took it from an
+            expired holder since the last take that found progress (that take counts 1).
+            Reset by a ``done`` or ``waiting`` release and by :func:`decide_retry`.
+        progress_mark: the thread's progress as the last take saw it (the id of its latest
+            checkpoint, ``None`` for none): a take that finds another one found progress.
     """
 
     key: LeaseKey
@@ -147,6 +157,8 @@ class Lease:
     status: LeaseStatus
     reason: str | None = None
     store_id: str = ""
+    takeovers: int = 0
+    progress_mark: str | None = None
 
     @property
     def scope_key(self) -> str:
@@ -405,7 +417,14 @@ def decide_release(
         status=status,
         reason=reason,
         pending_effects=effects,
+        # A run that ended done or reached an interrupt got somewhere: its earlier crashes
+        # no longer count against the takeover budget.
+        takeovers=0 if status in _PROGRESS_STATUSES else held.takeovers,
     )
+
+
+#: Release statuses that prove the run progressed (the takeover budget starts again).
+_PROGRESS_STATUSES = frozenset({LeaseStatus.DONE, LeaseStatus.WAITING})
 
 
 def decide_mark_pending_effect(
@@ -491,8 +510,51 @@ def dead_letter_reason(
     )
 
 
+#: How many takeovers without progress ``serve()`` allows by default before it dead-letters.
+DEFAULT_MAX_TAKEOVERS = 3
+
+
+def validate_max_takeovers(value: int | None) -> int | None:
+    """``value`` if an int >= 1 (or ``None``: no budget), else ``ValueError`` saying so."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**31:
+        raise ValueError(
+            f"max_takeovers must be an int >= 1 (how many takeovers in a row without a new "
+            f"checkpoint an execution gets before it is dead-lettered), got {value!r}"
+        )
+    return value
+
+
+def validate_progress_mark(value: str | None) -> str | None:
+    """``value`` if ``None`` or a storable non-empty str, else ``ValueError``."""
+    if value is None:
+        return None
+    return _check_text(value, "progress_mark", "the id of the thread's latest checkpoint")
+
+
+def budget_reason(current: Lease, epoch: int, holder: str, max_takeovers: int) -> str:
+    """Why an execution over its takeover budget was dead-lettered when taken at ``epoch``.
+
+    The SQL stores build the same text in their take-over statement.
+    """
+    return (
+        f"taken over at token {epoch} by {holder}: crashed {current.takeovers} workers in a "
+        f"row with no new checkpoint (the last {current.holder or ''} at token "
+        f"{current.epoch}), over the takeover budget (max_takeovers={max_takeovers}); fix "
+        "the step, then `langgraph-fence resolve --retry` runs it again"
+    )
+
+
 def decide_take_over(
-    current: Lease | None, candidate: Lease, holder: str, ttl: float, now: float
+    current: Lease | None,
+    candidate: Lease,
+    holder: str,
+    ttl: float,
+    now: float,
+    *,
+    progress_mark: str | None = None,
+    max_takeovers: int | None = None,
 ) -> Lease | None:
     """Take over an execution found as a takeover candidate, deciding its fate at once.
 
@@ -502,23 +564,42 @@ def decide_take_over(
     the execution is dead-lettered (the set is kept for inspection; the reason names every
     such entry); with only idempotent entries (or none) it is taken for ``holder`` and the
     set is cleared: the resumed run stamps again before it repeats a write.
+
+    The takeover budget: ``progress_mark`` is the thread's progress as the taker sees it
+    (its latest checkpoint id); a mark other than the one the last take stored is progress
+    and starts the count again. A take of an expired holder counts 1 (a pending execution,
+    handed back or never started, counts nothing: nobody crashed). A take that would count
+    more than ``max_takeovers`` (``None``: no budget) dead-letters the execution instead,
+    with the reason "crashed N workers": those that took it and died without a checkpoint.
     """
     _validate_holder(holder)
     ttl = validate_ttl(ttl)
+    progress_mark = validate_progress_mark(progress_mark)
+    max_takeovers = validate_max_takeovers(max_takeovers)
     if current is None or current.epoch != candidate.epoch:
         return None
     if not is_takeover_candidate(current, now):
         return None
     epoch = current.epoch + 1
+    crashed = current.status is LeaseStatus.RUNNING
+    progressed = current.progress_mark != progress_mark
+    takeovers = (0 if progressed else current.takeovers) + (1 if crashed else 0)
     standing = non_idempotent_standing(current)
+    reason = None
     if standing:
+        reason = dead_letter_reason(standing, epoch, holder)
+    elif crashed and max_takeovers is not None and takeovers > max_takeovers:
+        reason = budget_reason(current, epoch, holder, max_takeovers)
+    if reason is not None:
         return replace(
             current,
             holder=None,
             epoch=epoch,
             expires_at=None,
             status=LeaseStatus.DEAD_LETTERED,
-            reason=dead_letter_reason(standing, epoch, holder),
+            reason=reason,
+            takeovers=takeovers,
+            progress_mark=progress_mark,
         )
     return replace(
         current,
@@ -528,6 +609,42 @@ def decide_take_over(
         status=LeaseStatus.RUNNING,
         pending_effects=(),
         reason=None,
+        takeovers=takeovers,
+        progress_mark=progress_mark,
+    )
+
+
+def decide_retry(current: Lease | None, key: LeaseKey) -> Lease:
+    """Make a dead-lettered execution ``pending`` again, its takeover budget reset.
+
+    The operator's decision after fixing what killed it (``langgraph-fence resolve
+    --retry``): any instance's ``serve()`` then takes it and resumes it from its last
+    checkpoint. The epoch stays (the next take is + 1). Refused (``ValueError``) unless it
+    is dead-lettered, and while a ``NON_IDEMPOTENT_WRITE`` entry stands in its stamp set:
+    that write may have happened, and a retry would repeat it. Raises ``KeyError`` when
+    there is no lease for ``key``.
+    """
+    if current is None:
+        raise KeyError(f"no lease for execution {key.scope_key!r}")
+    if current.status is not LeaseStatus.DEAD_LETTERED:
+        raise ValueError(
+            f"execution {key.scope_key!r} is {current.status.value}, not dead_lettered: only a "
+            "dead-lettered execution can be retried"
+        )
+    standing = non_idempotent_standing(current)
+    if standing:
+        raise ValueError(
+            f"execution {key.scope_key!r} cannot be retried: {standing_writes(standing)} "
+            "stamped a non-idempotent write that may have happened, and a retry would repeat "
+            "it; settle it by hand and leave the execution dead-lettered"
+        )
+    return replace(
+        current,
+        holder=None,
+        expires_at=None,
+        status=LeaseStatus.PENDING,
+        reason=None,
+        takeovers=0,
     )
 
 
@@ -590,13 +707,22 @@ class ExecutionLeaseRepository(Protocol):
         """Leases any instance may take now: running and expired, or pending and free."""
         ...
 
-    async def take_over(self, candidate: Lease, holder: str, ttl: float) -> Lease | None:
+    async def take_over(
+        self,
+        candidate: Lease,
+        holder: str,
+        ttl: float,
+        *,
+        progress_mark: str | None = None,
+        max_takeovers: int | None = None,
+    ) -> Lease | None:
         """Take a candidate over and decide its fate, in one guarded statement.
 
         ``None`` when the candidate moved on since it was read (renewed, or taken by another
         instance). Otherwise epoch + 1 and either ``running`` for ``holder`` (the stamp set
-        cleared), or ``dead_lettered`` when any ``NON_IDEMPOTENT_WRITE`` entry stands: two
-        instances never both resume, or both dead-letter, one execution.
+        cleared), or ``dead_lettered`` when any ``NON_IDEMPOTENT_WRITE`` entry stands, or
+        when the take is over the takeover budget (:func:`decide_take_over`): two instances
+        never both resume, or both dead-letter, one execution.
         """
         ...
 

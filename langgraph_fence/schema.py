@@ -19,7 +19,17 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Column, Double, MetaData, PrimaryKeyConstraint, Table, Text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    Double,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    Table,
+    Text,
+)
 from sqlalchemy.dialects.postgresql import JSONB
 
 from .effects import Effect
@@ -50,6 +60,8 @@ LEASES = Table(
     Column("pending_effects", JSON().with_variant(JSONB(), "postgresql"), nullable=False),
     Column("reason", Text),
     Column("updated_at", Double, nullable=False),
+    Column("takeovers", Integer, nullable=False, server_default="0"),
+    Column("progress_mark", Text),
     PrimaryKeyConstraint("tenant_id", "execution_id"),
 )
 
@@ -134,6 +146,25 @@ LEASE_MIGRATIONS.append(
         description="the stamp set: pending_effects, one entry per task or tool call",
         sqlite=_stamp_set_steps("sqlite", "TEXT", "'{}'"),
         postgresql=_stamp_set_steps("postgresql", "JSONB", "'{}'::jsonb"),
+    )
+)
+
+# Version 4: the takeover budget (docs/takeover-budget.md). Two columns on the lease row,
+# written only by the take-over statement (and reset by release / retry): the hot paths
+# (renew, stamp, a checkpoint's guard) neither read nor write them.
+LEASE_MIGRATIONS.append(
+    Migration(
+        version=4,
+        description="the takeover budget: takeovers without progress, and the progress mark",
+        sqlite=[
+            "ALTER TABLE fence_leases ADD COLUMN takeovers INTEGER NOT NULL DEFAULT 0",
+            "ALTER TABLE fence_leases ADD COLUMN progress_mark TEXT",
+        ],
+        postgresql=[
+            "ALTER TABLE fence_leases ADD COLUMN IF NOT EXISTS takeovers INTEGER NOT NULL"
+            " DEFAULT 0",
+            "ALTER TABLE fence_leases ADD COLUMN IF NOT EXISTS progress_mark TEXT",
+        ],
     )
 )
 

@@ -27,7 +27,7 @@ import pytest
 
 from .faults import StallableRepository, StallGate
 from .fence import FENCE_CONFIG_KEY, RunHandle
-from .lease import Lease, LeaseKey, fenced_error
+from .lease import DEFAULT_MAX_TAKEOVERS, Lease, LeaseKey, fenced_error
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -102,7 +102,12 @@ class Leases:
         await self.records.setup()
 
     def instance(
-        self, name: str, *, lease_ttl: float = 30.0, renew_interval: float | None = None
+        self,
+        name: str,
+        *,
+        lease_ttl: float = 30.0,
+        renew_interval: float | None = None,
+        max_takeovers: int = DEFAULT_MAX_TAKEOVERS,
     ) -> Instance:
         """A new instance called ``name`` on the shared store, saver and clock."""
         from .instance import Instance
@@ -120,6 +125,7 @@ class Leases:
             clock=self.clock,
             sleep=gate.gated_sleep(self.clock.sleep),
             records=self.records,
+            max_takeovers=max_takeovers,
         )
 
     def _gate(self, instance: Instance) -> StallGate:

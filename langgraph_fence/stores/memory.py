@@ -18,6 +18,7 @@ from ..lease import (
     decide_mark_pending_effect,
     decide_release,
     decide_renew,
+    decide_retry,
     decide_take_over,
     is_takeover_candidate,
 )
@@ -128,13 +129,36 @@ class MemoryLeaseRepository:
         found.sort(key=lambda lease: (lease.expires_at or 0.0, lease.scope_key))
         return found[:limit]
 
-    async def take_over(self, candidate: Lease, holder: str, ttl: float) -> Lease | None:
+    async def take_over(
+        self,
+        candidate: Lease,
+        holder: str,
+        ttl: float,
+        *,
+        progress_mark: str | None = None,
+        max_takeovers: int | None = None,
+    ) -> Lease | None:
         """Take a candidate over and decide its fate (resume or dead-letter), guarded."""
         check_lease(self, candidate)
         async with self._lock:
             taken = decide_take_over(
-                self._rows.get(candidate.key), candidate, holder, ttl, self._clock()
+                self._rows.get(candidate.key),
+                candidate,
+                holder,
+                ttl,
+                self._clock(),
+                progress_mark=progress_mark,
+                max_takeovers=max_takeovers,
             )
             if taken is not None:
                 self._rows[candidate.key] = taken
             return taken
+
+    async def retry(self, key: LeaseKey) -> Lease:
+        """Make a dead-lettered execution ``pending`` again, its takeover budget reset
+        (:func:`~langgraph_fence.lease.decide_retry`)."""
+        check_key(key)
+        async with self._lock:
+            retried = decide_retry(self._rows.get(key), key)
+            self._rows[key] = retried
+            return retried

@@ -16,6 +16,7 @@ from sqlalchemy import (
     Boolean,
     ColumnElement,
     Double,
+    Integer,
     Text,
     and_,
     bindparam,
@@ -45,11 +46,14 @@ from ..lease import (
     PendingEffect,
     clean_reason,
     decide_dead_letter,
+    decide_retry,
     fenced_error,
     release_status,
     validate_effect_keys,
     validate_holder,
+    validate_max_takeovers,
     validate_pending_effect,
+    validate_progress_mark,
     validate_ttl,
 )
 from ..migrations import migrate
@@ -68,6 +72,8 @@ _RETURNING = (
     _C.status,
     _C.pending_effects,
     _C.reason,
+    _C.takeovers,
+    _C.progress_mark,
 )
 _KEY = and_(
     _C.tenant_id == bindparam("p_tenant_id"), _C.execution_id == bindparam("p_execution_id")
@@ -217,6 +223,11 @@ class SqlLeaseRepository:
                     (status == LeaseStatus.DONE.value, literal_column("'{}'")),
                     else_=_C.pending_effects,
                 ),
+                # Ended done or interrupted: it progressed, the takeover budget starts again.
+                takeovers=case(
+                    (status.in_([LeaseStatus.DONE.value, LeaseStatus.WAITING.value]), 0),
+                    else_=_C.takeovers,
+                ),
                 updated_at=now,
             )
             .returning(*_RETURNING)
@@ -273,6 +284,20 @@ class SqlLeaseRepository:
         )
         self._now_stmt = select(now)
         self._take_over = self._build_take_over(now, ttl)
+        non_idempotent = literal_column(stamps["non_idempotent"], Boolean)
+        self._retry = (
+            update(LEASES)
+            .where(and_(_KEY, _C.status == LeaseStatus.DEAD_LETTERED.value, ~non_idempotent))
+            .values(
+                holder=None,
+                expires_at=None,
+                status=LeaseStatus.PENDING.value,
+                reason=None,
+                takeovers=0,
+                updated_at=now,
+            )
+            .returning(*_RETURNING)
+        )
 
     def _build_take_over(self, now: ColumnElement[float], ttl: Any) -> Any:
         # The take and the decision are one statement, on the row as it is now: the stamp
@@ -297,22 +322,48 @@ class SqlLeaseRepository:
             ),
             and_(_C.status == LeaseStatus.PENDING.value, _C.holder.is_(None)),
         )
+        # The takeover budget, as lease.decide_take_over counts it: a mark other than the
+        # stored one is progress; a take from an expired holder (status still running)
+        # counts 1. p_max is a huge number when there is no budget.
+        mark = bindparam("p_progress_mark", type_=Text)
+        max_takeovers = bindparam("p_max_takeovers", type_=Integer)
+        crashed = _C.status == LeaseStatus.RUNNING.value
+        takeovers = case((_C.progress_mark.is_distinct_from(mark), 0), else_=_C.takeovers) + case(
+            (crashed, 1), else_=0
+        )
+        over_budget = and_(crashed, takeovers > max_takeovers)
+        budget = (
+            literal("taken over at token ", Text)
+            + cast(_C.epoch + 1, Text)
+            + literal(" by ", Text)
+            + holder
+            + literal(": crashed ", Text)
+            + cast(_C.takeovers, Text)
+            + literal(" workers in a row with no new checkpoint (the last ", Text)
+            + func.coalesce(_C.holder, literal("", Text))
+            + literal(" at token ", Text)
+            + cast(_C.epoch, Text)
+            + literal("), over the takeover budget (max_takeovers=", Text)
+            + cast(max_takeovers, Text)
+            + literal("); fix the step, then `langgraph-fence resolve --retry` runs it again", Text)
+        )
+        dead = or_(non_idempotent, over_budget)
         return (
             update(LEASES)
             .where(and_(_KEY, _C.epoch == bindparam("p_epoch"), takeable))
             .values(
                 epoch=_C.epoch + 1,
-                holder=case((non_idempotent, null()), else_=holder),
-                expires_at=case((non_idempotent, null()), else_=now + ttl),
+                holder=case((dead, null()), else_=holder),
+                expires_at=case((dead, null()), else_=now + ttl),
                 status=case(
-                    (non_idempotent, LeaseStatus.DEAD_LETTERED.value),
+                    (dead, LeaseStatus.DEAD_LETTERED.value),
                     else_=LeaseStatus.RUNNING.value,
                 ),
-                reason=case((non_idempotent, reason), else_=null()),
+                reason=case((non_idempotent, reason), (over_budget, budget), else_=null()),
                 # Dead-lettered: the set stays for inspection; resumed: it is cleared.
-                pending_effects=case(
-                    (non_idempotent, _C.pending_effects), else_=literal_column("'{}'")
-                ),
+                pending_effects=case((dead, _C.pending_effects), else_=literal_column("'{}'")),
+                takeovers=takeovers,
+                progress_mark=mark,
                 updated_at=now,
             )
             .returning(*_RETURNING)
@@ -342,6 +393,8 @@ class SqlLeaseRepository:
             status=LeaseStatus(row.status),
             reason=row.reason,
             store_id=self._store_id,
+            takeovers=row.takeovers,
+            progress_mark=row.progress_mark,
         )
 
     async def now(self) -> float:
@@ -449,15 +502,44 @@ class SqlLeaseRepository:
             rows = (await conn.execute(self._candidates, self._params(limit=limit))).all()
         return [self._lease(row) for row in rows]
 
-    async def take_over(self, candidate: Lease, holder: str, ttl: float) -> Lease | None:
+    async def take_over(
+        self,
+        candidate: Lease,
+        holder: str,
+        ttl: float,
+        *,
+        progress_mark: str | None = None,
+        max_takeovers: int | None = None,
+    ) -> Lease | None:
         """Take a candidate over and decide its fate (resume or dead-letter): one statement."""
         check_lease(self, candidate)
+        budget = validate_max_takeovers(max_takeovers)
         params = self._params(
             tenant_id=candidate.key.tenant_id,
             execution_id=candidate.key.execution_id,
             epoch=candidate.epoch,
             holder=validate_holder(holder),
             ttl=validate_ttl(ttl),
+            progress_mark=validate_progress_mark(progress_mark),
+            max_takeovers=_NO_BUDGET if budget is None else budget,
         )
         row = await self._one(self._take_over, params)
         return None if row is None else self._lease(row)
+
+    async def retry(self, key: LeaseKey) -> Lease:
+        """Make a dead-lettered execution ``pending`` again, its takeover budget reset
+        (:func:`~langgraph_fence.lease.decide_retry`): one guarded statement."""
+        check_key(key)
+        params = self._params(tenant_id=key.tenant_id, execution_id=key.execution_id)
+        row = await self._one(self._retry, params)
+        if row is None:
+            # Refused: let the pure decision say why (no row, not dead-lettered, stamps).
+            decide_retry(await self.get(key), key)
+            raise ValueError(
+                f"execution {key.scope_key!r} changed while it was retried; look again"
+            )
+        return self._lease(row)
+
+
+#: ``p_max_takeovers`` when there is no budget: more takes than any execution gets.
+_NO_BUDGET = 2**31 - 1

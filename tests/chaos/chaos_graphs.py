@@ -7,6 +7,10 @@ Graph factories, for ``langgraph-fence worker --graphs tests.chaos.chaos_graphs:
   ``hold`` script below stops inside ``work`` (a long model call); any other worker runs
   through it, and writes when it entered ``work`` to ``$LGF_CHAOS_MARK_DIR/<thread>.json``
   (``time.monotonic()``, the same clock in every process of the machine).
+* :func:`poison_graphs`: ``poison_pill`` = prepare -> pill -> END. ``pill`` appends its
+  token and pid to ``$LGF_CHAOS_MARK_DIR/<thread>.pill`` and SIGKILLs its own process: a
+  poison pill, which kills every worker that runs it, once prepare's checkpoint is stored
+  (on a thread named ``healthy...`` it just returns).
 * :func:`chaos_graphs`: ``chaos_plain`` and ``chaos_sink`` = prepare -> charge -> finish.
   ``charge`` appends one row per charge to the external table ``chaos_effects``: in
   ``chaos_plain`` with a plain INSERT (``NON_IDEMPOTENT_WRITE``: at most once), in
@@ -40,6 +44,7 @@ import json
 import operator
 import os
 import random
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -63,6 +68,7 @@ MARK_DIR_ENV = "LGF_CHAOS_MARK_DIR"
 HOLD_GRAPH = "fence_hold"
 PLAIN_GRAPH = "chaos_plain"
 SINK_GRAPH = "chaos_sink"
+POISON_GRAPH = "poison_pill"
 
 #: The external table the chaos graphs charge into; no unique key, so a repeat shows.
 CREATE_EFFECTS = """
@@ -221,6 +227,64 @@ def build_chaos_graph(instance: Instance, variant: str) -> Any:
 def chaos_graphs(instance: Instance) -> dict[str, Any]:
     """``--graphs`` factory of the chaos workers: ``chaos_plain`` and ``chaos_sink``."""
     return {name: build_chaos_graph(instance, name) for name in (PLAIN_GRAPH, SINK_GRAPH)}
+
+
+# -- poison_pill: a step that kills whoever runs it
+
+
+def pill_runs(mark_dir: Path, thread: str) -> list[tuple[int, int]]:
+    """``(token, pid)`` of every run of ``pill`` on ``thread``, in order."""
+    path = mark_dir / f"{thread}.pill"
+    if not path.exists():
+        return []
+    return [
+        (int(token), int(pid))
+        for token, pid in (line.split() for line in path.read_text().splitlines() if line)
+    ]
+
+
+def build_poison_graph(instance: Instance) -> Any:
+    async def prepare(state: State) -> dict[str, list[str]]:
+        return {"log": [f"prepare@{_token()}"]}
+
+    async def pill(state: State) -> dict[str, list[str]]:
+        frame = get_execution_context()
+        if frame.thread_id.startswith("healthy"):
+            return {"log": ["no pill"]}  # what the workers run once the poison is gone
+        # Die only once prepare's checkpoint is stored (durability="async" saves it beside
+        # this step): the first run then makes its progress, every later one none, whatever
+        # the timing, so the test can count the takeovers the budget allows.
+        config = {
+            "configurable": {"thread_id": frame.thread_id, "tenant_id": frame.fence.tenant_id}
+        }
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            stored = await instance.checkpointer.aget_tuple(config)
+            if stored is not None and "prepare" in str(stored.checkpoint["channel_values"]):
+                break
+            await asyncio.sleep(0.01)
+        path = Path(os.environ[MARK_DIR_ENV]) / f"{frame.thread_id}.pill"
+        # O_APPEND: the line is on disk before the kill; one line per run of the step.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, f"{frame.fence.token} {os.getpid()}\n".encode())
+        finally:
+            os.close(fd)
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable: the process is dead")
+
+    builder = StateGraph(State)
+    builder.add_node("prepare", prepare)
+    builder.add_node("pill", pill)
+    builder.add_edge(START, "prepare")
+    builder.add_edge("prepare", "pill")
+    builder.add_edge("pill", END)
+    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name=POISON_GRAPH)
+
+
+def poison_graphs(instance: Instance) -> dict[str, Any]:
+    """``--graphs`` factory of the poison-pill workers: ``poison_pill``."""
+    return {POISON_GRAPH: build_poison_graph(instance)}
 
 
 # -- the hold script

@@ -56,6 +56,9 @@ REASONS = st.sampled_from([None, "why", "quote: \x00 \ud800", ""])
 EFFECTS = st.sampled_from(list(Effect))
 TASKS = st.sampled_from(["task-1", "task-2", "task-3"])
 EPOCHS = st.one_of(st.none(), st.integers(min_value=0, max_value=6))
+# The thread's latest checkpoint as a taker saw it; "" and 0 are refused.
+MARKS = st.sampled_from([None, None, "c1", "c1", "c2", ""])
+BUDGETS = st.sampled_from([None, 1, 1, 2, 0, True])
 
 
 def outcome(result: Any) -> Outcome:
@@ -170,14 +173,37 @@ class LeaseMachine(RuleBasedStateMachine):
     def clear(self, pair: tuple[Lease, Lease], tasks: set[str] | None) -> None:
         self.both(lambda repo, lease: repo.clear_pending_effects(lease, tasks), *pair)
 
-    @rule(target=leases, pair=leases, holder=HOLDERS, ttl=TTLS)
-    def take_over(self, pair: tuple[Lease, Lease], holder: str, ttl: float) -> Any:
-        # The take and its verdict on the stamp set in one statement: the SQL stores must
-        # decide (and word the dead letter) as the model does.
-        expected, got = self.both(lambda repo, lease: repo.take_over(lease, holder, ttl), *pair)
+    @rule(
+        target=leases,
+        pair=leases,
+        holder=HOLDERS,
+        ttl=TTLS,
+        mark=MARKS,
+        max_takeovers=BUDGETS,
+    )
+    def take_over(
+        self,
+        pair: tuple[Lease, Lease],
+        holder: str,
+        ttl: float,
+        mark: str | None,
+        max_takeovers: int | None,
+    ) -> Any:
+        # The take and its verdict on the stamp set and the takeover budget in one
+        # statement: the SQL stores must decide (and word the dead letter) as the model does.
+        expected, got = self.both(
+            lambda repo, lease: repo.take_over(
+                lease, holder, ttl, progress_mark=mark, max_takeovers=max_takeovers
+            ),
+            *pair,
+        )
         if isinstance(expected, Lease):
             return multiple((expected, got))
         return multiple()
+
+    @rule(key=KEYS)
+    def retry(self, key: int) -> None:
+        self.both(lambda repo, _: repo.retry(self.keys[key]))
 
     @rule(key=KEYS, reason=REASONS, epoch=EPOCHS)
     def dead_letter(self, key: int, reason: str | None, epoch: int | None) -> None:

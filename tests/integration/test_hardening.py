@@ -291,10 +291,10 @@ async def test_unserved_candidates_cost_nothing_per_poll(
         await take_work(*args)
         poll_seconds.append(time.perf_counter() - began)
 
-    async def counted_take_over(candidate: Any, holder: str, ttl: float) -> Any:
+    async def counted_take_over(candidate: Any, holder: str, ttl: float, **budget: Any) -> Any:
         if candidate.key == served:
             taken_in_poll.append(polls)
-        return await take_over(candidate, holder, ttl)
+        return await take_over(candidate, holder, ttl, **budget)
 
     async def counted_load(key: LeaseKey, **options: Any) -> Any:
         loaded.append(key)
