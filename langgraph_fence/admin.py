@@ -107,18 +107,27 @@ def decide_admin_give_back(found: Lease | None, held: Lease, *, erased: bool) ->
     """The lease after the admin's hold: as found (``None``: no lease row, as found).
 
     A hold found expired (``running``, its holder gone) is given back ``pending``: a
-    takeover candidate, as it was. After an erasure: ``done``, no reason, no stamps.
+    takeover candidate, as it was. After an erasure: ``done``, no reason, no stamps, and the
+    takeover budget reset (the thread starts afresh; only the token goes on).
     """
     if found is None:
         return None
     status = found.status
     reason, effects = found.reason, found.pending_effects
+    takeovers, mark = found.takeovers, found.progress_mark
     if status is LeaseStatus.RUNNING:
         status = LeaseStatus.PENDING
     if erased:
-        status, reason, effects = LeaseStatus.DONE, None, ()
+        status, reason, effects, takeovers, mark = LeaseStatus.DONE, None, (), 0, None
     return replace(
-        held, holder=None, expires_at=None, status=status, reason=reason, pending_effects=effects
+        held,
+        holder=None,
+        expires_at=None,
+        status=status,
+        reason=reason,
+        pending_effects=effects,
+        takeovers=takeovers,
+        progress_mark=mark,
     )
 
 
@@ -229,6 +238,8 @@ async def _give_back(store: Any, hold: AdminHold, *, erased: bool) -> None:
                     status=after.status.value,
                     reason=after.reason,
                     pending_effects=effects,
+                    takeovers=after.takeovers,
+                    progress_mark=after.progress_mark,
                     updated_at=await store.now(),
                 )
             )

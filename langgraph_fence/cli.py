@@ -1,4 +1,5 @@
-"""The ``langgraph-fence`` command: demo, worker, migrate, executions, dead-letters, resolve.
+"""The ``langgraph-fence`` command: demo, worker, migrate, executions, dead-letters, resolve,
+erase.
 
 The only module that prints; it prints through rich.
 """
@@ -322,12 +323,12 @@ async def _executions(console: Console, args: argparse.Namespace, status: str | 
 
 
 async def _resolve(console: Console, args: argparse.Namespace) -> int:
-    from .database import create_engine
+    from .database import create_engine, schema_options
     from .lease import LeaseKey
     from .stores.sql import SqlLeaseRepository
 
     key = LeaseKey(args.tenant, args.execution)
-    engine = create_engine(args.db, **_engine_options(args.schema))
+    engine = create_engine(args.db, **schema_options(args.schema))
     try:
         repo = SqlLeaseRepository(engine)
         await repo.setup()  # the budget's columns (lease migration 4) on an older database
