@@ -29,15 +29,18 @@ from typing import Annotated, Any, TypedDict
 import pytest
 import sqlalchemy as sa
 from langgraph.graph import END, START, StateGraph
+from langgraph.types import RetryPolicy
 
 from langgraph_fence import (
     Effect,
+    ExecutionDeadLetteredError,
     ExecutionFencedError,
     ExecutionLeaseLostError,
     Instance,
     Lease,
     LeaseKey,
     LeaseStatus,
+    fence_graph,
     fenced,
     get_execution_context,
 )
@@ -305,3 +308,69 @@ async def test_a_sync_write_stalled_past_its_lease_is_refused_and_lands_nothing(
 
 async def _done(flag: bool) -> bool | None:
     return True if flag else None
+
+
+# -- sync write nodes stamp, clear and dead-letter as async ones do
+
+
+def write_node(kind: str, seen: list[Lease], *, fail: bool, instance: Instance, thread: str) -> Any:
+    """A ``NON_IDEMPOTENT_WRITE`` node of ``kind`` that records the lease row inside its body."""
+    key = LeaseKey(TENANT, thread)
+
+    def after_the_stamp(row: Lease | None) -> dict[str, list[str]]:
+        assert row is not None
+        seen.append(row)
+        if fail:
+            raise RuntimeError("the card network timed out")
+        return {"log": ["charged"]}
+
+    if kind == "async":
+
+        @fenced(effect=Effect.NON_IDEMPOTENT_WRITE, name="step")
+        async def charge(state: Log) -> dict[str, list[str]]:
+            return after_the_stamp(await instance.repository.get(key))
+
+        return charge
+    loop = asyncio.get_running_loop()
+
+    @fenced(effect=Effect.NON_IDEMPOTENT_WRITE, name="step")
+    def charge_sync(state: Log) -> dict[str, list[str]]:
+        row = run_on_loop(loop, lambda: instance.repository.get(key), what="read", on_loop="-")
+        return after_the_stamp(row)
+
+    return charge_sync
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+async def test_a_write_node_stamps_before_its_body_and_its_writes_clear_it(
+    database: Database, kind: str
+) -> None:
+    seen: list[Lease] = []
+    thread = unique(f"{kind}-stamp")
+    async with stallable(database, "A") as (a, _):
+        node = write_node(kind, seen, fail=False, instance=a, thread=thread)
+        await invoke(a, one_node_graph(a, f"{kind}_stamp", node), {"log": []}, thread)
+        after = await lease_of(a, thread)
+    (during,) = seen
+    assert [(e.node, e.token) for e in during.pending_effects] == [("step", 1)]
+    assert after.status is LeaseStatus.DONE and after.pending_effects == ()
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+async def test_a_failed_write_node_is_dead_lettered_not_retried(
+    database: Database, kind: str
+) -> None:
+    seen: list[Lease] = []
+    thread = unique(f"{kind}-dead")
+    async with stallable(database, "A") as (a, _):
+        node = write_node(kind, seen, fail=True, instance=a, thread=thread)
+        builder = StateGraph(Log)
+        builder.add_node("step", node, retry_policy=RetryPolicy(max_attempts=3))
+        builder.add_edge(START, "step")
+        builder.add_edge("step", END)
+        graph = fence_graph(builder).compile(checkpointer=a.checkpointer, name=f"{kind}_dead")
+        with pytest.raises(ExecutionDeadLetteredError, match="card network timed out"):
+            await invoke(a, graph, {"log": []}, thread)
+        lease = await lease_of(a, thread)
+    assert len(seen) == 1  # the write ran once; the RetryPolicy did not repeat it
+    assert lease.status is LeaseStatus.DEAD_LETTERED, lease
