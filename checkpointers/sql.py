@@ -189,7 +189,9 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
     refuse to be called from that loop's own thread.
 
     ``delete_thread``, ``delete_for_runs``, ``copy_thread`` and ``prune`` are maintenance:
-    not fenced, and not meant to run on a thread while a run writes to it.
+    not fenced here, and not meant to run on a thread while a run writes to it. Through an
+    instance's checkpointer they hold the thread's execution lease instead, and
+    ``delete_thread`` erases the execution's other rows too (:mod:`langgraph_fence.admin`).
     """
 
     #: Every row is keyed by tenant: a wrapper passes tenant configs through as they are.

@@ -35,7 +35,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from urllib.parse import unquote
 
 from langchain_core.runnables import RunnableConfig
@@ -58,6 +58,9 @@ from .faults import fault_point
 from .fence import FENCE_CONFIG_KEY, RunHandle
 from .lease import Lease, LeaseStatus, fenced_error
 from .scope import encode_part
+
+if TYPE_CHECKING:
+    from .admin import ThreadAdmin
 
 __all__ = [
     "DEFAULT_TENANT",
@@ -320,7 +323,10 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     (``runtime.control.request_drain``), and the recorded error is raised. Reads are never
     fenced. The wrapper overrides only the optional methods (``acopy_thread``,
     ``adelete_for_runs``, ``aprune``, the delta-channel history) that ``inner`` implements,
-    so capability detection sees what the inner saver really does.
+    so capability detection sees what the inner saver really does. Owned by an
+    :class:`~langgraph_fence.Instance`, those admin operations and ``adelete_thread`` hold
+    the thread's execution lease (refused while another instance runs it), and
+    ``adelete_thread`` erases the thread (:mod:`langgraph_fence.admin`).
     """
 
     #: The optional methods forwarded only when the inner saver's class overrides them.
@@ -337,6 +343,9 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     _classes: ClassVar[dict[frozenset[str], type[FencedCheckpointer]]] = {}
 
     inner: BaseCheckpointSaver[Any]
+    #: Set by the :class:`~langgraph_fence.Instance` that owns the wrapper: its admin
+    #: operations then take the execution's lease (:mod:`langgraph_fence.admin`).
+    admin: ThreadAdmin | None = None
     #: Every read and write of this saver sees the tenant's own threads only.
     scopes_tenants: ClassVar[bool] = True
 
@@ -378,7 +387,9 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         inner = self.inner.with_allowlist(extra_allowlist)
         if inner is self.inner:
             return self
-        return FencedCheckpointer(inner, require_fence=self.require_fence)
+        copy = FencedCheckpointer(inner, require_fence=self.require_fence)
+        copy.admin = self.admin
+        return copy
 
     @property
     def config_specs(self) -> list[Any]:
@@ -629,13 +640,44 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             handle.restore_pending_effects(taken)
             raise
 
+    # -- admin operations: under the execution's lease when the wrapper is an instance's
+
+    def _admin_for(self, tenant_id: str) -> ThreadAdmin | None:
+        """The admin that holds leases for an operation on ``tenant_id``'s threads, or
+        ``None``: no instance attached one, or the default tenant, which no lease (so no
+        fenced run) can be of."""
+        if self.admin is None or tenant_id == DEFAULT_TENANT:
+            return None
+        return self.admin
+
     async def adelete_thread(self, thread_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
-        """Delete the tenant's ``thread_id`` (the default tenant's when none is given)."""
+        """Erase the tenant's ``thread_id`` (the default tenant's when none is given).
+
+        Through an instance's checkpointer (``instance.checkpointer``), under the lease of
+        the thread's execution (refused with ``ExecutionLeaseHeldError`` while another
+        holder runs it): every checkpoint, blob and write of the thread, the execution's
+        record, the thread's binding, the sink's stored results of its scope key, and the
+        lease's reason and stamps are deleted; the lease row stays ``done`` (its epoch never
+        goes back) and so does the sink's high-water mark (a scope key and a token). See
+        :mod:`langgraph_fence.admin`. Over a wrapper no instance owns, or for the default
+        tenant, only the checkpoints, blobs and writes are deleted.
+        """
         inner_id, tenant = self._thread_call(thread_id, tenant_id)
-        await self.inner.adelete_thread(inner_id, **tenant)
+        admin = self._admin_for(tenant_id)
+        if admin is None:
+            await self.inner.adelete_thread(inner_id, **tenant)
+            return
+        async with admin.hold(tenant_id, [str(thread_id)], action="delete_thread", erase=True) as (
+            hold,
+        ):
+            await self.inner.adelete_thread(inner_id, **tenant)
+            await admin.forget(hold, str(thread_id))
 
     def delete_thread(self, thread_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
         """Sync twin of :meth:`adelete_thread`."""
+        if self._admin_for(tenant_id) is not None:
+            self._run_sync(lambda: self.adelete_thread(thread_id, tenant_id=tenant_id))
+            return
         inner_id, tenant = self._thread_call(thread_id, tenant_id)
         self.inner.delete_thread(inner_id, **tenant)
 
@@ -681,7 +723,8 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
 
 
 # -- optional methods: forwarded only where the inner saver's class overrides them. Admin
-# operations on whole threads and runs; not fenced (no run writes through them).
+# operations on whole threads and runs: under the executions' leases when an instance owns
+# the wrapper (see _admin_for).
 
 
 # Each within one tenant (the default tenant's when none is given), as the reads are. Run ids
@@ -699,15 +742,45 @@ def _threads(self: FencedCheckpointer, thread_ids: Sequence[str], tenant_id: str
     return [_inner_thread_id(tenant_id, str(t)) for t in thread_ids]
 
 
+async def _run_threads(
+    self: FencedCheckpointer, tenant_id: str, run_ids: Sequence[str]
+) -> list[str]:
+    """The tenant's threads holding a checkpoint of any of ``run_ids``."""
+    threads: set[str] = set()
+    for run_id in run_ids:
+        async for item in self.alist(
+            {"configurable": {"tenant_id": tenant_id}}, filter={"run_id": run_id}
+        ):
+            threads.add(str(item.config["configurable"]["thread_id"]))
+    return sorted(threads)
+
+
 async def _adelete_for_runs(
     self: FencedCheckpointer, run_ids: Sequence[str], *, tenant_id: str = DEFAULT_TENANT
 ) -> None:
-    await self.inner.adelete_for_runs(run_ids, **_tenant_kw(self, tenant_id))
+    admin = self._admin_for(tenant_id)
+    if admin is None or isinstance(run_ids, str):  # a str: the inner saver refuses it
+        await self.inner.adelete_for_runs(run_ids, **_tenant_kw(self, tenant_id))
+        return
+    threads = await _run_threads(self, tenant_id, run_ids)
+    while True:
+        async with admin.hold(tenant_id, threads, action="delete_for_runs"):
+            # Looked up again under the holds: a run whose first checkpoint landed after
+            # the first look-up is on a thread not held yet. Remaining window: a first
+            # checkpoint landing between this look-up and the delete.
+            found = await _run_threads(self, tenant_id, run_ids)
+            if set(found) <= set(threads):
+                await self.inner.adelete_for_runs(run_ids, **_tenant_kw(self, tenant_id))
+                return
+        threads = sorted({*threads, *found})
 
 
 def _delete_for_runs(
     self: FencedCheckpointer, run_ids: Sequence[str], *, tenant_id: str = DEFAULT_TENANT
 ) -> None:
+    if self._admin_for(tenant_id) is not None:
+        self._run_sync(lambda: _adelete_for_runs(self, run_ids, tenant_id=tenant_id))
+        return
     self.inner.delete_for_runs(run_ids, **_tenant_kw(self, tenant_id))
 
 
@@ -719,7 +792,14 @@ async def _acopy_thread(
     tenant_id: str = DEFAULT_TENANT,
 ) -> None:
     source, target = _threads(self, [source_thread_id, target_thread_id], tenant_id)
-    await self.inner.acopy_thread(source, target, **_tenant_kw(self, tenant_id))
+    admin = self._admin_for(tenant_id)
+    if admin is None:
+        await self.inner.acopy_thread(source, target, **_tenant_kw(self, tenant_id))
+        return
+    # The target is held: the copy writes into it. The source is only read (reads are
+    # never fenced).
+    async with admin.hold(tenant_id, [str(target_thread_id)], action="copy_thread"):
+        await self.inner.acopy_thread(source, target, **_tenant_kw(self, tenant_id))
 
 
 def _copy_thread(
@@ -729,6 +809,11 @@ def _copy_thread(
     *,
     tenant_id: str = DEFAULT_TENANT,
 ) -> None:
+    if self._admin_for(tenant_id) is not None:
+        self._run_sync(
+            lambda: _acopy_thread(self, source_thread_id, target_thread_id, tenant_id=tenant_id)
+        )
+        return
     source, target = _threads(self, [source_thread_id, target_thread_id], tenant_id)
     self.inner.copy_thread(source, target, **_tenant_kw(self, tenant_id))
 
@@ -740,9 +825,13 @@ async def _aprune(
     strategy: str = "keep_latest",
     tenant_id: str = DEFAULT_TENANT,
 ) -> None:
-    await self.inner.aprune(
-        _threads(self, thread_ids, tenant_id), strategy=strategy, **_tenant_kw(self, tenant_id)
-    )
+    admin = self._admin_for(tenant_id)
+    inner_ids = _threads(self, thread_ids, tenant_id)
+    if admin is None or isinstance(thread_ids, str):  # a str: the inner saver refuses it
+        await self.inner.aprune(inner_ids, strategy=strategy, **_tenant_kw(self, tenant_id))
+        return
+    async with admin.hold(tenant_id, [str(t) for t in thread_ids], action="prune"):
+        await self.inner.aprune(inner_ids, strategy=strategy, **_tenant_kw(self, tenant_id))
 
 
 def _prune(
@@ -752,6 +841,9 @@ def _prune(
     strategy: str = "keep_latest",
     tenant_id: str = DEFAULT_TENANT,
 ) -> None:
+    if self._admin_for(tenant_id) is not None:
+        self._run_sync(lambda: _aprune(self, thread_ids, strategy=strategy, tenant_id=tenant_id))
+        return
     self.inner.prune(
         _threads(self, thread_ids, tenant_id), strategy=strategy, **_tenant_kw(self, tenant_id)
     )

@@ -52,6 +52,28 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--schema", default=None, help="PostgreSQL schema (search_path) to use")
     migrate = commands.add_parser("migrate", help="create or upgrade every table on a database")
     migrate.add_argument("--db", required=True, help=DB_HELP)
+    erase = commands.add_parser(
+        "erase",
+        help="erase one tenant's thread: every row of it (refused while a run holds it)",
+        description=(
+            "Erase a tenant's thread under its execution's lease (refused, naming the holder, "
+            "while another instance runs it): its checkpoints, blobs and writes, the "
+            "execution's record (the run's input), the thread's binding, the lease's reason "
+            "and stamps, and the exactly-once sink's stored results. What stays, holding no "
+            "data of the run: the lease row (done, no reason: its token must never go back) "
+            "and the sink's high-water mark row (the scope key and a token). Exit status 3 "
+            "when refused."
+        ),
+    )
+    erase.add_argument("--db", required=True, help=DB_HELP)
+    erase.add_argument("--tenant", required=True, help="the thread's tenant")
+    erase.add_argument("--thread", required=True, help="the thread id to erase")
+    erase.add_argument(
+        "--sink-db",
+        default=None,
+        help="database of the exactly-once sink's tables, when not --db (its results go too)",
+    )
+    erase.add_argument("--schema", default=None, help="PostgreSQL schema (search_path)")
     executions = commands.add_parser("executions", help="list executions and their leases")
     executions.add_argument("--status", default=None, help="only this status")
     dead = commands.add_parser("dead-letters", help="list dead-lettered executions and why")
@@ -67,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``langgraph-fence`` console script; returns the exit code."""
+    from .errors import ExecutionLeaseHeldError
+
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR)
     console = Console()
@@ -77,12 +101,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_worker(console, args))
         if args.command == "migrate":
             return asyncio.run(_migrate(console, args.db))
+        if args.command == "erase":
+            return asyncio.run(_erase(console, args))
         if args.command in ("executions", "dead-letters"):
             status = "dead_lettered" if args.command == "dead-letters" else args.status
             return asyncio.run(_executions(console, args, status))
     except ValueError as exc:
         console.print(f"[red]error:[/red] {mask_password(str(exc))}", markup=False, highlight=False)
         return 2
+    except ExecutionLeaseHeldError as exc:
+        console.print(f"refused: {exc}", markup=False, highlight=False)
+        return 3
     except (SQLAlchemyError, OSError) as exc:
         # A database that cannot be reached or read: say so, without the driver's quoted
         # statement and parameters, and without the URL's password.
@@ -178,6 +207,39 @@ def _engine_options(schema: str | None) -> dict[str, Any]:
     if not schema:
         return {}
     return {"connect_args": {"server_settings": {"search_path": schema}}}
+
+
+async def _erase(console: Console, args: argparse.Namespace) -> int:
+    from .admin import ThreadAdmin
+    from .database import create_engine
+    from .instance import Instance
+
+    if not args.tenant:
+        raise ValueError("--tenant must be the thread's tenant id (non-empty)")
+    if not args.thread:
+        raise ValueError("--thread must be the id of the thread to erase (non-empty)")
+    options = _engine_options(args.schema)
+    sink = None if args.sink_db is None else create_engine(args.sink_db)
+    try:
+        async with Instance.open(args.db, engine_options=options) as instance:
+            checkpointer = instance.checkpointer
+            if sink is not None and checkpointer.admin is not None:
+                admin = checkpointer.admin
+                checkpointer.admin = ThreadAdmin(
+                    admin.repository, admin.records, holder=admin.holder, sink_engine=sink
+                )
+            await checkpointer.adelete_thread(args.thread, tenant_id=args.tenant)
+    finally:
+        if sink is not None:
+            await sink.dispose()
+    console.print(
+        f"erased thread {args.thread!r} of tenant {args.tenant!r}: checkpoints, record, "
+        "binding, lease reason, sink results (kept: the lease's token, the sink's "
+        "high-water mark)",
+        markup=False,
+        highlight=False,
+    )
+    return 0
 
 
 async def _executions(console: Console, args: argparse.Namespace, status: str | None) -> int:

@@ -102,6 +102,11 @@ class ExecutionRecords(Protocol):
         """
         ...
 
+    async def forget(self, key: LeaseKey, thread_id: str) -> None:
+        """Delete the record of ``key`` and the binding of the tenant's ``thread_id`` (an
+        erasure: the input is gone, and the thread id can be bound again)."""
+        ...
+
 
 def check_thread_binding(key: LeaseKey, thread_id: str, bound: str) -> None:
     """Refuse a run of ``thread_id`` under ``key`` when the thread is bound to ``bound``.
@@ -145,6 +150,11 @@ class MemoryExecutionRecords:
     async def bind(self, key: LeaseKey, thread_id: str) -> str:
         """Bind ``thread_id`` of ``key``'s tenant to ``key`` unless bound; the bound id."""
         return self._bindings.setdefault((key.tenant_id, thread_id), key.execution_id)
+
+    async def forget(self, key: LeaseKey, thread_id: str) -> None:
+        """Delete the record of ``key`` and the binding of ``thread_id`` of its tenant."""
+        self._rows.pop(key, None)
+        self._bindings.pop((key.tenant_id, thread_id), None)
 
     async def heads_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, ExecutionHead]:
         """Graph and thread of each of ``keys`` that has a record."""
@@ -235,6 +245,12 @@ _SELECT_HEADS = text(
     "WHERE execution_id IN :ids"
 ).bindparams(bindparam("ids", expanding=True))
 _HEADS_CHUNK = 500
+_FORGET_RECORD = text(
+    "DELETE FROM fence_executions WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
+)
+_FORGET_BINDING = text(
+    "DELETE FROM fence_thread_bindings WHERE tenant_id = :tenant_id AND thread_id = :thread_id"
+)
 
 
 _BOUND = text(
@@ -342,6 +358,14 @@ class SqlExecutionRecords:
             )
             bound = (await conn.execute(_BOUND, params)).scalar_one()
         return str(bound)
+
+    async def forget(self, key: LeaseKey, thread_id: str) -> None:
+        """Delete the record of ``key`` and the binding of ``thread_id`` of its tenant, in
+        one transaction."""
+        async with transaction(self._engine) as conn:
+            params = {"tenant_id": key.tenant_id}
+            await conn.execute(_FORGET_RECORD, {**params, "execution_id": key.execution_id})
+            await conn.execute(_FORGET_BINDING, {**params, "thread_id": thread_id})
 
     async def heads_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, ExecutionHead]:
         """Graph and thread of each of ``keys`` that has a record: one read per 500 keys, no

@@ -25,6 +25,7 @@ from langgraph.errors import GraphDrained
 from langgraph.runtime import RunControl
 from langgraph.types import Command
 
+from .admin import ThreadAdmin, admin_holder
 from .errors import (
     ExecutionDeadLetteredError,
     ExecutionFencedError,
@@ -148,6 +149,13 @@ class Instance:
         self._sleep: Sleep = sleep or asyncio.sleep
         self.records: ExecutionRecords = (
             records if records is not None else MemoryExecutionRecords()
+        )
+        # Admin operations through this instance's checkpointer hold the execution's lease.
+        self.checkpointer.admin = ThreadAdmin(
+            repository,
+            self.records,
+            holder=admin_holder(self.instance_id),
+            ttl=self.lease_ttl,
         )
         self._runs: set[_Run] = set()
 

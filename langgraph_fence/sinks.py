@@ -30,7 +30,7 @@ from typing import Any
 from sqlalchemy import Connection, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from .database import Dialect, dialect_of
+from .database import Dialect, dialect_of, transaction
 from .errors import ExecutionFencedError
 from .fence import ExecutionFence
 from .migrations import Migration, migrate
@@ -41,6 +41,7 @@ __all__ = [
     "SINK_COMPONENT",
     "SINK_MIGRATIONS",
     "FencedWrite",
+    "erase_results",
     "fenced_write",
     "fenced_write_sync",
     "is_serialization_failure",
@@ -450,6 +451,28 @@ async def _release_claim(conn: AsyncConnection, params: dict[str, Any]) -> None:
             params["idempotency_key"],
             exc,
         )
+
+
+async def erase_results(engine: AsyncEngine, scope_key: str) -> int:
+    """Delete every stored result (applied key) of ``scope_key``; return how many.
+
+    For an erasure: the results may hold what the write was about. The high-water mark row
+    of the scope key stays: it holds the scope key and a token, no result, and a write made
+    later under a token below it must still be refused. A database without the sink's
+    tables has nothing to erase (0).
+    """
+    async with engine.connect() as conn:
+        versions = await conn.execute(
+            text("SELECT 1 FROM fence_schema_versions WHERE component = :c"),
+            {"c": SINK_COMPONENT},
+        )
+        if versions.first() is None:
+            return 0
+    async with transaction(engine) as conn:
+        result = await conn.execute(
+            text("DELETE FROM fence_applied WHERE scope_key = :scope_key"), {"scope_key": scope_key}
+        )
+    return int(result.rowcount)
 
 
 def is_serialization_failure(exc: BaseException) -> bool:

@@ -25,6 +25,7 @@ from langgraph_fence.database import create_engine, normalize_url
 from langgraph_fence.lease import ExecutionLeaseRepository
 from langgraph_fence.stores import MemoryLeaseRepository, SqlLeaseRepository
 from langgraph_fence.testing import ManualClock
+from tests.chaos.write_steps import Database
 
 DEFAULT_PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
 BACKENDS = ["memory", "sqlite", "postgresql"]
@@ -86,6 +87,16 @@ def own_schema(pg_schema: tuple[str, str]) -> Iterator[tuple[str, str]]:
         yield url, schema
     finally:
         _pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+@pytest.fixture(params=SQL_BACKENDS)
+def database(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
+    """Where the instances and worker processes of one test meet: a SQLite file, or a
+    PostgreSQL schema of the test's own (``serve()`` there sees no other test's work)."""
+    if request.param == "sqlite":
+        return Database(f"sqlite+aiosqlite:///{tmp_path / 'fence.db'}", "")
+    url, schema = request.getfixturevalue("own_schema")
+    return Database(url, schema)
 
 
 def pg_engine_options(schema: str) -> dict[str, Any]:

@@ -27,6 +27,10 @@ The ``start`` script (a client that starts executions through ``Instance.ainvoke
     python -m tests.chaos.chaos_graphs start URL SCHEMA TENANT TTL IDS_FILE CONCURRENCY
 
 IDS_FILE holds one ``GRAPH EXECUTION_ID`` line per execution.
+
+The ``serve`` script (``serve()`` with every connection tagged, so a test can kill them)::
+
+    python -m tests.chaos.chaos_graphs serve URL SCHEMA APPLICATION_NAME TTL POLL
 """
 
 from __future__ import annotations
@@ -312,6 +316,23 @@ async def start(
     return 0
 
 
+# -- the serve script: a worker whose connections a test can find and kill
+
+
+async def serve(url: str, schema: str, application_name: str, ttl: float, poll: float) -> int:
+    """``serve()`` the chaos graphs with every connection tagged ``application_name``."""
+    settings = {"search_path": schema, "application_name": application_name}
+    async with Instance.open(
+        url,
+        engine_options={"connect_args": {"server_settings": settings}},
+        instance_id=f"{application_name}-{os.getpid()}",
+        lease_ttl=ttl,
+    ) as instance:
+        print("serving", flush=True)
+        await instance.serve(chaos_graphs(instance), poll_interval=poll, concurrency=4)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if len(argv) == 8 and argv[0] == "hold":
         _, url, schema, tenant, thread, ttl, renew, signal_file = argv
@@ -323,6 +344,9 @@ def main(argv: list[str]) -> int:
         lines = Path(ids_file).read_text().splitlines()
         jobs = [line.split() for line in lines if line.strip()]
         return asyncio.run(start(url, schema, tenant, float(ttl), jobs, int(concurrency)))
+    if len(argv) == 6 and argv[0] == "serve":
+        _, url, schema, application_name, ttl, poll = argv
+        return asyncio.run(serve(url, schema, application_name, float(ttl), float(poll)))
     print(__doc__, file=sys.stderr)
     return 2
 

@@ -17,21 +17,19 @@ from pathlib import Path
 import pytest
 
 from langgraph_fence import LeaseStatus
-from tests.chaos.write_steps import Database, effects_of, spawn, take_over_all
+from tests.chaos.write_steps import (
+    Database,
+    assert_charged_at_most_once,
+    effects_of,
+    spawn,
+    take_over_all,
+)
 from tests.conftest import unique
 from tests.integration.test_fault_points import reachable
 
 pytestmark = pytest.mark.chaos
 
 DEADLINE = 90.0
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
-    if request.param == "sqlite":
-        return Database(f"sqlite+aiosqlite:///{tmp_path / 'fence.db'}", "")
-    url, schema = request.getfixturevalue("own_schema")
-    return Database(url, schema)
 
 
 @pytest.mark.parametrize("durability", ["sync", "async", "exit"])
@@ -56,11 +54,7 @@ async def test_a_worker_killed_at_any_fault_point_never_repeats_the_charge(
         lease = leases[execution_id]
         effects = effects_of(tmp_path, execution_id)
         where = f"{point}/{durability}: {effects}, {lease.status.value} {lease.reason}"
-        # Killed after its stamp, before its body: dead-lettered, never run. Else run once.
-        assert effects.count("charge") == (0 if point == "stamp.after" else 1), where
-        assert lease.status in (LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED), where
-        if lease.status is LeaseStatus.DEAD_LETTERED:
-            assert lease.reason is not None and "'charge'" in lease.reason, where
+        assert_charged_at_most_once(point, lease, effects, where)
         if point in ("checkpoint.after", "release.before") and durability == "sync":
             # The checkpoint after charge was stored: the resume goes on past it.
             assert lease.status is LeaseStatus.DONE, where

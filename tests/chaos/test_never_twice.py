@@ -45,14 +45,6 @@ AGENT_KILLS = int(os.environ.get("LGF_CHAOS_AGENT_KILLS", "5"))
 DEADLINE = 120.0
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
-    if request.param == "sqlite":
-        return Database(f"sqlite+aiosqlite:///{tmp_path / 'fence.db'}", "")
-    url, schema = request.getfixturevalue("own_schema")
-    return Database(url, schema)
-
-
 async def kill_mid_write(
     database: Database,
     variant: str,

@@ -44,7 +44,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, TypedDict
@@ -470,15 +470,29 @@ async def take_over_all(
             await asyncio.wait_for(serving, 30)
 
 
+def at_charge(point: str, context: Mapping[str, Any], charge_began: Sequence[object]) -> bool:
+    """Whether the fault point ``point`` is reached in (or after) the ``charge`` step: its
+    stamp, its body's end, or any later point once its body began (``charge_began``)."""
+    if point == "stamp.after":
+        return bool(context["effect"].node == "charge")
+    if point == "effect.after":
+        return bool(context["node"] == "charge")
+    return bool(charge_began)
+
+
+def assert_charged_at_most_once(point: str, lease: Lease, effects: list[str], where: str) -> None:
+    """The verdict of a ``linear`` run faulted at ``point`` and taken over: ``charge`` ran
+    once (never, if the fault came between its stamp and its body), and the execution is
+    done, or dead-lettered naming it."""
+    assert effects.count("charge") == (0 if point == "stamp.after" else 1), where
+    assert lease.status in (LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED), where
+    if lease.status is LeaseStatus.DEAD_LETTERED:
+        assert lease.reason is not None and "'charge'" in lease.reason, where
+
+
 def _kill_after_charge(point: str, charge_began: list[bool]) -> Any:
     def action(context: Mapping[str, Any]) -> None:
-        if point == "stamp.after":
-            hit = context["effect"].node == "charge"
-        elif point == "effect.after":
-            hit = context["node"] == "charge"
-        else:
-            hit = bool(charge_began)
-        if hit:
+        if at_charge(point, context, charge_began):
             os.kill(os.getpid(), signal.SIGKILL)
 
     return action

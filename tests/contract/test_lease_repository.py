@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypedDict
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -731,3 +731,67 @@ async def test_postgres_store_on_a_plain_engine_still_commits(pg_schema: tuple[s
     finally:
         await plain.dispose()
         await other.dispose()
+
+
+class Counter(TypedDict):
+    n: int
+
+
+@pytest.mark.parametrize("durability", ["sync", "async"])
+async def test_a_write_step_costs_one_round_trip_more_than_a_read(
+    pg_schema: tuple[str, str], durability: str
+) -> None:
+    """The stamp is one round trip (with its renewal); its clear rides inside the saver's
+    own write statement, so a write step pays nothing more, in the whole run."""
+    from langgraph.graph import END, START, StateGraph
+    from sqlalchemy import event
+
+    from checkpointers import SqlCheckpointer
+    from langgraph_fence import Instance, fence_graph
+    from langgraph_fence.executions import SqlExecutionRecords
+
+    url, schema = pg_schema
+    wire: list[str] = []
+    engine = create_engine(url, **pg_engine_options(schema))
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def count_round_trips(dbapi_connection: Any, _record: Any) -> None:
+        driver = dbapi_connection.driver_connection
+        driver._protocol = WireLog(driver._protocol, wire)
+
+    async def charge(state: Counter) -> dict[str, Any]:
+        return {"n": state["n"] + 1}
+
+    try:
+        store = SqlLeaseRepository(engine)
+        saver = SqlCheckpointer(engine)
+        records = SqlExecutionRecords(engine)
+        for part in (store, saver, records):
+            await part.setup()
+        instance = Instance(store, saver, records=records)
+        counts: dict[Effect, int] = {}
+        for effect in (Effect.READ_ONLY, Effect.NON_IDEMPOTENT_WRITE):
+            builder = StateGraph(Counter)
+            builder.add_node("charge", charge)
+            builder.add_edge(START, "charge")
+            builder.add_edge("charge", END)
+            graph = fence_graph(builder, effects={"charge": effect}).compile(
+                checkpointer=instance.checkpointer, name=f"wire_{effect.value}"
+            )
+            for _ in range(3):  # the last one counted: statements prepared, pool warm
+                wire.clear()
+                thread = unique("wire")
+                await instance.ainvoke(
+                    graph,
+                    {"n": 0},
+                    {"configurable": {"thread_id": thread}},
+                    tenant_id="acme",
+                    durability=durability,  # type: ignore[arg-type]
+                )
+            counts[effect] = sum(
+                1 for call in wire if call in ("bind_execute", "bind_execute_many")
+            )
+        assert counts[Effect.NON_IDEMPOTENT_WRITE] == counts[Effect.READ_ONLY] + 1, counts
+        await saver.aclose()
+    finally:
+        await engine.dispose()

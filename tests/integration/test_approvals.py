@@ -20,7 +20,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
 import pytest
@@ -55,14 +54,6 @@ from tests.conftest import unique
 TENANT = "acme"
 TTL = 0.6
 WAIT = 20.0
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
-    if request.param == "sqlite":
-        return Database(f"sqlite+aiosqlite:///{tmp_path / 'fence.db'}", "")
-    url, schema = request.getfixturevalue("own_schema")
-    return Database(url, schema)
 
 
 @dataclass

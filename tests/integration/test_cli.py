@@ -98,3 +98,61 @@ def test_executions_filter_by_tenant_and_show_it(tmp_path: object) -> None:
     assert "tenant" in both and "acme:chat-1" in both and "globex:chat-1" in both
     only_acme = listed("--tenant", "acme")
     assert "acme:chat-1" in only_acme and "globex" not in only_acme
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "langgraph_fence.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+
+
+async def _run_and_hold(db: str, tenant: str, thread: str) -> None:
+    """A finished run of ``thread`` (its input recorded), and a live lease of another."""
+    from langgraph.graph import END, START, StateGraph
+    from typing_extensions import TypedDict
+
+    from langgraph_fence.instance import Instance
+    from langgraph_fence.nodes import fence_graph
+
+    class State(TypedDict):
+        card: str
+
+    builder = StateGraph(State)
+    builder.add_node("step", lambda state: {"card": state["card"]})
+    builder.add_edge(START, "step")
+    builder.add_edge("step", END)
+    async with Instance.open(db, instance_id="worker-1") as instance:
+        graph = fence_graph(builder).compile(checkpointer=instance.checkpointer)
+        config = {"configurable": {"thread_id": thread}}
+        await instance.ainvoke(graph, {"card": "4111111111111111"}, config, tenant_id=tenant)
+        await instance.repository.acquire(LeaseKey(tenant, "busy"), "worker-1", 300.0)
+
+
+def test_erase_removes_a_thread_and_refuses_a_running_one(tmp_path: object) -> None:
+    db = f"sqlite+aiosqlite:///{tmp_path}/cli.db"
+    asyncio.run(_run_and_hold(db, "acme", "order-1"))
+
+    refused = _cli("erase", "--db", db, "--tenant", "acme", "--thread", "busy")
+    assert refused.returncode == 3, refused.stdout + refused.stderr
+    assert "worker-1" in refused.stdout and "busy" in refused.stdout
+
+    erased = _cli("erase", "--db", db, "--tenant", "acme", "--thread", "order-1")
+    assert erased.returncode == 0, erased.stdout + erased.stderr
+    path = f"{tmp_path}/cli.db"
+    import sqlite3
+
+    with sqlite3.connect(path) as conn:
+        for table in ("fence_checkpoints", "fence_checkpoint_blobs", "fence_executions"):
+            count = conn.execute(f"SELECT count(*) FROM {table} WHERE tenant_id = 'acme'")
+            assert count.fetchone() == (0,), table
+        status = conn.execute(
+            "SELECT status, reason FROM fence_leases WHERE execution_id = 'order-1'"
+        ).fetchone()
+    assert status == ("done", None)
+
+    missing = _cli("erase", "--db", db, "--tenant", "", "--thread", "order-1")
+    assert missing.returncode == 2 and "--tenant" in missing.stdout

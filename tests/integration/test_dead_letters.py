@@ -13,7 +13,6 @@ runs (the model never sees the failure), and the run ends ``dead_lettered``.
 from __future__ import annotations
 
 import operator
-from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
 import pytest
@@ -36,14 +35,6 @@ from tests.chaos.write_steps import Database, engine_options
 from tests.conftest import unique
 
 TENANT = "acme"
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
-    if request.param == "sqlite":
-        return Database(f"sqlite+aiosqlite:///{tmp_path / 'fence.db'}", "")
-    url, schema = request.getfixturevalue("pg_schema")
-    return Database(url, schema)
 
 
 def call(name: str, args: dict[str, Any], call_id: str = "call-1") -> AIMessage:

@@ -29,6 +29,8 @@ from langgraph_fence.faults import FAULT_POINTS, arm_fault
 from tests.chaos.write_steps import (
     TENANT,
     Database,
+    assert_charged_at_most_once,
+    at_charge,
     build_graph,
     effects_of,
     engine_options,
@@ -48,26 +50,12 @@ def reachable(durability: str) -> list[str]:
 CASES = [(d, p) for d in ("sync", "async", "exit") for p in reachable(d)]
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
-    if request.param == "sqlite":
-        return Database(f"sqlite+aiosqlite:///{tmp_path / 'fence.db'}", "")
-    url, schema = request.getfixturevalue("own_schema")
-    return Database(url, schema)
-
-
 def lost(point: str, began: list[str], gone: list[str]) -> Any:
     """Raise as a dead connection at ``point``: the first time after charge began, and
     every time once the connection is ``gone``."""
 
     def action(context: Mapping[str, Any]) -> None:
-        if point == "stamp.after":
-            hit = context["effect"].node == "charge"
-        elif point == "effect.after":
-            hit = context["node"] == "charge"
-        else:
-            hit = "charge" in began
-        if hit or gone:
+        if gone or at_charge(point, context, began):
             gone.append(point)
             raise ConnectionResetError(f"injected at {point}: connection lost")
 
@@ -124,11 +112,7 @@ async def test_a_connection_lost_at_any_fault_point_never_repeats_the_charge(
     lease = leases[execution_id]
     effects = effects_of(tmp_path, execution_id)
     where = f"{point}/{durability}: {effects}, {lease.status.value} {lease.reason}"
-    # Stamped but lost before its body: dead-lettered, never run. Otherwise run once.
-    assert effects.count("charge") == (0 if point == "stamp.after" else 1), where
-    assert lease.status in (LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED), where
-    if lease.status is LeaseStatus.DEAD_LETTERED:
-        assert lease.reason is not None and "'charge'" in lease.reason, where
+    assert_charged_at_most_once(point, lease, effects, where)
 
 
 async def test_orphan_writes_are_no_proof(database: Database, tmp_path: Path) -> None:

@@ -1,0 +1,159 @@
+"""Never twice under killed connections: serve() workers whose connections die every 0.5 s.
+
+The reliability chaos of issue 20: executions of ``chaos_plain`` (prepare -> charge ->
+finish, ``charge`` a plain INSERT into an external table: ``NON_IDEMPOTENT_WRITE``) on two
+worker processes on PostgreSQL, while every connection of those workers is killed
+(``pg_terminate_backend``) every 0.5 s for a while; a worker that exits is restarted. The
+first version charged one execution twice in 2 runs of 10 (a checkpoint whose write died
+while the charge's writes landed on it: the orphan writes cleared the stamp). Here no
+execution is ever charged twice, whatever else the faults do to it (infrastructure errors
+ending runs ``failed`` are the reliability issue's, not this one's).
+
+Only the workers' own connections are killed (tagged with an ``application_name`` of this
+test's own); the shared server and everything else on it are left alone. ``LGF_CHAOS_ROUNDS``
+repeats the whole run (default 1; the closing note's figure is 10).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from langgraph_fence import LeaseKey, LeaseStatus, SqlLeaseRepository
+from langgraph_fence.database import create_engine
+from langgraph_fence.executions import SqlExecutionRecords
+from langgraph_fence.instance import Instance
+from tests.chaos.chaos_graphs import CREATE_EFFECTS, PLAIN_GRAPH
+from tests.chaos.conftest import poll
+from tests.chaos.test_chaos_serve import effects, record_pending, statuses
+from tests.conftest import pg_engine_options, unique
+
+pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
+
+ROOT = Path(__file__).parents[2]
+EXECUTIONS = 20
+WORKERS = 2
+KILL_EVERY = 0.5
+KILL_FOR = 15.0
+QUIET_DEADLINE = 60.0
+STARTUP_DEADLINE = 60.0  # two processes importing LangGraph on a busy 2-core box
+TTL = 1.5
+ROUNDS = int(os.environ.get("LGF_CHAOS_ROUNDS", "1"))
+TENANT = "conn-kills"
+
+
+async def one_round(
+    url: str, schema: str, directory: Path
+) -> tuple[dict[str, tuple[str, int]], int, int]:
+    """One run of the chaos: each execution's (status, charges), connections killed, and
+    worker processes started."""
+    tag = f"lgf-kill-{uuid.uuid4().hex[:8]}"
+    engine = create_engine(url, **pg_engine_options(schema))
+    procs: list[asyncio.subprocess.Process] = []
+    try:
+        async with Instance.open(url, engine_options=pg_engine_options(schema)):
+            pass  # the tables
+        async with engine.begin() as conn:
+            await conn.execute(text(CREATE_EFFECTS))
+        repo = SqlLeaseRepository(engine)
+        records = SqlExecutionRecords(engine)
+        prefix = unique("ck")
+        keys = [LeaseKey(TENANT, f"{prefix}-{i:02d}") for i in range(EXECUTIONS)]
+
+        async def start_worker(n: int) -> asyncio.subprocess.Process:
+            log = os.open(directory / f"{tag}-{n}.log", os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                return await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "tests.chaos.chaos_graphs",
+                    "serve",
+                    url,
+                    schema,
+                    tag,
+                    str(TTL),
+                    "0.2",
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=log,
+                )
+            finally:
+                os.close(log)
+
+        started = 0
+        for _ in range(WORKERS):
+            procs.append(await start_worker(started))
+            started += 1
+        kill = text(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+            " WHERE application_name = :tag AND pid <> pg_backend_pid()"
+        )
+        logs = [directory / f"{tag}-{n}.log" for n in range(WORKERS)]
+
+        async def serving() -> bool | None:
+            up = all(log.exists() and "serving" in log.read_text() for log in logs)
+            return True if up else None
+
+        await poll(serving, time.monotonic() + STARTUP_DEADLINE, "the workers to serve")
+        killed = 0
+        loop = asyncio.get_running_loop()
+        end = loop.time() + KILL_FOR
+        while loop.time() < end:
+            # Executions arrive while connections die: two per kill until all are in.
+            for key in keys[:2]:
+                await record_pending(repo, records, key, PLAIN_GRAPH)
+            keys = keys[2:]
+            await asyncio.sleep(KILL_EVERY)  # the fault's own rhythm, not a wait for a state
+            async with engine.connect() as conn:
+                killed += int((await conn.execute(kill, {"tag": tag})).scalar_one())
+            for i, proc in enumerate(procs):
+                if proc.returncode is not None:  # a worker that exits is restarted
+                    procs[i] = await start_worker(started)
+                    started += 1
+
+        # Quiet: the workers finish what they can; every execution reaches an end.
+        ended = {LeaseStatus.DONE.value, LeaseStatus.DEAD_LETTERED.value, LeaseStatus.FAILED.value}
+        deadline = time.monotonic() + QUIET_DEADLINE
+        while True:
+            rows = [r for r in await statuses(engine, TENANT) if r[0].startswith(prefix)]
+            if len(rows) == EXECUTIONS and all(r[1] in ended for r in rows):
+                break
+            if time.monotonic() > deadline:
+                pytest.fail(f"executions still open after the quiet period: {rows}")
+            await asyncio.sleep(0.1)
+        charges = await effects(engine, prefix)
+        assert killed > 0, "no connection was killed: the chaos did not happen"
+        return {r[0]: (r[1], charges.get(r[0], 0)) for r in rows}, killed, started
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        await engine.dispose()
+
+
+async def test_killed_connections_never_charge_twice(
+    own_schema: tuple[str, str], tmp_path: Path
+) -> None:
+    url, schema = own_schema
+    for round_ in range(ROUNDS):
+        outcome, killed, started = await one_round(url, schema, tmp_path)
+        twice = {e: o for e, o in outcome.items() if o[1] > 1}
+        assert not twice, f"round {round_}: charged more than once: {twice}"
+        for execution_id, (status, charges) in outcome.items():
+            if status == LeaseStatus.DONE.value:
+                assert charges == 1, (round_, execution_id, status, charges)
+        counts: dict[str, int] = {}
+        for status, _ in outcome.values():
+            counts[status] = counts.get(status, 0) + 1
+        print(
+            f"connection kills round {round_}: {killed} connections killed, {started} workers"
+            f" started, executions {counts}, none charged twice"
+        )
