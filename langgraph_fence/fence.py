@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Generator, Iterable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from langgraph.errors import GraphDrained
 
@@ -26,6 +26,7 @@ from .errors import (
     ExecutionLeaseLostError,
 )
 from .faults import fault_point
+from .from_thread import run_on_loop, running_loop
 from .lease import Lease, LeaseKey, PendingEffect, validate_ttl
 
 if TYPE_CHECKING:
@@ -287,6 +288,34 @@ class RunHandle:
         return recorded if isinstance(recorded, ExecutionFencedError) else error
 
 
+async def _confirm(handle: RunHandle) -> None:
+    # The round trip comes first: after a lapse it tells a takeover from a slow store.
+    await handle.renew()
+    if handle.stop_reason is not None:
+        raise GraphDrained(handle.stop_reason)
+
+
+async def _confirm_across(handle: RunHandle) -> None:
+    """Confirm from a coroutine on a loop other than the run's (``asyncio.run`` in a sync
+    node): the store's connections belong to the run's loop."""
+    assert handle.loop is not None
+    future = asyncio.run_coroutine_threadsafe(_confirm(handle), handle.loop)
+    await asyncio.wrap_future(future)
+
+
+class _Confirmed:
+    """What a sync ``confirm_now()`` returns: already done, so awaiting it does nothing."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return
+        yield
+
+
+_CONFIRMED = _Confirmed()
+
+
 class ExecutionFence:
     """The lease the current step runs under, read live.
 
@@ -355,19 +384,44 @@ class ExecutionFence:
         """
         self._require_active().check()
 
-    async def confirm_now(self) -> None:
+    def confirm_now(self) -> Awaitable[None]:
         """Prove the lease is held with one strict renewal, before a call that can't check tokens.
 
-        Raises what :meth:`assert_held` raises and the refusal of the renewal (the fencing
-        error first), then LangGraph's ``GraphDrained`` when the run is being drained (its
-        instance is stopping): the step ends without its writes and runs again wherever the
-        execution is resumed, so no side effect starts during a shutdown.
+        One name for both kinds of step, each getting what it can use:
+
+        * in async code, ``await fence.confirm_now()``: the renewal runs when awaited (on
+          the run's loop; from a coroutine on another loop, it is sent to the run's loop);
+        * in sync code (a sync node or sync tool, which LangGraph runs in a worker thread),
+          ``fence.confirm_now()``: the renewal runs on the run's loop and the call returns
+          once it is confirmed, or raises. What it returns is already done (awaiting it is
+          harmless), so no coroutine is ever left un-awaited.
+
+        Either way the call after it starts only once the store confirmed the hold.
+
+        Raises:
+            ExecutionFencedError: the lease was taken over (the renewal was refused).
+            ExecutionLeaseLostError: the hold could not be proven (for a run that already
+                lost track of its lease, the round trip still tells a takeover apart).
+            ExecutionContextUnavailableError: the step of this fence has ended; or a sync
+                call on the run's own event loop thread (waiting there would deadlock: use
+                ``await fence.confirm_now()``), or with no running loop to renew on.
+            GraphDrained: the run is being drained (its instance is stopping): the step ends
+                without its writes and runs again wherever the execution is resumed, so no
+                side effect starts during a shutdown.
         """
         handle = self._require_active()
-        # The round trip comes first: after a lapse it tells a takeover from a slow store.
-        await handle.renew()
-        if handle.stop_reason is not None:
-            raise GraphDrained(handle.stop_reason)
+        running = running_loop()
+        if running is None:
+            run_on_loop(
+                handle.loop,
+                lambda: _confirm(handle),
+                what=f"fence.confirm_now() of {self._label}",
+                on_loop="use `await fence.confirm_now()` in async code",
+            )
+            return _CONFIRMED
+        if handle.loop is None or running is handle.loop:
+            return _confirm(handle)
+        return _confirm_across(handle)
 
     def fenced(self, observed_token: int) -> ExecutionFencedError:
         """The error to raise when an external system has seen ``observed_token`` > ours.

@@ -42,6 +42,7 @@ from .errors import (
 )
 from .faults import fault_point
 from .fence import FENCE_CONFIG_KEY, ExecutionFence, RunHandle
+from .from_thread import run_on_loop
 from .lease import PendingEffect
 
 __all__ = ["fence_graph", "fenced", "guard_retry_policy"]
@@ -219,17 +220,14 @@ class _Step:
         self.handle.check_alive()
         self._refuse_repeat()
         if self.effect.is_write:
-            loop = self.handle.loop
-            if loop is None or not loop.is_running():
-                raise ExecutionContextUnavailableError(
-                    f"node {self.node!r} declares {self.effect.value} but its run has no "
-                    "running event loop to stamp the lease on: run the graph with "
-                    "Instance.ainvoke()/astream()"
-                )
-            future = asyncio.run_coroutine_threadsafe(
-                self.handle.mark_pending_effect(self._pending()), loop
+            handle, pending = self.handle, self._pending()
+            run_on_loop(
+                handle.loop,
+                lambda: handle.mark_pending_effect(pending),
+                what=f"node {self.node!r} ({self.effect.value}) stamping its write",
+                on_loop="make the node an `async def`, or let LangGraph run it in a worker "
+                "thread (graph.ainvoke/invoke do)",
             )
-            future.result()
         self._enter_frame()
 
     def leave(self) -> None:

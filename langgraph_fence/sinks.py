@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import Connection, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from .database import Dialect, dialect_of, transaction
@@ -43,6 +43,7 @@ __all__ = [
     "FencedWrite",
     "erase_results",
     "fenced_write",
+    "fenced_write_sync",
     "is_serialization_failure",
     "setup_sink",
 ]
@@ -494,3 +495,167 @@ def is_serialization_failure(exc: BaseException) -> bool:
         orig = getattr(current, "orig", None)
         current = orig if isinstance(orig, BaseException) else current.__cause__
     return False
+
+
+# -- the same sink on a sync connection (sync nodes and tools, in LangGraph's worker threads)
+
+
+@contextmanager
+def fenced_write_sync(
+    conn: Connection, fence: ExecutionFence, idempotency_key: str
+) -> Iterator[FencedWrite]:
+    """:func:`fenced_write` on a sync SQLAlchemy ``Connection``: exactly-once per key.
+
+    For sync nodes and sync tools writing with a sync engine (the stdlib ``sqlite3`` driver,
+    or PostgreSQL through ``psycopg``), inside the user's own transaction::
+
+        with engine.begin() as conn:
+            with fenced_write_sync(conn, fence, f"charge:{order_id}") as write:
+                if write.applied:
+                    receipt = write.result
+                else:
+                    receipt = charge(conn, order_id)  # statements on conn
+                    write.record(receipt)
+
+    The same statements as :func:`fenced_write`, in the same order, with the same guarantee
+    and limits: the token is checked against the high-water mark and the mark raised in one
+    statement (a newer mark refuses the write and stops the run's tree), the key is claimed,
+    the result stored when the block ends normally, the claim withdrawn when an error leaves
+    it; everything commits or rolls back with the caller's transaction. The tables are the
+    ones :func:`setup_sink` creates (run it once, from async code, on the same database).
+
+    Args:
+        conn: the caller's sync connection, inside a transaction (``engine.begin()`` or
+            ``conn.begin()``), not in AUTOCOMMIT.
+        fence: the step's fence (``get_execution_context().fence``).
+        idempotency_key: names the write within the execution (see :func:`fenced_write`).
+
+    Raises:
+        What :func:`fenced_write` raises; ``TypeError`` when ``conn`` is not a sync
+        ``Connection`` (use :func:`fenced_write` for an ``AsyncConnection``), and
+        ``ValueError`` for a PostgreSQL driver other than ``psycopg``.
+    """
+    _check_sync_arguments(conn, fence, idempotency_key)
+    fence.assert_held()
+    scope = fence.scope_key
+    token = fence.token  # read once: the mark, the key row and a refusal speak of this one
+    params: dict[str, Any] = {
+        "scope_key": scope,
+        "idempotency_key": idempotency_key,
+        "token": token,
+    }
+    if conn.execute(text(CHECK_AND_RAISE_MARK_SQL), params).first() is None:
+        mark = conn.execute(_READ_MARK_SQL, params).scalar_one()
+        raise _refusal(fence, token, int(mark), idempotency_key)
+    if conn.execute(text(CLAIM_KEY_SQL), params).first() is None:
+        # Applied before, by a committed transaction or this one (see fenced_write).
+        row = conn.execute(_READ_KEY_SQL, params).one()
+        stored = None if row.result is None else json.loads(row.result)
+        logger.debug(
+            "%s key %r applied already under token %s; skipping", scope, idempotency_key, row.token
+        )
+        write = FencedWrite(
+            scope, idempotency_key, token, applied=True, applied_token=int(row.token), result=stored
+        )
+        try:
+            yield write
+        finally:
+            write._open = False
+        return
+    write = FencedWrite(scope, idempotency_key, token, applied=False)
+    try:
+        yield write
+    except BaseException:
+        write._open = False
+        _release_claim_sync(conn, params)
+        raise
+    write._open = False
+    if write._result_json is None:
+        _release_claim_sync(conn, params)
+        raise RuntimeError(
+            f"the fenced_write_sync block of idempotency key {idempotency_key!r} ended without "
+            "write.record(...): call write.record(result) after your statements "
+            "(write.record(None) when there is no result), or raise to abandon the write"
+        )
+    updated = conn.execute(_RECORD_SQL, {**params, "result": write._result_json})
+    if updated.rowcount != 1:  # pragma: no cover - the row was inserted in this transaction
+        raise RuntimeError(
+            f"the claim of idempotency key {idempotency_key!r} of {scope!r} vanished inside "
+            "its own transaction: something else on this connection deleted it"
+        )
+
+
+#: The sync PostgreSQL driver the sync sink is tested with.
+_SYNC_PG_DRIVERS = frozenset({"psycopg"})
+
+
+def _check_sync_arguments(conn: object, fence: object, idempotency_key: object) -> None:
+    if not isinstance(fence, ExecutionFence):
+        raise TypeError(
+            "fence must be an ExecutionFence (get_execution_context().fence inside a step), "
+            f"got {type(fence).__name__}"
+        )
+    if not isinstance(idempotency_key, str) or not idempotency_key or "\x00" in idempotency_key:
+        raise ValueError(
+            "idempotency_key must be a non-empty str without NUL bytes naming the write (the "
+            f"same for every attempt of it), got {idempotency_key!r}"
+        )
+    if isinstance(conn, AsyncConnection):
+        raise TypeError(
+            "conn is an AsyncConnection: use `async with fenced_write(conn, ...)` in async "
+            "code; fenced_write_sync takes a sync Connection"
+        )
+    if not isinstance(conn, Connection):
+        raise TypeError(
+            "conn must be a SQLAlchemy Connection inside your transaction, got "
+            f"{type(conn).__name__}"
+        )
+    name, driver = conn.dialect.name, conn.dialect.driver
+    if name == "postgresql" and driver not in _SYNC_PG_DRIVERS:
+        raise ValueError(
+            f"conn uses the PostgreSQL driver {driver!r}; the sync sink supports psycopg "
+            "(postgresql+psycopg://...): install psycopg[binary] and use that URL"
+        )
+    if name not in ("sqlite", "postgresql"):
+        raise ValueError(f"conn is for {name!r}; the sink supports SQLite and PostgreSQL")
+    if not conn.in_transaction():
+        raise ValueError(
+            "conn is not in a transaction: call fenced_write_sync inside `with engine.begin() "
+            "as conn:` (or `with conn.begin():`) so the sink's rows commit or roll back with "
+            "your own statements"
+        )
+    if _is_autocommit_sync(conn, name):
+        raise ValueError(
+            "conn is in AUTOCOMMIT: each statement would commit on its own and nothing would "
+            "roll back together; take the connection out of it before conn.begin() "
+            "(`conn.execution_options(isolation_level='READ COMMITTED')` on PostgreSQL)"
+        )
+
+
+def _is_autocommit_sync(conn: Connection, dialect: str) -> bool:
+    told = getattr(conn, "_is_autocommit_isolation", None)
+    if conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT" or (
+        callable(told) and told()
+    ):
+        return True
+    fairy = conn.connection
+    raw: Any = fairy.dbapi_connection
+    if dialect == "postgresql":
+        return bool(conn.dialect.detect_autocommit_setting(raw))
+    # sqlite3 with isolation_level None opens no transaction of its own (see fenced_write).
+    return raw.isolation_level is None and (
+        getattr(fairy.driver_connection, "in_transaction", None) is False
+    )
+
+
+def _release_claim_sync(conn: Connection, params: dict[str, Any]) -> None:
+    # As _release_claim: a failed PostgreSQL transaction refuses the DELETE and rolls back.
+    try:
+        conn.execute(_RELEASE_SQL, params)
+    except Exception as exc:  # secondary to the error or refusal being raised
+        logger.debug(
+            "could not release the claim of %s key %r (the transaction will roll back): %s",
+            params["scope_key"],
+            params["idempotency_key"],
+            exc,
+        )

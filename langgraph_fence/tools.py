@@ -21,7 +21,6 @@ did not record its writes is dead-lettered, never repeated.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import threading
@@ -49,6 +48,7 @@ from .errors import (
     find_fence_error,
 )
 from .fence import RunHandle
+from .from_thread import run_on_loop
 from .lease import PendingEffect
 from .nodes import _check_effect, check_stamp_at
 
@@ -148,24 +148,13 @@ async def _stamp(frame: ExecutionContext, tool: BaseTool, effect: Effect) -> Non
 
 def _stamp_from_thread(frame: ExecutionContext, tool: BaseTool, effect: Effect) -> None:
     """Stamp from a worker thread (a sync tool): the guarded write runs on the run's loop."""
-    loop = frame._handle.loop
-    if loop is None or not loop.is_running():
-        raise ExecutionContextUnavailableError(
-            f"tool {tool.name!r} declares {effect.value} but its run has no running event loop "
-            "to stamp the lease on: run the graph with Instance.ainvoke()/astream()"
-        )
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    if running is loop:
-        # Waiting here for a write the loop itself must run would deadlock.
-        raise ExecutionContextUnavailableError(
-            f"tool {tool.name!r} declares {effect.value} and was called with a blocking "
-            "tool.invoke() on the event loop's own thread: call `await tool.ainvoke(...)` "
-            "from async code"
-        )
-    asyncio.run_coroutine_threadsafe(_stamp(frame, tool, effect), loop).result()
+    run_on_loop(
+        frame._handle.loop,
+        lambda: _stamp(frame, tool, effect),
+        what=f"tool {tool.name!r} ({effect.value}) stamping its call",
+        on_loop="call `await tool.ainvoke(...)` from async code instead of a blocking "
+        "tool.invoke()",
+    )
 
 
 def _dead_letter(

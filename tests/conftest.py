@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence.database import create_engine, normalize_url
@@ -130,6 +131,40 @@ def make_engine(
         # Engines are disposed by the loop that made them (pytest-asyncio closes it after);
         # dropping the pool here only releases file handles.
         engine.sync_engine.dispose(close=False)
+
+
+def sync_engine_for(backend: str, database: str | Path, schema: str = "") -> sa.Engine:
+    """A sync engine (stdlib sqlite3, or psycopg) on the database an async engine uses.
+
+    ``database`` is the SQLite file, or the PostgreSQL URL (any driver); ``schema`` the
+    PostgreSQL schema every connection is put in.
+    """
+    if backend == "sqlite":
+        return sa.create_engine(f"sqlite:///{database}")
+    url = normalize_url(str(database)).set(drivername="postgresql+psycopg")
+    options = {"options": f"-csearch_path={schema}"} if schema else {}
+    return sa.create_engine(url, connect_args=options)
+
+
+@pytest.fixture
+def make_sync_engine(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[Callable[[str], sa.Engine]]:
+    """``make_sync_engine(backend)``: a sync engine on the database ``make_engine`` gives."""
+    engines: list[sa.Engine] = []
+
+    def make(backend: str) -> sa.Engine:
+        if backend == "sqlite":
+            engine = sync_engine_for(backend, tmp_path / "fence.db")
+        else:
+            url, schema = request.getfixturevalue("pg_schema")
+            engine = sync_engine_for(backend, url, schema)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.dispose()
 
 
 @pytest.fixture

@@ -28,7 +28,14 @@ import pytest
 from langgraph_fence import LeaseStatus
 from langgraph_fence.lease import Lease
 from tests.chaos.conftest import poll
-from tests.chaos.write_steps import AGENTS, Database, effects_of, spawn, take_over_all
+from tests.chaos.write_steps import (
+    AGENTS,
+    SYNC_TOOL_AGENTS,
+    Database,
+    effects_of,
+    spawn,
+    take_over_all,
+)
 from tests.conftest import unique
 
 pytestmark = pytest.mark.chaos
@@ -76,11 +83,15 @@ async def kill_mid_write(
 
 
 @pytest.mark.parametrize("durability", ["sync", "async"])
-@pytest.mark.parametrize("variant", ["pair-slow-first", "pair-slow-second"])
+@pytest.mark.parametrize(
+    "variant",
+    ["pair-slow-first", "pair-slow-second", "sync-pair-slow-first", "sync-pair-slow-second"],
+)
 async def test_a_slow_write_beside_a_fast_one_never_runs_twice(
     database: Database, variant: str, durability: str, tmp_path: Path
 ) -> None:
-    slow, fast = ("a", "b") if variant == "pair-slow-first" else ("b", "a")
+    """Async nodes, and sync ones (``sync-``: LangGraph runs them in worker threads)."""
+    slow, fast = ("a", "b") if variant.endswith("slow-first") else ("b", "a")
     outcome = await kill_mid_write(database, variant, durability, tmp_path, ready_per_run=1)
     for execution_id, (lease, effects) in outcome.items():
         where = f"{execution_id}: {effects}, {lease.status} {lease.reason}"
@@ -92,10 +103,11 @@ async def test_a_slow_write_beside_a_fast_one_never_runs_twice(
 
 
 @pytest.mark.parametrize("durability", ["sync", "async"])
+@pytest.mark.parametrize("variant", ["fanout", "sync-fanout"])
 async def test_a_send_fan_out_killed_with_two_charges_mid_write_never_repeats_one(
-    database: Database, durability: str, tmp_path: Path
+    database: Database, variant: str, durability: str, tmp_path: Path
 ) -> None:
-    outcome = await kill_mid_write(database, "fanout", durability, tmp_path, ready_per_run=2)
+    outcome = await kill_mid_write(database, variant, durability, tmp_path, ready_per_run=2)
     for execution_id, (lease, effects) in outcome.items():
         where = f"{execution_id}: {effects}, {lease.status} {lease.reason}"
         for i in range(4):
@@ -107,14 +119,15 @@ async def test_a_send_fan_out_killed_with_two_charges_mid_write_never_repeats_on
 
 
 @pytest.mark.parametrize("first", ["email", "charge"])
-@pytest.mark.parametrize("kind", AGENTS)
+@pytest.mark.parametrize("kind", AGENTS + SYNC_TOOL_AGENTS)
 async def test_an_agents_two_write_tool_calls_killed_mid_the_slow_one_never_run_twice(
     database: Database, kind: str, first: str, tmp_path: Path
 ) -> None:
     """The agents users build, as shipped: one model answer with two undeclared tool calls
     (send_email slow, charge_card fast, in either order), killed inside send_email. On the
     first version create_react_agent (v2, each call a task) sent the e-mail twice in 3 of 3
-    kills and ended done."""
+    kills and ended done. With sync tools too (``-sync``), and a sync node calling them with
+    ``tool.invoke()`` from its worker thread (``sync-node``)."""
     outcome = await kill_mid_write(
         database, f"agent-{kind}-{first}", "async", tmp_path, ready_per_run=1, kills=AGENT_KILLS
     )

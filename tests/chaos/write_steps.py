@@ -13,6 +13,12 @@ shows as a second line. The graphs (``build_graph(instance, variant, doomed=...)
   custom ``ToolNode`` graph, LangChain's ``create_agent``), fenced, whose scripted model
   answers with two undeclared (so non-idempotent) tool calls, ``send_email`` (slow) and
   ``charge_card`` (fast), ``<first>`` first.
+* ``sync-pair-slow-first`` / ``sync-pair-slow-second`` / ``sync-fanout``: the same graphs
+  with sync node functions (LangGraph runs them in worker threads; their stamps hop to the
+  run's loop).
+* ``agent-<kind>-sync-<first>``: the same agents with sync tools (``toolnode``,
+  ``react-v2``), and ``agent-sync-node-<first>``: a sync node that calls the sync tools
+  itself with ``tool.invoke()`` from its worker thread.
 
 In a *doomed* process a slow task writes, then waits until the fast tasks' writes are
 stored (they are in the latest checkpoint's pending writes), writes
@@ -60,10 +66,16 @@ from langgraph_fence.faults import arm_fault
 from langgraph_fence.lease import Lease
 
 AGENTS = ("react-v1", "react-v2", "toolnode", "create-agent")
+#: The agents with sync tools: two of the above, and a sync node calling the tools itself.
+SYNC_TOOL_AGENTS = ("toolnode-sync", "react-v2-sync", "sync-node")
 #: The agents that run each tool call of one model answer as a task of its own.
 PER_CALL_TASKS = ("react-v2", "create-agent")
-AGENT_VARIANTS = tuple(f"agent-{kind}-{first}" for kind in AGENTS for first in ("email", "charge"))
-VARIANTS = ("pair-slow-first", "pair-slow-second", "fanout", "linear", *AGENT_VARIANTS)
+AGENT_VARIANTS = tuple(
+    f"agent-{kind}-{first}" for kind in AGENTS + SYNC_TOOL_AGENTS for first in ("email", "charge")
+)
+SYNC_VARIANTS = ("sync-pair-slow-first", "sync-pair-slow-second", "sync-fanout")
+VARIANTS = ("pair-slow-first", "pair-slow-second", "fanout", "linear", *SYNC_VARIANTS)
+VARIANTS += AGENT_VARIANTS
 SLOW_WAIT = 60.0  # a doomed slow task waits this long at most for its kill
 
 
@@ -99,19 +111,40 @@ def _record_effect(directory: Path, node: str) -> None:
         os.close(fd)
 
 
-async def _wait_for_fast_writes(instance: Instance, thread: str, count: int) -> None:
-    """Until ``count`` tasks other than this one have their writes stored."""
+def _thread_config() -> tuple[str, Any]:
+    """This task's id, and the config reading its thread's latest checkpoint.
+
+    The tenant is named: a read with a bare thread id is the default tenant's thread (since
+    threads are keyed by tenant), where this run's checkpoints are not.
+    """
     frame = get_execution_context()
-    me = frame.task_id
-    config: Any = {
-        "configurable": {"thread_id": thread, "checkpoint_ns": "", "tenant_id": frame.tenant_id}
-    }
+    configurable = {"thread_id": frame.thread_id, "checkpoint_ns": "", "tenant_id": frame.tenant_id}
+    return frame.task_id, {"configurable": configurable}
+
+
+def _others_wrote(found: Any, me: str, count: int) -> bool:
+    writers = {w[0] for w in (found.pending_writes or [])} if found else set()
+    return len(writers - {me}) >= count
+
+
+def _wait_for_fast_writes_sync(instance: Instance, count: int) -> None:
+    """:func:`_wait_for_fast_writes` from a worker thread (a sync step)."""
+    me, config = _thread_config()
+    deadline = time.monotonic() + SLOW_WAIT
+    while time.monotonic() < deadline:
+        if _others_wrote(instance.checkpointer.get_tuple(config), me, count):
+            return
+        time.sleep(0.02)
+    raise TimeoutError("the fast tasks' writes never showed")
+
+
+async def _wait_for_fast_writes(instance: Instance, count: int) -> None:
+    """Until ``count`` tasks other than this one have their writes stored."""
+    me, config = _thread_config()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + SLOW_WAIT
     while loop.time() < deadline:
-        found = await instance.checkpointer.aget_tuple(config)
-        writers = {w[0] for w in (found.pending_writes or [])} if found else set()
-        if len(writers - {me}) >= count:
+        if _others_wrote(await instance.checkpointer.aget_tuple(config), me, count):
             return
         await asyncio.sleep(0.02)
     raise TimeoutError("the fast tasks' writes never showed")
@@ -141,29 +174,50 @@ def build_graph(
         effect(node)
         if doomed and slow:
             thread = get_execution_context().thread_id
-            await _wait_for_fast_writes(instance, thread, fast_writers)
+            await _wait_for_fast_writes(instance, fast_writers)
             (directory / "ready" / f"{thread}.{node}").write_text("ready")
             await asyncio.sleep(SLOW_WAIT)  # the kill lands here, mid-step
         return {"log": [node]}
 
+    def write_sync(node: str, *, slow: bool, fast_writers: int) -> dict[str, Any]:
+        # A sync step, in LangGraph's worker thread: it blocks where the async one awaits.
+        effect(node)
+        if doomed and slow:
+            thread = get_execution_context().thread_id
+            _wait_for_fast_writes_sync(instance, fast_writers)
+            (directory / "ready" / f"{thread}.{node}").write_text("ready")
+            time.sleep(SLOW_WAIT)  # the kill lands here, mid-step
+        return {"log": [node]}
+
     builder = StateGraph(State)
     effects: dict[str, Effect] = {}
-    if variant.startswith("pair-"):
-        slow = "a" if variant == "pair-slow-first" else "b"
+    sync = variant.startswith("sync-")
+    shape = variant.removeprefix("sync-")
+    if shape.startswith("pair-"):
+        slow = "a" if shape == "pair-slow-first" else "b"
         for node in ("a", "b"):
 
             async def body(state: State, _node: str = node) -> dict[str, Any]:
                 return await write(_node, slow=_node == slow, fast_writers=1)
 
-            builder.add_node(node, body)
+            def sync_body(state: State, _node: str = node) -> dict[str, Any]:
+                return write_sync(_node, slow=_node == slow, fast_writers=1)
+
+            builder.add_node(node, sync_body if sync else body)
             builder.add_edge(START, node)
             builder.add_edge(node, END)
             effects[node] = Effect.NON_IDEMPOTENT_WRITE
-    elif variant == "fanout":
+    elif shape == "fanout":
 
-        async def charge(state: State) -> dict[str, Any]:
+        async def async_charge(state: State) -> dict[str, Any]:
             i = state["i"]
             return await write(f"charge-{i}", slow=i >= 2, fast_writers=2)
+
+        def sync_charge(state: State) -> dict[str, Any]:
+            i = state["i"]
+            return write_sync(f"charge-{i}", slow=i >= 2, fast_writers=2)
+
+        charge = sync_charge if sync else async_charge
 
         def fan_out(state: State) -> list[Send]:
             return [Send("charge", {"i": i}) for i in range(4)]
@@ -203,6 +257,28 @@ def _build_agent(instance: Instance, variant: str, directory: Path, *, doomed: b
     from tests.agents import ScriptedModel
 
     kind, first = variant.removeprefix("agent-").rsplit("-", 1)
+    sync_tools = kind in SYNC_TOOL_AGENTS
+    kind = kind.removesuffix("-sync")
+
+    @tool("send_email")
+    def send_email_sync(to: str) -> str:
+        """Send an e-mail."""
+        _record_effect(directory, "send_email")
+        if doomed:
+            frame = get_execution_context()
+            if kind != "sync-node" or first == "charge":  # else charge_card comes after
+                _wait_for_effect_sync(directory, frame.thread_id, "charge_card")
+            if kind in PER_CALL_TASKS:
+                _wait_for_fast_writes_sync(instance, 1)
+            (directory / "ready" / f"{frame.thread_id}.send_email").write_text("ready")
+            time.sleep(SLOW_WAIT)  # the kill lands here, mid-send
+        return "sent"
+
+    @tool("charge_card")
+    def charge_card_sync(order: str) -> str:
+        """Charge a card."""
+        _record_effect(directory, "charge_card")
+        return "charged"
 
     @tool
     async def send_email(to: str) -> str:
@@ -214,7 +290,7 @@ def _build_agent(instance: Instance, variant: str, directory: Path, *, doomed: b
             if kind in PER_CALL_TASKS:
                 # charge_card's task is done: its writes (which cleared the only stamp on
                 # the first version) are stored before the kill.
-                await _wait_for_fast_writes(instance, frame.thread_id, 1)
+                await _wait_for_fast_writes(instance, 1)
             (directory / "ready" / f"{frame.thread_id}.send_email").write_text("ready")
             await asyncio.sleep(SLOW_WAIT)  # the kill lands here, mid-send
         return "sent"
@@ -232,9 +308,34 @@ def _build_agent(instance: Instance, variant: str, directory: Path, *, doomed: b
     if first == "charge":
         calls.reverse()
     model = ScriptedModel(turns=[AIMessage("", tool_calls=calls), AIMessage("all done")])
-    tools = fence_tools([send_email, charge_card])  # undeclared: NON_IDEMPOTENT_WRITE
+    # Undeclared: NON_IDEMPOTENT_WRITE.
+    tools = fence_tools(
+        [send_email_sync, charge_card_sync] if sync_tools else [send_email, charge_card]
+    )
     builder: Any
-    if kind in ("react-v1", "react-v2"):
+    if kind == "sync-node":
+        by_name = {t.name: t for t in tools}
+
+        def agent_sync(state: Messages) -> dict[str, Any]:
+            return {"messages": [model.invoke(state["messages"])]}
+
+        def call_tools(state: Messages) -> dict[str, Any]:
+            # A sync node calling its tools itself: each call stamps from this worker thread.
+            answer = state["messages"][-1]
+            return {
+                "messages": [
+                    by_name[call["name"]].invoke({**call, "type": "tool_call"})
+                    for call in answer.tool_calls
+                ]
+            }
+
+        builder = StateGraph(Messages)
+        builder.add_node("agent", agent_sync)
+        builder.add_node("tools", call_tools)
+        builder.add_edge(START, "agent")
+        builder.add_edge("agent", "tools")
+        builder.add_edge("tools", END)
+    elif kind in ("react-v1", "react-v2"):
         import warnings
 
         from langgraph.prebuilt import create_react_agent
@@ -261,6 +362,14 @@ def _build_agent(instance: Instance, variant: str, directory: Path, *, doomed: b
     return fence_graph(builder).compile(
         checkpointer=instance.checkpointer, name=graph_name(variant)
     )
+
+
+def _wait_for_effect_sync(directory: Path, execution_id: str, node: str) -> None:
+    deadline = time.monotonic() + SLOW_WAIT
+    while node not in effects_of(directory, execution_id):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{node} never wrote")
+        time.sleep(0.02)
 
 
 async def _wait_for_effect(directory: Path, execution_id: str, node: str) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import operator
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypedDict
@@ -122,8 +122,18 @@ def first_input(kind: str) -> Any:
 
 
 @asynccontextmanager
-async def stallable(database: Database, name: str) -> AsyncIterator[tuple[Instance, StallGate]]:
-    """An instance on ``database`` whose lease store and timers a test can freeze."""
+async def stallable(
+    database: Database,
+    name: str,
+    *,
+    ttl: float = TTL,
+    clock: Callable[[], float] | None = None,
+) -> AsyncIterator[tuple[Instance, StallGate]]:
+    """An instance on ``database`` whose lease store and timers a test can freeze.
+
+    ``clock`` (default ``time.monotonic``) is the instance's own: a clock that never moves
+    freezes its sense of time too, so its local checks still trust a lapsed hold.
+    """
     engine = create_engine(database.url, **engine_options(database.url, database.schema))
     try:
         store = SqlLeaseRepository(engine)
@@ -138,7 +148,8 @@ async def stallable(database: Database, name: str) -> AsyncIterator[tuple[Instan
             saver,
             records=records,
             instance_id=name,
-            lease_ttl=TTL,
+            lease_ttl=ttl,
+            clock=clock,
             sleep=gate.gated_sleep(asyncio.sleep),
         )
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from langgraph_fence import (
     PendingEffect,
 )
 from langgraph_fence.fence import RunHandle, safety_margin
+from langgraph_fence.from_thread import run_on_loop
 from langgraph_fence.testing import ManualClock
 from tests.conftest import unique
 
@@ -285,3 +287,61 @@ async def test_a_failing_listener_does_not_silence_the_others() -> None:
     error = fence.fenced(3)
     assert run.heard == [error] and later == [error] and gone == []
     unsubscribe()
+
+
+# -- confirm_now() from sync code (issue 22): the renewal happens, or the call raises at once
+
+
+async def test_confirm_now_from_a_worker_thread_renews_before_it_returns() -> None:
+    run = Run()
+    _handle, fence = await run.start()
+    run.store_clock.advance(6.0)
+    done = await asyncio.to_thread(fence.confirm_now)  # a sync node's call, in its thread
+    assert run.wire.calls == ["renew"]  # renewed before the call returned
+    stored = await run.store.get(run.key)
+    assert stored is not None and stored.expires_at == run.store_clock() + TTL
+    await done  # what it returns is already done: awaiting it asks nothing more
+    assert run.wire.calls == ["renew"]
+
+
+async def test_confirm_now_from_a_worker_thread_after_takeover_raises_there() -> None:
+    run = Run()
+    handle, fence = await run.start()
+    newer = await run.take_over()
+    with pytest.raises(ExecutionFencedError) as caught:
+        await asyncio.to_thread(fence.confirm_now)
+    assert caught.value.token_seen == newer.epoch and handle.error is caught.value
+
+
+async def test_confirm_now_from_a_coroutine_on_another_loop_renews_on_the_runs_loop() -> None:
+    run = Run()
+    _handle, fence = await run.start()
+
+    def sync_node_running_its_own_loop() -> None:
+        async def body() -> None:
+            await fence.confirm_now()
+
+        asyncio.run(body())
+
+    await asyncio.to_thread(sync_node_running_its_own_loop)
+    assert run.wire.calls == ["renew"]
+
+
+def test_confirm_now_in_sync_code_without_the_runs_loop_raises_at_once() -> None:
+    async def start() -> ExecutionFence:
+        return (await Run().start())[1]
+
+    fence = asyncio.run(start())  # the run's loop is gone: nothing could renew
+    with pytest.raises(ExecutionContextUnavailableError, match="loop is not running"):
+        fence.confirm_now()
+
+
+async def test_a_blocking_hop_on_the_loops_own_thread_refuses_instead_of_deadlocking() -> None:
+    made: list[bool] = []
+
+    async def never() -> None:
+        made.append(True)
+
+    with pytest.raises(ExecutionContextUnavailableError, match="would deadlock: the fix"):
+        run_on_loop(asyncio.get_running_loop(), never, what="x", on_loop="the fix")
+    assert made == []  # no coroutine was made, so none is left un-awaited
