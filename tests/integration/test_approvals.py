@@ -52,7 +52,9 @@ from tests.chaos.write_steps import Database, engine_options
 from tests.conftest import unique
 
 TENANT = "acme"
-TTL = 0.6
+# A woken worker asks the store once whether it was taken over, within one renew interval
+# (TTL / 3): long enough for that round trip on a busy box.
+TTL = 1.5
 WAIT = 20.0
 
 
