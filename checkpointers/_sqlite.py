@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from langgraph_fence.guard import guard_sql
 from langgraph_fence.schema import STAMP_SQL, stamp_patch
 
 from ._connections import Connections
@@ -39,9 +40,8 @@ __all__ = ["SqliteDriver"]
 
 T = TypeVar("T")
 
-_LEASE_WHERE = (
-    "tenant_id = :tenant_id AND execution_id = :execution_id AND holder = :holder"
-    " AND epoch = :epoch AND status = 'running'"
+_LEASE_WHERE = guard_sql(
+    tenant_id=":tenant_id", execution_id=":execution_id", holder=":holder", epoch=":epoch"
 )
 _GUARD = f"SELECT epoch FROM fence_leases WHERE {_LEASE_WHERE}"
 _GUARD_CLEAR = f"""UPDATE fence_leases SET

@@ -56,7 +56,8 @@ from .errors import (
 )
 from .faults import fault_point
 from .fence import FENCE_CONFIG_KEY, RunHandle
-from .lease import Lease, LeaseStatus, fenced_error
+from .guard import holds
+from .lease import Lease, fenced_error
 from .scope import encode_part
 
 if TYPE_CHECKING:
@@ -68,7 +69,6 @@ __all__ = [
     "check_write_scope",
     "checkpoint_clear_keys",
     "fence_handle",
-    "lease_matches",
     "refuse_write",
     "thread_tenant",
     "writes_clear_keys",
@@ -199,16 +199,6 @@ def _outer_thread_id(inner_id: str) -> tuple[str, str]:
         return DEFAULT_TENANT, inner_id
     tenant_part, _, thread_part = inner_id[len(_TENANT_THREAD) :].partition(":")
     return unquote(tenant_part), unquote(thread_part)
-
-
-def lease_matches(lease: Lease, current: Lease | None) -> bool:
-    """Whether ``current`` (as stored now) is still the hold ``lease`` describes."""
-    return (
-        current is not None
-        and current.epoch == lease.epoch
-        and current.holder == lease.holder
-        and current.status is LeaseStatus.RUNNING
-    )
 
 
 def refuse_write(
@@ -553,7 +543,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         try:
             handle.check()
             current = await handle.repository.get(handle.key)
-            if not lease_matches(handle.lease, current):
+            if not holds(handle.lease, current):
                 raise fenced_error(handle.lease, current, action=action)
         except ExecutionLeaseLostError as exc:
             raise refuse_write(handle, config, exc) from None

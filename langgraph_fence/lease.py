@@ -20,6 +20,7 @@ from typing import Literal, Protocol, overload, runtime_checkable
 
 from .effects import Effect
 from .errors import ExecutionFencedError
+from .guard import holds
 from .scope import encode_part, scope_key
 
 __all__ = [
@@ -342,14 +343,10 @@ def decide_acquire(
 
 
 def _guard(current: Lease | None, lease: Lease, *, action: str) -> Lease:
-    """The guard of every holder operation: same key, same holder, same epoch, running."""
-    if (
-        current is None
-        or current.epoch != lease.epoch
-        or current.holder != lease.holder
-        or current.status is not LeaseStatus.RUNNING
-    ):
+    """The guard of every holder operation (:func:`~langgraph_fence.guard.holds`)."""
+    if not holds(lease, current):
         raise fenced_error(lease, current, action=action)
+    assert current is not None
     return current
 
 

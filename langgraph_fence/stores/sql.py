@@ -37,6 +37,7 @@ from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..database import create_engine, dialect_of, read_only, single_statement
+from ..guard import guard_sql
 from ..lease import (
     REOPENABLE_STATUSES,
     TERMINAL_STATUSES,
@@ -78,11 +79,13 @@ _RETURNING = (
 _KEY = and_(
     _C.tenant_id == bindparam("p_tenant_id"), _C.execution_id == bindparam("p_execution_id")
 )
-_GUARD = and_(
-    _KEY,
-    _C.holder == bindparam("p_holder"),
-    _C.epoch == bindparam("p_epoch"),
-    _C.status == LeaseStatus.RUNNING.value,
+_GUARD = text(
+    guard_sql(
+        tenant_id=":p_tenant_id",
+        execution_id=":p_execution_id",
+        holder=":p_holder",
+        epoch=":p_epoch",
+    )
 )
 
 

@@ -1,0 +1,224 @@
+"""One guard: every guarded statement gives the same answer for the same stored lease.
+
+A write made under a hold lands only while the stored lease is still that hold (same key,
+holder, epoch, status ``running``; expiry is not part of it). The rule is written once
+(:mod:`langgraph_fence.guard`), but it runs in many statements: the lease store's renew,
+release, stamp and clear (memory, SQLite, PostgreSQL), :class:`SqlCheckpointer`'s checkpoint
+and writes statements on both drivers, and :class:`FencedCheckpointer`'s check before it
+delegates to a saver that cannot guard. Each is run here against the same table of stored
+lease states, and each must land exactly where :func:`~langgraph_fence.guard.holds` says,
+and leave nothing behind where it is refused.
+
+The sinks are not in the table: they fence by the token against their own high-water mark
+(the external system's check, ``tests/contract/test_sinks.py``), not by the lease row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pytest
+from langgraph.checkpoint.base import BaseCheckpointSaver
+from langgraph.checkpoint.conformance.test_utils import generate_checkpoint, generate_metadata
+from langgraph.checkpoint.memory import InMemorySaver
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from checkpointers import SqlCheckpointer
+from langgraph_fence import (
+    Effect,
+    ExecutionFencedError,
+    ExecutionLeaseRepository,
+    FencedCheckpointer,
+    Lease,
+    LeaseKey,
+    LeaseStatus,
+    MemoryLeaseRepository,
+    PendingEffect,
+    SqlLeaseRepository,
+)
+from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
+from langgraph_fence.guard import holds
+from langgraph_fence.testing import ManualClock
+from tests.conftest import unique
+
+TTL = 10.0
+
+
+@dataclass(frozen=True)
+class State:
+    """A stored lease, as a change from the hold ``H`` at epoch 1 (``None``: no row)."""
+
+    name: str
+    change: dict[str, Any] | None
+    lapsed: bool = False
+
+
+STATES = [
+    State("the hold itself", {}),
+    State("the hold, lapsed, nobody took it", {}, lapsed=True),
+    State("no lease row", None),
+    State("taken over (epoch + 1)", {"epoch": 2}),
+    State("another holder at the same epoch", {"holder": "other"}),
+    *(
+        State(f"{status.value} at the same epoch", {"status": status, "holder": holder})
+        for status, holder in [
+            (LeaseStatus.PENDING, None),
+            (LeaseStatus.WAITING, None),
+            (LeaseStatus.DONE, None),
+            (LeaseStatus.FAILED, None),
+            (LeaseStatus.DEAD_LETTERED, None),
+            # A status that is not running fences even with the holder's name left on it.
+            (LeaseStatus.DONE, "H"),
+        ]
+    ),
+]
+
+
+@dataclass
+class Backend:
+    """One lease store, a saver over it, and a way to put a lease row in any state."""
+
+    name: str
+    leases: ExecutionLeaseRepository
+    saver: BaseCheckpointSaver[Any]
+    engine: AsyncEngine | None
+    clock: ManualClock
+
+    async def store(self, hold: Lease, state: State) -> None:
+        """Make the stored lease of ``hold.key`` be ``state``."""
+        if state.lapsed:
+            self.clock.advance(TTL + 1)
+        if isinstance(self.leases, MemoryLeaseRepository):
+            rows = self.leases._rows  # the test's own stored state, set directly
+            if state.change is None:
+                del rows[hold.key]
+            else:
+                rows[hold.key] = replace(rows[hold.key], **state.change)
+            return
+        assert self.engine is not None
+        where = "tenant_id = :t AND execution_id = :e"
+        params: dict[str, Any] = {"t": hold.key.tenant_id, "e": hold.key.execution_id}
+        if state.change is None:
+            sql = f"DELETE FROM fence_leases WHERE {where}"
+        else:
+            sets = []
+            for column, value in state.change.items():
+                sets.append(f"{column} = :{column}")
+                params[column] = value.value if isinstance(value, LeaseStatus) else value
+            if not sets:
+                return
+            sql = f"UPDATE fence_leases SET {', '.join(sets)} WHERE {where}"
+        async with self.engine.begin() as conn:
+            await conn.execute(text(sql), params)
+
+    async def checkpoints(self, thread_id: str) -> int:
+        found = [c async for c in self.saver.alist({"configurable": {"thread_id": thread_id}})]
+        return len(found)
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgresql"])
+async def backend(
+    request: pytest.FixtureRequest, make_engine: Callable[[str], AsyncEngine]
+) -> AsyncIterator[Backend]:
+    clock = ManualClock()
+    if request.param == "memory":
+        # A saver that cannot guard: FencedCheckpointer checks the lease, then delegates.
+        leases = MemoryLeaseRepository(clock=clock)
+        yield Backend("memory", leases, FencedCheckpointer(InMemorySaver()), None, clock)
+        return
+    engine = make_engine(request.param)
+    sql_leases = SqlLeaseRepository(engine, clock=clock)
+    await sql_leases.setup()
+    saver = SqlCheckpointer(engine)
+    await saver.setup()
+    yield Backend(request.param, sql_leases, saver, engine, clock)
+
+
+def _config(thread_id: str, handle: RunHandle, checkpoint_id: str | None = None) -> Any:
+    configurable: dict[str, Any] = {
+        "thread_id": thread_id,
+        "checkpoint_ns": "",
+        FENCE_CONFIG_KEY: handle,
+    }
+    if checkpoint_id is not None:
+        configurable["checkpoint_id"] = checkpoint_id
+    return {"configurable": configurable}
+
+
+Statement = Callable[[Backend, RunHandle, str], Awaitable[Any]]
+
+
+async def _renew(b: Backend, handle: RunHandle, thread: str) -> Any:
+    return await b.leases.renew(handle.lease, TTL)
+
+
+async def _release(b: Backend, handle: RunHandle, thread: str) -> Any:
+    return await b.leases.release(handle.lease, LeaseStatus.PENDING)
+
+
+async def _stamp(b: Backend, handle: RunHandle, thread: str) -> Any:
+    effect = PendingEffect(Effect.NON_IDEMPOTENT_WRITE, "charge", "task-1", handle.token)
+    return await b.leases.mark_pending_effect(handle.lease, effect, TTL)
+
+
+async def _clear(b: Backend, handle: RunHandle, thread: str) -> Any:
+    return await b.leases.clear_pending_effects(handle.lease)
+
+
+async def _checkpoint(b: Backend, handle: RunHandle, thread: str) -> Any:
+    checkpoint = generate_checkpoint(channel_values={"x": 1})
+    checkpoint["channel_versions"] = {"x": 1}
+    return await b.saver.aput(_config(thread, handle), checkpoint, generate_metadata(), {"x": 1})
+
+
+async def _writes(b: Backend, handle: RunHandle, thread: str) -> Any:
+    return await b.saver.aput_writes(_config(thread, handle, "c-1"), [("x", 2)], "task-1")
+
+
+STATEMENTS: dict[str, Statement] = {
+    "lease renew": _renew,
+    "lease release": _release,
+    "stamp": _stamp,
+    "clear stamps": _clear,
+    "checkpoint": _checkpoint,
+    "writes": _writes,
+}
+
+
+@pytest.mark.parametrize("state", STATES, ids=lambda s: s.name)
+@pytest.mark.parametrize("statement", list(STATEMENTS))
+async def test_every_guarded_statement_answers_as_the_guard_does(
+    backend: Backend, statement: str, state: State
+) -> None:
+    key = LeaseKey("tenant", unique("guard"))
+    thread = key.execution_id
+    hold = await backend.leases.acquire(key, "H", TTL)
+    assert hold is not None
+    # The handle's own clock stands still: what is tested is the statement's guard, not the
+    # run's local confirmation window (tests/unit/test_fence.py has that).
+    handle = RunHandle(backend.leases, hold, TTL, clock=ManualClock())
+    await backend.store(hold, state)
+    expected = holds(hold, await backend.leases.get(key))
+    assert expected == (state.change == {}), f"the guard itself disagrees on {state.name!r}"
+
+    try:
+        await STATEMENTS[statement](backend, handle, thread)
+        landed = True
+    except ExecutionFencedError:
+        landed = False
+
+    assert landed == expected, (
+        f"{backend.name} {statement} {'landed' if landed else 'was refused'} on {state.name!r}; "
+        f"the guard says it {'lands' if expected else 'is refused'}"
+    )
+    if not landed and statement == "checkpoint":
+        assert await backend.checkpoints(thread) == 0, "a refused checkpoint left a row"
+    if not landed and statement in {"stamp", "clear stamps", "lease renew", "lease release"}:
+        after = await backend.leases.get(key)
+        before_change = state.change or {}
+        if after is not None:
+            assert after.epoch == before_change.get("epoch", hold.epoch), "a refusal changed it"
+            assert after.pending_effects == (), "a refused stamp left an entry"
