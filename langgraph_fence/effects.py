@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, TypeAlias
 
 if TYPE_CHECKING:
     from .fence import RunHandle
     from .lease import PendingEffect
 
-__all__ = ["Effect", "standing_non_idempotent"]
+__all__ = ["EFFECT_ATTRIBUTE", "Effect", "EffectLike", "as_effect", "standing_non_idempotent"]
+
+#: Set on a function wrapped by ``fenced`` and on the class of a fenced tool: its declared
+#: :class:`Effect`. ``fence_graph`` and ``fence_tools`` read it to keep what was declared.
+EFFECT_ATTRIBUTE = "__langgraph_fence_effect__"
 
 
 class Effect(enum.StrEnum):
@@ -29,6 +33,24 @@ class Effect(enum.StrEnum):
     def is_write(self) -> bool:
         """True for the effects that are stamped before they run."""
         return self is not Effect.READ_ONLY
+
+
+#: What the public API takes where it asks for an effect: an :class:`Effect` or its value.
+EffectLike: TypeAlias = "Effect | Literal['read_only', 'idempotent_write', 'non_idempotent_write']"
+
+
+def as_effect(value: object, *, name: str = "effect") -> Effect:
+    """``value`` as an :class:`Effect`: an ``Effect`` or its name as a string
+    (``"non_idempotent_write"``); anything else is refused naming the valid ones."""
+    if isinstance(value, Effect):
+        return value
+    if isinstance(value, str):
+        try:
+            return Effect(value)
+        except ValueError:
+            pass
+    valid = ", ".join(f"Effect.{e.name} ({e.value!r})" for e in Effect)
+    raise ValueError(f"{name} must be an Effect: one of {valid}; got {value!r}")
 
 
 def standing_non_idempotent(handle: RunHandle, task_id: str) -> PendingEffect | None:

@@ -32,7 +32,7 @@ from .context import (
     _reset_frame,
     _set_frame,
 )
-from .effects import Effect, standing_non_idempotent
+from .effects import EFFECT_ATTRIBUTE, Effect, EffectLike, as_effect, standing_non_idempotent
 from .errors import (
     ExecutionContextUnavailableError,
     ExecutionDeadLetteredError,
@@ -50,18 +50,6 @@ __all__ = ["fence_graph", "fenced", "guard_retry_policy"]
 logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-#: Set on a function wrapped by :func:`fenced`; holds its declared :class:`Effect`.
-EFFECT_ATTRIBUTE = "__langgraph_fence_effect__"
-
-
-def _check_effect(effect: object, *, name: str = "effect") -> Effect:
-    if not isinstance(effect, Effect):
-        raise ValueError(
-            f"{name} must be an Effect (Effect.READ_ONLY, Effect.IDEMPOTENT_WRITE or "
-            f"Effect.NON_IDEMPOTENT_WRITE), got {effect!r}"
-        )
-    return effect
 
 
 def _configurable(config: Any) -> dict[str, Any]:
@@ -390,7 +378,7 @@ def fenced(fn: F, /) -> F: ...
 
 @overload
 def fenced(
-    *, effect: Effect = Effect.READ_ONLY, name: str | None = None, stamp: StampAt = "body"
+    *, effect: EffectLike = Effect.READ_ONLY, name: str | None = None, stamp: StampAt = "body"
 ) -> Callable[[F], F]: ...
 
 
@@ -398,7 +386,7 @@ def fenced(
     fn: Callable[..., Any] | None = None,
     /,
     *,
-    effect: Effect = Effect.READ_ONLY,
+    effect: EffectLike = Effect.READ_ONLY,
     name: str | None = None,
     stamp: StampAt = "body",
 ) -> Any:
@@ -428,7 +416,7 @@ def fenced(
             ``async with get_execution_context().side_effect():``; what runs before it
             (an ``interrupt()`` for approval, a model call) is safe to repeat.
     """
-    _check_effect(effect)
+    effect = as_effect(effect)
     stamp = check_stamp_at(stamp, effect)
     if fn is not None:
         if not callable(fn):
@@ -475,7 +463,7 @@ def guard_retry_policy(
     return [guard_retry_policy(p) for p in policy]  # type: ignore[misc]
 
 
-def fence_graph(builder: Any, effects: Mapping[str, Effect] | None = None) -> Any:
+def fence_graph(builder: Any, effects: Mapping[str, EffectLike] | None = None) -> Any:
     """Fence every node of a ``StateGraph`` before ``compile()``; returns the builder.
 
     Each node runs as if decorated with :func:`fenced` (nodes already decorated keep their
@@ -493,14 +481,15 @@ def fence_graph(builder: Any, effects: Mapping[str, Effect] | None = None) -> An
         raise ValueError(
             f"builder must be a StateGraph (before compile()), got {type(builder).__name__}"
         )
-    effects = dict(effects or {})
-    unknown = sorted(set(effects) - set(nodes))
+    by_node: dict[str, Effect] = {
+        node_name: as_effect(node_effect, name=f"effects[{node_name!r}]")
+        for node_name, node_effect in dict(effects or {}).items()
+    }
+    unknown = sorted(set(by_node) - set(nodes))
     if unknown:
         raise ValueError(
             f"effects names nodes the graph does not have: {unknown}; its nodes are {sorted(nodes)}"
         )
-    for node_name, node_effect in effects.items():
-        _check_effect(node_effect, name=f"effects[{node_name!r}]")
     from langgraph._internal._runnable import RunnableCallable
     from langgraph.pregel import Pregel
 
@@ -514,19 +503,19 @@ def fence_graph(builder: Any, effects: Mapping[str, Effect] | None = None) -> An
                 runnable.afunc, EFFECT_ATTRIBUTE, None
             )
             if declared is not None:
-                if node_name in effects and effects[node_name] is not declared:
+                if node_name in by_node and by_node[node_name] is not declared:
                     raise ValueError(
                         f"node {node_name!r} is decorated with @fenced(effect={declared}) but "
-                        f"effects says {effects[node_name]}: declare it in one place"
+                        f"effects says {by_node[node_name]}: declare it in one place"
                     )
                 continue
-            effect = effects.get(node_name, Effect.READ_ONLY)
+            effect = by_node.get(node_name, Effect.READ_ONLY)
             if runnable.func is not None:
                 runnable.func = _wrap_sync(runnable.func, node_name, effect)
             if runnable.afunc is not None:
                 runnable.afunc = _wrap_async(runnable.afunc, node_name, effect)
             continue
-        effect = effects.get(node_name, Effect.READ_ONLY)
+        effect = by_node.get(node_name, Effect.READ_ONLY)
         inner = runnable
 
         async def call_runnable(state: Any, config: RunnableConfig, _inner: Any = inner) -> Any:

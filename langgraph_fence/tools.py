@@ -41,7 +41,7 @@ from .context import (
     _reset_deferred,
     current_frame,
 )
-from .effects import Effect, standing_non_idempotent
+from .effects import EFFECT_ATTRIBUTE, Effect, EffectLike, as_effect, standing_non_idempotent
 from .errors import (
     ExecutionContextUnavailableError,
     WriteDeadLetteredError,
@@ -50,14 +50,12 @@ from .errors import (
 from .fence import RunHandle
 from .from_thread import run_on_loop
 from .lease import PendingEffect
-from .nodes import _check_effect, check_stamp_at
+from .nodes import check_stamp_at
 
 __all__ = ["fence_tools"]
 
 logger = logging.getLogger(__name__)
 
-#: Set on the class of a fenced tool; holds the tool's declared :class:`Effect`.
-EFFECT_ATTRIBUTE = "__langgraph_fence_effect__"
 #: Set on the class of a fenced tool; where its write is stamped (``"body"``/``"effect"``).
 STAMP_ATTRIBUTE = "__langgraph_fence_stamp__"
 
@@ -295,7 +293,7 @@ def _as_tool(candidate: object, index: int) -> BaseTool:
 
 def fence_tools(
     tools: Iterable[BaseTool | Callable[..., Any]],
-    effects: Mapping[str, Effect] | None = None,
+    effects: Mapping[str, EffectLike] | None = None,
     *,
     stamp_at_effect: Iterable[str] = (),
 ) -> list[BaseTool]:
@@ -371,8 +369,9 @@ def fence_tools(
         raise ValueError(
             f"effects names tools not in the list: {unknown}; the tools are {sorted(seen)}"
         )
-    for name, effect in declared.items():
-        _check_effect(effect, name=f"effects[{name!r}]")
+    by_tool: dict[str, Effect] = {
+        name: as_effect(effect, name=f"effects[{name!r}]") for name, effect in declared.items()
+    }
     if isinstance(stamp_at_effect, str) or not isinstance(stamp_at_effect, Iterable):
         raise ValueError(f"stamp_at_effect must be a list of tool names, got {stamp_at_effect!r}")
     deferred = set(stamp_at_effect)
@@ -383,7 +382,7 @@ def fence_tools(
         )
     fenced: list[BaseTool] = []
     for tool in converted:
-        effect = declared.get(tool.name, Effect.NON_IDEMPOTENT_WRITE)
+        effect = by_tool.get(tool.name, Effect.NON_IDEMPOTENT_WRITE)
         stamp: StampAt = "body"
         if tool.name in deferred:
             stamp = check_stamp_at("effect", effect, name=f"stamp_at_effect[{tool.name!r}]")

@@ -42,6 +42,7 @@ from langgraph_fence import (
     fenced,
     get_execution_context,
 )
+from langgraph_fence.effects import EFFECT_ATTRIBUTE
 from langgraph_fence.errors import WriteDeadLetteredError
 from langgraph_fence.fence import FENCE_CONFIG_KEY
 from langgraph_fence.lease import Lease
@@ -740,8 +741,10 @@ def test_bad_input_is_refused_naming_what_is_wrong() -> None:
         """A plain function, made into a tool as ToolNode does."""
         return x
 
-    with pytest.raises(ValueError, match=r"effects\['a'\]"):
-        fence_tools([a, b], effects={"a": "read_only"})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match=r"effects\['a'\] must be an Effect: one of"):
+        fence_tools([a, b], effects={"a": "read"})  # type: ignore[dict-item]
+    [by_name] = fence_tools([a], effects={"a": "read_only"})  # an effect's name is taken too
+    assert getattr(type(by_name), EFFECT_ATTRIBUTE) is Effect.READ_ONLY
     with pytest.raises(ValueError, match=r"effects\['b'\]"):
         fence_tools([a, b], effects={"b": None})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match=r"not in the list: \['c'\]"):

@@ -22,6 +22,7 @@ from langgraph_fence import (
     MemoryLeaseRepository,
 )
 from langgraph_fence.context import ExecutionContext, get_execution_context
+from langgraph_fence.effects import EFFECT_ATTRIBUTE
 from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
 from langgraph_fence.nodes import fence_graph, fenced
 from langgraph_fence.testing import ManualClock, run_node
@@ -128,13 +129,28 @@ def test_fenced_keeps_the_signature_langgraph_reads() -> None:
 
 def test_bad_effects_are_refused_naming_the_argument() -> None:
     with pytest.raises(ValueError, match="effect must be an Effect"):
-        fenced(effect="write")  # type: ignore[call-overload]
+        fenced(effect="write")  # type: ignore[arg-type]
     builder = StateGraph(State)
     builder.add_node("a", lambda s: {})
     with pytest.raises(ValueError, match="does not have"):
         fence_graph(builder, effects={"b": Effect.READ_ONLY})
-    with pytest.raises(ValueError, match=r"effects\['a'\]"):
+    with pytest.raises(ValueError, match=r"effects\['a'\] must be an Effect: one of .*'read_only'"):
         fence_graph(builder, effects={"a": "read"})  # type: ignore[dict-item]
+
+
+def test_effects_are_taken_by_their_names_too() -> None:
+    """``"non_idempotent_write"`` means Effect.NON_IDEMPOTENT_WRITE wherever an effect is taken."""
+
+    def charge(state: State) -> dict[str, Any]:
+        return {}
+
+    decorated = fenced(effect="non_idempotent_write")(charge)
+    assert getattr(decorated, EFFECT_ATTRIBUTE) is Effect.NON_IDEMPOTENT_WRITE
+    builder = StateGraph(State)
+    builder.add_node("charge", charge)
+    fence_graph(builder, effects={"charge": "non_idempotent_write"})
+    wrapped = builder.nodes["charge"].runnable.func  # type: ignore[attr-defined]
+    assert getattr(wrapped, EFFECT_ATTRIBUTE) is Effect.NON_IDEMPOTENT_WRITE
 
 
 async def _held_config(thread_id: str) -> tuple[RunnableConfig, RunHandle]:
