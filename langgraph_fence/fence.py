@@ -89,6 +89,9 @@ class RunHandle:
         # tool-retry wrapper, a try/except in a node): every later step and tool body of the
         # run is refused with it, and the run ends dead-lettered.
         self.dead_letter: ExecutionDeadLetteredError | None = None
+        # Task id -> the attempt in which a fenced tool of that task stamped a
+        # NON_IDEMPOTENT_WRITE: a retried attempt of the task runs none of its tools.
+        self.tool_stamp_attempts: dict[str, int] = {}
         self._listeners: list[StopListener] = []
         # The loop the run's store calls belong to; sync steps running in worker threads
         # submit their guarded writes to it.

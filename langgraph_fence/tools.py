@@ -25,7 +25,6 @@ import functools
 import logging
 import threading
 import uuid
-import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextvars import ContextVar
 from typing import Any, cast
@@ -47,7 +46,6 @@ from .errors import (
     WriteDeadLetteredError,
     find_fence_error,
 )
-from .fence import RunHandle
 from .from_thread import run_on_loop
 from .lease import PendingEffect
 from .nodes import check_stamp_at
@@ -58,28 +56,6 @@ logger = logging.getLogger(__name__)
 
 #: Set on the class of a fenced tool; where its write is stamped (``"body"``/``"effect"``).
 STAMP_ATTRIBUTE = "__langgraph_fence_stamp__"
-
-
-class _RunTools:
-    """What the fenced tools of one run share: which attempt stamped."""
-
-    __slots__ = ("stamped_in",)
-
-    def __init__(self) -> None:
-        # task id -> the attempt in which a tool of that task stamped NON_IDEMPOTENT_WRITE.
-        self.stamped_in: dict[str, int] = {}
-
-
-_runs: weakref.WeakKeyDictionary[RunHandle, _RunTools] = weakref.WeakKeyDictionary()
-_runs_lock = threading.Lock()
-
-
-def _run_tools(handle: RunHandle) -> _RunTools:
-    with _runs_lock:
-        state = _runs.get(handle)
-        if state is None:
-            state = _runs[handle] = _RunTools()
-        return state
 
 
 # The tool whose async path has already fenced this call: its body may run through the
@@ -115,7 +91,7 @@ def _refuse_repeat(frame: ExecutionContext, tool: BaseTool) -> None:
     standing = standing_non_idempotent(handle, frame.task_id)
     if standing is None:
         return
-    stamped_in = _run_tools(handle).stamped_in.get(frame.task_id)
+    stamped_in = handle.tool_stamp_attempts.get(frame.task_id)
     if stamped_in is not None and stamped_in < frame.attempt:
         raise handle.record_dead_letter(
             WriteDeadLetteredError(
@@ -141,7 +117,7 @@ async def _stamp(frame: ExecutionContext, tool: BaseTool, effect: Effect) -> Non
     )
     await handle.mark_pending_effect(stamp)
     if effect is Effect.NON_IDEMPOTENT_WRITE:
-        _run_tools(handle).stamped_in.setdefault(frame.task_id, frame.attempt)
+        handle.tool_stamp_attempts.setdefault(frame.task_id, frame.attempt)
 
 
 def _stamp_from_thread(frame: ExecutionContext, tool: BaseTool, effect: Effect) -> None:
