@@ -22,6 +22,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    CheckConstraint,
     Column,
     Double,
     Integer,
@@ -47,16 +48,27 @@ __all__ = [
 
 metadata = MetaData()
 
+#: ``fence_leases`` as :data:`LEASE_MIGRATIONS` leave it: the queries are built from this,
+#: and ``tests/contract/test_lease_migrations.py`` checks that a migrated database has
+#: exactly these columns, nullability, key and checks. The migrations are its history
+#: (each step frozen once released); this is its present.
 LEASES = Table(
     "fence_leases",
     metadata,
     Column("tenant_id", Text, nullable=False),
     Column("execution_id", Text, nullable=False),
     Column("scope_key", Text, nullable=False),
-    Column("epoch", BigInteger, nullable=False),
+    Column("epoch", BigInteger, CheckConstraint("epoch >= 0"), nullable=False),
     Column("holder", Text),
     Column("expires_at", Double),
-    Column("status", Text, nullable=False),
+    Column(
+        "status",
+        Text,
+        CheckConstraint(
+            "status IN ('pending', 'running', 'waiting', 'done', 'failed', 'dead_lettered')"
+        ),
+        nullable=False,
+    ),
     Column("pending_effects", JSON().with_variant(JSONB(), "postgresql"), nullable=False),
     Column("reason", Text),
     Column("updated_at", Double, nullable=False),

@@ -7,18 +7,20 @@ node and token named.
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import CheckConstraint, inspect, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence import Effect, LeaseKey, LeaseStatus, PendingEffect, SqlLeaseRepository
 from langgraph_fence.database import create_engine
 from langgraph_fence.migrations import migrate
-from langgraph_fence.schema import LEASE_MIGRATIONS
+from langgraph_fence.schema import LEASE_MIGRATIONS, LEASES
 from langgraph_fence.testing import ManualClock
 from tests.conftest import _pg_admin, pg_engine_options
 
@@ -99,3 +101,47 @@ async def test_an_unstamped_old_lease_has_an_empty_set(fresh_engine: AsyncEngine
     await store.setup()
     lease = await store.get(LeaseKey("t", "e"))
     assert lease is not None and lease.pending_effects == () and lease.epoch == 3
+
+
+async def test_the_migrated_table_is_the_table_the_queries_are_built_from(
+    fresh_engine: AsyncEngine,
+) -> None:
+    """``LEASES`` (what every query is built from) and the migrations (what a database gets)
+    describe one table: same columns, nullability, primary key, and checks."""
+    await SqlLeaseRepository(fresh_engine).setup()
+
+    def reflect(conn: Any) -> dict[str, Any]:
+        inspector = inspect(conn)
+        return {
+            "columns": {c["name"]: c["nullable"] for c in inspector.get_columns("fence_leases")},
+            "key": inspector.get_pk_constraint("fence_leases")["constrained_columns"],
+            "checks": [c["sqltext"] for c in inspector.get_check_constraints("fence_leases")],
+        }
+
+    async with fresh_engine.connect() as conn:
+        stored = await conn.run_sync(reflect)
+    assert stored["columns"] == {c.name: c.nullable for c in LEASES.columns}
+    assert stored["key"] == [c.name for c in LEASES.primary_key.columns]
+    declared = [
+        str(check.sqltext)
+        for column in LEASES.columns
+        for check in column.constraints
+        if isinstance(check, CheckConstraint)
+    ]
+
+    # Each dialect prints a check back in its own way ("status = ANY (ARRAY['pending'::text,
+    # ...])"): compare what each one tests, its column and its literals.
+    def tested(check: str) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+        column = re.findall(r"\b(epoch|status)\b", check)[0]
+        return (
+            column,
+            tuple(sorted(re.findall(r"'([^']*)'", check))),
+            tuple(re.findall(r"\d+", check)),
+        )
+
+    assert sorted(map(tested, stored["checks"])) == sorted(map(tested, declared))
+    statuses = {s.value for s in LeaseStatus}
+    status_check = next(c for c in declared if c.startswith("status IN"))
+    assert set(re.findall(r"'([^']*)'", status_check)) == statuses, (
+        "the status check must allow exactly the LeaseStatus values"
+    )
