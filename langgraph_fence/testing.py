@@ -8,10 +8,15 @@ ask for the ``leases`` fixture:
 * ``leases.stall(instance)`` freezes that instance as a GC pause or SIGSTOP would (its renew
   timers stop and its lease-store calls block), ``leases.resume(instance)`` thaws it;
 * ``leases.advance(seconds)`` moves the clock (expiry is judged by it);
-* ``await leases.take_over(key)`` takes an expired lease from outside.
+* ``await leases.take_over(key)`` takes an expired lease from outside, deciding a standing
+  stamp as ``serve()`` would (a ``NON_IDEMPOTENT_WRITE`` entry dead-letters it).
 
-:func:`run_node` runs one node function with a held lease (or a lost one, or a given token)
-so a node can be tested without a graph.
+:func:`run_node` runs one node function (a plain one, as ``fence_graph`` users write them,
+or one decorated with ``@fenced``) with a held lease (or a lost one, or a given token) so a
+node can be tested without a graph.
+
+The fixture works whatever the project's pytest-asyncio mode (``strict``, its default, or
+``auto``): it is declared with ``pytest_asyncio.fixture``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import pytest
 
+from .effects import EFFECT_ATTRIBUTE, EffectLike, as_effect
 from .faults import StallableRepository, StallGate
 from .fence import FENCE_CONFIG_KEY, RunHandle
 from .lease import DEFAULT_MAX_TAKEOVERS, Lease, LeaseKey, fenced_error
@@ -150,18 +156,29 @@ class Leases:
         return self.clock.advance(seconds)
 
     async def take_over(self, key: LeaseKey, holder: str = "take-over") -> Lease:
-        """Take the lease of ``key`` from outside (epoch + 1); it must be free or expired."""
-        lease = await self.store.acquire(key, holder, 30.0)
-        if lease is None:
-            current = await self.store.get(key)
+        """Take the lease of ``key`` from outside (epoch + 1), as ``serve()`` would.
+
+        It must be expired or handed back. The take decides a standing stamp in the same
+        statement as ``serve()``'s: with a ``NON_IDEMPOTENT_WRITE`` entry standing, the
+        lease returned is ``dead_lettered`` (status and reason set), never running.
+        """
+        current = await self.store.get(key)
+        taken = None if current is None else await self.store.take_over(current, holder, 30.0)
+        if taken is None:
             raise AssertionError(
                 f"the lease of {key.scope_key!r} could not be taken over: it is {current}; "
                 "advance the clock past its expiry first"
             )
-        return lease
+        return taken
 
 
-@pytest.fixture
+try:  # pytest-asyncio's own decorator: the fixture then works in its strict mode too
+    from pytest_asyncio import fixture as _async_fixture
+except ImportError:  # no pytest-asyncio: another async plugin (anyio) may serve it
+    _async_fixture = pytest.fixture  # type: ignore[assignment]
+
+
+@_async_fixture
 async def leases(tmp_path: Path) -> AsyncIterator[Leases]:
     """Instances on a real store with a controlled clock that a test can stall and resume."""
     from .database import create_engine
@@ -185,6 +202,7 @@ async def run_node(
     state: Any,
     *,
     fence: FenceOption = "held",
+    effect: EffectLike | None = None,
     config: Mapping[str, Any] | None = None,
     tenant_id: str = "test-tenant",
     thread_id: str | None = None,
@@ -193,10 +211,13 @@ async def run_node(
     """Run one node function (sync or async) with a lease, without a graph; return its output.
 
     Args:
-        node: the node function, usually decorated with ``@fenced``.
+        node: the node function: a plain one (it runs as ``fence_graph`` would wrap it,
+            with ``effect``) or one decorated with ``@fenced``.
         state: the state passed as its first argument.
         fence: ``"held"`` (token 1), ``"lost"`` (taken over: the fence refuses with
             ``ExecutionFencedError``), or an int: held at that token.
+        effect: the effect of a plain ``node`` (default ``READ_ONLY``); a decorated one
+            keeps its own, and a different ``effect`` for it is refused.
         config: extra run config merged into the node's config.
         tenant_id: the lease's tenant.
         thread_id: the thread (and execution) id; unique by default.
@@ -206,6 +227,16 @@ async def run_node(
 
     from .stores.memory import MemoryLeaseRepository
 
+    declared = getattr(node, EFFECT_ATTRIBUTE, None)
+    if declared is None:
+        from .nodes import fenced
+
+        node = fenced(effect=as_effect(effect if effect is not None else "read_only"))(node)
+    elif effect is not None and as_effect(effect) is not declared:
+        raise ValueError(
+            f"effect={effect!r} but the node is decorated with @fenced(effect={declared}): "
+            "declare it in one place"
+        )
     if fence not in ("held", "lost") and (
         isinstance(fence, bool) or not isinstance(fence, int) or fence < 1
     ):
