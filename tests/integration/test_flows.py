@@ -169,6 +169,14 @@ class Flow:
 
 
 def node(steps: Steps, name: str) -> Any:
+    """A step logging ``name@token``; sync when ``name`` starts with ``sync``."""
+    if name.startswith("sync"):
+
+        def run_sync(state: State) -> dict[str, Any]:
+            return {"log": [f"{name}@{steps.step(name)}"]}
+
+        return run_sync
+
     async def run(state: State) -> dict[str, Any]:
         return {"log": [f"{name}@{steps.step(name)}"]}
 
@@ -391,14 +399,15 @@ async def test_resume_after_an_error_does_not_repeat_the_charge(flow: Flow) -> N
 
 
 async def test_time_travel_replays_a_done_execution_at_the_next_token(flow: Flow) -> None:
-    on_a, on_b = graphs(flow, lambda i, s: chain(i, s, ["one", "two", "three"]))
+    # "sync_two" is a sync node: LangGraph runs it in a worker thread, fenced all the same.
+    on_a, on_b = graphs(flow, lambda i, s: chain(i, s, ["one", "sync_two", "three"]))
     out = await flow.run("A", on_a, {"log": []})
-    assert out["log"] == ["one@1", "two@1", "three@1"]
-    before_two = next(s for s in await flow.history(on_b) if s.next == ("two",))
+    assert out["log"] == ["one@1", "sync_two@1", "three@1"]
+    before_two = next(s for s in await flow.history(on_b) if s.next == ("sync_two",))
     out = await flow.run("B", on_b, None, config=before_two.config)
-    assert out["log"] == ["one@1", "two@2", "three@2"]
+    assert out["log"] == ["one@1", "sync_two@2", "three@2"]
     latest = await on_b.aget_state(flow.config)
-    assert latest.values["log"] == ["one@1", "two@2", "three@2"] and latest.next == ()
+    assert latest.values["log"] == ["one@1", "sync_two@2", "three@2"] and latest.next == ()
     lease = await flow.instances["B"].repository.get(LeaseKey(TENANT, flow.thread))
     assert lease is not None and lease.status is LeaseStatus.DONE
     # The replay forked from the past checkpoint; the first branch is still there, as it was.
