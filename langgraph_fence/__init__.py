@@ -11,6 +11,7 @@ from .effects import Effect
 from .errors import (
     ExecutionContextUnavailableError,
     ExecutionDeadLetteredError,
+    ExecutionEndedError,
     ExecutionFencedError,
     ExecutionLeaseHeldError,
     ExecutionLeaseLostError,
@@ -30,6 +31,7 @@ __all__ = [
     "ExecutionContext",
     "ExecutionContextUnavailableError",
     "ExecutionDeadLetteredError",
+    "ExecutionEndedError",
     "ExecutionFence",
     "ExecutionFencedError",
     "ExecutionLeaseHeldError",

@@ -122,7 +122,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``langgraph-fence`` console script; returns the exit code."""
-    from .errors import ExecutionLeaseHeldError
+    from .errors import ExecutionEndedError, ExecutionLeaseHeldError
 
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR)
@@ -144,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         console.print(f"[red]error:[/red] {mask_password(str(exc))}", markup=False, highlight=False)
         return 2
-    except ExecutionLeaseHeldError as exc:
+    except (ExecutionLeaseHeldError, ExecutionEndedError) as exc:
         console.print(f"refused: {exc}", markup=False, highlight=False)
         return 3
     except (SQLAlchemyError, OSError) as exc:

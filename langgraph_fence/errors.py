@@ -17,6 +17,7 @@ E = TypeVar("E", bound=BaseException)
 __all__ = [
     "ExecutionContextUnavailableError",
     "ExecutionDeadLetteredError",
+    "ExecutionEndedError",
     "ExecutionFencedError",
     "ExecutionLeaseHeldError",
     "ExecutionLeaseLostError",
@@ -91,9 +92,43 @@ class ExecutionContextUnavailableError(LangGraphFenceError, RuntimeError):
 
 
 class ExecutionLeaseHeldError(LangGraphFenceError, RuntimeError):
-    """The execution's lease is held by another live instance, or it has already ended."""
+    """Another live instance holds the execution's lease: nothing was run or written.
+
+    Wait for that run to end (or for its lease to expire, if that instance died), then run
+    again; the message names the holder and its token.
+    """
 
     code: ClassVar[str] = "execution.lease-held"
+
+
+class ExecutionEndedError(LangGraphFenceError, RuntimeError):
+    """The execution has ended in a way no run may reopen: nothing was run or written.
+
+    A ``done`` or ``failed`` execution is never refused (new input starts a new turn, ``None``
+    or a ``Command`` resumes it from the checkpoint the config names, each at the next
+    token); a ``dead_lettered`` one is, until an operator decides
+    (``langgraph-fence resolve``): repeating it could repeat a non-idempotent write.
+
+    Attributes:
+        status: the execution's status (``"dead_lettered"``).
+        reason: why it ended, as the lease records it, or ``None``.
+    """
+
+    code: ClassVar[str] = "execution.ended"
+
+    def __init__(
+        self, message: str, *, status: str | None = None, reason: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            _rebuild_ended,
+            (type(self), str(self), self.status, self.reason),
+            self.__dict__ or None,
+        )
 
 
 class ExecutionThreadBoundError(LangGraphFenceError, ValueError):
@@ -157,6 +192,12 @@ def _rebuild_bound(
     cls: type[ExecutionThreadBoundError], message: str, bound_execution_id: str | None
 ) -> ExecutionThreadBoundError:
     return cls(message, bound_execution_id=bound_execution_id)
+
+
+def _rebuild_ended(
+    cls: type[ExecutionEndedError], message: str, status: str | None, reason: str | None
+) -> ExecutionEndedError:
+    return cls(message, status=status, reason=reason)
 
 
 def linked_errors(exc: BaseException) -> Iterator[BaseException]:

@@ -28,6 +28,7 @@ from langgraph.types import Command
 from .admin import ThreadAdmin, admin_holder
 from .errors import (
     ExecutionDeadLetteredError,
+    ExecutionEndedError,
     ExecutionFencedError,
     ExecutionLeaseHeldError,
     ExecutionLeaseLostError,
@@ -235,9 +236,13 @@ class Instance:
     ) -> Any:
         """Run ``graph`` to its end (or an interrupt) under the execution's lease.
 
-        ``input=None`` resumes the thread from its last checkpoint, as in LangGraph.
-        New input on a thread whose execution is ``done`` or ``failed`` starts a new run
-        of it (epoch + 1); a dead-lettered execution never runs again.
+        ``input=None`` (or a ``Command``) resumes the thread from the checkpoint the config
+        names (``checkpoint_id``: a replay or a fork; the latest by default), as in LangGraph,
+        also on an execution that ended ``done`` or ``failed`` (resume after an error, time
+        travel); new input on such a thread starts a new turn. Each is a new run at the next
+        token (epoch + 1); a non-idempotent write stamped and never cleared dead-letters the
+        execution instead of repeating it, and a dead-lettered execution never runs again
+        without an operator's ``resolve``.
 
         Args:
             graph: a graph compiled with ``checkpointer=instance.checkpointer``.
@@ -253,8 +258,9 @@ class Instance:
         Raises:
             ExecutionFencedError: the lease was taken over during the run.
             ExecutionLeaseLostError: the lease could not be renewed in time.
-            ExecutionLeaseHeldError: another live instance holds the lease, or the
-                execution has ended.
+            ExecutionLeaseHeldError: another live instance holds the lease.
+            ExecutionEndedError: the execution was dead-lettered: it runs again only after
+                an operator's ``langgraph-fence resolve``.
             ExecutionDeadLetteredError: the run was dead-lettered (a non-idempotent
                 write may have happened and is not repeated).
             ExecutionThreadBoundError: the tenant's thread belongs to another execution id
@@ -588,12 +594,15 @@ class Instance:
         base["configurable"] = configurable
         return key, base  # type: ignore[return-value]
 
-    async def _acquire(self, key: LeaseKey, *, reopen: bool) -> RunHandle:
+    async def _acquire(self, key: LeaseKey) -> RunHandle:
         sent_at = self.clock()
-        lease = await self.repository.acquire(key, self.instance_id, self.lease_ttl, reopen=reopen)
+        # Every run may reopen a done or failed execution, whatever its input: new input is a
+        # new turn, None or a Command resumes (or replays, or forks) from the checkpoint its
+        # config names, as LangGraph does. Either is a new run at the next token; only a
+        # dead-lettered execution stays shut (decide_acquire).
+        lease = await self.repository.acquire(key, self.instance_id, self.lease_ttl, reopen=True)
         if lease is None:
-            current = await self.repository.get(key)
-            raise ExecutionLeaseHeldError(_refusal(key, current, self.instance_id))
+            raise _refusal(key, await self.repository.get(key), self.instance_id)
         handle = RunHandle(
             self.repository, lease, self.lease_ttl, clock=self.clock, confirmed_from=sent_at
         )
@@ -648,7 +657,7 @@ class Instance:
                 # record of the run in flight.
                 if await self.records.record(record, unless_held=True):
                     record = None
-            handle = await self._acquire(key, reopen=input is not None)
+            handle = await self._acquire(key)
         else:
             record = None
             handle = RunHandle(self.repository, taken, self.lease_ttl, clock=self.clock)
@@ -699,7 +708,9 @@ class Instance:
             # tool-retry wrapper answering the model, a try/except): the run is dead all the same.
             await self._dead_letter(handle, handle.dead_letter)
             raise handle.dead_letter
-        state = await graph.aget_state(run.base_config)
+        # Where the thread stands now: its latest checkpoint, not the one a replay or a fork
+        # named in the config (that one has the steps the run just ran still ahead of it).
+        state = await graph.aget_state(_latest(run.base_config))
         status = LeaseStatus.WAITING if state.next else LeaseStatus.DONE
         await self._release(run, status, None)
         logger.info("run %s ended %s at token %d", handle.scope_key, status.value, handle.token)
@@ -824,18 +835,36 @@ def _on_signals(stop: asyncio.Event) -> Callable[[], None]:
     return remove
 
 
-def _refusal(key: LeaseKey, current: Any, me: str) -> str:
-    if current is None:
-        return f"the lease of execution {key.scope_key!r} could not be taken; try again"
-    if current.status in (LeaseStatus.DONE, LeaseStatus.FAILED, LeaseStatus.DEAD_LETTERED):
+def _latest(config: RunnableConfig) -> RunnableConfig:
+    """``config`` naming its thread's latest checkpoint (no ``checkpoint_id``)."""
+    configurable = {
+        k: v for k, v in (config.get("configurable") or {}).items() if k != "checkpoint_id"
+    }
+    return {**config, "configurable": configurable}
+
+
+def _refusal(
+    key: LeaseKey, current: Lease | None, me: str
+) -> ExecutionLeaseHeldError | ExecutionEndedError:
+    """Why ``acquire`` (which reopens done and failed executions) did not take ``key``."""
+    if current is not None and current.status is LeaseStatus.DEAD_LETTERED:
         extra = f" ({current.reason})" if current.reason else ""
-        return (
-            f"execution {key.scope_key!r} has ended as {current.status.value}{extra}: it is not "
-            "resumed; start it again with new input (done/failed), or inspect it with "
-            "`langgraph-fence executions`"
+        return ExecutionEndedError(
+            f"execution {key.scope_key!r} was dead-lettered{extra}: it never runs again, "
+            "resumed or not, until an operator decides. Inspect it with `langgraph-fence "
+            "dead-letters`; once what it stamped is settled, `langgraph-fence resolve "
+            "--retry` resumes it from its last checkpoint",
+            status=current.status.value,
+            reason=current.reason,
+        )
+    if current is None or current.holder is None or current.expires_at is None:
+        # Taken and given back by another run between the refused take and this read.
+        return ExecutionLeaseHeldError(
+            f"the lease of execution {key.scope_key!r} was taken by another run while this "
+            "one asked for it; try again"
         )
     who = "this instance" if current.holder == me else f"instance {current.holder!r}"
-    return (
+    return ExecutionLeaseHeldError(
         f"execution {key.scope_key!r} is held by {who} at token {current.epoch} until "
         f"{current.expires_at} (store clock): wait for that run to end, or for its lease to "
         "expire if that instance died"

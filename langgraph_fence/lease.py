@@ -74,7 +74,7 @@ class LeaseStatus(enum.StrEnum):
 
 
 TERMINAL_STATUSES = frozenset({LeaseStatus.DONE, LeaseStatus.FAILED, LeaseStatus.DEAD_LETTERED})
-#: Statuses a new run of the same execution may reopen (a new turn on a finished thread).
+#: Statuses a new run of the same execution may reopen (a new turn, or a resume).
 REOPENABLE_STATUSES = frozenset({LeaseStatus.DONE, LeaseStatus.FAILED})
 #: Statuses ``release`` accepts.
 RELEASE_STATUSES = frozenset(
@@ -318,9 +318,11 @@ def decide_acquire(
 
     Taken when absent (epoch 1), free, or expired (epoch + 1). Never taken while another
     holder's hold has not expired, and never in a terminal status, except that ``reopen``
-    lets a new run start again on a ``done`` or ``failed`` execution (a new turn on a
-    finished thread); a dead-lettered execution is never reopened. The stamp set is kept:
-    the taker decides what it means.
+    lets a new run start again on a ``done`` or ``failed`` execution: a new turn on a
+    finished thread, or a resume of it from one of its checkpoints (after an error, a
+    replay, a fork), at the next token like any take. A dead-lettered execution is never
+    reopened. The stamp set is kept: the taker decides what it means (``Instance``
+    dead-letters the execution while a non-idempotent entry stands).
     """
     _validate_holder(holder)
     ttl = validate_ttl(ttl)

@@ -69,6 +69,7 @@ HOLD_GRAPH = "fence_hold"
 PLAIN_GRAPH = "chaos_plain"
 SINK_GRAPH = "chaos_sink"
 POISON_GRAPH = "poison_pill"
+_ROOT = Path(__file__).resolve().parents[2]
 
 #: The external table the chaos graphs charge into; no unique key, so a repeat shows.
 CREATE_EFFECTS = """
@@ -338,6 +339,40 @@ async def hold(
             return code
         print(json.dumps({"result": "finished", "state": result}), flush=True)
         return EXIT_FINISHED
+
+
+async def spawn_hold(
+    url: str,
+    schema: str,
+    tenant: str,
+    thread: str,
+    ttl: float,
+    renew: float,
+    signal_file: Path,
+    out: Path,
+    err: Path,
+) -> asyncio.subprocess.Process:
+    """Start the ``hold`` script in a process of its own, its output in ``out`` and ``err``."""
+    env = {**os.environ, "PYTHONPATH": str(_ROOT)}
+    env.pop(MARK_DIR_ENV, None)
+    with out.open("wb") as stdout, err.open("wb") as stderr:
+        return await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tests.chaos.chaos_graphs",
+            "hold",
+            url,
+            schema,
+            tenant,
+            thread,
+            str(ttl),
+            str(renew),
+            str(signal_file),
+            stdout=stdout,
+            stderr=stderr,
+            cwd=_ROOT,
+            env=env,
+        )
 
 
 # -- the start script

@@ -57,6 +57,7 @@ from tests.chaos.chaos_graphs import (
     PLAIN_GRAPH,
     SINK_GRAPH,
     build_hold_graph,
+    spawn_hold,
 )
 from tests.conftest import pg_engine_options, unique
 
@@ -646,28 +647,20 @@ async def test_a_refused_start_does_not_rewrite_the_record_of_a_running_executio
     records = SqlExecutionRecords(engine)
     await records.setup()
     chaos = Chaos(tmp_path, url, schema, random.Random(0), graphs="hold_graphs")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     holder: asyncio.subprocess.Process | None = None
     try:
         server = await chaos.spawn()
-        with (tmp_path / "a.out").open("wb") as out, (tmp_path / "a.err").open("wb") as err:
-            holder = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "tests.chaos.chaos_graphs",
-                "hold",
-                url,
-                schema,
-                tenant,
-                thread,
-                "2.0",
-                "0.5",
-                str(inside_work),
-                stdout=out,
-                stderr=err,
-                cwd=ROOT,
-                env=env,
-            )
+        holder = await spawn_hold(
+            url,
+            schema,
+            tenant,
+            thread,
+            2.0,
+            0.5,
+            inside_work,
+            tmp_path / "a.out",
+            tmp_path / "a.err",
+        )
         deadline = time.monotonic() + STARTUP_DEADLINE
         while not (inside_work.exists() and server.ready):
             chaos.update_ready()

@@ -29,7 +29,7 @@ from checkpointers import SqlCheckpointer
 from langgraph_fence import LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.database import create_engine
 from langgraph_fence.executions import SqlExecutionRecords
-from tests.chaos.chaos_graphs import EXIT_FENCED, HOLD_GRAPH
+from tests.chaos.chaos_graphs import EXIT_FENCED, HOLD_GRAPH, spawn_hold
 from tests.chaos.conftest import poll
 from tests.conftest import pg_engine_options, unique
 
@@ -110,24 +110,9 @@ async def test_a_sigstopped_worker_is_fenced_within_one_renew_interval(
     b_out, b_err = tmp_path / "b.out", tmp_path / "b.err"
     procs: list[asyncio.subprocess.Process] = []
     try:
-        with a_out.open("wb") as out, a_err.open("wb") as err:
-            worker_a = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "tests.chaos.chaos_graphs",
-                "hold",
-                url,
-                schema,
-                tenant,
-                thread,
-                str(TTL),
-                str(RENEW),
-                str(inside_work),
-                stdout=out,
-                stderr=err,
-                cwd=ROOT,
-                env=env,
-            )
+        worker_a = await spawn_hold(
+            url, schema, tenant, thread, TTL, RENEW, inside_work, a_out, a_err
+        )
         procs.append(worker_a)
         with b_out.open("wb") as out, b_err.open("wb") as err:
             worker_b = await asyncio.create_subprocess_exec(

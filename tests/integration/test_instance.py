@@ -138,12 +138,15 @@ async def test_every_step_and_checkpoint_runs_under_the_runs_token(instance: Ins
     assert await _tokens(instance, thread) == {1, 2}
 
 
-async def test_resuming_with_none_after_the_run_ended_is_refused(instance: Instance) -> None:
+async def test_resuming_with_none_after_the_run_ended_is_a_new_run(instance: Instance) -> None:
+    # As in LangGraph: None on a finished thread resumes it (here with nothing left to run).
     graph = _graph(instance, [])
-    config = {"configurable": {"thread_id": unique("thread")}}
+    thread = unique("thread")
+    config = {"configurable": {"thread_id": thread}}
     await instance.ainvoke(graph, {"items": [], "log": []}, config, tenant_id="acme")
-    with pytest.raises(ExecutionLeaseHeldError, match="has ended as done"):
-        await instance.ainvoke(graph, None, config, tenant_id="acme")
+    await instance.ainvoke(graph, None, config, tenant_id="acme")
+    lease = await instance.repository.get(LeaseKey("acme", thread))
+    assert lease is not None and lease.status is LeaseStatus.DONE and lease.epoch == 2
 
 
 async def test_a_lease_held_by_a_live_instance_is_refused_naming_the_holder(

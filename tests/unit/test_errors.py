@@ -9,7 +9,9 @@ import pytest
 from langgraph_fence import errors as errors_module
 from langgraph_fence.errors import (
     ExecutionContextUnavailableError,
+    ExecutionEndedError,
     ExecutionFencedError,
+    ExecutionLeaseHeldError,
     ExecutionLeaseLostError,
     LangGraphFenceError,
     find_fence_error,
@@ -144,6 +146,12 @@ def test_codes_of_the_public_errors() -> None:
     assert ExecutionLeaseLostError.code == "execution.lease-lost"
     assert ExecutionFencedError.code == "execution.lease-lost.fenced"
     assert ExecutionContextUnavailableError.code == "execution.context-unavailable"
+    # A live holder (wait, then run again) and an ended execution (an operator decides)
+    # are told apart by class and code; neither is a kind of the other.
+    assert ExecutionLeaseHeldError.code == "execution.lease-held"
+    assert ExecutionEndedError.code == "execution.ended"
+    assert not issubclass(ExecutionEndedError, ExecutionLeaseHeldError)
+    assert not issubclass(ExecutionLeaseHeldError, ExecutionEndedError)
     assert issubclass(ExecutionLeaseLostError, RuntimeError)
     assert issubclass(ExecutionFencedError, ExecutionLeaseLostError)
 
@@ -172,6 +180,7 @@ def test_a_subclass_code_extends_its_parents_by_one_segment(cls: type[LangGraphF
         ExecutionFencedError("no row", scope_key="a%3Ab:c", token_held=7, token_seen=None),
         lost(),
         ExecutionContextUnavailableError("used after its step"),
+        ExecutionEndedError("dead-lettered", status="dead_lettered", reason="stamped"),
     ],
     ids=lambda e: type(e).__name__,
 )
@@ -182,7 +191,7 @@ def test_pickle_round_trip(error: LangGraphFenceError) -> None:
     assert str(copy) == str(error)
     assert copy.code == error.code
     assert getattr(copy, "__notes__", None) == ["seen by worker 2"]
-    for field in ("scope_key", "token_held", "token_seen"):
+    for field in ("scope_key", "token_held", "token_seen", "status", "reason"):
         assert getattr(copy, field, None) == getattr(error, field, None)
 
 
