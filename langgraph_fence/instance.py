@@ -290,6 +290,37 @@ class Instance:
             async for chunk in graph.astream(input, run.config, control=run.control, **kwargs):
                 yield chunk
 
+    async def aupdate_state(
+        self,
+        graph: Any,
+        config: RunnableConfig,
+        values: Any,
+        as_node: str | None = None,
+        *,
+        tenant_id: str,
+        execution_id: str | None = None,
+        task_id: str | None = None,
+    ) -> RunnableConfig:
+        """``graph.aupdate_state(...)`` under the execution's lease; returns the new config.
+
+        The update is a run of the execution like any other: it takes the lease (the next
+        token), is refused with :class:`~langgraph_fence.ExecutionLeaseHeldError` while
+        another live instance holds it, writes its checkpoint under that token, and leaves
+        the execution ``waiting`` (steps to run: resume it with ``ainvoke(graph, None,
+        new_config, ...)``) or ``done``. Use it to edit state before a fork; a plain
+        ``graph.aupdate_state`` writes outside any lease.
+        """
+        async with self._run(graph, None, config, tenant_id, execution_id, {}) as run:
+            updated: RunnableConfig = await graph.aupdate_state(
+                run.config, values, as_node=as_node, task_id=task_id
+            )
+        configurable = {
+            k: v
+            for k, v in dict(updated.get("configurable") or {}).items()
+            if k != FENCE_CONFIG_KEY
+        }
+        return {**updated, "configurable": configurable}
+
     # -- taking executions over
 
     async def serve(

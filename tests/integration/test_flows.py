@@ -419,15 +419,30 @@ async def test_fork_after_update_state_runs_at_the_next_token(flow: Flow) -> Non
     on_a, on_b = graphs(flow, lambda i, s: chain(i, s, ["one", "two", "three"]))
     await flow.run("A", on_a, {"log": []})
     before_two = next(s for s in await flow.history(on_b) if s.next == ("two",))
-    forked = await on_b.aupdate_state(before_two.config, {"note": "edited"})
-    # aupdate_state writes outside any run: its row has no token (README, "What is not built
-    # yet"). What is checked here is the run that follows it.
-    flow.rows = await rows_of(flow.instances["B"], flow.thread)
+    b = flow.instances["B"]
+    # The edit is a run of its own: the lease at the next token, its checkpoint under it.
+    forked = await b.aupdate_state(on_b, before_two.config, {"note": "edited"}, tenant_id=TENANT)
+    await flow.check(b, expect_steps=False)
+    lease = await b.repository.get(LeaseKey(TENANT, flow.thread))
+    assert lease is not None and lease.status is LeaseStatus.WAITING, "steps are left to run"
     out = await flow.run("B", on_b, None, config=forked)
-    assert out["log"] == ["one@1", "two@2", "three@2"] and out["note"] == "edited"
-    assert flow.tokens == [1, 2]
-    lease = await flow.instances["B"].repository.get(LeaseKey(TENANT, flow.thread))
+    assert out["log"] == ["one@1", "two@3", "three@3"] and out["note"] == "edited"
+    assert flow.tokens == [1, 2, 3]
+    lease = await b.repository.get(LeaseKey(TENANT, flow.thread))
     assert lease is not None and lease.status is LeaseStatus.DONE
+
+
+async def test_update_state_is_refused_while_another_instance_holds_the_lease(
+    flow: Flow,
+) -> None:
+    _, on_b = graphs(flow, lambda i, s: chain(i, s, ["one"]))
+    held = await flow.instances["A"].repository.acquire(LeaseKey(TENANT, flow.thread), "A", 60.0)
+    assert held is not None
+    with pytest.raises(ExecutionLeaseHeldError, match="held by instance 'A'"):
+        await flow.instances["B"].aupdate_state(
+            on_b, flow.config, {"note": "sneaked in"}, as_node="one", tenant_id=TENANT
+        )
+    assert await rows_of(flow.instances["B"], flow.thread) == set(), "the refused edit wrote"
 
 
 async def test_resume_of_a_failed_execution_with_a_standing_stamp_is_dead_lettered(
