@@ -17,6 +17,7 @@ from .errors import (
     LangGraphFenceError,
     find_fence_error,
 )
+from .events import EventKind, FenceEvent
 from .fence import ExecutionFence
 from .instance import Instance
 from .lease import ExecutionLeaseRepository, Lease, LeaseKey, LeaseStatus, PendingEffect
@@ -27,6 +28,7 @@ from .tools import fence_tools
 
 __all__ = [
     "Effect",
+    "EventKind",
     "ExecutionContext",
     "ExecutionContextUnavailableError",
     "ExecutionDeadLetteredError",
@@ -35,6 +37,7 @@ __all__ = [
     "ExecutionLeaseHeldError",
     "ExecutionLeaseLostError",
     "ExecutionLeaseRepository",
+    "FenceEvent",
     "FencedCheckpointer",
     "Instance",
     "LangGraphFenceError",

@@ -10,6 +10,9 @@ ask for the ``leases`` fixture:
 * ``leases.advance(seconds)`` moves the clock (expiry is judged by it);
 * ``await leases.take_over(key)`` takes an expired lease from outside.
 
+Outside pytest (a notebook, a script), ``async with open_leases(url) as leases:`` gives the
+same tools on any database.
+
 :func:`run_node` runs one node function with a held lease (or a lost one, or a given token)
 so a node can be tested without a graph.
 """
@@ -20,6 +23,7 @@ import asyncio
 import inspect
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -34,7 +38,7 @@ if TYPE_CHECKING:
 
     from .instance import Instance
 
-__all__ = ["Leases", "ManualClock", "leases", "run_node"]
+__all__ = ["Leases", "ManualClock", "leases", "open_leases", "run_node"]
 
 
 class ManualClock:
@@ -161,20 +165,34 @@ class Leases:
         return lease
 
 
-@pytest.fixture
-async def leases(tmp_path: Path) -> AsyncIterator[Leases]:
-    """Instances on a real store with a controlled clock that a test can stall and resume."""
+@asynccontextmanager
+async def open_leases(url: str, **engine_options: Any) -> AsyncIterator[Leases]:
+    """The ``leases`` fixture's tools on the database at ``url``, for the block.
+
+    Creates the tables, and on exit thaws every stalled instance and closes the engine.
+
+    Args:
+        url: ``sqlite+aiosqlite:///path.db`` or ``postgresql+asyncpg://...``.
+        **engine_options: passed to :func:`langgraph_fence.database.create_engine`.
+    """
     from .database import create_engine
 
-    engine = create_engine(f"sqlite+aiosqlite:///{tmp_path / 'leases.db'}")
+    engine = create_engine(url, **engine_options)
     fixture = Leases(engine, ManualClock())
-    await fixture.setup()
     try:
+        await fixture.setup()
         yield fixture
     finally:
         for gate in fixture._gates.values():
             gate.resume()
         await engine.dispose()
+
+
+@pytest.fixture
+async def leases(tmp_path: Path) -> AsyncIterator[Leases]:
+    """Instances on a real store with a controlled clock that a test can stall and resume."""
+    async with open_leases(f"sqlite+aiosqlite:///{tmp_path / 'leases.db'}") as fixture:
+        yield fixture
 
 
 FenceOption = Literal["held", "lost"] | int
