@@ -166,6 +166,7 @@ class RunHandle:
                 "fenced" if isinstance(error, ExecutionFencedError) else "lost its lease",
                 self.token,
                 error,
+                extra={"scope_key": self.scope_key, "token": self.token},
             )
             for listener in list(self._listeners):
                 try:

@@ -706,7 +706,11 @@ class Instance:
         ]
         self._runs.add(run)
         logger.info(
-            "run %s started at token %d on %s", key.scope_key, handle.token, self.instance_id
+            "run %s started at token %d on %s",
+            key.scope_key,
+            handle.token,
+            self.instance_id,
+            extra={"scope_key": key.scope_key, "token": handle.token},
         )
         try:
             try:
@@ -736,7 +740,13 @@ class Instance:
         state = await graph.aget_state(run.base_config)
         status = LeaseStatus.WAITING if state.next else LeaseStatus.DONE
         await self._release(run, status, None)
-        logger.info("run %s ended %s at token %d", handle.scope_key, status.value, handle.token)
+        logger.info(
+            "run %s ended %s at token %d",
+            handle.scope_key,
+            status.value,
+            handle.token,
+            extra={"scope_key": handle.scope_key, "token": handle.token},
+        )
 
     async def _settle_failure(self, run: _Run, exc: BaseException) -> None:
         handle = run.handle

@@ -126,13 +126,16 @@ def _of(events: list[FenceEvent], key: LeaseKey) -> list[tuple[str, int, str]]:
     return [(e.kind.value, e.token, e.holder) for e in events if e.scope_key == key.scope_key]
 
 
-async def test_a_takeover_is_told_as_acquired_taken_over_fenced_in_order(store: Leases) -> None:
+async def test_a_takeover_is_told_as_acquired_taken_over_fenced_in_order(
+    store: Leases, caplog: pytest.LogCaptureFixture
+) -> None:
     a, b = store.instance("A"), store.instance("B")
     events: list[FenceEvent] = []
     a.add_listener(events.append)
     b.add_listener(events.append)
 
-    key, a_error = await _take_over_mid_charge(store, a, b, Shop())
+    with caplog.at_level(logging.INFO, logger="langgraph_fence"):
+        key, a_error = await _take_over_mid_charge(store, a, b, Shop())
 
     assert isinstance(a_error, ExecutionFencedError)
     told = _of(events, key)
@@ -149,6 +152,15 @@ async def test_a_takeover_is_told_as_acquired_taken_over_fenced_in_order(store: 
     fenced = next(e for e in events if e.kind is EventKind.FENCED)
     assert fenced.reason is not None and "epoch 2" in fenced.reason
     assert all(e.at > 0 for e in events)
+    # The log says it too, with the scope key and token as fields a log pipeline can index.
+    logged = {
+        (r.getMessage().split(": ")[0], r.token)  # type: ignore[attr-defined]
+        for r in caplog.records
+        if getattr(r, "scope_key", None) == key.scope_key
+    }
+    assert (f"execution {key.scope_key} fenced at token 1", 1) in logged
+    assert (f"run {key.scope_key} started at token 1 on A", 1) in logged
+    assert (f"run {key.scope_key} ended done at token 2", 2) in logged
 
 
 async def test_a_takeover_of_a_stamped_write_is_told_as_dead_lettered(store: Leases) -> None:
