@@ -12,10 +12,13 @@ import re
 import sqlite3
 import subprocess
 import sys
+import uuid
 from contextlib import closing
 from pathlib import Path
 
-from tests.conftest import pg_url_from_env
+from sqlalchemy.engine import make_url
+
+from tests.conftest import _pg_admin, pg_url_from_env
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -89,6 +92,22 @@ def test_the_demo_on_postgresql_works_in_its_schema_and_says_which(
     # Nothing outside its schema: the database's default schema does not list it.
     listed = _cli("executions", "--db", pg_url_from_env(), cwd=tmp_path)
     assert order not in listed.stdout
+
+
+def test_the_demo_on_postgresql_makes_a_schema_of_its_own_when_given_none(
+    pg_schema: tuple[str, str], tmp_path: Path
+) -> None:
+    # A database of the test's own: the demo's default schema outlives the demo, by design.
+    url, _ = pg_schema
+    database = f"lgf_demo_{uuid.uuid4().hex[:10]}"
+    _pg_admin(url, f'CREATE DATABASE "{database}"')
+    try:
+        own = make_url(url).set(database=database).render_as_string(hide_password=False)
+        order, command = _run_demo(tmp_path, "--db", own)
+        assert command[-2:] == ["--schema", "langgraph_fence_demo"]
+        _assert_listed_done(tmp_path, command, order)
+    finally:
+        _pg_admin(url, f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
 
 
 def test_a_schema_on_sqlite_is_refused(tmp_path: Path) -> None:
