@@ -22,8 +22,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from opentelemetry import metrics, trace
-from opentelemetry.trace import Status, StatusCode
+try:
+    from opentelemetry import metrics, trace
+    from opentelemetry.trace import Status, StatusCode
+except ImportError as exc:
+    raise ImportError(
+        "langgraph_fence.otel needs OpenTelemetry: pip install 'langgraph-fence[otel]'"
+    ) from exc
 
 from .events import EventKind, FenceEvent
 

@@ -8,8 +8,10 @@ over (token 2, B), fenced (token 1, A), in that order.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import operator
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any, TypedDict
@@ -338,3 +340,10 @@ async def test_otel_records_a_span_and_a_count_per_event(tmp_path: Path) -> None
     }
     counts.pop("lost", None)
     assert counts == {"acquired": 1, "taken_over": 1, "fenced": 1}
+
+
+def test_otel_without_opentelemetry_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "opentelemetry", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "langgraph_fence.otel")
+    with pytest.raises(ImportError, match=r"pip install 'langgraph-fence\[otel\]'"):
+        importlib.import_module("langgraph_fence.otel")
