@@ -18,6 +18,7 @@ from .errors import (
     LangGraphFenceError,
     find_fence_error,
 )
+from .events import EventKind, FenceEvent
 from .fence import ExecutionFence
 from .instance import Instance
 from .lease import ExecutionLeaseRepository, Lease, LeaseKey, LeaseStatus, PendingEffect
@@ -28,6 +29,7 @@ from .tools import fence_tools
 
 __all__ = [
     "Effect",
+    "EventKind",
     "ExecutionContext",
     "ExecutionContextUnavailableError",
     "ExecutionDeadLetteredError",
@@ -37,6 +39,7 @@ __all__ = [
     "ExecutionLeaseHeldError",
     "ExecutionLeaseLostError",
     "ExecutionLeaseRepository",
+    "FenceEvent",
     "FencedCheckpointer",
     "Instance",
     "LangGraphFenceError",

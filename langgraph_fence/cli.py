@@ -36,8 +36,17 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", help="two instances, a stall past the lease, the stale writes refused"
     )
-    demo.add_argument("--db", default=None, help=DB_HELP + " (default: a temporary SQLite file)")
-    demo.add_argument("--schema", default=None, help="PostgreSQL schema (search_path) to use")
+    demo.add_argument(
+        "--db",
+        default=None,
+        help=DB_HELP + " (default: langgraph-fence-demo.db in the current folder); kept",
+    )
+    demo.add_argument(
+        "--schema",
+        default=None,
+        help="PostgreSQL schema (search_path) to use, created if missing "
+        "(default: langgraph_fence_demo)",
+    )
     worker = commands.add_parser(
         "worker", help="serve: take over expired executions and run them (until SIGTERM)"
     )
@@ -173,15 +182,19 @@ async def _demo(console: Console, db: str | None, schema: str | None) -> int:
         token = "" if event.token is None else str(event.token)
         table.add_row(f"{event.at:.2f}", event.worker, token, event.what, style=style)
     console.print(table)
-    refused = sum(1 for e in result.events if e.outcome == "refused")
-    console.print(f"\nrefused stale writes and steps: [bold]{refused}[/bold]")
+    refused = sum(1 for e in result.events if e.what.startswith("charge refused"))
+    console.print(f"\nstale writes refused: [bold]{refused}[/bold]")
     console.print(f"payments for the order: {result.payments}  (order, cents, token)")
     console.print(f"final state log: {result.final_state.get('log')}")
+    where = f", schema {result.schema}" if result.schema else ""
+    kept = f"the database is kept ({result.db}{where}); inspect it:\n  {result.inspect_command}"
     if result.ok:
         console.print("[green]OK[/green]: charged once, by the holder of token 2; A was fenced")
+        console.print(Text(kept))
         return 0
     for problem in result.problems:
         console.print(f"[red]PROBLEM[/red]: {problem}")
+    console.print(Text(kept))
     return 1
 
 

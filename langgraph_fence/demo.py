@@ -1,19 +1,25 @@
-"""The demo: two instances, one order, a stall past the lease, and the stale writes refused.
+"""The demo: two instances, one order, a stall past the lease, and the stale write refused.
 
-Instance A runs an order graph and is frozen (as by a GC pause or SIGSTOP) inside its
-``charge_card`` step. Its lease runs out; instance B takes the execution over (token 2) and
-finishes it, charging the card once through the exactly-once sink. Then A thaws and goes on
-with its step under token 1: its renewal, its charge and its checkpoint writes are refused.
-The demo checks the outcome itself and exits non-zero if anything went wrong.
+Instance A runs an order graph and is frozen (as a paused VM is: its timers stop and its
+clock does not move) inside its ``charge_card`` step. Its lease runs out by the store's
+clock; instance B takes the execution over (token 2) and finishes it, charging the card
+once through the exactly-once sink. Then A thaws, still believing it holds token 1, and goes
+on with its charge: the sink refuses it (it has seen token 2) and A's run ends fenced. Every
+timeline row names its worker and the token it acted under; the rows of the instances'
+events (acquired, fenced, ...) come from the event hook (:mod:`langgraph_fence.events`).
+
+The database is kept (by default ``langgraph-fence-demo.db`` in the current folder), so
+``langgraph-fence executions --db ...`` can be pointed at it afterwards; on PostgreSQL the
+demo works in a schema of its own (``langgraph_fence_demo`` unless ``schema`` is given) and
+creates it if needed. The demo checks the outcome itself and exits non-zero if anything
+went wrong.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import logging
 import operator
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,22 +30,28 @@ from langchain_core.runnables import RunnableConfig
 from sqlalchemy import text
 
 from .context import get_execution_context
-from .database import create_engine, schema_options
+from .database import create_engine, normalize_url, schema_options
 from .effects import Effect
 from .errors import ExecutionLeaseLostError, find_fence_error
+from .events import FenceEvent
 from .executions import SqlExecutionRecords
 from .faults import StallableRepository, StallGate
 from .instance import Instance
 from .lease import LeaseKey
 from .nodes import fence_graph
+from .redact import mask_password
 from .sinks import fenced_write, setup_sink
 from .stores.sql import SqlLeaseRepository
 
-__all__ = ["DemoResult", "TimelineEvent", "run_demo"]
+__all__ = ["DEFAULT_DEMO_FILE", "DEFAULT_DEMO_SCHEMA", "DemoResult", "TimelineEvent", "run_demo"]
 
 LEASE_TTL = 2.0
 RENEW_INTERVAL = 0.5
 TENANT = "acme"
+#: Where the demo keeps its database when no ``--db`` is given (in the current folder).
+DEFAULT_DEMO_FILE = "langgraph-fence-demo.db"
+#: The PostgreSQL schema the demo works in when no ``--schema`` is given.
+DEFAULT_DEMO_SCHEMA = "langgraph_fence_demo"
 
 _worker: contextvars.ContextVar[str] = contextvars.ContextVar("demo_worker", default="?")
 
@@ -61,6 +73,9 @@ class DemoResult:
 
     db: str
     execution: str
+    #: The kept database's URL (password masked) and PostgreSQL schema, to inspect it.
+    url: str = ""
+    schema: str | None = None
     events: list[TimelineEvent] = field(default_factory=list)
     payments: list[tuple[str, int, int]] = field(default_factory=list)
     final_state: dict[str, Any] = field(default_factory=dict)
@@ -71,6 +86,12 @@ class DemoResult:
     def ok(self) -> bool:
         """True when every check of the demo held."""
         return not self.problems
+
+    @property
+    def inspect_command(self) -> str:
+        """The command that lists the executions of the kept database."""
+        schema = f" --schema {self.schema}" if self.schema else ""
+        return f"langgraph-fence executions --db {self.url}{schema}"
 
 
 class Order(TypedDict, total=False):
@@ -90,22 +111,49 @@ class _Timeline:
             TimelineEvent(round(time.monotonic() - self.start, 2), worker, token, what, outcome)
         )
 
-
-class _RefusalLog(logging.Handler):
-    """Turns the library's own fencing warnings into timeline lines."""
-
-    def __init__(self, timeline: _Timeline) -> None:
-        super().__init__(logging.WARNING)
-        self.timeline = timeline
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if "fenced" in message or "refused" in message or "lost its lease" in message:
+    def on_event(self, event: FenceEvent) -> None:
+        """An instance's event as a row: the instance, the token, and what happened."""
+        worker = event.holder.removeprefix("worker-")
+        what = event.kind.value.replace("_", " ")
+        if event.reason:
             # The first sentence says what happened; the rest is advice for logs.
-            self.timeline.add(_worker.get(), None, message.split(". ")[0], "refused")
+            what += f": {event.reason.split('. ')[0]}"
+        refused = event.kind.value in ("lost", "fenced", "dead_lettered")
+        self.add(worker, event.token, what, "refused" if refused else "ok")
 
 
-def _build_graph(timeline: _Timeline, engine: Any, frozen: dict[str, asyncio.Event]) -> Any:
+class _PausableClock:
+    """A monotonic clock that stops while paused, as a paused VM's does: the instance
+    frozen on it believes, when thawed, that its lease is still held."""
+
+    def __init__(self) -> None:
+        self._lost = 0.0
+        self._paused_at: float | None = None
+
+    def __call__(self) -> float:
+        now = time.monotonic() if self._paused_at is None else self._paused_at
+        return now - self._lost
+
+    def pause(self) -> None:
+        if self._paused_at is None:
+            self._paused_at = time.monotonic()
+
+    def resume(self) -> None:
+        if self._paused_at is not None:
+            self._lost += time.monotonic() - self._paused_at
+            self._paused_at = None
+
+
+@dataclass(slots=True)
+class _Freeze:
+    """Holds worker A inside charge_card until thawed; tells when its charge was refused."""
+
+    worker: str = "A"
+    thaw: asyncio.Event = field(default_factory=asyncio.Event)
+    refused: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def _build_graph(timeline: _Timeline, engine: Any, frozen: _Freeze) -> Any:
     from langgraph.graph import END, START, StateGraph
 
     async def receive_order(state: Order) -> dict[str, Any]:
@@ -116,12 +164,11 @@ def _build_graph(timeline: _Timeline, engine: Any, frozen: dict[str, asyncio.Eve
     async def charge_card(state: Order) -> dict[str, Any]:
         frame = get_execution_context()
         worker = _worker.get()
-        timeline.add(worker, frame.fence.token, "charge_card: stamped its pending effect, begins")
-        thaw = frozen.get(worker)
-        if thaw is not None:
-            timeline.add(worker, frame.fence.token, "frozen inside charge_card (GC pause)")
-            await thaw.wait()
-            timeline.add(worker, frame.fence.token, "thawed: goes on with its charge")
+        timeline.add(worker, frame.fence.token, "charge_card begins")
+        if worker == frozen.worker:
+            timeline.add(worker, frame.fence.token, "frozen inside charge_card (VM paused)")
+            await frozen.thaw.wait()
+            timeline.add(worker, frame.fence.token, "goes on: tries its charge through the sink")
         async with engine.connect() as conn:
             if conn.dialect.name == "postgresql":
                 conn = await conn.execution_options(isolation_level="READ COMMITTED")
@@ -146,7 +193,9 @@ def _build_graph(timeline: _Timeline, engine: Any, frozen: dict[str, asyncio.Eve
                             receipt = f"rcpt-{state['order_id']}-t{frame.fence.token}"
                             write.record(receipt)
                 except ExecutionLeaseLostError as exc:
-                    timeline.add(worker, frame.fence.token, f"charge refused: {exc}", "refused")
+                    what = f"charge refused ({type(exc).__name__}): no payment made"
+                    timeline.add(worker, frame.fence.token, what, "refused")
+                    frozen.refused.set()
                     raise
         timeline.add(worker, frame.fence.token, f"charged {state['amount_cents']} cents once")
         return {"receipt": receipt, "log": [f"charged by {worker}"]}
@@ -179,29 +228,46 @@ async def _wait_for_expiry(store: SqlLeaseRepository, key: LeaseKey, deadline: f
 
 
 async def run_demo(db: str | None = None, *, schema: str | None = None) -> DemoResult:
-    """Run the demo on ``db`` (default: a SQLite file in a temporary folder), in PostgreSQL
-    ``schema`` when given."""
+    """Run the demo on ``db`` and keep the database.
+
+    Args:
+        db: the database URL (default: ``langgraph-fence-demo.db`` in the current folder).
+        schema: on PostgreSQL, the schema to work in (default ``langgraph_fence_demo``),
+            created if it does not exist.
+
+    Raises:
+        ValueError: an unsupported URL, or a schema given for SQLite.
+    """
     from checkpointers import SqlCheckpointer
 
-    with tempfile.TemporaryDirectory(prefix="langgraph-fence-demo-") as folder:
-        url = db or f"sqlite+aiosqlite:///{Path(folder) / 'demo.db'}"
-        order_id = f"order-{uuid.uuid4().hex[:6]}"
-        result = DemoResult(db=url.split("@")[-1], execution=f"{TENANT}:{order_id}")
-        timeline = _Timeline(result)
-        handler = _RefusalLog(timeline)
-        library_log = logging.getLogger("langgraph_fence")
-        level = library_log.level
-        if library_log.getEffectiveLevel() > logging.WARNING:
-            library_log.setLevel(logging.WARNING)
-        library_log.addHandler(handler)
-        engine = create_engine(url, **schema_options(schema))
-        try:
-            await _run(engine, order_id, timeline, result, SqlCheckpointer)
-        finally:
-            library_log.removeHandler(handler)
-            library_log.setLevel(level)
-            await engine.dispose()
-        return result
+    url = db or f"sqlite+aiosqlite:///{Path.cwd() / DEFAULT_DEMO_FILE}"
+    postgres = normalize_url(url).get_backend_name() == "postgresql"
+    if schema is not None and not postgres:
+        raise ValueError("--schema is for PostgreSQL; leave it out on SQLite")
+    if postgres:
+        schema = schema or DEFAULT_DEMO_SCHEMA
+        await _create_schema(url, schema)
+    order_id = f"order-{uuid.uuid4().hex[:6]}"
+    shown = mask_password(url)
+    result = DemoResult(
+        db=shown.split("@")[-1], execution=f"{TENANT}:{order_id}", url=shown, schema=schema
+    )
+    engine = create_engine(url, **schema_options(schema))
+    try:
+        await _run(engine, order_id, _Timeline(result), result, SqlCheckpointer)
+    finally:
+        await engine.dispose()
+    return result
+
+
+async def _create_schema(url: str, schema: str) -> None:
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as conn:
+            quoted = conn.dialect.identifier_preparer.quote_identifier(schema)
+            await conn.execute(text(f"CREATE SCHEMA IF NOT EXISTS {quoted}"))
+    finally:
+        await engine.dispose()
 
 
 async def _run(
@@ -222,6 +288,7 @@ async def _run(
             )
         )
     gates = {"A": StallGate(), "B": StallGate()}
+    clocks = {"A": _PausableClock(), "B": _PausableClock()}
     instances = {
         name: Instance(
             StallableRepository(store, gate),
@@ -229,19 +296,21 @@ async def _run(
             instance_id=f"worker-{name}",
             lease_ttl=LEASE_TTL,
             renew_interval=RENEW_INTERVAL,
+            clock=clocks[name],
             sleep=gate.gated_sleep(asyncio.sleep),
             records=records,
         )
         for name, gate in gates.items()
     }
-    frozen = {"A": asyncio.Event()}
+    for instance in instances.values():
+        instance.add_listener(timeline.on_event)
+    frozen = _Freeze()
     graph = _build_graph(timeline, engine, frozen).compile(checkpointer=instances["A"].checkpointer)
     config: RunnableConfig = {"configurable": {"thread_id": order_id}}
     key = LeaseKey(TENANT, order_id)
 
     async def run_a() -> None:
         _worker.set("A")
-        timeline.add("A", None, "acquires the lease of the order")
         try:
             await instances["A"].ainvoke(
                 graph,
@@ -254,17 +323,28 @@ async def _run(
             result.a_error = exc
             fence_error = find_fence_error(exc)
             shown = fence_error if fence_error is not None else exc
-            timeline.add("A", None, f"run ends with {type(shown).__name__}", "refused")
+            timeline.add("A", 1, f"run ends with {type(shown).__name__}", "refused")
 
     task_a = asyncio.create_task(run_a())
     try:
         final = await _takeover(
-            store, key, gates, frozen, instances, graph, config, timeline, result, task_a
+            store,
+            key,
+            gates,
+            clocks["A"],
+            frozen,
+            instances,
+            graph,
+            config,
+            timeline,
+            result,
+            task_a,
         )
     finally:
         # Whatever happened, thaw A and let its run end: a frozen instance never exits.
+        clocks["A"].resume()
         gates["A"].resume()
-        frozen["A"].set()
+        frozen.thaw.set()
         try:
             await asyncio.wait_for(task_a, 10)
         except (TimeoutError, asyncio.CancelledError):
@@ -285,7 +365,8 @@ async def _takeover(
     store: SqlLeaseRepository,
     key: LeaseKey,
     gates: dict[str, StallGate],
-    frozen: dict[str, asyncio.Event],
+    clock_a: _PausableClock,
+    frozen: _Freeze,
     instances: dict[str, Instance],
     graph: Any,
     config: Any,
@@ -293,7 +374,8 @@ async def _takeover(
     result: DemoResult,
     task_a: asyncio.Task[None],
 ) -> Any:
-    """Freeze A inside charge_card, let its lease expire, let B take over, then thaw A."""
+    """Freeze A inside charge_card, let its lease expire, let B take over, then thaw A:
+    its step first (as a thawed VM's threads race its timers), so its charge is tried."""
     deadline = time.monotonic() + 10
     while not any("frozen inside" in e.what for e in result.events):
         if task_a.done() or time.monotonic() > deadline:
@@ -301,20 +383,27 @@ async def _takeover(
             return None
         await asyncio.sleep(0.01)
     gates["A"].stall()
-    timeline.add("A", 1, f"stalled: no renewals for longer than the {LEASE_TTL:g} s lease")
+    clock_a.pause()
+    timeline.add("A", 1, f"paused: no renewals for longer than the {LEASE_TTL:g} s lease")
     await _wait_for_expiry(store, key, time.monotonic() + 10 * LEASE_TTL)
-    timeline.add("-", 1, "the lease of A has expired (judged by the store's clock)")
+    timeline.add("A", 1, "its lease has expired (judged by the store's clock)")
 
     _worker.set("B")
-    timeline.add("B", None, "takes the execution over and resumes it from its checkpoint")
+    timeline.add("B", 1, "finds the lease of token 1 expired: takes the execution over")
     final = await instances["B"].ainvoke(graph, None, config, tenant_id=TENANT, durability="sync")
     lease = await store.get(key)
-    timeline.add("B", lease.epoch if lease else None, f"run ends: {lease.status if lease else '?'}")
+    status = lease.status.value if lease else "?"
+    timeline.add("B", lease.epoch if lease else None, f"run ends: {status}")
 
     _worker.set("A")
-    timeline.add("A", 1, "resumed (SIGCONT)")
+    timeline.add("A", 1, "thawed: its clock did not move, it believes it holds token 1")
+    clock_a.resume()
+    frozen.thaw.set()
+    # The step's attempt first; then its timers wake.
+    refused = asyncio.ensure_future(frozen.refused.wait())
+    await asyncio.wait([task_a, refused], timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    refused.cancel()
     gates["A"].resume()
-    frozen["A"].set()
     await asyncio.wait_for(asyncio.shield(task_a), 10)
     return final
 
@@ -328,8 +417,8 @@ def _check(result: DemoResult, lease: Any) -> None:
         result.problems.append(f"expected the execution done at token 2, found {lease}")
     if result.a_error is None or find_fence_error(result.a_error) is None:
         result.problems.append(f"instance A was not fenced: it ended with {result.a_error!r}")
-    if not any(e.outcome == "refused" for e in result.events):
-        result.problems.append("no refused write was recorded")
+    if not any("charge refused" in e.what for e in result.events):
+        result.problems.append("A's stale charge was not tried and refused")
     log = result.final_state.get("log", [])
     if any("by A" in line and "charged" in line for line in log):
         result.problems.append(f"A's charge reached the final state: {log}")

@@ -169,6 +169,7 @@ class RunHandle:
                 "fenced" if isinstance(error, ExecutionFencedError) else "lost its lease",
                 self.token,
                 error,
+                extra={"scope_key": self.scope_key, "token": self.token},
             )
             for listener in list(self._listeners):
                 try:

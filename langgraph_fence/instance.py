@@ -35,6 +35,7 @@ from .errors import (
     find_error,
     find_fence_error,
 )
+from .events import EventKind, FenceListener, Listeners
 from .executions import (
     ExecutionHead,
     ExecutionRecord,
@@ -167,6 +168,17 @@ class Instance:
             ttl=self.lease_ttl,
         )
         self._runs: set[_Run] = set()
+        self._events = Listeners(self.instance_id)
+
+    def add_listener(self, listener: FenceListener) -> Callable[[], None]:
+        """Call ``listener(event)`` with every :class:`~langgraph_fence.FenceEvent` of this
+        instance's runs (acquired, renewed late, lost, fenced, taken over, dead-lettered,
+        handed back); returns a function that removes it.
+
+        A listener runs on the event loop and must not block; one that raises is logged and
+        never breaks a run (:mod:`langgraph_fence.events`).
+        """
+        return self._events.add(listener)
 
     @classmethod
     @asynccontextmanager
@@ -510,8 +522,14 @@ class Instance:
         if taken is None:
             return False  # renewed by its holder or taken by another instance meanwhile
         if taken.status is LeaseStatus.DEAD_LETTERED:
-            logger.warning("execution %s dead-lettered: %s", taken.scope_key, taken.reason)
+            self._dead_lettered(taken.scope_key, taken.epoch, taken.reason)
             return False
+        self._events.emit(
+            EventKind.TAKEN_OVER,
+            taken.scope_key,
+            taken.epoch,
+            f"from {candidate.holder or 'no holder'} at token {candidate.epoch}",
+        )
         # The record cannot change under us now: a new run of the key takes a new epoch.
         input: Any = None
         # A checkpoint found before the take is there still; none found is read again now
@@ -527,7 +545,7 @@ class Instance:
                 # after poll. It cannot run anywhere: dead-letter it, saying why.
                 reason = failure_reason(exc, prefix="its execution record cannot be loaded: ")
                 await self.repository.dead_letter(taken.key, reason, epoch=taken.epoch)
-                logger.warning("execution %s dead-lettered: %s", taken.scope_key, reason)
+                self._dead_lettered(taken.scope_key, taken.epoch, reason)
                 return False
         runs: list[_Run] = []
         task = asyncio.create_task(
@@ -536,6 +554,17 @@ class Instance:
         )
         running[task] = runs
         return True
+
+    def _dead_lettered(self, scope_key: str, token: int, reason: str | None) -> None:
+        """Say (to the listeners and the log) that an execution was dead-lettered."""
+        self._events.emit(EventKind.DEAD_LETTERED, scope_key, token, reason)
+        logger.warning(
+            "execution %s dead-lettered at token %d: %s",
+            scope_key,
+            token,
+            reason,
+            extra={"scope_key": scope_key, "token": token},
+        )
 
     async def _resume(
         self,
@@ -634,6 +663,7 @@ class Instance:
         lease = await self.repository.acquire(key, self.instance_id, self.lease_ttl, reopen=True)
         if lease is None:
             raise _refusal(key, await self.repository.get(key), self.instance_id)
+        self._events.emit(EventKind.ACQUIRED, key.scope_key, lease.epoch)
         handle = RunHandle(
             self.repository, lease, self.lease_ttl, clock=self.clock, confirmed_from=sent_at
         )
@@ -643,6 +673,7 @@ class Instance:
                 # The same decision as serve()'s take_over.
                 reason = dead_letter_reason(standing, lease.epoch, self.instance_id, how="resumed")
                 await self.repository.dead_letter(key, reason, epoch=lease.epoch)
+                self._dead_lettered(key.scope_key, lease.epoch, reason)
                 raise ExecutionDeadLetteredError(
                     f"execution {key.scope_key!r} was dead-lettered: {reason}"
                 )
@@ -704,6 +735,9 @@ class Instance:
 
         def drain(error: BaseException) -> None:
             control.request_drain(f"langgraph-fence: {error}")
+            fenced = isinstance(error, ExecutionFencedError)
+            kind = EventKind.FENCED if fenced else EventKind.LOST
+            self._events.emit(kind, key.scope_key, handle.token, str(error))
 
         handle.on_stop(drain)
         run.timers = [
@@ -712,7 +746,11 @@ class Instance:
         ]
         self._runs.add(run)
         logger.info(
-            "run %s started at token %d on %s", key.scope_key, handle.token, self.instance_id
+            "run %s started at token %d on %s",
+            key.scope_key,
+            handle.token,
+            self.instance_id,
+            extra={"scope_key": key.scope_key, "token": handle.token},
         )
         try:
             try:
@@ -744,7 +782,13 @@ class Instance:
         state = await graph.aget_state(_latest(run.base_config))
         status = LeaseStatus.WAITING if state.next else LeaseStatus.DONE
         await self._release(run, status, None)
-        logger.info("run %s ended %s at token %d", handle.scope_key, status.value, handle.token)
+        logger.info(
+            "run %s ended %s at token %d",
+            handle.scope_key,
+            status.value,
+            handle.token,
+            extra={"scope_key": handle.scope_key, "token": handle.token},
+        )
 
     async def _settle_failure(self, run: _Run, exc: BaseException) -> None:
         handle = run.handle
@@ -763,7 +807,9 @@ class Instance:
             return
         if isinstance(exc, GraphDrained):
             # Drained by request (not by a fence): hand the execution back for any instance.
-            await self._release(run, LeaseStatus.PENDING, bounded_reason(f"drained: {exc.reason}"))
+            reason = bounded_reason(f"drained: {exc.reason}")
+            await self._release(run, LeaseStatus.PENDING, reason)
+            self._events.emit(EventKind.HANDED_BACK, handle.scope_key, handle.token, reason)
             return
         if isinstance(exc, asyncio.CancelledError):
             reason = "cancelled"
@@ -772,13 +818,9 @@ class Instance:
         await self._release(run, LeaseStatus.FAILED, reason)
 
     async def _dead_letter(self, handle: RunHandle, dead: ExecutionDeadLetteredError) -> None:
-        await self.repository.dead_letter(handle.key, failure_reason(dead), epoch=handle.token)
-        logger.warning(
-            "run %s dead-lettered: %s",
-            handle.scope_key,
-            dead,
-            extra={"scope_key": handle.scope_key, "token": handle.token},
-        )
+        reason = failure_reason(dead)
+        await self.repository.dead_letter(handle.key, reason, epoch=handle.token)
+        self._dead_lettered(handle.scope_key, handle.token, reason)
 
     async def _classify_loss(self, handle: RunHandle) -> None:
         """After a lapse, ask the store once whether the run was taken over.
@@ -809,10 +851,14 @@ class Instance:
     async def _renew_loop(self, handle: RunHandle) -> None:
         while not isinstance(handle.error, ExecutionFencedError):
             await self._sleep(self.renew_interval)
+            left = handle.confirmed_until - self.clock()
             try:
                 # After a lapse this one more renewal tells a takeover (fenced) from a slow
                 # store (lost); the run stops either way.
                 await handle.renew()
+                if left < self.renew_interval:
+                    late = f"renewed with {max(left, 0.0):.1f} s of its proven hold left"
+                    self._events.emit(EventKind.RENEWED_LATE, handle.scope_key, handle.token, late)
             except ExecutionLeaseLostError:
                 return  # recorded on the handle; the run stops
             except Exception:

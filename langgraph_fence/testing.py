@@ -16,7 +16,8 @@ or one decorated with ``@fenced``) with a held lease (or a lost one, or a given 
 node can be tested without a graph.
 
 The fixture works whatever the project's pytest-asyncio mode (``strict``, its default, or
-``auto``): it is declared with ``pytest_asyncio.fixture``.
+``auto``): it is declared with ``pytest_asyncio.fixture``. Outside pytest (a notebook, a
+script), ``async with open_leases(url) as leases:`` gives the same tools on any database.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import asyncio
 import inspect
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -40,7 +42,7 @@ if TYPE_CHECKING:
 
     from .instance import Instance
 
-__all__ = ["Leases", "ManualClock", "leases", "run_node"]
+__all__ = ["Leases", "ManualClock", "leases", "open_leases", "run_node"]
 
 
 class ManualClock:
@@ -172,6 +174,29 @@ class Leases:
         return taken
 
 
+@asynccontextmanager
+async def open_leases(url: str, **engine_options: Any) -> AsyncIterator[Leases]:
+    """The ``leases`` fixture's tools on the database at ``url``, for the block.
+
+    Creates the tables, and on exit thaws every stalled instance and closes the engine.
+
+    Args:
+        url: ``sqlite+aiosqlite:///path.db`` or ``postgresql+asyncpg://...``.
+        **engine_options: passed to :func:`langgraph_fence.database.create_engine`.
+    """
+    from .database import create_engine
+
+    engine = create_engine(url, **engine_options)
+    fixture = Leases(engine, ManualClock())
+    try:
+        await fixture.setup()
+        yield fixture
+    finally:
+        for gate in fixture._gates.values():
+            gate.resume()
+        await engine.dispose()
+
+
 try:  # pytest-asyncio's own decorator: the fixture then works in its strict mode too
     from pytest_asyncio import fixture as _async_fixture
 except ImportError:  # no pytest-asyncio: another async plugin (anyio) may serve it
@@ -181,17 +206,8 @@ except ImportError:  # no pytest-asyncio: another async plugin (anyio) may serve
 @_async_fixture
 async def leases(tmp_path: Path) -> AsyncIterator[Leases]:
     """Instances on a real store with a controlled clock that a test can stall and resume."""
-    from .database import create_engine
-
-    engine = create_engine(f"sqlite+aiosqlite:///{tmp_path / 'leases.db'}")
-    fixture = Leases(engine, ManualClock())
-    await fixture.setup()
-    try:
+    async with open_leases(f"sqlite+aiosqlite:///{tmp_path / 'leases.db'}") as fixture:
         yield fixture
-    finally:
-        for gate in fixture._gates.values():
-            gate.resume()
-        await engine.dispose()
 
 
 FenceOption = Literal["held", "lost"] | int

@@ -13,41 +13,6 @@ from langgraph_fence import LeaseKey, SqlLeaseRepository
 from langgraph_fence.database import create_engine
 
 
-def _demo(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "langgraph_fence.cli", "demo", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "COLUMNS": "200"},
-    )
-
-
-def _assert_demo_output(done: subprocess.CompletedProcess[str]) -> None:
-    assert done.returncode == 0, done.stdout + done.stderr
-    out = done.stdout
-    assert "takes the execution over" in out
-    assert "renew refused" in out
-    assert "run ends with ExecutionFencedError" in out
-    assert "OK: charged once, by the holder of token 2" in out
-
-
-def test_the_demo_runs_on_embedded_sqlite() -> None:
-    _assert_demo_output(_demo())
-
-
-def test_the_demo_runs_on_postgresql(own_schema: tuple[str, str]) -> None:
-    # In a schema of its own: the database outlives the run, and other runs migrate theirs.
-    url, schema = own_schema
-    _assert_demo_output(_demo("--db", url, "--schema", schema))
-
-
-def test_an_unsupported_database_is_refused_naming_the_supported_ones() -> None:
-    done = _demo("--db", "mysql://root@localhost/test")
-    assert done.returncode == 2
-    assert "sqlite+aiosqlite" in done.stdout and "postgresql+asyncpg" in done.stdout
-
-
 @pytest.mark.parametrize("command", ["executions", "dead-letters"])
 def test_listing_commands_read_the_lease_table(command: str, tmp_path: object) -> None:
     db = f"sqlite+aiosqlite:///{tmp_path}/cli.db"

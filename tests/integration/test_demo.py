@@ -1,0 +1,123 @@
+"""``langgraph-fence demo``, run as a new user runs it: a process of its own, in a folder.
+
+It keeps its database, and ``langgraph-fence executions`` pointed at it shows the demo's
+execution done; the card was charged once (by token 2) and the stale worker's charge was
+tried and refused.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+import uuid
+from contextlib import closing
+from pathlib import Path
+
+from sqlalchemy.engine import make_url
+
+from tests.conftest import _pg_admin, pg_url_from_env
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "langgraph_fence.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+
+
+def _run_demo(cwd: Path, *args: str) -> tuple[str, list[str]]:
+    """Run the demo; returns its order id and the inspect command it printed."""
+    done = _cli("demo", *args, cwd=cwd)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    # Every library warning went into the timeline, none to stderr (nor twice).
+    assert "WARNING" not in done.stderr, done.stderr
+    assert "OK: charged once, by the holder of token 2" in out
+    assert "stale writes refused: 1" in out
+    # The stale worker's attempt, and its refusal, each a row with its worker and token.
+    assert re.search(r"│ A +│ +1 │ goes on: tries its charge through the sink", out), out
+    assert re.search(r"│ A +│ +1 │ fenced: an external system has seen token 2", out), out
+    assert re.search(r"│ A +│ +1 │ charge refused \(ExecutionFencedError\)", out), out
+    assert re.search(r"│ B +│ +2 │ charged 4200 cents once", out), out
+    for row in re.findall(r"^│ +\d+\.\d\d │.*$", out, flags=re.MULTILINE):
+        assert re.match(r"│ +\d+\.\d\d │ [AB] +│ +\d+ │", row), (
+            f"a row without worker or token: {row}"
+        )
+    order = re.search(r"timeline of execution acme:(order-[0-9a-f]+)", out)
+    assert order is not None, out
+    inspect = re.search(r"^  (langgraph-fence executions --db .*)$", out, flags=re.MULTILINE)
+    assert inspect is not None, out
+    return order.group(1), inspect.group(1).split()[1:]
+
+
+def _assert_listed_done(cwd: Path, command: list[str], order: str) -> None:
+    listed = _cli(*command, cwd=cwd)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    (row,) = [line for line in listed.stdout.splitlines() if order in line]
+    assert re.search(r"│ done +│", row), listed.stdout
+
+
+def test_the_demo_keeps_its_sqlite_file_and_executions_shows_it_done(tmp_path: Path) -> None:
+    order, command = _run_demo(tmp_path)
+    kept = tmp_path / "langgraph-fence-demo.db"
+    assert kept.exists()
+    assert command == ["executions", "--db", f"sqlite+aiosqlite:///{kept}"]
+    with closing(sqlite3.connect(kept)) as conn:
+        payments = conn.execute(
+            "SELECT order_id, amount_cents, token FROM demo_payments"
+        ).fetchall()
+    assert payments == [(order, 4200, 2)]  # exactly one charge, by token 2
+    _assert_listed_done(tmp_path, command, order)
+
+    # A second run uses the same file: a new order, both listed.
+    again, _ = _run_demo(tmp_path)
+    assert again != order
+    _assert_listed_done(tmp_path, command, again)
+
+
+def test_the_demo_on_postgresql_works_in_its_schema_and_says_which(
+    own_schema: tuple[str, str], tmp_path: Path
+) -> None:
+    url, schema = own_schema
+    order, command = _run_demo(tmp_path, "--db", url, "--schema", schema)
+    assert command[-2:] == ["--schema", schema]
+    _assert_listed_done(tmp_path, command, order)
+    # Nothing outside its schema: the database's default schema does not list it.
+    listed = _cli("executions", "--db", pg_url_from_env(), cwd=tmp_path)
+    assert order not in listed.stdout
+
+
+def test_the_demo_on_postgresql_makes_a_schema_of_its_own_when_given_none(
+    pg_schema: tuple[str, str], tmp_path: Path
+) -> None:
+    # A database of the test's own: the demo's default schema outlives the demo, by design.
+    url, _ = pg_schema
+    database = f"lgf_demo_{uuid.uuid4().hex[:10]}"
+    _pg_admin(url, f'CREATE DATABASE "{database}"')
+    try:
+        own = make_url(url).set(database=database).render_as_string(hide_password=False)
+        order, command = _run_demo(tmp_path, "--db", own)
+        assert command[-2:] == ["--schema", "langgraph_fence_demo"]
+        _assert_listed_done(tmp_path, command, order)
+    finally:
+        _pg_admin(url, f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+
+
+def test_a_schema_on_sqlite_is_refused(tmp_path: Path) -> None:
+    done = _cli("demo", "--schema", "x", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "--schema is for PostgreSQL" in done.stdout
+    assert not (tmp_path / "langgraph-fence-demo.db").exists()
+
+
+def test_an_unsupported_database_is_refused_naming_the_supported_ones(tmp_path: Path) -> None:
+    done = _cli("demo", "--db", "mysql://root@localhost/test", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "sqlite+aiosqlite" in done.stdout and "postgresql+asyncpg" in done.stdout

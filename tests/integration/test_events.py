@@ -1,0 +1,349 @@
+"""The instance's event hook, and the OpenTelemetry spans and metrics made from it.
+
+On real stores (a SQLite file, a PostgreSQL schema of the test's own) with the ``leases``
+tools' controlled clock: a run that is taken over is told as acquired (token 1, A), taken
+over (token 2, B), fenced (token 1, A), in that order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import operator
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Annotated, Any, TypedDict
+
+import pytest
+from langgraph.graph import END, START, StateGraph
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+from langgraph_fence import (
+    Effect,
+    EventKind,
+    ExecutionFencedError,
+    FenceEvent,
+    Instance,
+    LeaseKey,
+    LeaseStatus,
+    fence_graph,
+    get_execution_context,
+)
+from langgraph_fence.otel import instrument
+from langgraph_fence.testing import Leases, open_leases
+from tests.conftest import SQL_BACKENDS, pg_engine_options, unique
+
+
+class Order(TypedDict, total=False):
+    log: Annotated[list[str], operator.add]
+
+
+@pytest.fixture(params=SQL_BACKENDS)
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Leases]:
+    """The ``leases`` tools on SQLite, or on a PostgreSQL schema of the test's own (serve()
+    there sees no other test's executions)."""
+    if request.param == "sqlite":
+        url, options = f"sqlite+aiosqlite:///{tmp_path / 'events.db'}", {}
+    else:
+        url, schema = request.getfixturevalue("own_schema")
+        options = pg_engine_options(schema)
+    async with open_leases(url, **options) as leases:
+        yield leases
+
+
+class Shop:
+    """A graph whose charge step holds instance A inside it until told to go on."""
+
+    def __init__(self, effect: Effect = Effect.IDEMPOTENT_WRITE) -> None:
+        self.effect = effect
+        self.a_inside = asyncio.Event()
+        self.a_go = asyncio.Event()
+
+    def graph(self, instance: Instance) -> Any:
+        async def charge(state: Order) -> dict[str, Any]:
+            if instance.instance_id == "A":
+                self.a_inside.set()
+                await self.a_go.wait()
+            return {"log": [f"charged at token {get_execution_context().fence.token}"]}
+
+        builder = StateGraph(Order)
+        builder.add_node("charge", charge)
+        builder.add_edge(START, "charge")
+        builder.add_edge("charge", END)
+        return fence_graph(builder, effects={"charge": self.effect}).compile(
+            checkpointer=instance.checkpointer, name="shop"
+        )
+
+
+async def _until(leases: Leases, key: LeaseKey, *statuses: LeaseStatus) -> None:
+    deadline = asyncio.get_running_loop().time() + 20
+    while True:
+        lease = await leases.store.get(key)
+        if lease is not None and lease.status in statuses:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"the lease of {key.scope_key} never reached {statuses}: {lease}")
+        await asyncio.sleep(0.01)
+
+
+async def _take_over_mid_charge(
+    leases: Leases, a: Instance, b: Instance, shop: Shop
+) -> tuple[LeaseKey, BaseException | None]:
+    """A runs until inside charge and freezes; B's serve() takes over; A thaws."""
+    thread = unique("order")
+    key = LeaseKey("acme", thread)
+    config: Any = {"configurable": {"thread_id": thread}}
+    task_a = asyncio.create_task(
+        a.ainvoke(shop.graph(a), {"log": []}, config, tenant_id="acme", durability="sync")
+    )
+    await asyncio.wait_for(shop.a_inside.wait(), 20)
+    leases.stall(a)
+    leases.advance(31.0)  # past A's 30 s lease, by the store's clock
+    stop = asyncio.Event()
+    serve = asyncio.create_task(
+        b.serve({"shop": shop.graph(b)}, poll_interval=0.02, stop=stop, handle_signals=False)
+    )
+    try:
+        await _until(leases, key, LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED)
+    finally:
+        stop.set()
+        await asyncio.wait_for(serve, 20)
+    leases.resume(a)
+    shop.a_go.set()
+    try:
+        await asyncio.wait_for(task_a, 20)
+    except ExecutionFencedError as exc:
+        return key, exc
+    return key, None
+
+
+def _of(events: list[FenceEvent], key: LeaseKey) -> list[tuple[str, int, str]]:
+    return [(e.kind.value, e.token, e.holder) for e in events if e.scope_key == key.scope_key]
+
+
+async def test_a_takeover_is_told_as_acquired_taken_over_fenced_in_order(
+    store: Leases, caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = store.instance("A"), store.instance("B")
+    events: list[FenceEvent] = []
+    a.add_listener(events.append)
+    b.add_listener(events.append)
+
+    with caplog.at_level(logging.INFO, logger="langgraph_fence"):
+        key, a_error = await _take_over_mid_charge(store, a, b, Shop())
+
+    assert isinstance(a_error, ExecutionFencedError)
+    told = _of(events, key)
+    # A may first notice that its hold ran out (lost) before its renewal is refused
+    # (fenced): that is its own token too.
+    assert [t for t in told if t[0] != "lost"] == [
+        ("acquired", 1, "A"),
+        ("taken_over", 2, "B"),
+        ("fenced", 1, "A"),
+    ]
+    assert all(t == ("lost", 1, "A") for t in told if t[0] == "lost")
+    taken = next(e for e in events if e.kind is EventKind.TAKEN_OVER)
+    assert taken.reason == "from A at token 1"
+    fenced = next(e for e in events if e.kind is EventKind.FENCED)
+    assert fenced.reason is not None and "epoch 2" in fenced.reason
+    assert all(e.at > 0 for e in events)
+    # The log says it too, with the scope key and token as fields a log pipeline can index.
+    logged = {
+        (r.getMessage().split(": ")[0], r.token)  # type: ignore[attr-defined]
+        for r in caplog.records
+        if getattr(r, "scope_key", None) == key.scope_key
+    }
+    assert (f"execution {key.scope_key} fenced at token 1", 1) in logged
+    assert (f"run {key.scope_key} started at token 1 on A", 1) in logged
+    assert (f"run {key.scope_key} ended done at token 2", 2) in logged
+
+
+async def test_a_takeover_of_a_stamped_write_is_told_as_dead_lettered(store: Leases) -> None:
+    a, b = store.instance("A"), store.instance("B")
+    events: list[FenceEvent] = []
+    b.add_listener(events.append)
+
+    key, _ = await _take_over_mid_charge(store, a, b, Shop(Effect.NON_IDEMPOTENT_WRITE))
+
+    (dead,) = [e for e in events if e.scope_key == key.scope_key]
+    assert dead.kind is EventKind.DEAD_LETTERED and dead.holder == "B"
+    assert dead.reason is not None and "charge" in dead.reason
+    lease = await store.store.get(key)
+    assert lease is not None and lease.status is LeaseStatus.DEAD_LETTERED
+    assert dead.token == lease.epoch
+
+
+async def test_a_renewal_close_to_the_end_of_the_hold_is_told_as_renewed_late(
+    store: Leases,
+) -> None:
+    a = store.instance("A", lease_ttl=30.0, renew_interval=10.0)
+    events: list[FenceEvent] = []
+    a.add_listener(events.append)
+    shop = Shop()
+    thread = unique("order")
+    task = asyncio.create_task(
+        a.ainvoke(
+            shop.graph(a), {"log": []}, {"configurable": {"thread_id": thread}}, tenant_id="acme"
+        )
+    )
+    await asyncio.wait_for(shop.a_inside.wait(), 20)
+    # The renewal due at 10 s fires at 25 s (as after a long pause): 3 s of the proven
+    # 28 s hold (30 s less its safety margin) are left.
+    store.advance(25.0)
+    deadline = asyncio.get_running_loop().time() + 20
+    while not any(e.kind is EventKind.RENEWED_LATE for e in events):
+        assert asyncio.get_running_loop().time() < deadline, events
+        await asyncio.sleep(0.01)
+    shop.a_go.set()
+    await asyncio.wait_for(task, 20)
+    late = next(e for e in events if e.kind is EventKind.RENEWED_LATE)
+    assert (late.scope_key, late.token, late.holder) == (f"acme:{thread}", 1, "A")
+    assert late.reason == "renewed with 3.0 s of its proven hold left"
+
+
+async def test_a_drained_run_is_told_as_handed_back(store: Leases) -> None:
+    b = store.instance("B")
+    events: list[FenceEvent] = []
+    b.add_listener(events.append)
+    shop = Shop()
+    a = store.instance("A")  # only to hold the execution: it starts and freezes
+    key = LeaseKey("acme", unique("order"))
+    task_a = asyncio.create_task(
+        a.ainvoke(
+            shop.graph(a),
+            {"log": []},
+            {"configurable": {"thread_id": key.execution_id}},
+            tenant_id="acme",
+        )
+    )
+    await asyncio.wait_for(shop.a_inside.wait(), 20)
+    store.stall(a)
+    store.advance(31.0)
+    in_step = asyncio.Event()
+    release = asyncio.Event()
+
+    async def charge(state: Order) -> dict[str, Any]:
+        in_step.set()
+        await release.wait()
+        return {"log": ["charged"]}
+
+    async def receipt(state: Order) -> dict[str, Any]:
+        return {"log": ["receipt"]}
+
+    builder = StateGraph(Order)
+    builder.add_node("charge", charge)
+    builder.add_node("receipt", receipt)
+    builder.add_edge(START, "charge")
+    builder.add_edge("charge", "receipt")
+    builder.add_edge("receipt", END)
+    graph = fence_graph(builder).compile(checkpointer=b.checkpointer, name="shop")
+    stop = asyncio.Event()
+    serve = asyncio.create_task(
+        b.serve({"shop": graph}, poll_interval=0.02, stop=stop, handle_signals=False)
+    )
+    await asyncio.wait_for(in_step.wait(), 20)
+    stop.set()  # as SIGTERM: the step in flight ends, then the run is handed back
+    deadline = asyncio.get_running_loop().time() + 20
+    while not any(run.control.drain_requested for run in b._runs):
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.01)
+    release.set()
+    await asyncio.wait_for(serve, 20)
+    store.resume(a)
+    shop.a_go.set()
+    with pytest.raises(ExecutionFencedError):
+        await asyncio.wait_for(task_a, 20)
+    assert [(e.kind.value, e.token) for e in events if e.scope_key == key.scope_key] == [
+        ("taken_over", 2),
+        ("handed_back", 2),
+    ]
+
+
+async def test_a_listener_that_raises_never_breaks_a_run(
+    store: Leases, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = store.instance("A")
+    heard: list[FenceEvent] = []
+
+    def broken(event: FenceEvent) -> None:
+        raise RuntimeError("the listener is broken")
+
+    a.add_listener(broken)
+    a.add_listener(heard.append)
+    shop = Shop()
+    shop.a_go.set()
+    thread = unique("order")
+    with caplog.at_level(logging.ERROR, logger="langgraph_fence.events"):
+        result = await a.ainvoke(
+            shop.graph(a), {"log": []}, {"configurable": {"thread_id": thread}}, tenant_id="acme"
+        )
+    assert result["log"] == ["charged at token 1"]
+    lease = await store.store.get(LeaseKey("acme", thread))
+    assert lease is not None and lease.status is LeaseStatus.DONE
+    assert [(e.kind, e.token) for e in heard] == [(EventKind.ACQUIRED, 1)]
+    (record,) = [r for r in caplog.records if "the listener is broken" in str(r.exc_info)]
+    assert record.scope_key == f"acme:{thread}" and record.token == 1  # type: ignore[attr-defined]
+
+
+async def test_a_listener_that_is_not_callable_is_refused(store: Leases) -> None:
+    with pytest.raises(ValueError, match="listener must be a callable"):
+        store.instance("A").add_listener("print")  # type: ignore[arg-type]
+
+
+async def test_otel_records_a_span_and_a_count_per_event(tmp_path: Path) -> None:
+    spans = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    reader = InMemoryMetricReader()
+    meter_provider = MeterProvider(metric_readers=[reader])
+    async with open_leases(f"sqlite+aiosqlite:///{tmp_path / 'otel.db'}") as leases:
+        a, b = leases.instance("A"), leases.instance("B")
+        for instance in (a, b):
+            instrument(instance, tracer_provider=tracer_provider, meter_provider=meter_provider)
+        key, _ = await _take_over_mid_charge(leases, a, b, Shop())
+
+    finished = [s for s in spans.get_finished_spans() if s.name != "langgraph_fence.lost"]
+    assert [s.name for s in finished] == [
+        "langgraph_fence.acquired",
+        "langgraph_fence.taken_over",
+        "langgraph_fence.fenced",
+    ]
+    acquired, taken, fenced = finished
+    assert dict(acquired.attributes or {}) == {
+        "langgraph_fence.scope_key": key.scope_key,
+        "langgraph_fence.token": 1,
+        "langgraph_fence.holder": "A",
+    }
+    assert (taken.attributes or {})["langgraph_fence.token"] == 2
+    assert (taken.attributes or {})["langgraph_fence.reason"] == "from A at token 1"
+    assert (fenced.attributes or {})["langgraph_fence.token"] == 1
+    assert fenced.status.status_code is StatusCode.ERROR
+    assert acquired.status.status_code is StatusCode.UNSET
+
+    data = reader.get_metrics_data()
+    assert data is not None
+    counts = {
+        point.attributes["langgraph_fence.kind"]: point.value
+        for resource in data.resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        if metric.name == "langgraph_fence.events"
+        for point in metric.data.data_points  # type: ignore[union-attr]
+        if point.attributes is not None
+    }
+    counts.pop("lost", None)
+    assert counts == {"acquired": 1, "taken_over": 1, "fenced": 1}
+
+
+def test_otel_without_opentelemetry_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "opentelemetry", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "langgraph_fence.otel")
+    with pytest.raises(ImportError, match=r"pip install 'langgraph-fence\[otel\]'"):
+        importlib.import_module("langgraph_fence.otel")
