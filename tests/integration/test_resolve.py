@@ -75,13 +75,13 @@ async def test_resolve_retry_makes_a_dead_letter_pending_with_its_budget_reset(
 
         again = cli("resolve", "--db", url, *args, "--retry")  # pending now: refused
         assert again.returncode == 2
-        assert "not dead_lettered" in again.stdout
+        assert "not dead_lettered" in again.stderr
         unknown = cli(
             "resolve", "--db", url, "--tenant", key.tenant_id, "--execution", "nope",
             *schema_args(schema), "--retry",
         )  # fmt: skip
         assert unknown.returncode == 2
-        assert "no execution 'nope'" in unknown.stdout
+        assert "no execution 'nope'" in unknown.stderr
     finally:
         await engine.dispose()
 
@@ -105,4 +105,4 @@ def test_a_worker_refuses_a_budget_below_one(tmp_path: Path, bad: str) -> None:
         bad,
     )
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "max_takeovers must be an int >= 1" in done.stdout
+    assert "argument --max-takeovers: expected a whole number >= 1" in done.stderr
