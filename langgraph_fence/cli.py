@@ -87,7 +87,8 @@ class _Version(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
         from . import __version__
 
-        parser.exit(EXIT_OK, f"{parser.prog} {__version__}\n")
+        sys.stdout.write(f"{parser.prog} {__version__}\n")
+        parser.exit(EXIT_OK)
 
 
 def _positive_int(text: str) -> int:
