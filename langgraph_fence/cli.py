@@ -151,13 +151,16 @@ def _parser() -> argparse.ArgumentParser:
     _output_options(parser, top=True)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, help: str, **kwargs: Any) -> argparse.ArgumentParser:
+    def command(name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+        import textwrap
+
         sub = commands.add_parser(
             name,
             help=help,
+            # Raw, for the epilog's table: the description is wrapped here.
+            description=None if description is None else textwrap.fill(description, 79),
             epilog=EPILOG,
             formatter_class=argparse.RawDescriptionHelpFormatter,
-            **kwargs,
         )
         _output_options(sub, top=False)
         return sub
@@ -185,6 +188,7 @@ def _parser() -> argparse.ArgumentParser:
         "--concurrency",
         type=_positive_int,
         default=4,
+        metavar="N",
         help="how many executions this worker runs at once (default: 4)",
     )
     worker.add_argument(
@@ -211,6 +215,7 @@ def _parser() -> argparse.ArgumentParser:
         "--max-takeovers",
         type=_positive_int,
         default=DEFAULT_MAX_TAKEOVERS,
+        metavar="N",
         help="the takeover budget: an execution taken over more than this many times in a "
         "row from workers that died with no new checkpoint is dead-lettered "
         f"('crashed N workers') (default: {DEFAULT_MAX_TAKEOVERS})",
@@ -263,6 +268,7 @@ def _parser() -> argparse.ArgumentParser:
             "--limit",
             type=_positive_int,
             default=50,
+            metavar="N",
             help="at most this many executions (default: 50)",
         )
         listing.add_argument(
