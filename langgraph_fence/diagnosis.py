@@ -97,12 +97,19 @@ def _explain_one(error: BaseException, target: Target) -> str | None:
             f"cannot resolve the host {url.host!r} of --db {target.masked} ({error.strerror}): "
             "fix the host name in --db"
         )
-    if isinstance(error, ConnectionRefusedError | TimeoutError):
-        what = (
-            "refused the connection" if isinstance(error, ConnectionRefusedError) else "timed out"
-        )
+    if isinstance(error, ConnectionRefusedError):
+        what = "it refused the connection"
+    elif isinstance(error, TimeoutError):
+        what = "the connection timed out"
+    elif isinstance(error, ConnectionError) or (
+        type(error) is OSError and "Connect call failed" in text
+    ):
+        what = text  # "rejected SSL upgrade", or every address of a name refused
+    else:
+        what = ""
+    if what:
         return (
-            f"cannot connect to PostgreSQL at {where}: it {what}; is the server running, and "
+            f"cannot connect to PostgreSQL at {where}: {what}; is the server running, and "
             "are the host and port in --db right?"
         )
     if sqlstate == _INVALID_CATALOG:
@@ -116,9 +123,12 @@ def _explain_one(error: BaseException, target: Target) -> str | None:
             f"PostgreSQL at {where} refused the login of {url.username!r} ({text}): create "
             "the role or fix the user and password in --db"
         )
-    if sqlstate == _INVALID_SCHEMA or (
-        sqlstate is not None and "schema" in text and "does not exist" in text
-    ):
+    if sqlstate == _INVALID_SCHEMA:
+        if target.schema is None:
+            return (
+                f"no schema of the role's search_path exists in the database {target.masked} "
+                f"({text}): create one (CREATE SCHEMA ...) or name one with --schema"
+            )
         return (
             f"schema {target.schema!r} does not exist in the database {target.masked} "
             f"({text}): create it (CREATE SCHEMA ...) or fix --schema"
