@@ -377,7 +377,8 @@ def _explain(exc: Exception, args: argparse.Namespace) -> tuple[int, str]:
     if isinstance(exc, ExecutionLeaseHeldError):
         return EXIT_REFUSED, f"refused: {exc}"
     if isinstance(exc, ValueError):
-        return EXIT_INPUT, f"error: {mask_password(str(exc))}"
+        # One line: a message quoting several lines of input keeps them all, joined.
+        return EXIT_INPUT, f"error: {mask_password(' '.join(str(exc).splitlines()))}"
     target = _target(args)
     known = None if target is None else explain_database_error(exc, target)
     if known is not None:
