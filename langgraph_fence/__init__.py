@@ -5,27 +5,92 @@ a superseded token is refused, and a non-idempotent write that may already have 
 never repeated.
 """
 
-from .checkpoint import FencedCheckpointer
-from .context import ExecutionContext, get_execution_context
-from .effects import Effect
-from .errors import (
-    ExecutionContextUnavailableError,
-    ExecutionDeadLetteredError,
-    ExecutionEndedError,
-    ExecutionFencedError,
-    ExecutionLeaseHeldError,
-    ExecutionLeaseLostError,
-    LangGraphFenceError,
-    find_fence_error,
-)
-from .events import EventKind, FenceEvent
-from .fence import ExecutionFence
-from .instance import Instance
-from .lease import ExecutionLeaseRepository, Lease, LeaseKey, LeaseStatus, PendingEffect
-from .nodes import fence_graph, fenced
-from .scope import parse_scope_key, scope_key
-from .stores import MemoryLeaseRepository, SqlLeaseRepository
-from .tools import fence_tools
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    __version__: str
+    from .checkpoint import FencedCheckpointer
+    from .context import ExecutionContext, get_execution_context
+    from .effects import Effect
+    from .errors import (
+        ExecutionContextUnavailableError,
+        ExecutionDeadLetteredError,
+        ExecutionEndedError,
+        ExecutionFencedError,
+        ExecutionLeaseHeldError,
+        ExecutionLeaseLostError,
+        LangGraphFenceError,
+        find_fence_error,
+    )
+    from .events import EventKind, FenceEvent
+    from .fence import ExecutionFence
+    from .instance import Instance
+    from .lease import ExecutionLeaseRepository, Lease, LeaseKey, LeaseStatus, PendingEffect
+    from .nodes import fence_graph, fenced
+    from .scope import parse_scope_key, scope_key
+    from .stores import MemoryLeaseRepository, SqlLeaseRepository
+    from .tools import fence_tools
+
+# Each public name is imported from its module on first use (PEP 562): `import
+# langgraph_fence` (and the CLI's `--help` and listings) must not load LangGraph.
+_WHERE = {
+    "Effect": ".effects",
+    "ExecutionContext": ".context",
+    "ExecutionContextUnavailableError": ".errors",
+    "EventKind": ".events",
+    "ExecutionDeadLetteredError": ".errors",
+    "ExecutionEndedError": ".errors",
+    "ExecutionFence": ".fence",
+    "ExecutionFencedError": ".errors",
+    "ExecutionLeaseHeldError": ".errors",
+    "ExecutionLeaseLostError": ".errors",
+    "ExecutionLeaseRepository": ".lease",
+    "FenceEvent": ".events",
+    "FencedCheckpointer": ".checkpoint",
+    "Instance": ".instance",
+    "LangGraphFenceError": ".errors",
+    "Lease": ".lease",
+    "LeaseKey": ".lease",
+    "LeaseStatus": ".lease",
+    "MemoryLeaseRepository": ".stores",
+    "PendingEffect": ".lease",
+    "SqlLeaseRepository": ".stores",
+    "fence_graph": ".nodes",
+    "fence_tools": ".tools",
+    "fenced": ".nodes",
+    "find_fence_error": ".errors",
+    "get_execution_context": ".context",
+    "parse_scope_key": ".scope",
+    "scope_key": ".scope",
+}
+
+
+def _version() -> str:
+    """The installed distribution's version (importlib.metadata costs 60 ms: read once)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("langgraph-fence")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if name == "__version__":
+        value: Any = _version()
+    elif module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    else:
+        value = getattr(import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE, "__version__"})
+
 
 __all__ = [
     "Effect",
@@ -49,6 +114,7 @@ __all__ = [
     "MemoryLeaseRepository",
     "PendingEffect",
     "SqlLeaseRepository",
+    "__version__",
     "fence_graph",
     "fence_tools",
     "fenced",

@@ -1,41 +1,171 @@
 """The ``langgraph-fence`` command: demo, worker, migrate, executions, dead-letters, resolve,
 erase.
 
-The only module that prints; it prints through rich.
+The only module that prints; it prints through rich. It imports what a command needs when
+the command runs: ``--help`` and the listings never load LangGraph (see benchmarks/README.md).
+Every error an operator can fix is one line on stderr naming the fix, exit status 2; the
+traceback only with ``--debug``.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
-from sqlalchemy.exc import SQLAlchemyError
+from .lease import DEFAULT_MAX_TAKEOVERS, LeaseKey, LeaseStatus
 
-from .lease import DEFAULT_MAX_TAKEOVERS
-from .redact import failure_reason, mask_password
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from .diagnosis import Target
 
 __all__ = ["main"]
 
+logger = logging.getLogger(__name__)
+
 DB_HELP = "database URL: sqlite+aiosqlite:///path.db or postgresql+asyncpg://user@host/db"
+SCHEMA_HELP = "PostgreSQL schema (search_path) to use; default: the role's search_path"
+
+EXIT_OK = 0
+#: The command ran and failed (the demo found a problem, an unexpected error).
+EXIT_FAILED = 1
+#: Bad usage or input, or a database error: one line on stderr saying the fix.
+EXIT_INPUT = 2
+#: Refused: another instance holds the execution.
+EXIT_REFUSED = 3
+
+EPILOG = f"""exit status:
+  {EXIT_OK}  done
+  {EXIT_FAILED}  the command ran and failed (the demo found a problem; an unexpected error)
+  {EXIT_INPUT}  bad usage or input, or a database error (unreachable, no such database or
+     role, never migrated): one line on stderr saying the fix
+  {EXIT_REFUSED}  refused: another instance holds the execution (erase)
+Errors print no traceback unless --debug is given."""
+
+#: The statuses an execution can be in (``executions --status`` accepts exactly these).
+STATUSES = [status.value for status in LeaseStatus]
+
+#: The fields of each object ``executions --json`` and ``dead-letters --json`` print.
+JSON_FIELDS = (
+    "scope_key",
+    "tenant_id",
+    "execution_id",
+    "status",
+    "holder",
+    "epoch",
+    "expires_at",
+    "expires_in",
+    "pending_effects",
+    "reason",
+    "takeovers",
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are one line naming the help to read."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_INPUT, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+class _Version(argparse.Action):
+    """``--version``: the installed version, read only when asked for."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(
+            option_strings,
+            dest=argparse.SUPPRESS,
+            default=argparse.SUPPRESS,
+            nargs=0,
+            help="print the installed version and exit",
+        )
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        from . import __version__
+
+        sys.stdout.write(f"{parser.prog} {__version__}\n")
+        parser.exit(EXIT_OK)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text}")
+    return value
+
+
+def _output_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    # On the top level and on every command: a command's defaults are SUPPRESSed so they do
+    # not overwrite what was given before the command's name.
+    default: Any = False if top else argparse.SUPPRESS
+    parser.add_argument(
+        "--debug", action="store_true", default=default, help="print the traceback of an error"
+    )
+    volume = parser.add_mutually_exclusive_group()
+    volume.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=default,
+        help="log the library's events down to DEBUG",
+    )
+    volume.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        default=default,
+        help="log warnings and errors only (the worker logs at INFO by default)",
+    )
+
+
+def _database_options(parser: argparse.ArgumentParser, *, db_help: str = DB_HELP) -> None:
+    parser.add_argument("--db", required=True, help=db_help)
+    parser.add_argument("--schema", default=None, help=SCHEMA_HELP)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="langgraph-fence",
         description="Fencing tokens for LangGraph: stale workers never land a write.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log the library's events")
+    parser.add_argument("--version", action=_Version)
+    _output_options(parser, top=True)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    demo = commands.add_parser(
-        "demo", help="two instances, a stall past the lease, the stale writes refused"
-    )
+
+    def command(name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+        import textwrap
+
+        sub = commands.add_parser(
+            name,
+            help=help,
+            # Raw, for the epilog's table: the description is wrapped here.
+            description=None if description is None else textwrap.fill(description, 79),
+            epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        _output_options(sub, top=False)
+        return sub
+
+    demo = command("demo", "two instances, a stall past the lease, the stale writes refused")
     demo.add_argument(
         "--db",
         default=None,
@@ -47,34 +177,63 @@ def _parser() -> argparse.ArgumentParser:
         help="PostgreSQL schema (search_path) to use, created if missing "
         "(default: langgraph_fence_demo)",
     )
-    worker = commands.add_parser(
-        "worker", help="serve: take over expired executions and run them (until SIGTERM)"
+    worker = command(
+        "worker",
+        "serve: take over expired executions and run them (until SIGTERM)",
+        description="Serve the graphs a module's function returns: take over every expired "
+        "or handed-back execution of them and run it, until SIGTERM or Ctrl-C. The module is "
+        "imported from the current folder first (as `uvicorn app:app` does). Logs at INFO "
+        "on stderr: what it serves, each takeover, each dead letter, each handed-back run.",
     )
-    worker.add_argument("--db", required=True, help=DB_HELP)
+    _database_options(worker)
     worker.add_argument(
         "--graphs",
         required=True,
         metavar="MODULE:FUNCTION",
-        help="a function taking the Instance and returning {graph name: compiled graph}",
+        help="a function taking the Instance and returning {graph name: compiled graph}; "
+        "MODULE is imported from the current folder or sys.path",
     )
-    worker.add_argument("--concurrency", type=int, default=4)
-    worker.add_argument("--poll-interval", type=float, default=1.0)
-    worker.add_argument("--lease-ttl", type=float, default=30.0)
-    worker.add_argument("--instance-id", default=None)
+    worker.add_argument(
+        "--concurrency",
+        type=_positive_int,
+        default=4,
+        metavar="N",
+        help="how many executions this worker runs at once (default: 4)",
+    )
+    worker.add_argument(
+        "--poll-interval",
+        type=_positive_seconds,
+        default=1.0,
+        metavar="SECONDS",
+        help="seconds between two looks for executions to take over (default: 1.0)",
+    )
+    worker.add_argument(
+        "--lease-ttl",
+        type=_positive_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="seconds a lease holds unless renewed (renewed every third of it); a worker "
+        "silent this long is taken over (default: 30.0)",
+    )
+    worker.add_argument(
+        "--instance-id",
+        default=None,
+        help="this worker's name in the lease table (default: host:pid and a random suffix)",
+    )
     worker.add_argument(
         "--max-takeovers",
-        type=int,
+        type=_positive_int,
         default=DEFAULT_MAX_TAKEOVERS,
+        metavar="N",
         help="the takeover budget: an execution taken over more than this many times in a "
         "row from workers that died with no new checkpoint is dead-lettered "
-        f"('crashed N workers'); default {DEFAULT_MAX_TAKEOVERS}",
+        f"('crashed N workers') (default: {DEFAULT_MAX_TAKEOVERS})",
     )
-    worker.add_argument("--schema", default=None, help="PostgreSQL schema (search_path) to use")
-    migrate = commands.add_parser("migrate", help="create or upgrade every table on a database")
-    migrate.add_argument("--db", required=True, help=DB_HELP)
-    erase = commands.add_parser(
+    migrate = command("migrate", "create or upgrade every table on a database")
+    _database_options(migrate)
+    erase = command(
         "erase",
-        help="erase one tenant's thread: every row of it (refused while a run holds it)",
+        "erase one tenant's thread: every row of it (refused while a run holds it)",
         description=(
             "Erase a tenant's thread under its execution's lease (refused, naming the holder, "
             "while another instance runs it): its checkpoints, blobs and writes, the "
@@ -85,7 +244,7 @@ def _parser() -> argparse.ArgumentParser:
             "when refused."
         ),
     )
-    erase.add_argument("--db", required=True, help=DB_HELP)
+    _database_options(erase)
     erase.add_argument("--tenant", required=True, help="the thread's tenant")
     erase.add_argument("--thread", required=True, help="the thread id to erase")
     erase.add_argument(
@@ -93,78 +252,181 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="database of the exactly-once sink's tables, when not --db (its results go too)",
     )
-    erase.add_argument("--schema", default=None, help="PostgreSQL schema (search_path)")
-    executions = commands.add_parser("executions", help="list executions and their leases")
-    executions.add_argument("--status", default=None, help="only this status")
-    dead = commands.add_parser("dead-letters", help="list dead-lettered executions and why")
+    executions = command(
+        "executions",
+        "list executions and their leases",
+        description="List executions, the most recently changed first: scope key, status, "
+        "holder, token (epoch), when the lease expires (judged by the store's clock), the "
+        "stamped writes that may have happened, and the reason it ended.",
+    )
+    executions.add_argument(
+        "--status", default=None, choices=STATUSES, help="only executions in this status"
+    )
+    dead = command(
+        "dead-letters",
+        "list dead-lettered executions and why",
+        description="List dead-lettered executions (as `executions --status dead_lettered`); "
+        "act on one with `langgraph-fence resolve KEY --retry | --abandon --reason TEXT`.",
+    )
     for listing in (executions, dead):
-        listing.add_argument("--db", required=True, help=DB_HELP)
+        _database_options(listing)
         listing.add_argument(
             "--tenant", default=None, help="only this tenant's executions (their reasons too)"
         )
-        listing.add_argument("--limit", type=int, default=50)
-        listing.add_argument("--schema", default=None, help="PostgreSQL schema (search_path)")
-    resolve = commands.add_parser(
+        listing.add_argument(
+            "--limit",
+            type=_positive_int,
+            default=50,
+            metavar="N",
+            help="at most this many executions (default: 50)",
+        )
+        listing.add_argument(
+            "--json",
+            action="store_true",
+            help="print a JSON list of objects, one per execution, with the fields "
+            + ", ".join(JSON_FIELDS)
+            + " (README: 'executions --json')",
+        )
+    resolve = command(
         "resolve",
-        help="act on one dead-lettered execution (--retry: run it again)",
-        description="Act on one dead-lettered execution, named by tenant and execution id. "
-        "--retry makes it pending again with its takeover budget reset: any worker serving "
-        "its graph takes it at its next poll and resumes it from its last checkpoint (fix "
-        "the step that killed its workers first). Refused while a non-idempotent write "
-        "stamped before it was dead-lettered stands: that write may have happened, and a "
-        "retry would repeat it.",
+        "act on one dead-lettered execution: --retry it, or --abandon it",
+        description="Act on one dead-lettered execution, named by its scope key as "
+        "`executions` lists it (or by --tenant and --execution), after a person checked what "
+        "it may have done. --retry makes it pending again with its takeover budget reset: "
+        "any worker serving its graph takes it at its next poll and resumes it from its last "
+        "checkpoint at the next token (fix the step that killed its workers first); refused "
+        "while a non-idempotent write stamped before it was dead-lettered stands, since a "
+        "retry would repeat it. --abandon ends it failed with the reason 'abandoned by "
+        "operator: TEXT' and clears its stamped writes (settled by hand); nothing runs it "
+        "again. Both are refused for an execution that is not dead-lettered.",
     )
-    resolve.add_argument("--db", required=True, help=DB_HELP)
-    resolve.add_argument("--tenant", required=True, help="the execution's tenant id")
     resolve.add_argument(
-        "--execution", required=True, help="the execution id (the thread id unless set)"
+        "key",
+        nargs="?",
+        metavar="KEY",
+        help="the execution's scope key, tenant:execution as `executions` lists it",
     )
-    resolve.add_argument("--schema", default=None, help="PostgreSQL schema (search_path)")
+    _database_options(resolve)
+    resolve.add_argument(
+        "--tenant", default=None, help="the execution's tenant id (with --execution)"
+    )
+    resolve.add_argument(
+        "--execution", default=None, help="the execution id (the thread id unless set)"
+    )
     action = resolve.add_mutually_exclusive_group(required=True)
     action.add_argument(
         "--retry",
         action="store_true",
         help="make it pending again, its takeover budget reset",
     )
+    action.add_argument(
+        "--abandon",
+        action="store_true",
+        help="end it failed with --reason (required): nothing runs it again",
+    )
+    resolve.add_argument(
+        "--reason",
+        default=None,
+        metavar="TEXT",
+        help="with --abandon: what was checked and by whom (stored as 'abandoned by operator: "
+        "TEXT')",
+    )
     return parser
+
+
+def _log_level(args: argparse.Namespace) -> int:
+    if args.verbose:
+        return logging.DEBUG
+    if args.quiet:
+        return logging.WARNING
+    if args.command == "demo":
+        return logging.ERROR  # its timeline shows every warning the library would log
+    return logging.INFO if args.command == "worker" else logging.WARNING
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``langgraph-fence`` console script; returns the exit code."""
-    from .errors import ExecutionEndedError, ExecutionLeaseHeldError
-
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR)
-    console = Console()
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("langgraph_fence").setLevel(_log_level(args))
     try:
-        if args.command == "demo":
-            return asyncio.run(_demo(console, args.db, args.schema))
-        if args.command == "worker":
-            return asyncio.run(_worker(console, args))
-        if args.command == "migrate":
-            return asyncio.run(_migrate(console, args.db))
-        if args.command == "erase":
-            return asyncio.run(_erase(console, args))
-        if args.command in ("executions", "dead-letters"):
-            status = "dead_lettered" if args.command == "dead-letters" else args.status
-            return asyncio.run(_executions(console, args, status))
-        if args.command == "resolve":
-            return asyncio.run(_resolve(console, args))
-    except ValueError as exc:
-        console.print(f"[red]error:[/red] {mask_password(str(exc))}", markup=False, highlight=False)
-        return 2
-    except (ExecutionLeaseHeldError, ExecutionEndedError) as exc:
-        console.print(f"refused: {exc}", markup=False, highlight=False)
-        return 3
-    except (SQLAlchemyError, OSError) as exc:
+        return _run(args)
+    except Exception as exc:  # every error becomes one line (and its exit status)
+        code, line = _explain(exc, args)
+        if args.debug:
+            import traceback
+
+            traceback.print_exception(exc)
+        _stderr().print(line, markup=False, highlight=False)
+        return code
+
+
+def _stderr() -> Console:
+    from rich.console import Console
+
+    # soft_wrap: an error is one line whatever the terminal's width.
+    return Console(stderr=True, soft_wrap=True)
+
+
+def _target(args: argparse.Namespace) -> Target | None:
+    from .diagnosis import Target
+
+    db = getattr(args, "db", None)
+    return None if db is None else Target(db, getattr(args, "schema", None))
+
+
+def _explain(exc: Exception, args: argparse.Namespace) -> tuple[int, str]:
+    """The exit status and the one line printed for ``exc``."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from .diagnosis import explain_database_error
+    from .errors import ExecutionEndedError, ExecutionLeaseHeldError
+    from .redact import failure_reason, mask_password
+
+    if isinstance(exc, ExecutionLeaseHeldError | ExecutionEndedError):
+        return EXIT_REFUSED, f"refused: {exc}"
+    if isinstance(exc, ValueError):
+        # One line: a message quoting several lines of input keeps them all, joined.
+        return EXIT_INPUT, f"error: {mask_password(' '.join(str(exc).splitlines()))}"
+    target = _target(args)
+    known = None if target is None else explain_database_error(exc, target)
+    if known is not None:
+        return EXIT_INPUT, f"error: {known}"
+    hint = "" if args.debug else " (--debug prints the traceback)"
+    if isinstance(exc, SQLAlchemyError | OSError):
         # A database that cannot be reached or read: say so, without the driver's quoted
         # statement and parameters, and without the URL's password.
-        console.print(f"error: {failure_reason(exc)}", markup=False, highlight=False)
-        return 1
+        return EXIT_INPUT, f"error: the database failed: {failure_reason(exc)}{hint}"
+    return EXIT_FAILED, f"error: {failure_reason(exc)}{hint}"
+
+
+def _run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    if args.command == "demo":
+        from rich.console import Console
+
+        return asyncio.run(_demo(Console(), args.db, args.schema))
+    if args.command == "worker":
+        return asyncio.run(_worker(args))
+    if args.command == "migrate":
+        return asyncio.run(_migrate(args))
+    if args.command == "erase":
+        return asyncio.run(_erase(args))
+    if args.command in ("executions", "dead-letters"):
+        status = "dead_lettered" if args.command == "dead-letters" else args.status
+        return asyncio.run(_executions(args, status))
+    if args.command == "resolve":
+        return asyncio.run(_resolve(args))
     raise AssertionError(f"unknown command {args.command!r}")
 
 
 async def _demo(console: Console, db: str | None, schema: str | None) -> int:
+    from rich.table import Table
+    from rich.text import Text
+
     from .database import normalize_url
     from .demo import run_demo
 
@@ -204,20 +466,45 @@ def _load_graphs_factory(spec: str) -> Any:
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
         raise ValueError(f"--graphs must be MODULE:FUNCTION, got {spec!r}")
+    # As `uvicorn app:app` does: a module in the folder the worker was started from imports
+    # (the console script's sys.path starts with its own bin folder, not the current one).
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.insert(0, here)
     try:
         module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not module_name.startswith(exc.name):
+            raise ValueError(f"--graphs: importing {module_name!r} failed: {exc}") from exc
+        raise ValueError(
+            f"--graphs: no module {exc.name!r} in the current folder ({here}) or on sys.path: "
+            "start the worker in the folder that holds it, or fix MODULE"
+        ) from exc
     except ImportError as exc:
-        raise ValueError(f"--graphs: cannot import {module_name!r}: {exc}") from exc
+        raise ValueError(f"--graphs: importing {module_name!r} failed: {exc}") from exc
     factory = getattr(module, attribute, None)
     if not callable(factory):
         raise ValueError(f"--graphs: {spec!r} is not a function of the module")
     return factory
 
 
-async def _worker(console: Console, args: argparse.Namespace) -> int:
+def _checked_target(args: argparse.Namespace, *, must_exist: bool) -> Target:
+    """``--db`` and ``--schema``, the URL parsed and a SQLite path checked before use."""
+    from .diagnosis import check_sqlite_file
+
+    target = _target(args)
+    assert target is not None
+    check_sqlite_file(target, must_exist=must_exist)
+    return target
+
+
+async def _worker(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
     from .database import schema_options
     from .instance import Instance
 
+    target = _checked_target(args, must_exist=False)
     factory = _load_graphs_factory(args.graphs)
     async with Instance.open(
         args.db,
@@ -227,21 +514,32 @@ async def _worker(console: Console, args: argparse.Namespace) -> int:
         max_takeovers=args.max_takeovers,
     ) as instance:
         graphs = factory(instance)
-        console.print(f"worker {instance.instance_id} serves {sorted(graphs)}")
+        schema = f" (schema {args.schema})" if args.schema else ""
+        Console().print(
+            f"worker {instance.instance_id} serves {sorted(graphs)} on {target.masked}{schema}: "
+            f"concurrency {args.concurrency}, polls every {args.poll_interval} s, lease TTL "
+            f"{args.lease_ttl} s, at most {args.max_takeovers} takeovers without progress",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
         await instance.serve(graphs, concurrency=args.concurrency, poll_interval=args.poll_interval)
-    console.print(f"worker {instance.instance_id} stopped")
+    Console().print(f"worker {instance.instance_id} stopped", markup=False, highlight=False)
     return 0
 
 
-async def _migrate(console: Console, db: str) -> int:
+async def _migrate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
     from checkpointers import SqlCheckpointer
 
-    from .database import create_engine
+    from .database import create_engine, schema_options
     from .executions import SqlExecutionRecords
     from .sinks import setup_sink
     from .stores.sql import SqlLeaseRepository
 
-    engine = create_engine(db)
+    _checked_target(args, must_exist=False)
+    engine = create_engine(args.db, **schema_options(args.schema))
     try:
         await SqlLeaseRepository(engine).setup()
         await SqlCheckpointer(engine).setup()
@@ -249,11 +547,13 @@ async def _migrate(console: Console, db: str) -> int:
         await setup_sink(engine)
     finally:
         await engine.dispose()
-    console.print("migrated: leases, checkpoints, execution records, sink")
+    Console().print("migrated: leases, checkpoints, execution records, sink")
     return 0
 
 
-async def _erase(console: Console, args: argparse.Namespace) -> int:
+async def _erase(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
     from .admin import ThreadAdmin
     from .database import create_engine, schema_options
     from .instance import Instance
@@ -262,6 +562,7 @@ async def _erase(console: Console, args: argparse.Namespace) -> int:
         raise ValueError("--tenant must be the thread's tenant id (non-empty)")
     if not args.thread:
         raise ValueError("--thread must be the id of the thread to erase (non-empty)")
+    _checked_target(args, must_exist=True)
     options = schema_options(args.schema)
     sink = None if args.sink_db is None else create_engine(args.sink_db)
     try:
@@ -276,7 +577,7 @@ async def _erase(console: Console, args: argparse.Namespace) -> int:
     finally:
         if sink is not None:
             await sink.dispose()
-    console.print(
+    Console().print(
         f"erased thread {args.thread!r} of tenant {args.tenant!r}: checkpoints, record, "
         "binding, lease reason, sink results (kept: the lease's token, the sink's "
         "high-water mark)",
@@ -286,16 +587,26 @@ async def _erase(console: Console, args: argparse.Namespace) -> int:
     return 0
 
 
-async def _executions(console: Console, args: argparse.Namespace, status: str | None) -> int:
+def _expires(expires_at: float | None, now: float) -> str:
+    """``in 12 s`` or ``expired 12 s ago`` (both against the store's clock), or empty."""
+    if expires_at is None:
+        return ""
+    left = expires_at - now
+    return f"in {left:.0f} s" if left >= 0 else f"expired {-left:.0f} s ago"
+
+
+async def _executions(args: argparse.Namespace, status: str | None) -> int:
+    import json
+
     from sqlalchemy import select
 
-    from .database import create_engine, schema_options
+    from .database import create_engine, read_only, schema_options
     from .schema import LEASES, effects_from_json
+    from .stores.sql import SqlLeaseRepository
 
-    if args.limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {args.limit}")
     if args.tenant is not None and not args.tenant:
         raise ValueError("--tenant must be a non-empty tenant id (or left out for every tenant)")
+    _checked_target(args, must_exist=True)
     engine = create_engine(args.db, **schema_options(args.schema))
     try:
         query: Any = select(LEASES).order_by(LEASES.c.updated_at.desc()).limit(args.limit)
@@ -303,50 +614,118 @@ async def _executions(console: Console, args: argparse.Namespace, status: str | 
             query = query.where(LEASES.c.status == status)
         if args.tenant is not None:
             query = query.where(LEASES.c.tenant_id == args.tenant)
-        async with engine.connect() as conn:
+        async with read_only(engine).connect() as conn:
             rows = (await conn.execute(query)).all()
+        # The clock every expiry was written in: the database's (PostgreSQL), or this
+        # machine's for SQLite, as the lease store reads it.
+        now = await SqlLeaseRepository(engine).now()
     finally:
         await engine.dispose()
+    listed = [
+        {
+            "scope_key": row.scope_key,
+            "tenant_id": row.tenant_id,
+            "execution_id": row.execution_id,
+            "status": row.status,
+            "holder": row.holder,
+            "epoch": row.epoch,
+            "expires_at": row.expires_at,
+            "expires_in": None if row.expires_at is None else round(row.expires_at - now, 1),
+            "pending_effects": [
+                {"effect": e.effect.value, "node": e.node, "key": e.key, "token": e.token}
+                for e in effects_from_json(row.pending_effects)
+            ],
+            "reason": row.reason,
+            "takeovers": row.takeovers,
+        }
+        for row in rows
+    ]
+    if args.json:
+        sys.stdout.write(json.dumps(listed, indent=2) + "\n")
+        return 0
+    _print_executions(args, status, listed, now)
+    return 0
+
+
+def _print_executions(
+    args: argparse.Namespace, status: str | None, listed: list[dict[str, Any]], now: float
+) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
     title = "dead-lettered executions" if status == "dead_lettered" else "executions"
     if args.tenant is not None:
         title += f" of tenant {args.tenant}"
     table = Table(title=title)
-    columns = ("tenant", "execution", "scope key", "status", "token", "holder", "pending effects")
-    for column in (*columns, "reason"):
-        table.add_column(column)
-    for row in rows:
+    # The scope key in full: the KEY that `resolve` takes.
+    table.add_column("scope key", overflow="fold")
+    for column in ("status", "holder", "token", "expires", "pending effects", "reason"):
+        table.add_column(column, overflow="fold")
+    for entry in listed:
         pending = "\n".join(
-            f"{e.effect.value} @ {e.node} (token {e.token})"
-            for e in effects_from_json(row.pending_effects)
+            f"{e['effect']} @ {e['node']} (token {e['token']})" for e in entry["pending_effects"]
         )
         cells = (
-            row.tenant_id,
-            row.execution_id,
-            row.scope_key,
-            row.status,
-            str(row.epoch),
-            row.holder or "",
+            entry["scope_key"],
+            entry["status"],
+            entry["holder"] or "",
+            str(entry["epoch"]),
+            _expires(entry["expires_at"], now),
             pending,
+            entry["reason"] or "",
         )
         # Text, not markup: a stored reason or id is data ("[/b]" in a reason must not
         # break the listing or restyle it).
-        table.add_row(*(Text(cell) for cell in (*cells, row.reason or "")))
-    console.print(table)
-    return 0
+        table.add_row(*(Text(cell) for cell in cells))
+    Console().print(table)
 
 
-async def _resolve(console: Console, args: argparse.Namespace) -> int:
+def _resolve_key(args: argparse.Namespace) -> LeaseKey:
+    from .scope import parse_scope_key
+
+    if args.key is not None:
+        if args.tenant is not None or args.execution is not None:
+            raise ValueError("name the execution once: KEY, or --tenant and --execution")
+        try:
+            parts = parse_scope_key(args.key)
+        except ValueError as exc:
+            raise ValueError(f"KEY: {exc} (copy it from `langgraph-fence executions`)") from None
+        if len(parts) != 2:
+            raise ValueError(f"KEY {args.key!r} is not an execution's key 'tenant:execution'")
+        return LeaseKey(*parts)
+    if not args.tenant or not args.execution:
+        raise ValueError(
+            "name the execution: KEY (tenant:execution, as `langgraph-fence executions` "
+            "lists it) or --tenant and --execution"
+        )
+    return LeaseKey(args.tenant, args.execution)
+
+
+async def _resolve(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.text import Text
+    from sqlalchemy import select
+
     from .database import create_engine, schema_options
-    from .lease import LeaseKey
+    from .schema import LEASES
     from .stores.sql import SqlLeaseRepository
 
-    key = LeaseKey(args.tenant, args.execution)
+    key = _resolve_key(args)
+    if args.abandon and (args.reason is None or not args.reason.strip()):
+        raise ValueError("--abandon needs --reason TEXT: what was checked, and by whom")
+    if args.retry and args.reason is not None:
+        raise ValueError("--reason goes with --abandon only (a retry keeps no reason)")
+    _checked_target(args, must_exist=True)
     engine = create_engine(args.db, **schema_options(args.schema))
     try:
+        async with engine.connect() as conn:
+            # Never migrated: say so (the table is not created on a database named by mistake).
+            await conn.execute(select(LEASES.c.scope_key).limit(1))
         repo = SqlLeaseRepository(engine)
         await repo.setup()  # the budget's columns (lease migration 4) on an older database
         try:
-            lease = await repo.retry(key)
+            lease = await (repo.abandon(key, args.reason) if args.abandon else repo.retry(key))
         except KeyError:
             raise ValueError(
                 f"no execution {key.execution_id!r} of tenant {key.tenant_id!r}: see "
@@ -354,12 +733,17 @@ async def _resolve(console: Console, args: argparse.Namespace) -> int:
             ) from None
     finally:
         await engine.dispose()
-    console.print(
-        Text(
+    if args.abandon:
+        said = (
+            f"execution {lease.scope_key} is failed at token {lease.epoch} ({lease.reason}), "
+            "its stamped writes cleared: nothing runs it again"
+        )
+    else:
+        said = (
             f"execution {lease.scope_key} is pending again at token {lease.epoch}, its "
             "takeover budget reset: a worker serving its graph takes it at its next poll"
         )
-    )
+    Console().print(Text(said))
     return 0
 
 

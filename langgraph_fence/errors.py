@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from typing import ClassVar, TypeVar
-
-from langgraph.errors import GraphBubbleUp
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 E = TypeVar("E", bound=BaseException)
 
@@ -163,8 +161,8 @@ class ExecutionDeadLetteredError(LangGraphFenceError, RuntimeError):
     code: ClassVar[str] = "execution.dead-lettered"
 
 
-class WriteDeadLetteredError(ExecutionDeadLetteredError, GraphBubbleUp):
-    """A step's non-idempotent write failed, or would have been repeated: dead-lettered.
+_WRITE_DEAD_LETTERED_DOC = """A step's non-idempotent write failed, or would have been
+    repeated: dead-lettered.
 
     Raised inside the step (by a fenced node or a fenced tool). It is also a LangGraph
     ``GraphBubbleUp``: no ``RetryPolicy`` retries it, ``ToolNode`` re-raises it whatever its
@@ -175,7 +173,30 @@ class WriteDeadLetteredError(ExecutionDeadLetteredError, GraphBubbleUp):
     and raises this error.
     """
 
-    code: ClassVar[str] = "execution.dead-lettered.write"
+if TYPE_CHECKING:
+    from langgraph.errors import GraphBubbleUp
+
+    class WriteDeadLetteredError(ExecutionDeadLetteredError, GraphBubbleUp):
+        __doc__ = _WRITE_DEAD_LETTERED_DOC
+        code: ClassVar[str] = "execution.dead-lettered.write"
+
+else:
+
+    def __getattr__(name: str) -> Any:
+        # WriteDeadLetteredError is defined on first use (PEP 562): its base, LangGraph's
+        # GraphBubbleUp, costs a second of imports that the CLI's listings and `--help`
+        # never need. Defined once: every importer gets the same class (pickle too, by
+        # its qualified name).
+        if name != "WriteDeadLetteredError":
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        from langgraph.errors import GraphBubbleUp
+
+        class WriteDeadLetteredError(ExecutionDeadLetteredError, GraphBubbleUp):
+            __doc__ = _WRITE_DEAD_LETTERED_DOC
+            __qualname__ = "WriteDeadLetteredError"
+            code: ClassVar[str] = "execution.dead-lettered.write"
+
+        return globals().setdefault(name, WriteDeadLetteredError)
 
 
 def _rebuild(

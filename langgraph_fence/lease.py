@@ -31,9 +31,11 @@ __all__ = [
     "LeaseKey",
     "LeaseStatus",
     "PendingEffect",
+    "abandon_reason",
     "budget_reason",
     "clean_reason",
     "dead_letter_reason",
+    "decide_abandon",
     "decide_acquire",
     "decide_clear_pending_effects",
     "decide_dead_letter",
@@ -613,6 +615,19 @@ def decide_take_over(
     )
 
 
+def _dead_letter_of(current: Lease | None, key: LeaseKey, action: str) -> Lease:
+    """``current`` if dead-lettered: ``KeyError`` when absent, else ``ValueError`` saying
+    that only a dead-lettered execution can be ``action``."""
+    if current is None:
+        raise KeyError(f"no lease for execution {key.scope_key!r}")
+    if current.status is not LeaseStatus.DEAD_LETTERED:
+        raise ValueError(
+            f"execution {key.scope_key!r} is {current.status.value}, not dead_lettered: only a "
+            f"dead-lettered execution can be {action}"
+        )
+    return current
+
+
 def decide_retry(current: Lease | None, key: LeaseKey) -> Lease:
     """Make a dead-lettered execution ``pending`` again, its takeover budget reset.
 
@@ -623,13 +638,7 @@ def decide_retry(current: Lease | None, key: LeaseKey) -> Lease:
     that write may have happened, and a retry would repeat it. Raises ``KeyError`` when
     there is no lease for ``key``.
     """
-    if current is None:
-        raise KeyError(f"no lease for execution {key.scope_key!r}")
-    if current.status is not LeaseStatus.DEAD_LETTERED:
-        raise ValueError(
-            f"execution {key.scope_key!r} is {current.status.value}, not dead_lettered: only a "
-            "dead-lettered execution can be retried"
-        )
+    current = _dead_letter_of(current, key, "retried")
     standing = non_idempotent_standing(current)
     if standing:
         raise ValueError(
@@ -644,6 +653,42 @@ def decide_retry(current: Lease | None, key: LeaseKey) -> Lease:
         status=LeaseStatus.PENDING,
         reason=None,
         takeovers=0,
+    )
+
+
+def abandon_reason(text: str) -> str:
+    """The reason an abandoned execution keeps: ``abandoned by operator: <text>``.
+
+    Raises:
+        ValueError: ``text`` is not a str, or is empty or only whitespace.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(
+            f"reason must be a non-empty text saying why the execution is abandoned (what was "
+            f"checked, by whom), got {text!r}"
+        )
+    return clean_reason(f"abandoned by operator: {text.strip()}", required=True)
+
+
+def decide_abandon(current: Lease | None, key: LeaseKey, reason: str) -> Lease:
+    """End a dead-lettered execution ``failed`` with ``abandon_reason(reason)``.
+
+    The operator's decision after a person checked the side effect a dead letter may have
+    left (``langgraph-fence resolve --abandon --reason TEXT``): nothing resumes it. The
+    epoch stays; the stamp set is cleared, the operator's word standing for the writes it
+    named (else a new turn on the thread, reopening the failed execution, would be
+    dead-lettered again for a write already settled). Refused (``ValueError``) unless it is
+    dead-lettered; raises ``KeyError`` when there is no lease for ``key``.
+    """
+    stored = abandon_reason(reason)
+    current = _dead_letter_of(current, key, "abandoned")
+    return replace(
+        current,
+        holder=None,
+        expires_at=None,
+        status=LeaseStatus.FAILED,
+        reason=stored,
+        pending_effects=(),
     )
 
 

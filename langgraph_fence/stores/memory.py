@@ -12,6 +12,7 @@ from ..lease import (
     LeaseKey,
     LeaseStatus,
     PendingEffect,
+    decide_abandon,
     decide_acquire,
     decide_clear_pending_effects,
     decide_dead_letter,
@@ -162,3 +163,12 @@ class MemoryLeaseRepository:
             retried = decide_retry(self._rows.get(key), key)
             self._rows[key] = retried
             return retried
+
+    async def abandon(self, key: LeaseKey, reason: str) -> Lease:
+        """End a dead-lettered execution ``failed``, its reason the operator's
+        (:func:`~langgraph_fence.lease.decide_abandon`)."""
+        check_key(key)
+        async with self._lock:
+            abandoned = decide_abandon(self._rows.get(key), key, reason)
+            self._rows[key] = abandoned
+            return abandoned

@@ -45,7 +45,9 @@ from ..lease import (
     LeaseKey,
     LeaseStatus,
     PendingEffect,
+    abandon_reason,
     clean_reason,
+    decide_abandon,
     decide_dead_letter,
     decide_retry,
     fenced_error,
@@ -301,6 +303,19 @@ class SqlLeaseRepository:
             )
             .returning(*_RETURNING)
         )
+        self._abandon = (
+            update(LEASES)
+            .where(and_(_KEY, _C.status == LeaseStatus.DEAD_LETTERED.value))
+            .values(
+                holder=None,
+                expires_at=None,
+                status=LeaseStatus.FAILED.value,
+                reason=bindparam("p_reason", type_=Text),
+                pending_effects=literal_column("'{}'"),
+                updated_at=now,
+            )
+            .returning(*_RETURNING)
+        )
 
     def _build_take_over(self, now: ColumnElement[float], ttl: Any) -> Any:
         # The take and the decision are one statement, on the row as it is now: the stamp
@@ -540,6 +555,22 @@ class SqlLeaseRepository:
             decide_retry(await self.get(key), key)
             raise ValueError(
                 f"execution {key.scope_key!r} changed while it was retried; look again"
+            )
+        return self._lease(row)
+
+    async def abandon(self, key: LeaseKey, reason: str) -> Lease:
+        """End a dead-lettered execution ``failed``, its reason the operator's
+        (:func:`~langgraph_fence.lease.decide_abandon`): one guarded statement."""
+        check_key(key)
+        params = self._params(
+            tenant_id=key.tenant_id, execution_id=key.execution_id, reason=abandon_reason(reason)
+        )
+        row = await self._one(self._abandon, params)
+        if row is None:
+            # Refused: let the pure decision say why (no row, not dead-lettered).
+            decide_abandon(await self.get(key), key, reason)
+            raise ValueError(
+                f"execution {key.scope_key!r} changed while it was abandoned; look again"
             )
         return self._lease(row)
 

@@ -205,6 +205,10 @@ class LeaseMachine(RuleBasedStateMachine):
     def retry(self, key: int) -> None:
         self.both(lambda repo, _: repo.retry(self.keys[key]))
 
+    @rule(key=KEYS, reason=st.sampled_from(["checked", " padded ", "", "  ", "nul \x00"]))
+    def abandon(self, key: int, reason: str) -> None:
+        self.both(lambda repo, _: repo.abandon(self.keys[key], reason))
+
     @rule(key=KEYS, reason=REASONS, epoch=EPOCHS)
     def dead_letter(self, key: int, reason: str | None, epoch: int | None) -> None:
         self.both(lambda repo, _: repo.dead_letter(self.keys[key], reason, epoch=epoch))

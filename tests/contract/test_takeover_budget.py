@@ -1,4 +1,5 @@
-"""The takeover budget (issue 24, item 3), decided in the take-over statement on every store.
+"""The takeover budget (issue 24, item 3), decided in the take-over statement on every store,
+and the operator's two ways out of a dead letter: retry and abandon.
 
 An execution whose step kills its process is taken over by each worker in turn; without a
 budget the fleet dies one worker per lease TTL, forever. With ``max_takeovers`` the take that
@@ -175,6 +176,51 @@ async def test_retry_refuses_what_it_must_not_run_again(
     with pytest.raises(ValueError, match="node 'charge' at token 1"):
         await lease_store.retry(dead.key)
     assert await lease_store.get(dead.key) == dead
+
+
+async def test_abandon_ends_a_dead_letter_failed_with_the_operators_reason(
+    lease_store: Any, clock: ManualClock
+) -> None:
+    running = await started(lease_store)
+    stamp = PendingEffect(Effect.NON_IDEMPOTENT_WRITE, "charge", "task-1", running.epoch)
+    stamped = await lease_store.mark_pending_effect(running, stamp, TTL)
+    dead = await crash_and_take(lease_store, clock, stamped, "w1")
+    assert dead.status is LeaseStatus.DEAD_LETTERED
+    abandoned = await lease_store.abandon(dead.key, "  charge refunded by hand (ops-42) ")
+    assert (abandoned.status, abandoned.holder, abandoned.expires_at, abandoned.reason) == (
+        LeaseStatus.FAILED,
+        None,
+        None,
+        "abandoned by operator: charge refunded by hand (ops-42)",
+    )
+    # The token never goes back; the settled write no longer stands.
+    assert (abandoned.epoch, abandoned.pending_effects) == (dead.epoch, ())
+    assert await lease_store.get(dead.key) == abandoned
+    assert dead.key not in {c.key for c in await lease_store.takeover_candidates(limit=10_000)}
+    # A new turn on the thread may start again on the failed execution.
+    reopened = await lease_store.acquire(dead.key, "w2", TTL, reopen=True)
+    assert reopened is not None and reopened.epoch == dead.epoch + 1
+    assert reopened.pending_effects == ()
+
+
+async def test_abandon_refuses_what_is_not_a_dead_letter_and_an_empty_reason(
+    lease_store: Any, clock: ManualClock
+) -> None:
+    running = await started(lease_store)
+    with pytest.raises(ValueError, match="is running, not dead_lettered"):
+        await lease_store.abandon(running.key, "checked")
+    with pytest.raises(KeyError):
+        await lease_store.abandon(LeaseKey(unique("t"), "never-started"), "checked")
+    dead = await crash_and_take(lease_store, clock, running, "w1")
+    dead = await lease_store.dead_letter(dead.key, "poison", epoch=dead.epoch)
+    for bad in ("", "   "):
+        with pytest.raises(ValueError, match="reason must be a non-empty text"):
+            await lease_store.abandon(dead.key, bad)
+    assert await lease_store.get(dead.key) == dead
+    failed = await lease_store.abandon(dead.key, "checked")
+    with pytest.raises(ValueError, match="is failed, not dead_lettered"):
+        await lease_store.abandon(dead.key, "again")
+    assert await lease_store.get(dead.key) == failed
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5, "3"])

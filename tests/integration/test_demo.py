@@ -113,11 +113,11 @@ def test_the_demo_on_postgresql_makes_a_schema_of_its_own_when_given_none(
 def test_a_schema_on_sqlite_is_refused(tmp_path: Path) -> None:
     done = _cli("demo", "--schema", "x", cwd=tmp_path)
     assert done.returncode == 2
-    assert "--schema is for PostgreSQL" in done.stdout
+    assert "--schema is for PostgreSQL" in done.stderr
     assert not (tmp_path / "langgraph-fence-demo.db").exists()
 
 
 def test_an_unsupported_database_is_refused_naming_the_supported_ones(tmp_path: Path) -> None:
     done = _cli("demo", "--db", "mysql://root@localhost/test", cwd=tmp_path)
     assert done.returncode == 2
-    assert "sqlite+aiosqlite" in done.stdout and "postgresql+asyncpg" in done.stdout
+    assert "sqlite+aiosqlite" in done.stderr and "postgresql+asyncpg" in done.stderr

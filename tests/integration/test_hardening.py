@@ -418,7 +418,7 @@ def test_a_mistyped_url_is_never_echoed_with_its_password() -> None:
         done = cli("executions", "--db", url)
         assert done.returncode == 2, done.stdout + done.stderr
         assert "hunter2" not in done.stdout + done.stderr
-        assert "app:***@db" in done.stdout
+        assert "app:***@db" in done.stderr
 
 
 async def test_record_serializer_is_configurable_and_refuses_by_default(db: Leases) -> None:

@@ -1,0 +1,96 @@
+"""``langgraph-fence worker`` started as an operator starts it: in the folder of their graph
+module (as ``uvicorn app:app``), logging at INFO what it serves, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.chaos.write_steps import Database
+
+SCRIPT = str(Path(sys.executable).with_name("langgraph-fence"))
+
+GRAPHS_MODULE = """
+from langgraph.graph import END, START, StateGraph
+from typing_extensions import TypedDict
+
+from langgraph_fence import fence_graph
+
+
+class State(TypedDict):
+    n: int
+
+
+def graphs(instance):
+    builder = StateGraph(State)
+    builder.add_node("step", lambda state: {"n": state["n"] + 1})
+    builder.add_edge(START, "step")
+    builder.add_edge("step", END)
+    return {"counter": fence_graph(builder).compile(checkpointer=instance.checkpointer)}
+"""
+
+
+def serve_until_ready(folder: Path, *args: str) -> tuple[str, str]:
+    """Start ``langgraph-fence worker *args`` in ``folder``, wait (with a deadline) until it
+    says it serves, SIGTERM it; its stdout and stderr, once it exited 0."""
+    out, err = folder / "worker.out", folder / "worker.err"
+    # PYTHONPATH left out: a module is found because the worker runs in its folder.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    with out.open("wb") as out_file, err.open("wb") as err_file:
+        proc = subprocess.Popen(
+            [SCRIPT, "worker", *args], stdout=out_file, stderr=err_file, cwd=folder, env=env
+        )
+    try:
+        deadline = time.monotonic() + 90.0
+        while "serves" not in out.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, out.read_text() + err.read_text()
+            time.sleep(0.1)  # polling the output file, with a deadline
+        assert "serves" in out.read_text(), out.read_text() + err.read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    assert code == 0, out.read_text() + err.read_text()
+    return out.read_text(), err.read_text()
+
+
+def test_the_worker_imports_a_module_from_its_folder_and_logs_at_info(
+    database: Database, tmp_path: Path
+) -> None:
+    (tmp_path / "my_graphs.py").write_text(GRAPHS_MODULE)
+    schema = ["--schema", database.schema] if database.schema else []
+    said, logged = serve_until_ready(
+        tmp_path, "--db", database.url, *schema, "--graphs", "my_graphs:graphs"
+    )
+    assert "serves ['counter']" in said
+    assert "concurrency 4, polls every 1.0 s, lease TTL 30.0 s" in said
+    assert " INFO langgraph_fence.instance: instance " in logged, logged
+    assert "stopped serving" in logged
+
+
+def test_a_quiet_worker_logs_no_info(tmp_path: Path) -> None:
+    (tmp_path / "my_graphs.py").write_text(GRAPHS_MODULE)
+    db = f"sqlite+aiosqlite:///{tmp_path}/w.db"
+    said, logged = serve_until_ready(tmp_path, "-q", "--db", db, "--graphs", "my_graphs:graphs")
+    assert "serves ['counter']" in said
+    assert " INFO " not in logged, logged
+
+
+def test_a_module_missing_from_the_folder_is_one_line_saying_where_it_looked(
+    tmp_path: Path,
+) -> None:
+    done = subprocess.run(
+        [SCRIPT, "worker", "--db", f"sqlite+aiosqlite:///{tmp_path}/w.db", "--graphs", "nope:f"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"error: --graphs: no module 'nope' in the current folder ({tmp_path}) or on "
+        "sys.path: start the worker in the folder that holds it, or fix MODULE"
+    ]

@@ -1,0 +1,43 @@
+"""The package's public names load on first use, and each is the one its module defines."""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+import subprocess
+import sys
+
+import langgraph_fence
+from langgraph_fence import errors
+
+
+def test_every_public_name_resolves_to_its_modules_object() -> None:
+    assert set(langgraph_fence.__all__) == {*langgraph_fence._WHERE, "__version__"}
+    for name, module in langgraph_fence._WHERE.items():
+        defined = getattr(importlib.import_module(module, "langgraph_fence"), name)
+        assert getattr(langgraph_fence, name) is defined, name
+    assert set(langgraph_fence.__all__) <= set(dir(langgraph_fence))
+
+
+def test_importing_the_package_and_its_errors_loads_no_langgraph() -> None:
+    probe = (
+        "import sys, langgraph_fence, langgraph_fence.errors, langgraph_fence.lease\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'langgraph'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_write_dead_lettered_error_is_one_class_that_pickles_and_bubbles_up() -> None:
+    from langgraph.errors import GraphBubbleUp
+
+    from langgraph_fence.errors import WriteDeadLetteredError
+
+    assert errors.WriteDeadLetteredError is WriteDeadLetteredError
+    assert issubclass(WriteDeadLetteredError, errors.ExecutionDeadLetteredError)
+    assert issubclass(WriteDeadLetteredError, GraphBubbleUp)
+    assert WriteDeadLetteredError.code == "execution.dead-lettered.write"
+    assert WriteDeadLetteredError.__qualname__ == "WriteDeadLetteredError"
+    again = pickle.loads(pickle.dumps(WriteDeadLetteredError("boom")))
+    assert type(again) is WriteDeadLetteredError and str(again) == "boom"
