@@ -56,7 +56,7 @@ from .lease import (
     validate_ttl,
 )
 from .redact import bounded_reason, failure_reason
-from .retry import FixedWindow, is_connection_error, retry_window
+from .retry import FixedWindow, is_database_connection_error, retry_window
 from .serde import graph_allowlist
 
 if TYPE_CHECKING:
@@ -726,16 +726,6 @@ class Instance:
         if handle.error is not None:
             await self._classify_loss(handle)
             raise handle.error
-        if is_connection_error(exc):
-            # An infrastructure error, not the graph's: the store could not be reached while
-            # the run's hold lasted (each call retried until then). The run stops as
-            # lease-lost; its lease expires and serve() takes it over. Never ``failed``.
-            handle.record(_lost_to_the_store(handle, exc))
-            await self._classify_loss(handle)
-            if not isinstance(handle.error, ExecutionFencedError):
-                await self._hand_back(run, f"the store could not be reached: {failure_reason(exc)}")
-            assert handle.error is not None
-            raise handle.error from exc
         dead = handle.dead_letter or find_error(exc, ExecutionDeadLetteredError)
         if dead is not None:
             await self._dead_letter(handle, dead)
@@ -746,6 +736,16 @@ class Instance:
             # Drained by request (not by a fence): hand the execution back for any instance.
             await self._release(run, LeaseStatus.PENDING, bounded_reason(f"drained: {exc.reason}"))
             return
+        if is_database_connection_error(exc):
+            # An infrastructure error, not the graph's: the store could not be reached while
+            # the run's hold lasted (each call retried until then). The run stops as
+            # lease-lost; its lease expires and serve() takes it over. Never ``failed``.
+            handle.record(_lost_to_the_store(handle, exc))
+            await self._classify_loss(handle)
+            if not isinstance(handle.error, ExecutionFencedError):
+                await self._hand_back(run, f"the store could not be reached: {failure_reason(exc)}")
+            assert handle.error is not None
+            raise handle.error from exc
         if isinstance(exc, asyncio.CancelledError):
             reason = "cancelled"
         else:

@@ -34,6 +34,7 @@ __all__ = [
     "RetryWindow",
     "backoff",
     "is_connection_error",
+    "is_database_connection_error",
     "retry_connection_errors",
     "retry_window",
 ]
@@ -169,6 +170,57 @@ def is_connection_error(exc: BaseException) -> bool:
         if _is_disconnect(current):
             return True
         for inner in (getattr(current, "orig", None), current.__cause__, current.__context__):
+            if isinstance(inner, BaseException):
+                stack.append(inner)
+    return False
+
+
+#: The modules of the database drivers and of the stores: an error raised in them (or
+#: passing through them) comes from a database connection, not from a node's own HTTP
+#: client. (``faults``: its points stand for the store's connection in tests.)
+_DATABASE_MODULES = (
+    "sqlalchemy",
+    "asyncpg",
+    "aiosqlite",
+    "sqlite3",
+    "checkpointers",
+    "langgraph_fence.stores",
+    "langgraph_fence.executions",
+    "langgraph_fence.database",
+    "langgraph_fence.sinks",
+    "langgraph_fence.faults",
+)
+
+
+def _in_database_module(module: str) -> bool:
+    return any(module == m or module.startswith(m + ".") for m in _DATABASE_MODULES)
+
+
+def _from_database(exc: BaseException) -> bool:
+    if _in_database_module(type(exc).__module__):
+        return True
+    tb = exc.__traceback__
+    while tb is not None:
+        if _in_database_module(str(tb.tb_frame.f_globals.get("__name__", ""))):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def is_database_connection_error(exc: BaseException) -> bool:
+    """Whether ``exc``'s chain holds a connection error of a *database* connection (raised
+    by, or inside, a database driver or a store): an infrastructure error. A node's
+    ``ConnectionError`` from an HTTP client is the graph's own error, and is not one."""
+    seen: set[int] = set()
+    stack: list[BaseException] = [exc]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen or len(seen) > 16:
+            continue
+        seen.add(id(current))
+        if is_connection_error(current) and _from_database(current):
+            return True
+        for inner in (current.__cause__, current.__context__):
             if isinstance(inner, BaseException):
                 stack.append(inner)
     return False

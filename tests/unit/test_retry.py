@@ -22,6 +22,7 @@ from langgraph_fence.retry import (
     FixedWindow,
     backoff,
     is_connection_error,
+    is_database_connection_error,
     retry_connection_errors,
     retry_window,
 )
@@ -209,3 +210,24 @@ async def test_a_fixed_window_bounds_the_retries() -> None:
     with retry_window(window), pytest.raises(ConnectionRefusedError):
         await retry_connection_errors(op, what="get")
     assert 1 < calls < 10
+
+
+async def test_only_a_database_connection_error_is_infrastructure() -> None:
+    # A node's own HTTP client hanging up is the graph's error: the run may end failed.
+    def http_call() -> None:
+        raise ConnectionError("the payment provider hung up mid-request")
+
+    with pytest.raises(ConnectionError) as http:
+        http_call()
+    assert is_connection_error(http.value)
+    assert not is_database_connection_error(http.value)
+    # The same kind of error from inside the database driver is infrastructure.
+    engine = create_engine(f"postgresql://postgres@127.0.0.1:{_free_port()}/none")
+    try:
+        refused = await _raised(engine, "SELECT 1")
+    finally:
+        await engine.dispose()
+    assert is_database_connection_error(refused)
+    wrapped = RuntimeError("During task with name 'charge'")
+    wrapped.__cause__ = refused
+    assert is_database_connection_error(wrapped)
