@@ -22,9 +22,8 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -103,22 +102,29 @@ class FixedWindow:
 _window: ContextVar[RetryWindow | None] = ContextVar("langgraph_fence_retry_window", default=None)
 
 
-@contextmanager
-def retry_window(window: RetryWindow | None) -> Iterator[None]:
+class retry_window:  # a function by use: ``with retry_window(handle):``
     """Store calls in the block retry connection errors while ``window`` lasts (``None``:
     the default window, unless one encloses the block).
 
     An enclosing window stands (the outermost caller knows best how long it may wait): a
-    run's renewal made inside a wider classification window keeps the wider one.
+    run's renewal made inside a wider classification window keeps the wider one. A class,
+    not a generator: it is entered on every guarded write.
     """
-    if window is None or _window.get() is not None:
-        yield
-        return
-    token = _window.set(window)
-    try:
-        yield
-    finally:
-        _window.reset(token)
+
+    __slots__ = ("_token", "_window")
+
+    def __init__(self, window: RetryWindow | None) -> None:
+        self._window = window
+        self._token: Token[RetryWindow | None] | None = None
+
+    def __enter__(self) -> None:
+        if self._window is not None and _window.get() is None:
+            self._token = _window.set(self._window)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._token is not None:
+            _window.reset(self._token)
+            self._token = None
 
 
 def _sqlstate(exc: BaseException) -> str:
