@@ -20,6 +20,10 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from .lease import DEFAULT_MAX_TAKEOVERS
 from .redact import failure_reason, mask_password
+from .retry import is_database_connection_error
+
+#: The longest pause of a worker waiting for its database at the start, in seconds.
+WORKER_MAX_BACKOFF = 10.0
 
 __all__ = ["main"]
 
@@ -206,18 +210,40 @@ async def _worker(console: Console, args: argparse.Namespace) -> int:
     from .instance import Instance
 
     factory = _load_graphs_factory(args.graphs)
-    async with Instance.open(
-        args.db,
-        engine_options=schema_options(args.schema),
-        instance_id=args.instance_id,
-        lease_ttl=args.lease_ttl,
-        max_takeovers=args.max_takeovers,
-    ) as instance:
-        graphs = factory(instance)
-        console.print(f"worker {instance.instance_id} serves {sorted(graphs)}")
-        await instance.serve(graphs, concurrency=args.concurrency, poll_interval=args.poll_interval)
-    console.print(f"worker {instance.instance_id} stopped")
-    return 0
+    failures = 0
+    while True:
+        serving = False
+        try:
+            async with Instance.open(
+                args.db,
+                engine_options=schema_options(args.schema),
+                instance_id=args.instance_id,
+                lease_ttl=args.lease_ttl,
+                max_takeovers=args.max_takeovers,
+            ) as instance:
+                graphs = factory(instance)
+                console.print(f"worker {instance.instance_id} serves {sorted(graphs)}")
+                serving = True
+                await instance.serve(
+                    graphs, concurrency=args.concurrency, poll_interval=args.poll_interval
+                )
+        except Exception as exc:
+            # A database out of reach at the start (serve() itself rides out outages): wait
+            # for it, as a worker started with its database mid-restart must.
+            if serving or not is_database_connection_error(exc):
+                raise
+            failures += 1
+            pause = min(WORKER_MAX_BACKOFF, 0.5 * float(1 << min(failures, 16)))
+            console.print(
+                f"worker: the database cannot be reached ({failure_reason(exc)}); "
+                f"trying again in {pause:.1f}s",
+                markup=False,
+                highlight=False,
+            )
+            await asyncio.sleep(pause)
+            continue
+        console.print(f"worker {instance.instance_id} stopped")
+        return 0
 
 
 async def _migrate(console: Console, db: str) -> int:

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,7 +45,7 @@ from langgraph_fence.instance import Instance
 from langgraph_fence.sinks import fenced_write, setup_sink
 from tests.chaos.chaos_graphs import CREATE_EFFECTS, State
 from tests.chaos.conftest import poll
-from tests.chaos.test_chaos_serve import effects, statuses
+from tests.chaos.test_chaos_serve import STARTUP_DEADLINE, Chaos, effects, statuses
 from tests.conftest import unique
 from tests.pg_cluster import CuttableProxy, PgCluster
 
@@ -296,5 +298,38 @@ async def test_a_run_cut_off_past_its_lease_is_handed_back_and_serve_rides_out_t
             await asyncio.wait_for(serving, DEADLINE)
         logged = [r.getMessage() for r in caplog.records if "could not be read" in r.getMessage()]
         assert logged, "serve() did not say why it could not look at the store"
+    finally:
+        await proxy.close()
+
+
+async def test_a_worker_started_while_the_database_is_down_waits_for_it(
+    own_schema: tuple[str, str], tmp_path: Path
+) -> None:
+    """``langgraph-fence worker`` whose database cannot be reached when it starts says so and
+    tries again (it used to exit 1); once the database is back it serves, and it stops
+    cleanly on SIGTERM."""
+    url, schema = own_schema
+    target = make_url(url)
+    proxy = await CuttableProxy(target.host or "127.0.0.1", target.port or 5432).start()
+    through_proxy = target.set(port=proxy.port).render_as_string(hide_password=False)
+    chaos = Chaos(tmp_path, through_proxy, schema, random.Random(9))
+    try:
+        proxy.cut()
+        worker = await chaos.spawn()
+
+        async def said(what: str) -> bool | None:
+            if worker.proc.returncode is not None:
+                pytest.fail(f"the worker exited {worker.proc.returncode}: {worker.err.read_text()}")
+            return True if what in worker.out.read_text() else None
+
+        await poll(
+            lambda: said("the database cannot be reached"),
+            time.monotonic() + STARTUP_DEADLINE,
+            "the worker to say its database cannot be reached",
+        )
+        proxy.heal()
+        await poll(lambda: said(" serves "), time.monotonic() + DEADLINE, "the worker to serve")
+        codes = await chaos.shutdown()
+        assert codes == {worker.name: 0}, (codes, worker.err.read_text()[-2000:])
     finally:
         await proxy.close()
