@@ -379,16 +379,9 @@ class SqlLeaseRepository:
             params["p_now"] = self._clock()
         return params
 
-    async def _one(
-        self, stmt: Any, params: dict[str, Any], *, what: str, repeatable: bool = True
-    ) -> Row[Any] | None:
-        """Run one write statement; a repeatable one is retried on a connection error
-        (:mod:`..retry`)."""
-        if not repeatable:
-            return await self._statement(stmt, params)
-        return await retry_connection_errors(lambda: self._statement(stmt, params), what=what)
-
-    async def _statement(self, stmt: Any, params: dict[str, Any]) -> Row[Any] | None:
+    async def _one(self, stmt: Any, params: dict[str, Any]) -> Row[Any] | None:
+        """Run one write statement, once: acquire, take_over, dead_letter and retry are not
+        repeated after a connection error (a repeat of one that landed would be refused)."""
         async with self._writer.connect() as conn:
             return (await conn.execute(stmt, params)).first()
 
@@ -435,9 +428,8 @@ class SqlLeaseRepository:
             holder=holder,
             ttl=validate_ttl(ttl),
         )
-        # Not repeated: an acquire that landed before its connection died would be refused
-        # by its own repeat (the lease is held). The caller gets the error; nothing runs.
-        row = await self._one(self._acquire[bool(reopen)], params, what="acquire", repeatable=False)
+        # Not repeated (see _one): the caller gets the error; nothing runs.
+        row = await self._one(self._acquire[bool(reopen)], params)
         return None if row is None else self._lease(row)
 
     async def _guarded(
@@ -464,7 +456,7 @@ class SqlLeaseRepository:
         async def once() -> Row[Any] | None:
             nonlocal tries
             tries += 1
-            return await self._statement(stmt, params)
+            return await self._one(stmt, params)
 
         row = await retry_connection_errors(once, what=action)
         if row is None:
@@ -530,14 +522,11 @@ class SqlLeaseRepository:
         check_key(key)
         reason = clean_reason(reason, required=True)
         params = self._params(tenant_id=key.tenant_id, execution_id=key.execution_id, reason=reason)
-        # Not repeated: a dead letter that landed would be refused by its repeat.
         if epoch is None:
-            row = await self._one(self._dead_letter, params, what="dead_letter", repeatable=False)
+            row = await self._one(self._dead_letter, params)
         else:
             params["p_epoch"] = epoch
-            row = await self._one(
-                self._dead_letter_at_epoch, params, what="dead_letter", repeatable=False
-            )
+            row = await self._one(self._dead_letter_at_epoch, params)
         if row is None:
             # Refused: let the pure decision say why (no row, or the epoch moved).
             current = await self.get(key)
@@ -574,9 +563,9 @@ class SqlLeaseRepository:
             progress_mark=validate_progress_mark(progress_mark),
             max_takeovers=_NO_BUDGET if budget is None else budget,
         )
-        # Not repeated: a take that landed would be refused by its repeat (the epoch moved);
-        # the lease then expires and is taken again.
-        row = await self._one(self._take_over, params, what="take_over", repeatable=False)
+        # Not repeated (see _one): a take that landed and was not heard of leaves the lease
+        # to expire; it is then taken again.
+        row = await self._one(self._take_over, params)
         return None if row is None else self._lease(row)
 
     async def retry(self, key: LeaseKey) -> Lease:
@@ -584,7 +573,7 @@ class SqlLeaseRepository:
         (:func:`~langgraph_fence.lease.decide_retry`): one guarded statement."""
         check_key(key)
         params = self._params(tenant_id=key.tenant_id, execution_id=key.execution_id)
-        row = await self._one(self._retry, params, what="retry", repeatable=False)
+        row = await self._one(self._retry, params)
         if row is None:
             # Refused: let the pure decision say why (no row, not dead-lettered, stamps).
             decide_retry(await self.get(key), key)
