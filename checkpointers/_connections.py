@@ -8,6 +8,13 @@ engine), and no more than that many calls run at once: a fan-out superstep saves
 tasks' writes at the same moment, and past the pool's size SQLAlchemy would open overflow
 connections and close them after one use.
 
+A call interrupted on its connection (cancelled mid-statement, or failed on a connection
+error) closes that connection at the driver (:func:`langgraph_fence.database.discard`): its
+state is unknown, an asyncpg connection may still be cancelling the statement, and the pool
+(in autocommit, its reset sends nothing) would hand it to the next operation, which then
+fails with "another operation is in progress" or "connection is closed". Raw driver calls
+bypass SQLAlchemy's own disconnect handling, so nothing else would.
+
 The held connections are given back by :meth:`Connections.aclose` (the saver's ``aclose``),
 and closed when the engine is disposed (its ``engine_disposed`` event), so they never
 outlive the engine.
@@ -23,6 +30,9 @@ from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from langgraph_fence.database import discard
+from langgraph_fence.retry import is_connection_error
 
 __all__ = ["Connections"]
 
@@ -60,13 +70,27 @@ class Connections:
             try:
                 yield driver
                 reuse = generation == self._generation
+            except BaseException as exc:
+                if isinstance(exc, asyncio.CancelledError):
+                    await discard(conn)  # see the module docstring
+                elif is_connection_error(exc):
+                    # The server went away: the held idle connections are dead too.
+                    await discard(conn, server_lost=True)
+                    await self._discard_idle()
+                raise
             finally:
                 if reuse:
                     self._idle.append((conn, driver))
                 else:
                     # After an error the connection's state is unknown: give it back to the
-                    # pool, which resets it.
+                    # pool, which resets it (or drops it, discarded above).
                     await conn.close()
+
+    async def _discard_idle(self) -> None:
+        idle, self._idle = self._idle, []
+        for conn, _ in idle:
+            await discard(conn)
+            await conn.close()
 
     async def aclose(self) -> None:
         """Give every held connection back to the engine's pool."""

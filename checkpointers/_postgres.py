@@ -23,6 +23,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence.guard import guard_sql
+from langgraph_fence.retry import retry_connection_errors
 from langgraph_fence.schema import STAMP_SQL, stamp_patch
 
 from ._connections import Connections
@@ -153,6 +154,16 @@ class PostgresDriver:
         self._connections = Connections(engine)
         self.aclose = self._connections.aclose
 
+    async def _fetchrow(self, sql: str, args: Sequence[Any], *, what: str) -> Any:
+        """One guarded write, repeated on a fresh connection after a connection error: the
+        same checkpoint id under the same token, so the guard decides again."""
+
+        async def once() -> Any:
+            async with self._connections() as conn:
+                return await conn.fetchrow(sql, *args)
+
+        return await retry_connection_errors(once, what=what)
+
     async def put(self, row: CheckpointRow, blobs: Sequence[BlobRow], guard: Guard | None) -> bool:
         kind, guard_args = _guard_args(guard)
         args = [
@@ -172,8 +183,7 @@ class PostgresDriver:
             row.tenant_id,
             *guard_args,
         ]
-        async with self._connections() as conn:
-            landed = await conn.fetchrow(_PUT_SQL[kind], *args)
+        landed = await self._fetchrow(_PUT_SQL[kind], args, what="checkpoint put")
         return landed is not None
 
     async def put_writes(
@@ -202,8 +212,7 @@ class PostgresDriver:
             tenant_id,
             *guard_args,
         ]
-        async with self._connections() as conn:
-            landed = await conn.fetchrow(_PUT_WRITES_SQL[upsert][kind], *args)
+        landed = await self._fetchrow(_PUT_WRITES_SQL[upsert][kind], args, what="put_writes")
         return (False, False) if landed is None else (True, bool(landed[1]))
 
     async def select(self, query: CheckpointQuery) -> list[StoredCheckpoint]:
@@ -229,8 +238,12 @@ class PostgresDriver:
         sql += " ORDER BY c.checkpoint_id DESC"
         if query.limit is not None:
             sql += f" LIMIT {arg(int(query.limit))}"
-        async with self._connections() as conn:
-            rows = await conn.fetch(sql, *args)
+
+        async def fetch() -> list[Any]:
+            async with self._connections() as conn:
+                return list(await conn.fetch(sql, *args))
+
+        rows = await retry_connection_errors(fetch, what="checkpoint read")
         return [
             StoredCheckpoint(
                 tenant_id=query.tenant_id,

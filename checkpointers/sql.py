@@ -60,6 +60,7 @@ from langgraph_fence.faults import fault_point
 from langgraph_fence.fence import RunHandle
 from langgraph_fence.lease import fenced_error
 from langgraph_fence.migrations import migrate
+from langgraph_fence.retry import retry_window
 from langgraph_fence.schema import LEASE_MIGRATIONS
 from langgraph_fence.serde import safe_serializer
 
@@ -411,7 +412,9 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         await fault_point(
             "checkpoint.before", config=config, checkpoint=checkpoint, metadata=metadata
         )
-        if not await self._driver.put(row, blobs, guard):
+        with retry_window(handle):  # connection errors retried while the run's hold lasts
+            landed = await self._driver.put(row, blobs, guard)
+        if not landed:
             assert handle is not None
             raise await self._refused(handle, config, "aput")
         if guard is not None and guard.clear_keys:
@@ -460,17 +463,18 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         ]
         upsert = all(channel in WRITES_IDX_MAP for channel, _ in writes)
         await fault_point("writes.before", config=config, task_id=task_id, writes=writes)
-        landed, cleared = await self._driver.put_writes(
-            _tenant_of(config),
-            thread_id,
-            checkpoint_ns,
-            _text_arg(checkpoint_id, "checkpoint_id"),
-            _text_arg(task_id, "task_id"),
-            task_path,
-            rows,
-            upsert,
-            guard,
-        )
+        with retry_window(handle):
+            landed, cleared = await self._driver.put_writes(
+                _tenant_of(config),
+                thread_id,
+                checkpoint_ns,
+                _text_arg(checkpoint_id, "checkpoint_id"),
+                _text_arg(task_id, "task_id"),
+                task_path,
+                rows,
+                upsert,
+                guard,
+            )
         if not landed:
             assert handle is not None
             raise await self._refused(handle, config, "aput_writes")

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
     from .diagnosis import Target
 
+#: The longest pause of a worker waiting for its database at the start, in seconds.
+WORKER_MAX_BACKOFF = 10.0
+
 __all__ = ["main"]
 
 logger = logging.getLogger(__name__)
@@ -499,33 +502,60 @@ def _checked_target(args: argparse.Namespace, *, must_exist: bool) -> Target:
 
 
 async def _worker(args: argparse.Namespace) -> int:
+    import asyncio
+
     from rich.console import Console
 
     from .database import schema_options
     from .instance import Instance
+    from .redact import failure_reason
+    from .retry import is_database_connection_error
 
     target = _checked_target(args, must_exist=False)
     factory = _load_graphs_factory(args.graphs)
-    async with Instance.open(
-        args.db,
-        engine_options=schema_options(args.schema),
-        instance_id=args.instance_id,
-        lease_ttl=args.lease_ttl,
-        max_takeovers=args.max_takeovers,
-    ) as instance:
-        graphs = factory(instance)
-        schema = f" (schema {args.schema})" if args.schema else ""
-        Console().print(
-            f"worker {instance.instance_id} serves {sorted(graphs)} on {target.masked}{schema}: "
-            f"concurrency {args.concurrency}, polls every {args.poll_interval} s, lease TTL "
-            f"{args.lease_ttl} s, at most {args.max_takeovers} takeovers without progress",
-            markup=False,
-            highlight=False,
-            soft_wrap=True,
-        )
-        await instance.serve(graphs, concurrency=args.concurrency, poll_interval=args.poll_interval)
-    Console().print(f"worker {instance.instance_id} stopped", markup=False, highlight=False)
-    return 0
+    failures = 0
+    while True:
+        serving = False
+        try:
+            async with Instance.open(
+                args.db,
+                engine_options=schema_options(args.schema),
+                instance_id=args.instance_id,
+                lease_ttl=args.lease_ttl,
+                max_takeovers=args.max_takeovers,
+            ) as instance:
+                graphs = factory(instance)
+                schema = f" (schema {args.schema})" if args.schema else ""
+                Console().print(
+                    f"worker {instance.instance_id} serves {sorted(graphs)} on "
+                    f"{target.masked}{schema}: concurrency {args.concurrency}, polls every "
+                    f"{args.poll_interval} s, lease TTL {args.lease_ttl} s, at most "
+                    f"{args.max_takeovers} takeovers without progress",
+                    markup=False,
+                    highlight=False,
+                    soft_wrap=True,
+                )
+                serving = True
+                await instance.serve(
+                    graphs, concurrency=args.concurrency, poll_interval=args.poll_interval
+                )
+        except Exception as exc:
+            # A database out of reach at the start (serve() itself rides out outages): wait
+            # for it, as a worker started with its database mid-restart must.
+            if serving or not is_database_connection_error(exc):
+                raise
+            failures += 1
+            pause = min(WORKER_MAX_BACKOFF, 0.5 * float(1 << min(failures, 16)))
+            _stderr().print(
+                f"worker: the database cannot be reached ({failure_reason(exc)}); "
+                f"trying again in {pause:.1f}s",
+                markup=False,
+                highlight=False,
+            )
+            await asyncio.sleep(pause)
+            continue
+        Console().print(f"worker {instance.instance_id} stopped", markup=False, highlight=False)
+        return 0
 
 
 async def _migrate(args: argparse.Namespace) -> int:

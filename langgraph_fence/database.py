@@ -13,6 +13,7 @@ waits for the writer, and never makes the writers wait.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sqlite3
 from collections.abc import AsyncIterator
@@ -33,6 +34,7 @@ __all__ = [
     "Dialect",
     "create_engine",
     "dialect_of",
+    "discard",
     "normalize_url",
     "read_only",
     "schema_options",
@@ -182,6 +184,26 @@ def dialect_of(engine: AsyncEngine | AsyncConnection) -> Dialect:
             )
         return "postgresql"
     raise ValueError(f"engine is for {name!r}; langgraph-fence supports exactly two: {SUPPORTED}")
+
+
+async def discard(conn: AsyncConnection, *, server_lost: bool = False) -> None:
+    """Close ``conn`` at the driver and drop it from its pool: a connection whose state a
+    raw driver call left unknown (SQLAlchemy invalidates its own on a cancel or a
+    disconnect, but does not see the checkpointer's raw asyncpg calls).
+
+    With ``server_lost`` (a connection error on a raw driver call, which SQLAlchemy does
+    not see) every connection the pool made before this one is recycled at its next
+    checkout, as SQLAlchemy does itself for a disconnect it detects: after a server
+    restart they are all dead, and an asyncpg connection the server shut down while idle
+    fails its next use with "another operation is in progress".
+    """
+    try:
+        if server_lost:
+            fairy = await conn.get_raw_connection()
+            conn.sync_engine.pool._invalidate(fairy, None, _checkin=False)
+        await asyncio.shield(conn.invalidate())
+    except Exception:
+        logger.debug("could not invalidate a connection", exc_info=True)
 
 
 @asynccontextmanager

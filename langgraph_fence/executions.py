@@ -28,6 +28,7 @@ from .database import dialect_of, single_statement, transaction
 from .errors import ExecutionThreadBoundError
 from .lease import LeaseKey
 from .migrations import Migration, migrate
+from .retry import retry_connection_errors
 from .serde import loads_checked, safe_serializer, with_allowlist
 
 __all__ = [
@@ -324,12 +325,13 @@ class SqlExecutionRecords:
             ValueError: the stored input cannot be decoded, or names a type outside the
                 serializer's allow-list (nothing of it was imported or called).
         """
-        async with self._engine.connect() as conn:
-            row = (
-                await conn.execute(
-                    _SELECT, {"tenant_id": key.tenant_id, "execution_id": key.execution_id}
-                )
-            ).first()
+
+        async def read() -> Any:
+            async with self._engine.connect() as conn:
+                params = {"tenant_id": key.tenant_id, "execution_id": key.execution_id}
+                return (await conn.execute(_SELECT, params)).first()
+
+        row = await retry_connection_errors(read, what="execution record read")
         if row is None:
             return None
         return ExecutionRecord(
@@ -372,12 +374,16 @@ class SqlExecutionRecords:
         input decoded (a worker learns which graph an execution runs before it loads it)."""
         wanted = set(keys)
         ids = sorted({key.execution_id for key in wanted})
-        found: dict[LeaseKey, ExecutionHead] = {}
-        async with self._engine.connect() as conn:
-            for start in range(0, len(ids), _HEADS_CHUNK):
-                chunk = ids[start : start + _HEADS_CHUNK]
-                for row in await conn.execute(_SELECT_HEADS, {"ids": chunk}):
-                    key = LeaseKey(row.tenant_id, row.execution_id)
-                    if key in wanted:
-                        found[key] = ExecutionHead(row.graph, row.thread_id)
-        return found
+
+        async def read() -> dict[LeaseKey, ExecutionHead]:
+            found: dict[LeaseKey, ExecutionHead] = {}
+            async with self._engine.connect() as conn:
+                for start in range(0, len(ids), _HEADS_CHUNK):
+                    chunk = ids[start : start + _HEADS_CHUNK]
+                    for row in await conn.execute(_SELECT_HEADS, {"ids": chunk}):
+                        key = LeaseKey(row.tenant_id, row.execution_id)
+                        if key in wanted:
+                            found[key] = ExecutionHead(row.graph, row.thread_id)
+            return found
+
+        return await retry_connection_errors(read, what="execution heads read")

@@ -28,6 +28,7 @@ from .errors import (
 from .faults import fault_point
 from .from_thread import run_on_loop, running_loop
 from .lease import Lease, LeaseKey, PendingEffect, validate_ttl
+from .retry import retry_window
 
 if TYPE_CHECKING:
     from .lease import ExecutionLeaseRepository
@@ -240,7 +241,8 @@ class RunHandle:
             raise self.error
         sent_at = self.clock()
         try:
-            lease = await self.repository.renew(self._lease, self.ttl)
+            with retry_window(self):  # a connection error is retried while the hold lasts
+                lease = await self.repository.renew(self._lease, self.ttl)
         except ExecutionFencedError as exc:
             raise self.record(exc) from None
         if self.error is not None:
@@ -254,7 +256,8 @@ class RunHandle:
         self.check()
         sent_at = self.clock()
         try:
-            lease = await self.repository.mark_pending_effect(self._lease, effect, self.ttl)
+            with retry_window(self):
+                lease = await self.repository.mark_pending_effect(self._lease, effect, self.ttl)
         except ExecutionFencedError as exc:
             raise self.record(exc) from None
         self.pending_effects[effect.key] = effect

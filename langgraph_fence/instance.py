@@ -58,6 +58,7 @@ from .lease import (
     validate_ttl,
 )
 from .redact import bounded_reason, failure_reason
+from .retry import FixedWindow, is_database_connection_error, retry_window
 from .serde import graph_allowlist
 
 if TYPE_CHECKING:
@@ -67,6 +68,9 @@ if TYPE_CHECKING:
 __all__ = ["Instance"]
 
 logger = logging.getLogger(__name__)
+
+#: The longest pause serve() takes between looks while the store cannot be read.
+MAX_SERVE_BACKOFF = 10.0
 
 Sleep = Callable[[float], Awaitable[Any]]
 
@@ -400,14 +404,25 @@ class Instance:
         running: dict[asyncio.Task[None], list[_Run]] = {}
         unserved: dict[LeaseKey, int] = {}
         logger.info("instance %s serves %s", self.instance_id, sorted(graphs))
+        failures = 0  # looks in a row that the store refused: the loop backs off
         try:
             while not stop.is_set():
                 free = concurrency - len(running)
                 if free > 0:
-                    await self._take_work(graphs, free, running, unserved, budget, kwargs)
+                    try:
+                        await self._take_work(graphs, free, running, unserved, budget, kwargs)
+                        failures = 0
+                    except Exception as exc:
+                        failures += 1
+                        logger.warning(
+                            "serve: the store could not be read (%s); looking again in %.1fs",
+                            failure_reason(exc),
+                            _serve_backoff(poll, failures),
+                        )
                 waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait())]
                 waiters.extend(running)
-                await asyncio.wait(waiters, timeout=poll, return_when=asyncio.FIRST_COMPLETED)
+                timeout = _serve_backoff(poll, failures)
+                await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 waiters[0].cancel()
                 for task in [t for t in running if t.done()]:
                     running.pop(task)
@@ -431,7 +446,8 @@ class Instance:
         budget: int,
         kwargs: Mapping[str, Any],
     ) -> None:
-        """Take up to ``free`` candidates over; nothing here may stop the serve loop.
+        """Take up to ``free`` candidates over; a failed take never stops the serve loop
+        (a failed look raises, and serve() backs off).
 
         An execution of a graph this loop does not serve is remembered with its epoch
         (``unserved``) and costs no read on the polls after: its record is never loaded, its
@@ -441,21 +457,18 @@ class Instance:
         """
         window = free * 4
         while free > 0:
-            try:
-                # Unserved executions stay candidates: widen the window by as many, or they
-                # would hide the ones this loop can run.
-                limit = window + len(unserved)
-                candidates = await self.repository.takeover_candidates(limit=limit)
-                # Forget the ones that are no longer candidates (ended, or taken by their
-                # servers); a new epoch is a new run, whose record may name another graph.
-                current = {candidate.key: candidate.epoch for candidate in candidates}
-                for key in [k for k, epoch in unserved.items() if current.get(k) != epoch]:
-                    del unserved[key]
-                fresh = [c for c in candidates if c.key not in unserved]
-                heads = await self.records.heads_of([c.key for c in fresh]) if fresh else {}
-            except Exception:
-                logger.warning("could not read takeover candidates", exc_info=True)
-                return
+            # A store that cannot be read raises out of here: serve() logs it and backs off.
+            # Unserved executions stay candidates: widen the window by as many, or they
+            # would hide the ones this loop can run.
+            limit = window + len(unserved)
+            candidates = await self.repository.takeover_candidates(limit=limit)
+            # Forget the ones that are no longer candidates (ended, or taken by their
+            # servers); a new epoch is a new run, whose record may name another graph.
+            current = {candidate.key: candidate.epoch for candidate in candidates}
+            for key in [k for k, epoch in unserved.items() if current.get(k) != epoch]:
+                del unserved[key]
+            fresh = [c for c in candidates if c.key not in unserved]
+            heads = await self.records.heads_of([c.key for c in fresh]) if fresh else {}
             found_unserved = False
             for candidate in fresh:
                 if free <= 0:
@@ -811,11 +824,36 @@ class Instance:
             await self._release(run, LeaseStatus.PENDING, reason)
             self._events.emit(EventKind.HANDED_BACK, handle.scope_key, handle.token, reason)
             return
+        if is_database_connection_error(exc):
+            # An infrastructure error, not the graph's: the store could not be reached while
+            # the run's hold lasted (each call retried until then). The run stops as
+            # lease-lost; its lease expires and serve() takes it over. Never ``failed``.
+            handle.record(_lost_to_the_store(handle, exc))
+            await self._classify_loss(handle)
+            if not isinstance(handle.error, ExecutionFencedError):
+                await self._hand_back(run, f"the store could not be reached: {failure_reason(exc)}")
+            assert handle.error is not None
+            raise handle.error from exc
         if isinstance(exc, asyncio.CancelledError):
             reason = "cancelled"
         else:
             reason = failure_reason(exc)
         await self._release(run, LeaseStatus.FAILED, reason)
+
+    async def _hand_back(self, run: _Run, reason: str) -> None:
+        """Release the run's lease as ``pending`` so serve() resumes it at once; a store
+        still out of reach leaves it to expire (then it is taken over all the same)."""
+        try:
+            await self._release(run, LeaseStatus.PENDING, bounded_reason(reason))
+            self._events.emit(EventKind.HANDED_BACK, run.handle.scope_key, run.handle.token, reason)
+        except ExecutionLeaseLostError:
+            pass  # recorded on the handle: it was taken over
+        except Exception as exc:
+            logger.warning(
+                "could not hand %s back (%s): it is taken over once its lease expires",
+                run.handle.scope_key,
+                failure_reason(exc),
+            )
 
     async def _dead_letter(self, handle: RunHandle, dead: ExecutionDeadLetteredError) -> None:
         reason = failure_reason(dead)
@@ -823,16 +861,19 @@ class Instance:
         self._dead_lettered(handle.scope_key, handle.token, reason)
 
     async def _classify_loss(self, handle: RunHandle) -> None:
-        """After a lapse, ask the store once whether the run was taken over.
+        """After a lapse, ask the store whether the run was taken over.
 
         A run that only lost track of its lease raises ``ExecutionLeaseLostError``; if the
         store shows a newer token, the caller gets the ``ExecutionFencedError`` instead. One
-        round trip, on the failure path only, bounded by the renew interval.
+        round trip, on the failure path only. A store that cannot be reached (the lapse was
+        an outage) is asked again on connection errors for up to one lease TTL: the answer
+        after the outage tells whether another instance took the run over meanwhile.
         """
         if isinstance(handle.error, ExecutionFencedError):
             return
         try:
-            await asyncio.wait_for(handle.renew(), timeout=self.renew_interval)
+            with retry_window(FixedWindow.lasting(self.lease_ttl)):
+                await asyncio.wait_for(handle.renew(), timeout=self.lease_ttl)
         except (ExecutionLeaseLostError, TimeoutError):
             pass
         except Exception:
@@ -910,6 +951,25 @@ def _on_signals(stop: asyncio.Event) -> Callable[[], None]:
             loop.remove_signal_handler(sig)
 
     return remove
+
+
+def _serve_backoff(poll: float, failures: int) -> float:
+    """The pause before serve()'s next look: ``poll``, doubling per failed look in a row up
+    to ``MAX_SERVE_BACKOFF`` (never shorter than ``poll``)."""
+    if failures <= 0:
+        return poll
+    return max(poll, min(MAX_SERVE_BACKOFF, poll * float(1 << min(failures, 16))))
+
+
+def _lost_to_the_store(handle: RunHandle, exc: BaseException) -> ExecutionLeaseLostError:
+    return ExecutionLeaseLostError(
+        f"the lease of execution {handle.scope_key!r} at token {handle.token} can no longer "
+        f"be proven held: the store could not be reached while it lasted ({failure_reason(exc)}). "
+        "Another worker takes it over once it expires; this run must not write again.",
+        scope_key=handle.scope_key,
+        token_held=handle.token,
+        token_seen=None,
+    )
 
 
 def _latest(config: RunnableConfig) -> RunnableConfig:

@@ -26,6 +26,7 @@ from langgraph_fence.lease import ExecutionLeaseRepository
 from langgraph_fence.stores import MemoryLeaseRepository, SqlLeaseRepository
 from langgraph_fence.testing import ManualClock
 from tests.chaos.write_steps import Database
+from tests.pg_cluster import PgCluster, find_bindir
 
 DEFAULT_PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
 BACKENDS = ["memory", "sqlite", "postgresql"]
@@ -87,6 +88,45 @@ def own_schema(pg_schema: tuple[str, str]) -> Iterator[tuple[str, str]]:
         yield url, schema
     finally:
         _pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[PgCluster]:
+    """A private PostgreSQL cluster of this session's own (see ``tests/pg_cluster.py``):
+    tests restart, stop and kill it, never the shared server. Started once per session;
+    each test uses a schema of its own in it. Removed at the end, even after a failure.
+    Without the server binaries it skips with the reason (fails under
+    ``LANGGRAPH_FENCE_REQUIRE_PG=1``)."""
+    bindir = find_bindir()
+    reason = "no PostgreSQL server binaries under /usr/lib/postgresql/*/bin"
+    cluster = None
+    if bindir is not None:
+        try:
+            cluster = PgCluster.create(bindir)
+        except Exception as exc:
+            reason = f"a private PostgreSQL cluster could not start ({exc})"
+    if cluster is None:
+        if pg_required():
+            pytest.fail(f"{reason}; LANGGRAPH_FENCE_REQUIRE_PG forbids skipping", pytrace=False)
+        pytest.skip(f"{reason}: the database-fault tests need one")
+    try:
+        yield cluster
+    finally:
+        cluster.remove()
+
+
+@pytest.fixture
+def cluster_schema(pg_cluster: PgCluster) -> Iterator[tuple[PgCluster, str]]:
+    """``(cluster, schema)``: a schema of this test's own on the private cluster, whose
+    server is up again (and the schema dropped) after the test."""
+    schema = f"lgf_blink_{uuid.uuid4().hex[:12]}"
+    _pg_admin(pg_cluster.url, f'CREATE SCHEMA "{schema}"')
+    try:
+        yield pg_cluster, schema
+    finally:
+        if not (pg_cluster.data / "postmaster.pid").exists():
+            pg_cluster.start()
+        _pg_admin(pg_cluster.url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 @pytest.fixture(params=SQL_BACKENDS)

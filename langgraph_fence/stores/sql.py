@@ -60,6 +60,7 @@ from ..lease import (
     validate_ttl,
 )
 from ..migrations import migrate
+from ..retry import retry_connection_errors
 from ..schema import LEASE_MIGRATIONS, LEASES, STAMP_SQL, effects_from_json, stamp_patch
 from .common import check_key, check_lease, check_limit
 
@@ -397,9 +398,19 @@ class SqlLeaseRepository:
         return params
 
     async def _one(self, stmt: Any, params: dict[str, Any]) -> Row[Any] | None:
+        """Run one write statement, once: acquire, take_over, dead_letter and retry are not
+        repeated after a connection error (a repeat of one that landed would be refused)."""
         async with self._writer.connect() as conn:
-            result = await conn.execute(stmt, params)
-            return result.first()
+            return (await conn.execute(stmt, params)).first()
+
+    async def _read(self, stmt: Any, params: dict[str, Any], *, what: str) -> list[Row[Any]]:
+        """Run one read statement, retried on a connection error."""
+
+        async def once() -> list[Row[Any]]:
+            async with self._reader.connect() as conn:
+                return list((await conn.execute(stmt, params)).all())
+
+        return await retry_connection_errors(once, what=what)
 
     def _lease(self, row: Row[Any] | Any) -> Lease:
         return Lease(
@@ -419,8 +430,8 @@ class SqlLeaseRepository:
         """The store's clock, in seconds."""
         if self._clock is not None:
             return self._clock()
-        async with self._reader.connect() as conn:
-            return float((await conn.execute(self._now_stmt)).scalar_one())
+        rows = await self._read(self._now_stmt, {}, what="now")
+        return float(rows[0][0])
 
     async def acquire(
         self, key: LeaseKey, holder: str, ttl: float, *, reopen: bool = False
@@ -435,10 +446,22 @@ class SqlLeaseRepository:
             holder=holder,
             ttl=validate_ttl(ttl),
         )
+        # Not repeated (see _one): the caller gets the error; nothing runs.
         row = await self._one(self._acquire[bool(reopen)], params)
         return None if row is None else self._lease(row)
 
-    async def _guarded(self, stmt: Any, lease: Lease, action: str, **extra: Any) -> Lease:
+    async def _guarded(
+        self,
+        stmt: Any,
+        lease: Lease,
+        action: str,
+        *,
+        landed: Callable[[Lease], bool] | None = None,
+        **extra: Any,
+    ) -> Lease:
+        """One statement guarded by holder + epoch, repeated on a connection error (the
+        guard decides again). ``landed(current)`` tells, for an operation whose repeat the
+        guard refuses, that an earlier attempt landed before its connection died."""
         params = self._params(
             tenant_id=lease.key.tenant_id,
             execution_id=lease.key.execution_id,
@@ -446,9 +469,19 @@ class SqlLeaseRepository:
             epoch=lease.epoch,
             **extra,
         )
-        row = await self._one(stmt, params)
+        tries = 0
+
+        async def once() -> Row[Any] | None:
+            nonlocal tries
+            tries += 1
+            return await self._one(stmt, params)
+
+        row = await retry_connection_errors(once, what=action)
         if row is None:
-            raise fenced_error(lease, await self.get(lease.key), action=action)
+            current = await self.get(lease.key)
+            if tries > 1 and landed is not None and current is not None and landed(current):
+                return current
+            raise fenced_error(lease, current, action=action)
         return self._lease(row)
 
     async def renew(self, lease: Lease, ttl: float) -> Lease:
@@ -460,20 +493,28 @@ class SqlLeaseRepository:
         """Give the lease up with ``status`` (pending, waiting, done, failed); guarded."""
         check_lease(self, lease)
         status = release_status(status)
+
+        def landed(current: Lease) -> bool:
+            return current.epoch == lease.epoch and current.status is status
+
         return await self._guarded(
-            self._release, lease, "release", status=status.value, reason=clean_reason(reason)
+            self._release,
+            lease,
+            "release",
+            landed=landed,
+            status=status.value,
+            reason=clean_reason(reason),
         )
 
     async def get(self, key: LeaseKey) -> Lease | None:
         """The lease of ``key`` as stored now, or ``None``."""
         check_key(key)
-        async with self._reader.connect() as conn:
-            row = (
-                await conn.execute(
-                    self._get, {"p_tenant_id": key.tenant_id, "p_execution_id": key.execution_id}
-                )
-            ).first()
-        return None if row is None else self._lease(row)
+        rows = await self._read(
+            self._get,
+            {"p_tenant_id": key.tenant_id, "p_execution_id": key.execution_id},
+            what="get",
+        )
+        return self._lease(rows[0]) if rows else None
 
     async def mark_pending_effect(self, lease: Lease, effect: PendingEffect, ttl: float) -> Lease:
         """Add ``effect`` to the stamp set and renew, in one guarded write."""
@@ -516,8 +557,7 @@ class SqlLeaseRepository:
     async def takeover_candidates(self, limit: int = 100) -> Sequence[Lease]:
         """Leases any instance may take now: running and expired, or pending and free."""
         check_limit(limit)
-        async with self._reader.connect() as conn:
-            rows = (await conn.execute(self._candidates, self._params(limit=limit))).all()
+        rows = await self._read(self._candidates, self._params(limit=limit), what="candidates")
         return [self._lease(row) for row in rows]
 
     async def take_over(
@@ -541,6 +581,8 @@ class SqlLeaseRepository:
             progress_mark=validate_progress_mark(progress_mark),
             max_takeovers=_NO_BUDGET if budget is None else budget,
         )
+        # Not repeated (see _one): a take that landed and was not heard of leaves the lease
+        # to expire; it is then taken again.
         row = await self._one(self._take_over, params)
         return None if row is None else self._lease(row)
 

@@ -1,13 +1,19 @@
-"""Never twice under killed connections: serve() workers whose connections die every 0.5 s.
+"""Never twice, never failed, never lost under killed connections: serve() workers whose
+connections die every 0.5 s.
 
-The reliability chaos of issue 20: executions of ``chaos_plain`` (prepare -> charge ->
-finish, ``charge`` a plain INSERT into an external table: ``NON_IDEMPOTENT_WRITE``) on two
-worker processes on PostgreSQL, while every connection of those workers is killed
-(``pg_terminate_backend``) every 0.5 s for a while; a worker that exits is restarted. The
-first version charged one execution twice in 2 runs of 10 (a checkpoint whose write died
-while the charge's writes landed on it: the orphan writes cleared the stamp). Here no
-execution is ever charged twice, whatever else the faults do to it (infrastructure errors
-ending runs ``failed`` are the reliability issue's, not this one's).
+The reliability chaos of issues 20 and 9: executions of ``chaos_plain`` (prepare -> charge
+-> finish, ``charge`` a plain INSERT into an external table: ``NON_IDEMPOTENT_WRITE``) and
+``chaos_sink`` (the same through the exactly-once sink: ``IDEMPOTENT_WRITE``), half each, on
+two worker processes on PostgreSQL, while every connection of those workers is killed
+(``pg_terminate_backend``) every 0.5 s for 15 s. The first version charged one execution
+twice in 2 runs of 10 (a checkpoint whose write died while the charge's writes landed on
+it: the orphan writes cleared the stamp); before issue 9, 11 to 17 of 20 ended ``failed``
+for good and a worker exited. Now no worker exits, no execution ends ``failed`` (a
+connection error is retried within the lease window, then the run is handed back), every
+one ends within the quiet period, none is charged twice, and every ``done`` one's charge
+is applied exactly once. A sink execution always ends ``done``; a plain one whose charge
+may have happened when its connection died is dead-lettered (at most once: never
+repeated), the one outcome besides ``done`` it may have.
 
 Only the workers' own connections are killed (tagged with an ``application_name`` of this
 test's own); the shared server and everything else on it are left alone. ``LGF_CHAOS_ROUNDS``
@@ -30,7 +36,8 @@ from langgraph_fence import LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.database import create_engine
 from langgraph_fence.executions import SqlExecutionRecords
 from langgraph_fence.instance import Instance
-from tests.chaos.chaos_graphs import CREATE_EFFECTS, PLAIN_GRAPH
+from langgraph_fence.sinks import setup_sink
+from tests.chaos.chaos_graphs import CREATE_EFFECTS, PLAIN_GRAPH, SINK_GRAPH
 from tests.chaos.conftest import poll
 from tests.chaos.test_chaos_serve import effects, record_pending, statuses
 from tests.conftest import pg_engine_options, unique
@@ -51,9 +58,9 @@ TENANT = "conn-kills"
 
 async def one_round(
     url: str, schema: str, directory: Path
-) -> tuple[dict[str, tuple[str, int]], int, int]:
-    """One run of the chaos: each execution's (status, charges), connections killed, and
-    worker processes started."""
+) -> tuple[dict[str, tuple[str, int, str, str | None]], int, list[int | None]]:
+    """One run of the chaos: each execution's (status, charges, graph, reason), connections
+    killed, and the exit code of each worker that exited during it (none: all served)."""
     tag = f"lgf-kill-{uuid.uuid4().hex[:8]}"
     engine = create_engine(url, **pg_engine_options(schema))
     procs: list[asyncio.subprocess.Process] = []
@@ -62,10 +69,12 @@ async def one_round(
             pass  # the tables
         async with engine.begin() as conn:
             await conn.execute(text(CREATE_EFFECTS))
+        await setup_sink(engine)
         repo = SqlLeaseRepository(engine)
         records = SqlExecutionRecords(engine)
         prefix = unique("ck")
         keys = [LeaseKey(TENANT, f"{prefix}-{i:02d}") for i in range(EXECUTIONS)]
+        graph_of = {k.execution_id: (PLAIN_GRAPH, SINK_GRAPH)[i % 2] for i, k in enumerate(keys)}
 
         async def start_worker(n: int) -> asyncio.subprocess.Process:
             log = os.open(directory / f"{tag}-{n}.log", os.O_WRONLY | os.O_CREAT, 0o644)
@@ -103,34 +112,36 @@ async def one_round(
 
         await poll(serving, time.monotonic() + STARTUP_DEADLINE, "the workers to serve")
         killed = 0
+        exits: list[int | None] = []
         loop = asyncio.get_running_loop()
         end = loop.time() + KILL_FOR
         while loop.time() < end:
             # Executions arrive while connections die: two per kill until all are in.
             for key in keys[:2]:
-                await record_pending(repo, records, key, PLAIN_GRAPH)
+                await record_pending(repo, records, key, graph_of[key.execution_id])
             keys = keys[2:]
             await asyncio.sleep(KILL_EVERY)  # the fault's own rhythm, not a wait for a state
             async with engine.connect() as conn:
                 killed += int((await conn.execute(kill, {"tag": tag})).scalar_one())
-            for i, proc in enumerate(procs):
-                if proc.returncode is not None:  # a worker that exits is restarted
-                    procs[i] = await start_worker(started)
-                    started += 1
+            exits.extend(p.returncode for p in procs if p.returncode is not None)
+            if exits:
+                break  # a worker exited: the test fails on it
 
         # Quiet: the workers finish what they can; every execution reaches an end.
         ended = {LeaseStatus.DONE.value, LeaseStatus.DEAD_LETTERED.value, LeaseStatus.FAILED.value}
         deadline = time.monotonic() + QUIET_DEADLINE
         while True:
             rows = [r for r in await statuses(engine, TENANT) if r[0].startswith(prefix)]
-            if len(rows) == EXECUTIONS and all(r[1] in ended for r in rows):
+            exits.extend(p.returncode for p in procs if p.returncode is not None)
+            if exits or (len(rows) == EXECUTIONS and all(r[1] in ended for r in rows)):
                 break
             if time.monotonic() > deadline:
                 pytest.fail(f"executions still open after the quiet period: {rows}")
             await asyncio.sleep(0.1)
         charges = await effects(engine, prefix)
         assert killed > 0, "no connection was killed: the chaos did not happen"
-        return {r[0]: (r[1], charges.get(r[0], 0)) for r in rows}, killed, started
+        outcome = {r[0]: (r[1], charges.get(r[0], 0), graph_of[r[0]], r[3]) for r in rows}
+        return outcome, killed, exits
     finally:
         for proc in procs:
             if proc.returncode is None:
@@ -139,21 +150,29 @@ async def one_round(
         await engine.dispose()
 
 
-async def test_killed_connections_never_charge_twice(
+async def test_killed_connections_fail_lose_and_charge_twice_nothing(
     own_schema: tuple[str, str], tmp_path: Path
 ) -> None:
     url, schema = own_schema
     for round_ in range(ROUNDS):
-        outcome, killed, started = await one_round(url, schema, tmp_path)
+        outcome, killed, exits = await one_round(url, schema, tmp_path)
+        assert not exits, f"round {round_}: a worker exited (codes {exits}); logs in {tmp_path}"
+        assert len(outcome) == EXECUTIONS, f"round {round_}: executions lost: {outcome}"
         twice = {e: o for e, o in outcome.items() if o[1] > 1}
         assert not twice, f"round {round_}: charged more than once: {twice}"
-        for execution_id, (status, charges) in outcome.items():
+        failed = {e: o for e, o in outcome.items() if o[0] == LeaseStatus.FAILED.value}
+        assert not failed, f"round {round_}: infrastructure errors ended runs failed: {failed}"
+        for execution_id, (status, charges, graph, reason) in outcome.items():
             if status == LeaseStatus.DONE.value:
                 assert charges == 1, (round_, execution_id, status, charges)
+            else:
+                # Only a plain charge whose connection died mid-write is dead-lettered.
+                assert graph == PLAIN_GRAPH, (round_, execution_id, status, reason)
+                assert status == LeaseStatus.DEAD_LETTERED.value, (execution_id, status)
         counts: dict[str, int] = {}
-        for status, _ in outcome.values():
+        for status, *_ in outcome.values():
             counts[status] = counts.get(status, 0) + 1
         print(
-            f"connection kills round {round_}: {killed} connections killed, {started} workers"
-            f" started, executions {counts}, none charged twice"
+            f"connection kills round {round_}: {killed} connections killed, no worker exited,"
+            f" executions {counts}, none failed, none charged twice"
         )

@@ -24,7 +24,13 @@ from typing import Any
 
 import pytest
 
-from langgraph_fence import ExecutionDeadLetteredError, Instance, LeaseKey, LeaseStatus
+from langgraph_fence import (
+    ExecutionDeadLetteredError,
+    ExecutionLeaseLostError,
+    Instance,
+    LeaseKey,
+    LeaseStatus,
+)
 from langgraph_fence.faults import FAULT_POINTS, arm_fault
 from tests.chaos.write_steps import (
     TENANT,
@@ -85,10 +91,14 @@ async def run_a(database: Database, directory: Path, durability: str, point: str
         began: list[str] = []
         graph = build_graph(a, "linear", directory, doomed=False, on_effect=began.append)
         # A write step that fails mid-write is dead-lettered at once (its write may have
-        # happened); anything else fails with the lost connection.
+        # happened); anything else stops lease-lost (an infrastructure error: handed back
+        # for takeover, never failed), the lost connection as its cause. A run whose work is
+        # all saved and whose final release fails raises that error: its lease lapses.
         with (
             database_gone_at(point, began) as gone,
-            pytest.raises((ConnectionResetError, ExecutionDeadLetteredError)),
+            pytest.raises(
+                (ExecutionLeaseLostError, ExecutionDeadLetteredError, ConnectionResetError)
+            ) as raised,
         ):
             await a.ainvoke(
                 graph,
@@ -97,6 +107,10 @@ async def run_a(database: Database, directory: Path, durability: str, point: str
                 tenant_id=TENANT,
                 durability=durability,  # type: ignore[arg-type]
             )
+        if isinstance(raised.value, ConnectionResetError):
+            assert point == "release.before", raised.value
+        elif not isinstance(raised.value, ExecutionDeadLetteredError):
+            assert isinstance(raised.value.__cause__, ConnectionResetError), raised.value
         assert began == ([] if point == "stamp.after" else ["charge"])
         assert gone[0] == point
     return execution_id
@@ -150,7 +164,7 @@ async def test_orphan_writes_are_no_proof(database: Database, tmp_path: Path) ->
             arm_fault("writes.after", note_writes),
             arm_fault("checkpoint.before", fail_charges_checkpoint),
             arm_fault("release.before", lost("-", [], ["gone"])),
-            pytest.raises(ConnectionResetError),
+            pytest.raises(ExecutionLeaseLostError) as raised,
         ):
             await a.ainvoke(
                 graph,
@@ -159,6 +173,7 @@ async def test_orphan_writes_are_no_proof(database: Database, tmp_path: Path) ->
                 tenant_id=TENANT,
                 durability="async",
             )
+        assert isinstance(raised.value.__cause__, ConnectionResetError), raised.value
         # The writes are stored, their checkpoint is not: a resume would start before charge.
         state = await graph.aget_state(
             {"configurable": {"thread_id": execution_id, "tenant_id": TENANT}}

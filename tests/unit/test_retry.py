@@ -1,0 +1,233 @@
+"""The retry policy: connection errors are retried while the window lasts, nothing else is.
+
+The errors are the real ones, raised by the real drivers (a refused connect, a unique
+violation, a syntax error, a connection killed under a statement) where a database can
+produce them, and the drivers' own classes where only a server outage could.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+
+import asyncpg
+import pytest
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from langgraph_fence import ExecutionFencedError
+from langgraph_fence.database import create_engine
+from langgraph_fence.retry import (
+    FixedWindow,
+    backoff,
+    is_connection_error,
+    is_database_connection_error,
+    retry_connection_errors,
+    retry_window,
+)
+from langgraph_fence.testing import ManualClock
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def _raised(engine: AsyncEngine, sql: str) -> Exception:
+    try:
+        async with engine.connect() as conn:
+            await conn.execute(sa.text(sql))
+    except Exception as exc:
+        return exc
+    raise AssertionError(f"{sql!r} did not fail")
+
+
+async def test_a_refused_connect_is_a_connection_error() -> None:
+    engine = create_engine(f"postgresql://postgres@127.0.0.1:{_free_port()}/none")
+    try:
+        assert is_connection_error(await _raised(engine, "SELECT 1"))
+    finally:
+        await engine.dispose()
+
+
+async def test_a_killed_connection_is_a_connection_error(
+    make_engine: Callable[..., AsyncEngine],
+) -> None:
+    engine = make_engine("postgresql")
+    async with engine.connect() as victim:
+        pid = (await victim.execute(sa.text("SELECT pg_backend_pid()"))).scalar_one()
+        async with engine.connect() as killer:
+            await killer.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        with pytest.raises(Exception) as caught:
+            await victim.execute(sa.text("SELECT 1"))
+    assert is_connection_error(caught.value), repr(caught.value)
+    await engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+async def test_integrity_and_programming_errors_are_not(
+    backend: str, make_engine: Callable[..., AsyncEngine]
+) -> None:
+    engine = make_engine(backend)
+    table = f"retry_{backend}_{_free_port()}"
+    async with engine.begin() as conn:
+        await conn.execute(sa.text(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY)"))
+        await conn.execute(sa.text(f"INSERT INTO {table} VALUES (1)"))
+    duplicate = await _raised(engine, f"INSERT INTO {table} VALUES (1)")
+    assert isinstance(duplicate, sa_exc.IntegrityError)
+    assert not is_connection_error(duplicate)
+    syntax = await _raised(engine, "SELEC 1")
+    assert not is_connection_error(syntax)
+    async with engine.begin() as conn:
+        await conn.execute(sa.text(f"DROP TABLE {table}"))
+    await engine.dispose()
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        asyncpg.exceptions.ConnectionDoesNotExistError("connection was closed in the middle"),
+        asyncpg.exceptions.InterfaceError(
+            "cannot call Connection.fetchrow(): connection is closed"
+        ),
+        asyncpg.exceptions.AdminShutdownError(
+            "terminating connection due to administrator command"
+        ),
+        asyncpg.exceptions.CannotConnectNowError("the database system is starting up"),
+        ConnectionResetError(104, "Connection reset by peer"),
+        sa_exc.DBAPIError("SELECT 1", {}, OSError("gone"), connection_invalidated=True),
+    ],
+    ids=repr,
+)
+def test_driver_disconnects_are_connection_errors(error: Exception) -> None:
+    assert is_connection_error(error)
+    wrapped = RuntimeError("the step failed")
+    wrapped.__cause__ = error
+    assert is_connection_error(wrapped)  # found in the cause chain
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ValueError("thread_id must be a non-empty str"),
+        KeyError("x"),
+        FileNotFoundError(2, "No such file"),
+        asyncpg.exceptions.UniqueViolationError("duplicate key value"),
+        ExecutionFencedError("fenced", scope_key="t:e", token_held=1, token_seen=2),
+    ],
+    ids=repr,
+)
+def test_other_errors_are_not(error: Exception) -> None:
+    assert not is_connection_error(error)
+
+
+def test_backoff_doubles_up_to_its_cap() -> None:
+    assert 0.025 <= backoff(0) <= 0.05
+    assert 0.05 <= backoff(1) <= 0.1
+    assert all(0.5 <= backoff(n) <= 1.0 for n in (5, 10, 100))
+
+
+class _Window:
+    """A run's window on a controlled clock: the clock moves with each attempt."""
+
+    def __init__(self, clock: ManualClock, seconds: float) -> None:
+        self.clock = clock
+        self.confirmed_until = clock() + seconds
+        self.ttl = 60.0
+
+
+async def test_a_connection_error_is_retried_until_it_heals() -> None:
+    calls = 0
+
+    async def op() -> str:
+        nonlocal calls
+        calls += 1
+        if calls < 3:
+            raise asyncpg.exceptions.ConnectionDoesNotExistError("connection was closed")
+        return "landed"
+
+    with retry_window(_Window(ManualClock(), 10.0)):
+        assert await retry_connection_errors(op, what="renew") == "landed"
+    assert calls == 3
+
+
+async def test_retries_give_up_when_the_window_runs_out() -> None:
+    clock = ManualClock()
+    calls = 0
+
+    async def op() -> None:
+        nonlocal calls
+        calls += 1
+        clock.advance(1.0)  # each attempt costs a second of the run's window
+        raise asyncpg.exceptions.InterfaceError("connection is closed")
+
+    with retry_window(_Window(clock, 3.0)), pytest.raises(asyncpg.exceptions.InterfaceError):
+        await retry_connection_errors(op, what="renew")
+    assert calls == 3  # failing at 1, 2 and 3 s: the window ends at 3 s, no fourth attempt
+
+
+async def test_other_errors_are_raised_at_once() -> None:
+    calls = 0
+
+    async def op() -> None:
+        nonlocal calls
+        calls += 1
+        raise asyncpg.exceptions.UniqueViolationError("duplicate key value")
+
+    with pytest.raises(asyncpg.exceptions.UniqueViolationError):
+        await retry_connection_errors(op, what="put")
+    assert calls == 1
+
+
+async def test_an_enclosing_window_stands() -> None:
+    outer = FixedWindow.lasting(5.0)
+    clock = ManualClock()
+    calls = 0
+
+    async def op() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise asyncpg.exceptions.InterfaceError("connection is closed")
+
+    # The inner window is over already; the outer (a loss being classified) still lasts.
+    with retry_window(outer), retry_window(_Window(clock, 0.0)):
+        await retry_connection_errors(op, what="renew")
+    assert calls == 2
+
+
+async def test_a_fixed_window_bounds_the_retries() -> None:
+    window = FixedWindow.lasting(0.2)
+    calls = 0
+
+    async def op() -> None:
+        nonlocal calls
+        calls += 1
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    with retry_window(window), pytest.raises(ConnectionRefusedError):
+        await retry_connection_errors(op, what="get")
+    assert 1 < calls < 10
+
+
+async def test_only_a_database_connection_error_is_infrastructure() -> None:
+    # A node's own HTTP client hanging up is the graph's error: the run may end failed.
+    def http_call() -> None:
+        raise ConnectionError("the payment provider hung up mid-request")
+
+    with pytest.raises(ConnectionError) as http:
+        http_call()
+    assert is_connection_error(http.value)
+    assert not is_database_connection_error(http.value)
+    # The same kind of error from inside the database driver is infrastructure.
+    engine = create_engine(f"postgresql://postgres@127.0.0.1:{_free_port()}/none")
+    try:
+        refused = await _raised(engine, "SELECT 1")
+    finally:
+        await engine.dispose()
+    assert is_database_connection_error(refused)
+    wrapped = RuntimeError("During task with name 'charge'")
+    wrapped.__cause__ = refused
+    assert is_database_connection_error(wrapped)
