@@ -125,7 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .errors import ExecutionLeaseHeldError
 
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR)
+    # A worker says at WARNING what needs an operator (an execution it cannot serve, a
+    # dead letter) without -v; the other commands print their own output.
+    quiet = logging.WARNING if args.command == "worker" else logging.ERROR
+    logging.basicConfig(level=logging.INFO if args.verbose else quiet)
     console = Console()
     try:
         if args.command == "demo":

@@ -235,7 +235,9 @@ async def _run(
         for name, gate in gates.items()
     }
     frozen = {"A": asyncio.Event()}
-    graph = _build_graph(timeline, engine, frozen).compile(checkpointer=instances["A"].checkpointer)
+    graph = _build_graph(timeline, engine, frozen).compile(
+        checkpointer=instances["A"].checkpointer, name="orders"
+    )
     config: RunnableConfig = {"configurable": {"thread_id": order_id}}
     key = LeaseKey(TENANT, order_id)
 
