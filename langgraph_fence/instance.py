@@ -322,9 +322,11 @@ class Instance:
         ``NON_IDEMPOTENT_WRITE`` stamp standing is dead-lettered (the write may have
         happened; the reason names the node and the token that stamped it), any other is
         taken (epoch + 1) and resumed from its last checkpoint, or from its recorded input
-        if it died before its first checkpoint. Two instances never both take, or both
+        if it died before its first checkpoint, with the config and options its run was
+        started with (its ``configurable`` keys, ``context``, ``recursion_limit``, ``tags``,
+        ..., as :meth:`ainvoke` recorded them). Two instances never both take, or both
         dead-letter, one execution. An execution whose graph is not in ``graphs`` is left
-        untouched (and logged once).
+        untouched, and logged once at WARNING with the graph name it is recorded under.
 
         The takeover budget: an execution taken over more than ``max_takeovers`` times in a
         row from holders that died with no new checkpoint of its thread in between (a step
@@ -345,7 +347,8 @@ class Instance:
             stop: set it to stop the loop gracefully.
             handle_signals: set ``stop`` on SIGTERM and SIGINT (main thread only).
             max_takeovers: the takeover budget (default: the instance's ``max_takeovers``).
-            **kwargs: passed to each ``graph.ainvoke`` (``durability``, ...).
+            **kwargs: passed to each ``graph.ainvoke`` (``durability``, ...); an option the
+                run recorded (e.g. its ``durability``) wins over these.
         """
         from .checkpoint import FencedCheckpointer
 
@@ -358,6 +361,20 @@ class Instance:
                 raise ValueError(
                     f"graphs[{name!r}] was compiled without a fenced checkpointer: compile it "
                     "with builder.compile(checkpointer=instance.checkpointer)"
+                )
+            own = getattr(graph, "name", None)
+            if own not in (name, DEFAULT_GRAPH_NAME):
+                # Runs started with this graph and no graph_name are recorded under its own
+                # name: this loop would never find them.
+                logger.warning(
+                    "graph %r is served as %r: runs started with it and no graph_name are "
+                    "recorded as %r, which this loop does not serve; serve it as %r, or "
+                    "start its runs with graph_name=%r",
+                    own,
+                    name,
+                    own,
+                    own,
+                    name,
                 )
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")

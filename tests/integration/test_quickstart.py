@@ -76,6 +76,13 @@ async def line_with(stream: asyncio.StreamReader, wanted: str, *, within: float)
         raise AssertionError(f"{wanted!r} did not come in {within} s: {seen}") from None
 
 
+def env_importing(directory: Path) -> dict[str, str]:
+    """This process's environment, with modules in ``directory`` importable (and the ones
+    this test imports, first)."""
+    path = [str(directory), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
 async def start_worker(
     db: str, graphs: str, *options: str, cwd: Path, env: dict[str, str]
 ) -> asyncio.subprocess.Process:
@@ -114,7 +121,7 @@ async def test_the_readme_quickstart_killed_mid_node_is_taken_over_by_the_worker
     tmp_path: Path, orders_db: str
 ) -> None:
     (tmp_path / "orders.py").write_text(quickstart())
-    env = {**os.environ, "ORDERS_DB": orders_db, "PYTHONPATH": str(tmp_path)}
+    env = {**env_importing(tmp_path), "ORDERS_DB": orders_db}
     # A slow model call in plan: the program is killed in it.
     program = await asyncio.create_subprocess_exec(
         sys.executable,

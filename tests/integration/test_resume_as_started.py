@@ -10,7 +10,7 @@ name (no ``serve()`` would ever find it), are refused before anything is written
 from __future__ import annotations
 
 import asyncio
-import os
+import logging
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +31,7 @@ from langgraph_fence.testing import Leases
 from tests.chaos.write_steps import Database
 from tests.conftest import unique
 from tests.integration import test_hardening
-from tests.integration.test_quickstart import start_worker, until_done
+from tests.integration.test_quickstart import env_importing, start_worker, until_done
 from tests.integration.test_serve import serving, until_status
 
 TENANT = "acme"
@@ -130,25 +130,27 @@ async def test_a_takeover_runs_with_the_config_context_and_options_the_run_start
             durability="sync",
         )
     )
-    await asyncio.wait_for(shop.a_inside.wait(), 30)
-    # A freezes inside plan; its lease expires; B takes the execution over.
-    db.stall(a)
-    db.advance(31.0)
-    async with serving(b, {"checkout": shop.graph(b)}):
-        await until_status(db, key, LeaseStatus.DONE)
-    assert shop.seen == [
-        {
-            "by": "B",
-            "token": 2,
-            "user_id": "u-7",
-            "context": Context("EUR"),
-            "recursion_limit": 7,
-            "tags": ["checkout", "web"],
-            "channel": "web",
-        }
-    ]
-    db.resume(a)
-    shop.a_go.set()
+    try:
+        await asyncio.wait_for(shop.a_inside.wait(), 30)
+        # A freezes inside plan; its lease expires; B takes the execution over.
+        db.stall(a)
+        db.advance(31.0)
+        async with serving(b, {"checkout": shop.graph(b)}):
+            await until_status(db, key, LeaseStatus.DONE)
+        assert shop.seen == [
+            {
+                "by": "B",
+                "token": 2,
+                "user_id": "u-7",
+                "context": Context("EUR"),
+                "recursion_limit": 7,
+                "tags": ["checkout", "web"],
+                "channel": "web",
+            }
+        ]
+    finally:
+        db.resume(a)
+        shop.a_go.set()
     with pytest.raises(ExecutionFencedError):
         await asyncio.wait_for(run_a, 30)
     # Recorded with the execution, in the one write of its start; the context comes back
@@ -175,6 +177,7 @@ async def test_a_run_config_value_that_cannot_be_recorded_is_refused_before_anyt
     options: dict[str, Any],
 ) -> None:
     shop = Checkout()
+    shop.a_go.set()  # nothing holds A in plan (if the run started, it would end)
     a = db.instance("A")
     thread = unique("order")
     run_config = {**started_with(thread, **configurable), **config}
@@ -189,6 +192,7 @@ async def test_a_graph_with_langgraphs_default_name_is_refused_before_anything_i
     db: Leases,
 ) -> None:
     shop = Checkout()
+    shop.a_go.set()  # nothing holds A in plan (if the run started, it would end)
     a = db.instance("A")
     thread = unique("order")
     unnamed = shop.graph(a, name=None)
@@ -200,7 +204,6 @@ async def test_a_graph_with_langgraphs_default_name_is_refused_before_anything_i
     assert shop.seen == []
     await nothing_written(db, LeaseKey(TENANT, thread), thread)
     # Named by the call instead, it runs, recorded under the name a worker serves.
-    shop.a_go.set()
     other = unique("order")
     await a.ainvoke(
         unnamed,
@@ -248,9 +251,8 @@ async def test_the_worker_warns_once_at_default_level_of_an_execution_it_cannot_
             ExecutionRecord(stranded, "refunds", stranded.execution_id, {"log": []})
         )
         assert await setup.repository.acquire(stranded, "dead-worker", 0.5) is not None
-        env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.getcwd()}"}
         worker = await start_worker(
-            database.url, "worker_graphs:graphs", *schema, cwd=tmp_path, env=env
+            database.url, "worker_graphs:graphs", *schema, cwd=tmp_path, env=env_importing(tmp_path)
         )
         try:
             # A servable execution, expired after the stranded one: once it is done, the
@@ -270,3 +272,15 @@ async def test_the_worker_warns_once_at_default_level_of_an_execution_it_cannot_
     warnings = [line for line in stderr.splitlines() if stranded.scope_key in line]
     assert len(warnings) == 1, stderr
     assert "WARNING" in warnings[0] and "'refunds'" in warnings[0], stderr
+
+
+async def test_serving_a_graph_under_another_name_than_its_own_is_warned_of(
+    db: Leases, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Runs of a graph named "checkout" are recorded as "checkout": served as "orders", none
+    of them would be found; serve() says so when it starts."""
+    b = db.instance("B")
+    with caplog.at_level(logging.WARNING, logger="langgraph_fence"):
+        async with serving(b, {"orders": Checkout().graph(b)}):
+            pass
+    assert "graph 'checkout' is served as 'orders'" in caplog.text
