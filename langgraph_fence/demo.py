@@ -305,7 +305,9 @@ async def _run(
     for instance in instances.values():
         instance.add_listener(timeline.on_event)
     frozen = _Freeze()
-    graph = _build_graph(timeline, engine, frozen).compile(checkpointer=instances["A"].checkpointer)
+    graph = _build_graph(timeline, engine, frozen).compile(
+        checkpointer=instances["A"].checkpointer, name="orders"
+    )
     config: RunnableConfig = {"configurable": {"thread_id": order_id}}
     key = LeaseKey(TENANT, order_id)
 

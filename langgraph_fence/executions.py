@@ -1,9 +1,11 @@
 """What an instance needs to resume an execution it did not start, and which execution owns
 each thread.
 
-A run started with input records ``(graph name, thread id, input)`` for its execution key
-once, before the graph runs. Any instance's :meth:`~langgraph_fence.Instance.serve` loop that
-takes the execution over reads it back: it resumes from the last checkpoint, or, if the
+A run started with input records ``(graph name, thread id, input, run config)`` for its
+execution key once, before the graph runs (the run config: what of its config and options a
+takeover runs with again, :mod:`langgraph_fence.run_config`). Any instance's
+:meth:`~langgraph_fence.Instance.serve` loop that takes the execution over reads it back and
+runs it with that config again: it resumes from the last checkpoint, or, if the
 first run died before its first checkpoint landed, starts again from the recorded input.
 
 One thread, one execution: a tenant's thread is bound to the first execution key that runs
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from langgraph.checkpoint.serde.base import SerializerProtocol
@@ -29,6 +31,7 @@ from .errors import ExecutionThreadBoundError
 from .lease import LeaseKey
 from .migrations import Migration, migrate
 from .retry import retry_connection_errors
+from .run_config import RecordedRun
 from .serde import loads_checked, safe_serializer, with_allowlist
 
 __all__ = [
@@ -43,12 +46,14 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class ExecutionRecord:
-    """How to resume an execution: the graph it runs, its thread, and its first input."""
+    """How to resume an execution: the graph it runs, its thread, its first input, and the
+    recorded part of the config and options it was started with."""
 
     key: LeaseKey
     graph: str
     thread_id: str
     input: Any
+    run: RecordedRun = field(default_factory=RecordedRun)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,18 +81,20 @@ class ExecutionRecords(Protocol):
         ...
 
     async def get(
-        self, key: LeaseKey, *, allow: Collection[tuple[str, ...]] = ()
+        self, key: LeaseKey, *, allow: Collection[tuple[str, ...]] = (), with_input: bool = True
     ) -> ExecutionRecord | None:
         """The record of ``key``, or ``None``.
 
         Args:
             key: the execution.
-            allow: ``(module, name)`` pairs the input may construct besides what the
-                serializer allows (the served graph's schema types).
+            allow: ``(module, name)`` pairs the input and run config may construct besides
+                what the serializer allows (the served graph's schema and context types).
+            with_input: decode the input (else the record's ``input`` is ``None``: a run
+                resumed from a checkpoint needs only its run config).
 
         Raises:
-            ValueError: the stored input cannot be decoded, or names a type outside the
-                serializer's allow-list (nothing of it was imported or called).
+            ValueError: the stored input or run config cannot be decoded, or names a type
+                outside the serializer's allow-list (nothing of it was imported or called).
         """
         ...
 
@@ -143,7 +150,7 @@ class MemoryExecutionRecords:
         return True
 
     async def get(
-        self, key: LeaseKey, *, allow: Collection[tuple[str, ...]] = ()
+        self, key: LeaseKey, *, allow: Collection[tuple[str, ...]] = (), with_input: bool = True
     ) -> ExecutionRecord | None:
         """The record of ``key``, or ``None`` (kept as objects: nothing to decode)."""
         return self._rows.get(key)
@@ -209,16 +216,32 @@ EXECUTION_MIGRATIONS = [
         sqlite=[_CREATE_BINDINGS.format(double="REAL"), _BIND_RECORDED],
         postgresql=[_CREATE_BINDINGS.format(double="DOUBLE PRECISION"), _BIND_RECORDED],
     ),
+    Migration(
+        version=3,
+        description="execution records: the run config a takeover runs with again",
+        # Records written before it have none (NULL): their takeover runs with the thread only.
+        sqlite=[
+            "ALTER TABLE fence_executions ADD COLUMN run_type TEXT",
+            "ALTER TABLE fence_executions ADD COLUMN run BLOB",
+        ],
+        postgresql=[
+            "ALTER TABLE fence_executions ADD COLUMN IF NOT EXISTS run_type TEXT",
+            "ALTER TABLE fence_executions ADD COLUMN IF NOT EXISTS run BYTEA",
+        ],
+    ),
 ]
 
-_UPSERT = text(
-    "INSERT INTO fence_executions "
-    "(tenant_id, execution_id, graph, thread_id, input_type, input, recorded_at) "
-    "VALUES (:tenant_id, :execution_id, :graph, :thread_id, :input_type, :input, :at) "
+_COLUMNS = (
+    "(tenant_id, execution_id, graph, thread_id, input_type, input, run_type, run, recorded_at) "
+)
+_VALUES = ":tenant_id, :execution_id, :graph, :thread_id, :input_type, :input, :run_type, :run, :at"
+_ON_CONFLICT = (
     "ON CONFLICT (tenant_id, execution_id) DO UPDATE SET graph = excluded.graph, "
     "thread_id = excluded.thread_id, input_type = excluded.input_type, "
-    "input = excluded.input, recorded_at = excluded.recorded_at"
+    "input = excluded.input, run_type = excluded.run_type, run = excluded.run, "
+    "recorded_at = excluded.recorded_at"
 )
+_UPSERT = text(f"INSERT INTO fence_executions {_COLUMNS}VALUES ({_VALUES}) {_ON_CONFLICT}")
 # The same upsert, skipped while the lease is held by anyone (expired or not: a start that
 # takes an expired lease over writes its record again once it holds it) or dead-lettered.
 _NOT_HELD = (
@@ -227,16 +250,11 @@ _NOT_HELD = (
     "OR l.status = 'dead_lettered'))"
 )
 _UPSERT_UNLESS_HELD = text(
-    "INSERT INTO fence_executions "
-    "(tenant_id, execution_id, graph, thread_id, input_type, input, recorded_at) "
-    "SELECT :tenant_id, :execution_id, :graph, :thread_id, :input_type, :input, :at "
-    f"WHERE {_NOT_HELD} "
-    "ON CONFLICT (tenant_id, execution_id) DO UPDATE SET graph = excluded.graph, "
-    "thread_id = excluded.thread_id, input_type = excluded.input_type, "
-    f"input = excluded.input, recorded_at = excluded.recorded_at WHERE {_NOT_HELD}"
+    f"INSERT INTO fence_executions {_COLUMNS}SELECT {_VALUES} WHERE {_NOT_HELD} "
+    f"{_ON_CONFLICT} WHERE {_NOT_HELD}"
 )
 _SELECT = text(
-    "SELECT graph, thread_id, input_type, input FROM fence_executions "
+    "SELECT graph, thread_id, input_type, input, run_type, run FROM fence_executions "
     "WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
 )
 # By execution id only (one expanding parameter on both dialects); the tenant is matched
@@ -296,6 +314,7 @@ class SqlExecutionRecords:
         The lease table must be on the same database (as :meth:`Instance.open` puts it).
         """
         input_type, blob = self.serde.dumps_typed(record.input)
+        run_type, run = self.serde.dumps_typed(record.run.as_payload())
         async with self._writer.begin() as conn:
             result = await conn.execute(
                 _UPSERT_UNLESS_HELD if unless_held else _UPSERT,
@@ -306,24 +325,27 @@ class SqlExecutionRecords:
                     "thread_id": record.thread_id,
                     "input_type": input_type,
                     "input": blob,
+                    "run_type": run_type,
+                    "run": run,
                     "at": time.time(),
                 },
             )
             return bool(result.rowcount)
 
     async def get(
-        self, key: LeaseKey, *, allow: Collection[tuple[str, ...]] = ()
+        self, key: LeaseKey, *, allow: Collection[tuple[str, ...]] = (), with_input: bool = True
     ) -> ExecutionRecord | None:
-        """The record of ``key``, or ``None``.
+        """The record of ``key``, or ``None`` (one read).
 
         Args:
             key: the execution.
-            allow: ``(module, name)`` pairs the input may construct besides what
-                :attr:`serde` allows (the served graph's schema types).
+            allow: ``(module, name)`` pairs the input and run config may construct besides
+                what :attr:`serde` allows (the served graph's schema and context types).
+            with_input: decode the input (else the record's ``input`` is ``None``).
 
         Raises:
-            ValueError: the stored input cannot be decoded, or names a type outside the
-                serializer's allow-list (nothing of it was imported or called).
+            ValueError: the stored input or run config cannot be decoded, or names a type
+                outside the serializer's allow-list (nothing of it was imported or called).
         """
 
         async def read() -> Any:
@@ -334,15 +356,24 @@ class SqlExecutionRecords:
         row = await retry_connection_errors(read, what="execution record read")
         if row is None:
             return None
+        serde = with_allowlist(self.serde, allow)
+        run = RecordedRun()
+        if row.run is not None:
+            what = f"the recorded run config of execution {key.scope_key!r}"
+            payload = loads_checked(serde, (row.run_type, bytes(row.run)), what=what)
+            run = RecordedRun.from_payload(payload)
         return ExecutionRecord(
             key=key,
             graph=row.graph,
             thread_id=row.thread_id,
             input=loads_checked(
-                with_allowlist(self.serde, allow),
+                serde,
                 (row.input_type, bytes(row.input)),
                 what=f"the recorded input of execution {key.scope_key!r}",
-            ),
+            )
+            if with_input
+            else None,
+            run=run,
         )
 
     async def bind(self, key: LeaseKey, thread_id: str) -> str:

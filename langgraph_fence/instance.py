@@ -59,7 +59,8 @@ from .lease import (
 )
 from .redact import bounded_reason, failure_reason
 from .retry import FixedWindow, is_database_connection_error, retry_window
-from .serde import graph_allowlist
+from .run_config import record_run, restore_run, run_allowlist
+from .serde import safe_serializer
 
 if TYPE_CHECKING:
     from langgraph.checkpoint.base import BaseCheckpointSaver
@@ -163,6 +164,11 @@ class Instance:
         self._sleep: Sleep = sleep or asyncio.sleep
         self.records: ExecutionRecords = (
             records if records is not None else MemoryExecutionRecords()
+        )
+        # A run config is checked with what its records store it with (memory records keep
+        # objects, but a value is refused the same way on every store).
+        self._record_serde: SerializerProtocol = (
+            getattr(self.records, "serde", None) or safe_serializer()
         )
         # Admin operations through this instance's checkpointer hold the execution's lease.
         self.checkpointer.admin = ThreadAdmin(
@@ -268,8 +274,18 @@ class Instance:
                 thread's key: read the thread back with ``configurable["tenant_id"]``).
             execution_id: the lease's execution id (default: the thread id).
             graph_name: the name :meth:`serve` finds the graph under when another instance
-                takes the execution over (default: ``graph.name``).
+                takes the execution over (default: ``graph.name``, the ``name=`` given to
+                ``compile()``; LangGraph's default name ``"LangGraph"`` is refused, since
+                no ``serve()`` would find it).
             **kwargs: passed to ``graph.ainvoke`` (``durability``, ``context``, ...).
+
+        A run started with input records, with its execution, what a takeover runs it with
+        again: its ``configurable`` keys, ``context``, ``recursion_limit``, ``tags``,
+        ``metadata``, ``run_name``, ``max_concurrency``, ``durability``,
+        ``interrupt_before`` and ``interrupt_after`` (:mod:`langgraph_fence.run_config`).
+        Callbacks and other live objects are not carried over to a takeover; a value that
+        cannot be recorded is refused with a ``ValueError`` naming it, before anything is
+        written.
 
         Raises:
             ExecutionFencedError: the lease was taken over during the run.
@@ -281,7 +297,8 @@ class Instance:
                 write may have happened and is not repeated).
             ExecutionThreadBoundError: the tenant's thread belongs to another execution id
                 (a ``ValueError``); refused before anything runs.
-            ValueError: bad arguments, before anything runs.
+            ValueError: bad arguments (a default-named graph without ``graph_name``, a run
+                config value that cannot be recorded), before anything runs or is written.
         """
         async with self._run(
             graph, input, config, tenant_id, execution_id, kwargs, graph_name=graph_name
@@ -358,9 +375,11 @@ class Instance:
         ``NON_IDEMPOTENT_WRITE`` stamp standing is dead-lettered (the write may have
         happened; the reason names the node and the token that stamped it), any other is
         taken (epoch + 1) and resumed from its last checkpoint, or from its recorded input
-        if it died before its first checkpoint. Two instances never both take, or both
+        if it died before its first checkpoint, with the config and options its run was
+        started with (its ``configurable`` keys, ``context``, ``recursion_limit``, ``tags``,
+        ..., as :meth:`ainvoke` recorded them). Two instances never both take, or both
         dead-letter, one execution. An execution whose graph is not in ``graphs`` is left
-        untouched (and logged once).
+        untouched, and logged once at WARNING with the graph name it is recorded under.
 
         The takeover budget: an execution taken over more than ``max_takeovers`` times in a
         row from holders that died with no new checkpoint of its thread in between (a step
@@ -381,7 +400,8 @@ class Instance:
             stop: set it to stop the loop gracefully.
             handle_signals: set ``stop`` on SIGTERM and SIGINT (main thread only).
             max_takeovers: the takeover budget (default: the instance's ``max_takeovers``).
-            **kwargs: passed to each ``graph.ainvoke`` (``durability``, ...).
+            **kwargs: passed to each ``graph.ainvoke`` (``durability``, ...); an option the
+                run recorded (e.g. its ``durability``) wins over these.
         """
         from .checkpoint import FencedCheckpointer
 
@@ -394,6 +414,20 @@ class Instance:
                 raise ValueError(
                     f"graphs[{name!r}] was compiled without a fenced checkpointer: compile it "
                     "with builder.compile(checkpointer=instance.checkpointer)"
+                )
+            own = getattr(graph, "name", None)
+            if own not in (name, DEFAULT_GRAPH_NAME):
+                # Runs started with this graph and no graph_name are recorded under its own
+                # name: this loop would never find them.
+                logger.warning(
+                    "graph %r is served as %r: runs started with it and no graph_name are "
+                    "recorded as %r, which this loop does not serve; serve it as %r, or "
+                    "start its runs with graph_name=%r",
+                    own,
+                    name,
+                    own,
+                    own,
+                    name,
                 )
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
@@ -476,12 +510,18 @@ class Instance:
                 head = heads.get(candidate.key)
                 graph_name = None if head is None else head.graph
                 if head is None or head.graph not in graphs:
+                    # Once per execution (and epoch): remembered in ``unserved`` from here on.
                     unserved[candidate.key] = candidate.epoch
                     found_unserved = True
                     logger.warning(
-                        "execution %s is expired but its graph %r is not served here: left "
-                        "untouched",
+                        "execution %s is expired but its graph %r is not served here (this "
+                        "loop serves %s): left untouched; to take it over, serve a graph "
+                        "under the name %r (serve({%r: graph}), or a worker whose --graphs "
+                        "factory returns that key)",
                         candidate.scope_key,
+                        graph_name,
+                        sorted(graphs),
+                        graph_name,
                         graph_name,
                     )
                     continue
@@ -544,25 +584,28 @@ class Instance:
             f"from {candidate.holder or 'no holder'} at token {candidate.epoch}",
         )
         # The record cannot change under us now: a new run of the key takes a new epoch.
-        input: Any = None
         # A checkpoint found before the take is there still; none found is read again now
         # the take fenced the old holder (it may have landed its first one in between).
-        if latest is None and await graph.checkpointer.aget_tuple(config) is None:
-            try:
-                record = await self.records.get(taken.key, allow=graph_allowlist(graph))
-                if record is None:
-                    raise LookupError(f"the record of execution {taken.scope_key!r} is gone")
-                input = record.input
-            except Exception as exc:
-                # Ours now (epoch + 1): left as it is, every instance would fail on it, poll
-                # after poll. It cannot run anywhere: dead-letter it, saying why.
-                reason = failure_reason(exc, prefix="its execution record cannot be loaded: ")
-                await self.repository.dead_letter(taken.key, reason, epoch=taken.epoch)
-                self._dead_lettered(taken.scope_key, taken.epoch, reason)
-                return False
+        from_input = latest is None and await graph.checkpointer.aget_tuple(config) is None
+        try:
+            record = await self.records.get(
+                taken.key, allow=run_allowlist(graph), with_input=from_input
+            )
+            if record is None:
+                raise LookupError(f"the record of execution {taken.scope_key!r} is gone")
+        except Exception as exc:
+            # Ours now (epoch + 1): left as it is, every instance would fail on it, poll
+            # after poll. It cannot run anywhere: dead-letter it, saying why.
+            reason = failure_reason(exc, prefix="its execution record cannot be loaded: ")
+            await self.repository.dead_letter(taken.key, reason, epoch=taken.epoch)
+            self._dead_lettered(taken.scope_key, taken.epoch, reason)
+            return False
+        # The run as it was started: its configurable keys, context, limits and options
+        # (serve()'s own options are the defaults under them).
+        config, options = restore_run(record.run, head.thread_id, candidate.key.tenant_id)
         runs: list[_Run] = []
         task = asyncio.create_task(
-            self._resume(graph, config, input, taken, runs, kwargs),
+            self._resume(graph, config, record.input, taken, runs, {**kwargs, **options}),
             name=f"resume {taken.scope_key}",
         )
         running[task] = runs
@@ -712,19 +755,28 @@ class Instance:
         if graph_name is not None and (not isinstance(graph_name, str) or not graph_name):
             raise ValueError(f"graph_name must be a non-empty str, got {graph_name!r}")
         if taken is None:
+            thread_id = str(base["configurable"]["thread_id"])
+            record = None
+            if input is not None and not isinstance(input, Command):
+                # Checked before anything is written: the name serve() finds the graph
+                # under, and a run config a takeover can run with again.
+                record = ExecutionRecord(
+                    key,
+                    _recorded_graph_name(graph, graph_name),
+                    thread_id,
+                    input,
+                    record_run(
+                        base,
+                        kwargs,
+                        serde=self._record_serde,
+                        allow=run_allowlist(graph),
+                    ),
+                )
             # One thread, one execution: a run under another execution id of the thread's
             # tenant would hold a lease of its own and fork the thread. Checked before the
             # record and the lease, so a refused run leaves nothing behind.
-            thread_id = str(base["configurable"]["thread_id"])
             check_thread_binding(key, thread_id, await self.records.bind(key, thread_id))
-            record = None
-            if input is not None and not isinstance(input, Command):
-                record = ExecutionRecord(
-                    key,
-                    graph_name or str(getattr(graph, "name", None) or "LangGraph"),
-                    str(base["configurable"]["thread_id"]),
-                    input,
-                )
+            if record is not None:
                 # Recorded before the lease is taken: a process that dies after its acquire
                 # must leave a record for the instance that takes the execution over (one
                 # that dies before it leaves no lease, so nothing to take over). Skipped
@@ -916,6 +968,34 @@ class Instance:
                 except ExecutionLeaseLostError:
                     return
             await self._sleep(max(remaining, 0.0) + 1e-3)
+
+
+#: The name ``StateGraph.compile()`` gives a graph compiled without ``name=``.
+DEFAULT_GRAPH_NAME = "LangGraph"
+
+
+def _recorded_graph_name(graph: Any, graph_name: str | None) -> str:
+    """The name an execution of ``graph`` is recorded under: the one ``serve()`` finds it by.
+
+    Raises:
+        ValueError: neither ``graph_name`` nor a ``name=`` of the compiled graph says which
+            graph it is (LangGraph's default name would strand the execution: no
+            ``serve({"orders": graph})`` finds a record named ``"LangGraph"``).
+    """
+    if graph_name is not None:
+        return graph_name
+    name = getattr(graph, "name", None)
+    if not isinstance(name, str) or not name or name == DEFAULT_GRAPH_NAME:
+        raise ValueError(
+            f"the graph has LangGraph's default name {name!r} and no graph_name was given: an "
+            "execution is recorded under its graph's name, and another instance takes it over "
+            "only if it serves a graph of that name, so this one could never be taken over. "
+            'Name it: builder.compile(checkpointer=instance.checkpointer, name="orders") and '
+            'serve({"orders": graph}) (the worker\'s --graphs factory returns that mapping), '
+            'or pass instance.ainvoke(..., graph_name="orders"). Refused before anything was '
+            "written"
+        )
+    return name
 
 
 def _budget(max_takeovers: object) -> int:

@@ -104,7 +104,7 @@ def order_graph(instance: Instance, second: Callable[[], Awaitable[None]] | None
     builder.add_edge(START, "first")
     builder.add_edge("first", "second")
     builder.add_edge("second", END)
-    return fence_graph(builder).compile(checkpointer=instance.checkpointer)
+    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="graph")
 
 
 def config_of(thread: str, tenant: str) -> RunnableConfig:
@@ -354,7 +354,7 @@ async def test_an_interrupted_thread_pruned_meanwhile_still_resumes(instance: In
     builder.add_node("ask", ask)
     builder.add_edge(START, "ask")
     builder.add_edge("ask", END)
-    graph = fence_graph(builder).compile(checkpointer=instance.checkpointer)
+    graph = fence_graph(builder).compile(checkpointer=instance.checkpointer, name="graph")
     config = config_of(thread, tenant)
     await instance.ainvoke(graph, {"card": CARD}, config, tenant_id=tenant)
     key = LeaseKey(tenant, thread)
@@ -395,7 +395,7 @@ async def test_on_memory_stores_a_running_thread_is_refused_and_an_idle_one_eras
     builder.add_node("step", step)
     builder.add_edge(START, "step")
     builder.add_edge("step", END)
-    graph = fence_graph(builder).compile(checkpointer=instance.checkpointer)
+    graph = fence_graph(builder).compile(checkpointer=instance.checkpointer, name="graph")
     config = config_of(thread, tenant)
     run = asyncio.create_task(instance.ainvoke(graph, {"card": CARD}, config, tenant_id=tenant))
     await asyncio.wait_for(paused.entered.wait(), 10)

@@ -91,7 +91,7 @@ async def _run_and_hold(db: str, tenant: str, thread: str) -> None:
     builder.add_edge(START, "step")
     builder.add_edge("step", END)
     async with Instance.open(db, instance_id="worker-1") as instance:
-        graph = fence_graph(builder).compile(checkpointer=instance.checkpointer)
+        graph = fence_graph(builder).compile(checkpointer=instance.checkpointer, name="graph")
         config = {"configurable": {"thread_id": thread}}
         await instance.ainvoke(graph, {"card": "4111111111111111"}, config, tenant_id=tenant)
         await instance.repository.acquire(LeaseKey(tenant, "busy"), "worker-1", 300.0)

@@ -38,7 +38,7 @@ def _parallel(instance: Instance, left: Any, right: Any, **node_options: Any) ->
     builder.add_edge(START, "right")
     builder.add_edge("left", END)
     builder.add_edge("right", END)
-    return fence_graph(builder).compile(checkpointer=instance.checkpointer)
+    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="graph")
 
 
 async def test_the_fencing_error_beats_a_siblings_simultaneous_error_every_time() -> None:
@@ -82,7 +82,7 @@ async def test_the_fencing_error_beats_outer_cancellation() -> None:
     builder.add_node("waits", waits)
     builder.add_edge(START, "waits")
     builder.add_edge("waits", END)
-    graph = fence_graph(builder).compile(checkpointer=instance.checkpointer)
+    graph = fence_graph(builder).compile(checkpointer=instance.checkpointer, name="graph")
     run = asyncio.create_task(instance.ainvoke(graph, {"log": []}, _config(), tenant_id="acme"))
     await asyncio.wait_for(entered.wait(), 5)
     run.cancel("the caller gave up")

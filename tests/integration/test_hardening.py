@@ -220,7 +220,7 @@ async def test_strict_msgpack_compile_copies_the_fenced_checkpointer(
     builder.add_node("move", move)
     builder.add_edge(START, "move")
     builder.add_edge("move", END)
-    graph = builder.compile(checkpointer=instance.checkpointer)
+    graph = builder.compile(checkpointer=instance.checkpointer, name="graph")
     copied = graph.checkpointer
     assert copied is not instance.checkpointer  # the allow-list went into a copy
     assert (__name__, "Point") in copied.inner.serde._allowed_msgpack_modules  # type: ignore[union-attr]
@@ -249,7 +249,7 @@ async def test_strict_msgpack_a_recorded_input_of_the_graphs_own_type_is_resumed
     builder.add_node("move", move)
     builder.add_edge(START, "move")
     builder.add_edge("move", END)
-    graph = builder.compile(checkpointer=worker.checkpointer)
+    graph = builder.compile(checkpointer=worker.checkpointer, name="graph")
     async with serving(worker, {"plot": graph}):
         await until_status(db, key, LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED)
     lease = await db.store.get(key)
@@ -367,7 +367,7 @@ async def test_failure_reasons_are_bounded_and_hold_no_driver_parameters(db: Lea
         builder.add_node("node", node)
         builder.add_edge(START, "node")
         builder.add_edge("node", END)
-        graph = builder.compile(checkpointer=instance.checkpointer)
+        graph = builder.compile(checkpointer=instance.checkpointer, name="graph")
         key = LeaseKey(TENANT, unique("fails"))
         config: Any = {"configurable": {"thread_id": key.execution_id}}
         with pytest.raises(error):

@@ -97,7 +97,7 @@ def _graph(instance: Instance, seen: list[tuple[str, int, str, str]]) -> Any:
     builder.add_edge("work", "nested")
     builder.add_edge("nested", "sub")
     builder.add_edge("sub", END)
-    return fence_graph(builder).compile(checkpointer=instance.checkpointer)
+    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="graph")
 
 
 async def _tokens(instance: Instance, thread_id: str) -> set[Any]:
@@ -220,7 +220,7 @@ async def test_an_interrupted_run_releases_its_lease_as_waiting(instance: Instan
     builder.add_node("ask", ask)
     builder.add_edge(START, "ask")
     builder.add_edge("ask", END)
-    graph = fence_graph(builder).compile(checkpointer=instance.checkpointer)
+    graph = fence_graph(builder).compile(checkpointer=instance.checkpointer, name="graph")
     thread = unique("thread")
     config = {"configurable": {"thread_id": thread}}
     await instance.ainvoke(graph, {"log": []}, config, tenant_id="acme")
@@ -240,7 +240,7 @@ async def test_a_failing_run_is_released_failed_with_its_reason(instance: Instan
     builder.add_node("boom", boom)
     builder.add_edge(START, "boom")
     builder.add_edge("boom", END)
-    graph = fence_graph(builder).compile(checkpointer=instance.checkpointer)
+    graph = fence_graph(builder).compile(checkpointer=instance.checkpointer, name="graph")
     thread = unique("thread")
     with pytest.raises(ValueError, match="no such customer"):
         await instance.ainvoke(
@@ -286,7 +286,7 @@ async def test_a_renewal_refused_mid_run_stops_it_with_the_fencing_error(
     builder.add_node("slow", slow)
     builder.add_edge(START, "slow")
     builder.add_edge("slow", END)
-    graph = fence_graph(builder).compile(checkpointer=instance.checkpointer)
+    graph = fence_graph(builder).compile(checkpointer=instance.checkpointer, name="graph")
     thread = unique("thread")
     run = asyncio.create_task(
         instance.ainvoke(
@@ -351,7 +351,7 @@ async def test_an_interrupt_under_a_body_wide_non_idempotent_stamp_dead_letters_
     builder.add_edge(START, "charge")
     builder.add_edge("charge", END)
     graph = fence_graph(builder, effects={"charge": Effect.NON_IDEMPOTENT_WRITE}).compile(
-        checkpointer=instance.checkpointer
+        checkpointer=instance.checkpointer, name="graph"
     )
     thread = unique("thread")
     config = {"configurable": {"thread_id": thread}}

@@ -302,7 +302,7 @@ async def test_bad_input_to_serve_is_refused() -> None:
     builder.add_node("n", lambda s: {})
     builder.add_edge(START, "n")
     plain = builder.compile(checkpointer=InMemorySaver())
-    fenced = builder.compile(checkpointer=instance.checkpointer)
+    fenced = builder.compile(checkpointer=instance.checkpointer, name="graph")
     for graphs, options, named in [
         ({}, {}, "graphs"),
         ({"n": plain}, {}, "instance.checkpointer"),
@@ -350,7 +350,7 @@ async def test_the_order_is_stamp_renew_effect_clear(leases: Leases, saver_kind:
     builder.add_edge(START, "charge")
     builder.add_edge("charge", END)
     graph = fence_graph(builder, effects={"charge": Effect.NON_IDEMPOTENT_WRITE}).compile(
-        checkpointer=instance.checkpointer
+        checkpointer=instance.checkpointer, name="graph"
     )
     thread = unique("order")
     config: RunnableConfig = {"configurable": {"thread_id": thread}}

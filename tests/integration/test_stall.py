@@ -75,7 +75,7 @@ async def test_a_stalled_worker_is_fenced_after_a_takeover(leases: Leases) -> No
     builder.add_edge("charge", "finish")
     builder.add_edge("finish", END)
     graph = fence_graph(builder, effects={"charge": Effect.IDEMPOTENT_WRITE}).compile(
-        checkpointer=a.checkpointer
+        checkpointer=a.checkpointer, name="graph"
     )
     # The tenant is part of the thread key: reads name it as the runs do.
     config: RunnableConfig = {"configurable": {"thread_id": "order-7", "tenant_id": "acme"}}

@@ -32,10 +32,11 @@ from langgraph_fence import LeaseKey, SqlLeaseRepository
 from langgraph_fence.checkpoint import DEFAULT_TENANT, _inner_thread_id, _outer_thread_id
 from langgraph_fence.database import create_engine, transaction
 from langgraph_fence.errors import ExecutionThreadBoundError
-from langgraph_fence.executions import EXECUTION_MIGRATIONS, ExecutionRecord, SqlExecutionRecords
+from langgraph_fence.executions import EXECUTION_MIGRATIONS, SqlExecutionRecords
 from langgraph_fence.instance import Instance
 from langgraph_fence.migrations import migrate
 from langgraph_fence.nodes import fence_graph
+from langgraph_fence.run_config import RecordedRun
 from langgraph_fence.schema import LEASE_MIGRATIONS
 from tests.conftest import SQL_BACKENDS, pg_engine_options, unique
 
@@ -81,7 +82,7 @@ def chat_graph(instance: Instance, step: Callable[[Chat], Any] | None = None) ->
     builder.add_node("answer", answer)
     builder.add_edge(START, "answer")
     builder.add_edge("answer", END)
-    return fence_graph(builder).compile(checkpointer=instance.checkpointer)
+    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="graph")
 
 
 def thread_config(thread_id: str, tenant_id: str | None = None) -> RunnableConfig:
@@ -375,9 +376,18 @@ async def test_rows_written_before_tenants_get_the_tenant_of_their_lease(
     ):
         assert await leases.acquire(key, "old-worker", 10.0) is not None
     records = SqlExecutionRecords(engine)
-    await records.record(ExecutionRecord(LeaseKey("globex", "job-9"), "g", "recorded", {}))
     type_, blob = JsonPlusSerializer().dumps_typed(generate_checkpoint())
     async with transaction(engine) as conn:
+        # A record as version 1 wrote it (no run config).
+        input_type, input_blob = records.serde.dumps_typed({})
+        await conn.execute(
+            text(
+                "INSERT INTO fence_executions (tenant_id, execution_id, graph, thread_id, "
+                "input_type, input, recorded_at) VALUES ('globex', 'job-9', 'g', 'recorded', "
+                ":t, :b, 1.0)"
+            ),
+            {"t": input_type, "b": input_blob},
+        )
         for thread in ("leased", "recorded", "orphan", "mixed"):
             await conn.execute(
                 text(
@@ -419,6 +429,9 @@ async def test_rows_written_before_tenants_get_the_tenant_of_their_lease(
         assert await saver.aget_tuple(thread_config(thread, other)) is None
     # The recorded thread is bound to the execution that recorded it.
     assert await records.bind(LeaseKey("globex", "another"), "recorded") == "job-9"
+    # Read back after the run-config columns came (version 3): a takeover runs it with none.
+    old = await records.get(LeaseKey("globex", "job-9"))
+    assert old is not None and old.run == RecordedRun() and old.input == {}
 
 
 @given(

@@ -201,7 +201,7 @@ def tool_graph(
     builder.add_node("tools", ToolNode(list(tools), **options), retry_policy=retry)
     builder.add_edge(START, "tools")
     builder.add_edge("tools", END)
-    return fence_graph(builder).compile(checkpointer=instance.checkpointer)
+    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="graph")
 
 
 async def run(instance: Instance, graph: Any, state: Any, thread: str, **kwargs: Any) -> Any:
@@ -343,7 +343,7 @@ async def test_a_sync_node_calling_a_tool_stamps_from_its_worker_thread(env: Env
     builder.add_edge(START, "notify")
     builder.add_edge("notify", "remind")
     builder.add_edge("remind", END)
-    graph = fence_graph(builder).compile(checkpointer=instance.checkpointer)
+    graph = fence_graph(builder).compile(checkpointer=instance.checkpointer, name="graph")
     # durability="sync": notify's writes land before remind stamps. With "async" a late
     # write of notify's task can still forget remind's stamp on the handle (a saver race).
     out = await run(instance, graph, {"messages": []}, thread, durability="sync")
@@ -632,7 +632,7 @@ async def test_a_react_agent_loop_fences_each_call_of_its_tools(env: Env) -> Non
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # create_react_agent is deprecated upstream, still used
         agent = create_react_agent(model, tools)
-    graph = fence_graph(agent.builder).compile(checkpointer=instance.checkpointer)
+    graph = fence_graph(agent.builder).compile(checkpointer=instance.checkpointer, name="graph")
     out = await run(instance, graph, {"messages": [("user", "refund my last order")]}, thread)
 
     assert out["messages"][-1].content == "Refunded o-17."
