@@ -54,7 +54,7 @@ from langgraph_fence.checkpoint import (
     thread_tenant,
     writes_clear_keys,
 )
-from langgraph_fence.database import Dialect, create_engine, dialect_of, transaction
+from langgraph_fence.database import Dialect, check_engine, create_engine, transaction
 from langgraph_fence.errors import ExecutionLeaseLostError
 from langgraph_fence.faults import fault_point
 from langgraph_fence.fence import RunHandle
@@ -198,15 +198,11 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
     scopes_tenants: ClassVar[bool] = True
 
     def __init__(self, engine: AsyncEngine, *, serde: SerializerProtocol | None = None) -> None:
-        if not isinstance(engine, AsyncEngine):
-            raise ValueError(
-                "engine must be a SQLAlchemy AsyncEngine from "
-                f"langgraph_fence.database.create_engine(url), got {type(engine).__name__}"
-            )
+        dialect = check_engine(engine)
         # Safe by default: strict msgpack, whatever LANGGRAPH_STRICT_MSGPACK says.
         super().__init__(serde=serde if serde is not None else safe_serializer())
         self._engine = engine
-        self._dialect: Dialect = dialect_of(engine)
+        self._dialect: Dialect = dialect
         self._driver: Driver = (
             PostgresDriver(engine) if self._dialect == "postgresql" else SqliteDriver(engine)
         )
