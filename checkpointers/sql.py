@@ -62,6 +62,7 @@ from langgraph_fence.lease import fenced_error
 from langgraph_fence.migrations import migrate
 from langgraph_fence.schema import LEASE_MIGRATIONS
 from langgraph_fence.serde import safe_serializer
+from langgraph_fence.validate import storable_text
 
 from ._postgres import PostgresDriver
 from ._rows import CheckpointQuery, CheckpointRow, Driver, Guard, StoredCheckpoint
@@ -78,14 +79,7 @@ _DELTA_KEYS = ("counters_since_delta_snapshot", "delta_writes_versioned")
 
 
 def _text_arg(value: Any, name: str) -> str:
-    text_value = str(value)
-    if "\x00" in text_value:
-        raise ValueError(
-            f'config["configurable"]["{name}"] contains a NUL byte ({text_value!r}): '
-            "PostgreSQL text cannot hold one and SQLite would cut the value there; "
-            "remove it from the id"
-        )
-    return text_value
+    return storable_text(f'config["configurable"]["{name}"]', str(value))
 
 
 def _thread_of(config: RunnableConfig | None, action: str) -> tuple[str, str]:
@@ -103,12 +97,12 @@ def _thread_of(config: RunnableConfig | None, action: str) -> tuple[str, str]:
 
 
 def _tenant_arg(tenant_id: object) -> str:
-    if not isinstance(tenant_id, str) or "\x00" in tenant_id:
+    if not isinstance(tenant_id, str):
         raise ValueError(
-            f"tenant_id must be a str without NUL bytes (the tenant whose threads to act on; "
-            f"'' for the default tenant), got {tenant_id!r}"
+            f"tenant_id must be a str (the tenant whose threads to act on; '' for the "
+            f"default tenant), got {tenant_id!r}"
         )
-    return tenant_id
+    return storable_text("tenant_id", tenant_id)
 
 
 def _tenant_of(config: RunnableConfig | None) -> str:

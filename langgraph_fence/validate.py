@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["MAX_SECONDS", "positive_int", "positive_seconds", "text_id"]
+__all__ = [
+    "MAX_COUNT",
+    "MAX_SECONDS",
+    "positive_int",
+    "positive_seconds",
+    "storable_text",
+    "text_id",
+]
 
 #: The longest duration accepted (about 31 years): beyond it a deadline is no deadline, and
 #: timers and the databases' interval arithmetic overflow.
@@ -23,8 +30,7 @@ MAX_COUNT = 2**31 - 1
 def text_id(name: str, value: object, *, what: str = "an id") -> str:
     """``value`` if it is a non-empty ``str`` every store can keep, else ``ValueError``.
 
-    Refused: a non-``str``, the empty string, a NUL character (PostgreSQL's TEXT cannot hold
-    it) and a lone surrogate (no UTF-8 encoder can write it).
+    Refused: a non-``str``, the empty string, and what :func:`storable_text` refuses.
 
     Args:
         name: the argument's name, as the caller wrote it (``"config['configurable']
@@ -34,9 +40,16 @@ def text_id(name: str, value: object, *, what: str = "an id") -> str:
     """
     if not isinstance(value, str) or not value:
         raise ValueError(f"{name} must be a non-empty str ({what}), got {value!r}")
+    return storable_text(name, value)
+
+
+def storable_text(name: str, value: str) -> str:
+    """``value`` if every store can keep it (the empty string too), else ``ValueError``:
+    a NUL character (PostgreSQL's TEXT cannot hold it, SQLite would cut the value there)
+    or a lone surrogate (no UTF-8 encoder can write it)."""
     if "\x00" in value:
         raise ValueError(
-            f"{name} must not contain a NUL character (PostgreSQL text cannot hold it), "
+            f"{name} must not contain a NUL byte (PostgreSQL text cannot hold it), "
             f"got {value!r}: remove it, or encode the id (e.g. hex or base64) first"
         )
     try:
