@@ -7,6 +7,7 @@ binding or checkpoint row exists (``Instance.open`` creates no table either).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypedDict
@@ -19,9 +20,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from checkpointers import SqlCheckpointer
 from langgraph_fence import Instance, SqlLeaseRepository, fence_graph
 from langgraph_fence.database import create_engine
+from langgraph_fence.executions import SqlExecutionRecords
 from tests.chaos.write_steps import Database
 from tests.conftest import pg_engine_options, unique
 
+#: A refusal comes before any I/O; an accepted serve() would run until this bound.
+REFUSED_WITHIN = 30.0
 BAD_TEXT = {"nul": "order\x0042", "surrogate": "order\ud80042"}
 ROW_TABLES = (
     "fence_leases",
@@ -67,7 +71,9 @@ async def world(database: Database) -> AsyncIterator[World]:
     await repository.setup()
     saver = SqlCheckpointer(engine)
     await saver.setup()
-    instance = Instance(repository, saver, instance_id=unique("inst"))
+    records = SqlExecutionRecords(engine)
+    await records.setup()
+    instance = Instance(repository, saver, instance_id=unique("inst"), records=records)
     graph = fence_graph(_builder()).compile(checkpointer=instance.checkpointer, name="orders")
     yield World(database, engine, instance, graph)
     await instance.aclose()
@@ -157,7 +163,7 @@ async def test_bad_text_is_refused_naming_the_argument_and_writes_nothing(
 ) -> None:
     argument, run = RUN_CALLS[call]
     with pytest.raises(ValueError) as refused:
-        await run(world, BAD_TEXT[kind])
+        await asyncio.wait_for(run(world, BAD_TEXT[kind]), timeout=REFUSED_WITHIN)
     assert argument in str(refused.value), f"{call}: {refused.value}"
     assert type(refused.value) is not UnicodeEncodeError, "a bare encoding error names nothing"
     assert await world.rows() == dict.fromkeys(ROW_TABLES, 0)
@@ -207,8 +213,9 @@ SERVE_OPTIONS: dict[str, dict[str, Any]] = {
 
 @pytest.mark.parametrize("case", sorted(SERVE_OPTIONS))
 async def test_serve_refuses_bad_numbers_naming_them(world: World, case: str) -> None:
+    serving = world.instance.serve(
+        {"orders": world.graph}, handle_signals=False, **SERVE_OPTIONS[case]
+    )
     with pytest.raises(ValueError, match=case.strip()):
-        await world.instance.serve(
-            {"orders": world.graph}, handle_signals=False, **SERVE_OPTIONS[case]
-        )
+        await asyncio.wait_for(serving, timeout=REFUSED_WITHIN)
     assert await world.rows() == dict.fromkeys(ROW_TABLES, 0)
