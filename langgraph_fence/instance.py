@@ -10,6 +10,7 @@ flight, and raises the recorded fencing error, whatever LangGraph surfaced inste
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import socket
@@ -191,6 +192,18 @@ class Instance:
         from .stores.sql import SqlLeaseRepository
 
         # Refused before the engine exists: bad input creates no table and writes no row.
+        accepted = set(inspect.signature(cls.__init__).parameters) - {
+            "self",
+            "repository",
+            "saver",
+            "records",
+        }
+        unknown = sorted(set(options) - accepted)
+        if unknown:
+            raise ValueError(
+                f"Instance.open got unknown options {unknown}: it takes url, engine_options, "
+                f"serde and the Instance options {sorted(accepted)}"
+            )
         _settings(
             options.get("instance_id"),
             options.get("lease_ttl", 30.0),

@@ -180,6 +180,7 @@ OPEN_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "renew_interval 10**400": ("renew_interval", {"renew_interval": 10**400}),
     "max_takeovers 0": ("max_takeovers", {"max_takeovers": 0}),
     "max_takeovers 10**400": ("max_takeovers", {"max_takeovers": 10**400}),
+    "an unknown option": ("lease_tll", {"lease_tll": 3.0}),
 }
 
 
