@@ -54,7 +54,7 @@ from langgraph_fence.checkpoint import (
     thread_tenant,
     writes_clear_keys,
 )
-from langgraph_fence.database import Dialect, create_engine, dialect_of, transaction
+from langgraph_fence.database import Dialect, check_engine, create_engine, transaction
 from langgraph_fence.errors import ExecutionLeaseLostError
 from langgraph_fence.faults import fault_point
 from langgraph_fence.fence import RunHandle
@@ -63,6 +63,7 @@ from langgraph_fence.migrations import migrate
 from langgraph_fence.retry import retry_window
 from langgraph_fence.schema import LEASE_MIGRATIONS
 from langgraph_fence.serde import safe_serializer
+from langgraph_fence.validate import storable_text
 
 from ._postgres import PostgresDriver
 from ._rows import CheckpointQuery, CheckpointRow, Driver, Guard, StoredCheckpoint
@@ -79,14 +80,7 @@ _DELTA_KEYS = ("counters_since_delta_snapshot", "delta_writes_versioned")
 
 
 def _text_arg(value: Any, name: str) -> str:
-    text_value = str(value)
-    if "\x00" in text_value:
-        raise ValueError(
-            f'config["configurable"]["{name}"] contains a NUL byte ({text_value!r}): '
-            "PostgreSQL text cannot hold one and SQLite would cut the value there; "
-            "remove it from the id"
-        )
-    return text_value
+    return storable_text(f'config["configurable"]["{name}"]', str(value))
 
 
 def _thread_of(config: RunnableConfig | None, action: str) -> tuple[str, str]:
@@ -104,12 +98,12 @@ def _thread_of(config: RunnableConfig | None, action: str) -> tuple[str, str]:
 
 
 def _tenant_arg(tenant_id: object) -> str:
-    if not isinstance(tenant_id, str) or "\x00" in tenant_id:
+    if not isinstance(tenant_id, str):
         raise ValueError(
-            f"tenant_id must be a str without NUL bytes (the tenant whose threads to act on; "
-            f"'' for the default tenant), got {tenant_id!r}"
+            f"tenant_id must be a str (the tenant whose threads to act on; '' for the "
+            f"default tenant), got {tenant_id!r}"
         )
-    return tenant_id
+    return storable_text("tenant_id", tenant_id)
 
 
 def _tenant_of(config: RunnableConfig | None) -> str:
@@ -199,15 +193,11 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
     scopes_tenants: ClassVar[bool] = True
 
     def __init__(self, engine: AsyncEngine, *, serde: SerializerProtocol | None = None) -> None:
-        if not isinstance(engine, AsyncEngine):
-            raise ValueError(
-                "engine must be a SQLAlchemy AsyncEngine from "
-                f"langgraph_fence.database.create_engine(url), got {type(engine).__name__}"
-            )
+        dialect = check_engine(engine)
         # Safe by default: strict msgpack, whatever LANGGRAPH_STRICT_MSGPACK says.
         super().__init__(serde=serde if serde is not None else safe_serializer())
         self._engine = engine
-        self._dialect: Dialect = dialect_of(engine)
+        self._dialect: Dialect = dialect
         self._driver: Driver = (
             PostgresDriver(engine) if self._dialect == "postgresql" else SqliteDriver(engine)
         )

@@ -27,11 +27,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import StaticPool
 
 from .redact import mask_password
+from .validate import text_id
 
 __all__ = [
     "READ_ONLY",
     "SINGLE_STATEMENT",
     "Dialect",
+    "autocommit",
+    "check_engine",
     "create_engine",
     "dialect_of",
     "discard",
@@ -121,35 +124,100 @@ def create_engine(url: str | URL, **engine_options: Any) -> AsyncEngine:
 
 def configure_sqlite(engine: AsyncEngine) -> None:
     """Give a SQLite engine WAL, a busy timeout and ``BEGIN IMMEDIATE`` transactions."""
+    event.listen(engine.sync_engine, "connect", _on_sqlite_connect)
+    event.listen(engine.sync_engine, "begin", _on_sqlite_begin)
 
-    @event.listens_for(engine.sync_engine, "connect")
-    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
-        # Let SQLAlchemy, not the driver, decide when a transaction begins.
-        dbapi_connection.isolation_level = None
-        cursor = dbapi_connection.cursor()
-        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
-        try:
-            cursor.execute("PRAGMA journal_mode=WAL")
-        except sqlite3.OperationalError as exc:
-            # Several processes opening a new file at once: switching to WAL needs the file
-            # to itself and SQLite fails it at once, without the busy handler. WAL is kept in
-            # the file, so whichever connection switches it serves every later one; until
-            # then this connection works in the file's rollback-journal mode.
-            if "locked" not in str(exc) and "busy" not in str(exc):
-                raise
-            logger.debug("SQLite journal_mode=WAL deferred: %s", exc)
-        cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.close()
 
-    @event.listens_for(engine.sync_engine, "begin")
-    def _on_begin(conn: Any) -> None:
-        options = conn.get_execution_options()
-        if options.get(SINGLE_STATEMENT):
-            return  # the driver runs the statement in autocommit: one step, no lock upgrade
-        if options.get(READ_ONLY):
-            conn.exec_driver_sql("BEGIN")
-        else:
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
+    # Let SQLAlchemy, not the driver, decide when a transaction begins.
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    try:
+        cursor.execute("PRAGMA journal_mode=WAL")
+    except sqlite3.OperationalError as exc:
+        # Several processes opening a new file at once: switching to WAL needs the file
+        # to itself and SQLite fails it at once, without the busy handler. WAL is kept in
+        # the file, so whichever connection switches it serves every later one; until
+        # then this connection works in the file's rollback-journal mode.
+        if "locked" not in str(exc) and "busy" not in str(exc):
+            raise
+        logger.debug("SQLite journal_mode=WAL deferred: %s", exc)
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+def _on_sqlite_begin(conn: Any) -> None:
+    options = conn.get_execution_options()
+    if options.get(SINGLE_STATEMENT):
+        return  # the driver runs the statement in autocommit: one step, no lock upgrade
+    if options.get(READ_ONLY):
+        conn.exec_driver_sql("BEGIN")
+    else:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def check_engine(engine: object, *, name: str = "engine") -> Dialect:
+    """The dialect of ``engine`` if every langgraph-fence guarantee holds on it, else refuse.
+
+    Every store that takes an engine (the lease store, the checkpointer, the execution
+    records, the admin's sink engine) calls this in its constructor, before anything is
+    written. A PostgreSQL engine of any configuration is accepted: the stores run their
+    single statements in autocommit and their transactions at READ COMMITTED on it
+    themselves. A SQLite engine must come from :func:`create_engine`: on a plain
+    ``create_async_engine("sqlite+aiosqlite:///f.db")`` the driver opens a deferred
+    transaction before each write and the pool rolls it back when the connection goes
+    home, so a lease would be granted that was never stored (and two writers would both
+    get it); nothing on such an engine can be fixed from outside without changing the
+    transactions of the user's own code on it.
+
+    Raises:
+        ValueError: ``engine`` is not an ``AsyncEngine``, is for another database or
+            driver, or is a SQLite engine not made by :func:`create_engine` (the message
+            names ``langgraph_fence.database.create_engine``).
+    """
+    if not isinstance(engine, AsyncEngine):
+        raise ValueError(
+            f"{name} must be a SQLAlchemy AsyncEngine from "
+            f"langgraph_fence.database.create_engine(url), got {type(engine).__name__}"
+        )
+    dialect = dialect_of(engine)
+    if dialect == "sqlite" and not _configured_sqlite(engine):
+        raise ValueError(
+            f"{name} is a SQLite engine not made by langgraph_fence.database.create_engine: "
+            "its driver begins deferred transactions that the pool rolls back, so leases "
+            "and records would be reported written and never stored; build it with "
+            "langgraph_fence.database.create_engine('sqlite+aiosqlite:///path.db') (it "
+            "takes create_async_engine's options) and use that engine for your own "
+            "statements too"
+        )
+    return dialect
+
+
+def _configured_sqlite(engine: AsyncEngine) -> bool:
+    # Read through the dispatchers (not event.contains): a view of the engine
+    # (read_only, single_statement) shares its pool and joins its listeners.
+    sync = engine.sync_engine
+    return _on_sqlite_connect in list(sync.pool.dispatch.connect) and _on_sqlite_begin in list(
+        sync.dispatch.begin
+    )
+
+
+def autocommit(engine: AsyncEngine) -> AsyncEngine:
+    """``engine`` if its connections are in autocommit (PostgreSQL from :func:`create_engine`,
+    or any SQLite one), else a view of it (same pool) in autocommit.
+
+    A statement sent without BEGIN/COMMIT on a connection not in autocommit would be rolled
+    back when the connection goes home.
+    """
+    if engine.dialect.name != "postgresql":
+        return engine
+    level = engine.get_execution_options().get("isolation_level") or getattr(
+        engine.sync_engine.dialect, "_on_connect_isolation_level", None
+    )
+    if level == "AUTOCOMMIT":
+        return engine
+    return engine.execution_options(isolation_level="AUTOCOMMIT")
 
 
 def read_only(engine: AsyncEngine) -> AsyncEngine:
@@ -224,4 +292,5 @@ def schema_options(schema: str | None) -> dict[str, Any]:
     """Engine options that put every PostgreSQL connection in ``schema`` (none: ``{}``)."""
     if not schema:
         return {}
+    text_id("schema", schema, what="the PostgreSQL schema every connection works in")
     return {"connect_args": {"server_settings": {"search_path": schema}}}

@@ -26,7 +26,7 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 from sqlalchemy import bindparam, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from .database import dialect_of, single_statement, transaction
+from .database import check_engine, single_statement, transaction
 from .errors import ExecutionThreadBoundError
 from .lease import LeaseKey
 from .migrations import Migration, migrate
@@ -294,7 +294,7 @@ class SqlExecutionRecords:
     """
 
     def __init__(self, engine: AsyncEngine, *, serde: SerializerProtocol | None = None) -> None:
-        dialect_of(engine)
+        check_engine(engine)
         if serde is not None and not callable(getattr(serde, "loads_typed", None)):
             raise ValueError(
                 "serde must be a LangGraph serializer (dumps_typed/loads_typed), got "

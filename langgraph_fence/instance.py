@@ -10,6 +10,7 @@ flight, and raises the recorded fencing error, whatever LangGraph surfaced inste
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import socket
@@ -25,7 +26,7 @@ from langgraph.errors import GraphDrained
 from langgraph.runtime import RunControl
 from langgraph.types import Command
 
-from .admin import ThreadAdmin, admin_holder
+from .admin import ThreadAdmin, _base_store, admin_holder
 from .errors import (
     ExecutionDeadLetteredError,
     ExecutionEndedError,
@@ -55,12 +56,12 @@ from .lease import (
     dead_letter_reason,
     non_idempotent_standing,
     validate_max_takeovers,
-    validate_ttl,
 )
 from .redact import bounded_reason, failure_reason
 from .retry import FixedWindow, is_database_connection_error, retry_window
 from .run_config import record_run, restore_run, run_allowlist
 from .serde import safe_serializer
+from .validate import positive_int, positive_seconds, text_id
 
 if TYPE_CHECKING:
     from langgraph.checkpoint.base import BaseCheckpointSaver
@@ -114,8 +115,11 @@ class Instance:
         clock: this process's clock for confirmed windows (default ``time.monotonic``).
         sleep: how timers wait (default ``asyncio.sleep``); tests pass a controlled one.
         records: where each execution's graph name, thread and input are recorded so any
-            instance's :meth:`serve` can resume it (default: in memory, this process only;
-            :meth:`open` keeps them in the database).
+            instance's :meth:`serve` can resume it. Default: over a
+            :class:`~langgraph_fence.SqlLeaseRepository`, in its database (same engine;
+            its ``setup()`` creates their tables), where every other instance looks; in
+            memory only over a :class:`~langgraph_fence.MemoryLeaseRepository` (whose
+            leases are of this process only too). Any other repository needs them passed.
         max_takeovers: the takeover budget of :meth:`serve` (default 3): how many times in
             a row an execution is taken over from a holder that died with no new
             checkpoint of its thread since the take before; the next take dead-letters it
@@ -142,20 +146,9 @@ class Instance:
                 "repository must implement ExecutionLeaseRepository, got "
                 f"{type(repository).__name__}"
             )
-        self.lease_ttl = validate_ttl(lease_ttl, name="lease_ttl")
-        if renew_interval is None:
-            renew_interval = self.lease_ttl / 3
-        self.renew_interval = validate_ttl(renew_interval, name="renew_interval")
-        if self.renew_interval >= self.lease_ttl - safety_margin(self.lease_ttl):
-            raise ValueError(
-                f"renew_interval ({renew_interval}) must be below lease_ttl ({lease_ttl}) minus "
-                f"its safety margin ({safety_margin(self.lease_ttl):g} s), or the lease "
-                "lapses between renewals: use lease_ttl / 3 (the default)"
-            )
-        if instance_id is not None and (not isinstance(instance_id, str) or not instance_id):
-            raise ValueError(f"instance_id must be a non-empty str, got {instance_id!r}")
-        self.instance_id = instance_id or _default_instance_id()
-        self.max_takeovers = _budget(max_takeovers)
+        self.instance_id, self.lease_ttl, self.renew_interval, self.max_takeovers = _settings(
+            instance_id, lease_ttl, renew_interval, max_takeovers
+        )
         self.repository = repository
         self.checkpointer: FencedCheckpointer = (
             saver if isinstance(saver, FencedCheckpointer) else FencedCheckpointer(saver)
@@ -163,7 +156,7 @@ class Instance:
         self.clock = clock or time.monotonic
         self._sleep: Sleep = sleep or asyncio.sleep
         self.records: ExecutionRecords = (
-            records if records is not None else MemoryExecutionRecords()
+            records if records is not None else _default_records(repository)
         )
         # A run config is checked with what its records store it with (memory records keep
         # objects, but a value is refused the same way on every store).
@@ -221,14 +214,32 @@ class Instance:
         from .database import create_engine
         from .stores.sql import SqlLeaseRepository
 
+        # Refused before the engine exists: bad input creates no table and writes no row.
+        accepted = set(inspect.signature(cls.__init__).parameters) - {
+            "self",
+            "repository",
+            "saver",
+            "records",
+        }
+        unknown = sorted(set(options) - accepted)
+        if unknown:
+            raise ValueError(
+                f"Instance.open got unknown options {unknown}: it takes url, engine_options, "
+                f"serde and the Instance options {sorted(accepted)}"
+            )
+        _settings(
+            options.get("instance_id"),
+            options.get("lease_ttl", 30.0),
+            options.get("renew_interval"),
+            options.get("max_takeovers", DEFAULT_MAX_TAKEOVERS),
+        )
         engine = create_engine(url, **dict(engine_options or {}))
         try:
             repository = SqlLeaseRepository(engine)
             await repository.setup()
             saver = SqlCheckpointer(engine, serde=serde)
             await saver.setup()
-            records = SqlExecutionRecords(engine, serde=serde)
-            await records.setup()
+            records = SqlExecutionRecords(engine, serde=serde)  # set up with the repository
             instance = cls(repository, saver, records=records, **options)
             try:
                 yield instance
@@ -408,8 +419,7 @@ class Instance:
         if not isinstance(graphs, Mapping) or not graphs:
             raise ValueError("graphs must be a non-empty mapping of graph name -> graph")
         for name, graph in graphs.items():
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"graph names must be non-empty str, got {name!r}")
+            text_id("graphs' names", name, what="the graph name executions are recorded under")
             if not isinstance(getattr(graph, "checkpointer", None), FencedCheckpointer):
                 raise ValueError(
                     f"graphs[{name!r}] was compiled without a fenced checkpointer: compile it "
@@ -429,9 +439,8 @@ class Instance:
                     own,
                     name,
                 )
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
-        poll = validate_ttl(poll_interval, name="poll_interval")
+        positive_int("concurrency", concurrency, what="how many executions serve() runs at once")
+        poll = positive_seconds("poll_interval", poll_interval, what="between looks at the store")
         budget = self.max_takeovers if max_takeovers is None else _budget(max_takeovers)
         stop = stop if stop is not None else asyncio.Event()
         remove_signals = _on_signals(stop) if handle_signals else (lambda: None)
@@ -686,14 +695,14 @@ class Instance:
                 f"config['configurable'][{FENCE_CONFIG_KEY!r}] is already set: the instance "
                 "puts the run's handle there; pass the config of the run, not of a step"
             )
-        thread_id = configurable.get("thread_id")
-        if not isinstance(thread_id, str) or not thread_id:
-            raise ValueError(
-                "config['configurable']['thread_id'] must be a non-empty str: a fenced run "
-                "is one thread, e.g. {'configurable': {'thread_id': 'order-42'}}"
-            )
-        if tenant_id is None or not isinstance(tenant_id, str) or not tenant_id:
-            raise ValueError(f"tenant_id must be a non-empty str, got {tenant_id!r}")
+        thread_id = text_id(
+            "config['configurable']['thread_id']",
+            configurable.get("thread_id"),
+            what="a fenced run is one thread, e.g. {'configurable': {'thread_id': 'order-42'}}",
+        )
+        text_id("tenant_id", tenant_id, what="the tenant the execution and its thread belong to")
+        if execution_id is not None:
+            text_id("execution_id", execution_id, what="the lease's execution id")
         given = configurable.get("tenant_id")
         if given is not None and given != tenant_id:
             raise ValueError(
@@ -752,8 +761,8 @@ class Instance:
         taken: Lease | None = None,
     ) -> AsyncIterator[_Run]:
         key, base = self._prepare(graph, config, tenant_id, execution_id, kwargs)
-        if graph_name is not None and (not isinstance(graph_name, str) or not graph_name):
-            raise ValueError(f"graph_name must be a non-empty str, got {graph_name!r}")
+        if graph_name is not None:
+            text_id("graph_name", graph_name, what="the name serve() finds the graph under")
         if taken is None:
             thread_id = str(base["configurable"]["thread_id"])
             record = None
@@ -996,6 +1005,46 @@ def _recorded_graph_name(graph: Any, graph_name: str | None) -> str:
             "written"
         )
     return name
+
+
+def _default_records(repository: ExecutionLeaseRepository) -> ExecutionRecords:
+    """The records every instance on ``repository``'s store finds: in its database, or in
+    memory for the memory store; refused for a store of another kind."""
+    from .stores.sql import SqlLeaseRepository
+
+    try:
+        store = _base_store(repository)
+    except ValueError:
+        raise ValueError(
+            f"records is required with a repository of type {type(repository).__name__}: "
+            "pass records=SqlExecutionRecords(engine) on the lease table's database, so an "
+            "instance that takes an execution over finds how to resume it"
+        ) from None
+    if isinstance(store, SqlLeaseRepository):
+        return SqlExecutionRecords(store.engine)
+    return MemoryExecutionRecords()
+
+
+def _settings(
+    instance_id: object, lease_ttl: object, renew_interval: object, max_takeovers: object
+) -> tuple[str, float, float, int]:
+    """The instance's id, TTL, renew interval and takeover budget, checked; else
+    ``ValueError`` naming the argument and the fix."""
+    ttl = positive_seconds("lease_ttl", lease_ttl, what="how long a hold lasts unrenewed")
+    renew = positive_seconds(
+        "renew_interval", ttl / 3 if renew_interval is None else renew_interval
+    )
+    if renew >= ttl - safety_margin(ttl):
+        raise ValueError(
+            f"renew_interval ({renew_interval}) must be below lease_ttl ({lease_ttl}) minus "
+            f"its safety margin ({safety_margin(ttl):g} s), or the lease "
+            "lapses between renewals: use lease_ttl / 3 (the default)"
+        )
+    if instance_id is None:
+        instance_id = _default_instance_id()
+    else:
+        text_id("instance_id", instance_id, what="this instance's holder id in the lease table")
+    return str(instance_id), ttl, renew, _budget(max_takeovers)
 
 
 def _budget(max_takeovers: object) -> int:

@@ -12,7 +12,6 @@ counted per key. It is never a database revision or a global sequence.
 from __future__ import annotations
 
 import enum
-import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -21,7 +20,8 @@ from typing import Literal, Protocol, overload, runtime_checkable
 from .effects import Effect
 from .errors import ExecutionFencedError
 from .guard import holds
-from .scope import encode_part, scope_key
+from .scope import scope_key
+from .validate import positive_int, positive_seconds, text_id
 
 __all__ = [
     "DEFAULT_MAX_TAKEOVERS",
@@ -92,10 +92,8 @@ class LeaseKey:
     execution_id: str
 
     def __post_init__(self) -> None:
-        encode_part(self.tenant_id, name="tenant_id")
-        encode_part(self.execution_id, name="execution_id")
-        _refuse_nul(self.tenant_id, "tenant_id")
-        _refuse_nul(self.execution_id, "execution_id")
+        text_id("tenant_id", self.tenant_id, what="the tenant the execution belongs to")
+        text_id("execution_id", self.execution_id, what="the execution's id")
 
     @property
     def scope_key(self) -> str:
@@ -196,36 +194,12 @@ def non_idempotent_standing(lease: Lease) -> tuple[PendingEffect, ...]:
 
 def validate_ttl(ttl: float, *, name: str = "ttl") -> float:
     """Return ``ttl`` as a float, or raise ``ValueError`` naming ``name`` if not > 0."""
-    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
-        raise ValueError(f"{name} must be a positive number of seconds, got {ttl!r}")
-    value = float(ttl)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {ttl!r}")
-    return value
-
-
-def _refuse_nul(value: str, name: str) -> None:
-    # PostgreSQL's TEXT cannot hold a NUL character: refuse it on every store alike, so a
-    # key or holder accepted in memory is accepted by the database too.
-    if "\x00" in value:
-        raise ValueError(
-            f"{name} must not contain a NUL character (PostgreSQL text cannot hold it), "
-            f"got {value!r}"
-        )
+    return positive_seconds(name, ttl)
 
 
 def _check_text(value: object, name: str, what: str) -> str:
     """``value`` if it is a non-empty str every store can hold, else ``ValueError``."""
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{name} must be a non-empty str ({what}), got {value!r}")
-    _refuse_nul(value, name)
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(
-            f"{name} contains a lone surrogate, which no database driver can store: {value!r}"
-        ) from None
-    return value
+    return text_id(name, value, what=what)
 
 
 def validate_holder(holder: str) -> str:
@@ -519,12 +493,12 @@ def validate_max_takeovers(value: int | None) -> int | None:
     """``value`` if an int >= 1 (or ``None``: no budget), else ``ValueError`` saying so."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**31:
-        raise ValueError(
-            f"max_takeovers must be an int >= 1 (how many takeovers in a row without a new "
-            f"checkpoint an execution gets before it is dead-lettered), got {value!r}"
-        )
-    return value
+    return positive_int(
+        "max_takeovers",
+        value,
+        what="how many takeovers in a row without a new checkpoint an execution gets "
+        "before it is dead-lettered",
+    )
 
 
 def validate_progress_mark(value: str | None) -> str | None:

@@ -473,14 +473,27 @@ def fence_graph(builder: Any, effects: Mapping[str, EffectLike] | None = None) -
     steps run under the root's lease when its own builder is fenced too).
 
     Raises:
-        ValueError: ``effects`` names a node the graph does not have, or holds a value that
-            is not an :class:`Effect`.
+        ValueError: ``builder`` is not a ``StateGraph`` (a compiled graph among others: fence
+            its builder before ``compile()``), ``effects`` names a node the graph does not
+            have or holds a value that is not an :class:`Effect` or an effect's name, or
+            contradicts a node's ``@fenced`` effect. Checked before anything is changed.
     """
-    nodes = getattr(builder, "nodes", None)
-    if not isinstance(nodes, dict):
+    from langgraph._internal._runnable import RunnableCallable
+    from langgraph.graph import StateGraph
+    from langgraph.pregel import Pregel
+
+    if isinstance(builder, Pregel):
+        raise ValueError(
+            "builder is a compiled graph: fence_graph wraps the nodes of the StateGraph "
+            "before .compile(); call fence_graph(builder, effects=...) and then "
+            "builder.compile(checkpointer=instance.checkpointer) (for a prebuilt agent, "
+            "fence_graph(agent.builder)); nothing was changed"
+        )
+    if not isinstance(builder, StateGraph):
         raise ValueError(
             f"builder must be a StateGraph (before compile()), got {type(builder).__name__}"
         )
+    nodes = builder.nodes
     by_node: dict[str, Effect] = {
         node_name: as_effect(node_effect, name=f"effects[{node_name!r}]")
         for node_name, node_effect in dict(effects or {}).items()
@@ -490,14 +503,10 @@ def fence_graph(builder: Any, effects: Mapping[str, EffectLike] | None = None) -
         raise ValueError(
             f"effects names nodes the graph does not have: {unknown}; its nodes are {sorted(nodes)}"
         )
-    from langgraph._internal._runnable import RunnableCallable
-    from langgraph.pregel import Pregel
-
+    # Every check before the first change: a refused call leaves the builder as it was.
+    declared_by: dict[str, Effect] = {}
     for node_name, spec in nodes.items():
-        spec.retry_policy = guard_retry_policy(spec.retry_policy)
         runnable = spec.runnable
-        if isinstance(runnable, Pregel):
-            continue
         if isinstance(runnable, RunnableCallable):
             declared = getattr(runnable.func, EFFECT_ATTRIBUTE, None) or getattr(
                 runnable.afunc, EFFECT_ATTRIBUTE, None
@@ -508,7 +517,14 @@ def fence_graph(builder: Any, effects: Mapping[str, EffectLike] | None = None) -
                         f"node {node_name!r} is decorated with @fenced(effect={declared}) but "
                         f"effects says {by_node[node_name]}: declare it in one place"
                     )
-                continue
+                declared_by[node_name] = declared
+
+    for node_name, spec in nodes.items():
+        spec.retry_policy = guard_retry_policy(spec.retry_policy)
+        runnable = spec.runnable
+        if isinstance(runnable, Pregel) or node_name in declared_by:
+            continue
+        if isinstance(runnable, RunnableCallable):
             effect = by_node.get(node_name, Effect.READ_ONLY)
             if runnable.func is not None:
                 runnable.func = _wrap_sync(runnable.func, node_name, effect)

@@ -34,6 +34,7 @@ from .database import Dialect, dialect_of, transaction
 from .errors import ExecutionFencedError
 from .fence import ExecutionFence
 from .migrations import Migration, migrate
+from .validate import text_id
 
 __all__ = [
     "CHECK_AND_RAISE_MARK_SQL",
@@ -364,22 +365,21 @@ async def fenced_write(
         )
 
 
+def _check_idempotency_key(idempotency_key: object) -> None:
+    text_id(
+        "idempotency_key",
+        idempotency_key,
+        what="names the write: the same for every attempt of it",
+    )
+
+
 async def _check_arguments(conn: object, fence: object, idempotency_key: object) -> None:
     if not isinstance(fence, ExecutionFence):
         raise TypeError(
             "fence must be an ExecutionFence (get_execution_context().fence inside a step), "
             f"got {type(fence).__name__}"
         )
-    if not isinstance(idempotency_key, str) or not idempotency_key:
-        raise ValueError(
-            "idempotency_key must be a non-empty str naming the write (the same for every "
-            f"attempt of it), got {idempotency_key!r}"
-        )
-    if "\x00" in idempotency_key:
-        raise ValueError(
-            f"idempotency_key must not contain a NUL byte (PostgreSQL TEXT refuses it), got "
-            f"{idempotency_key!r}"
-        )
+    _check_idempotency_key(idempotency_key)
     if not isinstance(conn, AsyncConnection):
         raise TypeError(
             "conn must be a SQLAlchemy AsyncConnection inside your transaction, got "
@@ -595,11 +595,7 @@ def _check_sync_arguments(conn: object, fence: object, idempotency_key: object) 
             "fence must be an ExecutionFence (get_execution_context().fence inside a step), "
             f"got {type(fence).__name__}"
         )
-    if not isinstance(idempotency_key, str) or not idempotency_key or "\x00" in idempotency_key:
-        raise ValueError(
-            "idempotency_key must be a non-empty str without NUL bytes naming the write (the "
-            f"same for every attempt of it), got {idempotency_key!r}"
-        )
+    _check_idempotency_key(idempotency_key)
     if isinstance(conn, AsyncConnection):
         raise TypeError(
             "conn is an AsyncConnection: use `async with fenced_write(conn, ...)` in async "

@@ -36,7 +36,8 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ..database import create_engine, dialect_of, read_only, single_statement
+from ..database import autocommit, check_engine, create_engine, read_only, single_statement
+from ..executions import EXECUTION_MIGRATIONS
 from ..guard import guard_sql
 from ..lease import (
     REOPENABLE_STATUSES,
@@ -92,14 +93,6 @@ _GUARD = text(
 )
 
 
-def _autocommit(engine: AsyncEngine) -> bool:
-    """Whether every connection of ``engine`` is in autocommit (as create_engine makes them)."""
-    level = engine.get_execution_options().get("isolation_level") or getattr(
-        engine.sync_engine.dialect, "_on_connect_isolation_level", None
-    )
-    return level == "AUTOCOMMIT"
-
-
 class SqlLeaseRepository:
     """An :class:`~langgraph_fence.ExecutionLeaseRepository` on SQLite or PostgreSQL.
 
@@ -108,23 +101,20 @@ class SqlLeaseRepository:
 
     Args:
         engine: an engine from :func:`langgraph_fence.database.create_engine` (PostgreSQL in
-            autocommit, SQLite with ``BEGIN IMMEDIATE``).
+            autocommit, SQLite with ``BEGIN IMMEDIATE``); any PostgreSQL engine works, a
+            SQLite one made otherwise is refused (:func:`~langgraph_fence.database.check_engine`).
         clock: the store's clock. ``None`` (the default) means the database's own clock on
             PostgreSQL (``now()``) and this process's ``time.time`` on SQLite. Tests pass a
             controlled clock.
     """
 
     def __init__(self, engine: AsyncEngine, *, clock: Callable[[], float] | None = None) -> None:
+        self._dialect = check_engine(engine)
         self._engine = engine
         # Reads (get, takeover_candidates) never take SQLite's write lock.
         self._reader = read_only(engine)
         # Every write is one statement: no BEGIN/COMMIT around it on either database.
-        self._writer = single_statement(engine)
-        self._dialect = dialect_of(engine)
-        if self._dialect == "postgresql" and not _autocommit(engine):
-            # An engine not made by create_engine: without autocommit, a statement sent
-            # without BEGIN/COMMIT would be rolled back when its connection goes home.
-            self._writer = self._writer.execution_options(isolation_level="AUTOCOMMIT")
+        self._writer = single_statement(autocommit(engine))
         if self._dialect == "sqlite" and clock is None:
             clock = time.time
         self._clock = clock
@@ -157,8 +147,11 @@ class SqlLeaseRepository:
         return self._store_id
 
     async def setup(self) -> None:
-        """Create or upgrade the lease table; safe from several processes at once."""
+        """Create or upgrade the lease table and, beside it, the execution records' tables
+        (an :class:`~langgraph_fence.Instance` built on this store keeps its records there,
+        where every other instance looks); safe from several processes at once."""
         await migrate(self._engine, "leases", LEASE_MIGRATIONS)
+        await migrate(self._engine, "executions", EXECUTION_MIGRATIONS)
 
     # -- statements, built once so SQLAlchemy's compiled cache and asyncpg's prepared
     # statement cache serve every call.

@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence import ExecutionFencedError, Lease, LeaseKey, SqlLeaseRepository
 from langgraph_fence.database import create_engine
+from langgraph_fence.executions import EXECUTION_MIGRATIONS
 from langgraph_fence.schema import LEASE_MIGRATIONS
 from langgraph_fence.testing import ManualClock
 from tests.conftest import SQL_BACKENDS, _pg_admin_async, pg_engine_options, unique
@@ -217,7 +218,11 @@ async def test_concurrent_setup_migrates_once(
         rows = (
             await conn.execute(text("SELECT component, version FROM fence_schema_versions"))
         ).all()
-    assert [tuple(row) for row in rows] == [("leases", len(LEASE_MIGRATIONS))]
+    # The lease store's setup creates the execution records' tables beside its own.
+    assert dict(tuple(row) for row in rows) == {
+        "leases": len(LEASE_MIGRATIONS),
+        "executions": len(EXECUTION_MIGRATIONS),
+    }
     if backend == "sqlite":
         # Racing first connections may defer WAL; a later one turns it on for good.
         async with fresh_database().connect() as conn:

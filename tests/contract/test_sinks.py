@@ -699,7 +699,7 @@ async def test_bad_arguments_are_refused_with_the_fix(engine: AsyncEngine) -> No
         with pytest.raises(TypeError, match="fence must be an ExecutionFence"):
             async with fenced_write(conn, holder, "k"):  # type: ignore[arg-type]
                 pass
-        for bad in ("", None, 7, "a\x00b"):
+        for bad in ("", None, 7, "a\x00b", "a\ud800b"):  # a lone surrogate too, on both
             with pytest.raises(ValueError, match="idempotency_key"):
                 async with fenced_write(conn, fence, bad):  # type: ignore[arg-type]
                     pass

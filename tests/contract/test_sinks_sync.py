@@ -202,7 +202,7 @@ async def test_bad_sync_arguments_are_refused_with_the_fix(
         with pytest.raises(TypeError, match="fence must be an ExecutionFence"):
             with fenced_write_sync(conn, holder, "k"):  # type: ignore[arg-type]
                 pass
-        for bad in ("", None, 7, "a\x00b"):
+        for bad in ("", None, 7, "a\x00b", "a\ud800b"):  # a lone surrogate too, on both
             with pytest.raises(ValueError, match="idempotency_key"):
                 with fenced_write_sync(conn, fence, bad):  # type: ignore[arg-type]
                     pass

@@ -271,3 +271,43 @@ async def test_losing_the_lease_cancels_the_step_and_raises_the_fencing_error() 
     with pytest.raises(ExecutionFencedError) as info:
         await asyncio.wait_for(run, 5)
     assert info.value is error
+
+
+class _Order(TypedDict, total=False):
+    order: str
+
+
+async def _charge(state: _Order) -> dict[str, Any]:
+    return {"order": "charged"}
+
+
+def test_a_compiled_graph_is_refused_up_front_and_left_as_it_was() -> None:
+    builder = StateGraph(_Order)
+    policy = RetryPolicy(max_attempts=3)
+    builder.add_node("charge", _charge, retry_policy=policy)
+    builder.add_edge(START, "charge")
+    builder.add_edge("charge", END)
+    compiled = builder.compile()
+    before = {name: node.retry_policy for name, node in compiled.nodes.items()}
+    with pytest.raises(ValueError, match=r"before \.compile\(\).*fence_graph\(builder"):
+        fence_graph(compiled)
+    assert {name: node.retry_policy for name, node in compiled.nodes.items()} == before
+    assert builder.nodes["charge"].retry_policy is policy, "nothing was changed"
+
+
+def test_a_contradicted_decorator_is_refused_before_any_node_changes() -> None:
+    @fenced(effect=Effect.IDEMPOTENT_WRITE)
+    async def refund(state: _Order) -> dict[str, Any]:
+        return {}
+
+    builder = StateGraph(_Order)
+    policy = RetryPolicy(max_attempts=3)
+    builder.add_node("charge", _charge, retry_policy=policy)
+    builder.add_node("refund", refund)
+    builder.add_edge(START, "charge")
+    builder.add_edge("charge", "refund")
+    builder.add_edge("refund", END)
+    with pytest.raises(ValueError, match="declare it in one place"):
+        fence_graph(builder, effects={"refund": Effect.NON_IDEMPOTENT_WRITE})
+    assert builder.nodes["charge"].retry_policy is policy
+    assert builder.nodes["charge"].runnable.afunc is _charge  # type: ignore[attr-defined]
