@@ -22,6 +22,7 @@ from .instance import Instance
 from .lease import ExecutionLeaseRepository, Lease, LeaseKey, LeaseStatus, PendingEffect
 from .nodes import fence_graph, fenced
 from .scope import parse_scope_key, scope_key
+from .store import FencedStore
 from .stores import MemoryLeaseRepository, SqlLeaseRepository
 from .tools import fence_tools
 
@@ -36,6 +37,7 @@ __all__ = [
     "ExecutionLeaseLostError",
     "ExecutionLeaseRepository",
     "FencedCheckpointer",
+    "FencedStore",
     "Instance",
     "LangGraphFenceError",
     "Lease",

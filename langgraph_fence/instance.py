@@ -57,6 +57,7 @@ from .lease import (
 )
 from .redact import bounded_reason, failure_reason
 from .serde import graph_allowlist
+from .store import FencedStore
 
 if TYPE_CHECKING:
     from langgraph.checkpoint.base import BaseCheckpointSaver
@@ -166,6 +167,9 @@ class Instance:
             ttl=self.lease_ttl,
         )
         self._runs: set[_Run] = set()
+        #: The fenced LangGraph store on the instance's database (``Instance.open``):
+        #: ``compile(checkpointer=instance.checkpointer, store=instance.store)``.
+        self.store: FencedStore | None = None
 
     @classmethod
     @asynccontextmanager
@@ -194,6 +198,7 @@ class Instance:
                 ``renew_interval``, ``clock``, ``sleep``, ``max_takeovers``).
         """
         from checkpointers import SqlCheckpointer
+        from checkpointers.store import SqlStore
 
         from .database import create_engine
         from .stores.sql import SqlLeaseRepository
@@ -207,6 +212,9 @@ class Instance:
             records = SqlExecutionRecords(engine, serde=serde)
             await records.setup()
             instance = cls(repository, saver, records=records, **options)
+            store = SqlStore(engine)
+            await store.setup()
+            instance.store = FencedStore(store)
             try:
                 yield instance
             finally:
