@@ -10,8 +10,9 @@ holding the event loop: no renewal runs); the test SIGSTOPs it there, lets B tak
 write its own summary, writes ``go`` and SIGCONTs it. A then writes its stale summary at
 once. With RENEWALS ``held`` A's renew timer never fires (its sleep never returns), so the
 write itself, not a renewal, meets the take-over: the store's own guard must refuse it. With
-``running`` the timer, overdue after the pause, races the write. A prints one JSON line saying how the store write and the run ended; exits 3 when its
-run was fenced, 0 when it finished, 1 on anything else.
+``running`` the timer, overdue after the pause, races the write. A prints one JSON line
+saying how its run ended; exits 3 when its run was fenced, 0 when it finished, 1 on
+anything else.
 """
 
 from __future__ import annotations

@@ -253,7 +253,7 @@ async def test_the_window_of_a_foreign_store_is_the_write_in_flight(
     slow.release.set()
     await step  # the write in flight lands: the window
     assert (await slow.inner.aget(ns, "summary")).value == {"by": 1}  # type: ignore[union-attr]
-    slow.release.clear()
+    slow.release.clear()  # a write that got through now would hang: bounded below
     with pytest.raises(ExecutionFencedError):
-        await run_step(remember(s.store, ns), handle_a, thread)
+        await asyncio.wait_for(run_step(remember(s.store, ns), handle_a, thread), 60.0)
     await engine.dispose()
