@@ -185,7 +185,9 @@ class Instance:
 
         Creates the engine, the :class:`~langgraph_fence.SqlLeaseRepository` and the
         :class:`checkpointers.SqlCheckpointer` on the same database (so the checkpointer
-        checks the token inside its own writes), runs their migrations, and closes
+        checks the token inside its own writes), and ``instance.store``
+        (:class:`~langgraph_fence.FencedStore` over :class:`checkpointers.SqlStore`, which
+        does the same for LangGraph store writes), runs their migrations, and closes
         everything on exit.
 
         Args:
