@@ -363,13 +363,7 @@ class SqlStore(BaseStore):
             )
         if handle.error is not None:
             raise refuse_write(handle, step_config(), handle.error)
-        lease = handle.lease
-        return Guard(
-            tenant_id=lease.key.tenant_id,
-            execution_id=lease.key.execution_id,
-            holder=lease.holder or "",
-            epoch=lease.epoch,
-        )
+        return Guard.of(handle.lease)
 
     def _write_params(
         self, op: PutOp, tenant: str, guard: Guard | None, now: float
