@@ -221,7 +221,7 @@ async def _worker(console: Console, args: argparse.Namespace) -> int:
 
 
 async def _migrate(console: Console, db: str) -> int:
-    from checkpointers import SqlCheckpointer
+    from checkpointers import SqlCheckpointer, SqlStore
 
     from .database import create_engine
     from .executions import SqlExecutionRecords
@@ -234,9 +234,10 @@ async def _migrate(console: Console, db: str) -> int:
         await SqlCheckpointer(engine).setup()
         await SqlExecutionRecords(engine).setup()
         await setup_sink(engine)
+        await SqlStore(engine).setup()
     finally:
         await engine.dispose()
-    console.print("migrated: leases, checkpoints, execution records, sink")
+    console.print("migrated: leases, checkpoints, execution records, sink, store")
     return 0
 
 
