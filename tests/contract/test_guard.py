@@ -145,6 +145,9 @@ async def backend(
     sql_store = SqlStore(engine)
     await sql_store.setup()
     yield Backend(request.param, sql_leases, saver, engine, clock, FencedStore(sql_store))
+    # The store's pooled connections go with the engine, on this loop (not at GC).
+    await saver.aclose()
+    await engine.dispose()
 
 
 def _config(thread_id: str, handle: RunHandle, checkpoint_id: str | None = None) -> Any:
