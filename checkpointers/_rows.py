@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from langgraph_fence.lease import Lease
 
 __all__ = [
     "CheckpointQuery",
@@ -32,6 +35,17 @@ class Guard:
     holder: str
     epoch: int
     clear_keys: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, lease: Lease, clear_keys: tuple[str, ...] = ()) -> Guard:
+        """The guard of a write made under ``lease``."""
+        return cls(
+            tenant_id=lease.key.tenant_id,
+            execution_id=lease.key.execution_id,
+            holder=lease.holder or "",
+            epoch=lease.epoch,
+            clear_keys=clear_keys,
+        )
 
 
 @dataclass(frozen=True, slots=True)

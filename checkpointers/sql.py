@@ -331,14 +331,7 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
             check_write_scope(handle, config, action=action)
         except ExecutionLeaseLostError as exc:
             raise refuse_write(handle, config, exc) from None
-        lease = handle.lease
-        return Guard(
-            tenant_id=lease.key.tenant_id,
-            execution_id=lease.key.execution_id,
-            holder=lease.holder or "",
-            epoch=lease.epoch,
-            clear_keys=clear_keys(handle),
-        )
+        return Guard.of(handle.lease, clear_keys(handle))
 
     async def _refused(
         self, handle: RunHandle, config: RunnableConfig, action: str

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from .lease import ExecutionLeaseRepository, Lease, LeaseKey, LeaseStatus, PendingEffect
     from .nodes import fence_graph, fenced
     from .scope import parse_scope_key, scope_key
+    from .store import FencedStore
     from .stores import MemoryLeaseRepository, SqlLeaseRepository
     from .tools import fence_tools
 
@@ -48,6 +49,7 @@ _WHERE = {
     "ExecutionLeaseRepository": ".lease",
     "FenceEvent": ".events",
     "FencedCheckpointer": ".checkpoint",
+    "FencedStore": ".store",
     "Instance": ".instance",
     "LangGraphFenceError": ".errors",
     "Lease": ".lease",
@@ -106,6 +108,7 @@ __all__ = [
     "ExecutionLeaseRepository",
     "FenceEvent",
     "FencedCheckpointer",
+    "FencedStore",
     "Instance",
     "LangGraphFenceError",
     "Lease",

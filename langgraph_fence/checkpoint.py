@@ -48,6 +48,7 @@ from langgraph.checkpoint.base import (
     DeltaChannelHistory,
 )
 from langgraph.checkpoint.serde.types import ERROR, INTERRUPT
+from langgraph.config import get_config
 
 from .errors import (
     ExecutionContextUnavailableError,
@@ -66,10 +67,12 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_TENANT",
     "FencedCheckpointer",
+    "check_held",
     "check_write_scope",
     "checkpoint_clear_keys",
     "fence_handle",
     "refuse_write",
+    "step_config",
     "thread_tenant",
     "writes_clear_keys",
 ]
@@ -199,6 +202,39 @@ def _outer_thread_id(inner_id: str) -> tuple[str, str]:
         return DEFAULT_TENANT, inner_id
     tenant_part, _, thread_part = inner_id[len(_TENANT_THREAD) :].partition(":")
     return unquote(tenant_part), unquote(thread_part)
+
+
+def step_config() -> RunnableConfig:
+    """The config of the LangGraph step running now, or an empty one outside any step.
+
+    For a write that is handed no config (a store op): :func:`refuse_write` finds the run's
+    drain control in it.
+    """
+    try:
+        return get_config()
+    except RuntimeError:
+        return {}
+
+
+async def check_held(handle: RunHandle, config: RunnableConfig, action: str) -> None:
+    """The check a write to a store that cannot check tokens makes before it delegates.
+
+    Locally first (no I/O), then one read of the lease compared by the one guard
+    (:func:`~langgraph_fence.guard.holds`). A refusal is recorded on the run
+    (:func:`refuse_write`) and raised. **Window:** a take-over committed after the read and
+    before the delegated write completes is not seen; that write lands.
+
+    Raises:
+        ExecutionLeaseLostError: the hold can no longer be proven, or (as
+            ``ExecutionFencedError``) the lease was taken over.
+    """
+    try:
+        handle.check()
+        current = await handle.repository.get(handle.key)
+        if not holds(handle.lease, current):
+            raise fenced_error(handle.lease, current, action=action)
+    except ExecutionLeaseLostError as exc:
+        raise refuse_write(handle, config, exc) from None
 
 
 def refuse_write(
@@ -540,13 +576,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     ) -> RunnableConfig:
         """For an inner saver that cannot check the token: check it here, by one read."""
         self._loop = asyncio.get_running_loop()
-        try:
-            handle.check()
-            current = await handle.repository.get(handle.key)
-            if not holds(handle.lease, current):
-                raise fenced_error(handle.lease, current, action=action)
-        except ExecutionLeaseLostError as exc:
-            raise refuse_write(handle, config, exc) from None
+        await check_held(handle, config, action)
         return _without_handle(config)
 
     async def aput(

@@ -561,7 +561,7 @@ async def _worker(args: argparse.Namespace) -> int:
 async def _migrate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from checkpointers import SqlCheckpointer
+    from checkpointers import SqlCheckpointer, SqlStore
 
     from .database import create_engine, schema_options
     from .executions import SqlExecutionRecords
@@ -575,9 +575,10 @@ async def _migrate(args: argparse.Namespace) -> int:
         await SqlCheckpointer(engine).setup()
         await SqlExecutionRecords(engine).setup()
         await setup_sink(engine)
+        await SqlStore(engine).setup()
     finally:
         await engine.dispose()
-    Console().print("migrated: leases, checkpoints, execution records, sink")
+    Console().print("migrated: leases, checkpoints, execution records, sink, store")
     return 0
 
 

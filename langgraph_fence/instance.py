@@ -61,6 +61,7 @@ from .redact import bounded_reason, failure_reason
 from .retry import FixedWindow, is_database_connection_error, retry_window
 from .run_config import record_run, restore_run, run_allowlist
 from .serde import safe_serializer
+from .store import FencedStore
 from .validate import positive_int, positive_seconds, text_id
 
 if TYPE_CHECKING:
@@ -172,6 +173,9 @@ class Instance:
         )
         self._runs: set[_Run] = set()
         self._events = Listeners(self.instance_id)
+        #: The fenced LangGraph store on the instance's database (``Instance.open``):
+        #: ``compile(checkpointer=instance.checkpointer, store=instance.store)``.
+        self.store: FencedStore | None = None
 
     def add_listener(self, listener: FenceListener) -> Callable[[], None]:
         """Call ``listener(event)`` with every :class:`~langgraph_fence.FenceEvent` of this
@@ -197,7 +201,9 @@ class Instance:
 
         Creates the engine, the :class:`~langgraph_fence.SqlLeaseRepository` and the
         :class:`checkpointers.SqlCheckpointer` on the same database (so the checkpointer
-        checks the token inside its own writes), runs their migrations, and closes
+        checks the token inside its own writes), and ``instance.store``
+        (:class:`~langgraph_fence.FencedStore` over :class:`checkpointers.SqlStore`, which
+        does the same for LangGraph store writes), runs their migrations, and closes
         everything on exit.
 
         Args:
@@ -210,6 +216,7 @@ class Instance:
                 ``renew_interval``, ``clock``, ``sleep``, ``max_takeovers``).
         """
         from checkpointers import SqlCheckpointer
+        from checkpointers.store import SqlStore
 
         from .database import create_engine
         from .stores.sql import SqlLeaseRepository
@@ -241,6 +248,9 @@ class Instance:
             await saver.setup()
             records = SqlExecutionRecords(engine, serde=serde)  # set up with the repository
             instance = cls(repository, saver, records=records, **options)
+            store = SqlStore(engine)
+            await store.setup()
+            instance.store = FencedStore(store)
             try:
                 yield instance
             finally:

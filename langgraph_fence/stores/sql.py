@@ -37,7 +37,6 @@ from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..database import autocommit, check_engine, create_engine, read_only, single_statement
-from ..executions import EXECUTION_MIGRATIONS
 from ..guard import guard_sql
 from ..lease import (
     REOPENABLE_STATUSES,
@@ -151,6 +150,10 @@ class SqlLeaseRepository:
         (an :class:`~langgraph_fence.Instance` built on this store keeps its records there,
         where every other instance looks); safe from several processes at once."""
         await migrate(self._engine, "leases", LEASE_MIGRATIONS)
+        # Imported here: the records' module needs LangGraph's serializer, which the CLI's
+        # listings (a lease store, no records) must not load.
+        from ..executions import EXECUTION_MIGRATIONS
+
         await migrate(self._engine, "executions", EXECUTION_MIGRATIONS)
 
     # -- statements, built once so SQLAlchemy's compiled cache and asyncpg's prepared

@@ -5,9 +5,11 @@ holder, epoch, status ``running``; expiry is not part of it). The rule is writte
 (:mod:`langgraph_fence.guard`), but it runs in many statements: the lease store's renew,
 release, stamp and clear (memory, SQLite, PostgreSQL), :class:`SqlCheckpointer`'s checkpoint
 and writes statements on both drivers, and :class:`FencedCheckpointer`'s check before it
-delegates to a saver that cannot guard. Each is run here against the same table of stored
-lease states, and each must land exactly where :func:`~langgraph_fence.guard.holds` says,
-and leave nothing behind where it is refused.
+delegates to a saver that cannot guard; the same for the store: :class:`SqlStore`'s put
+and delete statements, and :class:`FencedStore`'s check before it delegates to
+``InMemoryStore``. Each is run here against the same table of stored lease states, and each
+must land exactly where :func:`~langgraph_fence.guard.holds` says, and leave nothing behind
+where it is refused.
 
 The sinks are not in the table: they fence by the token against their own high-water mark
 (the external system's check, ``tests/contract/test_sinks.py``), not by the lease row.
@@ -23,15 +25,18 @@ import pytest
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.checkpoint.conformance.test_utils import generate_checkpoint, generate_metadata
 from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.store.base import BaseStore
+from langgraph.store.memory import InMemoryStore
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from checkpointers import SqlCheckpointer
+from checkpointers import SqlCheckpointer, SqlStore
 from langgraph_fence import (
     Effect,
     ExecutionFencedError,
     ExecutionLeaseRepository,
     FencedCheckpointer,
+    FencedStore,
     Lease,
     LeaseKey,
     LeaseStatus,
@@ -43,6 +48,7 @@ from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
 from langgraph_fence.guard import holds
 from langgraph_fence.testing import ManualClock
 from tests.conftest import unique
+from tests.contract.test_store_fencing import run_step
 
 TTL = 10.0
 
@@ -86,6 +92,7 @@ class Backend:
     saver: BaseCheckpointSaver[Any]
     engine: AsyncEngine | None
     clock: ManualClock
+    kv: BaseStore
 
     async def store(self, hold: Lease, state: State) -> None:
         """Make the stored lease of ``hold.key`` be ``state``."""
@@ -127,14 +134,20 @@ async def backend(
     if request.param == "memory":
         # A saver that cannot guard: FencedCheckpointer checks the lease, then delegates.
         leases = MemoryLeaseRepository(clock=clock)
-        yield Backend("memory", leases, FencedCheckpointer(InMemorySaver()), None, clock)
+        kv: BaseStore = FencedStore(InMemoryStore())
+        yield Backend("memory", leases, FencedCheckpointer(InMemorySaver()), None, clock, kv)
         return
     engine = make_engine(request.param)
     sql_leases = SqlLeaseRepository(engine, clock=clock)
     await sql_leases.setup()
     saver = SqlCheckpointer(engine)
     await saver.setup()
-    yield Backend(request.param, sql_leases, saver, engine, clock)
+    sql_store = SqlStore(engine)
+    await sql_store.setup()
+    yield Backend(request.param, sql_leases, saver, engine, clock, FencedStore(sql_store))
+    # The store's pooled connections go with the engine, on this loop (not at GC).
+    await saver.aclose()
+    await engine.dispose()
 
 
 def _config(thread_id: str, handle: RunHandle, checkpoint_id: str | None = None) -> Any:
@@ -178,6 +191,20 @@ async def _writes(b: Backend, handle: RunHandle, thread: str) -> Any:
     return await b.saver.aput_writes(_config(thread, handle, "c-1"), [("x", 2)], "task-1")
 
 
+async def _store_put(b: Backend, handle: RunHandle, thread: str) -> Any:
+    async def node(state: Any) -> None:
+        await b.kv.aput(("memories", thread), "summary", {"v": 1})
+
+    return await run_step(node, handle, thread)
+
+
+async def _store_delete(b: Backend, handle: RunHandle, thread: str) -> Any:
+    async def node(state: Any) -> None:
+        await b.kv.adelete(("memories", thread), "summary")
+
+    return await run_step(node, handle, thread)
+
+
 STATEMENTS: dict[str, Statement] = {
     "lease renew": _renew,
     "lease release": _release,
@@ -185,6 +212,8 @@ STATEMENTS: dict[str, Statement] = {
     "clear stamps": _clear,
     "checkpoint": _checkpoint,
     "writes": _writes,
+    "store put": _store_put,
+    "store delete": _store_delete,
 }
 
 
@@ -214,6 +243,8 @@ async def test_every_guarded_statement_answers_as_the_guard_does(
         f"{backend.name} {statement} {'landed' if landed else 'was refused'} on {state.name!r}; "
         f"the guard says it {'lands' if expected else 'is refused'}"
     )
+    if not landed and statement == "store put":
+        assert await backend.kv.aget(("memories", thread), "summary") is None, "a refused put"
     if not landed and statement == "checkpoint":
         assert await backend.checkpoints(thread) == 0, "a refused checkpoint left a row"
     if not landed and statement in {"stamp", "clear stamps", "lease renew", "lease release"}:

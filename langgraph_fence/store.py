@@ -1,0 +1,110 @@
+"""The store side of the fence: LangGraph's long-term memory written under the step's token.
+
+:class:`FencedStore` wraps any LangGraph ``BaseStore`` (``InMemoryStore``, the official
+``PostgresStore``, :class:`checkpointers.store.SqlStore`). A node or tool finds the store
+through LangGraph (``compile(store=...)``, then ``runtime.store`` / ``get_store()``); the step
+making the call is found by its frame (:func:`~langgraph_fence.context.current_frame`), so
+no config has to travel with the op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from langgraph.store.base import BaseStore, Op, PutOp, Result
+
+from .checkpoint import check_held, step_config
+from .context import current_frame
+from .fence import RunHandle
+from .from_thread import run_on_loop
+
+__all__ = ["FencedStore"]
+
+
+def _action(ops: list[Op]) -> str:
+    for op in ops:
+        if isinstance(op, PutOp):
+            kind = "delete" if op.value is None else "put"
+            return f"store {kind} of {op.namespace!r}/{op.key!r}"
+    return "store write"
+
+
+class FencedStore(BaseStore):
+    """Wraps any LangGraph store so that every write made inside a fenced step is made under
+    the step's fencing token.
+
+    Args:
+        inner: the store that holds the items.
+
+    Every ``PutOp`` of a ``batch``/``abatch`` (``put``, and ``delete``: a put of ``None``)
+    made inside a fenced step is made under the step's token; under a superseded token it is
+    refused with :class:`~langgraph_fence.ExecutionFencedError`, recorded on the run like a
+    refused checkpoint write (the run is drained and ends with that error), and nothing of
+    the batch is delegated. Reads, searches and ``list_namespaces`` are never fenced. A write
+    from outside any fenced step (an admin script, a migration) is passed through unfenced.
+
+    * **Fence-aware inner store** (``inner.guards(handle)`` is true: a
+      :class:`checkpointers.store.SqlStore` on the lease table's database): the token is
+      checked inside the inner store's own write statement. **No window.**
+    * **Any other store**: the wrapper checks first (locally, then one read of the lease),
+      then delegates. **Window:** a take-over committed after that read and before the inner
+      write completes is not seen, and that write lands: at most the writes the stale step
+      has in flight at that moment (one per concurrent ``abatch``), each over within one
+      lease read plus one inner write (measured in ``benchmarks/README.md``). The step's
+      next write is refused.
+    """
+
+    def __init__(self, inner: BaseStore) -> None:
+        if not isinstance(inner, BaseStore):
+            raise ValueError(
+                f"inner must be a LangGraph BaseStore (InMemoryStore, PostgresStore, "
+                f"SqlStore...), got {type(inner).__name__}"
+            )
+        self.inner = inner
+        # LangGraph asks these of the store it is given: the inner store's answer stands.
+        self.supports_ttl = inner.supports_ttl
+        self.ttl_config = inner.ttl_config
+
+    def __repr__(self) -> str:
+        return f"FencedStore({self.inner!r})"
+
+    def _guards(self, handle: RunHandle) -> bool:
+        guards = getattr(self.inner, "guards", None)
+        return callable(guards) and bool(guards(handle))
+
+    def _handle_for(self, ops: list[Op]) -> RunHandle | None:
+        """The run handle a batch's writes must be checked against, or ``None`` (no write,
+        no fenced step, or an inner store that checks the token itself)."""
+        frame = current_frame()
+        if frame is None or not any(isinstance(op, PutOp) for op in ops):
+            return None
+        handle = frame._handle
+        return None if self._guards(handle) else handle
+
+    async def abatch(self, ops: Iterable[Op]) -> list[Result]:
+        """Run ``ops`` on the inner store; writes inside a fenced step under its token.
+
+        Raises:
+            ExecutionFencedError: a write under a superseded token (nothing delegated).
+            ExecutionLeaseLostError: the step's hold can no longer be proven.
+        """
+        listed = list(ops)
+        handle = self._handle_for(listed)
+        if handle is not None:
+            await check_held(handle, step_config(), _action(listed))
+        return await self.inner.abatch(listed)
+
+    def batch(self, ops: Iterable[Op]) -> list[Result]:
+        """Sync twin of :meth:`abatch` (a sync node in a worker thread): the check runs on
+        the run's loop."""
+        listed = list(ops)
+        handle = self._handle_for(listed)
+        if handle is not None:
+            config = step_config()
+            run_on_loop(
+                handle.loop,
+                lambda: check_held(handle, config, _action(listed)),
+                what="a fenced store write",
+                on_loop="use the async methods there (await store.aput(...))",
+            )
+        return self.inner.batch(listed)

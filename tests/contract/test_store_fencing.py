@@ -1,0 +1,259 @@
+"""The store is fenced too: a step's store writes are made under its token.
+
+Every store kind is run through the same take-over: A holds the lease at token 1, the lease
+expires and B takes it (token 2) and writes its memory from a step of its own; then A's step
+writes: it is refused with ``ExecutionFencedError``, recorded on A's run, and B's value
+stands. Our ``SqlStore`` (SQLite, PostgreSQL) checks inside its write statement; over
+``InMemoryStore`` and the official ``AsyncPostgresStore`` ``FencedStore`` checks before it
+delegates (and the window that leaves is shown, as documented).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import urllib.parse
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from langchain_core.runnables.config import var_child_runnable_config
+from langgraph.store.base import BaseStore, Op, PutOp, Result
+from langgraph.store.memory import InMemoryStore
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from checkpointers import SqlStore
+from langgraph_fence import Effect, ExecutionFencedError, FencedStore, LeaseKey, fenced
+from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
+from langgraph_fence.stores import SqlLeaseRepository
+from langgraph_fence.testing import ManualClock
+from tests.conftest import unique
+
+TTL = 30.0
+KINDS = ["sql-sqlite", "sql-postgresql", "fenced-memory", "fenced-postgres-official"]
+
+
+@dataclass
+class Setup:
+    store: BaseStore
+    repo: SqlLeaseRepository
+    clock: ManualClock
+    engine: AsyncEngine
+    guarded: bool  # the token is checked inside the write
+
+
+@pytest.fixture(params=KINDS)
+async def setup(
+    request: pytest.FixtureRequest, make_engine: Callable[[str], AsyncEngine]
+) -> AsyncIterator[Setup]:
+    kind: str = request.param
+    backend = "sqlite" if kind == "sql-sqlite" else "postgresql"
+    engine = make_engine(backend)
+    clock = ManualClock()
+    repo = SqlLeaseRepository(engine, clock=clock)
+    await repo.setup()
+    if kind.startswith("sql-"):
+        sql = SqlStore(engine)
+        await sql.setup()
+        yield Setup(FencedStore(sql), repo, clock, engine, guarded=True)
+    elif kind == "fenced-memory":
+        yield Setup(FencedStore(InMemoryStore()), repo, clock, engine, guarded=False)
+    else:
+        from langgraph.store.postgres import AsyncPostgresStore
+
+        url, schema = request.getfixturevalue("pg_schema")
+        options = urllib.parse.quote(f"-csearch_path={schema}")
+        async with AsyncPostgresStore.from_conn_string(f"{url}?options={options}") as official:
+            await official.setup()
+            yield Setup(FencedStore(official), repo, clock, engine, guarded=False)
+    await engine.dispose()
+
+
+async def run_step(node: Callable[..., Any], handle: RunHandle, thread: str) -> Any:
+    """Run ``node`` as a fenced step of ``handle``'s run, as LangGraph
+    would: async on the loop, sync in a worker thread with the context copied."""
+    # READ_ONLY (fence_graph's default): no stamp renews the lease before the body, so
+    # the store write itself meets the take-over.
+    step = fenced(effect=Effect.READ_ONLY)(node)
+    config = {
+        "configurable": {
+            "thread_id": thread,
+            "checkpoint_ns": "",
+            "__pregel_task_id": f"task-{unique()}",
+            FENCE_CONFIG_KEY: handle,
+            "tenant_id": handle.key.tenant_id,
+            "execution_id": thread,
+        }
+    }
+    reset = var_child_runnable_config.set(config)  # type: ignore[arg-type]
+    try:
+        # A task of its own, as LangGraph runs each step: a fenced run cancels its steps.
+        if inspect.iscoroutinefunction(step):
+            return await asyncio.create_task(step({}))
+        return await asyncio.create_task(asyncio.to_thread(step, {}))
+    finally:
+        var_child_runnable_config.reset(reset)
+
+
+async def take_over(s: Setup, key: LeaseKey) -> tuple[RunHandle, RunHandle]:
+    """A holds ``key`` at token 1; its lease expires and B takes it at token 2."""
+    lease_a = await s.repo.acquire(key, "A", TTL)
+    assert lease_a is not None
+    handle_a = RunHandle(s.repo, lease_a, TTL)  # A's own clock: it still believes it holds
+    s.clock.advance(TTL + 1)
+    lease_b = await s.repo.acquire(key, "B", TTL)
+    assert lease_b is not None and lease_b.epoch == lease_a.epoch + 1
+    return handle_a, RunHandle(s.repo, lease_b, TTL)
+
+
+def remember(store: BaseStore, ns: tuple[str, ...]) -> Callable[[Any], Any]:
+    async def node(state: Any) -> dict[str, Any]:
+        from langgraph_fence import get_execution_context
+
+        token = get_execution_context().fence.token
+        await store.aput(ns, "summary", {"by": token})
+        return {}
+
+    return node
+
+
+async def token_column(s: Setup, ns: tuple[str, ...], key: str) -> Any:
+    async with s.engine.connect() as conn:
+        return (
+            await conn.execute(
+                text("SELECT fence_token FROM fence_store_items WHERE prefix = :p AND key = :k"),
+                {"p": ".".join(ns), "k": key},
+            )
+        ).scalar_one()
+
+
+async def test_a_stale_step_s_put_is_refused_and_the_new_holder_s_value_stands(
+    setup: Setup,
+) -> None:
+    tenant, thread = unique("tenant"), unique("thread")
+    ns = (unique("memories"), "user-1")
+    handle_a, handle_b = await take_over(setup, LeaseKey(tenant, thread))
+    await run_step(remember(setup.store, ns), handle_b, thread)
+
+    seen: list[Any] = []
+
+    async def read_then_write(state: Any) -> dict[str, Any]:
+        # Reads, searches and list_namespaces are never fenced, even on a stale token.
+        seen.append(await setup.store.aget(ns, "summary"))
+        seen.append(await setup.store.asearch(ns))
+        seen.append(await setup.store.alist_namespaces(prefix=ns[:1]))
+        return await remember(setup.store, ns)(state)  # type: ignore[no-any-return]
+
+    with pytest.raises(ExecutionFencedError) as refused:
+        await run_step(read_then_write, handle_a, thread)
+    assert refused.value.token_held == 1 and refused.value.token_seen == 2
+    assert handle_a.error is refused.value  # recorded on A's run, like a refused checkpoint
+    assert handle_b.error is None
+    assert seen[0].value == {"by": 2} and [i.key for i in seen[1]] == ["summary"]
+    assert seen[2] == [ns]
+
+    async def read(state: Any) -> Any:
+        return await setup.store.aget(ns, "summary")
+
+    item = await run_step(read, handle_b, thread)
+    assert item is not None and item.value == {"by": 2}
+    if setup.guarded:
+        assert await token_column(setup, ns, "summary") == 2
+
+
+async def test_a_stale_step_s_delete_and_sync_put_are_refused(setup: Setup) -> None:
+    tenant, thread = unique("tenant"), unique("thread")
+    ns = (unique("memories"), "user-1")
+    handle_a, handle_b = await take_over(setup, LeaseKey(tenant, thread))
+    await run_step(remember(setup.store, ns), handle_b, thread)
+
+    async def forget(state: Any) -> dict[str, Any]:
+        await setup.store.adelete(ns, "summary")
+        return {}
+
+    def put_sync(state: Any) -> dict[str, Any]:  # a sync node: LangGraph's worker thread
+        setup.store.put(ns, "summary", {"by": "stale sync"})
+        return {}
+
+    for node in (forget, put_sync):
+        with pytest.raises(ExecutionFencedError):
+            await run_step(node, handle_a, thread)
+
+    async def read(state: Any) -> Any:
+        return await setup.store.aget(ns, "summary")
+
+    item = await run_step(read, handle_b, thread)
+    assert item is not None and item.value == {"by": 2}
+
+
+async def test_a_batch_under_a_stale_token_lands_none_of_its_writes(setup: Setup) -> None:
+    tenant, thread = unique("tenant"), unique("thread")
+    ns = (unique("memories"), "user-1")
+    handle_a, _ = await take_over(setup, LeaseKey(tenant, thread))
+
+    async def several(state: Any) -> dict[str, Any]:
+        await setup.store.abatch([PutOp(ns, f"k{i}", {"i": i}) for i in range(3)])
+        return {}
+
+    with pytest.raises(ExecutionFencedError):
+        await run_step(several, handle_a, thread)
+    assert await setup.store.asearch(ns) == []
+
+
+async def test_a_write_from_outside_any_step_is_allowed(setup: Setup) -> None:
+    ns = (unique("admin"), "fix")
+    await setup.store.aput(ns, "k", {"v": "by hand"})
+    item = await setup.store.aget(ns, "k")
+    assert item is not None and item.value == {"v": "by hand"}
+    if setup.guarded:
+        assert await token_column(setup, ns, "k") is None  # no token: written by no step
+
+
+class SlowStore(BaseStore):
+    """A foreign store whose writes take until ``release`` is set (a slow network)."""
+
+    def __init__(self, inner: BaseStore) -> None:
+        self.inner = inner
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    def batch(self, ops: Any) -> list[Result]:
+        raise NotImplementedError
+
+    async def abatch(self, ops: Any) -> list[Result]:
+        listed: list[Op] = list(ops)
+        if any(isinstance(op, PutOp) for op in listed):
+            self.entered.set()
+            await self.release.wait()
+        return await self.inner.abatch(listed)
+
+
+async def test_the_window_of_a_foreign_store_is_the_write_in_flight(
+    make_engine: Callable[[str], AsyncEngine],
+) -> None:
+    """Documented limit: over a store that cannot check tokens, a take-over that commits
+    after the check lets the write in flight land; the step's next write is refused."""
+    engine = make_engine("sqlite")
+    clock = ManualClock()
+    repo = SqlLeaseRepository(engine, clock=clock)
+    await repo.setup()
+    slow = SlowStore(InMemoryStore())
+    s = Setup(FencedStore(slow), repo, clock, engine, guarded=False)
+    thread = unique("thread")
+    ns = (unique("memories"),)
+    lease_a = await repo.acquire(LeaseKey("t", thread), "A", TTL)
+    assert lease_a is not None
+    handle_a = RunHandle(repo, lease_a, TTL)
+    step = asyncio.create_task(run_step(remember(s.store, ns), handle_a, thread))
+    await slow.entered.wait()  # A was checked and is writing
+    clock.advance(TTL + 1)
+    assert await repo.acquire(LeaseKey("t", thread), "B", TTL) is not None
+    slow.release.set()
+    await step  # the write in flight lands: the window
+    assert (await slow.inner.aget(ns, "summary")).value == {"by": 1}  # type: ignore[union-attr]
+    slow.release.clear()  # a write that got through now would hang: bounded below
+    with pytest.raises(ExecutionFencedError):
+        await asyncio.wait_for(run_step(remember(s.store, ns), handle_a, thread), 60.0)
+    await engine.dispose()
