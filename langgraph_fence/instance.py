@@ -26,6 +26,7 @@ from langgraph.runtime import RunControl
 from langgraph.types import Command
 
 from .admin import ThreadAdmin, admin_holder
+from .contracts import require_implements
 from .errors import (
     ExecutionDeadLetteredError,
     ExecutionFencedError,
@@ -130,11 +131,9 @@ class Instance:
     ) -> None:
         from .checkpoint import FencedCheckpointer
 
-        if not isinstance(repository, ExecutionLeaseRepository):
-            raise ValueError(
-                "repository must implement ExecutionLeaseRepository, got "
-                f"{type(repository).__name__}"
-            )
+        require_implements(repository, ExecutionLeaseRepository, argument="repository")
+        if records is not None:
+            require_implements(records, ExecutionRecords, argument="records")
         self.lease_ttl = validate_ttl(lease_ttl, name="lease_ttl")
         if renew_interval is None:
             renew_interval = self.lease_ttl / 3
