@@ -22,6 +22,7 @@ from langgraph.config import get_config
 from langgraph.errors import GraphBubbleUp, GraphInterrupt
 from langgraph.types import RetryPolicy
 
+from ._compat import pregel_runtime, pregel_task_id, runnable_callable_type
 from .context import (
     CONTEXT_CONFIG_KEY,
     STAMP_AT,
@@ -142,10 +143,10 @@ class _Step:
         return ""
 
     def _task_id(self) -> str:
-        return str(_configurable(self.config).get("__pregel_task_id") or self.node)
+        return pregel_task_id(_configurable(self.config)) or self.node
 
     def _attempt(self) -> int:
-        runtime = _configurable(self.config).get("__pregel_runtime")
+        runtime = pregel_runtime(_configurable(self.config))
         info = getattr(runtime, "execution_info", None)
         return int(getattr(info, "node_attempt", 1) or 1)
 
@@ -501,8 +502,9 @@ def fence_graph(builder: Any, effects: Mapping[str, Effect] | None = None) -> An
         )
     for node_name, node_effect in effects.items():
         _check_effect(node_effect, name=f"effects[{node_name!r}]")
-    from langgraph._internal._runnable import RunnableCallable
     from langgraph.pregel import Pregel
+
+    RunnableCallable = runnable_callable_type()
 
     for node_name, spec in nodes.items():
         spec.retry_policy = guard_retry_policy(spec.retry_policy)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import pytest
 
+from ._compat import CONFIG_KEY_TASK_ID
 from .faults import StallableRepository, StallGate
 from .fence import FENCE_CONFIG_KEY, RunHandle
 from .lease import DEFAULT_MAX_TAKEOVERS, Lease, LeaseKey, fenced_error
@@ -230,7 +231,7 @@ async def run_node(
         **dict(base.get("configurable") or {}),
         "thread_id": thread,
         "checkpoint_ns": "",
-        "__pregel_task_id": f"unit:{getattr(node, '__name__', 'node')}",
+        CONFIG_KEY_TASK_ID: f"unit:{getattr(node, '__name__', 'node')}",
         FENCE_CONFIG_KEY: handle,
         "tenant_id": tenant_id,
         "execution_id": thread,

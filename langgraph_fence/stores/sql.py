@@ -36,6 +36,7 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from .._compat import sqlalchemy_engine_autocommit
 from ..database import create_engine, dialect_of, read_only, single_statement
 from ..lease import (
     REOPENABLE_STATUSES,
@@ -86,14 +87,6 @@ _GUARD = and_(
 )
 
 
-def _autocommit(engine: AsyncEngine) -> bool:
-    """Whether every connection of ``engine`` is in autocommit (as create_engine makes them)."""
-    level = engine.get_execution_options().get("isolation_level") or getattr(
-        engine.sync_engine.dialect, "_on_connect_isolation_level", None
-    )
-    return level == "AUTOCOMMIT"
-
-
 class SqlLeaseRepository:
     """An :class:`~langgraph_fence.ExecutionLeaseRepository` on SQLite or PostgreSQL.
 
@@ -115,7 +108,7 @@ class SqlLeaseRepository:
         # Every write is one statement: no BEGIN/COMMIT around it on either database.
         self._writer = single_statement(engine)
         self._dialect = dialect_of(engine)
-        if self._dialect == "postgresql" and not _autocommit(engine):
+        if self._dialect == "postgresql" and not sqlalchemy_engine_autocommit(engine):
             # An engine not made by create_engine: without autocommit, a statement sent
             # without BEGIN/COMMIT would be rolled back when its connection goes home.
             self._writer = self._writer.execution_options(isolation_level="AUTOCOMMIT")
