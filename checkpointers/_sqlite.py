@@ -5,7 +5,8 @@ connection's thread.
 Why one hop: aiosqlite runs every call on its connection's thread and wakes the event loop
 for each answer; a transaction of five calls (begin, guard, blobs, checkpoint, commit) pays
 five of those round trips. Here the whole transaction is one function queued on that thread
-(aiosqlite's ``Connection._execute``, the method its own public calls use), so it pays one.
+(aiosqlite's private ``Connection._execute``, the method its own public calls use, through
+``langgraph_fence._compat``), so it pays one.
 ``BEGIN IMMEDIATE`` takes the database's write lock first, so the guard's read of the lease
 row and the inserts see no other writer in between: a take-over (an UPDATE of the lease row)
 either committed before the guard read it, or waits until this transaction ends.
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from langgraph_fence._compat import aiosqlite_call
 from langgraph_fence.guard import guard_sql
 from langgraph_fence.schema import STAMP_SQL, stamp_patch
 
@@ -149,8 +151,7 @@ class SqliteDriver:
 
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         async with self._connections() as aio:
-            result: T = await aio._execute(lambda: fn(aio._conn))
-            return result
+            return await aiosqlite_call(aio, fn)
 
     async def _write(self, body: Body) -> bool:
         """Queue a write for the next group commit and wait for its own outcome.

@@ -50,6 +50,7 @@ from langgraph.checkpoint.base import (
 from langgraph.checkpoint.serde.types import ERROR, INTERRUPT
 from langgraph.config import get_config
 
+from ._compat import pregel_runtime
 from .errors import (
     ExecutionContextUnavailableError,
     ExecutionFencedError,
@@ -80,8 +81,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-_RUNTIME_KEY = "__pregel_runtime"
 
 
 def fence_handle(config: RunnableConfig) -> RunHandle | None:
@@ -249,7 +248,7 @@ def refuse_write(
     ahead of its refused checkpoints.
     """
     recorded = handle.record(error)
-    runtime = (config.get("configurable") or {}).get(_RUNTIME_KEY)
+    runtime = pregel_runtime(config.get("configurable") or {})
     control = getattr(runtime, "control", None)
     if control is not None:
         control.request_drain(f"execution {handle.scope_key} fenced at token {handle.token}")

@@ -210,12 +210,9 @@ def autocommit(engine: AsyncEngine) -> AsyncEngine:
     A statement sent without BEGIN/COMMIT on a connection not in autocommit would be rolled
     back when the connection goes home.
     """
-    if engine.dialect.name != "postgresql":
-        return engine
-    level = engine.get_execution_options().get("isolation_level") or getattr(
-        engine.sync_engine.dialect, "_on_connect_isolation_level", None
-    )
-    if level == "AUTOCOMMIT":
+    from ._compat import sqlalchemy_engine_autocommit
+
+    if engine.dialect.name != "postgresql" or sqlalchemy_engine_autocommit(engine):
         return engine
     return engine.execution_options(isolation_level="AUTOCOMMIT")
 

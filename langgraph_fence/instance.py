@@ -27,6 +27,7 @@ from langgraph.runtime import RunControl
 from langgraph.types import Command
 
 from .admin import ThreadAdmin, _base_store, admin_holder
+from .contracts import require_implements
 from .errors import (
     ExecutionDeadLetteredError,
     ExecutionEndedError,
@@ -142,11 +143,9 @@ class Instance:
     ) -> None:
         from .checkpoint import FencedCheckpointer
 
-        if not isinstance(repository, ExecutionLeaseRepository):
-            raise ValueError(
-                "repository must implement ExecutionLeaseRepository, got "
-                f"{type(repository).__name__}"
-            )
+        require_implements(repository, ExecutionLeaseRepository, argument="repository")
+        if records is not None:
+            require_implements(records, ExecutionRecords, argument="records")
         self.instance_id, self.lease_ttl, self.renew_interval, self.max_takeovers = _settings(
             instance_id, lease_ttl, renew_interval, max_takeovers
         )

@@ -684,6 +684,11 @@ class ExecutionLeaseRepository(Protocol):
       :class:`~langgraph_fence.ExecutionFencedError` carrying the epoch seen when refused;
       a refused operation changes nothing.
     * A lease from another store is refused with ``ValueError``.
+
+    Any object on which ``getattr`` finds every member below is a valid store, a wrapper that
+    delegates through ``__getattr__`` included, on every supported Python
+    (:func:`langgraph_fence.contracts.require_implements`; ``isinstance`` against this
+    Protocol refuses such a wrapper from Python 3.12 on, so the package does not use it).
     """
 
     @property

@@ -22,6 +22,7 @@ from langgraph.config import get_config
 from langgraph.errors import GraphBubbleUp, GraphInterrupt
 from langgraph.types import RetryPolicy
 
+from ._compat import pregel_runtime, pregel_task_id, runnable_callable_type
 from .context import (
     CONTEXT_CONFIG_KEY,
     STAMP_AT,
@@ -130,10 +131,10 @@ class _Step:
         return ""
 
     def _task_id(self) -> str:
-        return str(_configurable(self.config).get("__pregel_task_id") or self.node)
+        return pregel_task_id(_configurable(self.config)) or self.node
 
     def _attempt(self) -> int:
-        runtime = _configurable(self.config).get("__pregel_runtime")
+        runtime = pregel_runtime(_configurable(self.config))
         info = getattr(runtime, "execution_info", None)
         return int(getattr(info, "node_attempt", 1) or 1)
 
@@ -478,10 +479,10 @@ def fence_graph(builder: Any, effects: Mapping[str, EffectLike] | None = None) -
             have or holds a value that is not an :class:`Effect` or an effect's name, or
             contradicts a node's ``@fenced`` effect. Checked before anything is changed.
     """
-    from langgraph._internal._runnable import RunnableCallable
     from langgraph.graph import StateGraph
     from langgraph.pregel import Pregel
 
+    RunnableCallable = runnable_callable_type()
     if isinstance(builder, Pregel):
         raise ValueError(
             "builder is a compiled graph: fence_graph wraps the nodes of the StateGraph "

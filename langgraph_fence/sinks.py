@@ -30,6 +30,7 @@ from typing import Any
 from sqlalchemy import Connection, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from ._compat import sqlalchemy_told_autocommit
 from .database import Dialect, dialect_of, transaction
 from .errors import ExecutionFencedError
 from .fence import ExecutionFence
@@ -402,13 +403,9 @@ async def _check_arguments(conn: object, fence: object, idempotency_key: object)
 
 async def _is_autocommit(conn: AsyncConnection, dialect: Dialect) -> bool:
     # What SQLAlchemy was told (an execution option, or the engine's isolation_level).
-    # There is no public accessor for the engine-level setting; ask the private one if present.
     sync = conn.sync_connection
-    if sync is not None:
-        told = getattr(sync, "_is_autocommit_isolation", None)
-        option = sync.get_execution_options().get("isolation_level")
-        if option == "AUTOCOMMIT" or (callable(told) and told()):
-            return True
+    if sync is not None and sqlalchemy_told_autocommit(sync):
+        return True
     # What the driver does (an autocommit set on the raw connection behind SQLAlchemy's back).
     fairy = await conn.get_raw_connection()
     raw: Any = fairy.dbapi_connection
@@ -629,10 +626,7 @@ def _check_sync_arguments(conn: object, fence: object, idempotency_key: object) 
 
 
 def _is_autocommit_sync(conn: Connection, dialect: str) -> bool:
-    told = getattr(conn, "_is_autocommit_isolation", None)
-    if conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT" or (
-        callable(told) and told()
-    ):
+    if sqlalchemy_told_autocommit(conn):
         return True
     fairy = conn.connection
     raw: Any = fairy.dbapi_connection

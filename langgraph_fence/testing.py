@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import pytest
 
+from ._compat import CONFIG_KEY_TASK_ID
 from .effects import EFFECT_ATTRIBUTE, EffectLike, as_effect
 from .faults import StallableRepository, StallGate
 from .fence import FENCE_CONFIG_KEY, RunHandle
@@ -277,7 +278,7 @@ async def run_node(
         **dict(base.get("configurable") or {}),
         "thread_id": thread,
         "checkpoint_ns": "",
-        "__pregel_task_id": f"unit:{getattr(node, '__name__', 'node')}",
+        CONFIG_KEY_TASK_ID: f"unit:{getattr(node, '__name__', 'node')}",
         FENCE_CONFIG_KEY: handle,
         "tenant_id": tenant_id,
         "execution_id": thread,

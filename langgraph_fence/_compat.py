@@ -1,0 +1,119 @@
+"""Every private name of LangGraph, SQLAlchemy and aiosqlite the package relies on, in one place.
+
+None of these is part of those libraries' public API, so a release may rename or remove one
+without notice. Each is used only through this module, with a comment saying what it is, why
+the package needs it and what breaks if it changes; ``tests/unit/test_compat.py`` checks that
+each still exists with the shape used here, so a release that breaks one fails that test (run
+on the newest and on the lowest versions the bounds allow, see ``.ci/run``) instead of a
+fencing guarantee, silently, in production.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from langgraph._internal._constants import CONFIG_KEY_RUNTIME, CONFIG_KEY_TASK_ID
+from sqlalchemy import Connection
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+if TYPE_CHECKING:
+    from langgraph._internal._runnable import RunnableCallable
+
+__all__ = [
+    "CONFIG_KEY_RUNTIME",
+    "CONFIG_KEY_TASK_ID",
+    "aiosqlite_call",
+    "pregel_runtime",
+    "pregel_task_id",
+    "runnable_callable_type",
+    "sqlalchemy_engine_autocommit",
+    "sqlalchemy_told_autocommit",
+]
+
+T = TypeVar("T")
+
+# CONFIG_KEY_TASK_ID ("__pregel_task_id"): the key under which LangGraph puts the id of the
+# running task into a node's config["configurable"]. The pending-effect stamp of a step is
+# keyed by it (parallel steps and Send fan-outs each get their own entry, cleared by that
+# task's own writes), and the unit runner of langgraph_fence.testing sets it. If it changes,
+# every step falls back to its node name: parallel tasks of one node share one stamp entry.
+#
+# CONFIG_KEY_RUNTIME ("__pregel_runtime"): the key of the step's langgraph.runtime.Runtime in
+# config["configurable"]. Its execution_info.node_attempt is the frame's attempt number, and
+# its control (RunControl) is how a fenced run asks LangGraph to drain at the next superstep.
+# If it changes, every attempt reads as 1 and a fenced durability="async" run goes on to the
+# end of its current superstep before it stops (still refused at each write).
+
+
+def pregel_task_id(configurable: Mapping[str, Any]) -> str | None:
+    """The id LangGraph gave the running task, or ``None`` outside a task."""
+    found = configurable.get(CONFIG_KEY_TASK_ID)
+    return None if found is None else str(found)
+
+
+def pregel_runtime(configurable: Mapping[str, Any]) -> Any:
+    """The step's ``langgraph.runtime.Runtime``, or ``None`` outside a task."""
+    return configurable.get(CONFIG_KEY_RUNTIME)
+
+
+def runnable_callable_type() -> type[RunnableCallable]:
+    """``langgraph._internal._runnable.RunnableCallable``: what ``StateGraph.add_node`` wraps
+    a node function in (its ``func`` and ``afunc`` are the user's functions).
+
+    ``fence_graph`` reads the ``@fenced`` effect declared on those functions through it. If it
+    moves, importing it fails and ``fence_graph`` raises; if its ``func``/``afunc`` change, a
+    decorated node's declared effect is not seen and ``fence_graph`` treats the node as
+    undeclared. Imported on call: ``fence_graph`` is the only user.
+    """
+    from langgraph._internal._runnable import RunnableCallable
+
+    return RunnableCallable
+
+
+def sqlalchemy_told_autocommit(conn: Connection) -> bool:
+    """Whether SQLAlchemy was told to run ``conn`` in AUTOCOMMIT: by an execution option
+    (public), or by the engine's ``isolation_level`` (private).
+
+    ``Connection._is_autocommit_isolation()`` is the only accessor of an engine-wide
+    ``isolation_level="AUTOCOMMIT"`` (the execution option covers only a per-connection one).
+    The exactly-once sink refuses a connection in AUTOCOMMIT (its statements would not roll
+    back together). If the method goes away this answers ``False`` and the sink falls back to
+    asking the driver (``detect_autocommit_setting``, the sqlite3 transaction state), which
+    covers the same engines on the drivers the package supports.
+    """
+    if conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
+        return True
+    told = getattr(conn, "_is_autocommit_isolation", None)
+    return bool(callable(told) and told())
+
+
+def sqlalchemy_engine_autocommit(engine: AsyncEngine) -> bool:
+    """Whether every connection of ``engine`` is in AUTOCOMMIT (as ``create_engine`` makes
+    them on PostgreSQL): an execution option (public), or ``create_async_engine(...,
+    isolation_level="AUTOCOMMIT")``, kept only in the dialect's private
+    ``_on_connect_isolation_level``.
+
+    The lease store sends each write as one statement without BEGIN/COMMIT; on an engine not
+    in autocommit it asks for AUTOCOMMIT itself. If the attribute goes away this answers
+    ``False`` for such engines and the store asks for AUTOCOMMIT on one that already has it:
+    harmless, nothing changes for the user.
+    """
+    level = engine.get_execution_options().get("isolation_level") or getattr(
+        engine.sync_engine.dialect, "_on_connect_isolation_level", None
+    )
+    return bool(level == "AUTOCOMMIT")
+
+
+async def aiosqlite_call(aio: Any, fn: Callable[[sqlite3.Connection], T]) -> T:
+    """Run ``fn(sqlite3_connection)`` on the aiosqlite connection's own thread, in one hop.
+
+    ``aiosqlite.Connection._execute(fn)`` queues ``fn`` on the connection's thread and awaits
+    its result (every public call of aiosqlite goes through it); ``_conn`` is the
+    ``sqlite3.Connection`` it wraps. The SQLite checkpointer runs each write transaction as one
+    such function, so it pays one thread hop instead of one per statement. If either changes,
+    every SQLite checkpoint write raises ``AttributeError`` (loudly: nothing is written).
+    """
+    result: T = await aio._execute(lambda: fn(aio._conn))
+    return result

@@ -1,0 +1,131 @@
+"""Each private name of LangGraph, SQLAlchemy and aiosqlite that ``langgraph_fence._compat``
+relies on still exists, with the shape used there.
+
+A release of one of those libraries that renames or removes one fails here (CI runs this on
+the newest versions and on the lowest the bounds allow), not in a user's fenced run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypedDict
+
+import aiosqlite
+import pytest
+from langchain_core.runnables import RunnableConfig
+from langgraph.graph import END, START, StateGraph
+from langgraph.runtime import RunControl, Runtime
+from sqlalchemy import text
+
+from langgraph_fence import _compat
+from langgraph_fence.database import create_engine
+
+
+class State(TypedDict, total=False):
+    seen: dict[str, Any]
+
+
+async def test_langgraph_puts_the_task_id_and_runtime_under_the_keys_we_read() -> None:
+    seen: dict[str, Any] = {}
+
+    async def node(state: State, config: RunnableConfig) -> State:
+        configurable = config.get("configurable") or {}
+        seen["task_id"] = _compat.pregel_task_id(configurable)
+        seen["runtime"] = _compat.pregel_runtime(configurable)
+        return {}
+
+    builder = StateGraph(State)
+    builder.add_node("node", node)
+    builder.add_edge(START, "node")
+    builder.add_edge("node", END)
+    await builder.compile().ainvoke({})
+
+    assert isinstance(seen["task_id"], str) and seen["task_id"]
+    runtime = seen["runtime"]
+    assert isinstance(runtime, Runtime)
+    assert runtime.execution_info is not None
+    assert runtime.execution_info.node_attempt == 1
+    # A fenced run asks for a drain through it (checkpoint.record_fence_error).
+    fields = {f.name for f in dataclasses.fields(Runtime)}
+    assert {"execution_info", "control"} <= fields
+    assert callable(RunControl.request_drain)
+
+
+def test_the_config_keys_are_the_ones_langgraph_documents_internally() -> None:
+    assert _compat.CONFIG_KEY_TASK_ID == "__pregel_task_id"
+    assert _compat.CONFIG_KEY_RUNTIME == "__pregel_runtime"
+
+
+def test_add_node_wraps_a_function_in_runnable_callable_with_func_and_afunc() -> None:
+    async def anode(state: State) -> State:
+        return {}
+
+    def snode(state: State) -> State:
+        return {}
+
+    builder = StateGraph(State)
+    builder.add_node("a", anode)
+    builder.add_node("s", snode)
+    kind = _compat.runnable_callable_type()
+    for name, fn in (("a", anode), ("s", snode)):
+        runnable = builder.nodes[name].runnable
+        assert isinstance(runnable, kind), type(runnable)
+        assert fn in (runnable.func, runnable.afunc)
+
+
+@pytest.mark.parametrize("where", ["engine", "option", "none"])
+def test_sqlalchemy_reports_an_autocommit_it_was_told(where: str) -> None:
+    import sqlalchemy as sa
+
+    level = {"isolation_level": "AUTOCOMMIT"} if where == "engine" else {}
+    engine = sa.create_engine("sqlite://", **level)
+    try:
+        assert callable(sa.Connection._is_autocommit_isolation)
+        with engine.connect() as conn:
+            if where == "option":
+                conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+            assert _compat.sqlalchemy_told_autocommit(conn) is (where != "none")
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("autocommit", [True, False])
+async def test_sqlalchemy_keeps_an_engine_wide_autocommit_where_we_read_it(
+    autocommit: bool,
+) -> None:
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    # The asyncpg dialect is what the lease store asks; no connection is opened.
+    level = {"isolation_level": "AUTOCOMMIT"} if autocommit else {}
+    engine = create_async_engine("postgresql+asyncpg://nobody@127.0.0.1:1/none", **level)
+    try:
+        assert _compat.sqlalchemy_engine_autocommit(engine) is autocommit
+        assert hasattr(engine.sync_engine.dialect, "_on_connect_isolation_level")
+    finally:
+        await engine.dispose()
+
+
+async def test_aiosqlite_runs_a_function_on_its_thread_with_the_sqlite3_connection(
+    tmp_path: Path,
+) -> None:
+    assert list(inspect.signature(aiosqlite.Connection._execute).parameters)[:2] == ["self", "fn"]
+    engine = create_engine(f"sqlite+aiosqlite:///{tmp_path / 'compat.db'}")
+    try:
+        async with engine.connect() as conn:
+            await conn.execute(text("SELECT 1"))
+            fairy = await conn.get_raw_connection()
+            aio = fairy.driver_connection
+            assert isinstance(aio, aiosqlite.Connection)
+
+            def body(raw: sqlite3.Connection) -> int:
+                assert isinstance(raw, sqlite3.Connection)
+                return int(raw.execute("SELECT 41 + 1").fetchone()[0])
+
+            fn: Callable[[sqlite3.Connection], int] = body
+            assert await _compat.aiosqlite_call(aio, fn) == 42
+    finally:
+        await engine.dispose()
