@@ -14,11 +14,11 @@ import sqlite3
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from langgraph._internal._constants import CONFIG_KEY_RUNTIME, CONFIG_KEY_TASK_ID
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 if TYPE_CHECKING:
+    from langgraph._internal._constants import CONFIG_KEY_RUNTIME, CONFIG_KEY_TASK_ID
     from langgraph._internal._runnable import RunnableCallable
 
 __all__ = [
@@ -47,15 +47,31 @@ T = TypeVar("T")
 # end of its current superstep before it stops (still refused at each write).
 
 
+def __getattr__(name: str) -> Any:
+    # LangGraph's keys are read on first use: the SQLAlchemy helpers below serve the CLI's
+    # listings, which must not load LangGraph (its imports cost seconds).
+    if name in ("CONFIG_KEY_RUNTIME", "CONFIG_KEY_TASK_ID"):
+        from langgraph._internal import _constants
+
+        value = getattr(_constants, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _key(name: str) -> str:
+    return str(globals().get(name) or __getattr__(name))
+
+
 def pregel_task_id(configurable: Mapping[str, Any]) -> str | None:
     """The id LangGraph gave the running task, or ``None`` outside a task."""
-    found = configurable.get(CONFIG_KEY_TASK_ID)
+    found = configurable.get(_key("CONFIG_KEY_TASK_ID"))
     return None if found is None else str(found)
 
 
 def pregel_runtime(configurable: Mapping[str, Any]) -> Any:
     """The step's ``langgraph.runtime.Runtime``, or ``None`` outside a task."""
-    return configurable.get(CONFIG_KEY_RUNTIME)
+    return configurable.get(_key("CONFIG_KEY_RUNTIME"))
 
 
 def runnable_callable_type() -> type[RunnableCallable]:
