@@ -59,7 +59,7 @@ def _graph(instance: Instance) -> Any:
     builder.add_node("step", step)
     builder.add_edge(START, "step")
     builder.add_edge("step", END)
-    return fence_graph(builder).compile(checkpointer=instance.checkpointer)
+    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="graph")
 
 
 async def test_a_getattr_wrapper_around_a_store_runs_fenced(
