@@ -80,7 +80,8 @@ async def three_takeovers_spent(leases: Leases, pill: Pill) -> tuple[LeaseKey, s
         lease = await leases.store.take_over(
             lease, f"dead-{n}", TTL, progress_mark=mark, max_takeovers=3
         )
-    assert lease is not None and (lease.takeovers, lease.status) == (3, LeaseStatus.RUNNING)
+    assert lease is not None
+    assert (lease.takeovers, lease.status) == (3, LeaseStatus.RUNNING)
     leases.advance(TTL + 1)
 
     async def end_a() -> None:
@@ -106,7 +107,8 @@ async def test_a_take_with_no_new_checkpoint_past_the_budget_dead_letters_it(
         await until_status(leases, key, LeaseStatus.DEAD_LETTERED)
     await end_a()
     lease = await leases.store.get(key)
-    assert lease is not None and lease.reason is not None
+    assert lease is not None
+    assert lease.reason is not None
     assert "crashed 3 workers in a row" in lease.reason
     assert "the last dead-3 at token 4" in lease.reason
     assert pill.pill_runs == ["A"]  # B never ran the step
@@ -125,7 +127,8 @@ async def test_a_new_checkpoint_since_the_last_take_lets_it_run(leases: Leases, 
         await until_status(leases, key, LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED)
     await end_a()
     lease = await leases.store.get(key)
-    assert lease is not None and lease.status is LeaseStatus.DONE, lease.reason
+    assert lease is not None, lease.reason
+    assert lease.status is LeaseStatus.DONE, lease.reason
     assert pill.pill_runs == ["A", "B"]
 
 
@@ -140,7 +143,8 @@ async def test_the_budget_is_the_instance_s_or_serve_s(
         await until_status(leases, key, LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED)
     await end_a()
     lease = await leases.store.get(key)
-    assert lease is not None and lease.status is LeaseStatus.DONE, lease.reason
+    assert lease is not None, lease.reason
+    assert lease.status is LeaseStatus.DONE, lease.reason
     assert lease.takeovers == 0  # done: the count starts again
 
 
