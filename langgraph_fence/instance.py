@@ -54,8 +54,6 @@ from .lease import (
     Lease,
     LeaseKey,
     LeaseStatus,
-    dead_letter_reason,
-    non_idempotent_standing,
     validate_max_takeovers,
 )
 from .redact import bounded_reason, failure_reason
@@ -738,23 +736,17 @@ class Instance:
         if lease is None:
             raise _refusal(key, await self.repository.get(key), self.instance_id)
         self._events.emit(EventKind.ACQUIRED, key.scope_key, lease.epoch)
-        handle = RunHandle(
+        if lease.status is LeaseStatus.DEAD_LETTERED:
+            # A non-idempotent write stood: acquire dead-lettered the execution in its one
+            # statement, as serve()'s take_over does (idempotent entries it cleared).
+            reason = lease.reason or ""
+            self._dead_lettered(key.scope_key, lease.epoch, reason)
+            raise ExecutionDeadLetteredError(
+                f"execution {key.scope_key!r} was dead-lettered: {reason}"
+            )
+        return RunHandle(
             self.repository, lease, self.lease_ttl, clock=self.clock, confirmed_from=sent_at
         )
-        if lease.pending_effects:
-            standing = non_idempotent_standing(lease)
-            if standing:
-                # The same decision as serve()'s take_over.
-                reason = dead_letter_reason(standing, lease.epoch, self.instance_id, how="resumed")
-                await self.repository.dead_letter(key, reason, epoch=lease.epoch)
-                self._dead_lettered(key.scope_key, lease.epoch, reason)
-                raise ExecutionDeadLetteredError(
-                    f"execution {key.scope_key!r} was dead-lettered: {reason}"
-                )
-            # Idempotent writes converge on repeat: clear their entries and go on.
-            lease = await self.repository.clear_pending_effects(lease)
-            handle.replace_lease(lease, sent_at=sent_at)
-        return handle
 
     @asynccontextmanager
     async def _run(
