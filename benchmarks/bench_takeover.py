@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 from checkpointers import SqlCheckpointer  # noqa: E402
 from langgraph_fence import SqlLeaseRepository  # noqa: E402
 from langgraph_fence.database import create_engine  # noqa: E402
-from langgraph_fence.executions import SqlExecutionRecords  # noqa: E402
+from langgraph_fence.records import SqlExecutionRecords  # noqa: E402
 from tests.chaos.chaos_graphs import spawn_hold  # noqa: E402
 from tests.processes import (  # noqa: E402
     MARK_DIR_ENV,

@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from checkpointers import SqlCheckpointer
 from langgraph_fence import Lease, LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.database import create_engine
-from langgraph_fence.executions import SqlExecutionRecords
+from langgraph_fence.records import SqlExecutionRecords
 from tests.chaos.chaos_graphs import EXIT_FENCED, HOLD_GRAPH, spawn_hold
 from tests.conftest import pg_engine_options, unique
 from tests.processes import Started, read_json, start_worker, stop_process, tail, wait_ready
