@@ -45,7 +45,6 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from checkpointers import SqlCheckpointer
 from langgraph_fence import (
     ExecutionLeaseHeldError,
     Lease,
@@ -56,7 +55,6 @@ from langgraph_fence import (
 from langgraph_fence.database import create_engine
 from langgraph_fence.instance import Instance
 from langgraph_fence.records import ExecutionRecord, SqlExecutionRecords
-from langgraph_fence.sinks import setup_sink
 from tests.chaos.chaos_graphs import (
     CREATE_EFFECTS,
     HOLD_GRAPH,
@@ -65,7 +63,7 @@ from tests.chaos.chaos_graphs import (
     build_hold_graph,
     spawn_hold,
 )
-from tests.conftest import pg_engine_options, unique
+from tests.conftest import pg_engine_options, setup_all, unique
 from tests.polling import eventually
 from tests.processes import Started, start_process, start_worker, stop_process, wait_ready
 
@@ -331,12 +329,9 @@ async def test_serve_workers_frozen_and_killed_never_charge_twice(
     started = time.monotonic()
 
     engine = create_engine(url, **pg_engine_options(schema))
+    await setup_all(engine)
     repo = SqlLeaseRepository(engine)
-    await repo.setup()
-    await SqlCheckpointer(engine).setup()
     records = SqlExecutionRecords(engine)
-    await records.setup()
-    await setup_sink(engine)
     async with engine.connect() as conn:
         await conn.execute(text(CREATE_EFFECTS))
     chaos = Chaos(tmp_path, url, schema, rng)
@@ -507,12 +502,9 @@ async def test_a_client_killed_while_it_starts_an_execution_loses_nothing(
     tenant = unique("start")
     key = LeaseKey(tenant, unique("x-p"))
     engine = create_engine(url, **pg_engine_options(schema))
+    await setup_all(engine)
     repo = SqlLeaseRepository(engine)
-    await repo.setup()
-    await SqlCheckpointer(engine).setup()
     records = SqlExecutionRecords(engine)
-    await records.setup()
-    await setup_sink(engine)
     async with engine.connect() as conn:
         await conn.execute(text(CREATE_EFFECTS))
     chaos = Chaos(tmp_path, url, schema, random.Random(0))
@@ -588,12 +580,9 @@ async def test_executions_serve_cannot_run_do_not_starve_those_it_can(
     """
     url, schema = own_schema
     engine = create_engine(url, **pg_engine_options(schema))
+    await setup_all(engine)
     repo = SqlLeaseRepository(engine)
-    await repo.setup()
-    await SqlCheckpointer(engine).setup()
     records = SqlExecutionRecords(engine)
-    await records.setup()
-    await setup_sink(engine)
     async with engine.connect() as conn:
         await conn.execute(text(CREATE_EFFECTS))
     others = [LeaseKey("a-payroll", f"run-{i:02d}") for i in range(CONCURRENCY * 4)]
@@ -645,11 +634,9 @@ async def test_a_refused_start_does_not_rewrite_the_record_of_a_running_executio
     key = LeaseKey(tenant, thread)
     inside_work = tmp_path / "inside-work.json"
     engine = create_engine(url, **pg_engine_options(schema))
+    await setup_all(engine)
     repo = SqlLeaseRepository(engine)
-    await repo.setup()
-    await SqlCheckpointer(engine).setup()
     records = SqlExecutionRecords(engine)
-    await records.setup()
     chaos = Chaos(tmp_path, url, schema, random.Random(0), graphs="hold_graphs")
     holder: Started | None = None
     try:

@@ -16,19 +16,11 @@ import pytest
 from langgraph_fence import Effect, LeaseKey, LeaseStatus, PendingEffect, SqlLeaseRepository
 from langgraph_fence.database import create_engine
 from langgraph_fence.testing import ManualClock
+from tests.chaos.write_steps import Database
 from tests.conftest import pg_engine_options, unique
 
 ROOT = Path(__file__).parents[2]
 TTL = 10.0
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
-    """``(url, schema)``; schema empty on SQLite."""
-    if request.param == "sqlite":
-        return f"sqlite+aiosqlite:///{tmp_path / 'fence.db'}", ""
-    url, schema = request.getfixturevalue("pg_schema")
-    return url, schema
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -47,9 +39,9 @@ def schema_args(schema: str) -> list[str]:
 
 
 async def test_resolve_retry_makes_a_dead_letter_pending_with_its_budget_reset(
-    database: tuple[str, str],
+    database: Database,
 ) -> None:
-    url, schema = database
+    url, schema = database.url, database.schema
     engine = create_engine(url, **(pg_engine_options(schema) if schema else {}))
     clock = ManualClock()
     try:
@@ -92,9 +84,9 @@ async def test_resolve_retry_makes_a_dead_letter_pending_with_its_budget_reset(
 
 
 async def test_resolve_abandon_ends_a_dead_letter_failed_with_the_operators_reason(
-    database: tuple[str, str],
+    database: Database,
 ) -> None:
-    url, schema = database
+    url, schema = database.url, database.schema
     engine = create_engine(url, **(pg_engine_options(schema) if schema else {}))
     clock = ManualClock()
     try:
@@ -141,9 +133,9 @@ async def test_resolve_abandon_ends_a_dead_letter_failed_with_the_operators_reas
 
 
 async def test_executions_json_lists_what_an_operator_decides_on(
-    database: tuple[str, str],
+    database: Database,
 ) -> None:
-    url, schema = database
+    url, schema = database.url, database.schema
     engine = create_engine(url, **(pg_engine_options(schema) if schema else {}))
     tenant = unique("t")
     # Written in the store's clock a minute back: on SQLite the store's clock is this
