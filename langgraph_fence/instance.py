@@ -58,6 +58,7 @@ from .lease import (
     non_idempotent_standing,
     validate_max_takeovers,
 )
+from .queue import OnBusy, SubmittedRun, SubmittedRuns, fair_order
 from .redact import bounded_reason, failure_reason
 from .retry import FixedWindow, is_database_connection_error, retry_window
 from .run_config import record_run, restore_run, run_allowlist
@@ -175,6 +176,9 @@ class Instance:
         #: The fenced LangGraph store on the instance's database (``Instance.open``):
         #: ``compile(checkpointer=instance.checkpointer, store=instance.store)``.
         self.store: FencedStore | None = None
+        self._queue: SubmittedRuns | None = None
+        # The tenant serve() claimed for last: the next claims start after it (fair_order).
+        self._claimed_for: str | None = None
 
     def add_listener(self, listener: FenceListener) -> Callable[[], None]:
         """Call ``listener(event)`` with every :class:`~langgraph_fence.FenceEvent` of this
@@ -374,6 +378,87 @@ class Instance:
         }
         return {**updated, "configurable": configurable}
 
+    # -- runs any worker can take
+
+    async def submit(
+        self,
+        graph_name: str,
+        input: Any,
+        config: RunnableConfig | None = None,
+        *,
+        tenant_id: str,
+        execution_id: str | None = None,
+        on_busy: OnBusy = "reject",
+        **options: Any,
+    ) -> SubmittedRun:
+        """Hand a run to any worker: record it pending and return its handle at once.
+
+        The execution (graph name, thread, input, and the run config as :meth:`ainvoke`
+        records it) is recorded and its lease set ``pending`` in one transaction; any
+        instance whose :meth:`serve` serves ``graph_name`` claims it at the next token and
+        runs it (:mod:`langgraph_fence.queue`). A graph name no worker serves yet is
+        accepted (``langgraph-fence runs`` shows it waiting).
+
+        Idempotent: the same graph, input and run config submitted again while that run is
+        pending or running returns that run and writes nothing. Other input for a busy
+        execution is handled by ``on_busy``: ``"reject"`` raises
+        :class:`~langgraph_fence.errors.ExecutionBusyError`; ``"interrupt"`` fences the run
+        in flight (none of its later writes lands) and the new input runs next on the thread.
+
+        Args:
+            graph_name: the name a worker serves the graph under.
+            input: the graph's input (storable data).
+            config: the run config; ``config["configurable"]["thread_id"]`` is required.
+            tenant_id: the tenant the execution and its thread belong to.
+            execution_id: the lease's execution id (default: the thread id).
+            on_busy: ``"reject"`` (default) or ``"interrupt"``.
+            **options: recorded ``ainvoke`` options (``context``, ``durability``, ...).
+
+        Raises:
+            ValueError: a bad argument or a non-serialisable input, named; nothing written.
+            ExecutionBusyError: busy with other input and ``on_busy="reject"``.
+            ExecutionThreadBoundError: the thread belongs to another execution id.
+            ExecutionEndedError: the execution was dead-lettered.
+        """
+        queue = self._run_queue()
+        key, thread_id, run = queue.check(
+            graph_name, input, config, tenant_id, execution_id, on_busy, options
+        )
+        check_thread_binding(key, thread_id, await self.records.bind(key, thread_id))
+        await queue.submit(key, graph_name, thread_id, input, run, on_busy)
+        return SubmittedRun(queue, key)
+
+    def get_run(self, execution_id: str, *, tenant_id: str) -> SubmittedRun:
+        """A handle on the run of ``(tenant_id, execution_id)``, from any process."""
+        return SubmittedRun(self._run_queue(), LeaseKey(tenant_id, execution_id))
+
+    def _queue_of_store(self) -> SubmittedRuns | None:
+        """The run queue, or ``None`` where there is none (not a SQL store)."""
+        try:
+            return self._run_queue()
+        except TypeError:
+            return None
+
+    def _run_queue(self) -> SubmittedRuns:
+        """The run queue on the lease table's database (SQL stores only)."""
+        if self._queue is None:
+            from .stores.sql import SqlLeaseRepository
+
+            try:
+                store = _base_store(self.repository)
+            except ValueError:
+                store = None
+            if not isinstance(store, SqlLeaseRepository) or not isinstance(
+                self.records, SqlExecutionRecords
+            ):
+                raise TypeError(
+                    "submitted runs need the lease table and the execution records on one SQL "
+                    "database (every worker reads the queue there): open the instance with "
+                    "Instance.open('sqlite+aiosqlite:///...' or 'postgresql+asyncpg://...')"
+                )
+            self._queue = SubmittedRuns(store.engine, self.records.serde)
+        return self._queue
+
     # -- taking executions over
 
     async def serve(
@@ -519,7 +604,7 @@ class Instance:
             current = {candidate.key: candidate.epoch for candidate in candidates}
             for key in [k for k, epoch in unserved.items() if current.get(k) != epoch]:
                 del unserved[key]
-            fresh = [c for c in candidates if c.key not in unserved]
+            fresh = fair_order([c for c in candidates if c.key not in unserved], self._claimed_for)
             heads = await self.records.heads_of([c.key for c in fresh]) if fresh else {}
             found_unserved = False
             for candidate in fresh:
@@ -552,6 +637,7 @@ class Instance:
                     continue
                 if started:
                     free -= 1
+                    self._claimed_for = candidate.key.tenant_id
             if len(candidates) < limit or not found_unserved:
                 return
             # A full window of newly found unserved executions may hide servable ones behind
@@ -604,7 +690,19 @@ class Instance:
         # The record cannot change under us now: a new run of the key takes a new epoch.
         # A checkpoint found before the take is there still; none found is read again now
         # the take fenced the old holder (it may have landed its first one in between).
-        from_input = latest is None and await graph.checkpointer.aget_tuple(config) is None
+        now_latest = latest if latest is not None else await graph.checkpointer.aget_tuple(config)
+        from_input = now_latest is None
+        submitted = False
+        if self._queue_of_store() is not None:
+            # A submitted run: the first claimer pins the checkpoint its input follows; a
+            # later taker runs the input again only if the thread is still there.
+            if latest is not None:
+                now_latest = await graph.checkpointer.aget_tuple(config)
+            mark_now = "" if now_latest is None else str(_checkpoint_id(now_latest))
+            pinned = await self._run_queue().pin(taken, mark_now)
+            if pinned is not None:
+                submitted = True
+                from_input = pinned == mark_now
         try:
             record = await self.records.get(
                 taken.key, allow=run_allowlist(graph), with_input=from_input
@@ -623,7 +721,9 @@ class Instance:
         config, options = restore_run(record.run, head.thread_id, candidate.key.tenant_id)
         runs: list[_Run] = []
         task = asyncio.create_task(
-            self._resume(graph, config, record.input, taken, runs, {**kwargs, **options}),
+            self._resume(
+                graph, config, record.input, taken, runs, {**kwargs, **options}, submitted
+            ),
             name=f"resume {taken.scope_key}",
         )
         running[task] = runs
@@ -648,8 +748,10 @@ class Instance:
         taken: Lease,
         runs: list[_Run],
         kwargs: Mapping[str, Any],
+        submitted: bool = False,
     ) -> None:
-        """Run a taken execution: from its last checkpoint (``input`` None), or its input."""
+        """Run a taken execution: from its last checkpoint (``input`` None), or its input;
+        a submitted run's output is kept with its execution under its lease."""
         try:
             logger.info(
                 "resuming %s at token %d from its %s",
@@ -667,7 +769,9 @@ class Instance:
                 taken=taken,
             ) as run:
                 runs.append(run)
-                await graph.ainvoke(input, run.config, control=run.control, **kwargs)
+                output = await graph.ainvoke(input, run.config, control=run.control, **kwargs)
+                if submitted:
+                    await self._run_queue().store_output(run.handle, output)
         except GraphDrained:
             logger.info("run %s drained and handed back", taken.scope_key)
         except Exception:
@@ -1108,6 +1212,11 @@ def _lost_to_the_store(handle: RunHandle, exc: BaseException) -> ExecutionLeaseL
         token_held=handle.token,
         token_seen=None,
     )
+
+
+def _checkpoint_id(saved: Any) -> str:
+    """The id of a ``CheckpointTuple``'s checkpoint."""
+    return str(saved.config["configurable"]["checkpoint_id"])
 
 
 def _latest(config: RunnableConfig) -> RunnableConfig:
