@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 from checkpointers import SqlCheckpointer  # noqa: E402
 from langgraph_fence import SqlLeaseRepository  # noqa: E402
 from langgraph_fence.database import create_engine  # noqa: E402
-from langgraph_fence.executions import SqlExecutionRecords  # noqa: E402
+from langgraph_fence.records import SqlExecutionRecords  # noqa: E402
 from tests.chaos.chaos_graphs import MARK_DIR_ENV  # noqa: E402
 
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"

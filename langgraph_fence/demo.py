@@ -34,11 +34,11 @@ from .database import create_engine, normalize_url, schema_options
 from .effects import Effect
 from .errors import ExecutionLeaseLostError, find_fence_error
 from .events import FenceEvent
-from .executions import SqlExecutionRecords
 from .faults import StallableRepository, StallGate
 from .instance import Instance
 from .lease import LeaseKey
 from .nodes import fence_graph
+from .records import SqlExecutionRecords
 from .redact import mask_password
 from .sinks import fenced_write, setup_sink
 from .stores.sql import SqlLeaseRepository

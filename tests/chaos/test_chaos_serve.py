@@ -48,8 +48,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from checkpointers import SqlCheckpointer
 from langgraph_fence import ExecutionLeaseHeldError, LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.database import create_engine
-from langgraph_fence.executions import ExecutionRecord, SqlExecutionRecords
 from langgraph_fence.instance import Instance
+from langgraph_fence.records import ExecutionRecord, SqlExecutionRecords
 from langgraph_fence.sinks import setup_sink
 from tests.chaos.chaos_graphs import (
     CREATE_EFFECTS,

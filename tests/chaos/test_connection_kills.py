@@ -34,8 +34,8 @@ from sqlalchemy import text
 
 from langgraph_fence import LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.database import create_engine
-from langgraph_fence.executions import SqlExecutionRecords
 from langgraph_fence.instance import Instance
+from langgraph_fence.records import SqlExecutionRecords
 from langgraph_fence.sinks import setup_sink
 from tests.chaos.chaos_graphs import CREATE_EFFECTS, PLAIN_GRAPH, SINK_GRAPH
 from tests.chaos.conftest import poll

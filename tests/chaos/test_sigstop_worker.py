@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from checkpointers import SqlCheckpointer
 from langgraph_fence import LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.database import create_engine
-from langgraph_fence.executions import SqlExecutionRecords
+from langgraph_fence.records import SqlExecutionRecords
 from tests.chaos.chaos_graphs import EXIT_FENCED, HOLD_GRAPH, spawn_hold
 from tests.chaos.conftest import poll
 from tests.conftest import pg_engine_options, unique

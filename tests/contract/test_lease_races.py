@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence import ExecutionFencedError, Lease, LeaseKey, SqlLeaseRepository
 from langgraph_fence.database import create_engine
-from langgraph_fence.executions import EXECUTION_MIGRATIONS
+from langgraph_fence.records import EXECUTION_MIGRATIONS
 from langgraph_fence.schema import LEASE_MIGRATIONS
 from langgraph_fence.testing import ManualClock
 from tests.conftest import SQL_BACKENDS, _pg_admin_async, pg_engine_options, unique

@@ -763,7 +763,7 @@ async def test_a_write_step_costs_one_round_trip_more_than_a_read(
 
     from checkpointers import SqlCheckpointer
     from langgraph_fence import Instance, fence_graph
-    from langgraph_fence.executions import SqlExecutionRecords
+    from langgraph_fence.records import SqlExecutionRecords
 
     url, schema = pg_schema
     wire: list[str] = []

@@ -37,9 +37,9 @@ from langgraph_fence import (
 )
 from langgraph_fence.database import transaction
 from langgraph_fence.errors import ExecutionLeaseHeldError
-from langgraph_fence.executions import SqlExecutionRecords
 from langgraph_fence.instance import Instance
 from langgraph_fence.nodes import fence_graph
+from langgraph_fence.records import SqlExecutionRecords
 from langgraph_fence.sinks import fenced_write, setup_sink
 from langgraph_fence.testing import ManualClock
 from tests.conftest import SQL_BACKENDS, unique

@@ -45,8 +45,8 @@ from langgraph_fence import (
     get_execution_context,
 )
 from langgraph_fence.database import create_engine
-from langgraph_fence.executions import SqlExecutionRecords
 from langgraph_fence.faults import StallableRepository, StallGate
+from langgraph_fence.records import SqlExecutionRecords
 from tests.chaos.conftest import poll
 from tests.chaos.write_steps import Database, engine_options
 from tests.conftest import unique

@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from checkpointers import SqlCheckpointer
 from langgraph_fence import Instance, SqlLeaseRepository, fence_graph
 from langgraph_fence.database import create_engine
-from langgraph_fence.executions import SqlExecutionRecords
+from langgraph_fence.records import SqlExecutionRecords
 from tests.chaos.write_steps import Database
 from tests.conftest import pg_engine_options, unique
 

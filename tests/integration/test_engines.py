@@ -31,7 +31,7 @@ from langgraph_fence import (
     fence_graph,
 )
 from langgraph_fence.database import create_engine, normalize_url
-from langgraph_fence.executions import SqlExecutionRecords
+from langgraph_fence.records import SqlExecutionRecords
 from tests.chaos.conftest import poll
 from tests.chaos.write_steps import Database
 from tests.conftest import pg_engine_options, unique

@@ -27,9 +27,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from checkpointers import SqlCheckpointer
 from langgraph_fence import FencedCheckpointer, LeaseKey, LeaseStatus
-from langgraph_fence.executions import ExecutionRecord, SqlExecutionRecords
 from langgraph_fence.instance import Instance
+from langgraph_fence.records import ExecutionRecord, SqlExecutionRecords
 from langgraph_fence.serde import safe_serializer
+from langgraph_fence.serve import Server
 from langgraph_fence.testing import Leases, ManualClock
 from tests.conftest import SQL_BACKENDS, unique
 from tests.integration.test_serve import eventually, serving, until_status
@@ -267,7 +268,7 @@ async def taken_by(db: Leases, key: LeaseKey, holder: str) -> bool:
 
 @pytest.mark.parametrize("waiting", [0, 200, 800])
 async def test_unserved_candidates_cost_nothing_per_poll(
-    db: Leases, waiting: int, request: pytest.FixtureRequest
+    db: Leases, waiting: int, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tenant = unique("tenant")  # the session's schema may hold other tests' candidates
     unserved = [await expired(db, "not-served", tenant=tenant) for _ in range(waiting)]
@@ -281,14 +282,14 @@ async def test_unserved_candidates_cost_nothing_per_poll(
     record_reads = 0
     reads_at_poll: list[int] = []  # record reads so far, as each poll starts
     poll_seconds: list[float] = []
-    take_work, take_over, load = worker._take_work, worker.repository.take_over, db.records.get
+    take_work, take_over, load = Server.take_work, worker.repository.take_over, db.records.get
 
-    async def counted_poll(*args: Any) -> None:
+    async def counted_poll(server: Server, free: int) -> None:
         nonlocal polls
         polls += 1
         reads_at_poll.append(record_reads)
         began = time.perf_counter()
-        await take_work(*args)
+        await take_work(server, free)
         poll_seconds.append(time.perf_counter() - began)
 
     async def counted_take_over(candidate: Any, holder: str, ttl: float, **budget: Any) -> Any:
@@ -305,7 +306,7 @@ async def test_unserved_candidates_cost_nothing_per_poll(
         if "FROM fence_executions" in statement:
             record_reads += 1
 
-    worker._take_work = counted_poll  # type: ignore[method-assign]
+    monkeypatch.setattr(Server, "take_work", counted_poll)
     worker.repository.take_over = counted_take_over  # type: ignore[method-assign]
     db.records.get = counted_load  # type: ignore[method-assign]
     event.listen(db.engine.sync_engine, "before_cursor_execute", count_record_reads)

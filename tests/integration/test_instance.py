@@ -23,9 +23,9 @@ from langgraph_fence import (
     SqlLeaseRepository,
 )
 from langgraph_fence.context import get_execution_context
-from langgraph_fence.executions import SqlExecutionRecords
 from langgraph_fence.instance import Instance
 from langgraph_fence.nodes import fence_graph
+from langgraph_fence.records import SqlExecutionRecords
 from tests.conftest import SQL_BACKENDS, unique
 
 
@@ -313,7 +313,7 @@ async def test_a_renewal_refused_mid_run_stops_it_with_the_fencing_error(
 
 
 async def test_a_refused_start_leaves_the_record_of_the_run_in_flight(instance: Instance) -> None:
-    from langgraph_fence.executions import ExecutionRecord
+    from langgraph_fence.records import ExecutionRecord
 
     graph = _graph(instance, [])
     thread = unique("thread")

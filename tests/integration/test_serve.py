@@ -29,9 +29,9 @@ from langgraph_fence import (
     MemoryLeaseRepository,
 )
 from langgraph_fence.context import get_execution_context
-from langgraph_fence.executions import ExecutionRecord
 from langgraph_fence.instance import Instance
 from langgraph_fence.nodes import fence_graph
+from langgraph_fence.records import ExecutionRecord
 from langgraph_fence.testing import Leases
 from tests.conftest import unique
 

@@ -32,10 +32,10 @@ from langgraph_fence import LeaseKey, SqlLeaseRepository
 from langgraph_fence.checkpoint import DEFAULT_TENANT, _inner_thread_id, _outer_thread_id
 from langgraph_fence.database import create_engine, transaction
 from langgraph_fence.errors import ExecutionThreadBoundError
-from langgraph_fence.executions import EXECUTION_MIGRATIONS, SqlExecutionRecords
 from langgraph_fence.instance import Instance
 from langgraph_fence.migrations import migrate
 from langgraph_fence.nodes import fence_graph
+from langgraph_fence.records import EXECUTION_MIGRATIONS, SqlExecutionRecords
 from langgraph_fence.run_config import RecordedRun
 from langgraph_fence.schema import LEASE_MIGRATIONS
 from tests.conftest import SQL_BACKENDS, pg_engine_options, unique
