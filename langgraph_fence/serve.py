@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,7 @@ from langgraph.errors import GraphDrained
 from .events import EventKind
 from .keeper import Sleep
 from .lease import Lease, LeaseKey, LeaseStatus, validate_max_takeovers
-from .queue import fair_order
+from .queue import ANNOUNCE_EVERY, fair_order
 from .records import ExecutionHead
 from .redact import failure_reason
 from .run import DEFAULT_GRAPH_NAME, Run, announce_dead_letter, running
@@ -104,6 +105,7 @@ class Server:
         self.failures = 0  # looks in a row that the store refused: the loop backs off
         # The tenant this loop claimed for last: the next claims start after it (fair_order).
         self._claimed_for: str | None = None
+        self._announced_at = -ANNOUNCE_EVERY  # monotonic; never yet
 
     async def poll_once(self) -> float:
         """One look: forget the runs that ended, take work if a slot is free; returns the
@@ -122,7 +124,31 @@ class Server:
                     failure_reason(exc),
                     serve_backoff(self.poll, self.failures),
                 )
+        await self._announce()
         return serve_backoff(self.poll, self.failures)
+
+    async def _announce(self) -> None:
+        """Say which graphs this loop serves (``langgraph-fence runs`` shows a pending run
+        of a graph nobody serves as unserved), at most every ``ANNOUNCE_EVERY`` seconds;
+        never fails the loop."""
+        queue = self.instance.queue_or_none()
+        now = time.monotonic()
+        if queue is None or now < self._announced_at + ANNOUNCE_EVERY:
+            return
+        try:
+            await queue.announce(self.instance.instance_id, self.graphs)
+            self._announced_at = now
+        except Exception as exc:
+            logger.info("serve: could not say which graphs it serves (%s)", failure_reason(exc))
+
+    async def _retire(self) -> None:
+        queue = self.instance.queue_or_none()
+        if queue is None or self._announced_at == -ANNOUNCE_EVERY:
+            return
+        try:
+            await queue.retire(self.instance.instance_id)
+        except Exception as exc:
+            logger.info("serve: could not say it stopped serving (%s)", failure_reason(exc))
 
     async def run(self, stop: asyncio.Event, *, handle_signals: bool = False) -> None:
         """Look, pause, look again until ``stop`` is set (a run that ends cuts the pause
@@ -144,6 +170,7 @@ class Server:
         finally:
             remove_signals()
             await self.stop_runs()
+            await self._retire()
             logger.info("instance %s stopped serving", self.instance.instance_id)
 
     async def stop_runs(self) -> None:
