@@ -118,26 +118,3 @@ def test_submit_runs_and_a_worker_on_the_command_line(tmp_path: Path) -> None:
         worker.wait(timeout=30)
         log.close()
     assert worker.returncode == 0, (tmp_path / "worker.log").read_text()
-
-
-def test_runs_never_loads_langgraph(tmp_path: Path) -> None:
-    """``runs`` is a listing: the start-up budget of the listings holds for it too."""
-    db = f"sqlite+aiosqlite:///{tmp_path}/cli.db"
-    assert cli("migrate", "--db", db).returncode == 0
-    probe = (
-        "import sys\n"
-        "from langgraph_fence.cli import main\n"
-        "code = main(sys.argv[1:])\n"
-        "print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('langgraph', 'langchain_core', 'checkpointers')))\n"
-        "sys.exit(code)\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", probe, "runs", "--db", db, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=ENV,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == "LOADED []"
