@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -53,12 +55,15 @@ if TYPE_CHECKING:
     from .fence import RunHandle
     from .run_config import RecordedRun
 
+logger = logging.getLogger(__name__)
+
 # LangGraph is imported by what submits and runs (run_config, serde), not by what lists:
 # `langgraph-fence runs` reads this module without it (benchmarks/README.md, start-up).
 
 __all__ = [
     "ANNOUNCED_FOR",
     "ANNOUNCE_EVERY",
+    "NOTIFY_CHANNEL",
     "ON_BUSY",
     "OnBusy",
     "RunState",
@@ -149,6 +154,9 @@ _RUNS = text(
 )
 
 
+#: The PostgreSQL channel a submit notifies (the payload: the graph name).
+NOTIFY_CHANNEL = "langgraph_fence_runs"
+_NOTIFY = text(f"SELECT pg_notify('{NOTIFY_CHANNEL}', :graph)")
 _ANNOUNCE = text(
     "INSERT INTO fence_workers (instance_id, graphs, seen_at) VALUES (:instance_id, :graphs, "
     ":at) ON CONFLICT (instance_id) DO UPDATE SET graphs = excluded.graphs, "
@@ -321,6 +329,9 @@ class SubmittedRuns:
                         )
                     else:
                         await conn.execute(_REPEND, {**params, "epoch": lease.epoch, "at": at})
+                if self._pg:
+                    # Delivered on commit: a waiting serve() looks at once.
+                    await conn.execute(_NOTIFY, {"graph": graph_name})
                 await conn.execute(
                     _SUBMIT_RECORD,
                     {
@@ -461,6 +472,43 @@ class SubmittedRuns:
     async def runs(self, limit: int = 1000) -> list[RunState]:
         """Every pending and running execution (with its worker), oldest first."""
         return await list_runs(self._engine, limit)
+
+    @asynccontextmanager
+    async def wakeups(self, wake: asyncio.Event) -> AsyncIterator[bool]:
+        """Set ``wake`` whenever a run is submitted, while the block runs; yields whether it
+        will (PostgreSQL: a connection of the pool LISTENs on :data:`NOTIFY_CHANNEL`;
+        SQLite, or a connection that cannot listen: never, and the caller polls)."""
+        if not self._pg:
+            yield False
+            return
+
+        def notified(*_: Any) -> None:
+            wake.set()
+
+        try:
+            conn = await self._engine.connect()
+        except Exception as exc:
+            logger.info("serve: cannot LISTEN for submits (%s); polling only", exc)
+            yield False
+            return
+        try:
+            driver: Any = None
+            try:
+                driver = (await conn.get_raw_connection()).driver_connection
+                await driver.add_listener(NOTIFY_CHANNEL, notified)
+            except Exception as exc:
+                logger.info("serve: cannot LISTEN for submits (%s); polling only", exc)
+                driver = None
+            try:
+                yield driver is not None
+            finally:
+                if driver is not None:
+                    try:
+                        await driver.remove_listener(NOTIFY_CHANNEL, notified)
+                    except Exception:
+                        logger.debug("serve: UNLISTEN failed", exc_info=True)
+        finally:
+            await conn.close()
 
     # -- who serves what
 

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from langchain_core.runnables import RunnableConfig
@@ -156,17 +157,23 @@ class Server:
         for them to hand back."""
         remove_signals = on_signals(stop) if handle_signals else (lambda: None)
         logger.info("instance %s serves %s", self.instance.instance_id, sorted(self.graphs))
+        queue = self.instance.queue_or_none()
+        # On PostgreSQL a submit wakes the loop at once (LISTEN/NOTIFY); polling stays.
+        wake = asyncio.Event()
         try:
-            while not stop.is_set():
-                pause = await self.poll_once()
-                waiters: list[asyncio.Future[Any]] = [
-                    asyncio.ensure_future(stop.wait()),
-                    asyncio.ensure_future(self._sleep(pause)),
-                ]
-                waiters.extend(self.running)
-                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                for waiter in waiters[:2]:
-                    waiter.cancel()
+            async with queue.wakeups(wake) if queue is not None else nullcontext(False):
+                while not stop.is_set():
+                    wake.clear()
+                    pause = await self.poll_once()
+                    waiters: list[asyncio.Future[Any]] = [
+                        asyncio.ensure_future(stop.wait()),
+                        asyncio.ensure_future(self._sleep(pause)),
+                        asyncio.ensure_future(wake.wait()),
+                    ]
+                    waiters.extend(self.running)
+                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                    for waiter in waiters[:3]:
+                        waiter.cancel()
         finally:
             remove_signals()
             await self.stop_runs()
