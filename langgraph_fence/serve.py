@@ -51,6 +51,8 @@ class Server:
         max_takeovers: the takeover budget (checked).
         kwargs: passed to each ``graph.ainvoke``; a run's recorded options win.
         sleep: how the loop pauses between looks (default ``asyncio.sleep``).
+        listen: on PostgreSQL, wake at once when a run is submitted (LISTEN/NOTIFY);
+            ``False``: poll only.
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class Server:
         max_takeovers: int,
         kwargs: Mapping[str, Any],
         sleep: Sleep | None = None,
+        listen: bool = True,
     ) -> None:
         from .checkpoint import FencedCheckpointer
 
@@ -99,6 +102,7 @@ class Server:
         self.concurrency = concurrency
         self.kwargs = kwargs
         self._sleep: Sleep = sleep or asyncio.sleep
+        self.listen = listen
         #: The runs this loop started, by the task that runs each.
         self.running: dict[asyncio.Task[None], list[Run]] = {}
         # Executions of graphs this loop does not serve, by key, with the epoch seen.
@@ -161,7 +165,8 @@ class Server:
         # On PostgreSQL a submit wakes the loop at once (LISTEN/NOTIFY); polling stays.
         wake = asyncio.Event()
         try:
-            async with queue.wakeups(wake) if queue is not None else nullcontext(False):
+            listening = queue is not None and self.listen
+            async with queue.wakeups(wake) if listening and queue else nullcontext(False):
                 while not stop.is_set():
                     wake.clear()
                     pause = await self.poll_once()
