@@ -12,8 +12,9 @@ Measured, not asserted. In a schema of its own per part (dropped at the end):
   (``listen=True``, the default) and polling only (``listen=False``).
 * throughput: ``--runs`` runs of ``bench_count`` (one ``NON_IDEMPOTENT_WRITE`` node that
   inserts a row per execution into ``bench_counts``) over N ``langgraph-fence worker``
-  processes (``--concurrency`` each). Once every worker has said it serves the graph, four
-  client tasks submit the runs; the time is from the first submit to the last run ``done``.
+  processes (``--concurrency`` each). Four client tasks submit every run first (timed on
+  their own); then the workers, started and waiting at a gate, are let go together; the time
+  is from the gate to the last run ``done``.
   Then it checks that every run is done and ran its node exactly once.
 """
 
@@ -24,6 +25,7 @@ import asyncio
 import os
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -57,9 +59,21 @@ class State(TypedDict, total=False):
     done: bool
 
 
+GATE_ENV = "LGF_BENCH_GATE"
+
+
 def graphs(instance: Instance) -> dict[str, Any]:
-    """``--graphs benchmarks.bench_queue:graphs``: ``bench_count``, one counting node."""
+    """``--graphs benchmarks.bench_queue:graphs``: ``bench_count``, one counting node.
+
+    With ``$LGF_BENCH_GATE`` set, the worker says it is up (``GATE.<instance id>``) and
+    waits for the file ``GATE`` before it serves: every worker starts on the same signal.
+    """
     engine = instance.repository.engine  # type: ignore[attr-defined]
+    gate = os.environ.get(GATE_ENV)
+    if gate:
+        Path(f"{gate}.{instance.instance_id}").touch()
+        while not Path(gate).exists():
+            time.sleep(0.01)  # nothing else runs in this worker yet
 
     async def count(state: State) -> dict[str, Any]:
         fence = get_execution_context().fence
@@ -134,7 +148,20 @@ async def throughput(url: str, runs: int, workers: int, concurrency: int) -> dic
             engine = queue._engine
             async with engine.connect() as conn:
                 await conn.execute(text(CREATE_COUNTS))
-            env = {**os.environ, "PYTHONPATH": str(ROOT)}
+            # Every run is submitted first (timed on its own), then the workers start
+            # together: the time is the workers' alone, not the client's competing for CPU.
+            started = time.perf_counter()
+            ids = list(range(runs))
+
+            async def submitter(part: list[int]) -> None:
+                for i in part:
+                    config = {"configurable": {"thread_id": f"run-{i}"}}
+                    await client.submit(GRAPH, {"n": i}, config, tenant_id="bench")
+
+            await asyncio.gather(*(submitter(ids[k::4]) for k in range(4)))
+            submitted = time.perf_counter() - started
+            gate = Path(tempfile.mkdtemp()) / "gate"
+            env = {**os.environ, "PYTHONPATH": str(ROOT), GATE_ENV: str(gate)}
             procs = [
                 await asyncio.create_subprocess_exec(
                     sys.executable,
@@ -162,20 +189,12 @@ async def throughput(url: str, runs: int, workers: int, concurrency: int) -> dic
             ]
             try:
                 deadline = time.monotonic() + 120
-                while len((await queue.served()).get(GRAPH, [])) < workers:
+                while len(list(gate.parent.glob("gate.*"))) < workers:
                     if time.monotonic() > deadline:
                         raise RuntimeError("the workers did not come up")
-                    await asyncio.sleep(0.1)
+                    await asyncio.sleep(0.05)
                 started = time.perf_counter()
-                ids = list(range(runs))
-
-                async def submitter(part: list[int]) -> None:
-                    for i in part:
-                        config = {"configurable": {"thread_id": f"run-{i}"}}
-                        await client.submit(GRAPH, {"n": i}, config, tenant_id="bench")
-
-                await asyncio.gather(*(submitter(ids[k::4]) for k in range(4)))
-                submitted = time.perf_counter() - started
+                gate.touch()
                 count = text("SELECT count(*) FROM fence_leases WHERE status = 'done'")
                 deadline = time.monotonic() + 600
                 while True:
