@@ -477,7 +477,9 @@ class SubmittedRuns:
     async def wakeups(self, wake: asyncio.Event) -> AsyncIterator[bool]:
         """Set ``wake`` whenever a run is submitted, while the block runs; yields whether it
         will (PostgreSQL: a connection of the pool LISTENs on :data:`NOTIFY_CHANNEL`;
-        SQLite, or a connection that cannot listen: never, and the caller polls)."""
+        SQLite, or a connection that cannot listen: never, and the caller polls). A
+        connection the database drops later is not listened on again: the caller's polling
+        finds the runs from then on."""
         if not self._pg:
             yield False
             return
@@ -508,7 +510,11 @@ class SubmittedRuns:
                     except Exception:
                         logger.debug("serve: UNLISTEN failed", exc_info=True)
         finally:
-            await conn.close()
+            try:
+                await conn.close()
+            except Exception:
+                # A connection the database dropped (a restart): nothing left to give back.
+                logger.debug("serve: closing the LISTEN connection failed", exc_info=True)
 
     # -- who serves what
 

@@ -258,7 +258,7 @@ EXECUTION_MIGRATIONS = [
     ),
     Migration(
         version=5,
-        description="the workers serving, and the graphs each serves (langgraph-fence runs)",
+        description="the serving workers and their graphs (langgraph-fence runs)",
         sqlite=[_CREATE_WORKERS.format(double="REAL")],
         postgresql=[_CREATE_WORKERS.format(double="DOUBLE PRECISION")],
     ),
