@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
 from langgraph_fence import LeaseStatus
 from langgraph_fence.lease import Lease
-from tests.chaos.conftest import poll
 from tests.chaos.write_steps import (
     AGENTS,
     SYNC_TOOL_AGENTS,
@@ -37,6 +35,7 @@ from tests.chaos.write_steps import (
     take_over_all,
 )
 from tests.conftest import unique
+from tests.polling import eventually
 
 pytestmark = pytest.mark.chaos
 
@@ -71,7 +70,7 @@ async def kill_mid_write(
             ready = len(list((directory / "ready").iterdir()))
             return True if ready >= ready_per_run * len(ids) else None
 
-        await poll(all_ready, time.monotonic() + DEADLINE, "every slow write to be in flight")
+        await eventually(all_ready, timeout=DEADLINE, what="every slow write to be in flight")
     finally:
         for proc in procs:
             if proc.returncode is None:

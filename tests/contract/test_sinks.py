@@ -40,6 +40,7 @@ from langgraph_fence.sinks import (
 )
 from langgraph_fence.testing import ManualClock
 from tests.conftest import SQL_BACKENDS, pg_engine_options, unique
+from tests.polling import eventually
 
 LEASE_TTL = 10.0  # on the lease store's manual clock
 HOLD_TTL = 3600.0  # on the handle's real clock: local checks never expire inside a test
@@ -219,18 +220,15 @@ async def backend_pid(conn: AsyncConnection) -> int:
 
 async def wait_until_lock_waiting(engine: AsyncEngine, pid: int) -> None:
     """Poll (with a deadline) until PostgreSQL backend ``pid`` waits on a lock."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + DEADLINE
-    while True:
+
+    async def waits() -> bool:
         async with engine.connect() as conn:
             waiting = await conn.execute(
                 text("SELECT wait_event_type FROM pg_stat_activity WHERE pid = :p"), {"p": pid}
             )
-            if waiting.scalar_one_or_none() == "Lock":
-                return
-        if loop.time() > deadline:
-            raise AssertionError(f"backend {pid} never waited on a lock within {DEADLINE}s")
-        await asyncio.sleep(0.005)
+            return waiting.scalar_one_or_none() == "Lock"
+
+    await eventually(waits, timeout=DEADLINE, interval=0.005, what=f"backend {pid} to wait")
 
 
 async def wait_for_event(event: asyncio.Event, *tasks: asyncio.Task[Any]) -> None:
@@ -537,10 +535,9 @@ async def test_a_writer_blocked_behind_the_applier_sees_its_result(
     await wait_for_event(applying, old_task, new_task)
     if backend == "postgresql":
         # Prove the new writer really waits on the old one's lock before letting it commit.
-        deadline = asyncio.get_running_loop().time() + DEADLINE
-        while not pid_of_waiter:
-            assert asyncio.get_running_loop().time() < deadline
-            await asyncio.sleep(0.005)
+        await eventually(
+            lambda: bool(pid_of_waiter), timeout=DEADLINE, interval=0.005, what="the waiter"
+        )
         await wait_until_lock_waiting(engines[0], pid_of_waiter[0])
     may_commit.set()
     first, second = await settle(old_task, new_task)

@@ -43,6 +43,7 @@ from langgraph_fence.records import SqlExecutionRecords
 from langgraph_fence.sinks import fenced_write, setup_sink
 from langgraph_fence.testing import ManualClock
 from tests.conftest import SQL_BACKENDS, unique
+from tests.polling import eventually
 
 CARD = "4111111111111111"
 
@@ -430,10 +431,11 @@ async def test_deleting_a_running_runs_checkpoints_is_refused(instance: Instance
     await asyncio.wait_for(paused.entered.wait(), 10)
     # LangGraph stores the checkpoints in the background (durability "async"): wait until
     # one of the run's has landed, or there is nothing of it to delete yet.
-    deadline = asyncio.get_running_loop().time() + 10
-    while await instance.checkpointer.aget_tuple(config_of(thread, tenant)) is None:
-        assert asyncio.get_running_loop().time() < deadline, "no checkpoint of the run landed"
-        await asyncio.sleep(0.01)
+    await eventually(
+        lambda: instance.checkpointer.aget_tuple(config_of(thread, tenant)),
+        interval=0.01,
+        what="a checkpoint of the run to land",
+    )
     with pytest.raises(ExecutionLeaseHeldError):
         await instance.checkpointer.adelete_for_runs([run_id], tenant_id=tenant)
     paused.proceed.set()

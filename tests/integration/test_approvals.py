@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import operator
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -47,9 +46,9 @@ from langgraph_fence import (
 from langgraph_fence.database import create_engine
 from langgraph_fence.faults import StallableRepository, StallGate
 from langgraph_fence.records import SqlExecutionRecords
-from tests.chaos.conftest import poll
 from tests.chaos.write_steps import Database, engine_options
 from tests.conftest import unique
+from tests.polling import eventually
 
 TENANT = "acme"
 # A woken worker asks the store once whether it was taken over, within one renew interval
@@ -218,7 +217,7 @@ async def freeze_a_at(
             return lease if lease.status in (LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED) else None
 
         try:
-            lease = await poll(ended, time.monotonic() + WAIT, "B's takeover to end")
+            lease = await eventually(ended, timeout=WAIT, what="B's takeover to end")
         finally:
             stop.set()
             await asyncio.wait_for(serving, WAIT)

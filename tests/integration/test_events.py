@@ -39,6 +39,8 @@ from langgraph_fence import (
 from langgraph_fence.otel import instrument
 from langgraph_fence.testing import Leases, open_leases
 from tests.conftest import SQL_BACKENDS, pg_engine_options, unique
+from tests.integration.test_serve import until_status
+from tests.polling import eventually
 
 
 class Order(TypedDict, total=False):
@@ -82,17 +84,6 @@ class Shop:
         )
 
 
-async def _until(leases: Leases, key: LeaseKey, *statuses: LeaseStatus) -> None:
-    deadline = asyncio.get_running_loop().time() + 20
-    while True:
-        lease = await leases.store.get(key)
-        if lease is not None and lease.status in statuses:
-            return
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"the lease of {key.scope_key} never reached {statuses}: {lease}")
-        await asyncio.sleep(0.01)
-
-
 async def _take_over_mid_charge(
     leases: Leases, a: Instance, b: Instance, shop: Shop
 ) -> tuple[LeaseKey, BaseException | None]:
@@ -111,7 +102,7 @@ async def _take_over_mid_charge(
         b.serve({"shop": shop.graph(b)}, poll_interval=0.02, stop=stop, handle_signals=False)
     )
     try:
-        await _until(leases, key, LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED)
+        await until_status(leases, key, LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED, timeout=20)
     finally:
         stop.set()
         await asyncio.wait_for(serve, 20)
@@ -201,10 +192,12 @@ async def test_a_renewal_close_to_the_end_of_the_hold_is_told_as_renewed_late(
     # The renewal due at 10 s fires at 25 s (as after a long pause): 3 s of the proven
     # 28 s hold (30 s less its safety margin) are left.
     store.advance(25.0)
-    deadline = asyncio.get_running_loop().time() + 20
-    while not any(e.kind is EventKind.RENEWED_LATE for e in events):
-        assert asyncio.get_running_loop().time() < deadline, events
-        await asyncio.sleep(0.01)
+    await eventually(
+        lambda: any(e.kind is EventKind.RENEWED_LATE for e in events),
+        timeout=20,
+        interval=0.01,
+        what=lambda: f"a late renewal; heard {events}",
+    )
     shop.a_go.set()
     await asyncio.wait_for(task, 20)
     late = next(e for e in events if e.kind is EventKind.RENEWED_LATE)
@@ -254,10 +247,12 @@ async def test_a_drained_run_is_told_as_handed_back(store: Leases) -> None:
     )
     await asyncio.wait_for(in_step.wait(), 20)
     stop.set()  # as SIGTERM: the step in flight ends, then the run is handed back
-    deadline = asyncio.get_running_loop().time() + 20
-    while not any(run.control.drain_requested for run in b._runs):
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.01)
+    await eventually(
+        lambda: any(run.control.drain_requested for run in b._runs),
+        timeout=20,
+        interval=0.01,
+        what="the run to be asked to drain",
+    )
     release.set()
     await asyncio.wait_for(serve, 20)
     store.resume(a)

@@ -33,7 +33,8 @@ from langgraph_fence.serde import safe_serializer
 from langgraph_fence.serve import Server
 from langgraph_fence.testing import Leases, ManualClock
 from tests.conftest import SQL_BACKENDS, unique
-from tests.integration.test_serve import eventually, serving, until_status
+from tests.integration.test_serve import serving, until_status
+from tests.polling import eventually
 
 TENANT = "acme"
 
@@ -325,7 +326,7 @@ async def test_unserved_candidates_cost_nothing_per_poll(
         async with serving(worker, {"served": log_graph(worker)}):
             await eventually(lambda: taken_by(db, served, worker.instance_id))
             seconds = time.perf_counter() - started
-            await eventually(lambda: asyncio.sleep(0, polls >= 4))
+            await eventually(lambda: polls >= 4)
             await until_status(db, served, LeaseStatus.DONE)
     finally:
         event.remove(db.engine.sync_engine, "before_cursor_execute", count_record_reads)

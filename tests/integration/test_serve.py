@@ -10,7 +10,7 @@ import asyncio
 import contextvars
 import logging
 import operator
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypedDict
 
@@ -34,6 +34,7 @@ from langgraph_fence.nodes import fence_graph
 from langgraph_fence.records import ExecutionRecord
 from langgraph_fence.testing import Leases
 from tests.conftest import unique
+from tests.polling import eventually
 
 worker: contextvars.ContextVar[str] = contextvars.ContextVar("worker", default="?")
 
@@ -43,22 +44,19 @@ class Order(TypedDict, total=False):
     log: Annotated[list[str], operator.add]
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], within: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within
-    while not await check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("the condition did not hold in time")
-        await asyncio.sleep(0.01)
-
-
-async def until_status(leases: Leases, key: LeaseKey, *statuses: LeaseStatus) -> None:
+async def until_status(
+    leases: Leases,
+    key: LeaseKey,
+    *statuses: LeaseStatus,
+    timeout: float = 10.0,  # noqa: ASYNC109 (eventually's deadline, checked between reads)
+) -> None:
     """Wait (with a deadline) until the lease of ``key`` is in one of ``statuses``."""
 
     async def reached() -> bool:
         lease = await leases.store.get(key)
         return lease is not None and lease.status in statuses
 
-    await eventually(reached)
+    await eventually(reached, timeout=timeout, what=f"{key.scope_key} to reach {statuses}")
 
 
 @asynccontextmanager
@@ -209,7 +207,7 @@ async def test_a_run_renewed_between_the_candidate_query_and_the_take_is_skipped
     b.repository.takeover_candidates = candidates_then_renew  # type: ignore[method-assign]
     async with serving(b, {"shop": shop.graph(b)}):
         # The take after the first query, then several more polls: none takes it.
-        await eventually(lambda: asyncio.sleep(0, len(polls) >= 5))
+        await eventually(lambda: len(polls) >= 5)
     lease = await leases.store.get(key)
     assert lease is not None
     assert lease.holder == "A"
@@ -227,7 +225,7 @@ async def test_an_execution_of_an_unknown_graph_is_left_untouched(
     leases.advance(31.0)
     with caplog.at_level(logging.WARNING, logger="langgraph_fence"):
         async with serving(b, {"shop": Shop(Effect.READ_ONLY).graph(b)}):
-            await eventually(lambda: asyncio.sleep(0, "not served here" in caplog.text))
+            await eventually(lambda: "not served here" in caplog.text)
     lease = await leases.store.get(key)
     assert lease is not None
     assert lease.status is LeaseStatus.RUNNING

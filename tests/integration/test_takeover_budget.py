@@ -21,7 +21,8 @@ from langgraph_fence.nodes import fence_graph
 from langgraph_fence.records import ExecutionRecord
 from langgraph_fence.testing import Leases
 from tests.conftest import unique
-from tests.integration.test_serve import eventually, serving, until_status
+from tests.integration.test_serve import serving, until_status
+from tests.polling import eventually
 
 TTL = 30.0
 
