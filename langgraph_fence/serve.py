@@ -146,7 +146,9 @@ class Server:
             await queue.announce(self.instance.instance_id, self.graphs)
             self._announced_at = now
         except Exception as exc:
-            logger.info("serve: could not say which graphs it serves (%s)", failure_reason(exc))
+            logger.info(
+                "serve: could not record its graphs in fence_workers (%s)", failure_reason(exc)
+            )
 
     async def _retire(self) -> None:
         queue = self.instance.queue_or_none()
@@ -155,7 +157,9 @@ class Server:
         try:
             await queue.retire(self.instance.instance_id)
         except Exception as exc:
-            logger.info("serve: could not say it stopped serving (%s)", failure_reason(exc))
+            logger.info(
+                "serve: could not remove its row of fence_workers (%s)", failure_reason(exc)
+            )
 
     async def run(self, stop: asyncio.Event, *, handle_signals: bool = False) -> None:
         """Look, pause, look again until ``stop`` is set (a run that ends cuts the pause

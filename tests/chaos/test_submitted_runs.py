@@ -16,11 +16,8 @@ killed in ``finally``.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -29,46 +26,18 @@ from sqlalchemy import text
 from langgraph_fence import LeaseStatus
 from langgraph_fence.instance import Instance
 from tests.chaos.chaos_graphs import CREATE_EFFECTS, PLAIN_GRAPH, build_chaos_graph
-from tests.chaos.conftest import poll
 from tests.conftest import pg_engine_options, unique
+from tests.polling import eventually
+from tests.processes import start_worker, stop_process
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
 
-ROOT = Path(__file__).parents[2]
+GRAPHS = "tests.chaos.chaos_graphs:chaos_graphs"
 COUNT = 40
 TTL = 1.5
 STARTUP_DEADLINE = 45.0
 END_DEADLINE = 60.0
 ENDED = {LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED, LeaseStatus.FAILED}
-
-
-async def spawn_worker(url: str, schema: str, name: str, log: Path) -> asyncio.subprocess.Process:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with log.open("wb") as out:
-        return await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "langgraph_fence.cli",
-            "worker",
-            "--db",
-            url,
-            "--schema",
-            schema,
-            "--graphs",
-            "tests.chaos.chaos_graphs:chaos_graphs",
-            "--lease-ttl",
-            str(TTL),
-            "--poll-interval",
-            "0.1",
-            "--concurrency",
-            "4",
-            "--instance-id",
-            name,
-            stdout=out,
-            stderr=out,
-            cwd=ROOT,
-            env=env,
-        )
 
 
 async def test_a_killed_worker_loses_no_submitted_run_and_repeats_no_charge(
@@ -95,7 +64,10 @@ async def test_a_killed_worker_loses_no_submitted_run_and_repeats_no_charge(
         victim_name, survivor_name = unique("victim"), unique("survivor")
         workers = []
         try:
-            victim = await spawn_worker(url, schema, victim_name, tmp_path / "victim.log")
+            victim = await start_worker(
+                tmp_path, "victim", url, schema, GRAPHS, ttl=TTL, poll=0.1,
+                instance_id=victim_name, extra=["--concurrency", "4"], wait=False,
+            )  # fmt: skip
             workers.append(victim)
 
             graph = build_chaos_graph(client, PLAIN_GRAPH)  # to read the threads' state
@@ -112,24 +84,26 @@ async def test_a_killed_worker_loses_no_submitted_run_and_repeats_no_charge(
                         return held.key.execution_id
                 return None
 
-            deadline = time.monotonic() + STARTUP_DEADLINE
-            past_charge = await poll(victim_past_a_charge, deadline, "a victim's run past charge")
+            past_charge = await eventually(
+                victim_past_a_charge, timeout=STARTUP_DEADLINE, what="a victim's run past charge"
+            )
             assert past_charge in threads
-            survivor = await spawn_worker(url, schema, survivor_name, tmp_path / "survivor.log")
+            survivor = await start_worker(
+                tmp_path, "survivor", url, schema, GRAPHS, ttl=TTL, poll=0.1,
+                instance_id=survivor_name, extra=["--concurrency", "4"], wait=False,
+            )  # fmt: skip
             workers.append(survivor)
-            victim.send_signal(signal.SIGKILL)
+            os.kill(victim.pid, signal.SIGKILL)
             await victim.wait()
 
             async def all_ended() -> bool | None:
                 states = [await run.state() for run in runs]
                 return True if all(s.status in ENDED for s in states) else None
 
-            await poll(all_ended, time.monotonic() + END_DEADLINE, "every submitted run's end")
+            await eventually(all_ended, timeout=END_DEADLINE, what="every submitted run's end")
         finally:
-            for proc in workers:
-                if proc.returncode is None:
-                    proc.kill()
-                    await proc.wait()
+            for started in workers:
+                await stop_process(started, grace=10)
         async with engine.connect() as conn:
             charges = dict(
                 (row.execution_id, int(row.n))
@@ -139,7 +113,7 @@ async def test_a_killed_worker_loses_no_submitted_run_and_repeats_no_charge(
             )
         states = {run.key.execution_id: await run.state() for run in runs}
         statuses = [s.status for s in states.values()]
-        assert LeaseStatus.FAILED not in statuses, (tmp_path / "survivor.log").read_text()
+        assert LeaseStatus.FAILED not in statuses, workers[-1].post_mortem()
         assert all(n <= 1 for n in charges.values()), charges  # never past a standing stamp
         for execution_id, state in states.items():
             if state.status is LeaseStatus.DONE:

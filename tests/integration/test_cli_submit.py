@@ -8,13 +8,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, TypedDict
 
 from langgraph.graph import END, START, StateGraph
 
 from langgraph_fence import Instance, fence_graph
+from tests.polling import eventually_sync
+from tests.processes import worker_args
 
 ROOT = Path(__file__).parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
@@ -82,19 +83,10 @@ def test_submit_runs_and_a_worker_on_the_command_line(tmp_path: Path) -> None:
     assert "--input must be JSON" in bad.stderr
 
     log = (tmp_path / "worker.log").open("wb")
+    graphs = "tests.integration.test_cli_submit:shout_graphs"
+    args = worker_args(db, "", graphs, ttl=30, poll=0.1, instance_id="cli-worker")
     worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "langgraph_fence.cli",
-            "worker",
-            "--db",
-            db,
-            "--graphs",
-            "tests.integration.test_cli_submit:shout_graphs",
-            "--poll-interval",
-            "0.1",
-        ],
+        [sys.executable, *args],
         stdout=log,
         stderr=log,
         cwd=ROOT,
@@ -110,13 +102,12 @@ def test_submit_runs_and_a_worker_on_the_command_line(tmp_path: Path) -> None:
         # A run of a graph the live worker does not serve stays listed as unserved.
         other = cli("submit", "--db", db, "--graph", "other", "--thread", "t3", "--input", "{}")
         assert other.returncode == 0, other.stderr
-        deadline = time.monotonic() + 30
-        while True:
+
+        def t1_ran() -> dict[str, Any] | None:
             listed_now = {entry["thread_id"]: entry for entry in runs(db)}
-            if "t1" not in listed_now:  # t1 was claimed and ran
-                break
-            assert time.monotonic() < deadline, listed_now
-            time.sleep(0.1)
+            return None if "t1" in listed_now else listed_now  # t1 was claimed and ran
+
+        listed_now = eventually_sync(t1_ran, timeout=30, interval=0.1, what="t1 to be run")
         assert listed_now["t3"]["unserved"] is True
         assert listed_now["t3"]["graph"] == "other"
     finally:

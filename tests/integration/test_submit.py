@@ -30,6 +30,7 @@ from langgraph_fence import (
 )
 from tests.chaos.write_steps import Database
 from tests.conftest import pg_engine_options, unique
+from tests.polling import eventually
 
 TABLES = ("fence_leases", "fence_executions", "fence_thread_bindings", "fence_checkpoints")
 
@@ -266,10 +267,11 @@ async def test_on_postgresql_a_submit_wakes_a_waiting_server(database: Database)
         )
         try:
             queue = client._run_queue()
-            deadline = asyncio.get_running_loop().time() + 20
-            while "shout" not in await queue.served():  # its first look is done
-                assert asyncio.get_running_loop().time() < deadline
-                await asyncio.sleep(0.02)
+
+            async def looked() -> bool:  # its first look is done
+                return "shout" in await queue.served()
+
+            await eventually(looked, timeout=20, what="the server's first look")
             run = await client.submit("shout", {"text": "wake"}, cfg(unique()), tenant_id="a")
             assert (await run.result(timeout=10))["out"] == "WAKE"
         finally:
