@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 # langgraph_fence` (and the CLI's `--help` and listings) must not load LangGraph.
 _WHERE = {
     "Effect": ".effects",
+    "ExecutionBusyError": ".errors",
     "ExecutionContext": ".context",
     "ExecutionContextUnavailableError": ".errors",
     "EventKind": ".events",
@@ -57,7 +58,10 @@ _WHERE = {
     "LeaseStatus": ".lease",
     "MemoryLeaseRepository": ".stores",
     "PendingEffect": ".lease",
+    "RunFailedError": ".errors",
+    "RunState": ".queue",
     "SqlLeaseRepository": ".stores",
+    "SubmittedRun": ".queue",
     "fence_graph": ".nodes",
     "fence_tools": ".tools",
     "fenced": ".nodes",
@@ -97,6 +101,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "Effect",
     "EventKind",
+    "ExecutionBusyError",
     "ExecutionContext",
     "ExecutionContextUnavailableError",
     "ExecutionDeadLetteredError",
@@ -116,7 +121,10 @@ __all__ = [
     "LeaseStatus",
     "MemoryLeaseRepository",
     "PendingEffect",
+    "RunFailedError",
+    "RunState",
     "SqlLeaseRepository",
+    "SubmittedRun",
     "__version__",
     "fence_graph",
     "fence_tools",

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 E = TypeVar("E", bound=BaseException)
 
 __all__ = [
+    "ExecutionBusyError",
     "ExecutionContextUnavailableError",
     "ExecutionDeadLetteredError",
     "ExecutionEndedError",
@@ -21,6 +22,7 @@ __all__ = [
     "ExecutionLeaseLostError",
     "ExecutionThreadBoundError",
     "LangGraphFenceError",
+    "RunFailedError",
     "WriteDeadLetteredError",
     "find_error",
     "find_fence_error",
@@ -161,6 +163,66 @@ class ExecutionDeadLetteredError(LangGraphFenceError, RuntimeError):
     code: ClassVar[str] = "execution.dead-lettered"
 
 
+class ExecutionBusyError(LangGraphFenceError, RuntimeError):
+    """A submit found the thread's execution pending or running with other input, and its
+    ``on_busy`` said ``"reject"``: nothing was written.
+
+    Wait for that run (``await instance.get_run(...).result()``), or submit with
+    ``on_busy="interrupt"`` (the run in flight is fenced and the new input runs next).
+
+    Attributes:
+        scope_key: the execution's scope key.
+        status: where the run in flight stands (``"pending"`` or ``"running"``).
+    """
+
+    code: ClassVar[str] = "execution.busy"
+
+    def __init__(self, message: str, *, scope_key: str | None = None, status: str | None = None):
+        super().__init__(message)
+        self.scope_key = scope_key
+        self.status = status
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            _rebuild_two,
+            (type(self), str(self), {"scope_key": self.scope_key, "status": self.status}),
+            self.__dict__ or None,
+        )
+
+
+class RunFailedError(LangGraphFenceError, RuntimeError):
+    """A submitted run ended without an output: ``failed`` (its error, or cancelled) or
+    ``dead_lettered`` (a non-idempotent write may have happened and is not repeated).
+
+    Raised by :meth:`SubmittedRun.result <langgraph_fence.queue.SubmittedRun.result>`; the
+    message names the execution, its end and the reason the lease records.
+
+    Attributes:
+        scope_key: the execution's scope key.
+        status: ``"failed"`` or ``"dead_lettered"``.
+        reason: why, as the lease records it, or ``None``.
+    """
+
+    code: ClassVar[str] = "execution.run-failed"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        scope_key: str | None = None,
+        status: str | None = None,
+        reason: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.scope_key = scope_key
+        self.status = status
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[object, ...]:
+        fields = {"scope_key": self.scope_key, "status": self.status, "reason": self.reason}
+        return (_rebuild_two, (type(self), str(self), fields), self.__dict__ or None)
+
+
 _WRITE_DEAD_LETTERED_DOC = """A step's non-idempotent write failed, or would have been
     repeated: dead-lettered.
 
@@ -219,6 +281,10 @@ def _rebuild_ended(
     cls: type[ExecutionEndedError], message: str, status: str | None, reason: str | None
 ) -> ExecutionEndedError:
     return cls(message, status=status, reason=reason)
+
+
+def _rebuild_two(cls: type[E], message: str, fields: dict[str, Any]) -> E:
+    return cls(message, **fields)
 
 
 def linked_errors(exc: BaseException) -> Iterator[BaseException]:

@@ -28,8 +28,14 @@ from .events import FenceListener, Listeners
 from .fence import FENCE_CONFIG_KEY, safety_margin
 from .keeper import Keeper, Sleep
 from .keeper import release as stop_keeping
-from .lease import DEFAULT_MAX_TAKEOVERS, ExecutionLeaseRepository
-from .records import ExecutionRecords, MemoryExecutionRecords, SqlExecutionRecords
+from .lease import DEFAULT_MAX_TAKEOVERS, ExecutionLeaseRepository, LeaseKey
+from .queue import OnBusy, SubmittedRun, SubmittedRuns
+from .records import (
+    ExecutionRecords,
+    MemoryExecutionRecords,
+    SqlExecutionRecords,
+    check_thread_binding,
+)
 from .run import Run, running
 from .serde import safe_serializer
 from .serve import check_budget
@@ -158,6 +164,7 @@ class Instance:
         #: The fenced LangGraph store on the instance's database (``Instance.open``):
         #: ``compile(checkpointer=instance.checkpointer, store=instance.store)``.
         self.store: FencedStore | None = None
+        self._queue: SubmittedRuns | None = None
 
     def add_listener(self, listener: FenceListener) -> Callable[[], None]:
         """Call ``listener(event)`` with every :class:`~langgraph_fence.FenceEvent` of this
@@ -360,6 +367,88 @@ class Instance:
         }
         return {**updated, "configurable": configurable}
 
+    # -- runs any worker can take
+
+    async def submit(
+        self,
+        graph_name: str,
+        input: Any,
+        config: RunnableConfig | None = None,
+        *,
+        tenant_id: str,
+        execution_id: str | None = None,
+        on_busy: OnBusy = "reject",
+        **options: Any,
+    ) -> SubmittedRun:
+        """Hand a run to any worker: record it pending and return its handle at once.
+
+        The execution (graph name, thread, input, and the run config as :meth:`ainvoke`
+        records it) is recorded and its lease set ``pending`` in one transaction; any
+        instance whose :meth:`serve` serves ``graph_name`` claims it at the next token and
+        runs it (:mod:`langgraph_fence.queue`). A graph name no worker serves yet is
+        accepted (``langgraph-fence runs`` shows it waiting, unserved).
+
+        Idempotent: the same graph, input and run config submitted again while that run is
+        pending or running returns that run and writes nothing. Other input for a busy
+        execution is handled by ``on_busy``: ``"reject"`` raises
+        :class:`~langgraph_fence.ExecutionBusyError`; ``"interrupt"`` fences the run in
+        flight (none of its later writes lands) and the new input runs next on the thread.
+
+        Args:
+            graph_name: the name a worker serves the graph under.
+            input: the graph's input (storable data).
+            config: the run config; ``config["configurable"]["thread_id"]`` is required.
+            tenant_id: the tenant the execution and its thread belong to.
+            execution_id: the lease's execution id (default: the thread id).
+            on_busy: ``"reject"`` (default) or ``"interrupt"``.
+            **options: recorded ``ainvoke`` options (``context``, ``durability``, ...).
+
+        Raises:
+            ValueError: a bad argument or a non-serialisable input, named; nothing written.
+            ExecutionBusyError: busy with other input and ``on_busy="reject"``.
+            ExecutionThreadBoundError: the thread belongs to another execution id.
+            ExecutionEndedError: the execution was dead-lettered.
+            TypeError: the instance is not on a SQL database.
+        """
+        queue = self._run_queue()
+        key, thread_id, run = queue.check(
+            graph_name, input, config, tenant_id, execution_id, on_busy, options
+        )
+        check_thread_binding(key, thread_id, await self.records.bind(key, thread_id))
+        await queue.submit(key, graph_name, thread_id, input, run, on_busy)
+        return SubmittedRun(queue, key)
+
+    def get_run(self, execution_id: str, *, tenant_id: str) -> SubmittedRun:
+        """A handle on the run of ``(tenant_id, execution_id)``, from any process."""
+        return SubmittedRun(self._run_queue(), LeaseKey(tenant_id, execution_id))
+
+    def queue_or_none(self) -> SubmittedRuns | None:
+        """The run queue, or ``None`` where there is none (not a SQL store)."""
+        try:
+            return self._run_queue()
+        except TypeError:
+            return None
+
+    def _run_queue(self) -> SubmittedRuns:
+        """The run queue on the lease table's database (SQL stores only)."""
+        if self._queue is None:
+            from .stores.sql import SqlLeaseRepository
+
+            try:
+                store = _base_store(self.repository)
+            except ValueError:
+                store = None
+            if not isinstance(store, SqlLeaseRepository) or not isinstance(
+                self.records, SqlExecutionRecords
+            ):
+                raise TypeError(
+                    "submitted runs need the lease table and the execution records on one SQL "
+                    "database (every worker reads the queue there): open the instance with "
+                    "Instance.open('sqlite+aiosqlite:///...' or 'postgresql+asyncpg://...')"
+                )
+            self._queue = SubmittedRuns(store.engine, self.records.serde)
+        return self._queue
+
     # -- taking executions over
 
     async def serve(
@@ -371,9 +460,15 @@ class Instance:
         stop: asyncio.Event | None = None,
         handle_signals: bool = True,
         max_takeovers: int | None = None,
+        listen: bool = True,
         **kwargs: Any,
     ) -> None:
-        """Take over expired executions and run them to their end, until ``stop`` is set.
+        """Take over expired executions and claim submitted runs, and run them to their end,
+        until ``stop`` is set.
+
+        A submitted run (:meth:`submit`) is a pending execution with no holder: it is taken
+        as any handed-back one, fairly across tenants (round-robin by tenant, each
+        tenant's oldest first), and its output is kept with it (:mod:`langgraph_fence.queue`).
 
         Every ``poll_interval`` seconds the loop asks the store for executions whose lease
         expired (their instance died or froze) or that were handed back, and takes each
@@ -407,6 +502,8 @@ class Instance:
             stop: set it to stop the loop gracefully.
             handle_signals: set ``stop`` on SIGTERM and SIGINT (main thread only).
             max_takeovers: the takeover budget (default: the instance's ``max_takeovers``).
+            listen: on PostgreSQL, wake at once when a run is submitted (LISTEN/NOTIFY on
+                one pooled connection); ``False``: find submitted runs by polling only.
             **kwargs: passed to each ``graph.ainvoke`` (``durability``, ...); an option the
                 run recorded (e.g. its ``durability``) wins over these.
         """
@@ -419,6 +516,7 @@ class Instance:
             poll_interval=poll_interval,
             max_takeovers=self.max_takeovers if max_takeovers is None else max_takeovers,
             kwargs=kwargs,
+            listen=listen,
         )
         await server.run(
             stop if stop is not None else asyncio.Event(), handle_signals=handle_signals

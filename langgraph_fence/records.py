@@ -192,6 +192,15 @@ CREATE TABLE IF NOT EXISTS fence_thread_bindings (
     PRIMARY KEY (tenant_id, thread_id)
 )
 """
+# Each serving instance says which graphs it serves, now and then (seen_at, wall clock):
+# what tells a pending run of a graph nobody serves from one waiting for a free worker.
+_CREATE_WORKERS = """
+CREATE TABLE IF NOT EXISTS fence_workers (
+    instance_id TEXT NOT NULL PRIMARY KEY,
+    graphs TEXT NOT NULL,
+    seen_at {double} NOT NULL
+)
+"""
 # Threads recorded before version 2 are bound to the execution that recorded them last (the
 # one a takeover would resume); two recorded at the same moment: the greater id, so the
 # choice does not depend on the order rows come back in.
@@ -229,6 +238,30 @@ EXECUTION_MIGRATIONS = [
             "ALTER TABLE fence_executions ADD COLUMN IF NOT EXISTS run BYTEA",
         ],
     ),
+    Migration(
+        version=4,
+        description="submitted runs: when submitted, the checkpoint the input follows, the output",
+        # NULL on every record written before it, and on every run started by ainvoke: a
+        # submitted run is one with submitted_at set (langgraph_fence.queue).
+        sqlite=[
+            "ALTER TABLE fence_executions ADD COLUMN submitted_at REAL",
+            "ALTER TABLE fence_executions ADD COLUMN input_after TEXT",
+            "ALTER TABLE fence_executions ADD COLUMN output_type TEXT",
+            "ALTER TABLE fence_executions ADD COLUMN output BLOB",
+        ],
+        postgresql=[
+            "ALTER TABLE fence_executions ADD COLUMN IF NOT EXISTS submitted_at DOUBLE PRECISION",
+            "ALTER TABLE fence_executions ADD COLUMN IF NOT EXISTS input_after TEXT",
+            "ALTER TABLE fence_executions ADD COLUMN IF NOT EXISTS output_type TEXT",
+            "ALTER TABLE fence_executions ADD COLUMN IF NOT EXISTS output BYTEA",
+        ],
+    ),
+    Migration(
+        version=5,
+        description="the serving workers and their graphs (langgraph-fence runs)",
+        sqlite=[_CREATE_WORKERS.format(double="REAL")],
+        postgresql=[_CREATE_WORKERS.format(double="DOUBLE PRECISION")],
+    ),
 ]
 
 _COLUMNS = (
@@ -239,7 +272,8 @@ _ON_CONFLICT = (
     "ON CONFLICT (tenant_id, execution_id) DO UPDATE SET graph = excluded.graph, "
     "thread_id = excluded.thread_id, input_type = excluded.input_type, "
     "input = excluded.input, run_type = excluded.run_type, run = excluded.run, "
-    "recorded_at = excluded.recorded_at"
+    "recorded_at = excluded.recorded_at, submitted_at = NULL, input_after = NULL, "
+    "output_type = NULL, output = NULL"
 )
 _UPSERT = text(f"INSERT INTO fence_executions {_COLUMNS}VALUES ({_VALUES}) {_ON_CONFLICT}")
 # The same upsert, skipped while the lease is held by anyone (expired or not: a start that

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from langchain_core.runnables import RunnableConfig
@@ -20,6 +22,7 @@ from langgraph.errors import GraphDrained
 from .events import EventKind
 from .keeper import Sleep
 from .lease import Lease, LeaseKey, LeaseStatus, validate_max_takeovers
+from .queue import ANNOUNCE_EVERY, fair_order
 from .records import ExecutionHead
 from .redact import failure_reason
 from .run import DEFAULT_GRAPH_NAME, Run, announce_dead_letter, running
@@ -50,6 +53,8 @@ class Server:
         max_takeovers: the takeover budget (checked).
         kwargs: passed to each ``graph.ainvoke``; a run's recorded options win.
         sleep: how the loop pauses between looks (default ``asyncio.sleep``).
+        listen: on PostgreSQL, wake at once when a run is submitted (LISTEN/NOTIFY);
+            ``False``: poll only.
     """
 
     def __init__(
@@ -62,6 +67,7 @@ class Server:
         max_takeovers: int,
         kwargs: Mapping[str, Any],
         sleep: Sleep | None = None,
+        listen: bool = True,
     ) -> None:
         from .checkpoint import FencedCheckpointer
 
@@ -98,11 +104,15 @@ class Server:
         self.concurrency = concurrency
         self.kwargs = kwargs
         self._sleep: Sleep = sleep or asyncio.sleep
+        self.listen = listen
         #: The runs this loop started, by the task that runs each.
         self.running: dict[asyncio.Task[None], list[Run]] = {}
         # Executions of graphs this loop does not serve, by key, with the epoch seen.
         self._unserved: dict[LeaseKey, int] = {}
         self.failures = 0  # looks in a row that the store refused: the loop backs off
+        # The tenant this loop claimed for last: the next claims start after it (fair_order).
+        self._claimed_for: str | None = None
+        self._announced_at = -ANNOUNCE_EVERY  # monotonic; never yet
 
     async def poll_once(self) -> float:
         """One look: forget the runs that ended, take work if a slot is free; returns the
@@ -121,7 +131,35 @@ class Server:
                     failure_reason(exc),
                     serve_backoff(self.poll, self.failures),
                 )
+        await self._announce()
         return serve_backoff(self.poll, self.failures)
+
+    async def _announce(self) -> None:
+        """Say which graphs this loop serves (``langgraph-fence runs`` shows a pending run
+        of a graph nobody serves as unserved), at most every ``ANNOUNCE_EVERY`` seconds;
+        never fails the loop."""
+        queue = self.instance.queue_or_none()
+        now = time.monotonic()
+        if queue is None or now < self._announced_at + ANNOUNCE_EVERY:
+            return
+        try:
+            await queue.announce(self.instance.instance_id, self.graphs)
+            self._announced_at = now
+        except Exception as exc:
+            logger.info(
+                "serve: could not record its graphs in fence_workers (%s)", failure_reason(exc)
+            )
+
+    async def _retire(self) -> None:
+        queue = self.instance.queue_or_none()
+        if queue is None or self._announced_at == -ANNOUNCE_EVERY:
+            return
+        try:
+            await queue.retire(self.instance.instance_id)
+        except Exception as exc:
+            logger.info(
+                "serve: could not remove its row of fence_workers (%s)", failure_reason(exc)
+            )
 
     async def run(self, stop: asyncio.Event, *, handle_signals: bool = False) -> None:
         """Look, pause, look again until ``stop`` is set (a run that ends cuts the pause
@@ -129,20 +167,28 @@ class Server:
         for them to hand back."""
         remove_signals = on_signals(stop) if handle_signals else (lambda: None)
         logger.info("instance %s serves %s", self.instance.instance_id, sorted(self.graphs))
+        queue = self.instance.queue_or_none()
+        # On PostgreSQL a submit wakes the loop at once (LISTEN/NOTIFY); polling stays.
+        wake = asyncio.Event()
         try:
-            while not stop.is_set():
-                pause = await self.poll_once()
-                waiters: list[asyncio.Future[Any]] = [
-                    asyncio.ensure_future(stop.wait()),
-                    asyncio.ensure_future(self._sleep(pause)),
-                ]
-                waiters.extend(self.running)
-                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                for waiter in waiters[:2]:
-                    waiter.cancel()
+            listening = queue is not None and self.listen
+            async with queue.wakeups(wake) if listening and queue else nullcontext(False):
+                while not stop.is_set():
+                    wake.clear()
+                    pause = await self.poll_once()
+                    waiters: list[asyncio.Future[Any]] = [
+                        asyncio.ensure_future(stop.wait()),
+                        asyncio.ensure_future(self._sleep(pause)),
+                        asyncio.ensure_future(wake.wait()),
+                    ]
+                    waiters.extend(self.running)
+                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                    for waiter in waiters[:3]:
+                        waiter.cancel()
         finally:
             remove_signals()
             await self.stop_runs()
+            await self._retire()
             logger.info("instance %s stopped serving", self.instance.instance_id)
 
     async def stop_runs(self) -> None:
@@ -178,7 +224,7 @@ class Server:
             current = {candidate.key: candidate.epoch for candidate in candidates}
             for key in [k for k, epoch in unserved.items() if current.get(k) != epoch]:
                 del unserved[key]
-            fresh = [c for c in candidates if c.key not in unserved]
+            fresh = fair_order([c for c in candidates if c.key not in unserved], self._claimed_for)
             heads = await instance.records.heads_of([c.key for c in fresh]) if fresh else {}
             found_unserved = False
             for candidate in fresh:
@@ -209,6 +255,7 @@ class Server:
                     continue
                 if started:
                     free -= 1
+                    self._claimed_for = candidate.key.tenant_id
             if len(candidates) < limit or not found_unserved:
                 return
             # A full window of newly found unserved executions may hide servable ones behind
@@ -254,7 +301,20 @@ class Server:
         # The record cannot change under us now: a new run of the key takes a new epoch.
         # A checkpoint found before the take is there still; none found is read again now
         # the take fenced the old holder (it may have landed its first one in between).
-        from_input = latest is None and await graph.checkpointer.aget_tuple(config) is None
+        now_latest = latest if latest is not None else await graph.checkpointer.aget_tuple(config)
+        from_input = now_latest is None
+        submitted = False
+        queue = instance.queue_or_none()
+        if queue is not None:
+            # A submitted run: the first claimer pins the checkpoint its input follows; a
+            # later taker runs the input again only if the thread is still there.
+            if latest is not None:
+                now_latest = await graph.checkpointer.aget_tuple(config)
+            mark_now = "" if now_latest is None else _checkpoint_id(now_latest)
+            pinned = await queue.pin(taken, mark_now)
+            if pinned is not None:
+                submitted = True
+                from_input = pinned == mark_now
         try:
             record = await instance.records.get(
                 taken.key, allow=run_allowlist(graph), with_input=from_input
@@ -273,7 +333,9 @@ class Server:
         config, options = restore_run(record.run, head.thread_id, candidate.key.tenant_id)
         runs: list[Run] = []
         task = asyncio.create_task(
-            self._resume(graph, config, record.input, taken, runs, {**self.kwargs, **options}),
+            self._resume(
+                graph, config, record.input, taken, runs, {**self.kwargs, **options}, submitted
+            ),
             name=f"resume {taken.scope_key}",
         )
         self.running[task] = runs
@@ -287,8 +349,10 @@ class Server:
         taken: Lease,
         runs: list[Run],
         kwargs: Mapping[str, Any],
+        submitted: bool = False,
     ) -> None:
-        """Run a taken execution: from its last checkpoint (``input`` None), or its input."""
+        """Run a taken execution: from its last checkpoint (``input`` None), or its input;
+        a submitted run's output is kept with its execution under its lease."""
         try:
             logger.info(
                 "resuming %s at token %d from its %s",
@@ -307,11 +371,19 @@ class Server:
                 taken=taken,
             ) as run:
                 runs.append(run)
-                await graph.ainvoke(input, run.config, control=run.control, **kwargs)
+                output = await graph.ainvoke(input, run.config, control=run.control, **kwargs)
+                queue = self.instance.queue_or_none()
+                if submitted and queue is not None:
+                    await queue.store_output(run.handle, output)
         except GraphDrained:
             logger.info("run %s drained and handed back", taken.scope_key)
         except Exception:
             logger.warning("resumed run %s ended with an error", taken.scope_key, exc_info=True)
+
+
+def _checkpoint_id(saved: Any) -> str:
+    """The id of a ``CheckpointTuple``'s checkpoint."""
+    return str(saved.config["configurable"]["checkpoint_id"])
 
 
 async def progress_mark(checkpointer: Any, latest: CheckpointTuple | None) -> str | None:

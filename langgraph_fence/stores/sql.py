@@ -284,6 +284,7 @@ class SqlLeaseRepository:
             .returning(*_RETURNING)
         )
         self._get = select(*_RETURNING).where(_KEY)
+        _age = (func.coalesce(_C.expires_at, literal(0.0)), _C.updated_at, _C.scope_key)
         self._candidates = (
             select(*_RETURNING)
             .where(
@@ -295,7 +296,13 @@ class SqlLeaseRepository:
                     and_(_C.status == LeaseStatus.PENDING.value, _C.holder.is_(None)),
                 )
             )
-            .order_by(func.coalesce(_C.expires_at, literal(0.0)), _C.scope_key)
+            # Fair across tenants: each tenant's oldest candidate first, then each one's
+            # second, ... (round-robin by tenant), so one tenant's burst of submitted runs
+            # does not starve the others; within a tenant, the longest expired or waiting.
+            .order_by(
+                func.row_number().over(partition_by=_C.tenant_id, order_by=_age),
+                *_age,
+            )
             .limit(bindparam("p_limit"))
         )
         self._now_stmt = select(now)

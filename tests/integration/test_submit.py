@@ -1,0 +1,279 @@
+"""Runs any worker can take (issue 17): submit, result, get_run, cancel, fairness, a busy
+thread, bad input, on SQLite and PostgreSQL (the ``database`` fixture: a database of the
+test's own).
+
+The worker is ``serve()`` of another instance on the same database, in this process: what
+a submit leaves must be all another process needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
+
+import pytest
+from langchain_core.runnables import RunnableConfig
+from langgraph.graph import END, START, StateGraph
+from sqlalchemy import text
+
+from langgraph_fence import (
+    EventKind,
+    ExecutionBusyError,
+    Instance,
+    LeaseKey,
+    LeaseStatus,
+    RunFailedError,
+    fence_graph,
+)
+from tests.chaos.write_steps import Database
+from tests.conftest import pg_engine_options, unique
+from tests.polling import eventually
+
+TABLES = ("fence_leases", "fence_executions", "fence_thread_bindings", "fence_checkpoints")
+
+
+class State(TypedDict, total=False):
+    text: str
+    out: str
+
+
+@dataclass
+class Work:
+    """What the node saw: the inputs in the order runs started, and gates that hold them."""
+
+    started: list[tuple[str, str]] = field(default_factory=list)  # (tenant, text)
+    gates: dict[str, asyncio.Event] = field(default_factory=dict)  # text -> released
+    entered: dict[str, asyncio.Event] = field(default_factory=dict)  # text -> in the node
+
+
+def build(instance: Instance, work: Work) -> Any:
+    async def shout(state: State, config: RunnableConfig) -> dict[str, Any]:
+        tenant = config["configurable"]["tenant_id"]
+        work.started.append((tenant, state["text"]))
+        work.entered.setdefault(state["text"], asyncio.Event()).set()
+        gate = work.gates.get(state["text"])
+        if gate is not None:
+            await gate.wait()
+        return {"out": state["text"].upper()}
+
+    builder = StateGraph(State)
+    builder.add_node("shout", shout)
+    builder.add_edge(START, "shout")
+    builder.add_edge("shout", END)
+    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="shout")
+
+
+@asynccontextmanager
+async def opened(database: Database, name: str, **options: Any) -> AsyncIterator[Instance]:
+    extra = pg_engine_options(database.schema) if database.schema else {}
+    async with Instance.open(
+        database.url, engine_options=extra, instance_id=unique(name), **options
+    ) as instance:
+        yield instance
+
+
+@asynccontextmanager
+async def serving(
+    instance: Instance, graphs: dict[str, Any], **options: Any
+) -> AsyncIterator[None]:
+    stop = asyncio.Event()
+    task = asyncio.create_task(
+        instance.serve(graphs, poll_interval=0.02, stop=stop, handle_signals=False, **options)
+    )
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+
+
+async def within(event: asyncio.Event, seconds: float = 10.0) -> None:
+    await asyncio.wait_for(event.wait(), seconds)
+
+
+def cfg(thread: str) -> dict[str, Any]:
+    return {"configurable": {"thread_id": thread}}
+
+
+async def rows(instance: Instance) -> dict[str, int]:
+    engine = instance._run_queue()._engine
+    async with engine.connect() as conn:
+        return {
+            t: int((await conn.execute(text(f"SELECT count(*) FROM {t}"))).scalar_one())
+            for t in TABLES
+        }
+
+
+async def test_submit_returns_at_once_and_any_worker_runs_it(database: Database) -> None:
+    async with opened(database, "client") as client, opened(database, "worker") as worker:
+        work = Work()
+        thread = unique("t")
+        run = await client.submit("shout", {"text": "hello"}, cfg(thread), tenant_id="acme")
+        # Returned before any worker serves: recorded pending, nothing ran.
+        assert (await run.state()).status is LeaseStatus.PENDING
+        assert work.started == []
+        async with serving(worker, {"shout": build(worker, work)}):
+            assert await run.result(timeout=20) == {"text": "hello", "out": "HELLO"}
+        state = await run.state()
+        assert state.status is LeaseStatus.DONE
+        assert state.epoch == 1  # claimed at the next token, once
+        assert work.started == [("acme", "hello")]
+        # A handle from another instance (another process would do the same).
+        other = worker.get_run(thread, tenant_id="acme")
+        assert await other.result(timeout=5) == {"text": "hello", "out": "HELLO"}
+        # A new submit on the finished thread is a new turn at the next token.
+        again = await client.submit("shout", {"text": "again"}, cfg(thread), tenant_id="acme")
+        async with serving(worker, {"shout": build(worker, work)}):
+            assert (await again.result(timeout=20))["out"] == "AGAIN"
+        assert (await again.state()).epoch == 2
+
+
+async def test_submit_is_idempotent_by_execution_key(database: Database) -> None:
+    async with opened(database, "client") as client, opened(database, "worker") as worker:
+        work = Work()
+        thread = unique("t")
+        first = await client.submit("shout", {"text": "once"}, cfg(thread), tenant_id="acme")
+        before = await rows(client)
+        second = await client.submit("shout", {"text": "once"}, cfg(thread), tenant_id="acme")
+        assert second.key == first.key
+        assert await rows(client) == before
+        # Other input for the pending run: refused by default, nothing written.
+        with pytest.raises(ExecutionBusyError) as busy:
+            await client.submit("shout", {"text": "other"}, cfg(thread), tenant_id="acme")
+        assert busy.value.code == "execution.busy"
+        assert thread in str(busy.value)
+        assert await rows(client) == before
+        async with serving(worker, {"shout": build(worker, work)}):
+            assert (await first.result(timeout=20))["out"] == "ONCE"
+        assert work.started == [("acme", "once")]
+
+
+async def test_cancel_a_pending_run_and_a_running_one(database: Database) -> None:
+    async with opened(database, "client") as client, opened(database, "worker") as worker:
+        work = Work()
+        pending = await client.submit("shout", {"text": "never"}, cfg(unique()), tenant_id="a")
+        assert await pending.cancel()
+        with pytest.raises(RunFailedError) as ended:
+            await pending.result(timeout=5)
+        assert ended.value.status == "failed"
+        assert "cancelled" in (ended.value.reason or "")
+        assert ended.value.code == "execution.run-failed"
+
+        work.gates["slow"] = asyncio.Event()
+        thread = unique("t")
+        running = await client.submit("shout", {"text": "slow"}, cfg(thread), tenant_id="a")
+        fenced = asyncio.Event()
+        worker.add_listener(lambda e: fenced.set() if e.kind is EventKind.FENCED else None)
+        graph = build(worker, work)
+        async with serving(worker, {"shout": graph}):
+            await within(work.entered.setdefault("slow", asyncio.Event()))
+            assert await running.cancel()
+            work.gates["slow"].set()  # the node ends after the cancel: its write is late
+            await within(fenced)
+            with pytest.raises(RunFailedError, match="cancelled"):
+                await running.result(timeout=5)
+        # The late write was refused: the thread never got the cancelled run's output.
+        config = {"configurable": {"thread_id": thread, "tenant_id": "a"}}
+        history = [s.values async for s in graph.aget_state_history(config)]
+        assert all(values.get("out") != "SLOW" for values in history)
+        assert work.started.count(("a", "never")) == 0
+
+
+async def test_one_tenants_burst_does_not_starve_another(database: Database) -> None:
+    async with opened(database, "client") as client, opened(database, "worker") as worker:
+        work = Work()
+        for i in range(500):
+            await client.submit("shout", {"text": f"a{i}"}, cfg(unique("a")), tenant_id="A")
+        b_runs = [
+            await client.submit("shout", {"text": f"b{i}"}, cfg(unique("b")), tenant_id="B")
+            for i in range(5)
+        ]
+        async with serving(worker, {"shout": build(worker, work)}, concurrency=2):
+            for run in b_runs:
+                await run.result(timeout=60)
+        order = [tenant for tenant, _ in work.started]
+        # Round-robin by tenant: B's five start within the first claims, not after A's 500.
+        last_b = max(i for i, tenant in enumerate(order) if tenant == "B")
+        assert last_b < 20, order[:30]
+        assert order.count("A") < 50
+
+
+async def test_a_busy_thread_rejects_or_interrupts(database: Database) -> None:
+    async with opened(database, "client") as client, opened(database, "worker") as worker:
+        work = Work()
+        work.gates["first"] = asyncio.Event()
+        thread = unique("t")
+        fenced = asyncio.Event()
+        worker.add_listener(lambda e: fenced.set() if e.kind is EventKind.FENCED else None)
+        graph = build(worker, work)
+        first = await client.submit("shout", {"text": "first"}, cfg(thread), tenant_id="a")
+        async with serving(worker, {"shout": graph}, concurrency=2):
+            await within(work.entered.setdefault("first", asyncio.Event()))
+            with pytest.raises(ExecutionBusyError, match="running"):
+                await client.submit("shout", {"text": "second"}, cfg(thread), tenant_id="a")
+            second = await client.submit(
+                "shout", {"text": "second"}, cfg(thread), tenant_id="a", on_busy="interrupt"
+            )
+            assert (await second.result(timeout=20))["out"] == "SECOND"
+            work.gates["first"].set()  # the interrupted run's step ends now: a late write
+            await within(fenced)
+        assert [text for _, text in work.started] == ["first", "second"]
+        config = {"configurable": {"thread_id": thread, "tenant_id": "a"}}
+        state = await graph.aget_state(config)
+        assert state.values == {"text": "second", "out": "SECOND"}
+        history = [s.values async for s in graph.aget_state_history(config)]
+        assert all(values.get("out") != "FIRST" for values in history)
+        assert first.key == second.key  # one thread, one execution
+
+
+async def test_bad_input_is_refused_before_anything_is_written(database: Database) -> None:
+    async with opened(database, "client") as client:
+        before = await rows(client)
+        with pytest.raises(ValueError, match="input"):
+            await client.submit("shout", {"text": object()}, cfg(unique()), tenant_id="a")
+        with pytest.raises(ValueError, match="on_busy"):
+            await client.submit(
+                "shout", {"text": "x"}, cfg(unique()), tenant_id="a", on_busy="enqueue-later"
+            )
+        with pytest.raises(ValueError, match="thread_id"):
+            await client.submit("shout", {"text": "x"}, {}, tenant_id="a")
+        with pytest.raises(ValueError, match="graph_name"):
+            await client.submit("", {"text": "x"}, cfg(unique()), tenant_id="a")
+        assert await rows(client) == before
+        # An unknown graph name is accepted, and shown waiting with its name.
+        thread = unique("t")
+        run = await client.submit("nobody-serves-this", {"text": "x"}, cfg(thread), tenant_id="a")
+        waiting = {r.key: r for r in await client._run_queue().runs()}
+        assert waiting[LeaseKey("a", thread)].graph == "nobody-serves-this"
+        assert waiting[LeaseKey("a", thread)].status is LeaseStatus.PENDING
+        with pytest.raises(TimeoutError, match="nobody-serves-this"):
+            await run.result(timeout=0.2)
+
+
+async def test_on_postgresql_a_submit_wakes_a_waiting_server(database: Database) -> None:
+    if not database.schema:
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's; SQLite polls")
+    async with opened(database, "client") as client, opened(database, "worker") as worker:
+        work = Work()
+        stop = asyncio.Event()
+        # Polls once, then waits a minute: only the submit's NOTIFY can wake it in time.
+        task = asyncio.create_task(
+            worker.serve(
+                {"shout": build(worker, work)}, poll_interval=60, stop=stop, handle_signals=False
+            )
+        )
+        try:
+            queue = client._run_queue()
+
+            async def looked() -> bool:  # its first look is done
+                return "shout" in await queue.served()
+
+            await eventually(looked, timeout=20, what="the server's first look")
+            run = await client.submit("shout", {"text": "wake"}, cfg(unique()), tenant_id="a")
+            assert (await run.result(timeout=10))["out"] == "WAKE"
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 20)
