@@ -253,9 +253,8 @@ async def test_bad_input_is_refused_before_anything_is_written(database: Databas
             await run.result(timeout=0.2)
 
 
+@pytest.mark.parametrize("database", ["postgresql"], indirect=True)  # SQLite polls
 async def test_on_postgresql_a_submit_wakes_a_waiting_server(database: Database) -> None:
-    if not database.schema:
-        pytest.skip("LISTEN/NOTIFY is PostgreSQL's; SQLite polls")
     async with opened(database, "client") as client, opened(database, "worker") as worker:
         work = Work()
         stop = asyncio.Event()
