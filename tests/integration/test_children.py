@@ -31,8 +31,10 @@ from langgraph_fence import (
 from langgraph_fence.children import child_execution_id, parse_child_execution_id
 from langgraph_fence.database import transaction
 from langgraph_fence.sinks import fenced_write, setup_sink
+from langgraph_fence.testing import Leases
 from tests.chaos.write_steps import Database
 from tests.conftest import unique
+from tests.integration.test_serve import eventually, until_status
 from tests.integration.test_submit import cfg, opened, serving
 
 TENANT = "acme"
@@ -279,3 +281,50 @@ async def test_a_childs_fence_has_its_own_scope_key_and_epoch(database: Database
             marks = {row.scope_key: row.token for row in rows}
         assert marks[parent_scope] == 2
         assert marks[child_scope] == 1
+
+
+async def test_a_waiter_taken_over_stops_fenced_and_each_child_runs_once(
+    leases: Leases,
+) -> None:
+    parent = leases.instance("parent", lease_ttl=10.0)
+    worker = leases.instance("worker", lease_ttl=120.0)
+    taker = leases.instance("taker", lease_ttl=120.0)
+    work = Work()
+    thread = unique("fan")
+    items = ["a", "b", "c"]
+    gates = [work.gates.setdefault(item, asyncio.Event()) for item in items]
+    graph = parent_graph(parent, work)
+    children = [
+        LeaseKey(TENANT, child_execution_id(LeaseKey(TENANT, thread), f"c{i}")) for i in range(3)
+    ]
+    waiter = asyncio.create_task(
+        parent.ainvoke(graph, {"items": items}, cfg(thread), tenant_id=TENANT)
+    )
+    async with serving(worker, {"shout": child_graph(worker, work)}):
+        for child in children:
+            await until_status(leases, child, LeaseStatus.RUNNING)
+        # The waiter freezes past its lease; another instance takes the tree over and re-runs
+        # the waiting step, which finds the three children instead of spawning new ones.
+        leases.stall(parent)
+        leases.advance(11.0)
+        async with serving(taker, {"fan": parent_graph(taker, work)}):
+
+            async def taken() -> bool:
+                lease = await leases.store.get(LeaseKey(TENANT, thread))
+                assert lease is not None
+                return lease.holder == "taker" and lease.epoch == 2
+
+            await eventually(taken)
+            for gate in gates:
+                gate.set()
+            await until_status(leases, LeaseKey(TENANT, thread), LeaseStatus.DONE)
+    assert work.spawned == [True, True, True, False, False, False]
+    assert sorted(work.ran) == items  # each child ran once
+    leases.resume(parent)
+    with pytest.raises(ExecutionFencedError):
+        await asyncio.wait_for(waiter, 20)
+    saved = await taker.checkpointer.aget_tuple(
+        cfg(thread) | {"configurable": {"thread_id": thread, "tenant_id": TENANT}}
+    )
+    assert saved is not None
+    assert saved.checkpoint["channel_values"]["results"] == ["A", "B", "C"]
