@@ -1,5 +1,5 @@
-"""The ``langgraph-fence`` command: demo, worker, migrate, executions, dead-letters, resolve,
-erase.
+"""The ``langgraph-fence`` command: demo, worker, submit, runs, migrate, executions,
+dead-letters, resolve, erase.
 
 The only module that prints; it prints through rich. It imports what a command needs when
 the command runs: ``--help`` and the listings never load LangGraph (see benchmarks/README.md).
@@ -46,7 +46,8 @@ EPILOG = f"""exit status:
   {EXIT_FAILED}  the command ran and failed (the demo found a problem; an unexpected error)
   {EXIT_INPUT}  bad usage or input, or a database error (unreachable, no such database or
      role, never migrated): one line on stderr saying the fix
-  {EXIT_REFUSED}  refused: another instance holds the execution (erase)
+  {EXIT_REFUSED}  refused: another instance holds the execution (erase), or its run is busy
+     with other input (submit)
 Errors print no traceback unless --debug is given."""
 
 #: The statuses an execution can be in (``executions --status`` accepts exactly these).
@@ -65,6 +66,22 @@ JSON_FIELDS = (
     "pending_effects",
     "reason",
     "takeovers",
+)
+
+
+#: The fields of each object ``runs --json`` prints.
+RUNS_FIELDS = (
+    "scope_key",
+    "tenant_id",
+    "execution_id",
+    "graph",
+    "thread_id",
+    "status",
+    "holder",
+    "epoch",
+    "submitted",
+    "served_by",
+    "unserved",
 )
 
 
@@ -232,6 +249,58 @@ def _parser() -> argparse.ArgumentParser:
         "row from workers that died with no new checkpoint is dead-lettered "
         f"('crashed N workers') (default: {DEFAULT_MAX_TAKEOVERS})",
     )
+    submit = command(
+        "submit",
+        "hand a run to any worker: record it pending, return at once",
+        description="Submit a run of a graph on a thread: its execution is recorded pending "
+        "and any worker serving the graph (`langgraph-fence worker`) claims it at the next "
+        "token. The same input again while it is pending or running is the same run "
+        "(nothing written); other input is refused (exit status 3) unless --on-busy "
+        "interrupt, which fences the run in flight and runs this input next. A graph no "
+        "worker serves is accepted: `langgraph-fence runs` shows it unserved.",
+    )
+    _database_options(submit)
+    submit.add_argument("--graph", required=True, help="the graph name a worker serves")
+    submit.add_argument("--thread", required=True, help="the thread id")
+    submit.add_argument(
+        "--input", required=True, metavar="JSON", help="the graph's input, e.g. '{\"n\": 1}'"
+    )
+    submit.add_argument(
+        "--tenant", default="default", help="the tenant of the thread (default: default)"
+    )
+    submit.add_argument(
+        "--execution", default=None, help="the execution id (default: the thread id)"
+    )
+    submit.add_argument(
+        "--on-busy",
+        default="reject",
+        choices=("reject", "interrupt"),
+        help="what to do when the thread's run is pending or running (default: reject)",
+    )
+    submit.add_argument(
+        "--wait",
+        type=_positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="wait this long for the run's end and print its output as JSON",
+    )
+    runs = command(
+        "runs",
+        "list pending and running executions, with their workers",
+        description="List every pending and running execution that has a record: scope "
+        "key, graph, thread, status, the worker running it, its token, and the workers "
+        "serving its graph (a pending run of a graph no live worker serves shows as "
+        "unserved).",
+    )
+    _database_options(runs)
+    runs.add_argument(
+        "--limit", type=_positive_int, default=200, metavar="N", help="at most this many"
+    )
+    runs.add_argument(
+        "--json",
+        action="store_true",
+        help="print a JSON list of objects with the fields " + ", ".join(RUNS_FIELDS),
+    )
     migrate = command("migrate", "create or upgrade every table on a database")
     _database_options(migrate)
     erase = command(
@@ -385,10 +454,10 @@ def _explain(exc: Exception, args: argparse.Namespace) -> tuple[int, str]:
     from sqlalchemy.exc import SQLAlchemyError
 
     from .diagnosis import explain_database_error
-    from .errors import ExecutionEndedError, ExecutionLeaseHeldError
+    from .errors import ExecutionBusyError, ExecutionEndedError, ExecutionLeaseHeldError
     from .redact import failure_reason, mask_password
 
-    if isinstance(exc, ExecutionLeaseHeldError | ExecutionEndedError):
+    if isinstance(exc, ExecutionLeaseHeldError | ExecutionEndedError | ExecutionBusyError):
         return EXIT_REFUSED, f"refused: {exc}"
     if isinstance(exc, ValueError):
         # One line: a message quoting several lines of input keeps them all, joined.
@@ -423,6 +492,10 @@ def _run(args: argparse.Namespace) -> int:
         return asyncio.run(_executions(args, status))
     if args.command == "resolve":
         return asyncio.run(_resolve(args))
+    if args.command == "submit":
+        return asyncio.run(_submit(args))
+    if args.command == "runs":
+        return asyncio.run(_runs(args))
     raise AssertionError(f"unknown command {args.command!r}")
 
 
@@ -675,6 +748,100 @@ async def _executions(args: argparse.Namespace, status: str | None) -> int:
         sys.stdout.write(json.dumps(listed, indent=2) + "\n")
         return 0
     _print_executions(args, status, listed, now)
+    return 0
+
+
+async def _submit(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+
+    from .database import schema_options
+    from .instance import Instance
+
+    try:
+        payload = json.loads(args.input)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--input must be JSON, e.g. '{{\"n\": 1}}': {exc}") from None
+    _checked_target(args, must_exist=False)
+    async with Instance.open(args.db, engine_options=schema_options(args.schema)) as instance:
+        run = await instance.submit(
+            args.graph,
+            payload,
+            {"configurable": {"thread_id": args.thread}},
+            tenant_id=args.tenant,
+            execution_id=args.execution,
+            on_busy=args.on_busy,
+        )
+        state = await run.state()
+        if args.wait is None:
+            Console().print(
+                f"submitted {run.scope_key} (graph {args.graph}, thread {args.thread}): "
+                f"{state.status.value} at token {state.epoch}",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+            return 0
+        output = await run.result(timeout=args.wait)
+    sys.stdout.write(json.dumps(output, default=str) + "\n")
+    return 0
+
+
+async def _runs(args: argparse.Namespace) -> int:
+    import json
+
+    from .database import create_engine, read_only, schema_options
+    from .queue import list_runs, served_graphs
+
+    _checked_target(args, must_exist=True)
+    engine = create_engine(args.db, **schema_options(args.schema))
+    try:
+        reader = read_only(engine)
+        found = await list_runs(reader, args.limit)
+        served = await served_graphs(reader)
+    finally:
+        await engine.dispose()
+    listed: list[dict[str, Any]] = [
+        {
+            "scope_key": r.key.scope_key,
+            "tenant_id": r.key.tenant_id,
+            "execution_id": r.key.execution_id,
+            "graph": r.graph,
+            "thread_id": r.thread_id,
+            "status": r.status.value,
+            "holder": r.holder,
+            "epoch": r.epoch,
+            "submitted": r.submitted,
+            "served_by": served.get(r.graph or "", []),
+            "unserved": r.holder is None and not served.get(r.graph or ""),
+        }
+        for r in found
+    ]
+    if args.json:
+        sys.stdout.write(json.dumps(listed, indent=2) + "\n")
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title="pending and running executions")
+    table.add_column("scope key", overflow="fold")
+    for column in ("graph", "thread", "status", "worker", "token", "served by"):
+        table.add_column(column, overflow="fold")
+    for entry in listed:
+        serving = "UNSERVED" if entry["unserved"] else ", ".join(entry["served_by"])
+        cells = (
+            entry["scope_key"],
+            entry["graph"] or "",
+            entry["thread_id"] or "",
+            entry["status"],
+            entry["holder"] or "",
+            str(entry["epoch"]),
+            serving,
+        )
+        table.add_row(*(Text(cell) for cell in cells))
+    Console().print(table)
     return 0
 
 

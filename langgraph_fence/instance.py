@@ -460,9 +460,15 @@ class Instance:
         stop: asyncio.Event | None = None,
         handle_signals: bool = True,
         max_takeovers: int | None = None,
+        listen: bool = True,
         **kwargs: Any,
     ) -> None:
-        """Take over expired executions and run them to their end, until ``stop`` is set.
+        """Take over expired executions and claim submitted runs, and run them to their end,
+        until ``stop`` is set.
+
+        A submitted run (:meth:`submit`) is a pending execution with no holder: it is taken
+        as any handed-back one, fairly across tenants (round-robin by tenant, each
+        tenant's oldest first), and its output is kept with it (:mod:`langgraph_fence.queue`).
 
         Every ``poll_interval`` seconds the loop asks the store for executions whose lease
         expired (their instance died or froze) or that were handed back, and takes each
@@ -495,6 +501,8 @@ class Instance:
             stop: set it to stop the loop gracefully.
             handle_signals: set ``stop`` on SIGTERM and SIGINT (main thread only).
             max_takeovers: the takeover budget (default: the instance's ``max_takeovers``).
+            listen: on PostgreSQL, wake at once when a run is submitted (LISTEN/NOTIFY on
+                one pooled connection); ``False``: find submitted runs by polling only.
             **kwargs: passed to each ``graph.ainvoke`` (``durability``, ...); an option the
                 run recorded (e.g. its ``durability``) wins over these.
         """
@@ -507,6 +515,7 @@ class Instance:
             poll_interval=poll_interval,
             max_takeovers=self.max_takeovers if max_takeovers is None else max_takeovers,
             kwargs=kwargs,
+            listen=listen,
         )
         await server.run(
             stop if stop is not None else asyncio.Event(), handle_signals=handle_signals

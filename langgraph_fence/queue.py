@@ -31,12 +31,14 @@ lease table every worker reads.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from langgraph.checkpoint.serde.base import SerializerProtocol
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -45,14 +47,32 @@ from .errors import ExecutionBusyError, ExecutionEndedError, RunFailedError
 from .guard import guard_sql
 from .lease import Lease, LeaseKey, LeaseStatus
 from .retry import retry_connection_errors
-from .run_config import RECORDED_OPTIONS, RecordedRun, record_run
-from .serde import loads_checked, with_allowlist
 from .validate import positive_seconds, text_id
 
 if TYPE_CHECKING:
-    from .fence import RunHandle
+    from langgraph.checkpoint.serde.base import SerializerProtocol
 
-__all__ = ["ON_BUSY", "OnBusy", "RunState", "SubmittedRun", "SubmittedRuns", "fair_order"]
+    from .fence import RunHandle
+    from .run_config import RecordedRun
+
+logger = logging.getLogger(__name__)
+
+# LangGraph is imported by what submits and runs (run_config, serde), not by what lists:
+# `langgraph-fence runs` reads this module without it (benchmarks/README.md, start-up).
+
+__all__ = [
+    "ANNOUNCED_FOR",
+    "ANNOUNCE_EVERY",
+    "NOTIFY_CHANNEL",
+    "ON_BUSY",
+    "OnBusy",
+    "RunState",
+    "SubmittedRun",
+    "SubmittedRuns",
+    "fair_order",
+    "list_runs",
+    "served_graphs",
+]
 
 OnBusy = Literal["reject", "interrupt"]
 #: What a submit may do when the thread's execution is pending or running.
@@ -140,6 +160,21 @@ _RUNS = text(
 )
 
 
+#: The PostgreSQL channel a submit notifies (the payload: the graph name).
+NOTIFY_CHANNEL = "langgraph_fence_runs"
+_NOTIFY = text(f"SELECT pg_notify('{NOTIFY_CHANNEL}', :graph)")
+_ANNOUNCE = text(
+    "INSERT INTO fence_workers (instance_id, graphs, seen_at) VALUES (:instance_id, :graphs, "
+    ":at) ON CONFLICT (instance_id) DO UPDATE SET graphs = excluded.graphs, "
+    "seen_at = excluded.seen_at"
+)
+_RETIRE = text("DELETE FROM fence_workers WHERE instance_id = :instance_id")
+_WORKERS = text("SELECT instance_id, graphs FROM fence_workers WHERE seen_at >= :since")
+#: How often a serving instance says it is serving, and how long that holds (seconds).
+ANNOUNCE_EVERY = 5.0
+ANNOUNCED_FOR = 30.0
+
+
 @dataclass(frozen=True, slots=True)
 class RunState:
     """One execution as the queue sees it (``langgraph-fence runs``, :meth:`SubmittedRun.state`).
@@ -202,6 +237,8 @@ class SubmittedRuns:
             ValueError: a bad argument, named with the fix (a non-serialisable input too).
             TypeError: ``config`` is not a mapping.
         """
+        from .run_config import RECORDED_OPTIONS, record_run
+
         text_id("graph_name", graph_name, what="the name a worker serves the graph under")
         text_id("tenant_id", tenant_id, what="the tenant the execution and its thread belong to")
         if on_busy not in ON_BUSY:
@@ -242,6 +279,8 @@ class SubmittedRuns:
         return LeaseKey(str(tenant_id), str(execution_id)), thread_id, run
 
     def _check_storable(self, input: Any) -> None:
+        from .serde import loads_checked
+
         try:
             loads_checked(self.serde, self.serde.dumps_typed(input), what="the input")
         except Exception as exc:
@@ -295,6 +334,9 @@ class SubmittedRuns:
                         )
                     else:
                         await conn.execute(_REPEND, {**params, "epoch": lease.epoch, "at": at})
+                if self._pg:
+                    # Delivered on commit: a waiting serve() looks at once.
+                    await conn.execute(_NOTIFY, {"graph": graph_name})
                 await conn.execute(_SUBMIT_RECORD, {**params, **record, "at": at})
                 return True
 
@@ -338,6 +380,8 @@ class SubmittedRuns:
                 )
                 if created.first() is None:
                     return False
+                if self._pg:
+                    await conn.execute(_NOTIFY, {"graph": graph_name})
                 await conn.execute(_SUBMIT_RECORD, {**params, **record, "at": at})
                 return True
 
@@ -450,6 +494,8 @@ class SubmittedRuns:
         self, key: LeaseKey, stored: tuple[Any, Any], allow: Collection[tuple[str, ...]]
     ) -> Any:
         """The output :meth:`store_output` kept, decoded with the serializer (and ``allow``)."""
+        from .serde import loads_checked, with_allowlist
+
         output_type, blob = stored
         if output_type is None:
             return None
@@ -478,13 +524,84 @@ class SubmittedRuns:
 
     async def runs(self, limit: int = 1000) -> list[RunState]:
         """Every pending and running execution (with its worker), oldest first."""
+        return await list_runs(self._engine, limit)
 
-        async def once() -> list[Any]:
-            async with self._engine.connect() as conn:
-                return list(await conn.execute(_RUNS, {"limit": limit}))
+    @asynccontextmanager
+    async def wakeups(self, wake: asyncio.Event) -> AsyncIterator[bool]:
+        """Set ``wake`` whenever a run is submitted, while the block runs; yields whether it
+        will (PostgreSQL: a connection of the pool LISTENs on :data:`NOTIFY_CHANNEL`;
+        SQLite, or a connection that cannot listen: never, and the caller polls)."""
+        if not self._pg:
+            yield False
+            return
 
-        rows = await retry_connection_errors(once, what="runs")
-        return [_run_state(row) for row in rows]
+        def notified(*_: Any) -> None:
+            wake.set()
+
+        try:
+            conn = await self._engine.connect()
+        except Exception as exc:
+            logger.info("serve: cannot LISTEN for submits (%s); polling only", exc)
+            yield False
+            return
+        try:
+            driver: Any = None
+            try:
+                driver = (await conn.get_raw_connection()).driver_connection
+                await driver.add_listener(NOTIFY_CHANNEL, notified)
+            except Exception as exc:
+                logger.info("serve: cannot LISTEN for submits (%s); polling only", exc)
+                driver = None
+            try:
+                yield driver is not None
+            finally:
+                if driver is not None:
+                    try:
+                        await driver.remove_listener(NOTIFY_CHANNEL, notified)
+                    except Exception:
+                        logger.debug("serve: UNLISTEN failed", exc_info=True)
+        finally:
+            await conn.close()
+
+    # -- who serves what
+
+    async def announce(self, instance_id: str, graphs: Collection[str]) -> None:
+        """Say that ``instance_id`` serves ``graphs`` now (one upsert)."""
+        async with self._writer.begin() as conn:
+            params = {"instance_id": instance_id, "graphs": json.dumps(sorted(graphs))}
+            await conn.execute(_ANNOUNCE, {**params, "at": time.time()})
+
+    async def retire(self, instance_id: str) -> None:
+        """Say that ``instance_id`` serves nothing any more (it stopped)."""
+        async with self._writer.begin() as conn:
+            await conn.execute(_RETIRE, {"instance_id": instance_id})
+
+    async def served(self) -> dict[str, list[str]]:
+        """Graph name -> the workers that said they serve it within :data:`ANNOUNCED_FOR`."""
+        return await served_graphs(self._engine)
+
+
+async def list_runs(engine: AsyncEngine, limit: int = 1000) -> list[RunState]:
+    """Every pending and running execution on ``engine``'s database that has a record
+    (with its worker), oldest first."""
+
+    async def once() -> list[Any]:
+        async with engine.connect() as conn:
+            return list(await conn.execute(_RUNS, {"limit": limit}))
+
+    rows = await retry_connection_errors(once, what="runs")
+    return [_run_state(row) for row in rows]
+
+
+async def served_graphs(engine: AsyncEngine) -> dict[str, list[str]]:
+    """Graph name -> the workers that said they serve it within :data:`ANNOUNCED_FOR`."""
+    async with engine.connect() as conn:
+        rows = list(await conn.execute(_WORKERS, {"since": time.time() - ANNOUNCED_FOR}))
+    served: dict[str, list[str]] = {}
+    for row in rows:
+        for graph in json.loads(row.graphs):
+            served.setdefault(graph, []).append(row.instance_id)
+    return served
 
 
 class SubmittedRun:

@@ -192,6 +192,15 @@ CREATE TABLE IF NOT EXISTS fence_thread_bindings (
     PRIMARY KEY (tenant_id, thread_id)
 )
 """
+# Each serving instance says which graphs it serves, now and then (seen_at, wall clock):
+# what tells a pending run of a graph nobody serves from one waiting for a free worker.
+_CREATE_WORKERS = """
+CREATE TABLE IF NOT EXISTS fence_workers (
+    instance_id TEXT NOT NULL PRIMARY KEY,
+    graphs TEXT NOT NULL,
+    seen_at {double} NOT NULL
+)
+"""
 # Threads recorded before version 2 are bound to the execution that recorded them last (the
 # one a takeover would resume); two recorded at the same moment: the greater id, so the
 # choice does not depend on the order rows come back in.
@@ -246,6 +255,12 @@ EXECUTION_MIGRATIONS = [
             "ALTER TABLE fence_executions ADD COLUMN IF NOT EXISTS output_type TEXT",
             "ALTER TABLE fence_executions ADD COLUMN IF NOT EXISTS output BYTEA",
         ],
+    ),
+    Migration(
+        version=5,
+        description="the workers serving, and the graphs each serves (langgraph-fence runs)",
+        sqlite=[_CREATE_WORKERS.format(double="REAL")],
+        postgresql=[_CREATE_WORKERS.format(double="DOUBLE PRECISION")],
     ),
 ]
 

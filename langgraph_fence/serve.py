@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from langchain_core.runnables import RunnableConfig
@@ -20,7 +22,7 @@ from langgraph.errors import GraphDrained
 from .events import EventKind
 from .keeper import Sleep
 from .lease import Lease, LeaseKey, LeaseStatus, validate_max_takeovers
-from .queue import fair_order
+from .queue import ANNOUNCE_EVERY, fair_order
 from .records import ExecutionHead
 from .redact import failure_reason
 from .run import DEFAULT_GRAPH_NAME, Run, announce_dead_letter, running
@@ -49,6 +51,8 @@ class Server:
         max_takeovers: the takeover budget (checked).
         kwargs: passed to each ``graph.ainvoke``; a run's recorded options win.
         sleep: how the loop pauses between looks (default ``asyncio.sleep``).
+        listen: on PostgreSQL, wake at once when a run is submitted (LISTEN/NOTIFY);
+            ``False``: poll only.
     """
 
     def __init__(
@@ -61,6 +65,7 @@ class Server:
         max_takeovers: int,
         kwargs: Mapping[str, Any],
         sleep: Sleep | None = None,
+        listen: bool = True,
     ) -> None:
         from .checkpoint import FencedCheckpointer
 
@@ -97,6 +102,7 @@ class Server:
         self.concurrency = concurrency
         self.kwargs = kwargs
         self._sleep: Sleep = sleep or asyncio.sleep
+        self.listen = listen
         #: The runs this loop started, by the task that runs each.
         self.running: dict[asyncio.Task[None], list[Run]] = {}
         # Executions of graphs this loop does not serve, by key, with the epoch seen.
@@ -104,6 +110,7 @@ class Server:
         self.failures = 0  # looks in a row that the store refused: the loop backs off
         # The tenant this loop claimed for last: the next claims start after it (fair_order).
         self._claimed_for: str | None = None
+        self._announced_at = -ANNOUNCE_EVERY  # monotonic; never yet
 
     async def poll_once(self) -> float:
         """One look: forget the runs that ended, take work if a slot is free; returns the
@@ -122,7 +129,31 @@ class Server:
                     failure_reason(exc),
                     serve_backoff(self.poll, self.failures),
                 )
+        await self._announce()
         return serve_backoff(self.poll, self.failures)
+
+    async def _announce(self) -> None:
+        """Say which graphs this loop serves (``langgraph-fence runs`` shows a pending run
+        of a graph nobody serves as unserved), at most every ``ANNOUNCE_EVERY`` seconds;
+        never fails the loop."""
+        queue = self.instance.queue_or_none()
+        now = time.monotonic()
+        if queue is None or now < self._announced_at + ANNOUNCE_EVERY:
+            return
+        try:
+            await queue.announce(self.instance.instance_id, self.graphs)
+            self._announced_at = now
+        except Exception as exc:
+            logger.info("serve: could not say which graphs it serves (%s)", failure_reason(exc))
+
+    async def _retire(self) -> None:
+        queue = self.instance.queue_or_none()
+        if queue is None or self._announced_at == -ANNOUNCE_EVERY:
+            return
+        try:
+            await queue.retire(self.instance.instance_id)
+        except Exception as exc:
+            logger.info("serve: could not say it stopped serving (%s)", failure_reason(exc))
 
     async def run(self, stop: asyncio.Event, *, handle_signals: bool = False) -> None:
         """Look, pause, look again until ``stop`` is set (a run that ends cuts the pause
@@ -130,20 +161,28 @@ class Server:
         for them to hand back."""
         remove_signals = on_signals(stop) if handle_signals else (lambda: None)
         logger.info("instance %s serves %s", self.instance.instance_id, sorted(self.graphs))
+        queue = self.instance.queue_or_none()
+        # On PostgreSQL a submit wakes the loop at once (LISTEN/NOTIFY); polling stays.
+        wake = asyncio.Event()
         try:
-            while not stop.is_set():
-                pause = await self.poll_once()
-                waiters: list[asyncio.Future[Any]] = [
-                    asyncio.ensure_future(stop.wait()),
-                    asyncio.ensure_future(self._sleep(pause)),
-                ]
-                waiters.extend(self.running)
-                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                for waiter in waiters[:2]:
-                    waiter.cancel()
+            listening = queue is not None and self.listen
+            async with queue.wakeups(wake) if listening and queue else nullcontext(False):
+                while not stop.is_set():
+                    wake.clear()
+                    pause = await self.poll_once()
+                    waiters: list[asyncio.Future[Any]] = [
+                        asyncio.ensure_future(stop.wait()),
+                        asyncio.ensure_future(self._sleep(pause)),
+                        asyncio.ensure_future(wake.wait()),
+                    ]
+                    waiters.extend(self.running)
+                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                    for waiter in waiters[:3]:
+                        waiter.cancel()
         finally:
             remove_signals()
             await self.stop_runs()
+            await self._retire()
             logger.info("instance %s stopped serving", self.instance.instance_id)
 
     async def stop_runs(self) -> None:

@@ -198,7 +198,11 @@ def test_help_and_listings_never_load_langgraph(tmp_path: Path) -> None:
         "('langgraph', 'langchain_core', 'checkpointers')))\n"
         "sys.exit(code)\n"
     )
-    for args in (["executions", "--db", db, "--json"], ["dead-letters", "--db", db]):
+    for args in (
+        ["executions", "--db", db, "--json"],
+        ["dead-letters", "--db", db],
+        ["runs", "--db", db, "--json"],
+    ):
         done = subprocess.run(
             [sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120
         )

@@ -248,3 +248,28 @@ async def test_bad_input_is_refused_before_anything_is_written(database: Databas
         assert waiting[LeaseKey("a", thread)].status is LeaseStatus.PENDING
         with pytest.raises(TimeoutError, match="nobody-serves-this"):
             await run.result(timeout=0.2)
+
+
+async def test_on_postgresql_a_submit_wakes_a_waiting_server(database: Database) -> None:
+    if not database.schema:
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's; SQLite polls")
+    async with opened(database, "client") as client, opened(database, "worker") as worker:
+        work = Work()
+        stop = asyncio.Event()
+        # Polls once, then waits a minute: only the submit's NOTIFY can wake it in time.
+        task = asyncio.create_task(
+            worker.serve(
+                {"shout": build(worker, work)}, poll_interval=60, stop=stop, handle_signals=False
+            )
+        )
+        try:
+            queue = client._run_queue()
+            deadline = asyncio.get_running_loop().time() + 20
+            while "shout" not in await queue.served():  # its first look is done
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.02)
+            run = await client.submit("shout", {"text": "wake"}, cfg(unique()), tenant_id="a")
+            assert (await run.result(timeout=10))["out"] == "WAKE"
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 20)

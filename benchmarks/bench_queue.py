@@ -1,0 +1,284 @@
+"""Submitted runs on PostgreSQL: round-trip latency (NOTIFY vs polling) and throughput per
+worker count.
+
+    python benchmarks/bench_queue.py [--db URL] [--latency-runs 30] [--poll-interval 1.0]
+                                     [--runs 1000] [--workers 1 2 4] [--concurrency 8]
+
+Measured, not asserted. In a schema of its own per part (dropped at the end):
+
+* latency: one ``serve()`` in this process (poll ``--poll-interval``), a client submitting
+  one run of a one-node graph at a time and awaiting ``run.result()``; from the submit call
+  to the output in hand. Side by side: the server woken by the submit's NOTIFY
+  (``listen=True``, the default) and polling only (``listen=False``).
+* throughput: ``--runs`` runs of ``bench_count`` (one ``NON_IDEMPOTENT_WRITE`` node that
+  inserts a row per execution into ``bench_counts``) over N ``langgraph-fence worker``
+  processes (``--concurrency`` each). Four client tasks submit every run first (timed on
+  their own); then the workers, started and waiting at a gate, are let go together; the time
+  is from the gate to the last run ``done``.
+  Then it checks that every run is done and ran its node exactly once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, TypedDict
+
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy import text
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from langgraph.graph import END, START, StateGraph  # noqa: E402
+
+from langgraph_fence import Effect, Instance, fence_graph  # noqa: E402
+from langgraph_fence.context import get_execution_context  # noqa: E402
+from langgraph_fence.database import create_engine  # noqa: E402
+
+DEFAULT_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
+GRAPH = "bench_count"
+CREATE_COUNTS = (
+    "CREATE TABLE IF NOT EXISTS bench_counts (id BIGSERIAL PRIMARY KEY, "
+    "execution_id TEXT NOT NULL, token BIGINT NOT NULL)"
+)
+
+
+class State(TypedDict, total=False):
+    n: int
+    done: bool
+
+
+GATE_ENV = "LGF_BENCH_GATE"
+
+
+def graphs(instance: Instance) -> dict[str, Any]:
+    """``--graphs benchmarks.bench_queue:graphs``: ``bench_count``, one counting node.
+
+    With ``$LGF_BENCH_GATE`` set, the worker says it is up (``GATE.<instance id>``) and
+    waits for the file ``GATE`` before it serves: every worker starts on the same signal.
+    """
+    engine = instance.repository.engine  # type: ignore[attr-defined]
+    gate = os.environ.get(GATE_ENV)
+    if gate:
+        Path(f"{gate}.{instance.instance_id}").touch()
+        while not Path(gate).exists():
+            time.sleep(0.01)  # nothing else runs in this worker yet
+
+    async def count(state: State) -> dict[str, Any]:
+        fence = get_execution_context().fence
+        async with engine.connect() as conn:  # autocommit: a plain, non-idempotent write
+            await conn.execute(
+                text("INSERT INTO bench_counts (execution_id, token) VALUES (:e, :t)"),
+                {"e": fence.lease_execution_id, "t": fence.token},
+            )
+        return {"done": True}
+
+    builder = StateGraph(State)
+    builder.add_node("count", count)
+    builder.add_edge(START, "count")
+    builder.add_edge("count", END)
+    graph = fence_graph(builder, effects={"count": Effect.NON_IDEMPOTENT_WRITE}).compile(
+        checkpointer=instance.checkpointer, name=GRAPH
+    )
+    return {GRAPH: graph}
+
+
+@asynccontextmanager
+async def own_schema(url: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    schema = f"lgf_bench_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(url)
+    async with admin.connect() as conn:
+        await conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    options = {"connect_args": {"server_settings": {"search_path": schema}}}
+    try:
+        yield schema, options
+    finally:
+        async with admin.connect() as conn:
+            await conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        await admin.dispose()
+
+
+async def latency(url: str, runs: int, poll: float, listen: bool) -> list[float]:
+    async with own_schema(url) as (_, options):
+        async with (
+            Instance.open(url, engine_options=options, instance_id="client") as client,
+            Instance.open(url, engine_options=options, instance_id="server") as server,
+        ):
+            async with client._run_queue()._engine.connect() as conn:
+                await conn.execute(text(CREATE_COUNTS))
+            stop = asyncio.Event()
+            task = asyncio.create_task(
+                server.serve(
+                    graphs(server),
+                    poll_interval=poll,
+                    stop=stop,
+                    handle_signals=False,
+                    listen=listen,
+                )
+            )
+            samples = []
+            try:
+                for i in range(runs):
+                    config = {"configurable": {"thread_id": f"lat-{i}"}}
+                    started = time.perf_counter()
+                    run = await client.submit(GRAPH, {"n": i}, config, tenant_id="bench")
+                    await run.result(timeout=60, poll_interval=0.01)
+                    samples.append(time.perf_counter() - started)
+            finally:
+                stop.set()
+                await asyncio.wait_for(task, 60)
+            return samples
+
+
+async def throughput(url: str, runs: int, workers: int, concurrency: int) -> dict[str, Any]:
+    async with own_schema(url) as (schema, options):
+        async with Instance.open(url, engine_options=options, instance_id="client") as client:
+            queue = client._run_queue()
+            engine = queue._engine
+            async with engine.connect() as conn:
+                await conn.execute(text(CREATE_COUNTS))
+            # Every run is submitted first (timed on its own), then the workers start
+            # together: the time is the workers' alone, not the client's competing for CPU.
+            started = time.perf_counter()
+            ids = list(range(runs))
+
+            async def submitter(part: list[int]) -> None:
+                for i in part:
+                    config = {"configurable": {"thread_id": f"run-{i}"}}
+                    await client.submit(GRAPH, {"n": i}, config, tenant_id="bench")
+
+            await asyncio.gather(*(submitter(ids[k::4]) for k in range(4)))
+            submitted = time.perf_counter() - started
+            gate = Path(tempfile.mkdtemp()) / "gate"
+            env = {**os.environ, "PYTHONPATH": str(ROOT), GATE_ENV: str(gate)}
+            procs = [
+                await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "langgraph_fence.cli",
+                    "-q",
+                    "worker",
+                    "--db",
+                    url,
+                    "--schema",
+                    schema,
+                    "--graphs",
+                    "benchmarks.bench_queue:graphs",
+                    "--concurrency",
+                    str(concurrency),
+                    "--poll-interval",
+                    "0.2",
+                    "--instance-id",
+                    f"w{i}",
+                    cwd=ROOT,
+                    env=env,
+                    stdout=asyncio.subprocess.DEVNULL,
+                )
+                for i in range(workers)
+            ]
+            try:
+                deadline = time.monotonic() + 120
+                while len(list(gate.parent.glob("gate.*"))) < workers:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the workers did not come up")
+                    await asyncio.sleep(0.05)
+                started = time.perf_counter()
+                gate.touch()
+                count = text("SELECT count(*) FROM fence_leases WHERE status = 'done'")
+                deadline = time.monotonic() + 600
+                while True:
+                    async with engine.connect() as conn:
+                        done = int((await conn.execute(count)).scalar_one())
+                    if done >= runs:
+                        break
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"only {done} of {runs} runs ended in time")
+                    await asyncio.sleep(0.05)
+                elapsed = time.perf_counter() - started
+            finally:
+                for proc in procs:
+                    if proc.returncode is None:
+                        proc.terminate()
+                for proc in procs:
+                    try:
+                        await asyncio.wait_for(proc.wait(), 30)
+                    except TimeoutError:
+                        proc.kill()
+                        await proc.wait()
+            async with engine.connect() as conn:
+                rows = (
+                    await conn.execute(
+                        text(
+                            "SELECT count(*) AS n, count(DISTINCT execution_id) AS d "
+                            "FROM bench_counts"
+                        )
+                    )
+                ).one()
+            return {
+                "workers": workers,
+                "elapsed": elapsed,
+                "submitted": submitted,
+                "per_s": runs / elapsed,
+                "counted": int(rows.n),
+                "distinct": int(rows.d),
+            }
+
+
+def _ms(samples: list[float]) -> str:
+    ordered = sorted(samples)
+    p95 = ordered[max(0, int(len(ordered) * 0.95) - 1)]
+    return f"{statistics.median(samples) * 1e3:.1f} / {p95 * 1e3:.1f} / {max(samples) * 1e3:.1f}"
+
+
+async def amain(args: argparse.Namespace) -> None:
+    console = Console()
+    if args.latency_runs:
+        title = f"submit + result round trip (ms), poll interval {args.poll_interval} s"
+        table = Table(title=title)
+        table.add_column("server woken by")
+        table.add_column("median / p95 / max", justify="right")
+        for listen in (True, False):
+            samples = await latency(args.db, args.latency_runs, args.poll_interval, listen)
+            table.add_row("NOTIFY" if listen else "polling only", _ms(samples))
+        console.print(table)
+    if args.runs:
+        table = Table(title=f"{args.runs} submitted runs, concurrency {args.concurrency} each")
+        for column in ("workers", "seconds", "runs/s", "submitting took (s)", "node runs"):
+            table.add_column(column, justify="right")
+        for workers in args.workers:
+            row = await throughput(args.db, args.runs, workers, args.concurrency)
+            table.add_row(
+                str(row["workers"]),
+                f"{row['elapsed']:.1f}",
+                f"{row['per_s']:.0f}",
+                f"{row['submitted']:.1f}",
+                f"{row['counted']} ({row['distinct']} distinct)",
+            )
+        console.print(table)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--db", default=os.environ.get("LANGGRAPH_FENCE_PG_URL", DEFAULT_URL))
+    parser.add_argument("--latency-runs", type=int, default=30)
+    parser.add_argument("--poll-interval", type=float, default=1.0)
+    parser.add_argument("--runs", type=int, default=1000)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--concurrency", type=int, default=8)
+    asyncio.run(amain(parser.parse_args()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
