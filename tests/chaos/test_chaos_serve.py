@@ -183,9 +183,9 @@ class Chaos:
         for worker in self.workers:
             code = worker.proc.returncode
             finished = worker.kind == "starter" and code == 0
-            if code is not None and not worker.killed and not finished:
-                if worker.name not in self.crashes:
-                    self.crashes.append(worker.name)
+            crashed = code is not None and not worker.killed and not finished
+            if crashed and worker.name not in self.crashes:
+                self.crashes.append(worker.name)
 
     async def act(self, now: float) -> bool:
         """One random act of chaos: freeze one worker past its lease, or kill one.
@@ -466,7 +466,8 @@ async def test_serve_workers_frozen_and_killed_never_charge_twice(
     assert not chaos.crashes, f"seed {seed}: workers crashed: {tails(chaos, chaos.crashes)}"
     bad_exits = {name: code for name, code in codes.items() if code != 0}
     assert not bad_exits, f"seed {seed}: workers did not stop cleanly on SIGTERM: {bad_exits}"
-    assert chaos.kills >= 1 and chaos.stops >= 1, f"seed {seed}: the chaos did not happen"
+    assert chaos.kills >= 1, f"seed {seed}: the chaos did not happen"
+    assert chaos.stops >= 1, f"seed {seed}: the chaos did not happen"
     assert takeovers >= 1, f"seed {seed}: no execution was taken over mid-run"
     assert time.monotonic() - started < STARTUP_DEADLINE + CHAOS_SECONDS + QUIET_DEADLINE + 30
 
@@ -567,7 +568,8 @@ async def test_a_client_killed_while_it_starts_an_execution_loses_nothing(
     else:
         assert lease.status in (LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED), lease
         assert lease.status is LeaseStatus.DONE or lease.reason, lease
-        assert charged <= 1 and (charged == 1 or lease.status is not LeaseStatus.DONE), charged
+        assert charged <= 1, charged
+        assert charged == 1 or lease.status is not LeaseStatus.DONE, charged
 
 
 async def test_executions_serve_cannot_run_do_not_starve_those_it_can(
@@ -619,7 +621,9 @@ async def test_executions_serve_cannot_run_do_not_starve_those_it_can(
         assert lease.status is LeaseStatus.DONE, lease
         for key in others:
             left = await repo.get(key)
-            assert left is not None and left.status is LeaseStatus.PENDING and left.epoch == 1
+            assert left is not None
+            assert left.status is LeaseStatus.PENDING
+            assert left.epoch == 1
     finally:
         await chaos.shutdown()
         await engine.dispose()
@@ -668,7 +672,8 @@ async def test_a_refused_start_does_not_rewrite_the_record_of_a_running_executio
                 pytest.fail("worker A or the server did not start")
             await asyncio.sleep(0.05)
         before = await records.get(key)
-        assert before is not None and before.graph == HOLD_GRAPH, before
+        assert before is not None, before
+        assert before.graph == HOLD_GRAPH, before
 
         async with Instance.open(
             url, engine_options=pg_engine_options(schema), instance_id="client", lease_ttl=2.0

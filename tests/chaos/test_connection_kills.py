@@ -96,10 +96,8 @@ async def one_round(
             finally:
                 os.close(log)
 
-        started = 0
-        for _ in range(WORKERS):
-            procs.append(await start_worker(started))
-            started += 1
+        for n in range(WORKERS):
+            procs.append(await start_worker(n))
         kill = text(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
             " WHERE application_name = :tag AND pid <> pg_backend_pid()"

@@ -71,12 +71,14 @@ def waiting_graph(instance: Instance, entered: asyncio.Event, go_on: asyncio.Eve
 
     async def charge(state: State) -> dict[str, list[str]]:
         fence = get_execution_context().fence
-        async with transaction(engine) as conn:
-            async with fenced_write(conn, fence, "charge") as write:
-                if not write.applied:
-                    params = {"execution_id": fence.lease_execution_id, "token": fence.token}
-                    await conn.execute(_INSERT, params)
-                    write.record(fence.token)
+        async with (
+            transaction(engine) as conn,
+            fenced_write(conn, fence, "charge") as write,
+        ):
+            if not write.applied:
+                params = {"execution_id": fence.lease_execution_id, "token": fence.token}
+                await conn.execute(_INSERT, params)
+                write.record(fence.token)
         return {"log": ["charge"]}
 
     builder = StateGraph(State)

@@ -140,7 +140,8 @@ async def test_a_frozen_worker_cannot_fork_the_chain(
         assert [row[2] for row in chain] == [token_a] * 3 + [lease_b.epoch] * 2, chain
         assert stale_writes == [], "A wrote under its old token onto B's checkpoints"
         head = await saver.aget_tuple(config)
-        assert head is not None and head.checkpoint["id"] == chain[-1][0]
+        assert head is not None
+        assert head.checkpoint["id"] == chain[-1][0]
         assert head.checkpoint["channel_values"]["log"] == ["n1", "n2", "n3"]
     finally:
         if worker_a.returncode is None:

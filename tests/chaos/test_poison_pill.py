@@ -170,4 +170,5 @@ async def test_a_poison_pill_is_dead_lettered_after_max_takeovers_and_kills_no_m
     assert dead.reason is not None
     assert "crashed 3 workers in a row with no new checkpoint" in dead.reason, dead.reason
     assert "max_takeovers=3" in dead.reason
-    assert alive and codes == [0] * len(alive), context
+    assert alive, context
+    assert codes == [0] * len(alive), context

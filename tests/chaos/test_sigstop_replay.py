@@ -64,7 +64,8 @@ async def test_a_replay_is_never_resumed_by_the_stale_worker_of_the_first_run(
 
             async def a_expired() -> bool | None:
                 lease = await b.repository.get(key)
-                assert lease is not None and lease.epoch == token_a, lease
+                assert lease is not None, lease
+                assert lease.epoch == token_a, lease
                 assert lease.expires_at is not None
                 return True if lease.expires_at <= await b.repository.now() else None
 
@@ -77,7 +78,8 @@ async def test_a_replay_is_never_resumed_by_the_stale_worker_of_the_first_run(
             token_b = token_a + 1
             assert out["log"] == [f"start@{token_b}", f"work@{token_b}", f"end@{token_b}"]
             lease = await b.repository.get(key)
-            assert lease is not None and lease.status is LeaseStatus.DONE
+            assert lease is not None
+            assert lease.status is LeaseStatus.DONE
             assert lease.epoch == token_b
             checkpoints_before, writes_before = await rows_of(engine, thread)
 
@@ -91,7 +93,8 @@ async def test_a_replay_is_never_resumed_by_the_stale_worker_of_the_first_run(
             assert lines, f"worker A printed nothing: {tail(a_err)}"
             report = json.loads(lines[-1])
             assert worker_a.returncode == EXIT_FENCED, (report, tail(a_err))
-            assert report["token_held"] == token_a and report["token_seen"] == token_b, report
+            assert report["token_held"] == token_a, report
+            assert report["token_seen"] == token_b, report
 
             # A's writes were refused: nothing landed after SIGCONT ...
             checkpoints_after, writes_after = await rows_of(engine, thread)
@@ -102,7 +105,8 @@ async def test_a_replay_is_never_resumed_by_the_stale_worker_of_the_first_run(
             assert {row[-1] for row in new - replay_began} == {token_b}
             # The replayed branch is intact, and it is the thread's latest state.
             latest = await graph.aget_state(config)
-            assert latest.values["log"] == out["log"] and latest.next == ()
+            assert latest.values["log"] == out["log"]
+            assert latest.next == ()
             assert await b.repository.get(key) == lease
             print(f"\nA fenced {time.monotonic() - continued_at:.2f} s after SIGCONT")
         finally:

@@ -144,7 +144,9 @@ async def test_a_sigstopped_worker_s_memory_write_is_refused_and_b_s_stands(
         token_b = lease_b.epoch
         assert token_b == token_a + 1, lease_b
         value_b, row_token = await summary()
-        assert value_b is not None and value_b["by"] == token_b and row_token == token_b
+        assert value_b is not None
+        assert value_b["by"] == token_b
+        assert row_token == token_b
 
         assert worker_a.stdin is not None
         worker_a.stdin.write(b"go\n")
@@ -159,7 +161,8 @@ async def test_a_sigstopped_worker_s_memory_write_is_refused_and_b_s_stands(
         report = json.loads(lines[-1])
         assert worker_a.returncode == EXIT_FENCED, (report, tail(a_err))
         assert report["raised"] == "ExecutionFencedError", report
-        assert report["token_held"] == token_a and report["token_seen"] == token_b, report
+        assert report["token_held"] == token_a, report
+        assert report["token_seen"] == token_b, report
         if renewals == "held":
             assert "store put" in report["message"], report  # the write itself was refused
 

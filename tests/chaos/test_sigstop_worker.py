@@ -187,7 +187,8 @@ async def test_a_sigstopped_worker_is_fenced_within_one_renew_interval(
         report = json.loads(lines[-1])
         assert worker_a.returncode == EXIT_FENCED, (report, tail(a_err))
         assert report["raised"] == "ExecutionFencedError", report
-        assert report["token_held"] == token_a and report["token_seen"] == token_b, report
+        assert report["token_held"] == token_a, report
+        assert report["token_seen"] == token_b, report
         fenced_after = report["at"] - continued_at  # time.monotonic is one clock per machine
         assert fenced_after <= RENEW + SLACK, (
             f"worker A went on for {fenced_after:.3f} s after SIGCONT: more than one renew "
@@ -201,7 +202,9 @@ async def test_a_sigstopped_worker_is_fenced_within_one_renew_interval(
         stale_on_b = [row for row in writes_after if row[1] in b_checkpoints and row[-1] != token_b]
         assert stale_on_b == [], f"writes under another token on B's checkpoints: {stale_on_b}"
         lease = await repo.get(key)
-        assert lease is not None and lease.status is LeaseStatus.DONE and lease.epoch == token_b
+        assert lease is not None
+        assert lease.status is LeaseStatus.DONE
+        assert lease.epoch == token_b
         assert (await SqlExecutionRecords(engine).get(key)) is not None
         print(
             f"\nA fenced {fenced_after * 1000:.0f} ms after SIGCONT (exit after "

@@ -487,7 +487,8 @@ def assert_charged_at_most_once(point: str, lease: Lease, effects: list[str], wh
     assert effects.count("charge") == (0 if point == "stamp.after" else 1), where
     assert lease.status in (LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED), where
     if lease.status is LeaseStatus.DEAD_LETTERED:
-        assert lease.reason is not None and "'charge'" in lease.reason, where
+        assert lease.reason is not None, where
+        assert "'charge'" in lease.reason, where
 
 
 def _kill_after_charge(point: str, charge_began: list[bool]) -> Any:

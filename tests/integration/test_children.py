@@ -65,10 +65,12 @@ class Work:
         if self.sink is None:
             return
         fence = get_execution_context().fence
-        async with transaction(self.sink) as conn:
-            async with fenced_write(conn, fence, f"{name}-{fence.token}") as write:
-                if not write.applied:
-                    write.record(fence.token)
+        async with (
+            transaction(self.sink) as conn,
+            fenced_write(conn, fence, f"{name}-{fence.token}") as write,
+        ):
+            if not write.applied:
+                write.record(fence.token)
 
 
 def child_graph(instance: Instance, work: Work) -> Any:
@@ -211,7 +213,8 @@ async def test_a_stale_parent_spawns_nothing(database: Database) -> None:
             await parent.ainvoke(
                 graph, {"items": []}, cfg(thread), tenant_id=TENANT, durability="sync"
             )
-        assert caught and isinstance(caught[0], ExecutionFencedError)
+        assert caught
+        assert isinstance(caught[0], ExecutionFencedError)
         assert await lease_rows(parent, child_execution_id(key, "c0")) == []
         assert work.ran == []
 

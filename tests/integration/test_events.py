@@ -152,7 +152,8 @@ async def test_a_takeover_is_told_as_acquired_taken_over_fenced_in_order(
     taken = next(e for e in events if e.kind is EventKind.TAKEN_OVER)
     assert taken.reason == "from A at token 1"
     fenced = next(e for e in events if e.kind is EventKind.FENCED)
-    assert fenced.reason is not None and "epoch 2" in fenced.reason
+    assert fenced.reason is not None
+    assert "epoch 2" in fenced.reason
     assert all(e.at > 0 for e in events)
     # The log says it too, with the scope key and token as fields a log pipeline can index.
     logged = {
@@ -173,10 +174,13 @@ async def test_a_takeover_of_a_stamped_write_is_told_as_dead_lettered(store: Lea
     key, _ = await _take_over_mid_charge(store, a, b, Shop(Effect.NON_IDEMPOTENT_WRITE))
 
     (dead,) = [e for e in events if e.scope_key == key.scope_key]
-    assert dead.kind is EventKind.DEAD_LETTERED and dead.holder == "B"
-    assert dead.reason is not None and "charge" in dead.reason
+    assert dead.kind is EventKind.DEAD_LETTERED
+    assert dead.holder == "B"
+    assert dead.reason is not None
+    assert "charge" in dead.reason
     lease = await store.store.get(key)
-    assert lease is not None and lease.status is LeaseStatus.DEAD_LETTERED
+    assert lease is not None
+    assert lease.status is LeaseStatus.DEAD_LETTERED
     assert dead.token == lease.epoch
 
 
@@ -286,10 +290,12 @@ async def test_a_listener_that_raises_never_breaks_a_run(
         )
     assert result["log"] == ["charged at token 1"]
     lease = await store.store.get(LeaseKey("acme", thread))
-    assert lease is not None and lease.status is LeaseStatus.DONE
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
     assert [(e.kind, e.token) for e in heard] == [(EventKind.ACQUIRED, 1)]
     (record,) = [r for r in caplog.records if "the listener is broken" in str(r.exc_info)]
-    assert record.scope_key == f"acme:{thread}" and record.token == 1  # type: ignore[attr-defined]
+    assert record.scope_key == f"acme:{thread}"  # type: ignore[attr-defined]
+    assert record.token == 1  # type: ignore[attr-defined]
 
 
 async def test_a_listener_that_is_not_callable_is_refused(store: Leases) -> None:

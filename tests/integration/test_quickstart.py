@@ -149,7 +149,8 @@ async def test_the_readme_quickstart_killed_mid_node_is_taken_over_by_the_worker
         repository = SqlLeaseRepository(engine)
         await until_done(repository, KEY, within=60)
         lease = await repository.get(KEY)
-        assert lease is not None and lease.epoch == 2  # one takeover, no other run
+        assert lease is not None
+        assert lease.epoch == 2  # one takeover, no other run
     finally:
         worker.send_signal(signal.SIGTERM)
         _, stderr = await asyncio.wait_for(worker.communicate(), 60)

@@ -151,9 +151,11 @@ async def _reap_mid_charge(leases: Leases, effect: Effect) -> tuple[Shop, LeaseK
 async def test_a_run_reaped_mid_non_idempotent_write_is_dead_lettered(leases: Leases) -> None:
     shop, key, _ = await _reap_mid_charge(leases, Effect.NON_IDEMPOTENT_WRITE)
     lease = await leases.store.get(key)
-    assert lease is not None and lease.status is LeaseStatus.DEAD_LETTERED
+    assert lease is not None
+    assert lease.status is LeaseStatus.DEAD_LETTERED
     assert lease.reason is not None
-    assert "'charge'" in lease.reason and "at token 1" in lease.reason
+    assert "'charge'" in lease.reason
+    assert "at token 1" in lease.reason
     # Never repeated, even though the node has retries left.
     assert shop.charges == [("A", 1)]
 
@@ -161,7 +163,9 @@ async def test_a_run_reaped_mid_non_idempotent_write_is_dead_lettered(leases: Le
 async def test_a_run_reaped_mid_idempotent_write_is_reclaimed(leases: Leases) -> None:
     shop, key, b = await _reap_mid_charge(leases, Effect.IDEMPOTENT_WRITE)
     lease = await leases.store.get(key)
-    assert lease is not None and lease.status is LeaseStatus.DONE and lease.epoch == 2
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
+    assert lease.epoch == 2
     assert lease.pending_effect is None
     assert shop.charges == [("A", 1), ("B", 2)]
     state = await shop.graph(b).aget_state(
@@ -207,7 +211,9 @@ async def test_a_run_renewed_between_the_candidate_query_and_the_take_is_skipped
         # The take after the first query, then several more polls: none takes it.
         await eventually(lambda: asyncio.sleep(0, len(polls) >= 5))
     lease = await leases.store.get(key)
-    assert lease is not None and lease.holder == "A" and lease.epoch == 1
+    assert lease is not None
+    assert lease.holder == "A"
+    assert lease.epoch == 1
     assert shop.charges == []
 
 
@@ -223,7 +229,9 @@ async def test_an_execution_of_an_unknown_graph_is_left_untouched(
         async with serving(b, {"shop": Shop(Effect.READ_ONLY).graph(b)}):
             await eventually(lambda: asyncio.sleep(0, "not served here" in caplog.text))
     lease = await leases.store.get(key)
-    assert lease is not None and lease.status is LeaseStatus.RUNNING and lease.epoch == 1
+    assert lease is not None
+    assert lease.status is LeaseStatus.RUNNING
+    assert lease.epoch == 1
     assert caplog.text.count("not served here") == 1  # logged once, not every poll
 
 
@@ -286,7 +294,9 @@ async def test_stop_drains_at_a_superstep_and_hands_the_execution_back(leases: L
         await eventually(drain_requested)
         release.set()
     lease = await leases.store.get(key)
-    assert lease is not None and lease.status is LeaseStatus.PENDING and lease.holder is None
+    assert lease is not None
+    assert lease.status is LeaseStatus.PENDING
+    assert lease.holder is None
     assert ran == [("first", "B")]
 
     worker.set("C")
@@ -341,7 +351,8 @@ async def test_the_order_is_stamp_renew_effect_clear(leases: Leases, saver_kind:
 
     async def charge(state: Order) -> dict[str, Any]:
         lease = await leases.store.get(get_execution_context().fence._handle.key)
-        assert lease is not None and lease.pending_effect is not None  # stamped before
+        assert lease is not None
+        assert lease.pending_effect is not None  # stamped before
         events.append("effect")
         return {"log": ["charged"]}
 
@@ -361,7 +372,8 @@ async def test_the_order_is_stamp_renew_effect_clear(leases: Leases, saver_kind:
     else:
         assert events == ["stamp+renew charge", "effect", "clear"]
     lease = await leases.store.get(LeaseKey("acme", thread))
-    assert lease is not None and lease.pending_effect is None  # no trace left behind
+    assert lease is not None
+    assert lease.pending_effect is None  # no trace left behind
     assert lease.status is LeaseStatus.DONE
 
 
@@ -409,7 +421,8 @@ async def test_confirm_now_during_a_graceful_stop_drains_the_step(
         go.set()
     assert sent == []  # the e-mail was not sent during the shutdown
     lease = await leases.store.get(key)
-    assert lease is not None and lease.status is LeaseStatus.PENDING
+    assert lease is not None
+    assert lease.status is LeaseStatus.PENDING
     # Handed back. An idempotent write is resumed and C sends it once; a non-idempotent one
     # is dead-lettered by C's take: its stamp stands and nothing proves it did not start.
     worker.set("C")
@@ -418,7 +431,10 @@ async def test_confirm_now_during_a_graceful_stop_drains_the_step(
     final = await leases.store.get(key)
     assert final is not None
     if ends is LeaseStatus.DONE:
-        assert final.status is LeaseStatus.DONE and sent == ["C"]
+        assert final.status is LeaseStatus.DONE
+        assert sent == ["C"]
     else:
-        assert final.status is LeaseStatus.DEAD_LETTERED and sent == []
-        assert final.reason is not None and "'send_email'" in final.reason
+        assert final.status is LeaseStatus.DEAD_LETTERED
+        assert sent == []
+        assert final.reason is not None
+        assert "'send_email'" in final.reason

@@ -196,7 +196,8 @@ async def test_a_sync_node_confirming_with_the_lease_held_renews_in_one_round_tr
         await invoke(a, one_node_graph(a, "sync_renew", notify), {"log": []}, thread)
     assert seen["renewals"] == 1
     before, after = seen["before"], seen["after"]
-    assert after.epoch == before.epoch == 1 and after.holder == "A"
+    assert after.epoch == before.epoch == 1
+    assert after.holder == "A"
     assert after.expires_at > before.expires_at  # the row's expiry moved: the store renewed
     assert seen["moved"] > 0  # and the fence knows it
 
@@ -353,7 +354,8 @@ async def test_a_write_node_stamps_before_its_body_and_its_writes_clear_it(
         after = await lease_of(a, thread)
     (during,) = seen
     assert [(e.node, e.token) for e in during.pending_effects] == [("step", 1)]
-    assert after.status is LeaseStatus.DONE and after.pending_effects == ()
+    assert after.status is LeaseStatus.DONE
+    assert after.pending_effects == ()
 
 
 @pytest.mark.parametrize("kind", ["async", "sync"])

@@ -92,11 +92,14 @@ async def test_one_look_takes_an_expired_execution_over_and_runs_it(
     server = server_of(instance, clock)
     assert await server.poll_once() == POLL
     lease = await instance.repository.get(key)
-    assert lease is not None and lease.holder == "B" and lease.epoch == 2
+    assert lease is not None
+    assert lease.holder == "B"
+    assert lease.epoch == 2
     (task,) = server.running
     await task
     lease = await instance.repository.get(key)
-    assert lease is not None and lease.status is LeaseStatus.DONE
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
     assert await server.poll_once() == POLL
     assert not server.running  # the ended run is forgotten by the next look
 
@@ -114,7 +117,8 @@ async def test_a_full_loop_takes_no_more_than_its_concurrency_per_look(
     await asyncio.gather(*server.running)
     for k in keys:
         lease = await instance.repository.get(k)
-        assert lease is not None and lease.status is LeaseStatus.DONE
+        assert lease is not None
+        assert lease.status is LeaseStatus.DONE
 
 
 async def test_the_loop_looks_again_only_when_its_clock_has_moved_by_the_poll_interval(
@@ -146,7 +150,8 @@ async def test_the_loop_looks_again_only_when_its_clock_has_moved_by_the_poll_in
     stop.set()
     await loop
     lease = await instance.repository.get(key)
-    assert lease is not None and lease.status is LeaseStatus.DONE
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
 
 
 async def test_a_store_that_cannot_be_read_makes_the_loop_back_off_never_stop(
@@ -166,4 +171,5 @@ async def test_a_store_that_cannot_be_read_makes_the_loop_back_off_never_stop(
     assert await server.poll_once() == 1.0  # back: the next look is at the usual pace
     await asyncio.gather(*server.running)
     lease = await instance.repository.get(key)
-    assert lease is not None and lease.status is LeaseStatus.DONE
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
