@@ -16,9 +16,7 @@ Bounded: four worker processes, one run, three children; every process is killed
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -30,43 +28,14 @@ from langgraph_fence.children import child_execution_id
 from langgraph_fence.instance import Instance
 from tests.chaos.children_graphs import CREATE_TABLES, FAN
 from tests.chaos.conftest import poll
+from tests.chaos.test_submitted_runs import spawn_worker
 from tests.conftest import pg_engine_options, unique
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
 
-ROOT = Path(__file__).parents[2]
-TTL = 1.5
+GRAPHS = "tests.chaos.children_graphs"
 DEADLINE = 60.0
 ITEMS = ["a", "b", "c"]
-
-
-async def spawn_worker(
-    url: str, schema: str, name: str, factory: str, log: Path
-) -> asyncio.subprocess.Process:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with log.open("wb") as out:
-        return await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "langgraph_fence.cli",
-            "worker",
-            "--db",
-            url,
-            "--schema",
-            schema,
-            "--graphs",
-            f"tests.chaos.children_graphs:{factory}",
-            "--lease-ttl",
-            str(TTL),
-            "--poll-interval",
-            "0.1",
-            "--instance-id",
-            name,
-            stdout=out,
-            stderr=out,
-            cwd=ROOT,
-            env=env,
-        )
 
 
 async def test_killed_child_worker_and_killed_waiting_parent_still_finish_the_tree(
@@ -93,7 +62,7 @@ async def test_killed_child_worker_and_killed_waiting_parent_still_finish_the_tr
         try:
             for role, factory in (("parent", "fan_graphs"), ("child", "child_graphs")):
                 workers[role] = await spawn_worker(
-                    url, schema, names[role], factory, tmp_path / f"{role}.log"
+                    url, schema, names[role], tmp_path / f"{role}.log", f"{GRAPHS}:{factory}"
                 )
 
             async def started_by(pid: int) -> int | None:
@@ -122,7 +91,7 @@ async def test_killed_child_worker_and_killed_waiting_parent_still_finish_the_tr
                 await workers[role].wait()
             for role, factory in (("parent2", "fan_graphs"), ("child2", "child_graphs")):
                 workers[role] = await spawn_worker(
-                    url, schema, names[role], factory, tmp_path / f"{role}.log"
+                    url, schema, names[role], tmp_path / f"{role}.log", f"{GRAPHS}:{factory}"
                 )
             async with engine.begin() as conn:
                 await conn.execute(text("INSERT INTO chaos_release VALUES (TRUE)"))

@@ -42,7 +42,13 @@ END_DEADLINE = 60.0
 ENDED = {LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED, LeaseStatus.FAILED}
 
 
-async def spawn_worker(url: str, schema: str, name: str, log: Path) -> asyncio.subprocess.Process:
+async def spawn_worker(
+    url: str,
+    schema: str,
+    name: str,
+    log: Path,
+    graphs: str = "tests.chaos.chaos_graphs:chaos_graphs",
+) -> asyncio.subprocess.Process:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with log.open("wb") as out:
         return await asyncio.create_subprocess_exec(
@@ -55,7 +61,7 @@ async def spawn_worker(url: str, schema: str, name: str, log: Path) -> asyncio.s
             "--schema",
             schema,
             "--graphs",
-            "tests.chaos.chaos_graphs:chaos_graphs",
+            graphs,
             "--lease-ttl",
             str(TTL),
             "--poll-interval",
