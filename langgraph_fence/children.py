@@ -21,20 +21,29 @@ is taken over like any run; the new holder re-runs the waiting step, which finds
 children it spawned and their results, and the stalled waiter stops with
 :class:`~langgraph_fence.ExecutionFencedError` at its next look.
 
-``ChildPlacement.PARENT_INSTANCE`` is not built yet: spawning one raises
-``NotImplementedError`` (run the graph as a subgraph inside the node instead: it runs under
-the root's lease and token).
+``ChildPlacement.PARENT_INSTANCE``: the child graph starts at once in this process, as a
+subgraph of the spawning step (LangGraph gives each subgraph call of a step a checkpoint
+namespace of its own), under the root's lease: its steps' fences are the root's, with the
+root's token, and its checkpoints are written under it. The graph is ``graph=`` or the one
+this instance serves under ``graph_name``. ``wait_children`` awaits it; its own error is
+raised as it is (a fencing error always, whatever ``return_exceptions`` says). A re-run of
+the spawning step runs it again (it is part of the step).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from .errors import ChildFailedError, ExecutionFencedError, ExecutionLeaseLostError
+from .errors import (
+    ChildFailedError,
+    ExecutionFencedError,
+    ExecutionLeaseLostError,
+    find_fence_error,
+)
 from .lease import LeaseKey, LeaseStatus
 from .scope import parse_scope_key, scope_key
 from .validate import positive_seconds, text_id
@@ -60,7 +69,8 @@ _FAILED_ENDS = (LeaseStatus.FAILED, LeaseStatus.DEAD_LETTERED)
 class ChildPlacement(StrEnum):
     """Where a child execution runs.
 
-    ``PARENT_INSTANCE``: in this process, under the root's lease and token (not built yet).
+    ``PARENT_INSTANCE``: in this process, as a subgraph of the step, under the root's lease
+    and token.
     ``ANY_INSTANCE``: an execution of its own, claimed by any instance's ``serve()``.
     """
 
@@ -73,7 +83,8 @@ class Child:
     """A child execution a step spawned (what :meth:`ExecutionContext.spawn_child` returns).
 
     Attributes:
-        execution: the child execution's lease key (the parent's tenant, a derived id).
+        execution: the child execution's lease key (the parent's tenant, a derived id); for
+            a ``PARENT_INSTANCE`` child, the root's (it runs under the root's lease).
         key: the key it was spawned under (unique among the parent's children).
         graph_name: the graph a worker runs it with.
         placement: where it runs.
@@ -86,6 +97,8 @@ class Child:
     graph_name: str
     placement: ChildPlacement
     spawned: bool
+    # A PARENT_INSTANCE child: its run in this process.
+    _local: asyncio.Task[Any] | None = field(default=None, compare=False, repr=False)
 
     @property
     def scope_key(self) -> str:
@@ -125,6 +138,7 @@ async def spawn_child(
     *,
     placement: ChildPlacement,
     key: str,
+    graph: Any = None,
 ) -> Child:
     """Spawn a child of the step ``frame`` (see :meth:`ExecutionContext.spawn_child`)."""
     text_id("graph_name", graph_name, what="the name a worker serves the child's graph under")
@@ -135,10 +149,11 @@ async def spawn_child(
             f"ChildPlacement.PARENT_INSTANCE), got {placement!r}"
         )
     if placement is ChildPlacement.PARENT_INSTANCE:
-        raise NotImplementedError(
-            "ChildPlacement.PARENT_INSTANCE is not built yet: call the child graph inside the "
-            "node as a subgraph (it runs under the root's lease and token), or spawn it with "
-            "placement=ChildPlacement.ANY_INSTANCE"
+        return await _spawn_here(frame, graph_name, input, key, graph)
+    if graph is not None:
+        raise ValueError(
+            "graph= is for ChildPlacement.PARENT_INSTANCE: an ANY_INSTANCE child runs on "
+            "the worker that serves graph_name; leave graph out"
         )
     handle = frame._handle
     await _still_held(frame)
@@ -185,52 +200,91 @@ async def wait_children(
         timeout = positive_seconds("timeout", timeout, what="how long wait_children() waits")
     pause = positive_seconds("poll_interval", poll_interval, what="between looks at children")
     handle = frame._handle
-    queue = _queue_of(handle)
+    queue = None if all(c._local is not None for c in children) else _queue_of(handle)
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
     results: list[Any] = [None] * len(children)
     pending = dict(enumerate(children))
     wait = min(0.005, pause)
-    while True:
-        await _still_held(frame)
-        for index, child in list(pending.items()):
-            found = await queue.state(child.execution)
-            if found is None:
-                raise LookupError(
-                    f"child execution {child.scope_key!r} (key {child.key!r}) is gone: it was "
-                    "erased while its parent waited"
-                )
-            state, stored = found
-            if state.status in _OUTPUT_ENDS:
-                results[index] = queue.decode_output(child.execution, stored, allow)
-            elif state.status in _FAILED_ENDS:
-                error = ChildFailedError(
-                    f"child execution {child.scope_key!r} (key {child.key!r}, graph "
-                    f"{child.graph_name!r}) of {handle.scope_key!r} ended "
-                    f"{state.status.value} at token {state.epoch}: "
-                    f"{state.reason or 'no reason recorded'}",
-                    scope_key=child.scope_key,
-                    status=state.status.value,
-                    reason=state.reason,
-                )
-                if not return_exceptions:
-                    raise error
-                results[index] = error
-            else:
-                continue
-            del pending[index]
-        if not pending:
+    try:
+        while True:
             await _still_held(frame)
-            return results
-        if deadline is not None and loop.time() >= deadline:
-            left = ", ".join(repr(child.scope_key) for child in pending.values())
-            raise TimeoutError(
-                f"children {left} of {handle.scope_key!r} had not ended after {timeout:g} s: "
-                "is a worker serving their graph? See `langgraph-fence runs`"
-            )
-        left_s = pause if deadline is None else max(0.0, deadline - loop.time())
-        await asyncio.sleep(min(wait, left_s))
-        wait = min(wait * 2, pause)
+            for index, child in list(pending.items()):
+                if child._local is not None:
+                    ended, value = _local_end(child, return_exceptions)
+                else:
+                    assert queue is not None
+                    ended, value = await _remote_end(queue, handle, child, return_exceptions, allow)
+                if ended:
+                    results[index] = value
+                    del pending[index]
+            if not pending:
+                await _still_held(frame)
+                return results
+            if deadline is not None and loop.time() >= deadline:
+                left = ", ".join(repr(child.scope_key) for child in pending.values())
+                raise TimeoutError(
+                    f"children {left} of {handle.scope_key!r} had not ended after "
+                    f"{timeout:g} s: is a worker serving their graph? See `langgraph-fence runs`"
+                )
+            left_s = pause if deadline is None else max(0.0, deadline - loop.time())
+            local = [c._local for c in pending.values() if c._local is not None]
+            if len(local) == len(pending):  # only children of this process: woken by them
+                await asyncio.wait(local, timeout=left_s, return_when=asyncio.FIRST_COMPLETED)
+            else:
+                await asyncio.sleep(min(wait, left_s))
+                wait = min(wait * 2, pause)
+    finally:
+        # A wait that raised leaves no child of this process running on its own.
+        for child in pending.values():
+            if child._local is not None:
+                child._local.cancel()
+
+
+def _local_end(child: Child, return_exceptions: bool) -> tuple[bool, Any]:
+    """Whether a PARENT_INSTANCE child ended, and its output (or its error, placed)."""
+    task = child._local
+    assert task is not None
+    if not task.done():
+        return False, None
+    failure = task.exception()
+    if failure is None:
+        return True, task.result()
+    if return_exceptions and find_fence_error(failure) is None:
+        return True, failure
+    raise failure
+
+
+async def _remote_end(
+    queue: SubmittedRuns,
+    handle: RunHandle,
+    child: Child,
+    return_exceptions: bool,
+    allow: Collection[tuple[str, ...]],
+) -> tuple[bool, Any]:
+    """Whether an ANY_INSTANCE child ended (one read), and its output (or error, placed)."""
+    found = await queue.state(child.execution)
+    if found is None:
+        raise LookupError(
+            f"child execution {child.scope_key!r} (key {child.key!r}) is gone: it was "
+            "erased while its parent waited"
+        )
+    state, stored = found
+    if state.status in _OUTPUT_ENDS:
+        return True, queue.decode_output(child.execution, stored, allow)
+    if state.status not in _FAILED_ENDS:
+        return False, None
+    error = ChildFailedError(
+        f"child execution {child.scope_key!r} (key {child.key!r}, graph "
+        f"{child.graph_name!r}) of {handle.scope_key!r} ended {state.status.value} at token "
+        f"{state.epoch}: {state.reason or 'no reason recorded'}",
+        scope_key=child.scope_key,
+        status=state.status.value,
+        reason=state.reason,
+    )
+    if not return_exceptions:
+        raise error
+    return True, error
 
 
 async def _still_held(frame: ExecutionContext) -> None:
@@ -245,6 +299,36 @@ async def _still_held(frame: ExecutionContext) -> None:
     except ExecutionLeaseLostError:
         await handle.renew()  # raises ExecutionFencedError if another instance took it
         raise
+
+
+async def _spawn_here(
+    frame: ExecutionContext, graph_name: str, input: Any, key: str, graph: Any
+) -> Child:
+    """Start a PARENT_INSTANCE child: the graph as a subgraph of the step, in a task that
+    inherits the step's context (its config, hence the root's handle)."""
+    from langchain_core.runnables.config import ensure_config
+
+    from .checkpoint import FencedCheckpointer
+
+    await _still_held(frame)
+    handle = frame._handle
+    if graph is None:
+        served = {} if handle.instance is None else handle.instance.served_graphs
+        graph = served.get(graph_name)
+    if graph is None or not hasattr(graph, "ainvoke"):
+        raise ValueError(
+            f"graph must be the compiled graph of a PARENT_INSTANCE child (graph=...), or "
+            f"this instance must serve one named {graph_name!r}; got {graph!r}"
+        )
+    own = getattr(graph, "checkpointer", None)
+    if own not in (None, True) and not isinstance(own, FencedCheckpointer):
+        raise ValueError(
+            f"the graph of child {key!r} has a checkpointer of its own that is not fenced: "
+            "compile it without one (it inherits the root's) or with instance.checkpointer"
+        )
+    config = ensure_config()  # the step's config: its checkpointer, namespace and handle
+    task = asyncio.ensure_future(graph.ainvoke(input, config))
+    return Child(handle.key, key, graph_name, ChildPlacement.PARENT_INSTANCE, True, task)
 
 
 def _queue_of(handle: RunHandle) -> SubmittedRuns:

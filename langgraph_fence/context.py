@@ -91,7 +91,13 @@ class ExecutionContext:
         yield
 
     async def spawn_child(
-        self, graph_name: str, input: Any, *, placement: ChildPlacement, key: str
+        self,
+        graph_name: str,
+        input: Any,
+        *,
+        placement: ChildPlacement,
+        key: str,
+        graph: Any = None,
     ) -> Child:
         """Spawn a child execution of this step's execution, once per ``key``.
 
@@ -100,14 +106,19 @@ class ExecutionContext:
         transaction guarded by this step's hold; any instance whose ``serve()`` serves
         ``graph_name`` runs it under its own lease and epoch. A re-run of this step (a
         retry, a takeover) finds the child of the same key and spawns nothing new
-        (``child.spawned`` is then ``False``). ``ChildPlacement.PARENT_INSTANCE`` is not
-        built yet (``NotImplementedError``).
+        (``child.spawned`` is then ``False``).
+
+        ``ChildPlacement.PARENT_INSTANCE``: the child graph starts now in this process, as
+        a subgraph of this step with a checkpoint namespace of its own; its steps run under
+        the root's lease and token. It is part of this step: a re-run runs it again.
 
         Args:
             graph_name: the name a worker serves the child's graph under.
             input: the child graph's input (storable data: another process runs it).
             placement: where the child runs.
             key: the child's key, unique among this execution's children.
+            graph: for ``PARENT_INSTANCE``, the compiled child graph (default: the one this
+                instance serves under ``graph_name``).
 
         Raises:
             ExecutionFencedError: this step's execution was taken over: nothing spawned.
@@ -115,7 +126,7 @@ class ExecutionContext:
         """
         from .children import spawn_child
 
-        return await spawn_child(self, graph_name, input, placement=placement, key=key)
+        return await spawn_child(self, graph_name, input, placement=placement, key=key, graph=graph)
 
     async def wait_children(
         self,
@@ -131,8 +142,10 @@ class ExecutionContext:
         As ``asyncio.gather``: a child that failed or was dead-lettered raises
         :class:`~langgraph_fence.ChildFailedError` (naming the child execution and its
         reason) within one poll of its end, or with ``return_exceptions=True`` takes its
-        place in the list. The step keeps its lease while it waits; if its execution was
-        taken over meanwhile, the wait stops with ``ExecutionFencedError``.
+        place in the list. A ``PARENT_INSTANCE`` child's own error is raised (or placed) as
+        it is; a fencing error is always raised. The step keeps its lease while it waits;
+        if its execution was taken over meanwhile, the wait stops with
+        ``ExecutionFencedError``.
 
         Args:
             children: what :meth:`spawn_child` returned.

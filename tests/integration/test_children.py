@@ -331,3 +331,60 @@ async def test_a_waiter_taken_over_stops_fenced_and_each_child_runs_once(
     )
     assert saved is not None
     assert saved.checkpoint["channel_values"]["results"] == ["A", "B", "C"]
+
+
+def local_parent_graph(instance: Instance, child: Any, items: list[str]) -> Any:
+    async def fan_here(state: Fan) -> dict[str, Any]:
+        ctx = get_execution_context()
+        children = [
+            await ctx.spawn_child(
+                "shout",
+                {"text": item},
+                placement=ChildPlacement.PARENT_INSTANCE,
+                key=f"c{i}",
+                graph=child,
+            )
+            for i, item in enumerate(items)
+        ]
+        results = await ctx.wait_children(children, timeout=30, return_exceptions=True)
+        return {"results": [r["out"] if isinstance(r, dict) else type(r).__name__ for r in results]}
+
+    builder = StateGraph(Fan)
+    builder.add_node("fan_here", fan_here)
+    builder.add_edge(START, "fan_here")
+    builder.add_edge("fan_here", END)
+    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="fan_here")
+
+
+async def test_parent_instance_children_run_here_under_the_roots_token(tmp_path: Any) -> None:
+    async with Instance.open(f"sqlite+aiosqlite:///{tmp_path / 'here.db'}") as instance:
+        work = Work()
+        namespaces: list[str] = []
+        child = child_graph(instance, work)
+
+        async def shout_ns(state: Job) -> dict[str, Any]:
+            namespaces.append(get_execution_context().checkpoint_ns)
+            return {}
+
+        builder = StateGraph(Job)
+        builder.add_node("ns", shout_ns)
+        builder.add_node("shout", child.builder.nodes["shout"].runnable)
+        builder.add_edge(START, "ns")
+        builder.add_edge("ns", "shout")
+        builder.add_edge("shout", END)
+        child = fence_graph(builder).compile(name="shout")
+        thread = unique("here")
+        out = await instance.ainvoke(
+            local_parent_graph(instance, child, ["a", "b", "boom"]),
+            {"items": []},
+            cfg(thread),
+            tenant_id=TENANT,
+        )
+        # In the order given; the failing one in its place, as itself (ValueError).
+        assert out["results"] == ["A", "B", "ValueError"]
+        # Every child step ran under the root's lease and token.
+        assert set(work.tokens) == {(scope_key(TENANT, thread), 1)}
+        assert sorted(work.ran) == ["a", "b", "boom"]
+        # Each child in a checkpoint namespace of its own, under the spawning step's.
+        assert len(set(namespaces)) == 3
+        assert all(ns.startswith("fan_here:") for ns in namespaces)
