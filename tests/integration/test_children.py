@@ -8,6 +8,10 @@ a spawn leaves must be all another process needs.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -388,3 +392,45 @@ async def test_parent_instance_children_run_here_under_the_roots_token(tmp_path:
         # Each child in a checkpoint namespace of its own, under the spawning step's.
         assert len(set(namespaces)) == 3
         assert all(ns.startswith("fan_here:") for ns in namespaces)
+
+
+async def test_executions_lists_each_child_under_its_parent(tmp_path: Any) -> None:
+    db = f"sqlite+aiosqlite:///{tmp_path / 'tree.db'}"
+    database = Database(db, "")
+    async with opened(database, "parent") as parent, opened(database, "worker") as worker:
+        work = Work()
+        thread = unique("fan")
+        async with serving(worker, {"shout": child_graph(worker, work)}):
+            await parent.ainvoke(
+                parent_graph(parent, work), {"items": ["a", "b"]}, cfg(thread), tenant_id=TENANT
+            )
+        # An execution of no tree, changed last: listed first, a root.
+        other = LeaseKey(TENANT, unique("other"))
+        assert await parent.repository.acquire(other, "w", 30.0) is not None
+
+    def cli(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "langgraph_fence.cli", "executions", "--db", db, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "COLUMNS": "250"},
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    root = scope_key(TENANT, thread)
+    kids = [
+        scope_key(TENANT, child_execution_id(LeaseKey(TENANT, thread), k)) for k in ("c0", "c1")
+    ]
+    listed = json.loads(cli("--json"))
+    order = [entry["scope_key"] for entry in listed]
+    assert order[0] == other.scope_key
+    at = order.index(root)
+    assert sorted(order[at + 1 : at + 3]) == kids  # right under their parent
+    parents = {entry["scope_key"]: entry["parent"] for entry in listed}
+    assert parents[root] is None
+    assert all(parents[kid] == root for kid in kids)
+    assert all(entry["status"] == "done" for entry in listed if entry["scope_key"] in kids)
+    table = cli()
+    assert all(f"└ {kid}" in table for kid in kids)
