@@ -110,6 +110,12 @@ _FENCE = (
 )
 _INTERRUPT = text(_FENCE + " AND epoch = :epoch")
 _CANCEL = text(_FENCE + " AND status IN ('pending', 'running') RETURNING epoch")
+# A parent's children that no worker claimed yet (pending, no holder) never start.
+_CANCEL_CHILDREN = text(
+    "UPDATE fence_leases SET epoch = epoch + 1, status = 'failed', reason = :reason, "
+    "updated_at = :at WHERE tenant_id = :tenant_id AND status = 'pending' AND holder IS NULL "
+    "AND substr(execution_id, 1, :length) = :prefix"
+)
 _RECORDED = text(
     "SELECT graph, input_type, input, run_type, run FROM fence_executions WHERE " + _KEY
 )
@@ -507,18 +513,32 @@ class SubmittedRuns:
     async def cancel(self, key: LeaseKey, reason: str) -> bool:
         """End the execution ``failed`` with ``reason`` if it is pending or running; whether
         it was. A running one is fenced (its epoch moves on): its next write, renewal or
-        release is refused and it drains. One statement."""
+        release is refused and it drains. Its ``ANY_INSTANCE`` children that no worker
+        has claimed yet end ``failed`` with it, in the same transaction (they never start);
+        children already running run to their end (:mod:`langgraph_fence.children`)."""
+        params = {
+            "tenant_id": key.tenant_id,
+            "execution_id": key.execution_id,
+            "status": LeaseStatus.FAILED.value,
+            "reason": reason,
+            "at": time.time(),
+        }
+        # A child's id is its parent's scope key, ':', and its key (children.py).
+        prefix = key.scope_key + ":"
+        children = {
+            "tenant_id": key.tenant_id,
+            "prefix": prefix,
+            "length": len(prefix),
+            "reason": f"its parent {key.scope_key!r} was cancelled before it started",
+            "at": params["at"],
+        }
 
         async def once() -> bool:
-            async with self._writer.begin() as conn:
-                params = {
-                    "tenant_id": key.tenant_id,
-                    "execution_id": key.execution_id,
-                    "status": LeaseStatus.FAILED.value,
-                    "reason": reason,
-                    "at": time.time(),
-                }
-                return (await conn.execute(_CANCEL, params)).first() is not None
+            async with transaction(self._engine) as conn:
+                cancelled = (await conn.execute(_CANCEL, params)).first() is not None
+                if cancelled:
+                    await conn.execute(_CANCEL_CHILDREN, children)
+                return cancelled
 
         return await retry_connection_errors(once, what="cancel")
 

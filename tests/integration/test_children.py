@@ -434,3 +434,31 @@ async def test_executions_lists_each_child_under_its_parent(tmp_path: Any) -> No
     assert all(entry["status"] == "done" for entry in listed if entry["scope_key"] in kids)
     table = cli()
     assert all(f"└ {kid}" in table for kid in kids)
+
+
+async def test_cancelling_the_parent_cancels_its_children_not_started(
+    database: Database,
+) -> None:
+    async with opened(database, "parent") as parent:
+        work = Work()
+        thread = unique("fan")
+        root = LeaseKey(TENANT, thread)
+        children = [LeaseKey(TENANT, child_execution_id(root, f"c{i}")) for i in range(2)]
+        waiter = asyncio.create_task(
+            parent.ainvoke(
+                parent_graph(parent, work), {"items": ["a", "b"]}, cfg(thread), tenant_id=TENANT
+            )
+        )
+
+        async def spawned() -> bool:
+            return all([await parent.repository.get(child) is not None for child in children])
+
+        await eventually(spawned)  # no worker serves "shout": both stay pending
+        assert await parent.get_run(thread, tenant_id=TENANT).cancel()
+        with pytest.raises(ExecutionFencedError):
+            await asyncio.wait_for(waiter, 20)
+        for child in children:
+            state = await parent.get_run(child.execution_id, tenant_id=TENANT).state()
+            assert state.status is LeaseStatus.FAILED
+            assert "was cancelled before it started" in (state.reason or "")
+        assert work.ran == []
