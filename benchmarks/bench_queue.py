@@ -110,129 +110,130 @@ async def own_schema(url: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
 
 
 async def latency(url: str, runs: int, poll: float, listen: bool) -> list[float]:
-    async with own_schema(url) as (_, options):
-        async with (
-            Instance.open(url, engine_options=options, instance_id="client") as client,
-            Instance.open(url, engine_options=options, instance_id="server") as server,
-        ):
-            async with client._run_queue()._engine.connect() as conn:
-                await conn.execute(text(CREATE_COUNTS))
-            stop = asyncio.Event()
-            task = asyncio.create_task(
-                server.serve(
-                    graphs(server),
-                    poll_interval=poll,
-                    stop=stop,
-                    handle_signals=False,
-                    listen=listen,
-                )
+    async with (
+        own_schema(url) as (_, options),
+        Instance.open(url, engine_options=options, instance_id="client") as client,
+        Instance.open(url, engine_options=options, instance_id="server") as server,
+    ):
+        async with client._run_queue()._engine.connect() as conn:
+            await conn.execute(text(CREATE_COUNTS))
+        stop = asyncio.Event()
+        task = asyncio.create_task(
+            server.serve(
+                graphs(server),
+                poll_interval=poll,
+                stop=stop,
+                handle_signals=False,
+                listen=listen,
             )
-            samples = []
-            try:
-                for i in range(runs):
-                    config = {"configurable": {"thread_id": f"lat-{i}"}}
-                    started = time.perf_counter()
-                    run = await client.submit(GRAPH, {"n": i}, config, tenant_id="bench")
-                    await run.result(timeout=60, poll_interval=0.01)
-                    samples.append(time.perf_counter() - started)
-            finally:
-                stop.set()
-                await asyncio.wait_for(task, 60)
-            return samples
+        )
+        samples = []
+        try:
+            for i in range(runs):
+                config = {"configurable": {"thread_id": f"lat-{i}"}}
+                started = time.perf_counter()
+                run = await client.submit(GRAPH, {"n": i}, config, tenant_id="bench")
+                await run.result(timeout=60, poll_interval=0.01)
+                samples.append(time.perf_counter() - started)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 60)
+        return samples
 
 
 async def throughput(url: str, runs: int, workers: int, concurrency: int) -> dict[str, Any]:
-    async with own_schema(url) as (schema, options):
-        async with Instance.open(url, engine_options=options, instance_id="client") as client:
-            queue = client._run_queue()
-            engine = queue._engine
-            async with engine.connect() as conn:
-                await conn.execute(text(CREATE_COUNTS))
-            # Every run is submitted first (timed on its own), then the workers start
-            # together: the time is the workers' alone, not the client's competing for CPU.
+    async with (
+        own_schema(url) as (schema, options),
+        Instance.open(url, engine_options=options, instance_id="client") as client,
+    ):
+        queue = client._run_queue()
+        engine = queue._engine
+        async with engine.connect() as conn:
+            await conn.execute(text(CREATE_COUNTS))
+        # Every run is submitted first (timed on its own), then the workers start
+        # together: the time is the workers' alone, not the client's competing for CPU.
+        started = time.perf_counter()
+        ids = list(range(runs))
+
+        async def submitter(part: list[int]) -> None:
+            for i in part:
+                config = {"configurable": {"thread_id": f"run-{i}"}}
+                await client.submit(GRAPH, {"n": i}, config, tenant_id="bench")
+
+        await asyncio.gather(*(submitter(ids[k::4]) for k in range(4)))
+        submitted = time.perf_counter() - started
+        gate = Path(tempfile.mkdtemp()) / "gate"
+        env = {**os.environ, "PYTHONPATH": str(ROOT), GATE_ENV: str(gate)}
+        procs = [
+            await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "langgraph_fence.cli",
+                "-q",
+                "worker",
+                "--db",
+                url,
+                "--schema",
+                schema,
+                "--graphs",
+                "benchmarks.bench_queue:graphs",
+                "--concurrency",
+                str(concurrency),
+                "--poll-interval",
+                "0.2",
+                "--instance-id",
+                f"w{i}",
+                cwd=ROOT,
+                env=env,
+                stdout=asyncio.subprocess.DEVNULL,
+            )
+            for i in range(workers)
+        ]
+        try:
+            deadline = time.monotonic() + 120
+            while len(list(gate.parent.glob("gate.*"))) < workers:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the workers did not come up")
+                await asyncio.sleep(0.05)
             started = time.perf_counter()
-            ids = list(range(runs))
-
-            async def submitter(part: list[int]) -> None:
-                for i in part:
-                    config = {"configurable": {"thread_id": f"run-{i}"}}
-                    await client.submit(GRAPH, {"n": i}, config, tenant_id="bench")
-
-            await asyncio.gather(*(submitter(ids[k::4]) for k in range(4)))
-            submitted = time.perf_counter() - started
-            gate = Path(tempfile.mkdtemp()) / "gate"
-            env = {**os.environ, "PYTHONPATH": str(ROOT), GATE_ENV: str(gate)}
-            procs = [
-                await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    "-m",
-                    "langgraph_fence.cli",
-                    "-q",
-                    "worker",
-                    "--db",
-                    url,
-                    "--schema",
-                    schema,
-                    "--graphs",
-                    "benchmarks.bench_queue:graphs",
-                    "--concurrency",
-                    str(concurrency),
-                    "--poll-interval",
-                    "0.2",
-                    "--instance-id",
-                    f"w{i}",
-                    cwd=ROOT,
-                    env=env,
-                    stdout=asyncio.subprocess.DEVNULL,
-                )
-                for i in range(workers)
-            ]
-            try:
-                deadline = time.monotonic() + 120
-                while len(list(gate.parent.glob("gate.*"))) < workers:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("the workers did not come up")
-                    await asyncio.sleep(0.05)
-                started = time.perf_counter()
-                gate.touch()
-                count = text("SELECT count(*) FROM fence_leases WHERE status = 'done'")
-                deadline = time.monotonic() + 600
-                while True:
-                    async with engine.connect() as conn:
-                        done = int((await conn.execute(count)).scalar_one())
-                    if done >= runs:
-                        break
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"only {done} of {runs} runs ended in time")
-                    await asyncio.sleep(0.05)
-                elapsed = time.perf_counter() - started
-            finally:
-                for proc in procs:
-                    if proc.returncode is None:
-                        proc.terminate()
-                for proc in procs:
-                    try:
-                        await asyncio.wait_for(proc.wait(), 30)
-                    except TimeoutError:
-                        proc.kill()
-                        await proc.wait()
-            async with engine.connect() as conn:
-                rows = (
-                    await conn.execute(
-                        text(
-                            "SELECT count(*) AS n, count(DISTINCT execution_id) AS d "
-                            "FROM bench_counts"
-                        )
+            gate.touch()
+            count = text("SELECT count(*) FROM fence_leases WHERE status = 'done'")
+            deadline = time.monotonic() + 600
+            while True:
+                async with engine.connect() as conn:
+                    done = int((await conn.execute(count)).scalar_one())
+                if done >= runs:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"only {done} of {runs} runs ended in time")
+                await asyncio.sleep(0.05)
+            elapsed = time.perf_counter() - started
+        finally:
+            for proc in procs:
+                if proc.returncode is None:
+                    proc.terminate()
+            for proc in procs:
+                try:
+                    await asyncio.wait_for(proc.wait(), 30)
+                except TimeoutError:
+                    proc.kill()
+                    await proc.wait()
+        async with engine.connect() as conn:
+            rows = (
+                await conn.execute(
+                    text(
+                        "SELECT count(*) AS n, count(DISTINCT execution_id) AS d FROM bench_counts"
                     )
-                ).one()
-            return {
-                "workers": workers,
-                "elapsed": elapsed,
-                "submitted": submitted,
-                "per_s": runs / elapsed,
-                "counted": int(rows.n),
-                "distinct": int(rows.d),
-            }
+                )
+            ).one()
+        return {
+            "workers": workers,
+            "elapsed": elapsed,
+            "submitted": submitted,
+            "per_s": runs / elapsed,
+            "counted": int(rows.n),
+            "distinct": int(rows.d),
+        }
 
 
 def _ms(samples: list[float]) -> str:

@@ -727,7 +727,12 @@ class ExecutionLeaseRepository(Protocol):
         ...
 
     async def takeover_candidates(self, limit: int = 100) -> Sequence[Lease]:
-        """Leases any instance may take now: running and expired, or pending and free."""
+        """Leases any instance may take now: running and expired, or pending and free.
+
+        Round-robin by tenant: each tenant's first candidate (the longest expired or
+        waiting), then each one's second, and so on, so one tenant's burst of submitted
+        runs does not hide the others' behind it.
+        """
         ...
 
     async def take_over(

@@ -128,7 +128,16 @@ class MemoryLeaseRepository:
         now = self._clock()
         found = [lease for lease in self._rows.values() if is_takeover_candidate(lease, now)]
         found.sort(key=lambda lease: (lease.expires_at or 0.0, lease.scope_key))
-        return found[:limit]
+        # Round-robin by tenant (as the SQL store's window ranks them): each tenant's
+        # oldest first, then each one's second, ...
+        rank: dict[str, int] = {}
+        ranked = []
+        for lease in found:
+            tenant = lease.key.tenant_id
+            rank[tenant] = rank.get(tenant, 0) + 1
+            ranked.append((rank[tenant], lease))
+        ranked.sort(key=lambda pair: (pair[0], pair[1].expires_at or 0.0, pair[1].scope_key))
+        return [lease for _, lease in ranked[:limit]]
 
     async def take_over(
         self,

@@ -531,13 +531,36 @@ async def test_takeover_candidates(lease_store: Store, clock: ManualClock) -> No
     assert {c.key for c in found} & mine == {expired.key, pending.key}
     assert next(c for c in found if c.key == expired.key) == expired
     assert next(c for c in found if c.key == pending.key) == pending
-    order = [(c.expires_at or 0.0, c.scope_key) for c in found]
-    assert order == sorted(order)
+    # Round-robin by tenant: each tenant's first candidate, then each one's second, ...;
+    # within a tenant (and within a round), the longest expired or waiting first.
+    rounds: list[int] = []
+    seen: dict[str, list[float]] = {}
+    for c in found:
+        ages = seen.setdefault(c.key.tenant_id, [])
+        ages.append(c.expires_at or 0.0)
+        rounds.append(len(ages))
+    assert rounds == sorted(rounds)
+    assert all(ages == sorted(ages) for ages in seen.values())
 
     # Once taken, a candidate is one no more.
     assert await lease_store.acquire(expired.key, "B", TTL) is not None
     found = await lease_store.takeover_candidates(limit=10_000)
     assert {c.key for c in found} & mine == {pending.key}
+
+
+async def test_takeover_candidates_take_turns_by_tenant(lease_store: Store) -> None:
+    """A burst of one tenant's handed-back (or submitted) executions does not hide another
+    tenant's: the candidates come round-robin by tenant."""
+    burst, few = unique("burst"), unique("few")
+    for tenant, count in ((burst, 5), (few, 2)):
+        for _ in range(count):
+            lease = await lease_store.acquire(LeaseKey(tenant, unique("e")), "A", TTL)
+            assert lease is not None
+            await lease_store.release(lease, LeaseStatus.PENDING)
+    found = await lease_store.takeover_candidates(limit=10_000)
+    mine = [c.key.tenant_id for c in found if c.key.tenant_id in (burst, few)]
+    assert sorted(mine[:4]) == sorted([burst, burst, few, few])
+    assert mine[4:] == [burst] * 3
 
 
 async def test_takeover_candidates_limit(lease_store: Store, clock: ManualClock) -> None:

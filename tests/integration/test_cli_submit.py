@@ -63,18 +63,23 @@ def test_submit_runs_and_a_worker_on_the_command_line(tmp_path: Path) -> None:
         "submit", "--db", db, "--graph", "shout", "--thread", "t1", "--input", '{"text": "hi"}'
     )
     assert first.returncode == 0, first.stderr
-    assert "pending" in first.stdout and "default:t1" in first.stdout
+    assert "pending" in first.stdout
+    assert "default:t1" in first.stdout
     # No worker yet: the run is listed, unserved, under its graph's name.
     [listed] = runs(db)
-    assert listed["graph"] == "shout" and listed["status"] == "pending"
-    assert listed["unserved"] is True and listed["submitted"] is True
+    assert listed["graph"] == "shout"
+    assert listed["status"] == "pending"
+    assert listed["unserved"] is True
+    assert listed["submitted"] is True
     busy = cli(
         "submit", "--db", db, "--graph", "shout", "--thread", "t1", "--input", '{"text": "no"}'
     )
     assert busy.returncode == 3
-    assert busy.stderr.count("\n") == 1 and busy.stderr.startswith("refused:"), busy.stderr
+    assert busy.stderr.count("\n") == 1, busy.stderr
+    assert busy.stderr.startswith("refused:"), busy.stderr
     bad = cli("submit", "--db", db, "--graph", "shout", "--thread", "t1", "--input", "{oops")
-    assert bad.returncode == 2 and "--input must be JSON" in bad.stderr
+    assert bad.returncode == 2
+    assert "--input must be JSON" in bad.stderr
 
     log = (tmp_path / "worker.log").open("wb")
     worker = subprocess.Popen(
@@ -112,7 +117,8 @@ def test_submit_runs_and_a_worker_on_the_command_line(tmp_path: Path) -> None:
                 break
             assert time.monotonic() < deadline, listed_now
             time.sleep(0.1)
-        assert listed_now["t3"]["unserved"] is True and listed_now["t3"]["graph"] == "other"
+        assert listed_now["t3"]["unserved"] is True
+        assert listed_now["t3"]["graph"] == "other"
     finally:
         worker.send_signal(signal.SIGTERM)
         worker.wait(timeout=30)

@@ -142,7 +142,8 @@ async def test_submit_is_idempotent_by_execution_key(database: Database) -> None
         # Other input for the pending run: refused by default, nothing written.
         with pytest.raises(ExecutionBusyError) as busy:
             await client.submit("shout", {"text": "other"}, cfg(thread), tenant_id="acme")
-        assert busy.value.code == "execution.busy" and thread in str(busy.value)
+        assert busy.value.code == "execution.busy"
+        assert thread in str(busy.value)
         assert await rows(client) == before
         async with serving(worker, {"shout": build(worker, work)}):
             assert (await first.result(timeout=20))["out"] == "ONCE"
@@ -156,7 +157,8 @@ async def test_cancel_a_pending_run_and_a_running_one(database: Database) -> Non
         assert await pending.cancel()
         with pytest.raises(RunFailedError) as ended:
             await pending.result(timeout=5)
-        assert ended.value.status == "failed" and "cancelled" in (ended.value.reason or "")
+        assert ended.value.status == "failed"
+        assert "cancelled" in (ended.value.reason or "")
         assert ended.value.code == "execution.run-failed"
 
         work.gates["slow"] = asyncio.Event()
