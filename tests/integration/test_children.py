@@ -217,8 +217,11 @@ async def test_a_stale_parent_spawns_nothing(database: Database) -> None:
             await parent.ainvoke(
                 graph, {"items": []}, cfg(thread), tenant_id=TENANT, durability="sync"
             )
+        # The spawn was refused by its guard (ExecutionFencedError), or the run learned of the
+        # fence first from a checkpoint write of its own in flight and cancelled the step
+        # (test_the_spawn_is_one_write_guarded_by_the_parents_hold tests the guard alone).
         assert caught
-        assert isinstance(caught[0], ExecutionFencedError)
+        assert isinstance(caught[0], ExecutionFencedError | asyncio.CancelledError)
         assert await lease_rows(parent, child_execution_id(key, "c0")) == []
         assert work.ran == []
 
@@ -462,3 +465,25 @@ async def test_cancelling_the_parent_cancels_its_children_not_started(
             assert state.status is LeaseStatus.FAILED
             assert "was cancelled before it started" in (state.reason or "")
         assert work.ran == []
+
+
+async def test_the_spawn_is_one_write_guarded_by_the_parents_hold(database: Database) -> None:
+    async with opened(database, "parent") as parent:
+        queue = parent._run_queue()
+        key = LeaseKey(TENANT, unique("p"))
+        held = await parent.repository.acquire(key, parent.instance_id, 30.0)
+        assert held is not None
+
+        async def spawn(lease: Any, child_key: str) -> bool | None:
+            child = child_execution_id(key, child_key)
+            checked, thread, run = queue.check(
+                "shout", {"text": "x"}, cfg(child), TENANT, child, "reject", {}
+            )
+            return await queue.submit_child(lease, checked, "shout", thread, {"text": "x"}, run)
+
+        assert await spawn(held, "c0") is True
+        assert await spawn(held, "c0") is False  # the same key again: nothing written
+        assert await parent.get_run(key.execution_id, tenant_id=TENANT).cancel()  # epoch + 1
+        assert await spawn(held, "c1") is None  # the stale hold spawns nothing
+        rows = await lease_rows(parent, child_execution_id(key, "c")[:-1])
+        assert [row[0] for row in rows] == [child_execution_id(key, "c0")]
