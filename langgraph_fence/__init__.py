@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     __version__: str
     from .checkpoint import FencedCheckpointer
+    from .children import Child, ChildPlacement
     from .context import ExecutionContext, get_execution_context
     from .effects import Effect
     from .errors import (
+        ChildFailedError,
         ExecutionContextUnavailableError,
         ExecutionDeadLetteredError,
         ExecutionEndedError,
@@ -36,6 +38,9 @@ if TYPE_CHECKING:
 # Each public name is imported from its module on first use (PEP 562): `import
 # langgraph_fence` (and the CLI's `--help` and listings) must not load LangGraph.
 _WHERE = {
+    "Child": ".children",
+    "ChildFailedError": ".errors",
+    "ChildPlacement": ".children",
     "Effect": ".effects",
     "ExecutionBusyError": ".errors",
     "ExecutionContext": ".context",
@@ -99,6 +104,9 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "Child",
+    "ChildFailedError",
+    "ChildPlacement",
     "Effect",
     "EventKind",
     "ExecutionBusyError",

@@ -66,6 +66,7 @@ JSON_FIELDS = (
     "pending_effects",
     "reason",
     "takeovers",
+    "parent",
 )
 
 
@@ -741,14 +742,51 @@ async def _executions(args: argparse.Namespace, status: str | None) -> int:
             ],
             "reason": row.reason,
             "takeovers": row.takeovers,
+            "parent": _parent_scope_key(row.execution_id),
         }
         for row in rows
     ]
+    listed = as_tree(listed)
     if args.json:
-        sys.stdout.write(json.dumps(listed, indent=2) + "\n")
+        plain = [{k: v for k, v in entry.items() if k != "depth"} for entry in listed]
+        sys.stdout.write(json.dumps(plain, indent=2) + "\n")
         return 0
     _print_executions(args, status, listed, now)
     return 0
+
+
+def _parent_scope_key(execution_id: str) -> str | None:
+    """The scope key of the parent of a child execution (``None``: not a child)."""
+    from .children import parse_child_execution_id
+
+    parsed = parse_child_execution_id(execution_id)
+    return None if parsed is None else parsed[0].scope_key
+
+
+def as_tree(listed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``listed`` (in its order) with each child moved under its parent when the parent is
+    listed too, a ``depth`` added (0 for a root, or a child whose parent is not listed)."""
+    keys = {entry["scope_key"] for entry in listed}
+    under: dict[str, list[dict[str, Any]]] = {}
+    roots = []
+    for entry in listed:
+        parent = entry.get("parent")
+        if isinstance(parent, str) and parent in keys and parent != entry["scope_key"]:
+            under.setdefault(parent, []).append(entry)
+        else:
+            roots.append(entry)
+    ordered: list[dict[str, Any]] = []
+
+    def place(entry: dict[str, Any], depth: int) -> None:
+        ordered.append({**entry, "depth": depth} if depth else entry)
+        for child in under.pop(entry["scope_key"], []):
+            place(child, depth + 1)
+
+    for entry in roots:
+        place(entry, 0)
+    for rest in under.values():  # a cycle cannot be (ids nest), but lose nothing
+        ordered.extend(rest)
+    return ordered
 
 
 async def _submit(args: argparse.Namespace) -> int:
@@ -865,7 +903,9 @@ def _print_executions(
             f"{e['effect']} @ {e['node']} (token {e['token']})" for e in entry["pending_effects"]
         )
         cells = (
-            entry["scope_key"],
+            "  " * entry.get("depth", 0)
+            + ("└ " if entry.get("depth") else "")
+            + entry["scope_key"],
             entry["status"],
             entry["holder"] or "",
             str(entry["epoch"]),

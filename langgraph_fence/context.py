@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .effects import Effect
 from .errors import ExecutionContextUnavailableError
 from .fence import ExecutionFence, RunHandle
+
+if TYPE_CHECKING:
+    from .children import Child, ChildPlacement
 
 __all__ = [
     "CONTEXT_CONFIG_KEY",
@@ -86,6 +89,86 @@ class ExecutionContext:
             await deferred.stamp()
             deferred.done = True
         yield
+
+    async def spawn_child(
+        self,
+        graph_name: str,
+        input: Any,
+        *,
+        placement: ChildPlacement,
+        key: str,
+        graph: Any = None,
+    ) -> Child:
+        """Spawn a child execution of this step's execution, once per ``key``.
+
+        ``ChildPlacement.ANY_INSTANCE``: the child is recorded pending (its own execution:
+        the parent's tenant, an id derived from the parent's scope key and ``key``) in one
+        transaction guarded by this step's hold; any instance whose ``serve()`` serves
+        ``graph_name`` runs it under its own lease and epoch. A re-run of this step (a
+        retry, a takeover) finds the child of the same key and spawns nothing new
+        (``child.spawned`` is then ``False``).
+
+        ``ChildPlacement.PARENT_INSTANCE``: the child graph starts now in this process, as
+        a subgraph of this step with a checkpoint namespace of its own; its steps run under
+        the root's lease and token. It is part of this step: a re-run runs it again.
+
+        Args:
+            graph_name: the name a worker serves the child's graph under.
+            input: the child graph's input (storable data: another process runs it).
+            placement: where the child runs.
+            key: the child's key, unique among this execution's children.
+            graph: for ``PARENT_INSTANCE``, the compiled child graph (default: the one this
+                instance serves under ``graph_name``).
+
+        Raises:
+            ExecutionFencedError: this step's execution was taken over: nothing spawned.
+            ValueError, TypeError: a bad argument, named with the fix.
+        """
+        from .children import spawn_child
+
+        return await spawn_child(self, graph_name, input, placement=placement, key=key, graph=graph)
+
+    async def wait_children(
+        self,
+        children: Sequence[Child],
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - gather-like API: timeout=
+        return_exceptions: bool = False,
+        poll_interval: float = 0.05,
+        allow: Collection[tuple[str, ...]] = (),
+    ) -> list[Any]:
+        """The outputs of ``children``, in the order given, once all have ended.
+
+        As ``asyncio.gather``: a child that failed or was dead-lettered raises
+        :class:`~langgraph_fence.ChildFailedError` (naming the child execution and its
+        reason) within one poll of its end, or with ``return_exceptions=True`` takes its
+        place in the list. A ``PARENT_INSTANCE`` child's own error is raised (or placed) as
+        it is; a fencing error is always raised. The step keeps its lease while it waits;
+        if its execution was taken over meanwhile, the wait stops with
+        ``ExecutionFencedError``.
+
+        Args:
+            children: what :meth:`spawn_child` returned.
+            timeout: seconds to wait (``None``: as long as it takes).
+            poll_interval: the longest pause between looks (they start faster).
+            allow: ``(module, name)`` pairs the outputs may construct besides what the
+                serializer allows.
+
+        Raises:
+            ChildFailedError: a child ended ``failed`` or ``dead_lettered``.
+            TimeoutError: not all had ended within ``timeout``.
+            ExecutionFencedError: this step's execution was taken over.
+        """
+        from .children import wait_children
+
+        return await wait_children(
+            self,
+            children,
+            timeout=timeout,
+            return_exceptions=return_exceptions,
+            poll_interval=poll_interval,
+            allow=allow,
+        )
 
     @property
     def tenant_id(self) -> str:

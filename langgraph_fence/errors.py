@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 E = TypeVar("E", bound=BaseException)
 
 __all__ = [
+    "ChildFailedError",
     "ExecutionBusyError",
     "ExecutionContextUnavailableError",
     "ExecutionDeadLetteredError",
@@ -221,6 +222,24 @@ class RunFailedError(LangGraphFenceError, RuntimeError):
     def __reduce__(self) -> tuple[object, ...]:
         fields = {"scope_key": self.scope_key, "status": self.status, "reason": self.reason}
         return (_rebuild_two, (type(self), str(self), fields), self.__dict__ or None)
+
+
+class ChildFailedError(RunFailedError):
+    """A child execution a step waited for ended without an output: ``failed`` (its error,
+    or cancelled) or ``dead_lettered``.
+
+    Raised (or, with ``return_exceptions=True``, returned in its place) by
+    :meth:`ExecutionContext.wait_children <langgraph_fence.ExecutionContext.wait_children>`
+    within one poll of the child's end, never a hang. The message names the child
+    execution, its graph, its end and the reason its lease records.
+
+    Attributes:
+        scope_key: the child execution's scope key.
+        status: ``"failed"`` or ``"dead_lettered"``.
+        reason: why, as the child's lease records it, or ``None``.
+    """
+
+    code: ClassVar[str] = "execution.run-failed.child"
 
 
 _WRITE_DEAD_LETTERED_DOC = """A step's non-idempotent write failed, or would have been

@@ -31,6 +31,7 @@ from .lease import Lease, LeaseKey, PendingEffect, validate_ttl
 from .retry import retry_window
 
 if TYPE_CHECKING:
+    from .instance import Instance
     from .lease import ExecutionLeaseRepository
 
 __all__ = ["FENCE_CONFIG_KEY", "ExecutionFence", "RunHandle", "safety_margin"]
@@ -94,6 +95,9 @@ class RunHandle:
         # NON_IDEMPOTENT_WRITE: a retried attempt of the task runs none of its tools.
         self.tool_stamp_attempts: dict[str, int] = {}
         self._listeners: list[StopListener] = []
+        # The instance the run belongs to (set by the instance): where a step's children
+        # are recorded. None for a handle made without one (tests, run_node).
+        self.instance: Instance | None = None
         # The loop the run's store calls belong to; sync steps running in worker threads
         # submit their guarded writes to it.
         try:

@@ -154,6 +154,9 @@ class Instance:
             ttl=self.lease_ttl,
         )
         self._runs: set[Run] = set()
+        #: The graphs serve() serves here, by name: where a step's PARENT_INSTANCE child
+        #: finds its graph when it names no other (``spawn_child(..., graph=...)``).
+        self.served_graphs: dict[str, Any] = {}
         self._events = Listeners(self.instance_id)
         self._keeper = Keeper(
             renew_interval=self.renew_interval,
@@ -518,6 +521,7 @@ class Instance:
             kwargs=kwargs,
             listen=listen,
         )
+        self.served_graphs.update(graphs)
         await server.run(
             stop if stop is not None else asyncio.Event(), handle_signals=handle_signals
         )

@@ -110,6 +110,12 @@ _FENCE = (
 )
 _INTERRUPT = text(_FENCE + " AND epoch = :epoch")
 _CANCEL = text(_FENCE + " AND status IN ('pending', 'running') RETURNING epoch")
+# A parent's children that no worker claimed yet (pending, no holder) never start.
+_CANCEL_CHILDREN = text(
+    "UPDATE fence_leases SET epoch = epoch + 1, status = 'failed', reason = :reason, "
+    "updated_at = :at WHERE tenant_id = :tenant_id AND status = 'pending' AND holder IS NULL "
+    "AND substr(execution_id, 1, :length) = :prefix"
+)
 _RECORDED = text(
     "SELECT graph, input_type, input, run_type, run FROM fence_executions WHERE " + _KEY
 )
@@ -122,6 +128,12 @@ _SUBMIT_RECORD = text(
     "input = excluded.input, run_type = excluded.run_type, run = excluded.run, "
     "recorded_at = excluded.recorded_at, submitted_at = excluded.submitted_at, "
     "input_after = NULL, output_type = NULL, output = NULL"
+)
+# The record columns two submits must share to be the same submit again.
+_SAME = ("graph", "input_type", "input", "run_type", "run")
+# A child is recorded only under its parent's hold (the lease guard on the parent's row).
+_PARENT_HELD = "SELECT 1 FROM fence_leases WHERE " + guard_sql(
+    tenant_id=":ptenant", execution_id=":pexecution", holder=":holder", epoch=":epoch"
 )
 # The first claimer pins the checkpoint the input follows; every later taker reads it back.
 _PIN = text(
@@ -302,8 +314,7 @@ class SubmittedRuns:
                 ``"reject"``; nothing written.
             ExecutionEndedError: the execution was dead-lettered; nothing written.
         """
-        input_type, blob = self.serde.dumps_typed(input)
-        run_type, run_blob = self.serde.dumps_typed(run.as_payload())
+        record = self._record(graph_name, thread_id, input, run)
         params = {"tenant_id": key.tenant_id, "execution_id": key.execution_id}
         at = time.time()
 
@@ -317,7 +328,7 @@ class SubmittedRuns:
                     if lease.status == LeaseStatus.DEAD_LETTERED.value:
                         raise _dead_lettered(key, lease.reason)
                     if lease.status in _BUSY:
-                        same = (graph_name, input_type, blob, run_type, run_blob)
+                        same = tuple(record[k] for k in _SAME)
                         if await self._recorded(conn, params) == same:
                             return False  # the same submit again: that run
                         if on_busy == "reject":
@@ -332,22 +343,70 @@ class SubmittedRuns:
                 if self._pg:
                     # Delivered on commit: a waiting serve() looks at once.
                     await conn.execute(_NOTIFY, {"graph": graph_name})
-                await conn.execute(
-                    _SUBMIT_RECORD,
-                    {
-                        **params,
-                        "graph": graph_name,
-                        "thread_id": thread_id,
-                        "input_type": input_type,
-                        "input": blob,
-                        "run_type": run_type,
-                        "run": run_blob,
-                        "at": at,
-                    },
-                )
+                await conn.execute(_SUBMIT_RECORD, {**params, **record, "at": at})
                 return True
 
         return await retry_connection_errors(once, what="submit")
+
+    async def submit_child(
+        self,
+        parent: Lease,
+        key: LeaseKey,
+        graph_name: str,
+        thread_id: str,
+        input: Any,
+        run: RecordedRun,
+    ) -> bool | None:
+        """Record a child run and set its lease pending, in one transaction guarded by the
+        parent's hold (:mod:`langgraph_fence.children`); whether it was written.
+
+        ``False``: the child's key exists already (the parent step ran again): nothing
+        written, the child stays as it is. ``None``: ``parent`` is no longer held (taken
+        over, or ended): nothing written.
+        """
+        record = self._record(graph_name, thread_id, input, run)
+        params = {"tenant_id": key.tenant_id, "execution_id": key.execution_id}
+        held = {
+            "ptenant": parent.key.tenant_id,
+            "pexecution": parent.key.execution_id,
+            "holder": parent.holder,
+            "epoch": parent.epoch,
+        }
+        at = time.time()
+
+        async def once() -> bool | None:
+            async with transaction(self._engine) as conn:
+                # The parent's row, locked (PostgreSQL) or serialised (SQLite's BEGIN
+                # IMMEDIATE): a takeover of the parent waits for this transaction, so the
+                # child is recorded only while the parent's token is the lease's.
+                if (await conn.execute(text(_PARENT_HELD + self._lock), held)).first() is None:
+                    return None
+                created = await conn.execute(
+                    _INSERT_PENDING, {**params, "scope_key": key.scope_key, "at": at}
+                )
+                if created.first() is None:
+                    return False
+                if self._pg:
+                    await conn.execute(_NOTIFY, {"graph": graph_name})
+                await conn.execute(_SUBMIT_RECORD, {**params, **record, "at": at})
+                return True
+
+        return await retry_connection_errors(once, what="spawn child")
+
+    def _record(
+        self, graph_name: str, thread_id: str, input: Any, run: RecordedRun
+    ) -> dict[str, Any]:
+        """The record columns of a submitted run (its input and run config serialised)."""
+        input_type, blob = self.serde.dumps_typed(input)
+        run_type, run_blob = self.serde.dumps_typed(run.as_payload())
+        return {
+            "graph": graph_name,
+            "thread_id": thread_id,
+            "input_type": input_type,
+            "input": blob,
+            "run_type": run_type,
+            "run": run_blob,
+        }
 
     @property
     def _lock(self) -> str:
@@ -454,18 +513,32 @@ class SubmittedRuns:
     async def cancel(self, key: LeaseKey, reason: str) -> bool:
         """End the execution ``failed`` with ``reason`` if it is pending or running; whether
         it was. A running one is fenced (its epoch moves on): its next write, renewal or
-        release is refused and it drains. One statement."""
+        release is refused and it drains. Its ``ANY_INSTANCE`` children that no worker
+        has claimed yet end ``failed`` with it, in the same transaction (they never start);
+        children already running run to their end (:mod:`langgraph_fence.children`)."""
+        params = {
+            "tenant_id": key.tenant_id,
+            "execution_id": key.execution_id,
+            "status": LeaseStatus.FAILED.value,
+            "reason": reason,
+            "at": time.time(),
+        }
+        # A child's id is its parent's scope key, ':', and its key (children.py).
+        prefix = key.scope_key + ":"
+        children = {
+            "tenant_id": key.tenant_id,
+            "prefix": prefix,
+            "length": len(prefix),
+            "reason": f"its parent {key.scope_key!r} was cancelled before it started",
+            "at": params["at"],
+        }
 
         async def once() -> bool:
-            async with self._writer.begin() as conn:
-                params = {
-                    "tenant_id": key.tenant_id,
-                    "execution_id": key.execution_id,
-                    "status": LeaseStatus.FAILED.value,
-                    "reason": reason,
-                    "at": time.time(),
-                }
-                return (await conn.execute(_CANCEL, params)).first() is not None
+            async with transaction(self._engine) as conn:
+                cancelled = (await conn.execute(_CANCEL, params)).first() is not None
+                if cancelled:
+                    await conn.execute(_CANCEL_CHILDREN, children)
+                return cancelled
 
         return await retry_connection_errors(once, what="cancel")
 

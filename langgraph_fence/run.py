@@ -121,6 +121,7 @@ async def running(
     else:
         record = None
         handle = RunHandle(instance.repository, taken, instance.lease_ttl, clock=instance.clock)
+    handle.instance = instance
     control = RunControl()
     run_config: dict[str, Any] = dict(base)
     run_config["configurable"] = {

@@ -8,6 +8,7 @@ import pytest
 
 from langgraph_fence import errors as errors_module
 from langgraph_fence.errors import (
+    ChildFailedError,
     ExecutionContextUnavailableError,
     ExecutionEndedError,
     ExecutionFencedError,
@@ -188,6 +189,7 @@ def test_a_subclass_code_extends_its_parents_by_one_segment(cls: type[LangGraphF
         lost(),
         ExecutionContextUnavailableError("used after its step"),
         ExecutionEndedError("dead-lettered", status="dead_lettered", reason="stamped"),
+        ChildFailedError("child failed", scope_key="t:t%3Ap%3Ac", status="failed", reason="x"),
     ],
     ids=lambda e: type(e).__name__,
 )

@@ -1,0 +1,341 @@
+"""Child executions: a step spawns children and waits for their outputs.
+
+``child = await get_execution_context().spawn_child(graph_name, input, placement=..., key=...)``
+and ``results = await ctx.wait_children([child, ...])``.
+
+``ChildPlacement.ANY_INSTANCE``: the child is an execution of its own, of the parent's tenant,
+whose execution id is derived from the parent's scope key and ``key``
+(:func:`child_execution_id`: collision-free, and :func:`parse_child_execution_id` decodes it).
+It is recorded by the parent step in one transaction guarded by the parent's hold, as a
+submitted run (:mod:`langgraph_fence.queue`): a re-run of the parent step finds the child of
+the same key and spawns nothing new; a parent that was taken over spawns nothing (the guard
+refuses, and the step stops with :class:`~langgraph_fence.ExecutionFencedError`). Any
+instance whose ``serve()`` serves ``graph_name`` claims it and runs it under its own lease,
+epoch and scope key; its output, or its failure or dead letter with the reason, is stored
+with the execution. :meth:`wait_children` polls them and returns their outputs in the order
+given, or raises :class:`~langgraph_fence.ChildFailedError` within one poll of a child's end.
+
+While a step waits, the parent keeps its own lease (renewed as ever): the root lease is not
+yielded during the wait (see README, "Child executions"). A waiter that stalls past its lease
+is taken over like any run; the new holder re-runs the waiting step, which finds the
+children it spawned and their results, and the stalled waiter stops with
+:class:`~langgraph_fence.ExecutionFencedError` at its next look.
+
+``ChildPlacement.PARENT_INSTANCE``: the child graph starts at once in this process, as a
+subgraph of the spawning step (LangGraph gives each subgraph call of a step a checkpoint
+namespace of its own), under the root's lease: its steps' fences are the root's, with the
+root's token, and its checkpoints are written under it. The graph is ``graph=`` or the one
+this instance serves under ``graph_name``. ``wait_children`` awaits it; its own error is
+raised as it is (a fencing error always, whatever ``return_exceptions`` says). A re-run of
+the spawning step runs it again (it is part of the step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from .errors import (
+    ChildFailedError,
+    ExecutionFencedError,
+    ExecutionLeaseLostError,
+    find_fence_error,
+)
+from .lease import LeaseKey, LeaseStatus
+from .scope import parse_scope_key, scope_key
+from .validate import positive_seconds, text_id
+
+if TYPE_CHECKING:
+    from .context import ExecutionContext
+    from .fence import RunHandle
+    from .queue import SubmittedRuns
+
+__all__ = [
+    "Child",
+    "ChildPlacement",
+    "child_execution_id",
+    "parse_child_execution_id",
+    "spawn_child",
+    "wait_children",
+]
+
+_OUTPUT_ENDS = (LeaseStatus.DONE, LeaseStatus.WAITING)
+_FAILED_ENDS = (LeaseStatus.FAILED, LeaseStatus.DEAD_LETTERED)
+
+
+class ChildPlacement(StrEnum):
+    """Where a child execution runs.
+
+    ``PARENT_INSTANCE``: in this process, as a subgraph of the step, under the root's lease
+    and token.
+    ``ANY_INSTANCE``: an execution of its own, claimed by any instance's ``serve()``.
+    """
+
+    PARENT_INSTANCE = "parent_instance"
+    ANY_INSTANCE = "any_instance"
+
+
+@dataclass(frozen=True, slots=True)
+class Child:
+    """A child execution a step spawned (what :meth:`ExecutionContext.spawn_child` returns).
+
+    Attributes:
+        execution: the child execution's lease key (the parent's tenant, a derived id); for
+            a ``PARENT_INSTANCE`` child, the root's (it runs under the root's lease).
+        key: the key it was spawned under (unique among the parent's children).
+        graph_name: the graph a worker runs it with.
+        placement: where it runs.
+        spawned: whether this call recorded it (``False``: an earlier run of the parent
+            step did, and this one found it).
+    """
+
+    execution: LeaseKey
+    key: str
+    graph_name: str
+    placement: ChildPlacement
+    spawned: bool
+    # A PARENT_INSTANCE child: its run in this process.
+    _local: asyncio.Task[Any] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def scope_key(self) -> str:
+        """The child execution's scope key (its fences' and sinks' key)."""
+        return self.execution.scope_key
+
+
+def child_execution_id(parent: LeaseKey, key: str) -> str:
+    """The execution id of ``parent``'s child of ``key``: ``scope_key(tenant, parent id, key)``.
+
+    Collision-free (each part is encoded, so no ``:`` of a part is a separator) and decoded
+    by :func:`parse_child_execution_id`; a grandchild's id nests its parent's.
+
+    Raises:
+        ValueError: ``key`` is empty or not a ``str``.
+    """
+    return scope_key(parent.tenant_id, parent.execution_id, key)
+
+
+def parse_child_execution_id(execution_id: str) -> tuple[LeaseKey, str] | None:
+    """``(parent key, child key)`` of a child execution id, or ``None`` for an id that is
+    not one (an execution started by ``ainvoke`` or ``submit``, with a plain id)."""
+    try:
+        parts = parse_scope_key(execution_id)
+    except ValueError:
+        return None
+    if len(parts) != 3:
+        return None
+    tenant, parent, key = parts
+    return LeaseKey(tenant, parent), key
+
+
+async def spawn_child(
+    frame: ExecutionContext,
+    graph_name: str,
+    input: Any,
+    *,
+    placement: ChildPlacement,
+    key: str,
+    graph: Any = None,
+) -> Child:
+    """Spawn a child of the step ``frame`` (see :meth:`ExecutionContext.spawn_child`)."""
+    text_id("graph_name", graph_name, what="the name a worker serves the child's graph under")
+    text_id("key", key, what="the child's key, unique among this execution's children")
+    if not isinstance(placement, ChildPlacement):
+        raise TypeError(
+            f"placement must be a ChildPlacement (ChildPlacement.ANY_INSTANCE or "
+            f"ChildPlacement.PARENT_INSTANCE), got {placement!r}"
+        )
+    if placement is ChildPlacement.PARENT_INSTANCE:
+        return await _spawn_here(frame, graph_name, input, key, graph)
+    if graph is not None:
+        raise ValueError(
+            "graph= is for ChildPlacement.PARENT_INSTANCE: an ANY_INSTANCE child runs on "
+            "the worker that serves graph_name; leave graph out"
+        )
+    handle = frame._handle
+    await _still_held(frame)
+    queue = _queue_of(handle)
+    parent = handle.key
+    execution_id = child_execution_id(parent, key)
+    config = {"configurable": {"thread_id": execution_id}}
+    child_key, thread_id, run = queue.check(
+        graph_name, input, config, parent.tenant_id, execution_id, "reject", {}
+    )
+    written = await queue.submit_child(handle.lease, child_key, graph_name, thread_id, input, run)
+    if written is None:
+        # The parent's hold is gone: the strict renewal says how (taken over: fenced).
+        await handle.renew()
+        raise handle.record(
+            ExecutionLeaseLostError(
+                f"execution {handle.scope_key!r} at token {handle.token} no longer holds its "
+                f"lease: child {key!r} was not spawned",
+                scope_key=handle.scope_key,
+                token_held=handle.token,
+            )
+        )
+    return Child(child_key, key, graph_name, placement, written)
+
+
+async def wait_children(
+    frame: ExecutionContext,
+    children: Sequence[Child],
+    *,
+    timeout: float | None = None,  # noqa: ASYNC109 - gather-like API: timeout=
+    return_exceptions: bool = False,
+    poll_interval: float = 0.05,
+    allow: Collection[tuple[str, ...]] = (),
+) -> list[Any]:
+    """Wait for ``children`` (see :meth:`ExecutionContext.wait_children`)."""
+    if isinstance(children, Child) or not isinstance(children, Sequence):
+        raise TypeError(
+            f"children must be a list of the Child values spawn_child returned, got {children!r}"
+        )
+    for child in children:
+        if not isinstance(child, Child):
+            raise TypeError(f"children must hold Child values (from spawn_child), got {child!r}")
+    if timeout is not None:
+        timeout = positive_seconds("timeout", timeout, what="how long wait_children() waits")
+    pause = positive_seconds("poll_interval", poll_interval, what="between looks at children")
+    handle = frame._handle
+    queue = None if all(c._local is not None for c in children) else _queue_of(handle)
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    results: list[Any] = [None] * len(children)
+    pending = dict(enumerate(children))
+    wait = min(0.005, pause)
+    try:
+        while True:
+            await _still_held(frame)
+            for index, child in list(pending.items()):
+                if child._local is not None:
+                    ended, value = _local_end(child, return_exceptions)
+                else:
+                    assert queue is not None
+                    ended, value = await _remote_end(queue, handle, child, return_exceptions, allow)
+                if ended:
+                    results[index] = value
+                    del pending[index]
+            if not pending:
+                await _still_held(frame)
+                return results
+            if deadline is not None and loop.time() >= deadline:
+                left = ", ".join(repr(child.scope_key) for child in pending.values())
+                raise TimeoutError(
+                    f"children {left} of {handle.scope_key!r} had not ended after "
+                    f"{timeout:g} s: is a worker serving their graph? See `langgraph-fence runs`"
+                )
+            left_s = pause if deadline is None else max(0.0, deadline - loop.time())
+            local = [c._local for c in pending.values() if c._local is not None]
+            if len(local) == len(pending):  # only children of this process: woken by them
+                await asyncio.wait(local, timeout=left_s, return_when=asyncio.FIRST_COMPLETED)
+            else:
+                await asyncio.sleep(min(wait, left_s))
+                wait = min(wait * 2, pause)
+    finally:
+        # A wait that raised leaves no child of this process running on its own.
+        for child in pending.values():
+            if child._local is not None:
+                child._local.cancel()
+
+
+def _local_end(child: Child, return_exceptions: bool) -> tuple[bool, Any]:
+    """Whether a PARENT_INSTANCE child ended, and its output (or its error, placed)."""
+    task = child._local
+    assert task is not None
+    if not task.done():
+        return False, None
+    failure = task.exception()
+    if failure is None:
+        return True, task.result()
+    if return_exceptions and find_fence_error(failure) is None:
+        return True, failure
+    raise failure
+
+
+async def _remote_end(
+    queue: SubmittedRuns,
+    handle: RunHandle,
+    child: Child,
+    return_exceptions: bool,
+    allow: Collection[tuple[str, ...]],
+) -> tuple[bool, Any]:
+    """Whether an ANY_INSTANCE child ended (one read), and its output (or error, placed)."""
+    found = await queue.state(child.execution)
+    if found is None:
+        raise LookupError(
+            f"child execution {child.scope_key!r} (key {child.key!r}) is gone: it was "
+            "erased while its parent waited"
+        )
+    state, stored = found
+    if state.status in _OUTPUT_ENDS:
+        return True, queue.decode_output(child.execution, stored, allow)
+    if state.status not in _FAILED_ENDS:
+        return False, None
+    error = ChildFailedError(
+        f"child execution {child.scope_key!r} (key {child.key!r}, graph "
+        f"{child.graph_name!r}) of {handle.scope_key!r} ended {state.status.value} at token "
+        f"{state.epoch}: {state.reason or 'no reason recorded'}",
+        scope_key=child.scope_key,
+        status=state.status.value,
+        reason=state.reason,
+    )
+    if not return_exceptions:
+        raise error
+    return True, error
+
+
+async def _still_held(frame: ExecutionContext) -> None:
+    """Raise unless the waiting step still holds its lease; a hold that ran out is asked
+    about once, so a waiter that was taken over stops with ``ExecutionFencedError``."""
+    handle = frame._handle
+    handle.check_alive()
+    try:
+        frame.fence.assert_held()
+    except ExecutionFencedError:
+        raise
+    except ExecutionLeaseLostError:
+        await handle.renew()  # raises ExecutionFencedError if another instance took it
+        raise
+
+
+async def _spawn_here(
+    frame: ExecutionContext, graph_name: str, input: Any, key: str, graph: Any
+) -> Child:
+    """Start a PARENT_INSTANCE child: the graph as a subgraph of the step, in a task that
+    inherits the step's context (its config, hence the root's handle)."""
+    from langchain_core.runnables.config import ensure_config
+
+    from .checkpoint import FencedCheckpointer
+
+    await _still_held(frame)
+    handle = frame._handle
+    if graph is None:
+        served = {} if handle.instance is None else handle.instance.served_graphs
+        graph = served.get(graph_name)
+    if graph is None or not hasattr(graph, "ainvoke"):
+        raise ValueError(
+            f"graph must be the compiled graph of a PARENT_INSTANCE child (graph=...), or "
+            f"this instance must serve one named {graph_name!r}; got {graph!r}"
+        )
+    own = getattr(graph, "checkpointer", None)
+    if own not in (None, True) and not isinstance(own, FencedCheckpointer):
+        raise ValueError(
+            f"the graph of child {key!r} has a checkpointer of its own that is not fenced: "
+            "compile it without one (it inherits the root's) or with instance.checkpointer"
+        )
+    config = ensure_config()  # the step's config: its checkpointer, namespace and handle
+    task = asyncio.ensure_future(graph.ainvoke(input, config))
+    return Child(handle.key, key, graph_name, ChildPlacement.PARENT_INSTANCE, True, task)
+
+
+def _queue_of(handle: RunHandle) -> SubmittedRuns:
+    instance = handle.instance
+    if instance is None:
+        raise RuntimeError(
+            f"execution {handle.scope_key!r} runs without an Instance: children are spawned "
+            "from a step of a run started by an Instance (ainvoke, submit or serve)"
+        )
+    return instance._run_queue()
