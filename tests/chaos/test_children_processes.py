@@ -87,7 +87,7 @@ async def test_killed_child_worker_and_killed_waiting_parent_still_finish_the_tr
             assert parent_state.status is LeaseStatus.RUNNING
             assert parent_state.holder == names["parent"]
             for role in ("child", "parent"):
-                workers[role].send_signal(signal.SIGKILL)
+                workers[role].proc.send_signal(signal.SIGKILL)
                 await workers[role].wait()
             for role, factory in (("parent2", "fan_graphs"), ("child2", "child_graphs")):
                 workers[role] = await start_worker(
