@@ -16,8 +16,8 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +75,8 @@ logger = logging.getLogger(__name__)
 
 #: The longest pause serve() takes between looks while the store cannot be read.
 MAX_SERVE_BACKOFF = 10.0
+#: The tenant of a graph called the LangGraph way whose config names none (``tenant_id=``).
+DEFAULT_TENANT_ID = "default"
 
 Sleep = Callable[[float], Awaitable[Any]]
 
@@ -140,8 +142,11 @@ class Instance:
         sleep: Sleep | None = None,
         records: ExecutionRecords | None = None,
         max_takeovers: int = DEFAULT_MAX_TAKEOVERS,
+        tenant_id: str = DEFAULT_TENANT_ID,
     ) -> None:
+        from . import graph_calls
         from .checkpoint import FencedCheckpointer
+        from .from_thread import running_loop
 
         require_implements(repository, ExecutionLeaseRepository, argument="repository")
         if records is not None:
@@ -149,10 +154,21 @@ class Instance:
         self.instance_id, self.lease_ttl, self.renew_interval, self.max_takeovers = _settings(
             instance_id, lease_ttl, renew_interval, max_takeovers
         )
+        #: The tenant of a graph called the LangGraph way whose config names none.
+        self.tenant_id = text_id(
+            "tenant_id", tenant_id, what="the default tenant of graphs called the LangGraph way"
+        )
         self.repository = repository
         self.checkpointer: FencedCheckpointer = (
             saver if isinstance(saver, FencedCheckpointer) else FencedCheckpointer(saver)
         )
+        # The LangGraph way (graph.ainvoke on a graph compiled with this checkpointer) runs
+        # through this instance; a write from outside any run is refused, never unfenced.
+        self.checkpointer.instance = self
+        self.checkpointer.require_fence = True
+        #: The event loop this instance's runs and timers belong to (sync calls hop to it).
+        self.loop: asyncio.AbstractEventLoop | None = running_loop()
+        graph_calls.install()
         self.clock = clock or time.monotonic
         self._sleep: Sleep = sleep or asyncio.sleep
         self.records: ExecutionRecords = (
@@ -212,7 +228,7 @@ class Instance:
                 in strict msgpack mode, :func:`langgraph_fence.serde.safe_serializer`; a
                 stored payload constructs no type outside its allow-list).
             **options: :class:`Instance` options (``instance_id``, ``lease_ttl``,
-                ``renew_interval``, ``clock``, ``sleep``, ``max_takeovers``).
+                ``renew_interval``, ``clock``, ``sleep``, ``max_takeovers``, ``tenant_id``).
         """
         from checkpointers import SqlCheckpointer
         from checkpointers.store import SqlStore
@@ -239,6 +255,11 @@ class Instance:
             options.get("renew_interval"),
             options.get("max_takeovers", DEFAULT_MAX_TAKEOVERS),
         )
+        text_id(
+            "tenant_id",
+            options.get("tenant_id", DEFAULT_TENANT_ID),
+            what="the default tenant of graphs called the LangGraph way",
+        )
         engine = create_engine(url, **dict(engine_options or {}))
         try:
             repository = SqlLeaseRepository(engine)
@@ -257,6 +278,32 @@ class Instance:
                 await saver.aclose()
         finally:
             await engine.dispose()
+
+    @classmethod
+    @contextmanager
+    def open_sync(cls, url: str, **options: Any) -> Iterator[Instance]:
+        """:meth:`open` for a sync program (Flask, Django, Celery, a script): the instance
+        runs on an event loop of its own, in a thread of its own, until the block ends.
+
+        ``graph.invoke`` / ``stream`` / ``batch`` / ``update_state`` of a graph compiled
+        with ``instance.checkpointer`` then run fenced from any thread, as
+        ``graph.ainvoke`` does on an async instance. Takes the arguments of :meth:`open`.
+        """
+        from .from_thread import loop_thread
+
+        with loop_thread("langgraph-fence instance") as portal:
+            context = cls.open(url, **options)
+            instance = portal.call(context.__aenter__)
+            try:
+                yield instance
+            except BaseException as exc:
+                error = exc
+                if not portal.call(
+                    lambda: context.__aexit__(type(error), error, error.__traceback__)
+                ):
+                    raise
+            else:
+                portal.call(lambda: context.__aexit__(None, None, None))
 
     async def aclose(self) -> None:
         """Stop the timers of every run still in flight (their leases then lapse)."""
@@ -684,12 +731,14 @@ class Instance:
         kwargs: Mapping[str, Any],
     ) -> tuple[LeaseKey, RunnableConfig]:
         from .checkpoint import FencedCheckpointer
+        from .fail_closed import refuse_unfenced
 
         if not isinstance(getattr(graph, "checkpointer", None), FencedCheckpointer):
             raise ValueError(
                 "graph was compiled without a fenced checkpointer: compile it with "
                 "builder.compile(checkpointer=instance.checkpointer)"
             )
+        refuse_unfenced(graph)
         if "control" in kwargs:
             raise ValueError(
                 "control is set by the instance (it drains the run when the lease is lost); "
