@@ -55,8 +55,9 @@ class Shop:
         @task
         @fenced(effect=Effect.NON_IDEMPOTENT_WRITE)
         async def charge(order: str) -> str:
-            self.calls.append(("charge", get_execution_context().fence.token))
-            if self.hold:
+            token = get_execution_context().fence.token
+            self.calls.append(("charge", token))
+            if self.hold and token == 1:  # A only: a repeat by B must not wait
                 self.charging.set()
                 try:
                     await self.release.wait()
