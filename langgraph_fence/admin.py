@@ -48,8 +48,8 @@ from .lease import Lease, LeaseKey, LeaseStatus, fenced_error, validate_holder, 
 from .schema import LEASES
 
 if TYPE_CHECKING:
-    from .executions import ExecutionRecords
     from .lease import ExecutionLeaseRepository
+    from .records import ExecutionRecords
 
 __all__ = [
     "AdminHold",

@@ -564,7 +564,7 @@ async def _migrate(args: argparse.Namespace) -> int:
     from checkpointers import SqlCheckpointer, SqlStore
 
     from .database import create_engine, schema_options
-    from .executions import SqlExecutionRecords
+    from .records import SqlExecutionRecords
     from .sinks import setup_sink
     from .stores.sql import SqlLeaseRepository
 

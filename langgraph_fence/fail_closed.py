@@ -13,6 +13,7 @@ compiled graph.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any
 
@@ -89,7 +90,5 @@ def refuse_unfenced(graph: Any) -> None:
             "tools too (undeclared tools are non_idempotent_write); an @entrypoint: stack "
             "@fenced under it. Nothing ran and nothing was written"
         )
-    try:
+    with contextlib.suppress(TypeError):  # not weakly referenceable: checked every time
         _checked[graph] = True
-    except TypeError:
-        pass

@@ -191,7 +191,7 @@ _DATABASE_MODULES = (
     "sqlite3",
     "checkpointers",
     "langgraph_fence.stores",
-    "langgraph_fence.executions",
+    "langgraph_fence.records",
     "langgraph_fence.database",
     "langgraph_fence.sinks",
     "langgraph_fence.faults",

@@ -94,7 +94,7 @@ class Leases:
     def __init__(self, engine: AsyncEngine, clock: ManualClock) -> None:
         from checkpointers import SqlCheckpointer
 
-        from .executions import SqlExecutionRecords
+        from .records import SqlExecutionRecords
         from .stores.sql import SqlLeaseRepository
 
         self.clock = clock

@@ -152,7 +152,7 @@ class SqlLeaseRepository:
         await migrate(self._engine, "leases", LEASE_MIGRATIONS)
         # Imported here: the records' module needs LangGraph's serializer, which the CLI's
         # listings (a lease store, no records) must not load.
-        from ..executions import EXECUTION_MIGRATIONS
+        from ..records import EXECUTION_MIGRATIONS
 
         await migrate(self._engine, "executions", EXECUTION_MIGRATIONS)
 

@@ -17,9 +17,9 @@ from langgraph.graph import END, START, StateGraph
 from langgraph_fence import ExecutionLeaseRepository, LeaseKey, LeaseStatus
 from langgraph_fence.context import get_execution_context
 from langgraph_fence.contracts import missing_members
-from langgraph_fence.executions import ExecutionRecords, MemoryExecutionRecords
 from langgraph_fence.instance import Instance
 from langgraph_fence.nodes import fence_graph
+from langgraph_fence.records import ExecutionRecords, MemoryExecutionRecords
 from tests.conftest import unique
 
 
@@ -83,7 +83,8 @@ async def test_a_getattr_wrapper_around_a_store_runs_fenced(
     assert {"acquire", "renew", "release"} <= set(store.calls)
     assert {"bind", "record"} <= set(records.calls)
     lease = await lease_store.get(key)
-    assert lease is not None and lease.status is LeaseStatus.DONE
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
 
 
 async def test_a_store_without_methods_is_refused_naming_them(

@@ -128,7 +128,8 @@ async def test_an_unfenced_node_is_refused_before_its_first_step(instance: Insta
         await graph.ainvoke({"n": 0}, config)
     with pytest.raises(ValueError, match=r"\['plain'\]"):
         await instance.ainvoke(graph, {"n": 0}, config, tenant_id="default")
-    assert ran == [] and await nothing_written(instance, graph, config)
+    assert ran == []
+    assert await nothing_written(instance, graph, config)
 
 
 async def test_an_unfenced_tool_in_a_tool_node_is_refused(instance: Instance) -> None:
@@ -151,7 +152,8 @@ async def test_an_unfenced_prebuilt_agent_is_refused(
     sent.clear()
     with pytest.raises(ValueError, match=r"lookup.*send_email.*fence_graph\(graph"):
         await agent.ainvoke({"messages": [HumanMessage("mail ann")]}, config)
-    assert sent == [] and await nothing_written(instance, agent, config)
+    assert sent == []
+    assert await nothing_written(instance, agent, config)
 
 
 @pytest.mark.parametrize("make", AGENTS.values(), ids=AGENTS.keys())
@@ -168,7 +170,9 @@ async def test_a_fenced_agent_stamps_its_write_tool(
     # The write tool (undeclared: NON_IDEMPOTENT_WRITE) ran under its own stamp entry.
     assert stamps_seen == [["tools:send_email"]]
     lease = await instance.repository.get(LeaseKey("default", config["configurable"]["thread_id"]))
-    assert lease is not None and lease.status is LeaseStatus.DONE and not lease.pending_effects
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
+    assert not lease.pending_effects
 
 
 def test_fence_graph_on_a_compiled_graph_refuses_names_it_does_not_have() -> None:

@@ -96,7 +96,9 @@ async def test_ainvoke_astream_and_events_run_under_the_lease(instance: Instance
     # Both steps (the subgraph's too: no second acquire) saw the run's token.
     assert result == {"n": 1, "tokens": [1], "inner": 1}
     lease = await lease_of(instance, config)
-    assert lease.epoch == 1 and lease.status is LeaseStatus.DONE and lease.holder is None
+    assert lease.epoch == 1
+    assert lease.status is LeaseStatus.DONE
+    assert lease.holder is None
 
     chunks = [
         chunk
@@ -106,7 +108,8 @@ async def test_ainvoke_astream_and_events_run_under_the_lease(instance: Instance
     ]
     # The subgraph's own step streams under its namespace, at the run's token (2).
     inner = [c for c in chunks if c[0] and c[1] == "updates"]
-    assert inner and inner[0][2]["inner"] == {"inner": 2}
+    assert inner
+    assert inner[0][2]["inner"] == {"inner": 2}
     assert chunks[-1] == ((), "values", {"n": 1, "tokens": [1, 2], "inner": 2})
 
     events = [e async for e in graph.astream_events({"n": 0}, config, version="v2")]
@@ -114,7 +117,8 @@ async def test_ainvoke_astream_and_events_run_under_the_lease(instance: Instance
     assert events[-1]["data"]["output"]["inner"] == 3
 
     lease = await lease_of(instance, config)
-    assert lease.epoch == 3 and lease.status is LeaseStatus.DONE
+    assert lease.epoch == 3
+    assert lease.status is LeaseStatus.DONE
     state = await graph.aget_state(config)  # a plain read finds the default tenant's thread
     assert state.values["tokens"] == [1, 2, 3]
 
@@ -144,7 +148,8 @@ async def test_aupdate_state_takes_the_lease(instance: Instance) -> None:
     updated = await graph.aupdate_state(config, {"n": 10})
     assert "__fence" not in updated["configurable"]
     lease = await lease_of(instance, config)
-    assert lease.epoch == 2 and lease.status is LeaseStatus.DONE
+    assert lease.epoch == 2
+    assert lease.status is LeaseStatus.DONE
     assert (await graph.aget_state(config)).values["n"] == 10
 
 
@@ -177,7 +182,8 @@ async def test_a_second_instance_on_the_same_thread_is_refused(database: Databas
         go.set()
         assert (await asyncio.wait_for(running, 10))["tokens"] == [1]
         lease = await lease_of(a, config)
-        assert lease.epoch == 1 and lease.status is LeaseStatus.DONE
+        assert lease.epoch == 1
+        assert lease.status is LeaseStatus.DONE
 
 
 async def test_a_write_outside_any_run_is_refused_naming_the_fix(instance: Instance) -> None:
@@ -200,7 +206,8 @@ def test_sync_invoke_stream_and_update_state_with_open_sync(database: Database) 
         graph.update_state(config, {"n": 7})
         assert graph.get_state(config).values["n"] == 7
         lease = asyncio.run_coroutine_threadsafe(lease_of(instance, config), instance.loop).result()  # type: ignore[arg-type]
-        assert lease.epoch == 3 and lease.status is LeaseStatus.DONE
+        assert lease.epoch == 3
+        assert lease.status is LeaseStatus.DONE
 
 
 async def test_sync_invoke_on_the_instances_own_loop_is_refused(instance: Instance) -> None:

@@ -44,7 +44,8 @@ async def test_langgraph_puts_the_task_id_and_runtime_under_the_keys_we_read() -
     builder.add_edge("node", END)
     await builder.compile().ainvoke({})
 
-    assert isinstance(seen["task_id"], str) and seen["task_id"]
+    assert isinstance(seen["task_id"], str)
+    assert seen["task_id"]
     runtime = seen["runtime"]
     assert isinstance(runtime, Runtime)
     assert runtime.execution_info is not None
@@ -193,7 +194,8 @@ def test_a_tool_node_calls_its_tools_from_the_dict_tools_by_name_returns() -> No
     tools = _compat.tool_node_tools(node)
     # The dict itself, not a copy: what is put in it is what the node calls
     # (tests/integration/test_fail_closed.py sees the fenced tool's stamp).
-    assert tools is not None and tools is node.tools_by_name
+    assert tools is not None
+    assert tools is node.tools_by_name
     tools["first"] = second
     assert node.tools_by_name["first"] is second
     assert _compat.tool_node_tools(object()) is None

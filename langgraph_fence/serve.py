@@ -1,0 +1,382 @@
+"""The takeover loop: find expired or handed-back executions, take them over, resume them.
+
+:class:`Server` is what :meth:`Instance.serve <langgraph_fence.Instance.serve>` runs. One look
+at the store is :meth:`Server.poll_once` (tests call it directly, with no wall clock); the
+loop (:meth:`Server.run`) repeats it, pausing on the server's injected ``sleep`` between
+looks, backing off while the store cannot be read, until ``stop`` is set; then it drains
+its runs at their next superstep boundary and hands them back ``pending``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.errors import GraphDrained
+
+from .events import EventKind
+from .keeper import Sleep
+from .lease import Lease, LeaseKey, LeaseStatus, validate_max_takeovers
+from .records import ExecutionHead
+from .redact import failure_reason
+from .run import DEFAULT_GRAPH_NAME, Run, announce_dead_letter, running
+from .run_config import restore_run, run_allowlist
+from .validate import positive_int, positive_seconds, text_id
+
+if TYPE_CHECKING:
+    from langgraph.checkpoint.base import CheckpointTuple
+
+    from .instance import Instance
+
+__all__ = ["MAX_SERVE_BACKOFF", "Server", "check_budget", "progress_mark"]
+
+logger = logging.getLogger(__name__)
+
+#: The longest pause serve() takes between looks while the store cannot be read.
+MAX_SERVE_BACKOFF = 10.0
+
+
+class Server:
+    """One instance's takeover loop over ``graphs`` (see :meth:`Instance.serve`).
+
+    Args:
+        instance: the instance whose runs the loop starts.
+        graphs: graph name -> graph compiled with the instance's checkpointer (checked).
+        concurrency: how many executions the loop runs at once.
+        poll_interval: seconds between looks at the store.
+        max_takeovers: the takeover budget (checked).
+        kwargs: passed to each ``graph.ainvoke``; a run's recorded options win.
+        sleep: how the loop pauses between looks (default ``asyncio.sleep``).
+    """
+
+    def __init__(
+        self,
+        instance: Instance,
+        graphs: Mapping[str, Any],
+        *,
+        concurrency: int,
+        poll_interval: float,
+        max_takeovers: int,
+        kwargs: Mapping[str, Any],
+        sleep: Sleep | None = None,
+    ) -> None:
+        from .checkpoint import FencedCheckpointer
+
+        if not isinstance(graphs, Mapping) or not graphs:
+            raise ValueError("graphs must be a non-empty mapping of graph name -> graph")
+        for name, graph in graphs.items():
+            text_id("graphs' names", name, what="the graph name executions are recorded under")
+            if not isinstance(getattr(graph, "checkpointer", None), FencedCheckpointer):
+                raise ValueError(
+                    f"graphs[{name!r}] was compiled without a fenced checkpointer: compile it "
+                    "with builder.compile(checkpointer=instance.checkpointer)"
+                )
+            own = getattr(graph, "name", None)
+            if own not in (name, DEFAULT_GRAPH_NAME):
+                # Runs started with this graph and no graph_name are recorded under its own
+                # name: this loop would never find them.
+                logger.warning(
+                    "graph %r is served as %r: runs started with it and no graph_name are "
+                    "recorded as %r, which this loop does not serve; serve it as %r, or "
+                    "start its runs with graph_name=%r",
+                    own,
+                    name,
+                    own,
+                    own,
+                    name,
+                )
+        positive_int("concurrency", concurrency, what="how many executions serve() runs at once")
+        self.poll = positive_seconds(
+            "poll_interval", poll_interval, what="between looks at the store"
+        )
+        self.budget = check_budget(max_takeovers)
+        self.instance = instance
+        self.graphs = graphs
+        self.concurrency = concurrency
+        self.kwargs = kwargs
+        self._sleep: Sleep = sleep or asyncio.sleep
+        #: The runs this loop started, by the task that runs each.
+        self.running: dict[asyncio.Task[None], list[Run]] = {}
+        # Executions of graphs this loop does not serve, by key, with the epoch seen.
+        self._unserved: dict[LeaseKey, int] = {}
+        self.failures = 0  # looks in a row that the store refused: the loop backs off
+
+    async def poll_once(self) -> float:
+        """One look: forget the runs that ended, take work if a slot is free; returns the
+        pause before the next look (``poll_interval``, longer while the store fails)."""
+        for task in [t for t in self.running if t.done()]:
+            self.running.pop(task)
+        free = self.concurrency - len(self.running)
+        if free > 0:
+            try:
+                await self.take_work(free)
+                self.failures = 0
+            except Exception as exc:
+                self.failures += 1
+                logger.warning(
+                    "serve: the store could not be read (%s); looking again in %.1fs",
+                    failure_reason(exc),
+                    serve_backoff(self.poll, self.failures),
+                )
+        return serve_backoff(self.poll, self.failures)
+
+    async def run(self, stop: asyncio.Event, *, handle_signals: bool = False) -> None:
+        """Look, pause, look again until ``stop`` is set (a run that ends cuts the pause
+        short; ``handle_signals``: SIGTERM and SIGINT set it); then drain the runs and wait
+        for them to hand back."""
+        remove_signals = on_signals(stop) if handle_signals else (lambda: None)
+        logger.info("instance %s serves %s", self.instance.instance_id, sorted(self.graphs))
+        try:
+            while not stop.is_set():
+                pause = await self.poll_once()
+                waiters: list[asyncio.Future[Any]] = [
+                    asyncio.ensure_future(stop.wait()),
+                    asyncio.ensure_future(self._sleep(pause)),
+                ]
+                waiters.extend(self.running)
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                for waiter in waiters[:2]:
+                    waiter.cancel()
+        finally:
+            remove_signals()
+            await self.stop_runs()
+            logger.info("instance %s stopped serving", self.instance.instance_id)
+
+    async def stop_runs(self) -> None:
+        """Drain every run of the loop at its next superstep boundary and wait for them."""
+        for runs in self.running.values():
+            for run in runs:
+                reason = "langgraph-fence: the instance is stopping"
+                run.handle.request_stop(reason)  # confirm_now() refuses from here on
+                run.control.request_drain(reason)
+        if self.running:
+            await asyncio.gather(*self.running, return_exceptions=True)
+
+    async def take_work(self, free: int) -> None:
+        """Take up to ``free`` candidates over; a failed take never stops the serve loop
+        (a failed look raises, and the loop backs off).
+
+        An execution of a graph this loop does not serve is remembered with its epoch
+        (``unserved``) and costs no read on the polls after: its record is never loaded, its
+        input never decoded. A record is decoded only once its execution is taken, and a
+        record that cannot be decoded dead-letters its execution (guarded by the epoch just
+        taken) with the reason, instead of failing the loop.
+        """
+        instance, graphs, unserved = self.instance, self.graphs, self._unserved
+        window = free * 4
+        while free > 0:
+            # A store that cannot be read raises out of here: the loop logs it and backs
+            # off. Unserved executions stay candidates: widen the window by as many, or
+            # they would hide the ones this loop can run.
+            limit = window + len(unserved)
+            candidates = await instance.repository.takeover_candidates(limit=limit)
+            # Forget the ones that are no longer candidates (ended, or taken by their
+            # servers); a new epoch is a new run, whose record may name another graph.
+            current = {candidate.key: candidate.epoch for candidate in candidates}
+            for key in [k for k, epoch in unserved.items() if current.get(k) != epoch]:
+                del unserved[key]
+            fresh = [c for c in candidates if c.key not in unserved]
+            heads = await instance.records.heads_of([c.key for c in fresh]) if fresh else {}
+            found_unserved = False
+            for candidate in fresh:
+                if free <= 0:
+                    return
+                head = heads.get(candidate.key)
+                graph_name = None if head is None else head.graph
+                if head is None or head.graph not in graphs:
+                    # Once per execution (and epoch): remembered in ``unserved`` from here on.
+                    unserved[candidate.key] = candidate.epoch
+                    found_unserved = True
+                    logger.warning(
+                        "execution %s is expired but its graph %r is not served here (this "
+                        "loop serves %s): left untouched; to take it over, serve a graph "
+                        "under the name %r (serve({%r: graph}), or a worker whose --graphs "
+                        "factory returns that key)",
+                        candidate.scope_key,
+                        graph_name,
+                        sorted(graphs),
+                        graph_name,
+                        graph_name,
+                    )
+                    continue
+                try:
+                    started = await self._take_one(graphs[head.graph], candidate, head)
+                except Exception:
+                    logger.warning("could not take %s over", candidate.scope_key, exc_info=True)
+                    continue
+                if started:
+                    free -= 1
+            if len(candidates) < limit or not found_unserved:
+                return
+            # A full window of newly found unserved executions may hide servable ones behind
+            # it: look again at once, past them (doubling, so N of them take log N looks,
+            # once; later polls skip them without a read).
+            window *= 2
+
+    async def _take_one(self, graph: Any, candidate: Lease, head: ExecutionHead) -> bool:
+        """Take ``candidate`` over and start its run; whether a run was started.
+
+        The recorded input is read only when the run needs it (no checkpoint yet), decoded
+        with the graph's own allow-list; a record that cannot be, dead-letters the execution.
+        """
+        instance = self.instance
+        # The tenant names the thread too (another tenant's thread of the same id is another).
+        config: RunnableConfig = {
+            "configurable": {"thread_id": head.thread_id, "tenant_id": candidate.key.tenant_id}
+        }
+        # The thread's progress, for the takeover budget, read before the take (the take
+        # statement compares it with the mark the last take stored). The expired holder may
+        # still land a checkpoint between this read and the take: that progress is then seen
+        # by the next take, one take late.
+        latest = await graph.checkpointer.aget_tuple(config)
+        mark = await progress_mark(graph.checkpointer, latest)
+        taken = await instance.repository.take_over(
+            candidate,
+            instance.instance_id,
+            instance.lease_ttl,
+            progress_mark=mark,
+            max_takeovers=self.budget,
+        )
+        if taken is None:
+            return False  # renewed by its holder or taken by another instance meanwhile
+        if taken.status is LeaseStatus.DEAD_LETTERED:
+            announce_dead_letter(instance._events, taken.scope_key, taken.epoch, taken.reason)
+            return False
+        instance._events.emit(
+            EventKind.TAKEN_OVER,
+            taken.scope_key,
+            taken.epoch,
+            f"from {candidate.holder or 'no holder'} at token {candidate.epoch}",
+        )
+        # The record cannot change under us now: a new run of the key takes a new epoch.
+        # A checkpoint found before the take is there still; none found is read again now
+        # the take fenced the old holder (it may have landed its first one in between).
+        from_input = latest is None and await graph.checkpointer.aget_tuple(config) is None
+        try:
+            record = await instance.records.get(
+                taken.key, allow=run_allowlist(graph), with_input=from_input
+            )
+            if record is None:
+                raise LookupError(f"the record of execution {taken.scope_key!r} is gone")
+        except Exception as exc:
+            # Ours now (epoch + 1): left as it is, every instance would fail on it, poll
+            # after poll. It cannot run anywhere: dead-letter it, saying why.
+            reason = failure_reason(exc, prefix="its execution record cannot be loaded: ")
+            await instance.repository.dead_letter(taken.key, reason, epoch=taken.epoch)
+            announce_dead_letter(instance._events, taken.scope_key, taken.epoch, reason)
+            return False
+        # The run as it was started: its configurable keys, context, limits and options
+        # (serve()'s own options are the defaults under them).
+        config, options = restore_run(record.run, head.thread_id, candidate.key.tenant_id)
+        runs: list[Run] = []
+        task = asyncio.create_task(
+            self._resume(graph, config, record.input, taken, runs, {**self.kwargs, **options}),
+            name=f"resume {taken.scope_key}",
+        )
+        self.running[task] = runs
+        return True
+
+    async def _resume(
+        self,
+        graph: Any,
+        config: RunnableConfig,
+        input: Any,
+        taken: Lease,
+        runs: list[Run],
+        kwargs: Mapping[str, Any],
+    ) -> None:
+        """Run a taken execution: from its last checkpoint (``input`` None), or its input."""
+        try:
+            logger.info(
+                "resuming %s at token %d from its %s",
+                taken.scope_key,
+                taken.epoch,
+                "last checkpoint" if input is None else "recorded input",
+            )
+            async with running(
+                self.instance,
+                graph,
+                input,
+                config,
+                taken.key.tenant_id,
+                taken.key.execution_id,
+                kwargs,
+                taken=taken,
+            ) as run:
+                runs.append(run)
+                await graph.ainvoke(input, run.config, control=run.control, **kwargs)
+        except GraphDrained:
+            logger.info("run %s drained and handed back", taken.scope_key)
+        except Exception:
+            logger.warning("resumed run %s ended with an error", taken.scope_key, exc_info=True)
+
+
+async def progress_mark(checkpointer: Any, latest: CheckpointTuple | None) -> str | None:
+    """The thread's progress as the takeover budget counts it: the id of its ``latest``
+    checkpoint (None for none), where the start of a run is no progress.
+
+    A run started on its input writes two checkpoints before any step runs: the input
+    checkpoint (``source`` ``"input"``) and the first loop checkpoint, which applies the
+    input. A taker that started the run from its recorded input, wrote those and died in
+    the first step made no progress; counted as progress, they would start the count again
+    and buy a poison pill one more worker. So either counts as the checkpoint the input
+    followed. Costs one more read (of the latest checkpoint's parent) when the latest is a
+    loop checkpoint; takes are rare.
+    """
+    if latest is None:
+        return None
+    start = latest
+    if latest.metadata.get("source") == "loop" and latest.parent_config is not None:
+        parent = await checkpointer.aget_tuple(latest.parent_config)
+        if parent is not None and parent.metadata.get("source") == "input":
+            start = parent
+    if start.metadata.get("source") == "input":
+        before = start.parent_config
+        return None if before is None else str(before["configurable"]["checkpoint_id"])
+    return str(latest.config["configurable"]["checkpoint_id"])
+
+
+def check_budget(max_takeovers: object) -> int:
+    """``max_takeovers`` if an int >= 1, else ``ValueError`` naming it and the fix."""
+    if max_takeovers is None:
+        raise ValueError(
+            "max_takeovers must be an int >= 1 (how many takeovers in a row without a new "
+            "checkpoint an execution gets before it is dead-lettered), got None"
+        )
+    budget = validate_max_takeovers(max_takeovers)  # type: ignore[arg-type]
+    assert budget is not None
+    return budget
+
+
+def serve_backoff(poll: float, failures: int) -> float:
+    """The pause before serve()'s next look: ``poll``, doubling per failed look in a row up
+    to ``MAX_SERVE_BACKOFF`` (never shorter than ``poll``)."""
+    if failures <= 0:
+        return poll
+    return max(poll, min(MAX_SERVE_BACKOFF, poll * float(1 << min(failures, 16))))
+
+
+def on_signals(stop: asyncio.Event) -> Callable[[], None]:
+    """Set ``stop`` on SIGTERM and SIGINT; returns how to undo it."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    loop = asyncio.get_running_loop()
+    installed = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+        except (NotImplementedError, RuntimeError):
+            pass
+
+    def remove() -> None:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+    return remove
