@@ -30,6 +30,8 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from langchain_core.runnables.config import ensure_config
+
 from ._compat import hook_pregel
 from .errors import ExecutionContextUnavailableError
 from .fence import FENCE_CONFIG_KEY
@@ -51,7 +53,9 @@ def instance_of(graph: Any, config: Mapping[str, Any] | None) -> Instance | None
     saver = getattr(graph, "checkpointer", None)
     if not isinstance(saver, FencedCheckpointer) or saver.instance is None:
         return None
-    for source in (config, getattr(graph, "config", None)):
+    # ensure_config: a graph called inside a node with no config (``sub.ainvoke(x)``) runs
+    # with the node's config, which LangChain keeps in a context variable.
+    for source in (ensure_config(config), getattr(graph, "config", None)):
         configurable = source.get("configurable") if isinstance(source, Mapping) else None
         if isinstance(configurable, Mapping) and FENCE_CONFIG_KEY in configurable:
             return None
