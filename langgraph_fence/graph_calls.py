@@ -55,7 +55,7 @@ def instance_of(graph: Any, config: Mapping[str, Any] | None) -> Instance | None
         return None
     # ensure_config: a graph called inside a node with no config (``sub.ainvoke(x)``) runs
     # with the node's config, which LangChain keeps in a context variable.
-    for source in (ensure_config(config), getattr(graph, "config", None)):
+    for source in (ensure_config(config), getattr(graph, "config", None)):  # type: ignore[arg-type]
         configurable = source.get("configurable") if isinstance(source, Mapping) else None
         if isinstance(configurable, Mapping) and FENCE_CONFIG_KEY in configurable:
             return None
