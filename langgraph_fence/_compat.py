@@ -25,11 +25,13 @@ __all__ = [
     "CONFIG_KEY_RUNTIME",
     "CONFIG_KEY_TASK_ID",
     "aiosqlite_call",
+    "hook_pregel",
     "pregel_runtime",
     "pregel_task_id",
     "runnable_callable_type",
     "sqlalchemy_engine_autocommit",
     "sqlalchemy_told_autocommit",
+    "tool_node_tools",
 ]
 
 T = TypeVar("T")
@@ -86,6 +88,52 @@ def runnable_callable_type() -> type[RunnableCallable]:
     from langgraph._internal._runnable import RunnableCallable
 
     return RunnableCallable
+
+
+def hook_pregel(hooks: Mapping[str, Callable[[Callable[..., Any]], Callable[..., Any]]]) -> None:
+    """Replace methods of ``langgraph.pregel.Pregel`` with ``make(original)``, once per name.
+
+    Not a private name but a patch of LangGraph's own class, recorded here for the same
+    reason: a release may change what it relies on. The package hooks ``astream``,
+    ``stream``, ``aupdate_state`` and ``update_state``: every way a user calls a compiled
+    graph goes through one of them (``ainvoke``, ``abatch`` and ``astream_events`` through
+    ``astream``; ``invoke`` and ``batch`` through ``stream``), so a graph compiled with an
+    instance's checkpointer and called the LangGraph way runs under its execution's lease
+    (:mod:`langgraph_fence.graph_calls`); every other graph gets LangGraph's original,
+    unchanged. ``tests/unit/test_compat.py`` checks that those four exist and that
+    ``ainvoke``/``invoke`` still reach them. If LangGraph adds a path that bypasses them, a
+    graph called that way runs with no handle and the fenced checkpointer refuses its first
+    write (``ExecutionContextUnavailableError``, naming the fix): loud, never unfenced.
+    """
+    from langgraph.pregel import Pregel
+
+    for name, make in hooks.items():
+        current = getattr(Pregel, name)
+        if getattr(current, "__langgraph_fence_hook__", False):
+            continue
+        replacement = make(current)
+        replacement.__langgraph_fence_hook__ = True  # type: ignore[attr-defined]
+        setattr(Pregel, name, replacement)
+
+
+def tool_node_tools(node: Any) -> dict[str, Any] | None:
+    """The ``name -> tool`` dict a ``langgraph.prebuilt.ToolNode`` calls its tools from, or
+    ``None`` for anything else.
+
+    ``ToolNode.tools_by_name`` is public, but that it returns the dict the node calls from
+    (so that replacing a tool in it changes what the node runs) is not documented:
+    ``fence_graph`` on a compiled agent fences the tools in place through it. If it ever
+    returns a copy, the check before a run (:mod:`langgraph_fence.fail_closed`) still sees
+    the unfenced tools and refuses the run: loud, never unfenced.
+    """
+    try:
+        from langgraph.prebuilt import ToolNode
+    except ImportError:  # pragma: no cover - langgraph-prebuilt is a dependency of langgraph
+        return None
+    if not isinstance(node, ToolNode):
+        return None
+    tools: dict[str, Any] = node.tools_by_name
+    return tools
 
 
 def sqlalchemy_told_autocommit(conn: Connection) -> bool:

@@ -64,6 +64,7 @@ from .scope import encode_part
 
 if TYPE_CHECKING:
     from .admin import ThreadAdmin
+    from .instance import Instance
 
 __all__ = [
     "DEFAULT_TENANT",
@@ -371,6 +372,11 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     #: Set by the :class:`~langgraph_fence.Instance` that owns the wrapper: its admin
     #: operations then take the execution's lease (:mod:`langgraph_fence.admin`).
     admin: ThreadAdmin | None = None
+    #: Set by the :class:`~langgraph_fence.Instance` that owns the wrapper: a graph compiled
+    #: with this checkpointer and called the LangGraph way runs through it
+    #: (:mod:`langgraph_fence.graph_calls`), and a read that names no tenant reads the
+    #: instance's default tenant (the one such a run wrote under).
+    instance: Instance | None = None
     #: Every read and write of this saver sees the tenant's own threads only.
     scopes_tenants: ClassVar[bool] = True
 
@@ -414,6 +420,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             return self
         copy = FencedCheckpointer(inner, require_fence=self.require_fence)
         copy.admin = self.admin
+        copy.instance = self.instance
         return copy
 
     @property
@@ -493,7 +500,24 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
 
     # -- reads: never fenced; each sees the tenant's own threads only
 
+    def _tenanted(self, config: Any) -> Any:
+        """``config`` with the owning instance's default tenant where it names none: a plain
+        ``graph.aget_state(config)`` reads the thread a plain ``graph.ainvoke`` wrote."""
+        if self.instance is None or not isinstance(config, Mapping):
+            return config
+        configurable = config.get("configurable")
+        if (
+            not isinstance(configurable, Mapping)
+            or configurable.get("thread_id") is None
+            or configurable.get("tenant_id") is not None
+            or FENCE_CONFIG_KEY in configurable
+        ):
+            return config
+        tenant = {**configurable, "tenant_id": self.instance.tenant_id}
+        return {**config, "configurable": tenant}
+
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        config = self._tenanted(config)
         return self._outer_tuple(await self.inner.aget_tuple(self._inner_config(config)))
 
     async def alist(
@@ -504,6 +528,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         before: RunnableConfig | None = None,
         limit: int | None = None,
     ) -> AsyncIterator[CheckpointTuple]:
+        config, before = self._tenanted(config), self._tenanted(before)
         own, inner_limit = self._own_items(config, limit)
         listed = 0
         async for item in self.inner.alist(
@@ -521,6 +546,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             yield outer
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        config = self._tenanted(config)
         return self._outer_tuple(self.inner.get_tuple(self._inner_config(config)))
 
     def list(
@@ -531,6 +557,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         before: RunnableConfig | None = None,
         limit: int | None = None,
     ) -> Iterator[CheckpointTuple]:
+        config, before = self._tenanted(config), self._tenanted(before)
         own, inner_limit = self._own_items(config, limit)
         items = self.inner.list(
             self._inner_config(config),
@@ -548,6 +575,16 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     def _handle(self, config: RunnableConfig, action: str) -> RunHandle | None:
         handle = fence_handle(config)
         if handle is None and self.require_fence:
+            if self.instance is not None:
+                raise ExecutionContextUnavailableError(
+                    f"{action} refused: a write of the checkpointer of instance "
+                    f"{self.instance.instance_id!r} outside any run of it (no run handle at "
+                    f'config["configurable"]["{FENCE_CONFIG_KEY}"]) would be unfenced. Call '
+                    "the graph compiled with checkpointer=instance.checkpointer the LangGraph "
+                    "way (graph.ainvoke/astream/astream_events/aupdate_state, or graph.invoke/"
+                    "stream/update_state with Instance.open_sync) or instance.ainvoke(graph, "
+                    "...): each takes the execution's lease first"
+                )
             raise ExecutionContextUnavailableError(
                 f"{action} refused: this FencedCheckpointer requires a run handle at "
                 f'config["configurable"]["{FENCE_CONFIG_KEY}"] and the config has none. Run '

@@ -8,12 +8,14 @@ started on. :func:`run_on_loop` is the one hop from such a thread to that loop.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from .errors import ExecutionContextUnavailableError
 
-__all__ = ["run_on_loop", "running_loop"]
+__all__ = ["LoopThread", "loop_thread", "run_on_loop", "running_loop"]
 
 T = TypeVar("T")
 
@@ -61,3 +63,42 @@ def run_on_loop(
             f"waiting for the loop would deadlock: {on_loop}"
         )
     return asyncio.run_coroutine_threadsafe(make(), loop).result()
+
+
+class LoopThread:
+    """An event loop running in a thread of its own, for a sync program's instance."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def call(self, make: Callable[[], Awaitable[T]]) -> T:
+        """Run ``make()`` on the loop and block this thread until it returns (or raises)."""
+
+        async def run() -> T:
+            return await make()
+
+        return run_on_loop(
+            self.loop, run, what="a call to the instance's loop", on_loop="await it instead"
+        )
+
+
+@contextmanager
+def loop_thread(name: str) -> Iterator[LoopThread]:
+    """Start an event loop in a daemon thread; stop it and join the thread on exit."""
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        loop.call_soon(ready.set)
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, name=name, daemon=True)
+    thread.start()
+    ready.wait()
+    try:
+        yield LoopThread(loop)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()

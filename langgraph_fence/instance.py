@@ -15,8 +15,8 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +47,17 @@ if TYPE_CHECKING:
     from langgraph.checkpoint.serde.base import SerializerProtocol
 
 __all__ = ["Instance"]
+
+
+#: The tenant of a graph called the LangGraph way whose config names none (``tenant_id=``).
+DEFAULT_TENANT_ID = "default"
+
+
+def _tenant(tenant_id: object) -> str:
+    """The default tenant, checked (``ValueError`` naming it and the fix)."""
+    return text_id(
+        "tenant_id", tenant_id, what="the default tenant of graphs called the LangGraph way"
+    )
 
 
 def _default_instance_id() -> str:
@@ -109,9 +120,10 @@ class Instance:
         sleep: Sleep | None = None,
         records: ExecutionRecords | None = None,
         max_takeovers: int = DEFAULT_MAX_TAKEOVERS,
+        tenant_id: str = DEFAULT_TENANT_ID,
     ) -> None:
         settings = _settings(instance_id, lease_ttl, renew_interval, max_takeovers)
-        self._setup(repository, saver, records, settings, clock, sleep)
+        self._setup(repository, saver, records, settings, clock, sleep, _tenant(tenant_id))
 
     def _setup(
         self,
@@ -121,9 +133,12 @@ class Instance:
         settings: _Settings,
         clock: Callable[[], float] | None,
         sleep: Sleep | None,
+        tenant_id: str = "default",
     ) -> None:
         """The instance on checked ``settings`` (``__init__`` and ``open`` check them once)."""
+        from . import graph_calls
         from .checkpoint import FencedCheckpointer
+        from .from_thread import running_loop
 
         require_implements(repository, ExecutionLeaseRepository, argument="repository")
         if records is not None:
@@ -132,10 +147,19 @@ class Instance:
         self.lease_ttl = settings.lease_ttl
         self.renew_interval = settings.renew_interval
         self.max_takeovers = settings.max_takeovers
+        #: The tenant of a graph called the LangGraph way whose config names none.
+        self.tenant_id = tenant_id
         self.repository = repository
         self.checkpointer: FencedCheckpointer = (
             saver if isinstance(saver, FencedCheckpointer) else FencedCheckpointer(saver)
         )
+        # The LangGraph way (graph.ainvoke on a graph compiled with this checkpointer) runs
+        # through this instance; a write from outside any run is refused, never unfenced.
+        self.checkpointer.instance = self
+        self.checkpointer.require_fence = True
+        #: The event loop this instance's runs and timers belong to (sync calls hop to it).
+        self.loop: asyncio.AbstractEventLoop | None = running_loop()
+        graph_calls.install()
         self.clock = clock or time.monotonic
         self._sleep: Sleep = sleep or asyncio.sleep
         self.records: ExecutionRecords = (
@@ -205,7 +229,7 @@ class Instance:
                 in strict msgpack mode, :func:`langgraph_fence.serde.safe_serializer`; a
                 stored payload constructs no type outside its allow-list).
             **options: :class:`Instance` options (``instance_id``, ``lease_ttl``,
-                ``renew_interval``, ``clock``, ``sleep``, ``max_takeovers``).
+                ``renew_interval``, ``clock``, ``sleep``, ``max_takeovers``, ``tenant_id``).
         """
         from checkpointers import SqlCheckpointer
         from checkpointers.store import SqlStore
@@ -232,6 +256,7 @@ class Instance:
             options.pop("renew_interval", None),
             options.pop("max_takeovers", DEFAULT_MAX_TAKEOVERS),
         )
+        tenant_id = _tenant(options.pop("tenant_id", DEFAULT_TENANT_ID))
         engine = create_engine(url, **dict(engine_options or {}))
         try:
             repository = SqlLeaseRepository(engine)
@@ -241,7 +266,13 @@ class Instance:
             records = SqlExecutionRecords(engine, serde=serde)  # set up with the repository
             instance = cls.__new__(cls)
             instance._setup(
-                repository, saver, records, settings, options.get("clock"), options.get("sleep")
+                repository,
+                saver,
+                records,
+                settings,
+                options.get("clock"),
+                options.get("sleep"),
+                tenant_id,
             )
             store = SqlStore(engine)
             await store.setup()
@@ -253,6 +284,33 @@ class Instance:
                 await saver.aclose()
         finally:
             await engine.dispose()
+
+    @classmethod
+    @contextmanager
+    def open_sync(cls, url: str, **options: Any) -> Iterator[Instance]:
+        """:meth:`open` for a sync program (Flask, Django, Celery, a script): the instance
+        runs on an event loop of its own, in a thread of its own, until the block ends.
+
+        ``graph.invoke`` / ``stream`` / ``batch`` / ``update_state`` of a graph compiled
+        with ``instance.checkpointer`` then run fenced from any thread, as
+        ``graph.ainvoke`` does on an async instance (:mod:`langgraph_fence.graph_calls`).
+        Takes the arguments of :meth:`open`.
+        """
+        from .from_thread import loop_thread
+
+        with loop_thread("langgraph-fence instance") as portal:
+            context = cls.open(url, **options)
+            instance = portal.call(context.__aenter__)
+            try:
+                yield instance
+            except BaseException as exc:
+                error = exc
+                if not portal.call(
+                    lambda: context.__aexit__(type(error), error, error.__traceback__)
+                ):
+                    raise
+            else:
+                portal.call(lambda: context.__aexit__(None, None, None))
 
     async def aclose(self) -> None:
         """Stop the timers of every run still in flight (their leases then lapse)."""

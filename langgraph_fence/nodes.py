@@ -467,6 +467,13 @@ def guard_retry_policy(
 def fence_graph(builder: Any, effects: Mapping[str, EffectLike] | None = None) -> Any:
     """Fence every node of a ``StateGraph`` before ``compile()``; returns the builder.
 
+    Also takes a compiled graph, and so a prebuilt agent in one line
+    (``agent = fence_graph(create_agent(model, tools, checkpointer=instance.checkpointer,
+    name="support"), effects={"send_email": "non_idempotent_write"})``): its nodes are
+    fenced in place and the tools of each ``ToolNode`` go through :func:`fence_tools`
+    (``effects`` then names nodes and tools; an undeclared tool is ``NON_IDEMPOTENT_WRITE``,
+    an undeclared node ``READ_ONLY``); returns the graph.
+
     Each node runs as if decorated with :func:`fenced` (nodes already decorated keep their
     own effect), with its declared effect from ``effects`` (undeclared nodes are
     ``READ_ONLY``), and its ``retry_policy`` guarded so a fencing error is never retried,
@@ -474,22 +481,17 @@ def fence_graph(builder: Any, effects: Mapping[str, EffectLike] | None = None) -
     steps run under the root's lease when its own builder is fenced too).
 
     Raises:
-        ValueError: ``builder`` is not a ``StateGraph`` (a compiled graph among others: fence
-            its builder before ``compile()``), ``effects`` names a node the graph does not
-            have or holds a value that is not an :class:`Effect` or an effect's name, or
-            contradicts a node's ``@fenced`` effect. Checked before anything is changed.
+        ValueError: ``builder`` is neither a ``StateGraph`` nor a compiled graph, ``effects``
+            names a node the graph does not have or holds a value that is not an
+            :class:`Effect` or an effect's name, or contradicts a node's ``@fenced``
+            effect. Checked before anything is changed.
     """
     from langgraph.graph import StateGraph
     from langgraph.pregel import Pregel
 
     RunnableCallable = runnable_callable_type()
     if isinstance(builder, Pregel):
-        raise ValueError(
-            "builder is a compiled graph: fence_graph wraps the nodes of the StateGraph "
-            "before .compile(); call fence_graph(builder, effects=...) and then "
-            "builder.compile(checkpointer=instance.checkpointer) (for a prebuilt agent, "
-            "fence_graph(agent.builder)); nothing was changed"
-        )
+        return _fence_compiled(builder, effects)
     if not isinstance(builder, StateGraph):
         raise ValueError(
             f"builder must be a StateGraph (before compile()), got {type(builder).__name__}"
@@ -542,3 +544,66 @@ def fence_graph(builder: Any, effects: Mapping[str, EffectLike] | None = None) -
             None, _wrap_async(call_runnable, node_name, effect), name=node_name
         )
     return builder
+
+
+def _fence_compiled(graph: Any, effects: Mapping[str, EffectLike] | None) -> Any:
+    """``fence_graph`` of a compiled graph (a prebuilt agent): nodes and tools, in place."""
+    from langgraph.constants import START
+    from langgraph.pregel import Pregel
+
+    from ._compat import tool_node_tools
+    from .tools import fence_tools
+
+    RunnableCallable = runnable_callable_type()
+    declared = {
+        name: as_effect(value, name=f"effects[{name!r}]")
+        for name, value in dict(effects or {}).items()
+    }
+    nodes = {name: node for name, node in graph.nodes.items() if name != START}
+    tool_nodes = {name: tool_node_tools(node.bound) for name, node in nodes.items()}
+    tool_names = {tool for tools in tool_nodes.values() for tool in (tools or {})}
+    unknown = sorted(set(declared) - set(nodes) - tool_names)
+    if unknown:
+        raise ValueError(
+            f"effects names nodes or tools the graph does not have: {unknown}; its nodes are "
+            f"{sorted(nodes)} and its tools {sorted(tool_names)}"
+        )
+    both = sorted(set(declared) & set(nodes) & tool_names)
+    if both:
+        raise ValueError(
+            f"effects names {both}, both a node and a tool of the graph: fence the tools "
+            "with fence_tools(...) before building the graph, and the nodes here"
+        )
+    for name, node in nodes.items():
+        bound = node.bound
+        if isinstance(bound, Pregel):
+            continue  # a subgraph: its own nodes are fenced with its own builder
+        if not isinstance(bound, RunnableCallable):
+            raise ValueError(
+                f"node {name!r} of the compiled graph is a {type(bound).__name__}, which "
+                "fence_graph can fence only before compile(): call fence_graph(builder, "
+                "...) and then compile(); nothing was changed"
+            )
+    for name, node in nodes.items():
+        bound = node.bound
+        if isinstance(bound, Pregel):
+            continue
+        node.retry_policy = guard_retry_policy(node.retry_policy)
+        fenced_already = any(
+            getattr(fn, EFFECT_ATTRIBUTE, None) is not None
+            for fn in (bound.func, bound.afunc)
+            if fn is not None
+        )
+        if not fenced_already:
+            effect = declared.get(name, Effect.READ_ONLY)
+            if bound.func is not None:
+                bound.func = _wrap_sync(bound.func, name, effect)
+            if bound.afunc is not None:
+                bound.afunc = _wrap_async(bound.afunc, name, effect)
+        tools = tool_nodes[name]
+        if tools:
+            plain = [tool for tool in tools.values() if not hasattr(type(tool), EFFECT_ATTRIBUTE)]
+            wanted = {t.name: declared[t.name] for t in plain if t.name in declared}
+            for tool in fence_tools(plain, effects=wanted):
+                tools[tool.name] = tool
+    return graph

@@ -176,12 +176,14 @@ def prepare(
     """The run's lease key and its config (with its tenant), every argument checked;
     ``ValueError`` naming the argument and the fix, before anything is written."""
     from .checkpoint import FencedCheckpointer
+    from .fail_closed import refuse_unfenced
 
     if not isinstance(getattr(graph, "checkpointer", None), FencedCheckpointer):
         raise ValueError(
             "graph was compiled without a fenced checkpointer: compile it with "
             "builder.compile(checkpointer=instance.checkpointer)"
         )
+    refuse_unfenced(graph)
     if "control" in kwargs:
         raise ValueError(
             "control is set by the instance (it drains the run when the lease is lost); "

@@ -1,9 +1,11 @@
 """Worker A of the langgraph#8796 chaos test, run as its own process.
 
-    python fork_worker.py URL SCHEMA TENANT THREAD TTL SIGNAL_FILE
+    python fork_worker.py URL SCHEMA TENANT THREAD TTL SIGNAL_FILE [plain]
 
 It takes the lease of ``(TENANT, THREAD)`` with a short TTL, runs the three-node graph with
-``durability="sync"`` through ``FencedCheckpointer(SqlCheckpointer)``, and inside node ``n2``
+``durability="sync"`` through ``FencedCheckpointer(SqlCheckpointer)`` (with ``plain``: opens
+an ``Instance`` with that TTL and calls ``graph.ainvoke`` on the graph compiled with its
+checkpointer, the LangGraph way, which takes the lease), and inside node ``n2``
 creates SIGNAL_FILE, then waits for a line on stdin (a long model call; the test freezes the
 process meanwhile with SIGSTOP). It prints one JSON line saying how the run ended and exits
 0 when it finished, 3 when its writes were fenced, 1 on anything else.
@@ -26,8 +28,10 @@ from checkpointers import SqlCheckpointer
 from langgraph_fence import (
     ExecutionFencedError,
     FencedCheckpointer,
+    Instance,
     LeaseKey,
     SqlLeaseRepository,
+    fence_graph,
     find_fence_error,
 )
 from langgraph_fence.database import create_engine
@@ -40,8 +44,14 @@ class State(TypedDict):
     log: Annotated[list[str], operator.add]
 
 
-def build_graph(checkpointer: Any, inside_n2: Callable[[], Awaitable[None]] | None = None) -> Any:
-    """n1 -> n2 -> n3, each appending its name (the worker's, to tell who ran it)."""
+def build_graph(
+    checkpointer: Any,
+    inside_n2: Callable[[], Awaitable[None]] | None = None,
+    *,
+    fenced: bool = False,
+) -> Any:
+    """n1 -> n2 -> n3, each appending its name (the worker's, to tell who ran it); with
+    ``fenced``, its nodes fenced and the graph named, as an instance runs it."""
 
     def step(name: str) -> Callable[[State], Awaitable[dict[str, list[str]]]]:
         async def node(state: State) -> dict[str, list[str]]:
@@ -58,6 +68,8 @@ def build_graph(checkpointer: Any, inside_n2: Callable[[], Awaitable[None]] | No
     builder.add_edge("n1", "n2")
     builder.add_edge("n2", "n3")
     builder.add_edge("n3", END)
+    if fenced:
+        return fence_graph(builder).compile(checkpointer=checkpointer, name="fork")
     return builder.compile(checkpointer=checkpointer)
 
 
@@ -70,6 +82,51 @@ def write_signal(path: Path, token: int) -> None:
 
 def engine_for(url: str, schema: str) -> Any:
     return create_engine(url, connect_args={"server_settings": {"search_path": schema}})
+
+
+def fenced_report(exc: BaseException, recorded: bool) -> dict[str, Any] | None:
+    fenced = find_fence_error(exc)
+    if not isinstance(fenced, ExecutionFencedError):
+        return None
+    return {
+        "result": "fenced",
+        "token_held": fenced.token_held,
+        "token_seen": fenced.token_seen,
+        "recorded": recorded,
+    }
+
+
+async def wait_for_go() -> None:
+    line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    assert line.strip() == "go", line
+
+
+async def main_plain(
+    url: str, schema: str, tenant: str, thread: str, ttl: float, signal: Path
+) -> int:
+    """Worker A the LangGraph way: the instance takes the lease; the node reads its token."""
+    from langgraph_fence import get_execution_context
+
+    options = {"connect_args": {"server_settings": {"search_path": schema}}}
+    async with Instance.open(
+        url, engine_options=options, instance_id="worker-A", lease_ttl=ttl
+    ) as instance:
+
+        async def inside_n2() -> None:
+            write_signal(signal, get_execution_context().fence.token)
+            await wait_for_go()
+
+        graph = build_graph(instance.checkpointer, inside_n2, fenced=True)
+        config = {"configurable": {"thread_id": thread, "tenant_id": tenant}}
+        try:
+            await graph.ainvoke({"log": []}, config, durability="sync")
+        except BaseException as exc:
+            # The instance raises the recorded fencing error itself, whatever surfaced.
+            report = fenced_report(exc, recorded=isinstance(exc, ExecutionFencedError))
+            print(json.dumps(report or {"result": "error", "error": repr(exc)}), flush=True)
+            return 1 if report is None else EXIT_FENCED
+        print(json.dumps({"result": "finished"}), flush=True)
+        return 0
 
 
 async def main(url: str, schema: str, tenant: str, thread: str, ttl: float, signal: Path) -> int:
@@ -114,4 +171,5 @@ async def main(url: str, schema: str, tenant: str, thread: str, ttl: float, sign
 
 if __name__ == "__main__":
     url, schema, tenant, thread, ttl, signal = sys.argv[1:7]
-    sys.exit(asyncio.run(main(url, schema, tenant, thread, float(ttl), Path(signal))))
+    run = main_plain if sys.argv[7:] == ["plain"] else main
+    sys.exit(asyncio.run(run(url, schema, tenant, thread, float(ttl), Path(signal))))

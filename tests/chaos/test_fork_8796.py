@@ -7,6 +7,10 @@ it (epoch + 1), resumes the thread and finishes it. Then A is continued: its n2 
 its writes must all be refused (it exits with ExecutionFencedError), and the checkpoint
 chain must not fork: every checkpoint has at most one child and the head is B's, under B's
 token. Without the fence, A would land a second child of n1's checkpoint.
+
+``plain``: the same scenario with nothing but LangGraph's own calls on both sides: A and B
+each open an ``Instance`` and call ``graph.ainvoke`` on a graph compiled with its
+checkpointer (issue 12); B's call is refused while A's lease lives, then takes it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,14 @@ import pytest
 from sqlalchemy import text
 
 from checkpointers import SqlCheckpointer
-from langgraph_fence import FencedCheckpointer, LeaseKey, SqlLeaseRepository
+from langgraph_fence import (
+    ExecutionLeaseHeldError,
+    FencedCheckpointer,
+    Instance,
+    LeaseKey,
+    LeaseStatus,
+    SqlLeaseRepository,
+)
 from langgraph_fence.fence import RunHandle
 from tests.chaos.fork_worker import EXIT_FENCED, build_graph, engine_for
 from tests.conftest import unique
@@ -41,8 +52,24 @@ def read_signal(path: Path) -> str | None:
     return path.read_text() if path.exists() else None
 
 
+async def resume_as_b_plain(url: str, schema: str, config: Any, deadline: float) -> Any:
+    """B the LangGraph way: ``graph.ainvoke(None, config)`` until A's lease has expired."""
+    options = {"connect_args": {"server_settings": {"search_path": schema}}}
+    async with Instance.open(url, engine_options=options, instance_id="worker-B") as b:
+        graph = build_graph(b.checkpointer, fenced=True)
+
+        async def resumed() -> Any:
+            try:
+                return await graph.ainvoke(None, config)
+            except ExecutionLeaseHeldError:
+                return None  # A's lease has not expired yet on PostgreSQL's clock
+
+        return await eventually(resumed, deadline=deadline, what="A's lease to expire")
+
+
+@pytest.mark.parametrize("mode", ["handle", "plain"])
 async def test_a_frozen_worker_cannot_fork_the_chain(
-    pg_schema: tuple[str, str], tmp_path: Path
+    pg_schema: tuple[str, str], tmp_path: Path, mode: str
 ) -> None:
     url, schema = pg_schema
     tenant, thread = unique("tenant"), unique("thread")
@@ -56,6 +83,8 @@ async def test_a_frozen_worker_cannot_fork_the_chain(
     saver = SqlCheckpointer(engine)
     await saver.setup()
     args = [str(WORKER), url, schema, tenant, thread, str(TTL_A), str(inside_n2)]
+    if mode == "plain":
+        args.append("plain")
     worker_a = await start_process(args, tmp_path, "a", stdin=True)
     try:
         entered = await wait_ready(
@@ -64,16 +93,24 @@ async def test_a_frozen_worker_cannot_fork_the_chain(
         token_a = int(entered)
         os.kill(worker_a.pid, signal.SIGSTOP)
 
-        lease_b = await eventually(
-            lambda: repo.acquire(key, "worker-B", 30), deadline=deadline, what="A's lease to expire"
-        )
-        assert lease_b.epoch == token_a + 1
-        handle_b = RunHandle(repo, lease_b, 30)
-        graph = build_graph(FencedCheckpointer(saver))
         config: Any = {"configurable": {"thread_id": thread, "tenant_id": tenant}}
-        resumed = await graph.ainvoke(
-            None, {"configurable": {**config["configurable"], "__fence": handle_b}}
-        )
+        if mode == "plain":
+            resumed = await resume_as_b_plain(url, schema, config, deadline)
+            lease_b = await repo.get(key)
+            assert lease_b is not None
+            assert lease_b.status is LeaseStatus.DONE
+        else:
+            lease_b = await eventually(
+                lambda: repo.acquire(key, "worker-B", 30),
+                deadline=deadline,
+                what="A's lease to expire",
+            )
+            handle_b = RunHandle(repo, lease_b, 30)
+            graph = build_graph(FencedCheckpointer(saver))
+            resumed = await graph.ainvoke(
+                None, {"configurable": {**config["configurable"], "__fence": handle_b}}
+            )
+        assert lease_b.epoch == token_a + 1
         assert resumed == {"log": ["n1", "n2", "n3"]}
 
         os.kill(worker_a.pid, signal.SIGCONT)

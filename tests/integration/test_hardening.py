@@ -26,7 +26,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from checkpointers import SqlCheckpointer
-from langgraph_fence import FencedCheckpointer, LeaseKey, LeaseStatus
+from langgraph_fence import FencedCheckpointer, LeaseKey, LeaseStatus, fence_graph
 from langgraph_fence.instance import Instance
 from langgraph_fence.records import ExecutionRecord, SqlExecutionRecords
 from langgraph_fence.serde import safe_serializer
@@ -66,7 +66,7 @@ def log_graph(instance: Instance, name: str = "served") -> Any:
     builder.add_node("step", step)
     builder.add_edge(START, "step")
     builder.add_edge("step", END)
-    return builder.compile(checkpointer=instance.checkpointer, name=name)
+    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name=name)
 
 
 @pytest.fixture
@@ -231,7 +231,7 @@ async def test_strict_msgpack_compile_copies_the_fenced_checkpointer(
     builder.add_node("move", move)
     builder.add_edge(START, "move")
     builder.add_edge("move", END)
-    graph = builder.compile(checkpointer=instance.checkpointer, name="graph")
+    graph = fence_graph(builder).compile(checkpointer=instance.checkpointer, name="graph")
     copied = graph.checkpointer
     assert copied is not instance.checkpointer  # the allow-list went into a copy
     assert (__name__, "Point") in copied.inner.serde._allowed_msgpack_modules  # type: ignore[union-attr]
@@ -260,7 +260,7 @@ async def test_strict_msgpack_a_recorded_input_of_the_graphs_own_type_is_resumed
     builder.add_node("move", move)
     builder.add_edge(START, "move")
     builder.add_edge("move", END)
-    graph = builder.compile(checkpointer=worker.checkpointer, name="graph")
+    graph = fence_graph(builder).compile(checkpointer=worker.checkpointer, name="graph")
     async with serving(worker, {"plot": graph}):
         await until_status(db, key, LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED)
     lease = await db.store.get(key)
@@ -380,7 +380,7 @@ async def test_failure_reasons_are_bounded_and_hold_no_driver_parameters(db: Lea
         builder.add_node("node", node)
         builder.add_edge(START, "node")
         builder.add_edge("node", END)
-        graph = builder.compile(checkpointer=instance.checkpointer, name="graph")
+        graph = fence_graph(builder).compile(checkpointer=instance.checkpointer, name="graph")
         key = LeaseKey(TENANT, unique("fails"))
         config: Any = {"configurable": {"thread_id": key.execution_id}}
         with pytest.raises(error):

@@ -225,6 +225,8 @@ WORKER_GRAPHS = """
 from langgraph.graph import END, START, StateGraph
 from typing import TypedDict
 
+from langgraph_fence import fence_graph
+
 
 class Log(TypedDict, total=False):
     log: list[str]
@@ -238,6 +240,7 @@ def graphs(instance):
     builder.add_node("step", step)
     builder.add_edge(START, "step")
     builder.add_edge("step", END)
+    fence_graph(builder)
     return {"served": builder.compile(checkpointer=instance.checkpointer, name="served")}
 """
 

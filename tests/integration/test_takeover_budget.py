@@ -120,8 +120,9 @@ async def test_a_new_checkpoint_since_the_last_take_lets_it_run(leases: Leases, 
     b = leases.instance("B")
     graph = pill.graph(b)
     # Progress the takers made before they died: a checkpoint of the thread newer than the
-    # one the last take saw.
-    await graph.aupdate_state(
+    # one the last take saw, written beside the fence (a plain call through
+    # b.checkpointer would be a run of its own: it would take the lease).
+    await graph.copy(update={"checkpointer": leases.saver}).aupdate_state(
         {"configurable": {"thread_id": thread, "tenant_id": "acme"}}, {"log": ["fixed"]}
     )
     async with serving(b, {"pill": graph}):

@@ -130,3 +130,72 @@ async def test_aiosqlite_runs_a_function_on_its_thread_with_the_sqlite3_connecti
             assert await _compat.aiosqlite_call(aio, fn) == 42
     finally:
         await engine.dispose()
+
+
+def test_every_graph_call_goes_through_the_four_hooked_methods() -> None:
+    """``ainvoke``/``abatch``/``astream_events`` reach ``astream``, ``invoke``/``batch``
+    reach ``stream``: the hook of ``langgraph_fence.graph_calls`` sees every call."""
+    from langgraph.pregel import Pregel
+
+    from langgraph_fence import graph_calls
+
+    graph_calls.install()
+    for name in ("astream", "stream", "aupdate_state", "update_state"):
+        assert getattr(getattr(Pregel, name), "__langgraph_fence_hook__", False), name
+    calls: list[str] = []
+    original_astream, original_stream = Pregel.astream, Pregel.stream
+
+    def astream(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append("astream")
+        return original_astream(self, *args, **kwargs)
+
+    def stream(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append("stream")
+        return original_stream(self, *args, **kwargs)
+
+    builder = StateGraph(State)
+    builder.add_node("n", lambda state: {"seen": {"ran": True}})
+    builder.add_edge(START, "n")
+    builder.add_edge("n", END)
+    graph = builder.compile()
+    import asyncio
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Pregel, "astream", astream)
+        patch.setattr(Pregel, "stream", stream)
+        graph.invoke({})
+        graph.batch([{}, {}])
+        asyncio.run(graph.ainvoke({}))
+        asyncio.run(graph.abatch([{}]))
+
+        async def events() -> None:
+            async for _ in graph.astream_events({}, version="v2"):
+                pass
+
+        asyncio.run(events())
+    assert calls == ["stream"] * 3 + ["astream"] * 3
+
+
+def test_a_tool_node_calls_its_tools_from_the_dict_tools_by_name_returns() -> None:
+    from langchain_core.tools import tool
+    from langgraph.prebuilt import ToolNode
+
+    @tool
+    def first(x: str) -> str:
+        """First."""
+        return "first"
+
+    @tool("first")
+    def second(x: str) -> str:
+        """Second."""
+        return "second"
+
+    node = ToolNode([first])
+    tools = _compat.tool_node_tools(node)
+    # The dict itself, not a copy: what is put in it is what the node calls
+    # (tests/integration/test_fail_closed.py sees the fenced tool's stamp).
+    assert tools is not None
+    assert tools is node.tools_by_name
+    tools["first"] = second
+    assert node.tools_by_name["first"] is second
+    assert _compat.tool_node_tools(object()) is None

@@ -23,6 +23,7 @@ from langgraph_fence import (
 )
 from langgraph_fence.context import ExecutionContext, get_execution_context
 from langgraph_fence.effects import EFFECT_ATTRIBUTE
+from langgraph_fence.fail_closed import unfenced_parts
 from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
 from langgraph_fence.nodes import fence_graph, fenced
 from langgraph_fence.testing import ManualClock, run_node
@@ -282,7 +283,7 @@ async def _charge(state: _Order) -> dict[str, Any]:
     return {"order": "charged"}
 
 
-def test_a_compiled_graph_is_refused_up_front_and_left_as_it_was() -> None:
+def test_a_compiled_graph_with_a_bad_effect_is_refused_up_front_and_left_as_it_was() -> None:
     builder = StateGraph(_Order)
     policy = RetryPolicy(max_attempts=3)
     builder.add_node("charge", _charge, retry_policy=policy)
@@ -290,10 +291,27 @@ def test_a_compiled_graph_is_refused_up_front_and_left_as_it_was() -> None:
     builder.add_edge("charge", END)
     compiled = builder.compile()
     before = {name: node.retry_policy for name, node in compiled.nodes.items()}
-    with pytest.raises(ValueError, match=r"before \.compile\(\).*fence_graph\(builder"):
-        fence_graph(compiled)
+    with pytest.raises(ValueError, match=r"\['refund'\].*its nodes are \['charge'\]"):
+        fence_graph(compiled, effects={"refund": Effect.NON_IDEMPOTENT_WRITE})
+    with pytest.raises(ValueError, match="must be an Effect"):
+        fence_graph(compiled, effects={"charge": "charging"})
     assert {name: node.retry_policy for name, node in compiled.nodes.items()} == before
-    assert builder.nodes["charge"].retry_policy is policy, "nothing was changed"
+    assert unfenced_parts(compiled) == (["charge"], []), "nothing was changed"
+
+
+def test_a_compiled_graph_is_fenced_in_place_with_its_retry_policies_guarded() -> None:
+    builder = StateGraph(_Order)
+    builder.add_node("charge", _charge, retry_policy=RetryPolicy(max_attempts=3))
+    builder.add_edge(START, "charge")
+    builder.add_edge("charge", END)
+    compiled = builder.compile()
+    assert fence_graph(compiled, effects={"charge": "non_idempotent_write"}) is compiled
+    assert unfenced_parts(compiled) == ([], [])
+    bound = compiled.nodes["charge"].bound
+    assert getattr(bound.afunc, EFFECT_ATTRIBUTE) is Effect.NON_IDEMPOTENT_WRITE
+    (guarded,) = compiled.nodes["charge"].retry_policy
+    fenced_error = ExecutionFencedError("fenced", scope_key="t:e", token_held=1, token_seen=2)
+    assert not guarded.retry_on(fenced_error)
 
 
 def test_a_contradicted_decorator_is_refused_before_any_node_changes() -> None:

@@ -1,0 +1,94 @@
+"""Fail closed: a graph run through an instance in which something is not fenced is refused
+before its first step.
+
+A node that did not go through :func:`~langgraph_fence.fenced` / ``fence_graph`` would run
+with no frame, no check of the lease and no stamp; a tool of a ``ToolNode`` that did not go
+through :func:`~langgraph_fence.fence_tools` would perform its write unstamped (a repeat after
+a takeover is not refused). Either is a silent hole in the guarantees, found where a user
+forgot one call; so a run of such a graph, in either form (``graph.ainvoke`` or
+``instance.ainvoke(graph, ...)``), is refused naming every such node and tool and the one
+call that fixes it. Subgraphs used as nodes are looked into; the check is made once per
+compiled graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any
+
+from ._compat import runnable_callable_type, tool_node_tools
+from .effects import EFFECT_ATTRIBUTE
+
+__all__ = ["refuse_unfenced", "unfenced_parts"]
+
+_checked: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _node_fenced(runnable: Any) -> bool:
+    """Whether a compiled node's runnable runs its body through the node wrapper."""
+    if not isinstance(runnable, runnable_callable_type()):
+        return False
+    return any(
+        getattr(fn, EFFECT_ATTRIBUTE, None) is not None
+        for fn in (runnable.func, runnable.afunc)
+        if fn is not None
+    )
+
+
+def unfenced_parts(graph: Any, prefix: str = "") -> tuple[list[str], list[str]]:
+    """The nodes and the ``ToolNode`` tools of ``graph`` (and of its subgraphs) that are not
+    fenced: ``(["node", "sub/node"], ["tools:send_email"])``."""
+    from langgraph.constants import START
+    from langgraph.pregel import Pregel
+
+    nodes: list[str] = []
+    tools: list[str] = []
+    for name, node in getattr(graph, "nodes", {}).items():
+        if name == START:
+            continue
+        bound = getattr(node, "bound", None)
+        if isinstance(bound, Pregel):
+            sub_nodes, sub_tools = unfenced_parts(bound, f"{prefix}{name}/")
+            nodes += sub_nodes
+            tools += sub_tools
+            continue
+        if not _node_fenced(bound):
+            nodes.append(f"{prefix}{name}")
+        for tool_name, tool in (tool_node_tools(bound) or {}).items():
+            if not hasattr(type(tool), EFFECT_ATTRIBUTE):
+                tools.append(f"{prefix}{name}:{tool_name}")
+    return nodes, tools
+
+
+def refuse_unfenced(graph: Any) -> None:
+    """Refuse a run of ``graph`` if any of its nodes or tools is not fenced.
+
+    Raises:
+        ValueError: naming the unfenced nodes and tools and the call that fences them.
+    """
+    try:
+        if _checked.get(graph):
+            return
+    except TypeError:  # not weakly referenceable: checked every time
+        pass
+    nodes, tools = unfenced_parts(graph)
+    if nodes or tools:
+        name = getattr(graph, "name", "graph")
+        parts = []
+        if nodes:
+            parts.append(f"nodes {nodes} are not fenced (they would run with no lease check)")
+        if tools:
+            parts.append(
+                f"tools {tools} did not go through fence_tools (their writes would run unstamped)"
+            )
+        raise ValueError(
+            f"graph {name!r} was refused before its first step: {' and '.join(parts)}. Fence "
+            "it in one call: fence_graph(builder, effects={...}) before compile(), or "
+            'fence_graph(graph, effects={"send_email": "non_idempotent_write"}) on a compiled '
+            "graph or a prebuilt agent (create_agent, create_react_agent), which fences its "
+            "tools too (undeclared tools are non_idempotent_write); an @entrypoint: stack "
+            "@fenced under it. Nothing ran and nothing was written"
+        )
+    with contextlib.suppress(TypeError):  # not weakly referenceable: checked every time
+        _checked[graph] = True
