@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         ExecutionFencedError,
         ExecutionLeaseHeldError,
         ExecutionLeaseLostError,
+        InstanceFullError,
         LangGraphFenceError,
         find_fence_error,
     )
@@ -51,6 +52,7 @@ _WHERE = {
     "FencedCheckpointer": ".checkpoint",
     "FencedStore": ".store",
     "Instance": ".instance",
+    "InstanceFullError": ".errors",
     "LangGraphFenceError": ".errors",
     "Lease": ".lease",
     "LeaseKey": ".lease",
@@ -110,6 +112,7 @@ __all__ = [
     "FencedCheckpointer",
     "FencedStore",
     "Instance",
+    "InstanceFullError",
     "LangGraphFenceError",
     "Lease",
     "LeaseKey",

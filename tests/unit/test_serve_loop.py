@@ -167,3 +167,38 @@ async def test_a_store_that_cannot_be_read_makes_the_loop_back_off_never_stop(
     await asyncio.gather(*server.running)
     lease = await instance.repository.get(key)
     assert lease is not None and lease.status is LeaseStatus.DONE
+
+
+async def test_a_full_instance_defers_takeovers_until_a_run_ends(clock: ManualClock) -> None:
+    store = MemoryLeaseRepository(clock=clock)
+    instance = Instance(
+        store, InMemorySaver(), instance_id="B", lease_ttl=TTL, clock=clock, max_held=1
+    )
+    go, entered = asyncio.Event(), asyncio.Event()
+
+    async def wait(state: Log) -> Log:
+        entered.set()
+        await go.wait()
+        return {"log": ["held"]}
+
+    builder: StateGraph[Log] = StateGraph(Log)
+    builder.add_node("wait", wait)
+    builder.add_edge(START, "wait")
+    builder.add_edge("wait", END)
+    holding = fence_graph(builder).compile(checkpointer=instance.checkpointer, name="hold")
+    key = await expired(instance, clock, "deferred")
+    run = asyncio.create_task(
+        instance.ainvoke(holding, {"log": []}, {"configurable": {"thread_id": "h"}}, tenant_id="t")
+    )
+    await asyncio.wait_for(entered.wait(), 10)
+    server = server_of(instance, clock)
+    await server.poll_once()
+    lease = await store.get(key)
+    assert lease is not None and lease.holder == "died"  # left for another instance
+    assert not server.running
+    go.set()
+    await run
+    await server.poll_once()  # the slot is free: taken now
+    await asyncio.gather(*server.running)
+    lease = await store.get(key)
+    assert lease is not None and lease.status is LeaseStatus.DONE and lease.epoch == 2
