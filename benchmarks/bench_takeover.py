@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -34,8 +33,8 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -48,7 +47,15 @@ from checkpointers import SqlCheckpointer  # noqa: E402
 from langgraph_fence import SqlLeaseRepository  # noqa: E402
 from langgraph_fence.database import create_engine  # noqa: E402
 from langgraph_fence.records import SqlExecutionRecords  # noqa: E402
-from tests.chaos.chaos_graphs import MARK_DIR_ENV  # noqa: E402
+from tests.chaos.chaos_graphs import spawn_hold  # noqa: E402
+from tests.processes import (  # noqa: E402
+    MARK_DIR_ENV,
+    Started,
+    read_json,
+    start_worker,
+    stop_process,
+    wait_ready,
+)
 
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
 
@@ -62,38 +69,6 @@ class Sample:
     token: int
 
 
-def read_json(path: Path) -> Any:
-    """The JSON in ``path``, or ``None`` while it does not exist (written by one rename)."""
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-async def wait_for_file(path: Path, deadline: float, what: str, proc: Any = None) -> Any:
-    while (found := read_json(path)) is None:
-        if proc is not None and proc.returncode is not None:
-            raise RuntimeError(f"{what}: the process exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
-    return found
-
-
-async def spawn(args: list[str], log: Path, env: dict[str, str]) -> Any:
-    with log.open("wb") as out:
-        return await asyncio.create_subprocess_exec(
-            sys.executable, *args, stdout=out, stderr=out, cwd=ROOT, env=env
-        )
-
-
-async def stop(proc: Any) -> None:
-    if proc.returncode is None:
-        proc.terminate()
-        try:
-            await asyncio.wait_for(proc.wait(), 10)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-
-
 async def measure(
     url: str, ttls: list[float], reps: int, poll: float, console: Console
 ) -> list[Sample]:
@@ -103,7 +78,7 @@ async def measure(
         await conn.execute(text(f'CREATE SCHEMA "{schema}"'))
     engine = create_engine(url, connect_args={"server_settings": {"search_path": schema}})
     samples: list[Sample] = []
-    procs: list[Any] = []
+    procs: list[Started] = []
     try:
         await SqlLeaseRepository(engine).setup()
         await SqlCheckpointer(engine).setup()
@@ -112,58 +87,36 @@ async def measure(
             work = Path(tmp)
             marks = work / "marks"
             marks.mkdir()
-            env = {**os.environ, "PYTHONPATH": str(ROOT), MARK_DIR_ENV: str(marks)}
-            worker_b = await spawn(
-                [
-                    "-m",
-                    "langgraph_fence.cli",
-                    "worker",
-                    "--db",
-                    url,
-                    "--schema",
-                    schema,
-                    "--graphs",
-                    "tests.chaos.chaos_graphs:hold_graphs",
-                    "--lease-ttl",
-                    "30",
-                    "--poll-interval",
-                    str(poll),
-                    "--instance-id",
-                    "worker-B",
-                ],
-                work / "b.log",
-                env,
+            worker_b = await start_worker(
+                work,
+                "b",
+                url,
+                schema,
+                "tests.chaos.chaos_graphs:hold_graphs",
+                ttl=30,
+                poll=poll,
+                instance_id="worker-B",
+                env={MARK_DIR_ENV: str(marks)},
+                merge_output=True,
+                wait=False,
             )
             procs.append(worker_b)
-            deadline = time.monotonic() + 60
-            while "serves" not in (work / "b.log").read_text():
-                if worker_b.returncode is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"worker B did not start: {(work / 'b.log').read_text()}")
-                await asyncio.sleep(0.05)
+            await wait_ready(worker_b, "serves", timeout=60, what="worker B to serve")
             tenant = f"bench-{uuid.uuid4().hex[:8]}"
             for ttl in ttls:
                 for rep in range(reps):
                     thread = f"ttl{ttl:g}-rep{rep}"
                     signal_file = work / f"{thread}.inside"
-                    worker_a = await spawn(
-                        [
-                            "-m",
-                            "tests.chaos.chaos_graphs",
-                            "hold",
-                            url,
-                            schema,
-                            tenant,
-                            thread,
-                            str(ttl),
-                            str(ttl / 3),
-                            str(signal_file),
-                        ],
-                        work / f"{thread}.a.log",
-                        env,
+                    worker_a = await spawn_hold(
+                        url, schema, tenant, thread, ttl, ttl / 3, signal_file, work, f"{thread}.a"
                     )
                     procs.append(worker_a)
-                    await wait_for_file(
-                        signal_file, time.monotonic() + 60, f"A to enter work ({thread})", worker_a
+                    await wait_ready(
+                        worker_a,
+                        partial(read_json, signal_file),
+                        timeout=60,
+                        interval=0.005,
+                        what=f"A to enter work ({thread})",
                     )
                     # Kill at a random point between two renewals, as a crash would.
                     waited = random.uniform(0, ttl / 3)
@@ -182,13 +135,15 @@ async def measure(
                             ).scalar_one()
                         )
                     killed_at = time.monotonic()
-                    worker_a.kill()
+                    worker_a.proc.kill()
                     await worker_a.wait()
-                    mark = await wait_for_file(
-                        marks / f"{thread}.json",
-                        killed_at + ttl + 60,
-                        f"B to resume {thread}",
+                    mark_file = marks / f"{thread}.json"
+                    mark = await wait_ready(
                         worker_b,
+                        partial(read_json, mark_file),
+                        deadline=killed_at + ttl + 60,
+                        interval=0.005,
+                        what=f"B to resume {thread}",
                     )
                     sample = Sample(ttl, rep, left, mark["at"] - killed_at, int(mark["token"]))
                     samples.append(sample)
@@ -199,7 +154,7 @@ async def measure(
                     )
     finally:
         for proc in procs:
-            await stop(proc)
+            await stop_process(proc, grace=10)
         await engine.dispose()
         async with admin.connect() as conn:
             await conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))

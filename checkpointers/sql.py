@@ -462,7 +462,8 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
             assert handle is not None
             raise await self._refused(handle, config, "aput_writes")
         if cleared:
-            assert handle is not None and guard is not None
+            assert handle is not None
+            assert guard is not None
             handle.forget_pending_effects(guard.clear_keys)
         await fault_point("writes.after", config=config, task_id=task_id, writes=writes)
 

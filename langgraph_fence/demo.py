@@ -220,9 +220,12 @@ def _build_graph(timeline: _Timeline, engine: Any, frozen: _Freeze) -> Any:
 async def _wait_for_expiry(store: SqlLeaseRepository, key: LeaseKey, deadline: float) -> None:
     while time.monotonic() < deadline:
         lease = await store.get(key)
-        if lease is not None and lease.expires_at is not None:
-            if lease.expires_at <= await store.now():
-                return
+        if (
+            lease is not None
+            and lease.expires_at is not None
+            and lease.expires_at <= await store.now()
+        ):
+            return
         await asyncio.sleep(0.05)
     raise TimeoutError(f"the lease of {key.scope_key} did not expire in time")
 

@@ -402,7 +402,8 @@ class Instance:
         that kills its process, or runs it out of memory) is dead-lettered by the take that
         would start one more worker on it, with the reason "crashed N workers". A new
         checkpoint (the latest one of the thread's root namespace, read just before each
-        take) starts the count again; so does a run that ends or reaches an interrupt, and
+        take; the input checkpoint a run writes before its first step is not progress)
+        starts the count again; so does a run that ends or reaches an interrupt, and
         ``langgraph-fence resolve --retry``. A handed-back (pending) execution costs nothing.
 
         On ``stop`` (or SIGTERM / SIGINT with ``handle_signals``) the loop takes no more

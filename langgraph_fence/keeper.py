@@ -21,6 +21,7 @@ the instance holds runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
@@ -252,10 +253,9 @@ class Keeper:
             now = self._clock()
             for handle in live:
                 if handle.confirmed_until <= now:
-                    try:
+                    # Recorded on the handle; the run drains.
+                    with contextlib.suppress(ExecutionLeaseLostError):
                         handle.check()
-                    except ExecutionLeaseLostError:
-                        pass  # recorded on the handle; the run drains
             live = [h for h in live if h.error is None]
             if live:
                 remaining = min(h.confirmed_until for h in live) - self._clock()

@@ -145,14 +145,12 @@ async def _running(
         # tenant would hold a lease of its own and fork the thread. Checked before the
         # record and the lease, so a refused run leaves nothing behind.
         check_thread_binding(key, thread_id, await instance.records.bind(key, thread_id))
-        if record is not None:
-            # Recorded before the lease is taken: a process that dies after its acquire
-            # must leave a record for the instance that takes the execution over (one
-            # that dies before it leaves no lease, so nothing to take over). Skipped
-            # while the lease is held: a start that is refused must not rewrite the
-            # record of the run in flight.
-            if await instance.records.record(record, unless_held=True):
-                record = None
+        # Recorded before the lease is taken: a process that dies after its acquire must
+        # leave a record for the instance that takes the execution over (one that dies
+        # before it leaves no lease, so nothing to take over). Skipped while the lease is
+        # held: a start that is refused must not rewrite the record of the run in flight.
+        if record is not None and await instance.records.record(record, unless_held=True):
+            record = None
         handle = await acquire(instance, key)
     else:
         record = None
@@ -313,7 +311,8 @@ async def _settle(instance: Instance, graph: Any, run: Run, exc: BaseException |
         # (A graph that ended "normally" because something caught the dead letter, a
         # tool-retry wrapper answering the model or a try/except, is dead all the same.)
         dead = outcome.dead_letter
-        assert dead is not None and outcome.reason is not None
+        assert dead is not None
+        assert outcome.reason is not None
         await instance.repository.dead_letter(handle.key, outcome.reason, epoch=handle.token)
         announce_dead_letter(instance._events, handle.scope_key, handle.token, outcome.reason)
         if outcome.raise_dead_letter:

@@ -27,9 +27,11 @@ from .run_config import restore_run, run_allowlist
 from .validate import positive_int, positive_seconds, text_id
 
 if TYPE_CHECKING:
+    from langgraph.checkpoint.base import CheckpointTuple
+
     from .instance import Instance
 
-__all__ = ["MAX_SERVE_BACKOFF", "Server", "check_budget"]
+__all__ = ["MAX_SERVE_BACKOFF", "Server", "check_budget", "progress_mark"]
 
 logger = logging.getLogger(__name__)
 
@@ -233,12 +235,12 @@ class Server:
         config: RunnableConfig = {
             "configurable": {"thread_id": head.thread_id, "tenant_id": candidate.key.tenant_id}
         }
-        # The thread's progress, for the takeover budget: its latest checkpoint, read before
-        # the take (the take statement compares it with the mark the last take stored). The
-        # expired holder may still land a checkpoint between this read and the take: that
-        # progress is then seen by the next take, one take late.
+        # The thread's progress, for the takeover budget, read before the take (the take
+        # statement compares it with the mark the last take stored). The expired holder may
+        # still land a checkpoint between this read and the take: that progress is then seen
+        # by the next take, one take late.
         latest = await graph.checkpointer.aget_tuple(config)
-        mark = None if latest is None else str(latest.config["configurable"]["checkpoint_id"])
+        mark = await progress_mark(graph.checkpointer, latest)
         taken = await instance.repository.take_over(
             candidate,
             instance.instance_id,
@@ -318,6 +320,31 @@ class Server:
             logger.info("run %s drained and handed back", taken.scope_key)
         except Exception:
             logger.warning("resumed run %s ended with an error", taken.scope_key, exc_info=True)
+
+
+async def progress_mark(checkpointer: Any, latest: CheckpointTuple | None) -> str | None:
+    """The thread's progress as the takeover budget counts it: the id of its ``latest``
+    checkpoint (None for none), where the start of a run is no progress.
+
+    A run started on its input writes two checkpoints before any step runs: the input
+    checkpoint (``source`` ``"input"``) and the first loop checkpoint, which applies the
+    input. A taker that started the run from its recorded input, wrote those and died in
+    the first step made no progress; counted as progress, they would start the count again
+    and buy a poison pill one more worker. So either counts as the checkpoint the input
+    followed. Costs one more read (of the latest checkpoint's parent) when the latest is a
+    loop checkpoint; takes are rare.
+    """
+    if latest is None:
+        return None
+    start = latest
+    if latest.metadata.get("source") == "loop" and latest.parent_config is not None:
+        parent = await checkpointer.aget_tuple(latest.parent_config)
+        if parent is not None and parent.metadata.get("source") == "input":
+            start = parent
+    if start.metadata.get("source") == "input":
+        before = start.parent_config
+        return None if before is None else str(before["configurable"]["checkpoint_id"])
+    return str(latest.config["configurable"]["checkpoint_id"])
 
 
 def check_budget(max_takeovers: object) -> int:

@@ -142,7 +142,7 @@ def _dead_letter(
     """
     if effect is not Effect.NON_IDEMPOTENT_WRITE:
         return None
-    if isinstance(exc, WriteDeadLetteredError) or isinstance(exc, GraphBubbleUp):
+    if isinstance(exc, (WriteDeadLetteredError, GraphBubbleUp)):
         return None
     handle = frame._handle
     if find_fence_error(exc) is not None or handle.error is not None:

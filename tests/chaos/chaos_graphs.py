@@ -40,6 +40,7 @@ The ``serve`` script (``serve()`` with every connection tagged, so a test can ki
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import operator
 import os
@@ -60,16 +61,16 @@ from langgraph_fence.database import transaction
 from langgraph_fence.instance import Instance
 from langgraph_fence.nodes import fence_graph
 from langgraph_fence.sinks import fenced_write
+from tests.polling import eventually
+from tests.processes import MARK_DIR_ENV, Started, start_process
 
 EXIT_FINISHED = 0
 EXIT_FENCED = 3
 EXIT_LEASE_LOST = 4
-MARK_DIR_ENV = "LGF_CHAOS_MARK_DIR"
 HOLD_GRAPH = "fence_hold"
 PLAIN_GRAPH = "chaos_plain"
 SINK_GRAPH = "chaos_sink"
 POISON_GRAPH = "poison_pill"
-_ROOT = Path(__file__).resolve().parents[2]
 
 #: The external table the chaos graphs charge into; no unique key, so a repeat shows.
 CREATE_EFFECTS = """
@@ -254,16 +255,18 @@ def build_poison_graph(instance: Instance) -> Any:
             return {"log": ["no pill"]}  # what the workers run once the poison is gone
         # Die only once prepare's checkpoint is stored (durability="async" saves it beside
         # this step): the first run then makes its progress, every later one none, whatever
-        # the timing, so the test can count the takeovers the budget allows.
+        # the timing, so the test can count the takeovers the budget allows. Should it not
+        # show within 30 s, the step dies all the same (the test then sees no progress).
         config = {
             "configurable": {"thread_id": frame.thread_id, "tenant_id": frame.fence.tenant_id}
         }
-        deadline = time.monotonic() + 30.0
-        while time.monotonic() < deadline:
+
+        async def prepare_stored() -> bool:
             stored = await instance.checkpointer.aget_tuple(config)
-            if stored is not None and "prepare" in str(stored.checkpoint["channel_values"]):
-                break
-            await asyncio.sleep(0.01)
+            return stored is not None and "prepare" in str(stored.checkpoint["channel_values"])
+
+        with contextlib.suppress(AssertionError):
+            await eventually(prepare_stored, timeout=30.0, interval=0.01, what="prepare stored")
         path = Path(os.environ[MARK_DIR_ENV]) / f"{frame.thread_id}.pill"
         # O_APPEND: the line is on disk before the kill; one line per run of the step.
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -349,30 +352,12 @@ async def spawn_hold(
     ttl: float,
     renew: float,
     signal_file: Path,
-    out: Path,
-    err: Path,
-) -> asyncio.subprocess.Process:
-    """Start the ``hold`` script in a process of its own, its output in ``out`` and ``err``."""
-    env = {**os.environ, "PYTHONPATH": str(_ROOT)}
-    env.pop(MARK_DIR_ENV, None)
-    with out.open("wb") as stdout, err.open("wb") as stderr:
-        return await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "tests.chaos.chaos_graphs",
-            "hold",
-            url,
-            schema,
-            tenant,
-            thread,
-            str(ttl),
-            str(renew),
-            str(signal_file),
-            stdout=stdout,
-            stderr=stderr,
-            cwd=_ROOT,
-            env=env,
-        )
+    directory: Path,
+    name: str = "a",
+) -> Started:
+    """Start the ``hold`` script in a process of its own, its output in ``directory``."""
+    args = ["-m", "tests.chaos.chaos_graphs", "hold", url, schema, tenant, thread]
+    return await start_process([*args, str(ttl), str(renew), str(signal_file)], directory, name)
 
 
 # -- the start script

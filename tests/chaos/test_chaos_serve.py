@@ -35,9 +35,9 @@ import asyncio
 import os
 import random
 import signal
-import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,7 +46,13 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from checkpointers import SqlCheckpointer
-from langgraph_fence import ExecutionLeaseHeldError, LeaseKey, LeaseStatus, SqlLeaseRepository
+from langgraph_fence import (
+    ExecutionLeaseHeldError,
+    Lease,
+    LeaseKey,
+    LeaseStatus,
+    SqlLeaseRepository,
+)
 from langgraph_fence.database import create_engine
 from langgraph_fence.instance import Instance
 from langgraph_fence.records import ExecutionRecord, SqlExecutionRecords
@@ -60,10 +66,11 @@ from tests.chaos.chaos_graphs import (
     spawn_hold,
 )
 from tests.conftest import pg_engine_options, unique
+from tests.polling import eventually
+from tests.processes import Started, start_process, start_worker, stop_process, wait_ready
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
 
-ROOT = Path(__file__).parents[2]
 TTL = 1.5
 POLL = 0.2
 CONCURRENCY = 3
@@ -108,35 +115,19 @@ class Chaos:
     async def spawn(self) -> Worker:
         self.spawned += 1
         name = f"w{self.spawned}"
-        out, err = self.root / f"{name}.out", self.root / f"{name}.err"
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        with out.open("wb") as out_file, err.open("wb") as err_file:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "langgraph_fence.cli",
-                "-v",
-                "worker",
-                "--db",
-                self.url,
-                "--schema",
-                self.schema,
-                "--graphs",
-                f"tests.chaos.chaos_graphs:{self.graphs}",
-                "--lease-ttl",
-                str(TTL),
-                "--poll-interval",
-                str(POLL),
-                "--concurrency",
-                str(CONCURRENCY),
-                "--instance-id",
-                name,
-                stdout=out_file,
-                stderr=err_file,
-                cwd=ROOT,
-                env=env,
-            )
-        worker = Worker(name, proc, out, err)
+        started = await start_worker(
+            self.root,
+            name,
+            self.url,
+            self.schema,
+            f"tests.chaos.chaos_graphs:{self.graphs}",
+            ttl=TTL,
+            poll=POLL,
+            extra=["--concurrency", str(CONCURRENCY)],
+            verbose=True,
+            wait=False,
+        )
+        worker = Worker(name, started.proc, started.out, started.err)
         self.workers.append(worker)
         return worker
 
@@ -144,28 +135,24 @@ class Chaos:
         """A client process that starts ``jobs`` with ``Instance.ainvoke``, 4 at a time."""
         ids = self.root / "starter.ids"
         ids.write_text("".join(f"{graph} {key.execution_id}\n" for key, graph in jobs))
-        out, err = self.root / "starter.out", self.root / "starter.err"
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        with out.open("wb") as out_file, err.open("wb") as err_file:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "tests.chaos.chaos_graphs",
-                "start",
-                self.url,
-                self.schema,
-                tenant,
-                str(TTL),
-                str(ids),
-                "4",
-                stdout=out_file,
-                stderr=err_file,
-                cwd=ROOT,
-                env=env,
-            )
-        worker = Worker("starter", proc, out, err, kind="starter")
+        args = ["-m", "tests.chaos.chaos_graphs", "start", self.url, self.schema, tenant]
+        started = await start_process([*args, str(TTL), str(ids), "4"], self.root, "starter")
+        worker = Worker("starter", started.proc, started.out, started.err, kind="starter")
         self.workers.append(worker)
         return worker
+
+    async def until_up(self, ready: Callable[[], bool], deadline: float, what: str) -> None:
+        """Until ``ready()`` holds (the workers' readiness refreshed before each look); a
+        worker that crashes first fails the wait at once, with its stderr."""
+
+        def up() -> bool:
+            self.update_ready()
+            self.check_crashes()
+            if self.crashes:
+                raise AssertionError(f"{what}: crashed first: {tails(self, self.crashes)}")
+            return ready()
+
+        await eventually(up, deadline=deadline, interval=0.05, what=what)
 
     def alive(self) -> list[Worker]:
         return [w for w in self.workers if w.proc.returncode is None and not w.killed]
@@ -183,9 +170,9 @@ class Chaos:
         for worker in self.workers:
             code = worker.proc.returncode
             finished = worker.kind == "starter" and code == 0
-            if code is not None and not worker.killed and not finished:
-                if worker.name not in self.crashes:
-                    self.crashes.append(worker.name)
+            crashed = code is not None and not worker.killed and not finished
+            if crashed and worker.name not in self.crashes:
+                self.crashes.append(worker.name)
 
     async def act(self, now: float) -> bool:
         """One random act of chaos: freeze one worker past its lease, or kill one.
@@ -249,6 +236,12 @@ class Chaos:
             if not worker.killed and worker.kind == "serve" and worker.ready:
                 codes[worker.name] = worker.proc.returncode
         return codes
+
+
+async def ended(repo: SqlLeaseRepository, key: LeaseKey) -> Lease | None:
+    """The lease of ``key`` once it has ended (done, failed or dead-lettered), else None."""
+    lease = await repo.get(key)
+    return lease if lease is not None and lease.status in TERMINAL else None
 
 
 async def record_pending(
@@ -354,12 +347,11 @@ async def test_serve_workers_frozen_and_killed_never_charge_twice(
         for _ in range(WORKERS):
             await chaos.spawn()
         # Start-up: the chaos begins once two servers are up (imports take seconds here).
-        while len(chaos.ready_servers()) < 2:
-            chaos.update_ready()
-            chaos.check_crashes()
-            if chaos.crashes or time.monotonic() > started + STARTUP_DEADLINE:
-                pytest.fail(f"seed {seed}: the workers did not start: {tails(chaos, ['w1'])}")
-            await asyncio.sleep(0.05)
+        await chaos.until_up(
+            lambda: len(chaos.ready_servers()) >= 2,
+            started + STARTUP_DEADLINE,
+            f"seed {seed}: two workers to start",
+        )
         # Chaos: feed executions in waves, and every 0.8-1.6 s freeze or kill a worker.
         fed = 0
         chaos_start = next_act = time.monotonic()
@@ -391,24 +383,29 @@ async def test_serve_workers_frozen_and_killed_never_charge_twice(
         # Quiet: the survivors finish everything (or the test fails at the deadline).
         quiet_end = time.monotonic() + QUIET_DEADLINE
         trace = tmp_path / "quiet.trace"
-        while True:
+        open_: list[tuple[str, str, int, str | None]] = []
+
+        async def all_ended() -> bool:
             rows = await statuses(engine, tenant)
-            open_ = [r for r in rows if LeaseStatus(r[1]) not in TERMINAL]
+            open_[:] = [r for r in rows if LeaseStatus(r[1]) not in TERMINAL]
             if len(rows) == len(keys) and not open_:
-                break
+                return True
             with trace.open("a") as out:  # what stays open, for a post-mortem
                 out.write(f"{time.monotonic() - started:.1f} {len(rows)} {open_}\n")
             chaos.check_crashes()
-            if time.monotonic() > quiet_end or not chaos.alive():
-                unrecorded = [
-                    r[0] for r in open_ if await records.get(LeaseKey(tenant, r[0])) is None
-                ]
-                pytest.fail(
-                    f"seed {seed}: {len(open_)} executions still open after the quiet period "
-                    f"({len(unrecorded)} of them without an execution record): {open_[:10]}\n"
-                    f"{tails(chaos, [w.name for w in chaos.alive()])}"
-                )
-            await asyncio.sleep(0.2)
+            if not chaos.alive():
+                raise AssertionError(f"seed {seed}: no worker is left: {await still_open()}")
+            return False
+
+        async def still_open() -> str:
+            unrecorded = [r[0] for r in open_ if await records.get(LeaseKey(tenant, r[0])) is None]
+            return (
+                f"seed {seed}: the executions to end in the quiet period; {len(open_)} still "
+                f"open ({len(unrecorded)} of them without an execution record): {open_[:10]}\n"
+                f"{tails(chaos, [w.name for w in chaos.alive()])}"
+            )
+
+        await eventually(all_ended, deadline=quiet_end, interval=0.2, what=still_open)
         quiet_took = time.monotonic() - (quiet_end - QUIET_DEADLINE)
         if not starter.killed:
             # Every run it started has ended one way or another: so must the client.
@@ -466,7 +463,8 @@ async def test_serve_workers_frozen_and_killed_never_charge_twice(
     assert not chaos.crashes, f"seed {seed}: workers crashed: {tails(chaos, chaos.crashes)}"
     bad_exits = {name: code for name, code in codes.items() if code != 0}
     assert not bad_exits, f"seed {seed}: workers did not stop cleanly on SIGTERM: {bad_exits}"
-    assert chaos.kills >= 1 and chaos.stops >= 1, f"seed {seed}: the chaos did not happen"
+    assert chaos.kills >= 1, f"seed {seed}: the chaos did not happen"
+    assert chaos.stops >= 1, f"seed {seed}: the chaos did not happen"
     assert takeovers >= 1, f"seed {seed}: no execution was taken over mid-run"
     assert time.monotonic() - started < STARTUP_DEADLINE + CHAOS_SECONDS + QUIET_DEADLINE + 30
 
@@ -520,42 +518,49 @@ async def test_a_client_killed_while_it_starts_an_execution_loses_nothing(
     chaos = Chaos(tmp_path, url, schema, random.Random(0))
     try:
         server = await chaos.spawn()  # up before the lock: its start-up reads the tables
-        deadline = time.monotonic() + STARTUP_DEADLINE
-        while not server.ready:
-            chaos.update_ready()
-            chaos.check_crashes()
-            if chaos.crashes or time.monotonic() > deadline:
-                pytest.fail(f"the worker did not start: {tails(chaos, [server.name])}")
-            await asyncio.sleep(0.05)
+        await chaos.until_up(
+            lambda: server.ready, time.monotonic() + STARTUP_DEADLINE, "the worker to start"
+        )
         async with engine.connect() as locker:
             locker = await locker.execution_options(isolation_level="READ COMMITTED")
             async with locker.begin():
                 await locker.execute(text(f"LOCK TABLE {table} IN EXCLUSIVE MODE"))
                 starter = await chaos.spawn_starter(tenant, [(key, PLAIN_GRAPH)])
-                deadline = time.monotonic() + STARTUP_DEADLINE
-                while not await blocked_on(engine, schema, table):
-                    if starter.proc.returncode is not None or time.monotonic() > deadline:
-                        pytest.fail(
-                            f"the client never waited on {table}: {tails(chaos, ['starter'])}"
-                        )
-                    await asyncio.sleep(0.02)
+
+                async def client_waits() -> bool:
+                    if starter.proc.returncode is not None:
+                        raise AssertionError(f"the client exited: {tails(chaos, ['starter'])}")
+                    return await blocked_on(engine, schema, table)
+
+                await eventually(
+                    client_waits,
+                    timeout=STARTUP_DEADLINE,
+                    what=lambda: f"the client to wait on {table}: {tails(chaos, ['starter'])}",
+                )
                 starter.killed = True
                 starter.proc.kill()
                 await starter.proc.wait()
         began = await repo.get(key)
-        deadline = time.monotonic() + 15.0  # TTL, a few polls, one short run
-        while (lease := await repo.get(key)) is not None and lease.status not in TERMINAL:
-            if time.monotonic() > deadline:
-                recorded = await records.get(key) is not None
-                pytest.fail(
-                    f"{key.scope_key} was left {lease.status.value} at token {lease.epoch}, "
-                    f"holder {lease.holder}, its {TTL} s lease long expired (execution "
-                    f"{'recorded' if recorded else 'NOT recorded'}): the client was killed "
-                    f"while it waited on {table}, and no instance took the execution over"
-                )
+
+        async def settled() -> tuple[Lease | None] | None:
+            lease = await repo.get(key)
             chaos.check_crashes()
             assert not chaos.crashes, tails(chaos, chaos.crashes)
-            await asyncio.sleep(0.1)
+            return (lease,) if lease is None or lease.status in TERMINAL else None
+
+        async def left() -> str:
+            lease = await repo.get(key)
+            assert lease is not None
+            recorded = await records.get(key) is not None
+            return (
+                f"{key.scope_key} to end; it was left {lease.status.value} at token "
+                f"{lease.epoch}, holder {lease.holder}, its {TTL} s lease long expired "
+                f"(execution {'recorded' if recorded else 'NOT recorded'}): the client was "
+                f"killed while it waited on {table}, and no instance took the execution over"
+            )
+
+        # TTL, a few polls, one short run
+        (lease,) = await eventually(settled, timeout=15.0, interval=0.1, what=left)
         charged = (await effects(engine, key.execution_id)).get(key.execution_id, 0)
     finally:
         await chaos.shutdown()
@@ -567,7 +572,8 @@ async def test_a_client_killed_while_it_starts_an_execution_loses_nothing(
     else:
         assert lease.status in (LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED), lease
         assert lease.status is LeaseStatus.DONE or lease.reason, lease
-        assert charged <= 1 and (charged == 1 or lease.status is not LeaseStatus.DONE), charged
+        assert charged <= 1, charged
+        assert charged == 1 or lease.status is not LeaseStatus.DONE, charged
 
 
 async def test_executions_serve_cannot_run_do_not_starve_those_it_can(
@@ -598,28 +604,26 @@ async def test_executions_serve_cannot_run_do_not_starve_those_it_can(
     chaos = Chaos(tmp_path, url, schema, random.Random(0))
     try:
         worker = await chaos.spawn()
-        deadline = time.monotonic() + STARTUP_DEADLINE
-        while not worker.ready:
-            chaos.update_ready()
-            chaos.check_crashes()
-            if chaos.crashes or time.monotonic() > deadline:
-                pytest.fail(f"the worker did not start: {tails(chaos, [worker.name])}")
-            await asyncio.sleep(0.05)
-        deadline = time.monotonic() + 10.0  # a few polls and one short run
-        while (lease := await repo.get(mine)) is None or lease.status not in TERMINAL:
-            if time.monotonic() > deadline:
-                pytest.fail(
-                    f"{mine.scope_key} is still {lease.status.value if lease else None} after "
-                    f"10 s of a worker serving its graph: serve() reads the takeover "
-                    f"candidates {CONCURRENCY * 4} at a time (concurrency x 4), oldest first, "
-                    f"and the {len(others)} executions of a graph it does not serve fill that "
-                    "window on every poll"
-                )
-            await asyncio.sleep(0.1)
+        await chaos.until_up(
+            lambda: worker.ready, time.monotonic() + STARTUP_DEADLINE, "the worker to start"
+        )
+        lease = await eventually(
+            lambda: ended(repo, mine),
+            timeout=10.0,  # a few polls and one short run
+            interval=0.1,
+            what=(
+                f"{mine.scope_key} to end within 10 s of a worker serving its graph: serve() "
+                f"reads the takeover candidates {CONCURRENCY * 4} at a time (concurrency x 4), "
+                f"oldest first, and the {len(others)} executions of a graph it does not serve "
+                "fill that window on every poll"
+            ),
+        )
         assert lease.status is LeaseStatus.DONE, lease
         for key in others:
             left = await repo.get(key)
-            assert left is not None and left.status is LeaseStatus.PENDING and left.epoch == 1
+            assert left is not None
+            assert left.status is LeaseStatus.PENDING
+            assert left.epoch == 1
     finally:
         await chaos.shutdown()
         await engine.dispose()
@@ -647,28 +651,15 @@ async def test_a_refused_start_does_not_rewrite_the_record_of_a_running_executio
     records = SqlExecutionRecords(engine)
     await records.setup()
     chaos = Chaos(tmp_path, url, schema, random.Random(0), graphs="hold_graphs")
-    holder: asyncio.subprocess.Process | None = None
+    holder: Started | None = None
     try:
         server = await chaos.spawn()
-        holder = await spawn_hold(
-            url,
-            schema,
-            tenant,
-            thread,
-            2.0,
-            0.5,
-            inside_work,
-            tmp_path / "a.out",
-            tmp_path / "a.err",
-        )
-        deadline = time.monotonic() + STARTUP_DEADLINE
-        while not (inside_work.exists() and server.ready):
-            chaos.update_ready()
-            if holder.returncode is not None or chaos.crashes or time.monotonic() > deadline:
-                pytest.fail("worker A or the server did not start")
-            await asyncio.sleep(0.05)
+        holder = await spawn_hold(url, schema, tenant, thread, 2.0, 0.5, inside_work, tmp_path)
+        await chaos.until_up(lambda: server.ready, time.monotonic() + STARTUP_DEADLINE, "serve")
+        await wait_ready(holder, lambda: inside_work.exists(), timeout=STARTUP_DEADLINE)
         before = await records.get(key)
-        assert before is not None and before.graph == HOLD_GRAPH, before
+        assert before is not None, before
+        assert before.graph == HOLD_GRAPH, before
 
         async with Instance.open(
             url, engine_options=pg_engine_options(schema), instance_id="client", lease_ttl=2.0
@@ -683,22 +674,22 @@ async def test_a_refused_start_does_not_rewrite_the_record_of_a_running_executio
                     graph_name="refunds",
                 )
         after = await records.get(key)
-        holder.kill()
+        holder.proc.kill()
         await holder.wait()
-        deadline = time.monotonic() + 15.0  # TTL, a few polls, one short run
-        while (lease := await repo.get(key)) is None or lease.status not in TERMINAL:
-            if time.monotonic() > deadline:
-                pytest.fail(
-                    f"{key.scope_key} was left {lease.status.value if lease else None} after "
-                    f"its holder died: its record was rewritten by the refused start from "
-                    f"{before} to {after}, so serve() looks for graph {after and after.graph!r}"
-                )
-            await asyncio.sleep(0.1)
+        lease = await eventually(
+            lambda: ended(repo, key),
+            timeout=15.0,  # TTL, a few polls, one short run
+            interval=0.1,
+            what=(
+                f"{key.scope_key} to end after its holder died: if its record was rewritten "
+                f"by the refused start from {before} to {after}, serve() looks for graph "
+                f"{after and after.graph!r}"
+            ),
+        )
         assert after == before, "the refused start rewrote the execution's record"
         assert lease.status is LeaseStatus.DONE, lease
     finally:
-        if holder is not None and holder.returncode is None:
-            holder.kill()
-            await holder.wait()
+        if holder is not None:
+            await stop_process(holder, grace=1.0)
         await chaos.shutdown()
         await engine.dispose()

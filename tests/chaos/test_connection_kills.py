@@ -25,9 +25,9 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -38,9 +38,9 @@ from langgraph_fence.instance import Instance
 from langgraph_fence.records import SqlExecutionRecords
 from langgraph_fence.sinks import setup_sink
 from tests.chaos.chaos_graphs import CREATE_EFFECTS, PLAIN_GRAPH, SINK_GRAPH
-from tests.chaos.conftest import poll
 from tests.chaos.test_chaos_serve import effects, record_pending, statuses
 from tests.conftest import pg_engine_options, unique
+from tests.polling import eventually
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
 
@@ -96,10 +96,8 @@ async def one_round(
             finally:
                 os.close(log)
 
-        started = 0
-        for _ in range(WORKERS):
-            procs.append(await start_worker(started))
-            started += 1
+        for n in range(WORKERS):
+            procs.append(await start_worker(n))
         kill = text(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
             " WHERE application_name = :tag AND pid <> pg_backend_pid()"
@@ -110,7 +108,7 @@ async def one_round(
             up = all(log.exists() and "serving" in log.read_text() for log in logs)
             return True if up else None
 
-        await poll(serving, time.monotonic() + STARTUP_DEADLINE, "the workers to serve")
+        await eventually(serving, timeout=STARTUP_DEADLINE, what="the workers to serve")
         killed = 0
         exits: list[int | None] = []
         loop = asyncio.get_running_loop()
@@ -129,15 +127,19 @@ async def one_round(
 
         # Quiet: the workers finish what they can; every execution reaches an end.
         ended = {LeaseStatus.DONE.value, LeaseStatus.DEAD_LETTERED.value, LeaseStatus.FAILED.value}
-        deadline = time.monotonic() + QUIET_DEADLINE
-        while True:
-            rows = [r for r in await statuses(engine, TENANT) if r[0].startswith(prefix)]
+        rows: list[Any] = []
+
+        async def quiet() -> bool:
+            rows[:] = [r for r in await statuses(engine, TENANT) if r[0].startswith(prefix)]
             exits.extend(p.returncode for p in procs if p.returncode is not None)
-            if exits or (len(rows) == EXECUTIONS and all(r[1] in ended for r in rows)):
-                break
-            if time.monotonic() > deadline:
-                pytest.fail(f"executions still open after the quiet period: {rows}")
-            await asyncio.sleep(0.1)
+            return bool(exits) or (len(rows) == EXECUTIONS and all(r[1] in ended for r in rows))
+
+        await eventually(
+            quiet,
+            timeout=QUIET_DEADLINE,
+            interval=0.1,
+            what=lambda: f"the executions to end in the quiet period; still: {rows}",
+        )
         charges = await effects(engine, prefix)
         assert killed > 0, "no connection was killed: the chaos did not happen"
         outcome = {r[0]: (r[1], charges.get(r[0], 0), graph_of[r[0]], r[3]) for r in rows}

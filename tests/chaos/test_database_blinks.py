@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +43,10 @@ from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
 from langgraph_fence.instance import Instance
 from langgraph_fence.sinks import fenced_write, setup_sink
 from tests.chaos.chaos_graphs import CREATE_EFFECTS, State
-from tests.chaos.conftest import poll
 from tests.chaos.test_chaos_serve import STARTUP_DEADLINE, Chaos, effects, statuses
 from tests.conftest import unique
 from tests.pg_cluster import CuttableProxy, PgCluster
+from tests.polling import eventually
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
 
@@ -71,12 +70,14 @@ def waiting_graph(instance: Instance, entered: asyncio.Event, go_on: asyncio.Eve
 
     async def charge(state: State) -> dict[str, list[str]]:
         fence = get_execution_context().fence
-        async with transaction(engine) as conn:
-            async with fenced_write(conn, fence, "charge") as write:
-                if not write.applied:
-                    params = {"execution_id": fence.lease_execution_id, "token": fence.token}
-                    await conn.execute(_INSERT, params)
-                    write.record(fence.token)
+        async with (
+            transaction(engine) as conn,
+            fenced_write(conn, fence, "charge") as write,
+        ):
+            if not write.applied:
+                params = {"execution_id": fence.lease_execution_id, "token": fence.token}
+                await conn.execute(_INSERT, params)
+                write.record(fence.token)
         return {"log": ["charge"]}
 
     builder = StateGraph(State)
@@ -155,7 +156,7 @@ async def test_a_run_cut_off_while_taken_over_ends_fenced_once_the_database_is_b
                         return True if lease is not None else None
                 return None
 
-            await poll(taken, time.monotonic() + DEADLINE, "the lease to expire and be taken")
+            await eventually(taken, timeout=DEADLINE, what="the lease to expire and be taken")
             # The run's step ends while it is still cut off: its run now classifies the
             # loss, and must wait for the database to tell it what happened.
             refused = proxy.refused
@@ -164,7 +165,11 @@ async def test_a_run_cut_off_while_taken_over_ends_fenced_once_the_database_is_b
             async def classifying() -> bool | None:
                 return True if run.done() or proxy.refused >= refused + 2 else None
 
-            await poll(classifying, time.monotonic() + DEADLINE, "the run to look at the store")
+            await eventually(
+                classifying,
+                timeout=DEADLINE,
+                what="the run to look at the store",
+            )
             proxy.heal()
             with pytest.raises(ExecutionFencedError) as caught:
                 await asyncio.wait_for(run, DEADLINE)
@@ -223,7 +228,7 @@ async def test_a_cancelled_checkpoint_write_never_hands_its_connection_on(
                     async with blocker.connect() as probe:
                         return (await probe.execute(waiting, {"tag": tag})).scalar()
 
-                pid = await poll(blocked, time.monotonic() + DEADLINE, "the write to wait")
+                pid = await eventually(blocked, timeout=DEADLINE, what="the write to wait")
                 write.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await write
@@ -234,8 +239,10 @@ async def test_a_cancelled_checkpoint_write_never_hands_its_connection_on(
                     count = (await probe.execute(gone, {"pid": pid})).scalar_one()
                     return True if count == 0 else None
 
-            await poll(
-                closed, time.monotonic() + DEADLINE, "the cancelled write's connection to close"
+            await eventually(
+                closed,
+                timeout=DEADLINE,
+                what="the cancelled write's connection to close",
             )
             # The next write runs on a connection of its own, and lands.
             await saver.aput(config, empty_checkpoint(), {}, {})
@@ -290,7 +297,7 @@ async def test_a_run_cut_off_past_its_lease_is_handed_back_and_serve_rides_out_t
                 rows = [r for r in await statuses(engine, TENANT) if r[0] == execution]
                 return rows if rows and rows[0][1] == LeaseStatus.DONE.value else None
 
-            rows = await poll(finished, time.monotonic() + DEADLINE, "serve() to finish the run")
+            rows = await eventually(finished, timeout=DEADLINE, what="serve() to finish the run")
             assert rows[0][2] == 2  # taken over once
             assert (await effects(engine, execution))[execution] == 1
             assert not serving.done(), "serve() exited on a store error"
@@ -323,13 +330,17 @@ async def test_a_worker_started_while_the_database_is_down_waits_for_it(
             seen = worker.out.read_text() + worker.err.read_text()
             return True if what in seen else None
 
-        await poll(
+        await eventually(
             lambda: said("the database cannot be reached"),
-            time.monotonic() + STARTUP_DEADLINE,
-            "the worker to say its database cannot be reached",
+            timeout=STARTUP_DEADLINE,
+            what="the worker to say its database cannot be reached",
         )
         proxy.heal()
-        await poll(lambda: said(" serves "), time.monotonic() + DEADLINE, "the worker to serve")
+        await eventually(
+            lambda: said(" serves "),
+            timeout=DEADLINE,
+            what="the worker to serve",
+        )
         codes = await chaos.shutdown()
         assert codes == {worker.name: 0}, (codes, worker.err.read_text()[-2000:])
     finally:

@@ -15,7 +15,6 @@ import asyncio
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,14 +25,14 @@ from sqlalchemy import text
 from checkpointers import SqlCheckpointer
 from langgraph_fence import FencedCheckpointer, LeaseKey, SqlLeaseRepository
 from langgraph_fence.fence import RunHandle
-from tests.chaos.conftest import poll
 from tests.chaos.fork_worker import EXIT_FENCED, build_graph, engine_for
 from tests.conftest import unique
+from tests.polling import eventually
+from tests.processes import start_process, stop_process, wait_ready
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
 
 WORKER = Path(__file__).with_name("fork_worker.py")
-ROOT = Path(__file__).parents[2]
 TTL_A = 1.5
 DEADLINE = 25.0
 
@@ -56,34 +55,17 @@ async def test_a_frozen_worker_cannot_fork_the_chain(
     repo = SqlLeaseRepository(engine)
     saver = SqlCheckpointer(engine)
     await saver.setup()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    worker_a = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(WORKER),
-        url,
-        schema,
-        tenant,
-        thread,
-        str(TTL_A),
-        str(inside_n2),
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        cwd=ROOT,
-        env=env,
-    )
+    args = [str(WORKER), url, schema, tenant, thread, str(TTL_A), str(inside_n2)]
+    worker_a = await start_process(args, tmp_path, "a", stdin=True)
     try:
-
-        async def a_is_inside_n2() -> str | None:
-            if worker_a.returncode is not None:
-                pytest.fail(f"worker A exited early: {await worker_a.stderr.read()!r}")  # type: ignore[union-attr]
-            return read_signal(inside_n2)
-
-        token_a = int(await poll(a_is_inside_n2, deadline, "worker A to reach n2"))
+        entered = await wait_ready(
+            worker_a, lambda: read_signal(inside_n2), deadline=deadline, what="A to reach n2"
+        )
+        token_a = int(entered)
         os.kill(worker_a.pid, signal.SIGSTOP)
 
-        lease_b = await poll(
-            lambda: repo.acquire(key, "worker-B", 30), deadline, "A's lease to expire"
+        lease_b = await eventually(
+            lambda: repo.acquire(key, "worker-B", 30), deadline=deadline, what="A's lease to expire"
         )
         assert lease_b.epoch == token_a + 1
         handle_b = RunHandle(repo, lease_b, 30)
@@ -95,14 +77,12 @@ async def test_a_frozen_worker_cannot_fork_the_chain(
         assert resumed == {"log": ["n1", "n2", "n3"]}
 
         os.kill(worker_a.pid, signal.SIGCONT)
-        assert worker_a.stdin is not None
-        worker_a.stdin.write(b"go\n")
-        await worker_a.stdin.drain()
-        stdout, stderr = await asyncio.wait_for(
-            worker_a.communicate(), timeout=max(0.1, deadline - time.monotonic())
-        )
-        assert worker_a.returncode == EXIT_FENCED, (stdout, stderr)
-        report = json.loads(stdout.decode().strip().splitlines()[-1])
+        assert worker_a.proc.stdin is not None
+        worker_a.proc.stdin.write(b"go\n")
+        await worker_a.proc.stdin.drain()
+        await asyncio.wait_for(worker_a.wait(), timeout=max(0.1, deadline - time.monotonic()))
+        assert worker_a.returncode == EXIT_FENCED, worker_a.said()
+        report = json.loads(worker_a.out.read_text().strip().splitlines()[-1])
         assert report == {
             "result": "fenced",
             "token_held": token_a,
@@ -140,12 +120,10 @@ async def test_a_frozen_worker_cannot_fork_the_chain(
         assert [row[2] for row in chain] == [token_a] * 3 + [lease_b.epoch] * 2, chain
         assert stale_writes == [], "A wrote under its old token onto B's checkpoints"
         head = await saver.aget_tuple(config)
-        assert head is not None and head.checkpoint["id"] == chain[-1][0]
+        assert head is not None
+        assert head.checkpoint["id"] == chain[-1][0]
         assert head.checkpoint["channel_values"]["log"] == ["n1", "n2", "n3"]
     finally:
-        if worker_a.returncode is None:
-            os.kill(worker_a.pid, signal.SIGCONT)
-            worker_a.kill()
-            await worker_a.wait()
+        await stop_process(worker_a, grace=1.0)
         await engine.dispose()
     assert time.monotonic() - started < 30

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
 from langgraph_fence import LeaseStatus
 from langgraph_fence.lease import Lease
-from tests.chaos.conftest import poll
 from tests.chaos.write_steps import (
     AGENTS,
     SYNC_TOOL_AGENTS,
@@ -37,6 +35,7 @@ from tests.chaos.write_steps import (
     take_over_all,
 )
 from tests.conftest import unique
+from tests.polling import eventually
 
 pytestmark = pytest.mark.chaos
 
@@ -71,7 +70,7 @@ async def kill_mid_write(
             ready = len(list((directory / "ready").iterdir()))
             return True if ready >= ready_per_run * len(ids) else None
 
-        await poll(all_ready, time.monotonic() + DEADLINE, "every slow write to be in flight")
+        await eventually(all_ready, timeout=DEADLINE, what="every slow write to be in flight")
     finally:
         for proc in procs:
             if proc.returncode is None:
@@ -99,7 +98,8 @@ async def test_a_slow_write_beside_a_fast_one_never_runs_twice(
         assert effects.count(fast) <= 1, where
         # The slow step never recorded its writes: its entry stood, the takeover saw it.
         assert lease.status is LeaseStatus.DEAD_LETTERED, where
-        assert lease.reason is not None and f"node '{slow}' at token 1" in lease.reason, where
+        assert lease.reason is not None, where
+        assert f"node '{slow}' at token 1" in lease.reason, where
 
 
 @pytest.mark.parametrize("durability", ["sync", "async"])
@@ -115,7 +115,8 @@ async def test_a_send_fan_out_killed_with_two_charges_mid_write_never_repeats_on
         assert effects.count("charge-2") == effects.count("charge-3") == 1, where
         assert lease.status is LeaseStatus.DEAD_LETTERED, where
         # Both slow Send tasks' entries stood (each task has its own).
-        assert lease.reason is not None and lease.reason.count("node 'charge'") >= 2, where
+        assert lease.reason is not None, where
+        assert lease.reason.count("node 'charge'") >= 2, where
 
 
 @pytest.mark.parametrize("first", ["email", "charge"])
@@ -137,4 +138,5 @@ async def test_an_agents_two_write_tool_calls_killed_mid_the_slow_one_never_run_
         assert effects.count("charge_card") <= 1, where
         assert lease.status is LeaseStatus.DEAD_LETTERED, where
         # The reason names the call in flight, not only the last one that stamped.
-        assert lease.reason is not None and "node 'tools:send_email'" in lease.reason, where
+        assert lease.reason is not None, where
+        assert "node 'tools:send_email'" in lease.reason, where

@@ -16,7 +16,6 @@ import asyncio
 import os
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,8 +26,8 @@ from langgraph_fence.instance import Instance
 from langgraph_fence.lease import DEFAULT_MAX_TAKEOVERS, Lease
 from langgraph_fence.records import ExecutionRecord
 from tests.chaos.chaos_graphs import MARK_DIR_ENV, POISON_GRAPH, pill_runs
-from tests.chaos.conftest import poll
 from tests.chaos.write_steps import Database, engine_options
+from tests.polling import eventually
 
 pytestmark = pytest.mark.chaos
 
@@ -134,7 +133,7 @@ async def test_a_poison_pill_is_dead_lettered_after_max_takeovers_and_kills_no_m
             return None
 
         try:
-            dead = await poll(dead_lettered, time.monotonic() + DEADLINE, "the dead letter")
+            dead = await eventually(dead_lettered, timeout=DEADLINE, what="the dead letter")
             # The survivors still serve: a healthy execution recorded now runs to its end.
             healthy = await record_pending(test, "healthy-1")
 
@@ -142,7 +141,7 @@ async def test_a_poison_pill_is_dead_lettered_after_max_takeovers_and_kills_no_m
                 lease = await test.repository.get(healthy)
                 return lease if lease is not None and lease.status is LeaseStatus.DONE else None
 
-            await poll(healthy_done, time.monotonic() + 60.0, "the healthy execution to end")
+            await eventually(healthy_done, timeout=60.0, what="the healthy execution to end")
             runs = pill_runs(tmp_path, "pill-1")
             killed = [w.name for w in workers if w.proc.returncode == -signal.SIGKILL]
             alive = [w for w in workers if w.proc.returncode is None]
@@ -152,7 +151,7 @@ async def test_a_poison_pill_is_dead_lettered_after_max_takeovers_and_kills_no_m
                 said = [w.log.read_text(errors="replace") for w in alive]
                 return True if all("serves" in text for text in said) else None
 
-            await poll(all_serving, time.monotonic() + 60.0, "the survivors to serve")
+            await eventually(all_serving, timeout=60.0, what="the survivors to serve")
             for worker in alive:
                 worker.proc.send_signal(signal.SIGTERM)
             codes = [await asyncio.wait_for(w.proc.wait(), 30) for w in alive]
@@ -170,4 +169,5 @@ async def test_a_poison_pill_is_dead_lettered_after_max_takeovers_and_kills_no_m
     assert dead.reason is not None
     assert "crashed 3 workers in a row with no new checkpoint" in dead.reason, dead.reason
     assert "max_takeovers=3" in dead.reason
-    assert alive and codes == [0] * len(alive), context
+    assert alive, context
+    assert codes == [0] * len(alive), context

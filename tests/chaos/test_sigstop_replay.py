@@ -24,9 +24,10 @@ import pytest
 
 from langgraph_fence import Instance, LeaseKey, LeaseStatus
 from tests.chaos.chaos_graphs import EXIT_FENCED, build_hold_graph, spawn_hold
-from tests.chaos.conftest import poll
-from tests.chaos.test_sigstop_worker import rows_of, stop_process, tail
+from tests.chaos.test_sigstop_worker import rows_of
 from tests.conftest import pg_engine_options, unique
+from tests.polling import eventually
+from tests.processes import read_json, stop_process, tail, wait_ready
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
 
@@ -44,31 +45,26 @@ async def test_a_replay_is_never_resumed_by_the_stale_worker_of_the_first_run(
     config: dict[str, Any] = {"configurable": {"thread_id": thread, "tenant_id": tenant}}
     inside_work = tmp_path / "inside-work.json"
     deadline = time.monotonic() + DEADLINE
-    a_out, a_err = tmp_path / "a.out", tmp_path / "a.err"
     async with Instance.open(
         url, engine_options=pg_engine_options(schema), instance_id="replayer", lease_ttl=TTL
     ) as b:
         engine = b.repository.engine  # type: ignore[attr-defined]
-        worker_a = await spawn_hold(
-            url, schema, tenant, thread, TTL, RENEW, inside_work, a_out, a_err
-        )
+        worker_a = await spawn_hold(url, schema, tenant, thread, TTL, RENEW, inside_work, tmp_path)
         try:
-
-            async def a_is_inside_work() -> dict[str, Any] | None:
-                if worker_a.returncode is not None:
-                    pytest.fail(f"worker A exited early ({worker_a.returncode}): {tail(a_err)}")
-                return json.loads(inside_work.read_text()) if inside_work.exists() else None
-
-            token_a = int((await poll(a_is_inside_work, deadline, "A to enter work"))["token"])
+            entered = await wait_ready(
+                worker_a, lambda: read_json(inside_work), deadline=deadline, what="A to enter work"
+            )
+            token_a = int(entered["token"])
             os.kill(worker_a.pid, signal.SIGSTOP)
 
             async def a_expired() -> bool | None:
                 lease = await b.repository.get(key)
-                assert lease is not None and lease.epoch == token_a, lease
+                assert lease is not None, lease
+                assert lease.epoch == token_a, lease
                 assert lease.expires_at is not None
                 return True if lease.expires_at <= await b.repository.now() else None
 
-            await poll(a_expired, deadline, "A's lease to expire on the store's clock")
+            await eventually(a_expired, deadline=deadline, what="A's lease to expire on its clock")
             graph = build_hold_graph(b)
             history = [s async for s in graph.aget_state_history(config)]
             before_start = next(s for s in history if s.next == ("start",))
@@ -77,7 +73,8 @@ async def test_a_replay_is_never_resumed_by_the_stale_worker_of_the_first_run(
             token_b = token_a + 1
             assert out["log"] == [f"start@{token_b}", f"work@{token_b}", f"end@{token_b}"]
             lease = await b.repository.get(key)
-            assert lease is not None and lease.status is LeaseStatus.DONE
+            assert lease is not None
+            assert lease.status is LeaseStatus.DONE
             assert lease.epoch == token_b
             checkpoints_before, writes_before = await rows_of(engine, thread)
 
@@ -86,12 +83,13 @@ async def test_a_replay_is_never_resumed_by_the_stale_worker_of_the_first_run(
             try:
                 await asyncio.wait_for(worker_a.wait(), RENEW + 10.0)
             except TimeoutError:
-                pytest.fail(f"worker A did not stop after SIGCONT: {tail(a_out)} {tail(a_err)}")
-            lines = a_out.read_text().strip().splitlines()
-            assert lines, f"worker A printed nothing: {tail(a_err)}"
+                pytest.fail(f"worker A did not stop after SIGCONT: {worker_a.said()[-3000:]}")
+            lines = worker_a.out.read_text().strip().splitlines()
+            assert lines, f"worker A printed nothing: {tail(worker_a.err)}"
             report = json.loads(lines[-1])
-            assert worker_a.returncode == EXIT_FENCED, (report, tail(a_err))
-            assert report["token_held"] == token_a and report["token_seen"] == token_b, report
+            assert worker_a.returncode == EXIT_FENCED, (report, tail(worker_a.err))
+            assert report["token_held"] == token_a, report
+            assert report["token_seen"] == token_b, report
 
             # A's writes were refused: nothing landed after SIGCONT ...
             checkpoints_after, writes_after = await rows_of(engine, thread)
@@ -102,7 +100,8 @@ async def test_a_replay_is_never_resumed_by_the_stale_worker_of_the_first_run(
             assert {row[-1] for row in new - replay_began} == {token_b}
             # The replayed branch is intact, and it is the thread's latest state.
             latest = await graph.aget_state(config)
-            assert latest.values["log"] == out["log"] and latest.next == ()
+            assert latest.values["log"] == out["log"]
+            assert latest.next == ()
             assert await b.repository.get(key) == lease
             print(f"\nA fenced {time.monotonic() - continued_at:.2f} s after SIGCONT")
         finally:

@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,18 +26,24 @@ import pytest
 from sqlalchemy import text
 
 from checkpointers import SqlStore
-from langgraph_fence import LeaseKey, LeaseStatus, SqlLeaseRepository
+from langgraph_fence import Lease, LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.database import create_engine, schema_options
 from tests.chaos.chaos_graphs import EXIT_FENCED
-from tests.chaos.conftest import poll
 from tests.chaos.store_worker import MEMORY_GRAPH, memory_namespace
-from tests.chaos.test_sigstop_worker import stop_process, tail
 from tests.chaos.write_steps import Database
 from tests.conftest import unique
+from tests.processes import (
+    Started,
+    read_json,
+    start_process,
+    start_worker,
+    stop_process,
+    tail,
+    wait_ready,
+)
 
 pytestmark = [pytest.mark.chaos]
 
-ROOT = Path(__file__).parents[2]
 TTL = 2.0
 RENEW = 0.5
 POLL = 0.2
@@ -59,11 +64,7 @@ async def test_a_sigstopped_worker_s_memory_write_is_refused_and_b_s_stands(
     await repo.setup()
     store = SqlStore(engine, tenant_id=tenant)  # an admin's view of the tenant's items
     await store.setup()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    schema_args = ["--schema", database.schema] if database.schema else []
-    a_out, a_err = tmp_path / "a.out", tmp_path / "a.err"
-    b_out, b_err = tmp_path / "b.out", tmp_path / "b.err"
-    procs: list[asyncio.subprocess.Process] = []
+    procs: list[Started] = []
 
     async def summary() -> tuple[Any, Any]:
         item = await store.aget(ns, "summary")
@@ -80,91 +81,65 @@ async def test_a_sigstopped_worker_s_memory_write_is_refused_and_b_s_stands(
         return (None if item is None else item.value), token
 
     try:
-        with a_out.open("wb") as out, a_err.open("wb") as err:
-            worker_a = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "tests.chaos.store_worker",
-                database.url,
-                database.schema,
-                tenant,
-                thread,
-                str(TTL),
-                str(RENEW),
-                str(inside),
-                renewals,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=out,
-                stderr=err,
-                cwd=ROOT,
-                env=env,
-            )
+        args = [database.url, database.schema, tenant, thread, str(TTL), str(RENEW), str(inside)]
+        worker_a = await start_process(
+            ["-m", "tests.chaos.store_worker", *args, renewals], tmp_path, "a", stdin=True
+        )
         procs.append(worker_a)
-
-        async def a_is_inside() -> dict[str, Any] | None:
-            if worker_a.returncode is not None:
-                pytest.fail(f"worker A exited early ({worker_a.returncode}): {tail(a_err)}")
-            return json.loads(inside.read_text()) if inside.exists() else None
-
-        token_a = int((await poll(a_is_inside, deadline, "worker A to enter remember"))["token"])
+        entered = await wait_ready(
+            worker_a, lambda: read_json(inside), deadline=deadline, what="A to enter remember"
+        )
+        token_a = int(entered["token"])
         os.kill(worker_a.pid, signal.SIGSTOP)
         assert await summary() == (None, None)  # A has not written
 
-        with b_out.open("wb") as out, b_err.open("wb") as err:
-            worker_b = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "langgraph_fence.cli",
-                "worker",
-                "--db",
-                database.url,
-                *schema_args,
-                "--graphs",
-                "tests.chaos.store_worker:memory_graphs",
-                "--lease-ttl",
-                str(TTL),
-                "--poll-interval",
-                str(POLL),
-                "--instance-id",
-                "worker-B",
-                stdout=out,
-                stderr=err,
-                cwd=ROOT,
-                env=env,
-            )
+        worker_b = await start_worker(
+            tmp_path,
+            "b",
+            database.url,
+            database.schema,
+            "tests.chaos.store_worker:memory_graphs",
+            ttl=TTL,
+            poll=POLL,
+            instance_id="worker-B",
+            wait=False,
+        )
         procs.append(worker_b)
 
-        async def b_finished() -> Any:
-            if worker_b.returncode is not None:
-                pytest.fail(f"worker B exited ({worker_b.returncode}): {tail(b_err)}")
+        async def b_finished() -> Lease | None:
             lease = await repo.get(key)
             return lease if lease is not None and lease.status is LeaseStatus.DONE else None
 
-        lease_b = await poll(b_finished, deadline, "worker B to take over and finish")
+        lease_b = await wait_ready(
+            worker_b, b_finished, deadline=deadline, what="worker B to take over and finish"
+        )
         token_b = lease_b.epoch
         assert token_b == token_a + 1, lease_b
         value_b, row_token = await summary()
-        assert value_b is not None and value_b["by"] == token_b and row_token == token_b
+        assert value_b is not None
+        assert value_b["by"] == token_b
+        assert row_token == token_b
 
-        assert worker_a.stdin is not None
-        worker_a.stdin.write(b"go\n")
-        await worker_a.stdin.drain()
+        assert worker_a.proc.stdin is not None
+        worker_a.proc.stdin.write(b"go\n")
+        await worker_a.proc.stdin.drain()
         os.kill(worker_a.pid, signal.SIGCONT)
         try:
             await asyncio.wait_for(worker_a.wait(), 30.0)
         except TimeoutError:
-            pytest.fail(f"worker A did not stop after SIGCONT: {tail(a_out)} {tail(a_err)}")
-        lines = a_out.read_text().strip().splitlines()
-        assert lines, f"worker A printed nothing: {tail(a_err)}"
+            pytest.fail(f"worker A did not stop after SIGCONT: {worker_a.said()[-3000:]}")
+        lines = worker_a.out.read_text().strip().splitlines()
+        assert lines, f"worker A printed nothing: {tail(worker_a.err)}"
         report = json.loads(lines[-1])
-        assert worker_a.returncode == EXIT_FENCED, (report, tail(a_err))
+        assert worker_a.returncode == EXIT_FENCED, (report, tail(worker_a.err))
         assert report["raised"] == "ExecutionFencedError", report
-        assert report["token_held"] == token_a and report["token_seen"] == token_b, report
+        assert report["token_held"] == token_a, report
+        assert report["token_seen"] == token_b, report
         if renewals == "held":
             assert "store put" in report["message"], report  # the write itself was refused
 
         assert await summary() == (value_b, token_b), "A's stale summary landed"
-        assert MEMORY_GRAPH in b_out.read_text()
+        assert MEMORY_GRAPH in worker_b.out.read_text()
         print(f"\nrenewals {renewals}: A fenced by {report['message'].split(' refused')[0]!r}")
     finally:
         for proc in procs:

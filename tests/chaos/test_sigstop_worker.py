@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,16 +25,15 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from checkpointers import SqlCheckpointer
-from langgraph_fence import LeaseKey, LeaseStatus, SqlLeaseRepository
+from langgraph_fence import Lease, LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.database import create_engine
 from langgraph_fence.records import SqlExecutionRecords
 from tests.chaos.chaos_graphs import EXIT_FENCED, HOLD_GRAPH, spawn_hold
-from tests.chaos.conftest import poll
 from tests.conftest import pg_engine_options, unique
+from tests.processes import Started, read_json, start_worker, stop_process, tail, wait_ready
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
 
-ROOT = Path(__file__).parents[2]
 TTL = 2.0
 RENEW = 0.5
 POLL = 0.2
@@ -70,24 +68,6 @@ async def rows_of(engine: AsyncEngine, thread: str) -> tuple[list[Any], list[Any
     return [tuple(r) for r in checkpoints], [tuple(r) for r in writes]
 
 
-def tail(path: Path, limit: int = 3000) -> str:
-    return path.read_text(errors="replace")[-limit:] if path.exists() else "<none>"
-
-
-async def stop_process(proc: asyncio.subprocess.Process, *, grace: float) -> None:
-    """Continue, SIGTERM, and SIGKILL after ``grace`` seconds: the process is gone after."""
-    if proc.returncode is not None:
-        return
-    try:
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.terminate()
-        await asyncio.wait_for(proc.wait(), grace)
-    except (TimeoutError, ProcessLookupError):
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-
-
 async def test_a_sigstopped_worker_is_fenced_within_one_renew_interval(
     own_schema: tuple[str, str], tmp_path: Path
 ) -> None:
@@ -104,62 +84,36 @@ async def test_a_sigstopped_worker_is_fenced_within_one_renew_interval(
     saver = SqlCheckpointer(engine)
     await saver.setup()
     await SqlExecutionRecords(engine).setup()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("LGF_CHAOS_MARK_DIR", None)
-    a_out, a_err = tmp_path / "a.out", tmp_path / "a.err"
-    b_out, b_err = tmp_path / "b.out", tmp_path / "b.err"
-    procs: list[asyncio.subprocess.Process] = []
+    procs: list[Started] = []
     try:
-        worker_a = await spawn_hold(
-            url, schema, tenant, thread, TTL, RENEW, inside_work, a_out, a_err
-        )
+        worker_a = await spawn_hold(url, schema, tenant, thread, TTL, RENEW, inside_work, tmp_path)
         procs.append(worker_a)
-        with b_out.open("wb") as out, b_err.open("wb") as err:
-            worker_b = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "langgraph_fence.cli",
-                "-v",
-                "worker",
-                "--db",
-                url,
-                "--schema",
-                schema,
-                "--graphs",
-                "tests.chaos.chaos_graphs:hold_graphs",
-                "--lease-ttl",
-                str(TTL),
-                "--poll-interval",
-                str(POLL),
-                "--instance-id",
-                "worker-B",
-                stdout=out,
-                stderr=err,
-                cwd=ROOT,
-                env=env,
-            )
+        worker_b = await start_worker(
+            tmp_path,
+            "b",
+            url,
+            schema,
+            "tests.chaos.chaos_graphs:hold_graphs",
+            ttl=TTL,
+            poll=POLL,
+            instance_id="worker-B",
+            verbose=True,
+            wait=False,
+        )
         procs.append(worker_b)
-
-        async def a_is_inside_work() -> dict[str, Any] | None:
-            if worker_a.returncode is not None:
-                pytest.fail(f"worker A exited early ({worker_a.returncode}): {tail(a_err)}")
-            if not inside_work.exists():
-                return None
-            found: dict[str, Any] = json.loads(inside_work.read_text())
-            return found
-
-        token_a = int((await poll(a_is_inside_work, deadline, "worker A to enter work"))["token"])
+        inside = await wait_ready(
+            worker_a, lambda: read_json(inside_work), deadline=deadline, what="A to enter work"
+        )
+        token_a = int(inside["token"])
         os.kill(worker_a.pid, signal.SIGSTOP)
 
-        async def b_finished() -> Any:
-            if worker_b.returncode is not None:
-                pytest.fail(f"worker B exited ({worker_b.returncode}): {tail(b_err)}")
+        async def b_finished() -> Lease | None:
             lease = await repo.get(key)
-            if lease is not None and lease.status is LeaseStatus.DONE:
-                return lease
-            return None
+            return lease if lease is not None and lease.status is LeaseStatus.DONE else None
 
-        lease_b = await poll(b_finished, deadline, "worker B to take over and finish")
+        lease_b = await wait_ready(
+            worker_b, b_finished, deadline=deadline, what="worker B to take over and finish"
+        )
         assert lease_b.epoch == token_a + 1, lease_b
         state = await saver.aget_tuple(
             {"configurable": {"thread_id": thread, "checkpoint_ns": "", "tenant_id": tenant}}
@@ -180,14 +134,15 @@ async def test_a_sigstopped_worker_is_fenced_within_one_renew_interval(
         try:
             await asyncio.wait_for(worker_a.wait(), RENEW + SLACK + 5.0)
         except TimeoutError:
-            pytest.fail(f"worker A did not stop after SIGCONT: {tail(a_out)} {tail(a_err)}")
+            pytest.fail(f"worker A did not stop after SIGCONT: {worker_a.said()[-3000:]}")
         exited_after = time.monotonic() - continued_at
-        lines = a_out.read_text().strip().splitlines()
-        assert lines, f"worker A printed nothing: {tail(a_err)}"
+        lines = worker_a.out.read_text().strip().splitlines()
+        assert lines, f"worker A printed nothing: {tail(worker_a.err)}"
         report = json.loads(lines[-1])
-        assert worker_a.returncode == EXIT_FENCED, (report, tail(a_err))
+        assert worker_a.returncode == EXIT_FENCED, (report, tail(worker_a.err))
         assert report["raised"] == "ExecutionFencedError", report
-        assert report["token_held"] == token_a and report["token_seen"] == token_b, report
+        assert report["token_held"] == token_a, report
+        assert report["token_seen"] == token_b, report
         fenced_after = report["at"] - continued_at  # time.monotonic is one clock per machine
         assert fenced_after <= RENEW + SLACK, (
             f"worker A went on for {fenced_after:.3f} s after SIGCONT: more than one renew "
@@ -201,7 +156,9 @@ async def test_a_sigstopped_worker_is_fenced_within_one_renew_interval(
         stale_on_b = [row for row in writes_after if row[1] in b_checkpoints and row[-1] != token_b]
         assert stale_on_b == [], f"writes under another token on B's checkpoints: {stale_on_b}"
         lease = await repo.get(key)
-        assert lease is not None and lease.status is LeaseStatus.DONE and lease.epoch == token_b
+        assert lease is not None
+        assert lease.status is LeaseStatus.DONE
+        assert lease.epoch == token_b
         assert (await SqlExecutionRecords(engine).get(key)) is not None
         print(
             f"\nA fenced {fenced_after * 1000:.0f} ms after SIGCONT (exit after "
@@ -211,6 +168,6 @@ async def test_a_sigstopped_worker_is_fenced_within_one_renew_interval(
         for proc in procs:
             await stop_process(proc, grace=10.0)
         await engine.dispose()
-    assert worker_b.returncode == 0, f"worker B did not stop cleanly: {tail(b_err)}"
-    assert HOLD_GRAPH in b_out.read_text()
+    assert worker_b.returncode == 0, f"worker B did not stop cleanly: {tail(worker_b.err)}"
+    assert HOLD_GRAPH in worker_b.out.read_text()
     assert time.monotonic() - started < DEADLINE + 15

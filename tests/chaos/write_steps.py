@@ -64,6 +64,7 @@ from langgraph_fence import (
 )
 from langgraph_fence.faults import arm_fault
 from langgraph_fence.lease import Lease
+from tests.polling import eventually, eventually_sync
 
 AGENTS = ("react-v1", "react-v2", "toolnode", "create-agent")
 #: The agents with sync tools: two of the above, and a sync node calling the tools itself.
@@ -130,24 +131,21 @@ def _others_wrote(found: Any, me: str, count: int) -> bool:
 def _wait_for_fast_writes_sync(instance: Instance, count: int) -> None:
     """:func:`_wait_for_fast_writes` from a worker thread (a sync step)."""
     me, config = _thread_config()
-    deadline = time.monotonic() + SLOW_WAIT
-    while time.monotonic() < deadline:
-        if _others_wrote(instance.checkpointer.get_tuple(config), me, count):
-            return
-        time.sleep(0.02)
-    raise TimeoutError("the fast tasks' writes never showed")
+    eventually_sync(
+        lambda: _others_wrote(instance.checkpointer.get_tuple(config), me, count),
+        timeout=SLOW_WAIT,
+        what="the fast tasks' writes",
+    )
 
 
 async def _wait_for_fast_writes(instance: Instance, count: int) -> None:
     """Until ``count`` tasks other than this one have their writes stored."""
     me, config = _thread_config()
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + SLOW_WAIT
-    while loop.time() < deadline:
-        if _others_wrote(await instance.checkpointer.aget_tuple(config), me, count):
-            return
-        await asyncio.sleep(0.02)
-    raise TimeoutError("the fast tasks' writes never showed")
+
+    async def others_wrote() -> bool:
+        return _others_wrote(await instance.checkpointer.aget_tuple(config), me, count)
+
+    await eventually(others_wrote, timeout=SLOW_WAIT, what="the fast tasks' writes")
 
 
 def build_graph(
@@ -365,20 +363,19 @@ def _build_agent(instance: Instance, variant: str, directory: Path, *, doomed: b
 
 
 def _wait_for_effect_sync(directory: Path, execution_id: str, node: str) -> None:
-    deadline = time.monotonic() + SLOW_WAIT
-    while node not in effects_of(directory, execution_id):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{node} never wrote")
-        time.sleep(0.02)
+    eventually_sync(
+        lambda: node in effects_of(directory, execution_id),
+        timeout=SLOW_WAIT,
+        what=f"{node} to write",
+    )
 
 
 async def _wait_for_effect(directory: Path, execution_id: str, node: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + SLOW_WAIT
-    while node not in effects_of(directory, execution_id):
-        if loop.time() > deadline:
-            raise TimeoutError(f"{node} never wrote")
-        await asyncio.sleep(0.02)
+    await eventually(
+        lambda: node in effects_of(directory, execution_id),
+        timeout=SLOW_WAIT,
+        what=f"{node} to write",
+    )
 
 
 def first_input(variant: str) -> dict[str, Any]:
@@ -441,7 +438,6 @@ async def take_over_all(
     database: Database, variant: str, directory: Path, ids: list[str], *, deadline: float
 ) -> dict[str, Lease]:
     """Serve ``variant`` from this process until every execution of ``ids`` has ended."""
-    from tests.chaos.conftest import poll  # here: the doomed processes need no pytest
 
     async with Instance.open(
         database.url,
@@ -464,7 +460,7 @@ async def take_over_all(
             return None
 
         try:
-            return await poll(all_ended, time.monotonic() + deadline, "every takeover to end")
+            return await eventually(all_ended, timeout=deadline, what="every takeover to end")
         finally:
             stop.set()
             await asyncio.wait_for(serving, 30)
@@ -487,7 +483,8 @@ def assert_charged_at_most_once(point: str, lease: Lease, effects: list[str], wh
     assert effects.count("charge") == (0 if point == "stamp.after" else 1), where
     assert lease.status in (LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED), where
     if lease.status is LeaseStatus.DEAD_LETTERED:
-        assert lease.reason is not None and "'charge'" in lease.reason, where
+        assert lease.reason is not None, where
+        assert "'charge'" in lease.reason, where
 
 
 def _kill_after_charge(point: str, charge_began: list[bool]) -> Any:

@@ -82,8 +82,10 @@ async def test_an_old_stamp_survives_the_move_to_the_stamp_set(fresh_engine: Asy
     )
     clock.advance(TTL)
     decided = await store.take_over(lease, "B", TTL)
-    assert decided is not None and decided.status is LeaseStatus.DEAD_LETTERED
-    assert decided.reason is not None and "node 'charge' at token 1" in decided.reason
+    assert decided is not None
+    assert decided.status is LeaseStatus.DEAD_LETTERED
+    assert decided.reason is not None
+    assert "node 'charge' at token 1" in decided.reason
 
 
 async def test_an_unstamped_old_lease_has_an_empty_set(fresh_engine: AsyncEngine) -> None:
@@ -100,7 +102,9 @@ async def test_an_unstamped_old_lease_has_an_empty_set(fresh_engine: AsyncEngine
     store = SqlLeaseRepository(fresh_engine, clock=clock)
     await store.setup()
     lease = await store.get(LeaseKey("t", "e"))
-    assert lease is not None and lease.pending_effects == () and lease.epoch == 3
+    assert lease is not None
+    assert lease.pending_effects == ()
+    assert lease.epoch == 3
 
 
 async def test_the_migrated_table_is_the_table_the_queries_are_built_from(

@@ -115,7 +115,8 @@ async def test_twenty_takeovers_count_one_to_twenty(
                 )
             )
             winners = [r for r in results if isinstance(r, Lease)]
-            assert len(winners) == 1 and results.count(None) == 4, results
+            assert len(winners) == 1, results
+            assert results.count(None) == 4, results
             taken.append(winners[0])
             clock.advance(TTL)
         assert [lease.epoch for lease in taken] == list(range(1, 21))
@@ -126,7 +127,8 @@ async def test_twenty_takeovers_count_one_to_twenty(
             assert caught.value.token_seen == 20
         # The epoch counts per key: a key of its own starts again at 1.
         fresh = await contenders[0].acquire(LeaseKey(key.tenant_id, unique("e")), "w", TTL)
-        assert fresh is not None and fresh.epoch == 1
+        assert fresh is not None
+        assert fresh.epoch == 1
     finally:
         await dispose(contenders)
 
@@ -230,7 +232,8 @@ async def test_concurrent_setup_migrates_once(
         assert mode == "wal"
     # Every store works on the migrated table, and setup again is a no-op.
     lease = await repos[-1].acquire(LeaseKey(unique("t"), unique("e")), "A", TTL)
-    assert lease is not None and lease.epoch == 1
+    assert lease is not None
+    assert lease.epoch == 1
     caplog.clear()
     await bounded(asyncio.gather(*(repo.setup() for repo in repos)))
     assert not [r for r in caplog.records if r.getMessage().startswith("migrating")]

@@ -135,10 +135,12 @@ async def test_postgres_renews_many_on_its_own_clock_on_a_plain_engine(
         answers = await store.renew_many(leases, 600.0)
         seen = SqlLeaseRepository(other)
         for answer in answers:
-            assert isinstance(answer, Lease) and answer.expires_at is not None
+            assert isinstance(answer, Lease)
+            assert answer.expires_at is not None
             assert before + 600.0 <= answer.expires_at <= await store.now() + 600.0
             stored = await seen.get(answer.key)
-            assert stored is not None and stored.expires_at == answer.expires_at
+            assert stored is not None
+            assert stored.expires_at == answer.expires_at
     finally:
         await plain.dispose()
         await other.dispose()

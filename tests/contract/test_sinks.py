@@ -40,6 +40,7 @@ from langgraph_fence.sinks import (
 )
 from langgraph_fence.testing import ManualClock
 from tests.conftest import SQL_BACKENDS, pg_engine_options, unique
+from tests.polling import eventually
 
 LEASE_TTL = 10.0  # on the lease store's manual clock
 HOLD_TTL = 3600.0  # on the handle's real clock: local checks never expire inside a test
@@ -99,7 +100,8 @@ async def takeovers(count: int, *, tenant: str | None = None) -> list[RunHandle]
     handles = []
     for n in range(1, count + 1):
         lease = await repo.acquire(key, f"instance-{n}", LEASE_TTL)
-        assert lease is not None and lease.epoch == n
+        assert lease is not None
+        assert lease.epoch == n
         handles.append(RunHandle(repo, lease, HOLD_TTL))
         clock.advance(LEASE_TTL + 1)
     return handles
@@ -218,18 +220,15 @@ async def backend_pid(conn: AsyncConnection) -> int:
 
 async def wait_until_lock_waiting(engine: AsyncEngine, pid: int) -> None:
     """Poll (with a deadline) until PostgreSQL backend ``pid`` waits on a lock."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + DEADLINE
-    while True:
+
+    async def waits() -> bool:
         async with engine.connect() as conn:
             waiting = await conn.execute(
                 text("SELECT wait_event_type FROM pg_stat_activity WHERE pid = :p"), {"p": pid}
             )
-            if waiting.scalar_one_or_none() == "Lock":
-                return
-        if loop.time() > deadline:
-            raise AssertionError(f"backend {pid} never waited on a lock within {DEADLINE}s")
-        await asyncio.sleep(0.005)
+            return waiting.scalar_one_or_none() == "Lock"
+
+    await eventually(waits, timeout=DEADLINE, interval=0.005, what=f"backend {pid} to wait")
 
 
 async def wait_for_event(event: asyncio.Event, *tasks: asyncio.Task[Any]) -> None:
@@ -262,7 +261,8 @@ async def test_stale_token_is_refused_and_nothing_of_its_transaction_lands(
     old, new = await takeovers(2)
     scope = old.scope_key
     winner = await write_with_retry(engine, new, "charge", "new")
-    assert winner.refused is None and not winner.applied_before
+    assert winner.refused is None
+    assert not winner.applied_before
     assert await mark_of(engine, scope) == 2
 
     body_ran = False
@@ -293,11 +293,13 @@ async def test_stale_token_is_refused_even_for_a_key_it_applied_itself(engine: A
     assert first.result == {"by": "old", "token": 1}
     # The new holder re-runs the step: the key is applied, it skips with the stored result.
     second = await write_with_retry(engine, new, "charge", "new")
-    assert second.applied_before and second.result == {"by": "old", "token": 1}
+    assert second.applied_before
+    assert second.result == {"by": "old", "token": 1}
     assert await mark_of(engine, old.scope_key) == 2
     # The old holder, woken up, is refused before it even learns the key's state.
     third = await write_with_retry(engine, old, "charge", "old")
-    assert third.refused is not None and third.refused.token_seen == 2
+    assert third.refused is not None
+    assert third.refused.token_seen == 2
     assert await user_rows(engine, old.scope_key) == [("charge", 1, "old")]
 
 
@@ -336,7 +338,8 @@ async def test_equal_token_passes_and_the_mark_follows_the_newest_token(
     await write_with_retry(engine, h2, "a", "h2")
     # Another step of the same run (a second fence over the same lease): equal token passes.
     again = await write_with_retry(engine, h2, "b", "h2-again")
-    assert again.refused is None and not again.applied_before
+    assert again.refused is None
+    assert not again.applied_before
     assert await mark_of(engine, scope) == 2
     await write_with_retry(engine, h3, "c", "h3")
     assert await mark_of(engine, scope) == 3
@@ -355,7 +358,8 @@ async def test_the_same_key_twice_in_one_transaction_is_applied_once(engine: Asy
         second = Outcome("two", 1, "k")
         await write_once(conn, fence, "k", "two", second)
     assert not first.applied_before
-    assert second.applied_before and second.result == {"by": "one", "token": 1}
+    assert second.applied_before
+    assert second.result == {"by": "one", "token": 1}
     assert len(await user_rows(engine, fence.scope_key)) == 1
 
 
@@ -404,10 +408,12 @@ async def test_sequential_writers_match_the_model(engine: AsyncEngine, ops: list
         except Abandon:
             assert token >= model.mark
         else:
-            assert commit and token >= model.mark, f"{who} at {token} passed mark {model.mark}"
+            assert commit, f"{who} at {token} passed mark {model.mark}"
+            assert token >= model.mark, f"{who} at {token} passed mark {model.mark}"
         if token >= model.mark:
             if key in model.applied:
-                assert outcome.applied_before and outcome.result == model.applied[key][1]
+                assert outcome.applied_before
+                assert outcome.result == model.applied[key][1]
             else:
                 assert not outcome.applied_before
             if commit:
@@ -483,7 +489,8 @@ async def test_racing_writers_of_one_key_apply_it_exactly_once(
             return await write_with_retry(engines[i], holder, key, f"w{i}")
 
         first, second = await settle(run(0), run(1))
-        assert first.refused is None and second.refused is None
+        assert first.refused is None
+        assert second.refused is None
         assert sorted([first.applied_before, second.applied_before]) == [False, True]
         assert first.result == second.result
     rows = await user_rows(engines[0], scope)
@@ -502,14 +509,16 @@ async def test_a_writer_blocked_behind_the_applier_sees_its_result(
 
     async def old_writer() -> Outcome:
         outcome = Outcome("old", 1, "charge")
-        async with transaction(engines[0]) as conn:
-            async with fenced_write(conn, ExecutionFence(old), "charge") as write:
-                assert not write.applied
-                await insert_user_row(conn, scope, "charge", 1, "old")
-                outcome.result = {"by": "old"}
-                write.record(outcome.result)
-                applying.set()
-                await may_commit.wait()
+        async with (
+            transaction(engines[0]) as conn,
+            fenced_write(conn, ExecutionFence(old), "charge") as write,
+        ):
+            assert not write.applied
+            await insert_user_row(conn, scope, "charge", 1, "old")
+            outcome.result = {"by": "old"}
+            write.record(outcome.result)
+            applying.set()
+            await may_commit.wait()
         return outcome
 
     async def new_writer() -> Outcome:
@@ -526,14 +535,14 @@ async def test_a_writer_blocked_behind_the_applier_sees_its_result(
     await wait_for_event(applying, old_task, new_task)
     if backend == "postgresql":
         # Prove the new writer really waits on the old one's lock before letting it commit.
-        deadline = asyncio.get_running_loop().time() + DEADLINE
-        while not pid_of_waiter:
-            assert asyncio.get_running_loop().time() < deadline
-            await asyncio.sleep(0.005)
+        await eventually(
+            lambda: bool(pid_of_waiter), timeout=DEADLINE, interval=0.005, what="the waiter"
+        )
         await wait_until_lock_waiting(engines[0], pid_of_waiter[0])
     may_commit.set()
     first, second = await settle(old_task, new_task)
-    assert second.refused is None and second.applied_before
+    assert second.refused is None
+    assert second.applied_before
     assert second.result == first.result == {"by": "old"}
     assert await user_rows(engines[0], scope) == [("charge", 1, "old")]
     assert await mark_of(engines[0], scope) == 2
@@ -595,7 +604,8 @@ async def test_postgresql_race_on_one_key_at_each_isolation_level(
         first, second = await settle(applier_task, waiter_task)
 
         assert not first.applied_before
-        assert second.applied_before and second.result == first.result
+        assert second.applied_before
+        assert second.result == first.result
         if isolation == "READ COMMITTED":
             assert second.retries == 0
         else:
@@ -622,7 +632,8 @@ async def test_parent_and_any_instance_child_do_not_refuse_each_other(
     # The parent at token 3 writes first; the child at token 1 is not refused by that mark.
     assert (await write_with_retry(engine, parent[2], "charge", "parent")).refused is None
     child_first = await write_with_retry(engine, child[0], "charge", "child")
-    assert child_first.refused is None and not child_first.applied_before
+    assert child_first.refused is None
+    assert not child_first.applied_before
     assert await mark_of(engine, parent[0].scope_key) == 3
     assert await mark_of(engine, child[0].scope_key) == 1
 
@@ -632,7 +643,8 @@ async def test_parent_and_any_instance_child_do_not_refuse_each_other(
     # ... and each scope still refuses its own stale holders only.
     assert (await write_with_retry(engine, parent[1], "late", "parent")).refused is not None
     assert (await write_with_retry(engine, child[0], "late", "child")).refused is not None
-    assert parent[2].error is None and child[1].error is None
+    assert parent[2].error is None
+    assert child[1].error is None
     assert await mark_of(engine, parent[0].scope_key) == 3
     assert await mark_of(engine, child[0].scope_key) == 2
     assert set(await applied_rows(engine, parent[0].scope_key)) == {"charge", "ship"}
@@ -678,7 +690,8 @@ async def test_a_write_overtaken_by_its_own_runs_new_token_is_refused_without_fe
             # The run releases and re-takes its own lease (as the remote-children wait does).
             await repo.release(lease, LeaseStatus.WAITING)
             retaken = await repo.acquire(key, "me", LEASE_TTL)
-            assert retaken is not None and retaken.epoch == 2
+            assert retaken is not None
+            assert retaken.epoch == 2
             handle.replace_lease(retaken, sent_at=handle.clock())
         with pytest.raises(ExecutionFencedError) as refused:
             async with asyncio.timeout(DEADLINE):
@@ -743,7 +756,8 @@ async def test_record_misuse_is_refused(engine: AsyncEngine) -> None:
         with pytest.raises(RuntimeError, match="after the fenced_write block"):
             kept[0].record(1)
         async with fenced_write(conn, fence, "k") as again:
-            assert again.applied and again.result == {"ok": True}
+            assert again.applied
+            assert again.result == {"ok": True}
             with pytest.raises(RuntimeError, match="applied already"):
                 again.record(2)
     # A block that forgets record() fails, and leaves the key unapplied.

@@ -66,10 +66,12 @@ async def test_put_get_update_delete(store: BaseStore, root: str) -> None:
     assert item is not None
     assert (item.namespace, item.key) == (ns, "prefs")
     assert item.value == {"theme": "dark", "langs": ["en", "de"], "n": 1}
-    assert item.created_at.tzinfo is not None and item.updated_at >= item.created_at
+    assert item.created_at.tzinfo is not None
+    assert item.updated_at >= item.created_at
     await store.aput(ns, "prefs", {"theme": "light"})
     updated = await store.aget(ns, "prefs")
-    assert updated is not None and updated.value == {"theme": "light"}
+    assert updated is not None
+    assert updated.value == {"theme": "light"}
     assert updated.updated_at >= item.updated_at
     await store.adelete(ns, "prefs")
     assert await store.aget(ns, "prefs") is None
@@ -162,7 +164,7 @@ async def test_list_namespaces(store: BaseStore, root: str) -> None:
 
 async def test_invalid_namespaces_are_refused(store: BaseStore) -> None:
     for bad in [(), ("a.b",), ("langgraph", "x"), ("",)]:
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"[Nn]amespace"):
             await store.aput(bad, "k", {"v": 1})
 
 
@@ -197,8 +199,10 @@ async def test_sync_methods_from_a_worker_thread(store: BaseStore, root: str) ->
         return got, store.get(ns, "k"), store.search(ns)
 
     got, gone, found = await asyncio.to_thread(work)
-    assert got is not None and got.value == {"v": 1}
-    assert gone is None and found == []
+    assert got is not None
+    assert got.value == {"v": 1}
+    assert gone is None
+    assert found == []
 
 
 async def test_fenced_store_passes_the_contract_unchanged_outside_a_step(

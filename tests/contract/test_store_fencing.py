@@ -104,7 +104,8 @@ async def take_over(s: Setup, key: LeaseKey) -> tuple[RunHandle, RunHandle]:
     handle_a = RunHandle(s.repo, lease_a, TTL)  # A's own clock: it still believes it holds
     s.clock.advance(TTL + 1)
     lease_b = await s.repo.acquire(key, "B", TTL)
-    assert lease_b is not None and lease_b.epoch == lease_a.epoch + 1
+    assert lease_b is not None
+    assert lease_b.epoch == lease_a.epoch + 1
     return handle_a, RunHandle(s.repo, lease_b, TTL)
 
 
@@ -148,17 +149,20 @@ async def test_a_stale_step_s_put_is_refused_and_the_new_holder_s_value_stands(
 
     with pytest.raises(ExecutionFencedError) as refused:
         await run_step(read_then_write, handle_a, thread)
-    assert refused.value.token_held == 1 and refused.value.token_seen == 2
+    assert refused.value.token_held == 1
+    assert refused.value.token_seen == 2
     assert handle_a.error is refused.value  # recorded on A's run, like a refused checkpoint
     assert handle_b.error is None
-    assert seen[0].value == {"by": 2} and [i.key for i in seen[1]] == ["summary"]
+    assert seen[0].value == {"by": 2}
+    assert [i.key for i in seen[1]] == ["summary"]
     assert seen[2] == [ns]
 
     async def read(state: Any) -> Any:
         return await setup.store.aget(ns, "summary")
 
     item = await run_step(read, handle_b, thread)
-    assert item is not None and item.value == {"by": 2}
+    assert item is not None
+    assert item.value == {"by": 2}
     if setup.guarded:
         assert await token_column(setup, ns, "summary") == 2
 
@@ -185,7 +189,8 @@ async def test_a_stale_step_s_delete_and_sync_put_are_refused(setup: Setup) -> N
         return await setup.store.aget(ns, "summary")
 
     item = await run_step(read, handle_b, thread)
-    assert item is not None and item.value == {"by": 2}
+    assert item is not None
+    assert item.value == {"by": 2}
 
 
 async def test_a_batch_under_a_stale_token_lands_none_of_its_writes(setup: Setup) -> None:
@@ -206,7 +211,8 @@ async def test_a_write_from_outside_any_step_is_allowed(setup: Setup) -> None:
     ns = (unique("admin"), "fix")
     await setup.store.aput(ns, "k", {"v": "by hand"})
     item = await setup.store.aget(ns, "k")
-    assert item is not None and item.value == {"v": "by hand"}
+    assert item is not None
+    assert item.value == {"v": "by hand"}
     if setup.guarded:
         assert await token_column(setup, ns, "k") is None  # no token: written by no step
 

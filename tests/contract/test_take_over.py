@@ -62,7 +62,8 @@ async def test_an_idempotent_write_in_flight_is_taken_and_its_stamp_cleared(
 ) -> None:
     old, _ = await stamped(lease_store, clock, Effect.IDEMPOTENT_WRITE)
     taken = await lease_store.take_over(old, "B", TTL)
-    assert taken is not None and taken.status is LeaseStatus.RUNNING
+    assert taken is not None
+    assert taken.status is LeaseStatus.RUNNING
     assert taken.pending_effect is None
 
 
@@ -73,10 +74,13 @@ async def test_a_non_idempotent_write_in_flight_is_dead_lettered_by_the_take(
     decided = await lease_store.take_over(old, "B", TTL)
     assert decided is not None
     assert decided.status is LeaseStatus.DEAD_LETTERED
-    assert decided.epoch == 2 and decided.holder is None and decided.expires_at is None
+    assert decided.epoch == 2
+    assert decided.holder is None
+    assert decided.expires_at is None
     assert decided.pending_effect == pending  # kept, to show what may have happened
     assert decided.reason == dead_letter_reason([pending], 2, "B")
-    assert "'charge'" in decided.reason and "token 1" in decided.reason
+    assert "'charge'" in decided.reason
+    assert "token 1" in decided.reason
     # Ended: nobody takes it again, and the old holder is fenced.
     assert await lease_store.take_over(decided, "C", TTL) is None
     assert await lease_store.acquire(old.key, "C", TTL) is None
@@ -93,7 +97,9 @@ async def test_a_run_renewed_after_the_candidate_query_is_skipped(
     await lease_store.renew(old, TTL)  # its holder woke up in time
     assert await lease_store.take_over(candidate, "B", TTL) is None
     current = await lease_store.get(old.key)
-    assert current is not None and current.holder == "A" and current.epoch == 1
+    assert current is not None
+    assert current.holder == "A"
+    assert current.epoch == 1
 
 
 async def test_a_stamp_made_after_the_candidate_query_decides_the_take(
@@ -110,7 +116,8 @@ async def test_a_stamp_made_after_the_candidate_query_decides_the_take(
     await lease_store.mark_pending_effect(old, pending, 1.0)
     clock.advance(1.0)
     decided = await lease_store.take_over(candidate, "B", TTL)
-    assert decided is not None and decided.status is LeaseStatus.DEAD_LETTERED
+    assert decided is not None
+    assert decided.status is LeaseStatus.DEAD_LETTERED
 
 
 async def test_a_pending_execution_handed_back_is_taken(
@@ -120,7 +127,9 @@ async def test_a_pending_execution_handed_back_is_taken(
     assert lease is not None
     handed = await lease_store.release(lease, LeaseStatus.PENDING, "drained")
     taken = await lease_store.take_over(handed, "B", TTL)
-    assert taken is not None and taken.epoch == 2 and taken.holder == "B"
+    assert taken is not None
+    assert taken.epoch == 2
+    assert taken.holder == "B"
 
 
 async def test_a_live_or_ended_execution_is_not_taken(
@@ -149,7 +158,8 @@ async def test_bad_input_is_refused(
     with pytest.raises(ValueError, match="another store"):
         await lease_store.take_over(replace(old, store_id="elsewhere"), "B", TTL)
     current = await lease_store.get(old.key)
-    assert current is not None and current.epoch == 1
+    assert current is not None
+    assert current.epoch == 1
 
 
 @pytest.mark.parametrize("backend", SQL_BACKENDS)
@@ -179,7 +189,8 @@ async def test_two_instances_racing_never_both_take_or_both_dead_letter(
         winners = [r for r in results if r is not None]
         assert len(winners) == 1, results
         expected = LeaseStatus.RUNNING if effect is None else LeaseStatus.DEAD_LETTERED
-        assert winners[0].status is expected and winners[0].epoch == 2
+        assert winners[0].status is expected
+        assert winners[0].epoch == 2
     for store in stores:
         await store.engine.dispose()
 
@@ -200,7 +211,8 @@ async def test_a_clear_for_one_task_leaves_another_tasks_entry(
     assert (await lease_store.get(lease.key)) == kept
     clock.advance(TTL)
     decided = await lease_store.take_over(kept, "B", TTL)
-    assert decided is not None and decided.status is LeaseStatus.DEAD_LETTERED
+    assert decided is not None
+    assert decided.status is LeaseStatus.DEAD_LETTERED
     assert decided.reason == dead_letter_reason([second], 2, "B")
     assert "node 'email' at token 1" in decided.reason
 
@@ -222,7 +234,8 @@ async def test_a_take_over_names_every_non_idempotent_entry_in_key_order(
         lease = await lease_store.mark_pending_effect(lease, effect, TTL)
     clock.advance(TTL)
     decided = await lease_store.take_over(lease, "B", TTL)
-    assert decided is not None and decided.status is LeaseStatus.DEAD_LETTERED
+    assert decided is not None
+    assert decided.status is LeaseStatus.DEAD_LETTERED
     named = sorted(entries, key=lambda e: e.key)
     # The SQL stores build the reason in their one statement; it reads as the model's.
     assert decided.reason == dead_letter_reason(named, 2, "B")
@@ -240,5 +253,8 @@ async def test_only_idempotent_entries_standing_resume_with_the_set_cleared(
         )
     clock.advance(TTL)
     taken = await lease_store.take_over(lease, "B", TTL)
-    assert taken is not None and taken.status is LeaseStatus.RUNNING
-    assert taken.pending_effects == () and taken.holder == "B" and taken.epoch == 2
+    assert taken is not None
+    assert taken.status is LeaseStatus.RUNNING
+    assert taken.pending_effects == ()
+    assert taken.holder == "B"
+    assert taken.epoch == 2

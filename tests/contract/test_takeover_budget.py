@@ -115,7 +115,8 @@ async def test_without_a_budget_every_take_resumes(lease_store: Any, clock: Manu
     for n in range(BUDGET * 3):
         clock.advance(TTL)
         taken = await lease_store.take_over(lease, f"w{n}", TTL)
-        assert taken is not None and taken.status is LeaseStatus.RUNNING
+        assert taken is not None
+        assert taken.status is LeaseStatus.RUNNING
         lease = taken
     assert lease.takeovers == BUDGET * 3
 
@@ -130,7 +131,8 @@ async def test_a_standing_non_idempotent_stamp_is_decided_before_the_budget(
     lease = await lease_store.mark_pending_effect(lease, stamp, TTL)
     dead = await crash_and_take(lease_store, clock, lease, "w4")
     assert dead.status is LeaseStatus.DEAD_LETTERED
-    assert dead.reason is not None and "non-idempotent writes stamped" in dead.reason
+    assert dead.reason is not None
+    assert "non-idempotent writes stamped" in dead.reason
 
 
 async def test_retry_makes_a_dead_lettered_execution_pending_with_its_budget_reset(
@@ -151,7 +153,8 @@ async def test_retry_makes_a_dead_lettered_execution_pending_with_its_budget_res
     assert retried.key in {c.key for c in await lease_store.takeover_candidates(limit=10_000)}
     # The whole budget again: the pending take, then BUDGET takeovers, then dead.
     taken = await lease_store.take_over(retried, "v0", TTL, max_takeovers=BUDGET)
-    assert taken is not None and taken.takeovers == 0
+    assert taken is not None
+    assert taken.takeovers == 0
     for n in range(1, BUDGET + 1):
         taken = await crash_and_take(lease_store, clock, taken, f"v{n}")
         assert taken.status is LeaseStatus.RUNNING
@@ -199,7 +202,8 @@ async def test_abandon_ends_a_dead_letter_failed_with_the_operators_reason(
     assert dead.key not in {c.key for c in await lease_store.takeover_candidates(limit=10_000)}
     # A new turn on the thread may start again on the failed execution.
     reopened = await lease_store.acquire(dead.key, "w2", TTL, reopen=True)
-    assert reopened is not None and reopened.epoch == dead.epoch + 1
+    assert reopened is not None
+    assert reopened.epoch == dead.epoch + 1
     assert reopened.pending_effects == ()
 
 

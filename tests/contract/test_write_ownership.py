@@ -227,7 +227,8 @@ async def test_pending_effect_is_cleared_by_the_tasks_own_write(
 
     await a.saver.aput_writes(config(thread, handle, head), [("data", 1)], "another-task")
     stored = await a.leases.get(key)
-    assert stored is not None and stored.pending_effects == both, "another task's write cleared"
+    assert stored is not None, "another task's write cleared"
+    assert stored.pending_effects == both, "another task's write cleared"
     assert set(handle.pending_effects) == {effect.key, other.key}
 
     # A step that failed or was interrupted did not finish: nothing proves its effect did
@@ -235,12 +236,14 @@ async def test_pending_effect_is_cleared_by_the_tasks_own_write(
     for channel in (ERROR, INTERRUPT):
         await a.saver.aput_writes(config(thread, handle, head), [(channel, "x")], "task-charge")
         stored = await a.leases.get(key)
-        assert stored is not None and stored.pending_effects == both, channel
+        assert stored is not None, channel
+        assert stored.pending_effects == both, channel
 
     await a.saver.aput_writes(config(thread, handle, head), [("data", 2)], "task-charge")
     stored = await a.leases.get(key)
     # Only the charge's entry went: the e-mail, still mid-write, stands.
-    assert stored is not None and stored.pending_effects == (other,)
+    assert stored is not None
+    assert stored.pending_effects == (other,)
     assert set(handle.pending_effects) == {other.key}
     assert handle.lease.pending_effects == (other,)
 
@@ -250,7 +253,8 @@ async def test_pending_effect_is_cleared_by_the_tasks_own_write(
     with pytest.raises(ExecutionFencedError):
         await a.saver.aput_writes(config(thread, handle, head), [("data", 3)], "task-email")
     stored = await a.leases.get(key)
-    assert stored is not None and stored.pending_effects == (other,)
+    assert stored is not None
+    assert stored.pending_effects == (other,)
     landed = {w[1] for w in await rows(a.engine, "fence_checkpoint_writes", thread)}
     assert landed == {"another-task", "task-charge"}
 
@@ -273,7 +277,8 @@ async def test_writes_whose_checkpoint_is_not_stored_clear_nothing(
     await handle.mark_pending_effect(effect)
     await a.saver.aput_writes(config(thread, handle, missing), [("data", 1)], "task-charge")
     stored = await a.leases.get(key)
-    assert stored is not None and stored.pending_effects == (effect,)
+    assert stored is not None
+    assert stored.pending_effects == (effect,)
     assert set(handle.pending_effects) == {effect.key}
     # Its writes did land (they are the saver's to keep), under the run's token.
     landed = {(w[0], w[1]) for w in await rows(a.engine, "fence_checkpoint_writes", thread)}
@@ -281,7 +286,8 @@ async def test_writes_whose_checkpoint_is_not_stored_clear_nothing(
     # The same writes on the stored checkpoint clear the entry.
     await a.saver.aput_writes(config(thread, handle, head), [("data", 1)], "task-charge")
     stored = await a.leases.get(key)
-    assert stored is not None and stored.pending_effects == ()
+    assert stored is not None
+    assert stored.pending_effects == ()
 
 
 async def test_a_root_checkpoint_clears_the_entries_of_the_supersteps_before_it(
@@ -303,16 +309,19 @@ async def test_a_root_checkpoint_clears_the_entries_of_the_supersteps_before_it(
     checkpoint["id"] = first
     await a.saver.aput(config(thread, handle), checkpoint, generate_metadata(), {})
     stored = await a.leases.get(key)
-    assert stored is not None and {e.key for e in stored.pending_effects} == {"t0", "t1"}
+    assert stored is not None
+    assert {e.key for e in stored.pending_effects} == {"t0", "t1"}
     # A subgraph's checkpoint clears nothing either: the root's next one does.
     sub = {"configurable": {**config(thread, handle)["configurable"], "checkpoint_ns": "n:1"}}
     await a.saver.aput(sub, generate_checkpoint(), generate_metadata(), {})
     stored = await a.leases.get(key)
-    assert stored is not None and {e.key for e in stored.pending_effects} == {"t0", "t1"}
+    assert stored is not None
+    assert {e.key for e in stored.pending_effects} == {"t0", "t1"}
     later = await put(a, thread, handle, first)
     assert later > first
     stored = await a.leases.get(key)
-    assert stored is not None and stored.pending_effects == (unknown,)
+    assert stored is not None
+    assert stored.pending_effects == (unknown,)
     assert set(handle.pending_effects) == {"t0"}
 
 
@@ -369,7 +378,8 @@ async def test_a_refused_write_drains_an_async_durability_run(
         await graph.ainvoke({"log": []}, run_config, durability="async")
     assert raised.value is handle.error
     # c may or may not have started before the refusal was known; d never does.
-    assert ran[:2] == ["a", "b"] and "d" not in ran, ran
+    assert ran[:2] == ["a", "b"], ran
+    assert "d" not in ran, ran
 
 
 async def test_concurrent_writes_each_get_their_own_outcome(

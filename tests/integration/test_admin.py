@@ -43,6 +43,7 @@ from langgraph_fence.records import SqlExecutionRecords
 from langgraph_fence.sinks import fenced_write, setup_sink
 from langgraph_fence.testing import ManualClock
 from tests.conftest import SQL_BACKENDS, unique
+from tests.polling import eventually
 
 CARD = "4111111111111111"
 
@@ -92,10 +93,12 @@ def order_graph(instance: Instance, second: Callable[[], Awaitable[None]] | None
         if second is not None:
             await second()
         fence = get_execution_context().fence
-        async with transaction(engine) as conn:
-            async with fenced_write(conn, fence, "charge") as write:
-                if not write.applied:
-                    write.record({"charged": state["card"]})
+        async with (
+            transaction(engine) as conn,
+            fenced_write(conn, fence, "charge") as write,
+        ):
+            if not write.applied:
+                write.record({"charged": state["card"]})
         return {"second": "second"}
 
     builder = StateGraph(Order)
@@ -157,13 +160,15 @@ async def test_an_admin_call_on_a_running_thread_is_refused_and_the_run_stays_wh
     with pytest.raises(ExecutionLeaseHeldError) as refused:
         await ADMIN_CALLS[call](instance, thread, tenant)
     message = str(refused.value)
-    assert thread in message and instance.instance_id in message, message
+    assert thread in message, message
+    assert instance.instance_id in message, message
     paused.proceed.set()
     await asyncio.wait_for(run, 10)
     state = await graph.aget_state(config_of(thread, tenant))
     assert state.values == {"card": CARD, "first": [f"first:{CARD}"], "second": "second"}
     lease = await instance.repository.get(LeaseKey(tenant, thread))
-    assert lease is not None and lease.status is LeaseStatus.DONE
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
 
 
 async def test_a_copy_into_a_running_thread_is_refused_and_lands_no_row(
@@ -300,7 +305,8 @@ async def test_deleting_a_thread_erases_every_row_of_it_and_the_id_can_be_used_a
     } <= held, held
     key = LeaseKey(tenant, thread)
     before = await instance.repository.get(key)
-    assert before is not None and before.status is LeaseStatus.FAILED
+    assert before is not None
+    assert before.status is LeaseStatus.FAILED
 
     await instance.checkpointer.adelete_thread(thread, tenant_id=tenant)
 
@@ -323,7 +329,8 @@ async def test_deleting_a_thread_erases_every_row_of_it_and_the_id_can_be_used_a
     await instance.checkpointer.adelete_thread(thread, tenant_id=tenant)
     await instance.ainvoke(graph, {"card": "x"}, config_of(thread, tenant), tenant_id=tenant)
     lease = await instance.repository.get(key)
-    assert lease is not None and lease.status is LeaseStatus.DONE
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
     assert lease.epoch == before.epoch + 2
 
 
@@ -359,12 +366,14 @@ async def test_an_interrupted_thread_pruned_meanwhile_still_resumes(instance: In
     await instance.ainvoke(graph, {"card": CARD}, config, tenant_id=tenant)
     key = LeaseKey(tenant, thread)
     waiting = await instance.repository.get(key)
-    assert waiting is not None and waiting.status is LeaseStatus.WAITING
+    assert waiting is not None
+    assert waiting.status is LeaseStatus.WAITING
 
     await instance.checkpointer.aprune([thread], tenant_id=tenant)
 
     pruned = await instance.repository.get(key)
-    assert pruned is not None and pruned.status is LeaseStatus.WAITING
+    assert pruned is not None
+    assert pruned.status is LeaseStatus.WAITING
     assert pruned.epoch == waiting.epoch + 1
     await instance.ainvoke(graph, Command(resume="yes"), config, tenant_id=tenant)
     assert (await graph.aget_state(config)).values == {"card": CARD, "second": "yes"}
@@ -407,7 +416,8 @@ async def test_on_memory_stores_a_running_thread_is_refused_and_an_idle_one_eras
     assert (await graph.aget_state(config)).values == {}
     assert await instance.records.get(LeaseKey(tenant, thread)) is None
     lease = await instance.repository.get(LeaseKey(tenant, thread))
-    assert lease is not None and (lease.status, lease.epoch) == (LeaseStatus.DONE, 2)
+    assert lease is not None
+    assert (lease.status, lease.epoch) == (LeaseStatus.DONE, 2)
 
 
 async def test_deleting_a_running_runs_checkpoints_is_refused(instance: Instance) -> None:
@@ -421,10 +431,11 @@ async def test_deleting_a_running_runs_checkpoints_is_refused(instance: Instance
     await asyncio.wait_for(paused.entered.wait(), 10)
     # LangGraph stores the checkpoints in the background (durability "async"): wait until
     # one of the run's has landed, or there is nothing of it to delete yet.
-    deadline = asyncio.get_running_loop().time() + 10
-    while await instance.checkpointer.aget_tuple(config_of(thread, tenant)) is None:
-        assert asyncio.get_running_loop().time() < deadline, "no checkpoint of the run landed"
-        await asyncio.sleep(0.01)
+    await eventually(
+        lambda: instance.checkpointer.aget_tuple(config_of(thread, tenant)),
+        interval=0.01,
+        what="a checkpoint of the run to land",
+    )
     with pytest.raises(ExecutionLeaseHeldError):
         await instance.checkpointer.adelete_for_runs([run_id], tenant_id=tenant)
     paused.proceed.set()
@@ -464,4 +475,5 @@ async def test_an_admin_call_keeps_a_dead_workers_stamps_for_its_taker(
     )
     # The next taker still sees the charge that may have happened, and does not repeat it.
     taken = await repository.take_over(after, "worker-2", 10.0)
-    assert taken is not None and taken.status is LeaseStatus.DEAD_LETTERED
+    assert taken is not None
+    assert taken.status is LeaseStatus.DEAD_LETTERED

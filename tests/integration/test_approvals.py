@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import operator
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -47,9 +46,9 @@ from langgraph_fence import (
 from langgraph_fence.database import create_engine
 from langgraph_fence.faults import StallableRepository, StallGate
 from langgraph_fence.records import SqlExecutionRecords
-from tests.chaos.conftest import poll
 from tests.chaos.write_steps import Database, engine_options
 from tests.conftest import unique
+from tests.polling import eventually
 
 TENANT = "acme"
 # A woken worker asks the store once whether it was taken over, within one renew interval
@@ -183,7 +182,8 @@ async def test_an_approval_before_the_write_resumes_from_another_instance(
         out = await invoke(a, build(kind, refunds, a), first_input(kind), thread)
         assert "__interrupt__" in out
         waiting = await lease_of(a, thread)
-        assert waiting.status is LeaseStatus.WAITING and waiting.pending_effects == ()
+        assert waiting.status is LeaseStatus.WAITING
+        assert waiting.pending_effects == ()
         # The person approves; another worker resumes the thread.
         await invoke(b, build(kind, refunds, b), Command(resume="approved"), thread)
         done = await lease_of(b, thread)
@@ -217,7 +217,7 @@ async def freeze_a_at(
             return lease if lease.status in (LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED) else None
 
         try:
-            lease = await poll(ended, time.monotonic() + WAIT, "B's takeover to end")
+            lease = await eventually(ended, timeout=WAIT, what="B's takeover to end")
         finally:
             stop.set()
             await asyncio.wait_for(serving, WAIT)
@@ -248,7 +248,8 @@ async def test_frozen_inside_the_write_is_dead_lettered_naming_it(
     refunds, lease, outcome = await freeze_a_at(database, kind, "inside-effect")
     assert lease.status is LeaseStatus.DEAD_LETTERED, lease
     node = "refund" if kind == "node" else "tools:refund_order"
-    assert lease.reason is not None and f"node '{node}' at token 2" in lease.reason, lease.reason
+    assert lease.reason is not None, lease.reason
+    assert f"node '{node}' at token 2" in lease.reason, lease.reason
     assert refunds.done == [("A", 2)]  # once, by A; B did not repeat it
     assert isinstance(outcome, ExecutionFencedError), outcome
 
@@ -265,5 +266,6 @@ async def test_an_interrupt_under_a_body_wide_stamp_is_refused_at_once(
             await invoke(a, graph, first_input(kind), thread)
         lease = await lease_of(a, thread)
     assert lease.status is LeaseStatus.DEAD_LETTERED
-    assert "stamp='effect'" in lease.reason and "side_effect()" in lease.reason
+    assert "stamp='effect'" in lease.reason
+    assert "side_effect()" in lease.reason
     assert refunds.done == []

@@ -60,9 +60,11 @@ def test_executions_filter_by_tenant_and_show_it(tmp_path: object) -> None:
         return done.stdout
 
     both = listed()
-    assert "acme:chat-1" in both and "globex:chat-1" in both
+    assert "acme:chat-1" in both
+    assert "globex:chat-1" in both
     only_acme = listed("--tenant", "acme")
-    assert "acme:chat-1" in only_acme and "globex" not in only_acme
+    assert "acme:chat-1" in only_acme
+    assert "globex" not in only_acme
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -103,7 +105,8 @@ def test_erase_removes_a_thread_and_refuses_a_running_one(tmp_path: object) -> N
 
     refused = _cli("erase", "--db", db, "--tenant", "acme", "--thread", "busy")
     assert refused.returncode == 3, refused.stdout + refused.stderr
-    assert "worker-1" in refused.stderr and "busy" in refused.stderr
+    assert "worker-1" in refused.stderr
+    assert "busy" in refused.stderr
 
     erased = _cli("erase", "--db", db, "--tenant", "acme", "--thread", "order-1")
     assert erased.returncode == 0, erased.stdout + erased.stderr
@@ -120,4 +123,5 @@ def test_erase_removes_a_thread_and_refuses_a_running_one(tmp_path: object) -> N
     assert status == ("done", None)
 
     missing = _cli("erase", "--db", db, "--tenant", "", "--thread", "order-1")
-    assert missing.returncode == 2 and "--tenant" in missing.stderr
+    assert missing.returncode == 2
+    assert "--tenant" in missing.stderr

@@ -165,15 +165,18 @@ def test_debug_adds_the_traceback(tmp_path: Path) -> None:
 def test_the_help_of_every_command_documents_the_exit_status(command: str | None) -> None:
     done = run(*([command] if command else []), "--help")
     assert done.returncode == 0, done.stderr
-    assert "exit status:" in done.stdout and "2  bad usage or input" in done.stdout
+    assert "exit status:" in done.stdout
+    assert "2  bad usage or input" in done.stdout
     if command in ("worker", "executions", "dead-letters", "erase", "migrate", "resolve"):
         assert "--schema" in done.stdout
 
 
 def test_the_worker_help_gives_units_and_defaults() -> None:
     out = " ".join(run("worker", "--help").stdout.split())
-    assert "--lease-ttl SECONDS" in out and "(default: 30.0)" in out
-    assert "--poll-interval SECONDS" in out and "(default: 1.0)" in out
+    assert "--lease-ttl SECONDS" in out
+    assert "(default: 30.0)" in out
+    assert "--poll-interval SECONDS" in out
+    assert "(default: 1.0)" in out
     assert "at once (default: 4)" in out
 
 

@@ -7,10 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tests.chaos.write_steps import Database
+from tests.polling import eventually_sync
 
 SCRIPT = str(Path(sys.executable).with_name("langgraph-fence"))
 
@@ -45,11 +45,14 @@ def serve_until_ready(folder: Path, *args: str) -> tuple[str, str]:
             [SCRIPT, "worker", *args], stdout=out_file, stderr=err_file, cwd=folder, env=env
         )
     try:
-        deadline = time.monotonic() + 90.0
-        while "serves" not in out.read_text() and time.monotonic() < deadline:
+
+        def serves() -> bool:
             assert proc.poll() is None, out.read_text() + err.read_text()
-            time.sleep(0.1)  # polling the output file, with a deadline
-        assert "serves" in out.read_text(), out.read_text() + err.read_text()
+            return "serves" in out.read_text()
+
+        eventually_sync(
+            serves, timeout=90.0, interval=0.1, what=lambda: out.read_text() + err.read_text()
+        )
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)

@@ -83,7 +83,8 @@ async def test_a_getattr_wrapper_around_a_store_runs_fenced(
     assert {"acquire", "renew", "release"} <= set(store.calls)
     assert {"bind", "record"} <= set(records.calls)
     lease = await lease_store.get(key)
-    assert lease is not None and lease.status is LeaseStatus.DONE
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
 
 
 async def test_a_store_without_methods_is_refused_naming_them(

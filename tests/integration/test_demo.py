@@ -120,4 +120,5 @@ def test_a_schema_on_sqlite_is_refused(tmp_path: Path) -> None:
 def test_an_unsupported_database_is_refused_naming_the_supported_ones(tmp_path: Path) -> None:
     done = _cli("demo", "--db", "mysql://root@localhost/test", cwd=tmp_path)
     assert done.returncode == 2
-    assert "sqlite+aiosqlite" in done.stderr and "postgresql+asyncpg" in done.stderr
+    assert "sqlite+aiosqlite" in done.stderr
+    assert "postgresql+asyncpg" in done.stderr

@@ -10,7 +10,6 @@ store's database, where another instance taking the execution over finds them.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -32,9 +31,9 @@ from langgraph_fence import (
 )
 from langgraph_fence.database import create_engine, normalize_url
 from langgraph_fence.records import SqlExecutionRecords
-from tests.chaos.conftest import poll
 from tests.chaos.write_steps import Database
 from tests.conftest import pg_engine_options, unique
+from tests.polling import eventually
 
 ENGINES = 8
 ACQUIRES = 40
@@ -203,7 +202,7 @@ async def test_an_instance_from_parts_is_taken_over_elsewhere(
                         pytest.fail("serve() ended before the takeover finished")
                     return None
 
-                lease = await poll(done, time.monotonic() + 90, "the takeover to finish")
+                lease = await eventually(done, timeout=90, what="the takeover to finish")
             finally:
                 stop.set()
                 await asyncio.wait_for(serving, timeout=60)

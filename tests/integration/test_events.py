@@ -39,6 +39,8 @@ from langgraph_fence import (
 from langgraph_fence.otel import instrument
 from langgraph_fence.testing import Leases, open_leases
 from tests.conftest import SQL_BACKENDS, pg_engine_options, unique
+from tests.integration.test_serve import until_status
+from tests.polling import eventually
 
 
 class Order(TypedDict, total=False):
@@ -82,17 +84,6 @@ class Shop:
         )
 
 
-async def _until(leases: Leases, key: LeaseKey, *statuses: LeaseStatus) -> None:
-    deadline = asyncio.get_running_loop().time() + 20
-    while True:
-        lease = await leases.store.get(key)
-        if lease is not None and lease.status in statuses:
-            return
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"the lease of {key.scope_key} never reached {statuses}: {lease}")
-        await asyncio.sleep(0.01)
-
-
 async def _take_over_mid_charge(
     leases: Leases, a: Instance, b: Instance, shop: Shop
 ) -> tuple[LeaseKey, BaseException | None]:
@@ -111,7 +102,7 @@ async def _take_over_mid_charge(
         b.serve({"shop": shop.graph(b)}, poll_interval=0.02, stop=stop, handle_signals=False)
     )
     try:
-        await _until(leases, key, LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED)
+        await until_status(leases, key, LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED, timeout=20)
     finally:
         stop.set()
         await asyncio.wait_for(serve, 20)
@@ -152,7 +143,8 @@ async def test_a_takeover_is_told_as_acquired_taken_over_fenced_in_order(
     taken = next(e for e in events if e.kind is EventKind.TAKEN_OVER)
     assert taken.reason == "from A at token 1"
     fenced = next(e for e in events if e.kind is EventKind.FENCED)
-    assert fenced.reason is not None and "epoch 2" in fenced.reason
+    assert fenced.reason is not None
+    assert "epoch 2" in fenced.reason
     assert all(e.at > 0 for e in events)
     # The log says it too, with the scope key and token as fields a log pipeline can index.
     logged = {
@@ -173,10 +165,13 @@ async def test_a_takeover_of_a_stamped_write_is_told_as_dead_lettered(store: Lea
     key, _ = await _take_over_mid_charge(store, a, b, Shop(Effect.NON_IDEMPOTENT_WRITE))
 
     (dead,) = [e for e in events if e.scope_key == key.scope_key]
-    assert dead.kind is EventKind.DEAD_LETTERED and dead.holder == "B"
-    assert dead.reason is not None and "charge" in dead.reason
+    assert dead.kind is EventKind.DEAD_LETTERED
+    assert dead.holder == "B"
+    assert dead.reason is not None
+    assert "charge" in dead.reason
     lease = await store.store.get(key)
-    assert lease is not None and lease.status is LeaseStatus.DEAD_LETTERED
+    assert lease is not None
+    assert lease.status is LeaseStatus.DEAD_LETTERED
     assert dead.token == lease.epoch
 
 
@@ -197,10 +192,12 @@ async def test_a_renewal_close_to_the_end_of_the_hold_is_told_as_renewed_late(
     # The renewal due at 10 s fires at 25 s (as after a long pause): 3 s of the proven
     # 28 s hold (30 s less its safety margin) are left.
     store.advance(25.0)
-    deadline = asyncio.get_running_loop().time() + 20
-    while not any(e.kind is EventKind.RENEWED_LATE for e in events):
-        assert asyncio.get_running_loop().time() < deadline, events
-        await asyncio.sleep(0.01)
+    await eventually(
+        lambda: any(e.kind is EventKind.RENEWED_LATE for e in events),
+        timeout=20,
+        interval=0.01,
+        what=lambda: f"a late renewal; heard {events}",
+    )
     shop.a_go.set()
     await asyncio.wait_for(task, 20)
     late = next(e for e in events if e.kind is EventKind.RENEWED_LATE)
@@ -250,10 +247,12 @@ async def test_a_drained_run_is_told_as_handed_back(store: Leases) -> None:
     )
     await asyncio.wait_for(in_step.wait(), 20)
     stop.set()  # as SIGTERM: the step in flight ends, then the run is handed back
-    deadline = asyncio.get_running_loop().time() + 20
-    while not any(run.control.drain_requested for run in b._runs):
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.01)
+    await eventually(
+        lambda: any(run.control.drain_requested for run in b._runs),
+        timeout=20,
+        interval=0.01,
+        what="the run to be asked to drain",
+    )
     release.set()
     await asyncio.wait_for(serve, 20)
     store.resume(a)
@@ -286,10 +285,12 @@ async def test_a_listener_that_raises_never_breaks_a_run(
         )
     assert result["log"] == ["charged at token 1"]
     lease = await store.store.get(LeaseKey("acme", thread))
-    assert lease is not None and lease.status is LeaseStatus.DONE
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
     assert [(e.kind, e.token) for e in heard] == [(EventKind.ACQUIRED, 1)]
     (record,) = [r for r in caplog.records if "the listener is broken" in str(r.exc_info)]
-    assert record.scope_key == f"acme:{thread}" and record.token == 1  # type: ignore[attr-defined]
+    assert record.scope_key == f"acme:{thread}"  # type: ignore[attr-defined]
+    assert record.token == 1  # type: ignore[attr-defined]
 
 
 async def test_a_listener_that_is_not_callable_is_refused(store: Leases) -> None:

@@ -178,7 +178,8 @@ async def test_orphan_writes_are_no_proof(database: Database, tmp_path: Path) ->
         state = await graph.aget_state(
             {"configurable": {"thread_id": execution_id, "tenant_id": TENANT}}
         )
-        assert state.metadata is not None and state.metadata["step"] == 0, state
+        assert state.metadata is not None, state
+        assert state.metadata["step"] == 0, state
         stored = await a.repository.get(LeaseKey(TENANT, execution_id))
         assert stored is not None
         assert [e.node for e in stored.pending_effects] == ["charge"]  # not cleared by them
@@ -187,7 +188,8 @@ async def test_orphan_writes_are_no_proof(database: Database, tmp_path: Path) ->
     lease = leases[execution_id]
     assert effects_of(tmp_path, execution_id) == ["charge"]
     assert lease.status is LeaseStatus.DEAD_LETTERED, lease
-    assert lease.reason is not None and "node 'charge' at token 1" in lease.reason
+    assert lease.reason is not None
+    assert "node 'charge' at token 1" in lease.reason
     assert time.monotonic() - started < DEADLINE
 
 
@@ -214,6 +216,7 @@ async def test_two_runs_in_a_row_on_one_thread_both_end_done(
             )
             assert out["log"][-3:] == ["hold", "charge", "receipt"], out
             lease = await instance.repository.get(LeaseKey(TENANT, thread))
-            assert lease is not None and lease.status is LeaseStatus.DONE, lease
+            assert lease is not None, lease
+            assert lease.status is LeaseStatus.DONE, lease
             assert lease.pending_effects == (), lease
     assert effects_of(tmp_path, thread) == ["charge", "charge"]  # one per turn

@@ -151,7 +151,8 @@ class Flow:
     async def check(self, instance: Instance, *, expect_steps: bool = True) -> None:
         """The run that just ended: every step and every new row under its token."""
         lease = await instance.repository.get(LeaseKey(TENANT, self.thread))
-        assert lease is not None and lease.holder is None, lease
+        assert lease is not None, lease
+        assert lease.holder is None, lease
         token = lease.epoch
         assert token == len(self.tokens) + 1, f"one take per run: {self.tokens} then {token}"
         self.tokens.append(token)
@@ -386,7 +387,8 @@ async def test_resume_after_an_error_does_not_repeat_the_charge(flow: Flow) -> N
     with pytest.raises(ConnectionError):
         await flow.run("A", on_a, {"log": []})
     lease = await flow.instances["A"].repository.get(LeaseKey(TENANT, flow.thread))
-    assert lease is not None and lease.status is LeaseStatus.FAILED
+    assert lease is not None
+    assert lease.status is LeaseStatus.FAILED
     assert lease.pending_effects == ()  # charge's writes landed, and cleared its stamp
     # The cause is fixed; LangGraph's fault-tolerance pattern: ainvoke(None) from the last
     # checkpoint, here on the other instance.
@@ -395,7 +397,9 @@ async def test_resume_after_an_error_does_not_repeat_the_charge(flow: Flow) -> N
     assert out["log"] == ["charge@1", "ship@2"]
     assert flow.steps.charges == [1], "the charge behind the resumed checkpoint ran again"
     lease = await flow.instances["B"].repository.get(LeaseKey(TENANT, flow.thread))
-    assert lease is not None and lease.status is LeaseStatus.DONE and lease.epoch == 2
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
+    assert lease.epoch == 2
 
 
 async def test_time_travel_replays_a_done_execution_at_the_next_token(flow: Flow) -> None:
@@ -407,12 +411,15 @@ async def test_time_travel_replays_a_done_execution_at_the_next_token(flow: Flow
     out = await flow.run("B", on_b, None, config=before_two.config)
     assert out["log"] == ["one@1", "sync_two@2", "three@2"]
     latest = await on_b.aget_state(flow.config)
-    assert latest.values["log"] == ["one@1", "sync_two@2", "three@2"] and latest.next == ()
+    assert latest.values["log"] == ["one@1", "sync_two@2", "three@2"]
+    assert latest.next == ()
     lease = await flow.instances["B"].repository.get(LeaseKey(TENANT, flow.thread))
-    assert lease is not None and lease.status is LeaseStatus.DONE
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
     # The replay forked from the past checkpoint; the first branch is still there, as it was.
     replayed = [s for s in await flow.history(on_b) if s.values.get("log") == out["log"]]
-    assert replayed and replayed[0].parent_config is not None
+    assert replayed
+    assert replayed[0].parent_config is not None
 
 
 async def test_fork_after_update_state_runs_at_the_next_token(flow: Flow) -> None:
@@ -424,12 +431,15 @@ async def test_fork_after_update_state_runs_at_the_next_token(flow: Flow) -> Non
     forked = await b.aupdate_state(on_b, before_two.config, {"note": "edited"}, tenant_id=TENANT)
     await flow.check(b, expect_steps=False)
     lease = await b.repository.get(LeaseKey(TENANT, flow.thread))
-    assert lease is not None and lease.status is LeaseStatus.WAITING, "steps are left to run"
+    assert lease is not None, "steps are left to run"
+    assert lease.status is LeaseStatus.WAITING, "steps are left to run"
     out = await flow.run("B", on_b, None, config=forked)
-    assert out["log"] == ["one@1", "two@3", "three@3"] and out["note"] == "edited"
+    assert out["log"] == ["one@1", "two@3", "three@3"]
+    assert out["note"] == "edited"
     assert flow.tokens == [1, 2, 3]
     lease = await b.repository.get(LeaseKey(TENANT, flow.thread))
-    assert lease is not None and lease.status is LeaseStatus.DONE
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
 
 
 async def test_update_state_is_refused_while_another_instance_holds_the_lease(
@@ -461,8 +471,10 @@ async def test_resume_of_a_failed_execution_with_a_standing_stamp_is_dead_letter
     with pytest.raises(ExecutionDeadLetteredError, match="node 'charge' at token 1"):
         await flow.instances["B"].ainvoke(on_b, None, flow.config, tenant_id=TENANT)
     ended = await repository.get(key)
-    assert ended is not None and ended.status is LeaseStatus.DEAD_LETTERED
-    assert flow.steps.seen == [] and flow.steps.charges == []
+    assert ended is not None
+    assert ended.status is LeaseStatus.DEAD_LETTERED
+    assert flow.steps.seen == []
+    assert flow.steps.charges == []
 
 
 async def test_resume_of_a_done_execution_with_nothing_left_runs_nothing(flow: Flow) -> None:
@@ -484,7 +496,8 @@ async def test_live_holder_and_dead_letter_are_told_apart(flow: Flow) -> None:
     await a.repository.dead_letter(key, "charge at token 1 may have happened", epoch=1)
     with pytest.raises(ExecutionEndedError, match="resolve --retry") as ended:
         await b.ainvoke(graph, None, flow.config, tenant_id=TENANT)
-    assert ended.value.code == "execution.ended" and ended.value.status == "dead_lettered"
+    assert ended.value.code == "execution.ended"
+    assert ended.value.status == "dead_lettered"
     assert "new input" not in str(ended.value)
     # New input does not reopen it either: an operator's resolve does.
     with pytest.raises(ExecutionEndedError):

@@ -33,7 +33,8 @@ from langgraph_fence.serde import safe_serializer
 from langgraph_fence.serve import Server
 from langgraph_fence.testing import Leases, ManualClock
 from tests.conftest import SQL_BACKENDS, unique
-from tests.integration.test_serve import eventually, serving, until_status
+from tests.integration.test_serve import serving, until_status
+from tests.polling import eventually
 
 TENANT = "acme"
 
@@ -116,12 +117,15 @@ async def test_crafted_record_runs_no_code_and_is_dead_lettered(db: Leases, tmp_
     assert not served_marker.exists(), "decoding the crafted record ran its code"
     assert not unserved_marker.exists(), "a record of a graph not served here was decoded"
     lease = await db.store.get(poisoned)
-    assert lease is not None and lease.reason is not None
+    assert lease is not None
+    assert lease.reason is not None
     assert f"{__name__}.leave_marker" in lease.reason
     assert "allow-list" in lease.reason
     untouched = await db.store.get(elsewhere)
-    assert untouched is not None and untouched.status is LeaseStatus.RUNNING
-    assert untouched.holder == "died" and untouched.epoch == 1
+    assert untouched is not None
+    assert untouched.status is LeaseStatus.RUNNING
+    assert untouched.holder == "died"
+    assert untouched.epoch == 1
 
 
 async def test_a_record_is_not_decoded_when_a_checkpoint_resumes_the_run(
@@ -146,7 +150,9 @@ async def test_a_record_is_not_decoded_when_a_checkpoint_resumes_the_run(
         await until_status(db, key, LeaseStatus.DONE)
     assert not marker.exists()
     lease = await db.store.get(key)
-    assert lease is not None and lease.epoch == 2 and lease.reason is None
+    assert lease is not None
+    assert lease.epoch == 2
+    assert lease.reason is None
 
 
 async def test_undecodable_record_dead_letters_and_serve_goes_on(db: Leases) -> None:
@@ -159,8 +165,10 @@ async def test_undecodable_record_dead_letters_and_serve_goes_on(db: Leases) -> 
         await until_status(db, good, LeaseStatus.DONE)
         assert not stop.is_set()
     lease = await db.store.get(pickled)
-    assert lease is not None and lease.reason is not None
-    assert "pickle" in lease.reason and "NotImplementedError" in lease.reason
+    assert lease is not None
+    assert lease.reason is not None
+    assert "pickle" in lease.reason
+    assert "NotImplementedError" in lease.reason
     assert lease.epoch == 2  # dead-lettered by the instance that took it, under its token
 
 
@@ -209,10 +217,12 @@ async def test_strict_msgpack_compile_copies_the_fenced_checkpointer(
     saver = SqlCheckpointer(db.engine, serde=JsonPlusSerializer(allowed_msgpack_modules=None))
     early = saver.with_allowlist({(__name__, "Point")})  # a copy made before the set-up...
     await saver.setup()
-    assert early is not saver and early.loop is saver.loop  # ...is set up with its original
+    assert early is not saver
+    assert early.loop is saver.loop  # ...is set up with its original
     instance = Instance(db.store, saver, records=db.records, clock=db.clock)
     plain = copy.copy(instance.checkpointer)  # what BaseCheckpointSaver.with_allowlist does
-    assert isinstance(plain, FencedCheckpointer) and plain.inner is saver
+    assert isinstance(plain, FencedCheckpointer)
+    assert plain.inner is saver
 
     async def move(state: Plot) -> dict[str, Any]:
         return {"point": Point(state["point"].x + 1, state["point"].y), "moved": True}
@@ -254,7 +264,8 @@ async def test_strict_msgpack_a_recorded_input_of_the_graphs_own_type_is_resumed
     async with serving(worker, {"plot": graph}):
         await until_status(db, key, LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED)
     lease = await db.store.get(key)
-    assert lease is not None and lease.status is LeaseStatus.DONE, lease
+    assert lease is not None, lease
+    assert lease.status is LeaseStatus.DONE, lease
     state = await graph.aget_state(
         {"configurable": {"thread_id": key.execution_id, "tenant_id": key.tenant_id}}
     )
@@ -315,7 +326,7 @@ async def test_unserved_candidates_cost_nothing_per_poll(
         async with serving(worker, {"served": log_graph(worker)}):
             await eventually(lambda: taken_by(db, served, worker.instance_id))
             seconds = time.perf_counter() - started
-            await eventually(lambda: asyncio.sleep(0, polls >= 4))
+            await eventually(lambda: polls >= 4)
             await until_status(db, served, LeaseStatus.DONE)
     finally:
         event.remove(db.engine.sync_engine, "before_cursor_execute", count_record_reads)
@@ -326,7 +337,8 @@ async def test_unserved_candidates_cost_nothing_per_poll(
     assert reads_at_poll[3] - reads_at_poll[1] == 0
     for key in unserved[:5]:
         lease = await db.store.get(key)
-        assert lease is not None and lease.holder == "died"
+        assert lease is not None
+        assert lease.holder == "died"
     async with db.engine.begin() as conn:  # out of later tests' way
         await conn.execute(
             text("UPDATE fence_leases SET status = 'done', holder = NULL WHERE tenant_id = :t"),
@@ -374,14 +386,18 @@ async def test_failure_reasons_are_bounded_and_hold_no_driver_parameters(db: Lea
         with pytest.raises(error):
             await instance.ainvoke(graph, {"log": []}, config, tenant_id=TENANT)
         lease = await db.store.get(key)
-        assert lease is not None and lease.status is LeaseStatus.FAILED
+        assert lease is not None
+        assert lease.status is LeaseStatus.FAILED
         assert lease.reason is not None
         reasons.append(lease.reason)
     charged, shouted = reasons
     assert charged.startswith("IntegrityError: ")
-    assert CARD not in charged and "[SQL" not in charged and "parameters" not in charged
+    assert CARD not in charged
+    assert "[SQL" not in charged
+    assert "parameters" not in charged
     assert shouted.startswith("RuntimeError: connect to postgresql://app:***@db/prod failed")
-    assert "hunter2" not in shouted and "line two" not in shouted
+    assert "hunter2" not in shouted
+    assert "line two" not in shouted
     assert len(shouted) <= 500
 
 
@@ -427,6 +443,7 @@ async def test_record_serializer_is_configurable_and_refuses_by_default(db: Leas
     allowing = SqlExecutionRecords(db.engine, serde=safe_serializer([Point]))
     await allowing.record(ExecutionRecord(key, "plot", key.execution_id, {"point": Point(1, 2)}))
     record = await allowing.get(key)
-    assert record is not None and record.input == {"point": Point(1, 2)}
+    assert record is not None
+    assert record.input == {"point": Point(1, 2)}
     with pytest.raises(ValueError, match=rf"{__name__}\.Point.*allow-list"):
         await SqlExecutionRecords(db.engine).get(key)  # the default: strict

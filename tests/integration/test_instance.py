@@ -129,7 +129,9 @@ async def test_every_step_and_checkpoint_runs_under_the_runs_token(instance: Ins
     assert any(ns for node, _, _, ns in seen if node == "inner")
     assert await _tokens(instance, thread) == {1}
     lease = await instance.repository.get(LeaseKey("acme", thread))
-    assert lease is not None and lease.status is LeaseStatus.DONE and lease.holder is None
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
+    assert lease.holder is None
 
     # A new turn on the finished thread is a new run: token 2, on every step and row.
     seen.clear()
@@ -146,7 +148,9 @@ async def test_resuming_with_none_after_the_run_ended_is_a_new_run(instance: Ins
     await instance.ainvoke(graph, {"items": [], "log": []}, config, tenant_id="acme")
     await instance.ainvoke(graph, None, config, tenant_id="acme")
     lease = await instance.repository.get(LeaseKey("acme", thread))
-    assert lease is not None and lease.status is LeaseStatus.DONE and lease.epoch == 2
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
+    assert lease.epoch == 2
 
 
 async def test_a_lease_held_by_a_live_instance_is_refused_naming_the_holder(
@@ -225,11 +229,15 @@ async def test_an_interrupted_run_releases_its_lease_as_waiting(instance: Instan
     config = {"configurable": {"thread_id": thread}}
     await instance.ainvoke(graph, {"log": []}, config, tenant_id="acme")
     lease = await instance.repository.get(LeaseKey("acme", thread))
-    assert lease is not None and lease.status is LeaseStatus.WAITING and lease.epoch == 1
+    assert lease is not None
+    assert lease.status is LeaseStatus.WAITING
+    assert lease.epoch == 1
     out = await instance.ainvoke(graph, Command(resume="yes"), config, tenant_id="acme")
     assert out["log"] == ["answer:yes"]
     lease = await instance.repository.get(LeaseKey("acme", thread))
-    assert lease is not None and lease.status is LeaseStatus.DONE and lease.epoch == 2
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
+    assert lease.epoch == 2
 
 
 async def test_a_failing_run_is_released_failed_with_its_reason(instance: Instance) -> None:
@@ -247,7 +255,8 @@ async def test_a_failing_run_is_released_failed_with_its_reason(instance: Instan
             graph, {"log": []}, {"configurable": {"thread_id": thread}}, tenant_id="acme"
         )
     lease = await instance.repository.get(LeaseKey("acme", thread))
-    assert lease is not None and lease.status is LeaseStatus.FAILED
+    assert lease is not None
+    assert lease.status is LeaseStatus.FAILED
     assert lease.reason == "ValueError: no such customer"
 
 
@@ -268,7 +277,8 @@ async def test_astream_runs_under_the_lease_too(instance: Instance) -> None:
     assert {next(iter(c)) for c in chunks} >= {"plan", "work", "nested", "sub"}
     assert {token for _, token, _, _ in seen} == {1}
     lease = await instance.repository.get(LeaseKey("acme", thread))
-    assert lease is not None and lease.status is LeaseStatus.DONE
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
 
 
 async def test_a_renewal_refused_mid_run_stops_it_with_the_fencing_error(
@@ -304,11 +314,13 @@ async def test_a_renewal_refused_mid_run_stops_it_with_the_fencing_error(
             {"s": key.scope_key},
         )
     other = await repo.acquire(key, "other", 60.0)
-    assert other is not None and other.epoch == 2
+    assert other is not None
+    assert other.epoch == 2
     taken.set()
     with pytest.raises(ExecutionFencedError) as info:
         await asyncio.wait_for(run, 10)
-    assert info.value.token_held == 1 and info.value.token_seen == 2
+    assert info.value.token_held == 1
+    assert info.value.token_seen == 2
     assert await _tokens(instance, thread) <= {1, None}
 
 
@@ -363,4 +375,5 @@ async def test_an_interrupt_under_a_body_wide_non_idempotent_stamp_dead_letters_
         await instance.ainvoke(graph, Command(resume="yes"), config, tenant_id="acme")
     assert charged == []
     lease = await instance.repository.get(LeaseKey("acme", thread))
-    assert lease is not None and lease.status is LeaseStatus.DEAD_LETTERED
+    assert lease is not None
+    assert lease.status is LeaseStatus.DEAD_LETTERED

@@ -21,7 +21,7 @@ from langgraph_fence.database import schema_options
 from langgraph_fence.instance import Instance
 from langgraph_fence.nodes import fence_graph
 from tests.conftest import unique
-from tests.integration.test_serve import eventually
+from tests.polling import eventually
 
 TENANT = "acme"
 
@@ -70,10 +70,7 @@ def losses(instance: Instance) -> list[FenceEvent]:
 
 
 async def until(check: Callable[[], bool], within: float = 120.0) -> None:
-    async def holds() -> bool:
-        return check()
-
-    await eventually(holds, within=within)
+    await eventually(check, timeout=within)
 
 
 async def test_an_instance_at_its_limit_refuses_the_next_run_and_loses_none(
@@ -87,10 +84,10 @@ async def test_an_instance_at_its_limit_refuses_the_next_run_and_loses_none(
         threads = [unique("held") for _ in range(3)]
         held = [start(instance, graph, t) for t in threads[:2]]
         await until(lambda: waiting.entered == 2, within=30.0)
+        third_run = instance.ainvoke(
+            graph, {"log": []}, {"configurable": {"thread_id": threads[2]}}, tenant_id=TENANT
+        )
         with pytest.raises(InstanceFullError, match="max_held") as refused:
-            third_run = instance.ainvoke(
-                graph, {"log": []}, {"configurable": {"thread_id": threads[2]}}, tenant_id=TENANT
-            )
             await asyncio.wait_for(third_run, 30)  # admitted, it would wait in its step
         assert refused.value.code == "instance.full"
         # Refused before anything was written: no lease, no record, no thread binding.
@@ -104,7 +101,8 @@ async def test_an_instance_at_its_limit_refuses_the_next_run_and_loses_none(
     assert lost == []
     for thread in threads:
         lease = await _lease(database, LeaseKey(TENANT, thread))
-        assert lease is not None and lease.status is LeaseStatus.DONE
+        assert lease is not None
+        assert lease.status is LeaseStatus.DONE
 
 
 async def _lease(database: Any, key: LeaseKey) -> Any:

@@ -90,7 +90,8 @@ def test_the_notebook_is_stored_without_outputs(path: Path) -> None:
     notebook = nbformat.read(path, as_version=4)
     for cell in notebook.cells:
         if cell.cell_type == "code":
-            assert cell.outputs == [] and cell.execution_count is None, path.name
+            assert cell.outputs == [], path.name
+            assert cell.execution_count is None, path.name
 
 
 def test_there_are_the_three_notebooks() -> None:

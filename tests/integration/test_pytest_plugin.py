@@ -80,7 +80,8 @@ async def test_take_over_decides_a_standing_stamp_as_serve_does(leases: Leases) 
     taken = await leases.take_over(key)
     assert taken.status is LeaseStatus.DEAD_LETTERED, "a standing charge was handed back running"
     assert taken.epoch == lease.epoch + 1
-    assert taken.reason is not None and "'charge'" in taken.reason
+    assert taken.reason is not None
+    assert "'charge'" in taken.reason
 
 
 async def test_run_node_refuses_an_effect_that_contradicts_the_decorator() -> None:

@@ -24,7 +24,7 @@ from langgraph_fence import LeaseKey, LeaseStatus
 from langgraph_fence.database import create_engine, normalize_url
 from langgraph_fence.stores import SqlLeaseRepository
 from tests.conftest import SQL_BACKENDS, _pg_admin
-from tests.integration.test_serve import eventually
+from tests.polling import eventually
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 KEY = LeaseKey("acme", "order-42")
@@ -114,7 +114,7 @@ async def until_done(repository: SqlLeaseRepository, key: LeaseKey, *, within: f
         lease = await repository.get(key)
         return lease is not None and lease.status is LeaseStatus.DONE
 
-    await eventually(done, within=within)
+    await eventually(done, timeout=within, what=f"{key.scope_key} to end done")
 
 
 async def test_the_readme_quickstart_killed_mid_node_is_taken_over_by_the_worker(
@@ -149,7 +149,8 @@ async def test_the_readme_quickstart_killed_mid_node_is_taken_over_by_the_worker
         repository = SqlLeaseRepository(engine)
         await until_done(repository, KEY, within=60)
         lease = await repository.get(KEY)
-        assert lease is not None and lease.epoch == 2  # one takeover, no other run
+        assert lease is not None
+        assert lease.epoch == 2  # one takeover, no other run
     finally:
         worker.send_signal(signal.SIGTERM)
         _, stderr = await asyncio.wait_for(worker.communicate(), 60)

@@ -61,12 +61,14 @@ async def test_resolve_retry_makes_a_dead_letter_pending_with_its_budget_reset(
             assert lease is not None
             clock.advance(TTL)
             lease = await repo.take_over(lease, f"w{n}", TTL, max_takeovers=3)
-        assert lease is not None and lease.status is LeaseStatus.DEAD_LETTERED
+        assert lease is not None
+        assert lease.status is LeaseStatus.DEAD_LETTERED
 
         args = ["--tenant", key.tenant_id, "--execution", key.execution_id, *schema_args(schema)]
         done = cli("resolve", "--db", url, *args, "--retry")
         assert done.returncode == 0, done.stdout + done.stderr
-        assert "pending again" in done.stdout and "budget reset" in done.stdout
+        assert "pending again" in done.stdout
+        assert "budget reset" in done.stdout
         retried = await repo.get(key)
         assert retried is not None
         assert (retried.status, retried.takeovers, retried.reason, retried.epoch) == (
@@ -105,7 +107,8 @@ async def test_resolve_abandon_ends_a_dead_letter_failed_with_the_operators_reas
         lease = await repo.mark_pending_effect(lease, stamp, TTL)
         clock.advance(TTL)
         dead = await repo.take_over(lease, "w1", TTL)
-        assert dead is not None and dead.status is LeaseStatus.DEAD_LETTERED
+        assert dead is not None
+        assert dead.status is LeaseStatus.DEAD_LETTERED
         # A retry would repeat the charge: refused, pointing at the way out.
         retried = cli("resolve", key.scope_key, "--db", url, *schema_args(schema), "--retry")
         assert retried.returncode == 2
@@ -151,7 +154,8 @@ async def test_executions_json_lists_what_an_operator_decides_on(
         await repo.setup()
         live = await repo.acquire(LeaseKey(tenant, "live"), "w-live", 600.0)
         stale = await repo.acquire(LeaseKey(tenant, "stale/1"), "w-stale", 48.0)
-        assert live is not None and stale is not None
+        assert live is not None
+        assert stale is not None
         stamp = PendingEffect(Effect.NON_IDEMPOTENT_WRITE, "charge", "task-1", stale.epoch)
         await repo.mark_pending_effect(stale, stamp, 48.0)
     finally:
@@ -172,7 +176,8 @@ async def test_executions_json_lists_what_an_operator_decides_on(
     assert entry["pending_effects"] == [
         {"effect": "non_idempotent_write", "node": "charge", "key": "task-1", "token": 1}
     ]
-    assert entry["reason"] is None and entry["takeovers"] == 0
+    assert entry["reason"] is None
+    assert entry["takeovers"] == 0
     # Expired about 12 s ago (its holder is dead); the live one has about 9 minutes left.
     assert -40.0 < entry["expires_in"] < -5.0
     assert 480.0 < listed["live"]["expires_in"] < 545.0
@@ -180,7 +185,8 @@ async def test_executions_json_lists_what_an_operator_decides_on(
     table = cli("executions", "--db", url, *schema_args(schema), "--tenant", tenant)
     assert table.returncode == 0, table.stderr
     assert f"{tenant}:stale%2F1" in table.stdout
-    assert "expired" in table.stdout and "s ago" in table.stdout
+    assert "expired" in table.stdout
+    assert "s ago" in table.stdout
     assert "non_idempotent_write @ charge (token 1)" in table.stdout
 
 

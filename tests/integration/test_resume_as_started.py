@@ -156,7 +156,8 @@ async def test_a_takeover_runs_with_the_config_context_and_options_the_run_start
     # Recorded with the execution, in the one write of its start; the context comes back
     # as the graph's context_schema, which its takeover allows.
     record = await db.records.get(key, allow=CONTEXT_TYPE)
-    assert record is not None and record.graph == "checkout"
+    assert record is not None
+    assert record.graph == "checkout"
     assert dict(record.run.configurable) == {"user_id": "u-7"}
     assert dict(record.run.options) == {"context": Context("EUR"), "durability": "sync"}
 
@@ -200,7 +201,8 @@ async def test_a_graph_with_langgraphs_default_name_is_refused_before_anything_i
         await a.ainvoke(
             unnamed, {"order": "42"}, started_with(thread, user_id="u-7"), tenant_id=TENANT
         )
-    assert 'name="orders"' in str(refused.value) and "graph_name" in str(refused.value)
+    assert 'name="orders"' in str(refused.value)
+    assert "graph_name" in str(refused.value)
     assert shop.seen == []
     await nothing_written(db, LeaseKey(TENANT, thread), thread)
     # Named by the call instead, it runs, recorded under the name a worker serves.
@@ -214,7 +216,8 @@ async def test_a_graph_with_langgraphs_default_name_is_refused_before_anything_i
         graph_name="checkout",
     )
     record = await db.records.get(LeaseKey(TENANT, other), allow=CONTEXT_TYPE)
-    assert record is not None and record.graph == "checkout"
+    assert record is not None
+    assert record.graph == "checkout"
 
 
 WORKER_GRAPHS = """
@@ -264,14 +267,16 @@ async def test_the_worker_warns_once_at_default_level_of_an_execution_it_cannot_
             assert await setup.repository.acquire(served, "dead-worker", 0.5) is not None
             await until_done(setup.repository, served, within=120)
             lease = await setup.repository.get(stranded)
-            assert lease is not None and lease.holder == "dead-worker"  # left untouched
+            assert lease is not None
+            assert lease.holder == "dead-worker"  # left untouched
         finally:
             worker.send_signal(signal.SIGTERM)
             _, err = await asyncio.wait_for(worker.communicate(), 60)
     stderr = err.decode()
     warnings = [line for line in stderr.splitlines() if stranded.scope_key in line]
     assert len(warnings) == 1, stderr
-    assert "WARNING" in warnings[0] and "'refunds'" in warnings[0], stderr
+    assert "WARNING" in warnings[0], stderr
+    assert "'refunds'" in warnings[0], stderr
 
 
 async def test_serving_a_graph_under_another_name_than_its_own_is_warned_of(

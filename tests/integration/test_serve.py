@@ -10,7 +10,7 @@ import asyncio
 import contextvars
 import logging
 import operator
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypedDict
 
@@ -34,6 +34,7 @@ from langgraph_fence.nodes import fence_graph
 from langgraph_fence.records import ExecutionRecord
 from langgraph_fence.testing import Leases
 from tests.conftest import unique
+from tests.polling import eventually
 
 worker: contextvars.ContextVar[str] = contextvars.ContextVar("worker", default="?")
 
@@ -43,22 +44,19 @@ class Order(TypedDict, total=False):
     log: Annotated[list[str], operator.add]
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], within: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within
-    while not await check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("the condition did not hold in time")
-        await asyncio.sleep(0.01)
-
-
-async def until_status(leases: Leases, key: LeaseKey, *statuses: LeaseStatus) -> None:
+async def until_status(
+    leases: Leases,
+    key: LeaseKey,
+    *statuses: LeaseStatus,
+    timeout: float = 10.0,  # noqa: ASYNC109 (eventually's deadline, checked between reads)
+) -> None:
     """Wait (with a deadline) until the lease of ``key`` is in one of ``statuses``."""
 
     async def reached() -> bool:
         lease = await leases.store.get(key)
         return lease is not None and lease.status in statuses
 
-    await eventually(reached)
+    await eventually(reached, timeout=timeout, what=f"{key.scope_key} to reach {statuses}")
 
 
 @asynccontextmanager
@@ -151,9 +149,11 @@ async def _reap_mid_charge(leases: Leases, effect: Effect) -> tuple[Shop, LeaseK
 async def test_a_run_reaped_mid_non_idempotent_write_is_dead_lettered(leases: Leases) -> None:
     shop, key, _ = await _reap_mid_charge(leases, Effect.NON_IDEMPOTENT_WRITE)
     lease = await leases.store.get(key)
-    assert lease is not None and lease.status is LeaseStatus.DEAD_LETTERED
+    assert lease is not None
+    assert lease.status is LeaseStatus.DEAD_LETTERED
     assert lease.reason is not None
-    assert "'charge'" in lease.reason and "at token 1" in lease.reason
+    assert "'charge'" in lease.reason
+    assert "at token 1" in lease.reason
     # Never repeated, even though the node has retries left.
     assert shop.charges == [("A", 1)]
 
@@ -161,7 +161,9 @@ async def test_a_run_reaped_mid_non_idempotent_write_is_dead_lettered(leases: Le
 async def test_a_run_reaped_mid_idempotent_write_is_reclaimed(leases: Leases) -> None:
     shop, key, b = await _reap_mid_charge(leases, Effect.IDEMPOTENT_WRITE)
     lease = await leases.store.get(key)
-    assert lease is not None and lease.status is LeaseStatus.DONE and lease.epoch == 2
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
+    assert lease.epoch == 2
     assert lease.pending_effect is None
     assert shop.charges == [("A", 1), ("B", 2)]
     state = await shop.graph(b).aget_state(
@@ -205,9 +207,11 @@ async def test_a_run_renewed_between_the_candidate_query_and_the_take_is_skipped
     b.repository.takeover_candidates = candidates_then_renew  # type: ignore[method-assign]
     async with serving(b, {"shop": shop.graph(b)}):
         # The take after the first query, then several more polls: none takes it.
-        await eventually(lambda: asyncio.sleep(0, len(polls) >= 5))
+        await eventually(lambda: len(polls) >= 5)
     lease = await leases.store.get(key)
-    assert lease is not None and lease.holder == "A" and lease.epoch == 1
+    assert lease is not None
+    assert lease.holder == "A"
+    assert lease.epoch == 1
     assert shop.charges == []
 
 
@@ -221,9 +225,11 @@ async def test_an_execution_of_an_unknown_graph_is_left_untouched(
     leases.advance(31.0)
     with caplog.at_level(logging.WARNING, logger="langgraph_fence"):
         async with serving(b, {"shop": Shop(Effect.READ_ONLY).graph(b)}):
-            await eventually(lambda: asyncio.sleep(0, "not served here" in caplog.text))
+            await eventually(lambda: "not served here" in caplog.text)
     lease = await leases.store.get(key)
-    assert lease is not None and lease.status is LeaseStatus.RUNNING and lease.epoch == 1
+    assert lease is not None
+    assert lease.status is LeaseStatus.RUNNING
+    assert lease.epoch == 1
     assert caplog.text.count("not served here") == 1  # logged once, not every poll
 
 
@@ -286,7 +292,9 @@ async def test_stop_drains_at_a_superstep_and_hands_the_execution_back(leases: L
         await eventually(drain_requested)
         release.set()
     lease = await leases.store.get(key)
-    assert lease is not None and lease.status is LeaseStatus.PENDING and lease.holder is None
+    assert lease is not None
+    assert lease.status is LeaseStatus.PENDING
+    assert lease.holder is None
     assert ran == [("first", "B")]
 
     worker.set("C")
@@ -341,7 +349,8 @@ async def test_the_order_is_stamp_renew_effect_clear(leases: Leases, saver_kind:
 
     async def charge(state: Order) -> dict[str, Any]:
         lease = await leases.store.get(get_execution_context().fence._handle.key)
-        assert lease is not None and lease.pending_effect is not None  # stamped before
+        assert lease is not None
+        assert lease.pending_effect is not None  # stamped before
         events.append("effect")
         return {"log": ["charged"]}
 
@@ -361,7 +370,8 @@ async def test_the_order_is_stamp_renew_effect_clear(leases: Leases, saver_kind:
     else:
         assert events == ["stamp+renew charge", "effect", "clear"]
     lease = await leases.store.get(LeaseKey("acme", thread))
-    assert lease is not None and lease.pending_effect is None  # no trace left behind
+    assert lease is not None
+    assert lease.pending_effect is None  # no trace left behind
     assert lease.status is LeaseStatus.DONE
 
 
@@ -409,7 +419,8 @@ async def test_confirm_now_during_a_graceful_stop_drains_the_step(
         go.set()
     assert sent == []  # the e-mail was not sent during the shutdown
     lease = await leases.store.get(key)
-    assert lease is not None and lease.status is LeaseStatus.PENDING
+    assert lease is not None
+    assert lease.status is LeaseStatus.PENDING
     # Handed back. An idempotent write is resumed and C sends it once; a non-idempotent one
     # is dead-lettered by C's take: its stamp stands and nothing proves it did not start.
     worker.set("C")
@@ -418,7 +429,10 @@ async def test_confirm_now_during_a_graceful_stop_drains_the_step(
     final = await leases.store.get(key)
     assert final is not None
     if ends is LeaseStatus.DONE:
-        assert final.status is LeaseStatus.DONE and sent == ["C"]
+        assert final.status is LeaseStatus.DONE
+        assert sent == ["C"]
     else:
-        assert final.status is LeaseStatus.DEAD_LETTERED and sent == []
-        assert final.reason is not None and "'send_email'" in final.reason
+        assert final.status is LeaseStatus.DEAD_LETTERED
+        assert sent == []
+        assert final.reason is not None
+        assert "'send_email'" in final.reason

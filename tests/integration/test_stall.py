@@ -7,6 +7,7 @@ and checkpointer, a controlled clock, and instances that can be stalled and resu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import operator
 from typing import Annotated, Any, TypedDict
@@ -46,10 +47,9 @@ async def test_a_stalled_worker_is_fenced_after_a_takeover(leases: Leases) -> No
         frame = get_execution_context()
         if worker.get() == "A":
             a_inside.set()
-            try:
+            # The instance learned it lost the lease and cancelled the step.
+            with contextlib.suppress(asyncio.CancelledError):
                 await a_go.wait()
-            except asyncio.CancelledError:
-                pass  # the instance learned it lost the lease and cancelled the step
             for name, check in (("confirm_now", frame.fence.confirm_now),):
                 try:
                     await check()
@@ -94,13 +94,16 @@ async def test_a_stalled_worker_is_fenced_after_a_takeover(leases: Leases) -> No
     final = await b.ainvoke(graph, None, config, tenant_id="acme", durability="sync")
     assert final["log"] == ["prepare by A", "charge by B at token 2", "finish by B"]
     lease = await leases.store.get(key)
-    assert lease is not None and lease.status is LeaseStatus.DONE and lease.epoch == 2
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
+    assert lease.epoch == 2
 
     leases.resume(a)
     a_go.set()
     with pytest.raises(ExecutionFencedError) as info:
         await asyncio.wait_for(task_a, 10)
-    assert info.value.token_held == 1 and info.value.token_seen == 2
+    assert info.value.token_held == 1
+    assert info.value.token_seen == 2
     assert isinstance(seen_by_a["confirm_now"], ExecutionFencedError)
     assert seen_by_a["assert_held"] is seen_by_a["confirm_now"]
 
@@ -112,4 +115,6 @@ async def test_a_stalled_worker_is_fenced_after_a_takeover(leases: Leases) -> No
     history = [s async for s in graph.aget_state_history(config)]
     assert all("charge by A" not in str(s.values) for s in history)
     lease = await leases.store.get(key)
-    assert lease is not None and lease.status is LeaseStatus.DONE and lease.epoch == 2
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
+    assert lease.epoch == 2

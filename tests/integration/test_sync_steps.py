@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import operator
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,10 +48,10 @@ from langgraph_fence.faults import StallableRepository
 from langgraph_fence.from_thread import run_on_loop
 from langgraph_fence.sinks import fenced_write_sync, setup_sink
 from langgraph_fence.testing import ManualClock
-from tests.chaos.conftest import poll
 from tests.chaos.write_steps import Database, engine_options
 from tests.conftest import sync_engine_for, unique
 from tests.integration.test_approvals import TENANT, WAIT, invoke, lease_of, stallable
+from tests.polling import eventually
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -109,7 +108,7 @@ async def take_over_with(b: Instance, graph: Any, thread: str) -> Lease:
         return lease if lease.status in (LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED) else None
 
     try:
-        return await poll(ended, time.monotonic() + WAIT, "B's takeover to end")
+        return await eventually(ended, timeout=WAIT, what="B's takeover to end")
     finally:
         stop.set()
         await asyncio.wait_for(serving, WAIT)
@@ -196,7 +195,8 @@ async def test_a_sync_node_confirming_with_the_lease_held_renews_in_one_round_tr
         await invoke(a, one_node_graph(a, "sync_renew", notify), {"log": []}, thread)
     assert seen["renewals"] == 1
     before, after = seen["before"], seen["after"]
-    assert after.epoch == before.epoch == 1 and after.holder == "A"
+    assert after.epoch == before.epoch == 1
+    assert after.holder == "A"
     assert after.expires_at > before.expires_at  # the row's expiry moved: the store renewed
     assert seen["moved"] > 0  # and the fence knows it
 
@@ -289,8 +289,10 @@ async def test_a_sync_write_stalled_past_its_lease_is_refused_and_lands_nothing(
         # A goes on with its step while its lease store is still frozen: what refuses its
         # write is the sink (or A's own fence), not a renewal that woke first.
         freeze.go.set()
-        await poll(
-            lambda: _done("A" in outcomes), time.monotonic() + WAIT, "A's write to be refused"
+        await eventually(
+            lambda: "A" in outcomes,
+            timeout=WAIT,
+            what="A's write to be refused",
         )
         gate_a.resume()
         with pytest.raises(ExecutionLeaseLostError):
@@ -304,10 +306,6 @@ async def test_a_sync_write_stalled_past_its_lease_is_refused_and_lands_nothing(
     assert outcomes["B"] == "applied"
     assert user_db.rows("charges") == [("o1", "B", 2)]  # applied once, by the new holder
     assert user_db.rows("audit") == [("B", 2)]  # nothing of A's transaction landed
-
-
-async def _done(flag: bool) -> bool | None:
-    return True if flag else None
 
 
 # -- sync write nodes stamp, clear and dead-letter as async ones do
@@ -353,7 +351,8 @@ async def test_a_write_node_stamps_before_its_body_and_its_writes_clear_it(
         after = await lease_of(a, thread)
     (during,) = seen
     assert [(e.node, e.token) for e in during.pending_effects] == [("step", 1)]
-    assert after.status is LeaseStatus.DONE and after.pending_effects == ()
+    assert after.status is LeaseStatus.DONE
+    assert after.pending_effects == ()
 
 
 @pytest.mark.parametrize("kind", ["async", "sync"])

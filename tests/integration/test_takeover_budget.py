@@ -18,9 +18,11 @@ from langgraph.graph import END, START, StateGraph
 from langgraph_fence import LeaseKey, LeaseStatus
 from langgraph_fence.instance import Instance
 from langgraph_fence.nodes import fence_graph
+from langgraph_fence.records import ExecutionRecord
 from langgraph_fence.testing import Leases
 from tests.conftest import unique
 from tests.integration.test_serve import serving, until_status
+from tests.polling import eventually
 
 TTL = 30.0
 
@@ -79,7 +81,8 @@ async def three_takeovers_spent(leases: Leases, pill: Pill) -> tuple[LeaseKey, s
         lease = await leases.store.take_over(
             lease, f"dead-{n}", TTL, progress_mark=mark, max_takeovers=3
         )
-    assert lease is not None and (lease.takeovers, lease.status) == (3, LeaseStatus.RUNNING)
+    assert lease is not None
+    assert (lease.takeovers, lease.status) == (3, LeaseStatus.RUNNING)
     leases.advance(TTL + 1)
 
     async def end_a() -> None:
@@ -105,7 +108,8 @@ async def test_a_take_with_no_new_checkpoint_past_the_budget_dead_letters_it(
         await until_status(leases, key, LeaseStatus.DEAD_LETTERED)
     await end_a()
     lease = await leases.store.get(key)
-    assert lease is not None and lease.reason is not None
+    assert lease is not None
+    assert lease.reason is not None
     assert "crashed 3 workers in a row" in lease.reason
     assert "the last dead-3 at token 4" in lease.reason
     assert pill.pill_runs == ["A"]  # B never ran the step
@@ -124,7 +128,8 @@ async def test_a_new_checkpoint_since_the_last_take_lets_it_run(leases: Leases, 
         await until_status(leases, key, LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED)
     await end_a()
     lease = await leases.store.get(key)
-    assert lease is not None and lease.status is LeaseStatus.DONE, lease.reason
+    assert lease is not None, lease.reason
+    assert lease.status is LeaseStatus.DONE, lease.reason
     assert pill.pill_runs == ["A", "B"]
 
 
@@ -139,7 +144,8 @@ async def test_the_budget_is_the_instance_s_or_serve_s(
         await until_status(leases, key, LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED)
     await end_a()
     lease = await leases.store.get(key)
-    assert lease is not None and lease.status is LeaseStatus.DONE, lease.reason
+    assert lease is not None, lease.reason
+    assert lease.status is LeaseStatus.DONE, lease.reason
     assert lease.takeovers == 0  # done: the count starts again
 
 
@@ -153,3 +159,58 @@ async def test_a_bad_budget_is_refused_naming_it(leases: Leases, bad: Any) -> No
         return  # serve(max_takeovers=None) means the instance's budget
     with pytest.raises(ValueError, match="max_takeovers must be an int >= 1"):
         await b.serve({"pill": graph}, handle_signals=False, max_takeovers=bad)
+
+
+async def test_a_taker_that_wrote_only_the_input_checkpoint_made_no_progress(
+    leases: Leases,
+) -> None:
+    """The first holder died before any checkpoint; D, the first taker, runs from the
+    recorded input, lands the run's input checkpoint (durability "async") and dies in the
+    step. That checkpoint is not progress: E's take is D's crash counted, past a budget of
+    one, and dead-letters the execution instead of starting one more worker on it."""
+    thread = unique("report")
+    key = LeaseKey("acme", thread)
+    d_inside = asyncio.Event()
+    runs: list[str] = []
+
+    def graph(instance: Instance) -> Any:
+        async def summarize(state: Order) -> dict[str, Any]:
+            runs.append(instance.instance_id)
+            if instance.instance_id == "D":
+                d_inside.set()
+                await asyncio.Event().wait()  # D dies here
+            return {"log": [f"summarized by {instance.instance_id}"]}
+
+        builder = StateGraph(Order)
+        builder.add_node("summarize", summarize)
+        builder.add_edge(START, "summarize")
+        builder.add_edge("summarize", END)
+        return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="report")
+
+    # The first holder: recorded and holding the lease, it died before its first checkpoint.
+    first = await leases.store.acquire(key, "C", TTL)
+    assert first is not None
+    await leases.records.record(ExecutionRecord(key, "report", thread, {"log": []}))
+    leases.advance(TTL + 1)
+    d = leases.instance("D", max_takeovers=1)
+    config = {"configurable": {"thread_id": thread, "tenant_id": "acme"}}
+    async with serving(d, {"report": graph(d)}, durability="async"):
+        await asyncio.wait_for(d_inside.wait(), 10)
+
+        async def input_checkpoint_landed() -> bool:
+            return await leases.saver.aget_tuple(config) is not None
+
+        await eventually(input_checkpoint_landed)
+        leases.stall(d)
+        leases.advance(TTL + 1)
+        e = leases.instance("E", max_takeovers=1)
+        async with serving(e, {"report": graph(e)}, durability="async"):
+            await until_status(leases, key, LeaseStatus.DEAD_LETTERED, LeaseStatus.DONE)
+        leases.resume(d)
+    lease = await leases.store.get(key)
+    assert lease is not None
+    assert lease.status is LeaseStatus.DEAD_LETTERED, (lease.status, lease.reason, runs)
+    assert lease.reason is not None
+    assert "the last D at token 2" in lease.reason
+    assert "max_takeovers=1" in lease.reason
+    assert runs == ["D"]  # E never ran the step

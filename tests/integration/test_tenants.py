@@ -133,7 +133,8 @@ async def assert_only_own(
     for logs in await history(graph, config):
         assert all(theirs not in line for line in logs), logs
     listed = [t async for t in instance.checkpointer.alist(config)]
-    assert listed and all(t.config["configurable"]["tenant_id"] == mine for t in listed)
+    assert listed
+    assert all(t.config["configurable"]["tenant_id"] == mine for t in listed)
     assert all(theirs not in str(t.checkpoint["channel_values"]) for t in listed)
     rows = await tenant_rows(instance, thread)
     assert rows[mine], f"tenant {mine} has no rows of its own"
@@ -223,13 +224,15 @@ async def test_a_second_execution_id_on_a_thread_is_refused_before_its_first_ste
     # Refused before anything ran: no step, no lease, no record, no checkpoint; no fork.
     assert isinstance(refused.value, ValueError)
     assert refused.value.bound_execution_id == "e1"
-    assert "'e1'" in str(refused.value) and "execution_id='e1'" in str(refused.value)
+    assert "'e1'" in str(refused.value)
+    assert "execution_id='e1'" in str(refused.value)
     assert steps == ["e1"]
     assert await instance.repository.get(LeaseKey(acme, "e2")) is None
     assert await instance.records.get(LeaseKey(acme, "e2")) is None
     assert await chain(instance, acme, thread) == chain_before
     parents = [parent for _, parent in chain_before]
-    assert len(chain_before) > 1 and len(parents) == len(set(parents)), chain_before
+    assert len(chain_before) > 1, chain_before
+    assert len(parents) == len(set(parents)), chain_before
     state = await graph.aget_state(thread_config(thread, acme))
     assert state.values["log"] == ["answer:e1"]
     # The bound execution itself goes on; another tenant's same thread id is its own thread,
@@ -260,7 +263,8 @@ async def test_two_first_runs_racing_with_two_execution_ids_one_wins(
     )
     refused = [o for o in outcomes if isinstance(o, ExecutionThreadBoundError)]
     ran = [o for o in outcomes if isinstance(o, dict)]
-    assert len(refused) == 1 and len(ran) == 1, outcomes
+    assert len(refused) == 1, outcomes
+    assert len(ran) == 1, outcomes
     winner = ran[0]["secret"]
     assert refused[0].bound_execution_id == winner
     state = await graph.aget_state(thread_config(thread, acme))
@@ -431,7 +435,9 @@ async def test_rows_written_before_tenants_get_the_tenant_of_their_lease(
     assert await records.bind(LeaseKey("globex", "another"), "recorded") == "job-9"
     # Read back after the run-config columns came (version 3): a takeover runs it with none.
     old = await records.get(LeaseKey("globex", "job-9"))
-    assert old is not None and old.run == RecordedRun() and old.input == {}
+    assert old is not None
+    assert old.run == RecordedRun()
+    assert old.input == {}
 
 
 @given(

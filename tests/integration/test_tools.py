@@ -312,7 +312,8 @@ async def test_a_write_tool_is_stamped_before_its_body_and_cleared_with_the_step
     # Cleared inside the saver's write (one statement / transaction), not by another call.
     assert env.of("clear_pending_effects") == []
     final = await env.row(thread)
-    assert final.status is LeaseStatus.DONE and final.pending_effect is None
+    assert final.status is LeaseStatus.DONE
+    assert final.pending_effect is None
 
 
 async def test_a_sync_node_calling_a_tool_stamps_from_its_worker_thread(env: Env) -> None:
@@ -393,7 +394,8 @@ async def test_a_lost_lease_stops_the_call_before_the_body(
     assert ran == []  # the side effect never happened
     assert env.of("stamp") == []  # the guarded stamp was refused: it changed nothing
     assert len(env.of("stamp-sent")) == 1
-    assert info.value.token_held == 1 and info.value.token_seen == 2
+    assert info.value.token_held == 1
+    assert info.value.token_seen == 2
     row = await env.row(thread)
     assert (row.epoch, row.holder, row.pending_effect) == (2, "outsider", None)
     # Even where ToolNode turns errors into messages, no ToolMessage was checkpointed.
@@ -448,7 +450,9 @@ async def test_a_failed_non_idempotent_call_is_dead_lettered_never_retried(
     assert ran == [1]  # exactly once: not retried, not handed back to the model
     row = await env.row(thread)
     assert row.status is LeaseStatus.DEAD_LETTERED
-    assert row.reason is not None and "'charge'" in row.reason and "hung up" in row.reason
+    assert row.reason is not None
+    assert "'charge'" in row.reason
+    assert "hung up" in row.reason
     # The stamp stands: whoever looks next sees a non-idempotent write that may have run.
     assert row.pending_effect is not None
     assert row.pending_effect.effect is Effect.NON_IDEMPOTENT_WRITE
@@ -477,7 +481,8 @@ async def test_a_failed_idempotent_call_is_retried_as_declared(env: Env) -> None
     assert attempts == [1, 2, 3]
     assert [s[1] for s in env.of("stamp")] == [Effect.IDEMPOTENT_WRITE] * 3
     row = await env.row(thread)
-    assert row.status is LeaseStatus.DONE and row.pending_effect is None
+    assert row.status is LeaseStatus.DONE
+    assert row.pending_effect is None
 
 
 async def test_a_retry_after_a_non_idempotent_call_runs_nothing(env: Env) -> None:
@@ -645,7 +650,8 @@ async def test_a_react_agent_loop_fences_each_call_of_its_tools(env: Env) -> Non
     assert order[:2] == [stamp, ("body", "refund", task_id)]
     assert order[2][:2] == ("writes", task_id)  # cleared now, or by the next checkpoint
     row = await env.row(thread)
-    assert row.status is LeaseStatus.DONE and row.pending_effect is None
+    assert row.status is LeaseStatus.DONE
+    assert row.pending_effect is None
 
 
 # -- outside a fenced step, and what a fenced tool keeps
@@ -661,11 +667,15 @@ async def test_a_fenced_tool_called_outside_a_fenced_step_refuses_saying_how_to_
         return "ok"
 
     [fenced_lookup] = fence_tools([lookup], effects={"lookup": Effect.READ_ONLY})
+
+    async def call_it(call: Callable[[dict[str, str]], object]) -> None:
+        result = call({"order": "o1"})  # invoke refuses here, ainvoke when awaited
+        if asyncio.iscoroutine(result):
+            await result
+
     for call in (fenced_lookup.invoke, fenced_lookup.ainvoke):
         with pytest.raises(ExecutionContextUnavailableError) as info:
-            result = call({"order": "o1"})
-            if asyncio.iscoroutine(result):
-                await result
+            await call_it(call)
         for hint in ("fence_graph", "Instance.ainvoke", "run_node", "'lookup'"):
             assert hint in str(info.value)
     assert ran == []
@@ -696,8 +706,10 @@ async def test_a_fenced_tool_keeps_its_name_schema_kind_and_tool_messages() -> N
         assert convert_to_openai_tool(after) == convert_to_openai_tool(before)
         assert after.response_format == before.response_format
         assert after.return_direct == before.return_direct
-    assert fenced_quote.func is quote.func and fenced_quote.coroutine is None  # type: ignore[attr-defined]
-    assert fenced_ship.func is None and fenced_ship.coroutine is ship  # type: ignore[attr-defined]
+    assert fenced_quote.func is quote.func  # type: ignore[attr-defined]
+    assert fenced_quote.coroutine is None  # type: ignore[attr-defined]
+    assert fenced_ship.func is None  # type: ignore[attr-defined]
+    assert fenced_ship.coroutine is ship  # type: ignore[attr-defined]
 
     call = {
         "name": "quote",
@@ -761,4 +773,5 @@ def test_bad_input_is_refused_naming_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="list of LangChain tools"):
         fence_tools(a)  # type: ignore[arg-type]
     [made] = fence_tools([plain], effects={"plain": Effect.READ_ONLY})
-    assert made.name == "plain" and isinstance(made, StructuredTool)
+    assert made.name == "plain"
+    assert isinstance(made, StructuredTool)

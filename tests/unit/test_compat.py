@@ -44,7 +44,8 @@ async def test_langgraph_puts_the_task_id_and_runtime_under_the_keys_we_read() -
     builder.add_edge("node", END)
     await builder.compile().ainvoke({})
 
-    assert isinstance(seen["task_id"], str) and seen["task_id"]
+    assert isinstance(seen["task_id"], str)
+    assert seen["task_id"]
     runtime = seen["runtime"]
     assert isinstance(runtime, Runtime)
     assert runtime.execution_info is not None

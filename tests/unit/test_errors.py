@@ -59,23 +59,29 @@ def test_in_cause_and_context() -> None:
     assert find_fence_error(top) is other
 
 
+def _fail_while_handling(error: ExecutionFencedError) -> None:
+    try:
+        raise error
+    except ExecutionFencedError:
+        raise ValueError("handling it failed")  # noqa: B904 (implicit __context__)
+
+
+def _wrap(error: ExecutionFencedError) -> None:
+    try:
+        raise error
+    except ExecutionFencedError as exc:
+        raise RuntimeError("wrapped") from exc
+
+
 def test_in_a_real_raise_chain() -> None:
     error = fenced()
-    try:
-        try:
-            raise error
-        except ExecutionFencedError:
-            raise ValueError("handling it failed")  # noqa: B904 (implicit __context__)
-    except ValueError as exc:
-        assert exc.__context__ is error
-        assert find_fence_error(exc) is error
-    try:
-        try:
-            raise error
-        except ExecutionFencedError as exc:
-            raise RuntimeError("wrapped") from exc
-    except RuntimeError as exc:
-        assert find_fence_error(exc) is error
+    with pytest.raises(ValueError, match="handling it failed") as handling:
+        _fail_while_handling(error)
+    assert handling.value.__context__ is error
+    assert find_fence_error(handling.value) is error
+    with pytest.raises(RuntimeError, match="wrapped") as wrapping:
+        _wrap(error)
+    assert find_fence_error(wrapping.value) is error
 
 
 def test_in_nested_exception_groups() -> None:
@@ -167,7 +173,8 @@ def test_a_subclass_code_extends_its_parents_by_one_segment(cls: type[LangGraphF
         return
     prefix, _, segment = cls.code.rpartition(".")
     assert prefix == parent.code
-    assert segment and "." not in segment
+    assert segment
+    assert "." not in segment
 
 
 # -- pickling (errors cross process boundaries: chaos tests, worker pools)
@@ -208,10 +215,12 @@ def test_store_refusal_names_scope_key_and_both_tokens() -> None:
     error = fenced_error(mine, theirs, action="renew")
     message = str(error)
     assert "acme:thread%3A1" in message
-    assert "token 4" in message and "epoch 5" in message
+    assert "token 4" in message
+    assert "epoch 5" in message
     assert (error.scope_key, error.token_held, error.token_seen) == ("acme:thread%3A1", 4, 5)
     gone = fenced_error(mine, None, action="renew")
-    assert "no lease row" in str(gone) and gone.token_seen is None
+    assert "no lease row" in str(gone)
+    assert gone.token_seen is None
 
 
 async def test_handle_fence_message_names_scope_key_and_both_tokens() -> None:
@@ -221,5 +230,6 @@ async def test_handle_fence_message_names_scope_key_and_both_tokens() -> None:
     assert lease is not None
     error = RunHandle(store, lease, 10, clock=clock).fenced(9, source="the payments sink")
     assert "acme:t-1" in str(error)
-    assert "9" in str(error) and "token 1" in str(error)
+    assert "9" in str(error)
+    assert "token 1" in str(error)
     assert (error.token_held, error.token_seen) == (1, 9)

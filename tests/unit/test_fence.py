@@ -110,9 +110,9 @@ async def test_confirmed_until_never_goes_back() -> None:
     # An older renewal answering late does not shorten the window.
     handle.replace_lease(handle.lease, sent_at=run.local() - 5.0)
     assert fence.confirmed_until == latest
+    other = await run.store.acquire(LeaseKey(unique("t"), unique("e")), "A", TTL)
+    assert other is not None
     with pytest.raises(ValueError, match="cannot replace"):
-        other = await run.store.acquire(LeaseKey(unique("t"), unique("e")), "A", TTL)
-        assert other is not None
         handle.replace_lease(other, sent_at=run.local())
 
 
@@ -129,10 +129,12 @@ async def test_assert_held_until_confirmed_until_then_lease_lost() -> None:
     error = caught.value
     assert type(error) is ExecutionLeaseLostError
     assert (error.scope_key, error.token_held) == (run.key.scope_key, 1)
-    assert handle.error is error and run.heard == [error]
+    assert handle.error is error
+    assert run.heard == [error]
     with pytest.raises(ExecutionLeaseLostError) as again:
         fence.assert_held()
-    assert again.value is error and run.heard == [error]
+    assert again.value is error
+    assert run.heard == [error]
 
 
 async def test_assert_held_after_an_observed_takeover_is_fenced() -> None:
@@ -159,7 +161,8 @@ async def test_confirm_now_is_one_renewal() -> None:
     await fence.confirm_now()
     assert run.wire.calls == ["renew"]
     stored = await run.store.get(run.key)
-    assert stored is not None and stored.expires_at == run.store_clock() + TTL
+    assert stored is not None
+    assert stored.expires_at == run.store_clock() + TTL
     assert handle.lease == stored
     assert fence.confirmed_until == sent + TTL - MARGIN
 
@@ -224,7 +227,8 @@ async def test_fenced_upgrades_a_plain_loss() -> None:
         fence.assert_held()
     lost = handle.error
     error = fence.fenced(2)
-    assert handle.error is error and type(error) is ExecutionFencedError
+    assert handle.error is error
+    assert type(error) is ExecutionFencedError
     # Listeners hear the loss, then the fence that replaced it; later errors are not news.
     assert run.heard == [lost, error]
     fence.fenced(3)
@@ -237,7 +241,8 @@ async def test_fenced_refuses_a_token_that_is_not_newer(observed: object) -> Non
     handle, fence = await run.start()
     with pytest.raises(ValueError, match="observed_token"):
         fence.fenced(observed)  # type: ignore[arg-type]
-    assert handle.error is None and run.heard == []
+    assert handle.error is None
+    assert run.heard == []
     fence.assert_held()
 
 
@@ -257,7 +262,8 @@ async def test_a_fence_past_its_step_refuses(use: Callable[[ExecutionFence], obj
         use(fence)
     assert run.key.scope_key in str(caught.value)
     assert "node 'charge'" in str(caught.value)
-    assert handle.error is None and run.heard == []
+    assert handle.error is None
+    assert run.heard == []
     # Reading its values stays harmless.
     assert fence.token == 1
     assert "ended" in repr(fence)
@@ -285,7 +291,9 @@ async def test_a_failing_listener_does_not_silence_the_others() -> None:
     gone: list[BaseException] = []
     handle.on_stop(gone.append)()  # unsubscribed at once
     error = fence.fenced(3)
-    assert run.heard == [error] and later == [error] and gone == []
+    assert run.heard == [error]
+    assert later == [error]
+    assert gone == []
     unsubscribe()
 
 
@@ -299,7 +307,8 @@ async def test_confirm_now_from_a_worker_thread_renews_before_it_returns() -> No
     done = await asyncio.to_thread(fence.confirm_now)  # a sync node's call, in its thread
     assert run.wire.calls == ["renew"]  # renewed before the call returned
     stored = await run.store.get(run.key)
-    assert stored is not None and stored.expires_at == run.store_clock() + TTL
+    assert stored is not None
+    assert stored.expires_at == run.store_clock() + TTL
     await done  # what it returns is already done: awaiting it asks nothing more
     assert run.wire.calls == ["renew"]
 
@@ -310,7 +319,8 @@ async def test_confirm_now_from_a_worker_thread_after_takeover_raises_there() ->
     newer = await run.take_over()
     with pytest.raises(ExecutionFencedError) as caught:
         await asyncio.to_thread(fence.confirm_now)
-    assert caught.value.token_seen == newer.epoch and handle.error is caught.value
+    assert caught.value.token_seen == newer.epoch
+    assert handle.error is caught.value
 
 
 async def test_confirm_now_from_a_coroutine_on_another_loop_renews_on_the_runs_loop() -> None:

@@ -246,7 +246,8 @@ async def test_a_failed_non_idempotent_write_is_dead_lettered_not_retried() -> N
     assert asked == []
     assert isinstance(info.value.__cause__, ConnectionError)
     lease = await handle.repository.get(handle.key)
-    assert lease is not None and lease.pending_effect is not None
+    assert lease is not None
+    assert lease.pending_effect is not None
     assert lease.pending_effect.node == "charge"
 
 

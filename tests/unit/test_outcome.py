@@ -142,11 +142,14 @@ def test_a_dead_letter_comes_before_drains_store_errors_and_the_graphs_error(
 def test_a_dead_letter_that_is_the_runs_error_propagates_as_it_is() -> None:
     letter = dead()
     outcome = decide_outcome(letter, fence_error=None, dead_letter=None)
-    assert outcome.settle is Settle.DEAD_LETTER and not outcome.raise_dead_letter
+    assert outcome.settle is Settle.DEAD_LETTER
+    assert not outcome.raise_dead_letter
     # A graph that returned after something caught the dead letter is dead all the same.
     caught = decide_outcome(None, fence_error=None, dead_letter=letter)
-    assert caught.settle is Settle.DEAD_LETTER and caught.raise_dead_letter
-    assert caught.reason is not None and "a charge may have happened" in caught.reason
+    assert caught.settle is Settle.DEAD_LETTER
+    assert caught.raise_dead_letter
+    assert caught.reason is not None
+    assert "a charge may have happened" in caught.reason
 
 
 @given(error_trees(["graph", "http", "cancelled"]))
@@ -173,4 +176,5 @@ def test_each_plain_end_settles_as_documented(
     if reason is None:
         assert outcome.reason is None
     else:
-        assert outcome.reason is not None and reason in outcome.reason
+        assert outcome.reason is not None
+        assert reason in outcome.reason

@@ -40,4 +40,5 @@ def test_write_dead_lettered_error_is_one_class_that_pickles_and_bubbles_up() ->
     assert WriteDeadLetteredError.code == "execution.dead-lettered.write"
     assert WriteDeadLetteredError.__qualname__ == "WriteDeadLetteredError"
     again = pickle.loads(pickle.dumps(WriteDeadLetteredError("boom")))
-    assert type(again) is WriteDeadLetteredError and str(again) == "boom"
+    assert type(again) is WriteDeadLetteredError
+    assert str(again) == "boom"

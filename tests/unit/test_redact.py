@@ -69,5 +69,6 @@ def test_reasons_are_bounded_one_line_and_never_hold_the_password(head: str, sec
 def test_a_reason_of_our_own_text_is_bounded_the_same_way() -> None:
     long = "drained: " + "y" * 2000 + "\n[parameters: secret]"
     reason = bounded_reason(long)
-    assert reason.startswith("drained: y") and reason.endswith("...")
+    assert reason.startswith("drained: y")
+    assert reason.endswith("...")
     assert len(reason) == REASON_MAX_CHARS

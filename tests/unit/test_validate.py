@@ -51,7 +51,7 @@ def test_positive_seconds_takes_ints_and_floats_up_to_the_maximum() -> None:
     assert positive_seconds("t", 3) == 3.0
     assert positive_seconds("t", 0.001) == 0.001
     assert positive_seconds("t", MAX_SECONDS) == MAX_SECONDS
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^t must be a positive number of seconds"):
         positive_seconds("t", MAX_SECONDS * 2)
 
 
