@@ -114,20 +114,22 @@ async def one_run(graph: Any, config: dict[str, Any], durability: str) -> tuple[
 
 
 @asynccontextmanager
-async def sqlite_targets(directory: Path) -> AsyncIterator[list[Target]]:
+async def sqlite_official(directory: Path) -> AsyncIterator[tuple[Any, Any]]:
+    """``(engine, official saver)`` on SQLite files in ``directory``."""
     from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
     async with AsyncSqliteSaver.from_conn_string(str(directory / "official.db")) as official:
         await official.setup()
         engine = create_engine(f"sqlite+aiosqlite:///{directory / 'fence.db'}")
         try:
-            yield await _fence_targets(engine, official)
+            yield engine, official
         finally:
             await engine.dispose()
 
 
 @asynccontextmanager
-async def postgres_targets(url: str) -> AsyncIterator[list[Target]]:
+async def postgres_official(url: str, schema: str = SCHEMA) -> AsyncIterator[tuple[Any, Any]]:
+    """``(engine, official saver)`` in a fresh PostgreSQL ``schema``."""
     import asyncpg
     from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
     from psycopg.rows import dict_row
@@ -136,26 +138,38 @@ async def postgres_targets(url: str) -> AsyncIterator[list[Target]]:
     dsn = normalize_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
     admin = await asyncpg.connect(dsn)
     try:
-        await admin.execute(f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE')
-        await admin.execute(f'CREATE SCHEMA "{SCHEMA}"')
+        await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await admin.execute(f'CREATE SCHEMA "{schema}"')
     finally:
         await admin.close()
     pool = AsyncConnectionPool(
-        f"{dsn}?options=-csearch_path%3D{SCHEMA}",
+        f"{dsn}?options=-csearch_path%3D{schema}",
         min_size=4,
         max_size=4,
         open=False,
         kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row},
     )
     await pool.open()
-    engine = create_engine(url, connect_args={"server_settings": {"search_path": SCHEMA}})
+    engine = create_engine(url, connect_args={"server_settings": {"search_path": schema}})
     try:
         official = AsyncPostgresSaver(pool)  # type: ignore[arg-type]
         await official.setup()
-        yield await _fence_targets(engine, official)
+        yield engine, official
     finally:
         await engine.dispose()
         await pool.close()
+
+
+@asynccontextmanager
+async def sqlite_targets(directory: Path) -> AsyncIterator[list[Target]]:
+    async with sqlite_official(directory) as (engine, official):
+        yield await _fence_targets(engine, official)
+
+
+@asynccontextmanager
+async def postgres_targets(url: str) -> AsyncIterator[list[Target]]:
+    async with postgres_official(url) as (engine, official):
+        yield await _fence_targets(engine, official)
 
 
 async def _fence_targets(engine: Any, official: Any) -> list[Target]:

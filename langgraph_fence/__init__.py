@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         ExecutionFencedError,
         ExecutionLeaseHeldError,
         ExecutionLeaseLostError,
+        InstanceFullError,
         LangGraphFenceError,
         find_fence_error,
     )
@@ -57,6 +58,7 @@ _WHERE = {
     "FencedCheckpointer": ".checkpoint",
     "FencedStore": ".store",
     "Instance": ".instance",
+    "InstanceFullError": ".errors",
     "LangGraphFenceError": ".errors",
     "Lease": ".lease",
     "LeaseKey": ".lease",
@@ -123,6 +125,7 @@ __all__ = [
     "FencedCheckpointer",
     "FencedStore",
     "Instance",
+    "InstanceFullError",
     "LangGraphFenceError",
     "Lease",
     "LeaseKey",

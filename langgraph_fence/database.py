@@ -236,6 +236,24 @@ def single_statement(engine: AsyncEngine) -> AsyncEngine:
     return engine.execution_options(**{SINGLE_STATEMENT: True})
 
 
+def own_pool(engine: AsyncEngine) -> AsyncEngine:
+    """An engine on ``engine``'s database with a pool of its own (same URL, same connect
+    options: ``pool.recreate()`` keeps the creator), in autocommit; disposed with
+    ``engine``. For work that must not wait behind a busy pool (the keeper's renewals).
+    PostgreSQL only: on SQLite every connection shares the file's one write lock anyway.
+    """
+    from sqlalchemy import event
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    if engine.dialect.name != "postgresql":
+        raise ValueError("own_pool is for PostgreSQL engines")
+    own = create_async_engine(
+        engine.url, pool=engine.sync_engine.pool.recreate(), isolation_level="AUTOCOMMIT"
+    )
+    event.listen(engine.sync_engine, "engine_disposed", lambda _engine: own.sync_engine.dispose())
+    return own
+
+
 def dialect_of(engine: AsyncEngine | AsyncConnection) -> Dialect:
     """``"sqlite"`` or ``"postgresql"``; refuses an engine of any other database."""
     name = engine.dialect.name

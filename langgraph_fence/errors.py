@@ -132,6 +132,19 @@ class ExecutionEndedError(LangGraphFenceError, RuntimeError):
         )
 
 
+class InstanceFullError(LangGraphFenceError, RuntimeError):
+    """The instance holds as many executions as it may (its ``max_held``): nothing was run
+    or written.
+
+    An instance takes on no more executions than its keeper renews in time; past that, a
+    lease would lapse for want of a renewal. Start the run on another instance, or again
+    once one of this instance's runs has ended (``serve()`` defers its takeovers the same
+    way, leaving them to other instances), or give the instance a higher ``max_held``.
+    """
+
+    code: ClassVar[str] = "instance.full"
+
+
 class ExecutionThreadBoundError(LangGraphFenceError, ValueError):
     """The thread belongs to another execution key of the same tenant; nothing was run.
 

@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Se
 from contextlib import contextmanager
 from typing import Any
 
+from .errors import ExecutionFencedError
 from .lease import ExecutionLeaseRepository, Lease, LeaseKey, LeaseStatus, PendingEffect
 
 __all__ = ["FAULT_POINTS", "StallGate", "StallableRepository", "arm_fault", "fault_point"]
@@ -135,6 +136,12 @@ class StallableRepository:
     async def renew(self, lease: Lease, ttl: float) -> Lease:
         await self.gate.wait()
         return await self.inner.renew(lease, ttl)
+
+    async def renew_many(
+        self, leases: Sequence[Lease], ttl: float
+    ) -> list[Lease | ExecutionFencedError]:
+        await self.gate.wait()
+        return await self.inner.renew_many(leases, ttl)
 
     async def release(self, lease: Lease, status: LeaseStatus, reason: str | None = None) -> Lease:
         await self.gate.wait()

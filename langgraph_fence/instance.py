@@ -26,8 +26,7 @@ from .admin import ThreadAdmin, _base_store, admin_holder
 from .contracts import require_implements
 from .events import FenceListener, Listeners
 from .fence import FENCE_CONFIG_KEY, safety_margin
-from .keeper import Keeper, Sleep
-from .keeper import release as stop_keeping
+from .keeper import DEFAULT_MAX_HELD, Keeper, Sleep
 from .lease import DEFAULT_MAX_TAKEOVERS, ExecutionLeaseRepository, LeaseKey
 from .queue import OnBusy, SubmittedRun, SubmittedRuns
 from .records import (
@@ -40,7 +39,7 @@ from .run import Run, running
 from .serde import safe_serializer
 from .serve import check_budget
 from .store import FencedStore
-from .validate import positive_seconds, text_id
+from .validate import positive_int, positive_seconds, text_id
 
 if TYPE_CHECKING:
     from langgraph.checkpoint.base import BaseCheckpointSaver
@@ -72,6 +71,7 @@ class _Settings:
     lease_ttl: float
     renew_interval: float
     max_takeovers: int
+    max_held: int
 
 
 class Instance:
@@ -106,6 +106,10 @@ class Instance:
             a row an execution is taken over from a holder that died with no new
             checkpoint of its thread since the take before; the next take dead-letters it
             ("crashed N workers") instead of handing it to one more worker.
+        max_held: how many executions the instance holds at once (default 1000): every
+            lease it holds is renewed by its one keeper, batched; past the limit
+            :meth:`ainvoke` raises :class:`~langgraph_fence.InstanceFullError` before
+            anything is written, and :meth:`serve` takes nothing over until a run ends.
     """
 
     def __init__(
@@ -121,8 +125,9 @@ class Instance:
         records: ExecutionRecords | None = None,
         max_takeovers: int = DEFAULT_MAX_TAKEOVERS,
         tenant_id: str = DEFAULT_TENANT_ID,
+        max_held: int = DEFAULT_MAX_HELD,
     ) -> None:
-        settings = _settings(instance_id, lease_ttl, renew_interval, max_takeovers)
+        settings = _settings(instance_id, lease_ttl, renew_interval, max_takeovers, max_held)
         self._setup(repository, saver, records, settings, clock, sleep, _tenant(tenant_id))
 
     def _setup(
@@ -183,10 +188,13 @@ class Instance:
         self.served_graphs: dict[str, Any] = {}
         self._events = Listeners(self.instance_id)
         self._keeper = Keeper(
+            ttl=self.lease_ttl,
             renew_interval=self.renew_interval,
             clock=self.clock,
             sleep=self._sleep,
             events=self._events,
+            holder=self.instance_id,
+            max_held=settings.max_held,
         )
         #: The fenced LangGraph store on the instance's database (``Instance.open``):
         #: ``compile(checkpointer=instance.checkpointer, store=instance.store)``.
@@ -229,7 +237,8 @@ class Instance:
                 in strict msgpack mode, :func:`langgraph_fence.serde.safe_serializer`; a
                 stored payload constructs no type outside its allow-list).
             **options: :class:`Instance` options (``instance_id``, ``lease_ttl``,
-                ``renew_interval``, ``clock``, ``sleep``, ``max_takeovers``, ``tenant_id``).
+                ``renew_interval``, ``clock``, ``sleep``, ``max_takeovers``, ``tenant_id``,
+                ``max_held``).
         """
         from checkpointers import SqlCheckpointer
         from checkpointers.store import SqlStore
@@ -255,6 +264,7 @@ class Instance:
             options.pop("lease_ttl", 30.0),
             options.pop("renew_interval", None),
             options.pop("max_takeovers", DEFAULT_MAX_TAKEOVERS),
+            options.pop("max_held", DEFAULT_MAX_HELD),
         )
         tenant_id = _tenant(options.pop("tenant_id", DEFAULT_TENANT_ID))
         engine = create_engine(url, **dict(engine_options or {}))
@@ -313,9 +323,8 @@ class Instance:
                 portal.call(lambda: context.__aexit__(None, None, None))
 
     async def aclose(self) -> None:
-        """Stop the timers of every run still in flight (their leases then lapse)."""
-        for run in list(self._runs):
-            await stop_keeping(run.timers)
+        """Stop renewing the leases of every run still in flight (they then lapse)."""
+        await self._keeper.aclose()
 
     # -- running graphs
 
@@ -365,6 +374,8 @@ class Instance:
             ExecutionFencedError: the lease was taken over during the run.
             ExecutionLeaseLostError: the lease could not be renewed in time.
             ExecutionLeaseHeldError: another live instance holds the lease.
+            InstanceFullError: the instance holds ``max_held`` executions already; nothing
+                was written.
             ExecutionEndedError: the execution was dead-lettered: it runs again only after
                 an operator's ``langgraph-fence resolve``.
             ExecutionDeadLetteredError: the run was dead-lettered (a non-idempotent
@@ -604,7 +615,11 @@ def _default_records(repository: ExecutionLeaseRepository) -> ExecutionRecords:
 
 
 def _settings(
-    instance_id: object, lease_ttl: object, renew_interval: object, max_takeovers: object
+    instance_id: object,
+    lease_ttl: object,
+    renew_interval: object,
+    max_takeovers: object,
+    max_held: object,
 ) -> _Settings:
     """The instance's id, TTL, renew interval and takeover budget, checked; else
     ``ValueError`` naming the argument and the fix."""
@@ -622,4 +637,7 @@ def _settings(
         instance_id = _default_instance_id()
     else:
         text_id("instance_id", instance_id, what="this instance's holder id in the lease table")
-    return _Settings(str(instance_id), ttl, renew, check_budget(max_takeovers))
+    held = positive_int(
+        "max_held", max_held, what="how many executions this instance holds (renews) at once"
+    )
+    return _Settings(str(instance_id), ttl, renew, check_budget(max_takeovers), held)

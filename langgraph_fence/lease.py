@@ -723,6 +723,18 @@ class ExecutionLeaseRepository(Protocol):
         """Extend the hold to store-now + ``ttl``; guarded."""
         ...
 
+    async def renew_many(
+        self, leases: Sequence[Lease], ttl: float
+    ) -> list[Lease | ExecutionFencedError]:
+        """Renew every lease of ``leases`` as :meth:`renew` does, in one statement.
+
+        Returns, for each lease in order, the renewed lease or the ``ExecutionFencedError``
+        its refusal raised in :meth:`renew` (the epoch seen); each lease is guarded on its
+        own, so a refused one changes nothing and does not keep the others from renewing.
+        ``leases`` holds each key once.
+        """
+        ...
+
     async def release(self, lease: Lease, status: LeaseStatus, reason: str | None = None) -> Lease:
         """Give the lease up with ``status`` (pending, waiting, done, failed); guarded."""
         ...

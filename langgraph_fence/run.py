@@ -14,7 +14,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from langchain_core.runnables import RunnableConfig
@@ -31,7 +31,6 @@ from .errors import (
 from .events import EventKind, Listeners
 from .faults import fault_point
 from .fence import FENCE_CONFIG_KEY, RunHandle
-from .keeper import release as stop_keeping
 from .lease import (
     Lease,
     LeaseKey,
@@ -57,13 +56,12 @@ DEFAULT_GRAPH_NAME = "LangGraph"
 
 @dataclass(slots=True, eq=False)
 class Run:
-    """One run in flight: its config, handle, control and keeper tasks."""
+    """One run in flight: its config, handle and control."""
 
     config: RunnableConfig
     handle: RunHandle
     control: RunControl
     base_config: RunnableConfig
-    timers: list[asyncio.Task[None]] = field(default_factory=list)
 
 
 @asynccontextmanager
@@ -81,11 +79,45 @@ async def running(
 ) -> AsyncIterator[Run]:
     """One run of ``graph`` under its execution's lease, for the body of the block.
 
-    A new run (``taken`` None) binds the thread, records the execution (when it has input)
-    and takes the lease; a run ``serve()`` took over comes with its lease. The block runs
-    the graph with ``run.config`` and ``run.control``; leaving it settles the outcome and
-    releases the lease (or raises the fencing error that stands).
+    A new run (``taken`` None) takes one of the instance's slots first (else
+    :class:`~langgraph_fence.InstanceFullError`, nothing written), binds the thread, records
+    the execution (when it has input) and takes the lease; a run ``serve()`` took over comes
+    with its lease and its slot. The block runs the graph with ``run.config`` and
+    ``run.control``; leaving it settles the outcome and releases the lease (or raises the
+    fencing error that stands), then gives the slot back.
     """
+    if taken is None:
+        instance._keeper.admit(f"execution {tenant_id!r}/{execution_id or 'its thread'!r}")
+    try:
+        async with _running(
+            instance,
+            graph,
+            input,
+            config,
+            tenant_id,
+            execution_id,
+            kwargs,
+            graph_name=graph_name,
+            taken=taken,
+        ) as run:
+            yield run
+    finally:
+        instance._keeper.leave()
+
+
+@asynccontextmanager
+async def _running(
+    instance: Instance,
+    graph: Any,
+    input: Any,
+    config: RunnableConfig | None,
+    tenant_id: str,
+    execution_id: str | None,
+    kwargs: Mapping[str, Any],
+    *,
+    graph_name: str | None,
+    taken: Lease | None,
+) -> AsyncIterator[Run]:
     key, base = prepare(graph, config, tenant_id, execution_id, kwargs)
     if graph_name is not None:
         text_id("graph_name", graph_name, what="the name serve() finds the graph under")
@@ -140,7 +172,7 @@ async def running(
         events.emit(kind, key.scope_key, handle.token, str(error))
 
     handle.on_stop(drain)
-    run.timers = instance._keeper.keep(handle)
+    instance._keeper.keep(handle)
     instance._runs.add(run)
     logger.info(
         "run %s started at token %d on %s",
@@ -156,7 +188,7 @@ async def running(
                 await instance.records.record(record)
             yield run
         finally:
-            await stop_keeping(run.timers)
+            await instance._keeper.release(handle)
     except BaseException as exc:
         await _settle(instance, graph, run, exc)
         raise  # _settle raises what stands; this is for the type checker

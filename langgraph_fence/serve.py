@@ -119,7 +119,9 @@ class Server:
         pause before the next look (``poll_interval``, longer while the store fails)."""
         for task in [t for t in self.running if t.done()]:
             self.running.pop(task)
-        free = self.concurrency - len(self.running)
+        # No more than the instance can renew in time: at its max_held, takeovers wait
+        # (other instances may take them meanwhile).
+        free = min(self.concurrency - len(self.running), self.instance._keeper.free)
         if free > 0:
             try:
                 await self.take_work(free)
@@ -248,14 +250,19 @@ class Server:
                         graph_name,
                     )
                     continue
+                if not instance._keeper.try_admit():
+                    return  # the instance is full: the rest wait for a free slot
                 try:
                     started = await self._take_one(graphs[head.graph], candidate, head)
                 except Exception:
+                    instance._keeper.leave()
                     logger.warning("could not take %s over", candidate.scope_key, exc_info=True)
                     continue
                 if started:
                     free -= 1
                     self._claimed_for = candidate.key.tenant_id
+                else:
+                    instance._keeper.leave()
             if len(candidates) < limit or not found_unserved:
                 return
             # A full window of newly found unserved executions may hide servable ones behind
@@ -264,7 +271,8 @@ class Server:
             window *= 2
 
     async def _take_one(self, graph: Any, candidate: Lease, head: ExecutionHead) -> bool:
-        """Take ``candidate`` over and start its run; whether a run was started.
+        """Take ``candidate`` over and start its run; whether a run was started (it then
+        owns the slot the caller took for it).
 
         The recorded input is read only when the run needs it (no checkpoint yet), decoded
         with the graph's own allow-list; a record that cannot be, dead-letters the execution.

@@ -29,6 +29,23 @@ def check_lease(store: ExecutionLeaseRepository, lease: Lease) -> None:
         )
 
 
+def check_leases(store: ExecutionLeaseRepository, leases: object) -> list[Lease]:
+    """Refuse anything but a sequence of leases this store returned, each key once."""
+    if isinstance(leases, (str, bytes, Lease)) or not isinstance(leases, (list, tuple)):
+        raise ValueError(
+            f"leases must be a list of Lease returned by acquire(), got {type(leases).__name__}"
+        )
+    seen: set[LeaseKey] = set()
+    for lease in leases:
+        check_lease(store, lease)
+        if lease.key in seen:
+            raise ValueError(
+                f"leases holds execution {lease.scope_key!r} twice: renew each lease once"
+            )
+        seen.add(lease.key)
+    return list(leases)
+
+
 def check_limit(limit: int) -> int:
     """Refuse anything but a positive int as a query's row limit."""
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:

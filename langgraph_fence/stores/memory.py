@@ -7,6 +7,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from ..errors import ExecutionFencedError
 from ..lease import (
     Lease,
     LeaseKey,
@@ -22,8 +23,9 @@ from ..lease import (
     decide_retry,
     decide_take_over,
     is_takeover_candidate,
+    validate_ttl,
 )
-from .common import check_key, check_lease, check_limit
+from .common import check_key, check_lease, check_leases, check_limit
 
 __all__ = ["MemoryLeaseRepository"]
 
@@ -82,6 +84,25 @@ class MemoryLeaseRepository:
             renewed = decide_renew(self._rows.get(lease.key), lease, ttl, self._clock())
             self._rows[lease.key] = renewed
             return renewed
+
+    async def renew_many(
+        self, leases: Sequence[Lease], ttl: float
+    ) -> list[Lease | ExecutionFencedError]:
+        """Renew each of ``leases`` (guarded, each on its own) at one store time."""
+        leases = check_leases(self, leases)
+        ttl = validate_ttl(ttl)
+        answers: list[Lease | ExecutionFencedError] = []
+        async with self._lock:
+            now = self._clock()
+            for lease in leases:
+                try:
+                    renewed = decide_renew(self._rows.get(lease.key), lease, ttl, now)
+                except ExecutionFencedError as refused:
+                    answers.append(refused)
+                    continue
+                self._rows[lease.key] = renewed
+                answers.append(renewed)
+        return answers
 
     async def release(self, lease: Lease, status: LeaseStatus, reason: str | None = None) -> Lease:
         """Give the lease up with ``status``; guarded."""

@@ -7,6 +7,7 @@ one round trip. Only a refused operation pays a second read, to report the epoch
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -36,7 +37,15 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ..database import autocommit, check_engine, create_engine, read_only, single_statement
+from ..database import (
+    autocommit,
+    check_engine,
+    create_engine,
+    own_pool,
+    read_only,
+    single_statement,
+)
+from ..errors import ExecutionFencedError
 from ..guard import guard_sql
 from ..lease import (
     REOPENABLE_STATUSES,
@@ -62,7 +71,7 @@ from ..lease import (
 from ..migrations import migrate
 from ..retry import retry_connection_errors
 from ..schema import LEASE_MIGRATIONS, LEASES, STAMP_SQL, effects_from_json, stamp_patch
-from .common import check_key, check_lease, check_limit
+from .common import check_key, check_lease, check_leases, check_limit
 
 __all__ = ["SqlLeaseRepository"]
 
@@ -114,6 +123,9 @@ class SqlLeaseRepository:
         self._reader = read_only(engine)
         # Every write is one statement: no BEGIN/COMMIT around it on either database.
         self._writer = single_statement(autocommit(engine))
+        # Renewals on a pool of their own (PostgreSQL): a burst of starts or checkpoint
+        # writes holding every pooled connection must not make them wait.
+        self._renewals = own_pool(engine) if self._dialect == "postgresql" else self._writer
         if self._dialect == "sqlite" and clock is None:
             clock = time.time
         self._clock = clock
@@ -224,6 +236,7 @@ class SqlLeaseRepository:
             .values(expires_at=now + ttl, updated_at=now)
             .returning(*_RETURNING)
         )
+        self._renew_many = self._build_renew_many()
         patched = text(stamps["patch"].format(param=":p_patch"))
         status = bindparam("p_status", type_=Text)
         self._release = (
@@ -412,6 +425,31 @@ class SqlLeaseRepository:
             .returning(*_RETURNING)
         )
 
+    def _build_renew_many(self) -> Any:
+        """Renew many holds in one statement: the leases come as one JSON parameter (the
+        same statement text for any number, so it is compiled and prepared once), each row
+        guarded by :func:`~langgraph_fence.guard.guard_sql` against its own hold."""
+        if self._clock is not None:
+            now = "CAST(:p_now AS DOUBLE PRECISION)"
+        else:
+            now = "CAST(EXTRACT(epoch FROM now()) AS DOUBLE PRECISION)"
+        if self._dialect == "postgresql":
+            columns = "t text, e text, h text, ep bigint"
+            holds = f"jsonb_to_recordset(CAST(:p_leases AS jsonb)) AS v({columns})"
+        else:
+            holds = (
+                "(SELECT json_extract(value, '$.t') AS t, json_extract(value, '$.e') AS e, "
+                "json_extract(value, '$.h') AS h, json_extract(value, '$.ep') AS ep "
+                "FROM json_each(:p_leases)) AS v"
+            )
+        guard = guard_sql(tenant_id="v.t", execution_id="v.e", holder="v.h", epoch="v.ep")
+        returning = ", ".join(column.name for column in _RETURNING)
+        return text(
+            f"UPDATE {LEASES.name} SET expires_at = {now} + CAST(:p_ttl AS DOUBLE PRECISION), "
+            f"updated_at = {now} "
+            f"FROM {holds} WHERE {guard} RETURNING {returning}"
+        ).columns(*_RETURNING)
+
     # -- I/O
 
     def _params(self, **values: Any) -> dict[str, Any]:
@@ -514,6 +552,45 @@ class SqlLeaseRepository:
         """Extend the hold to store-now + ``ttl``; guarded."""
         check_lease(self, lease)
         return await self._guarded(self._renew, lease, "renew", ttl=validate_ttl(ttl))
+
+    async def renew_many(
+        self, leases: Sequence[Lease], ttl: float
+    ) -> list[Lease | ExecutionFencedError]:
+        """Renew each of ``leases`` (guarded, each on its own) in one statement, repeated on
+        a connection error (renewing again is harmless); a refused lease costs one read, for
+        the epoch its refusal names."""
+        leases = check_leases(self, leases)
+        if not leases:
+            return []
+        params = self._params(
+            ttl=validate_ttl(ttl),
+            leases=json.dumps(
+                [
+                    {
+                        "t": lease.key.tenant_id,
+                        "e": lease.key.execution_id,
+                        "h": lease.holder,
+                        "ep": lease.epoch,
+                    }
+                    for lease in leases
+                ]
+            ),
+        )
+
+        async def once() -> list[Row[Any]]:
+            async with self._renewals.connect() as conn:
+                return list((await conn.execute(self._renew_many, params)).all())
+
+        rows = await retry_connection_errors(once, what="renew_many")
+        renewed = {(row.tenant_id, row.execution_id): self._lease(row) for row in rows}
+        answers: list[Lease | ExecutionFencedError] = []
+        for lease in leases:
+            got = renewed.get((lease.key.tenant_id, lease.key.execution_id))
+            if got is None:
+                answers.append(fenced_error(lease, await self.get(lease.key), action="renew"))
+            else:
+                answers.append(got)
+        return answers
 
     async def release(self, lease: Lease, status: LeaseStatus, reason: str | None = None) -> Lease:
         """Give the lease up with ``status`` (pending, waiting, done, failed); guarded."""

@@ -169,6 +169,17 @@ async def _renew(b: Backend, handle: RunHandle, thread: str) -> Any:
     return await b.leases.renew(handle.lease, TTL)
 
 
+async def _renew_many(b: Backend, handle: RunHandle, thread: str) -> Any:
+    # Beside another hold in the same statement: each row is guarded on its own.
+    beside = await b.leases.acquire(LeaseKey("tenant", unique("beside")), "H", TTL)
+    assert beside is not None
+    other, answer = await b.leases.renew_many([beside, handle.lease], TTL)
+    assert isinstance(other, Lease), other
+    if isinstance(answer, ExecutionFencedError):
+        raise answer
+    return answer
+
+
 async def _release(b: Backend, handle: RunHandle, thread: str) -> Any:
     return await b.leases.release(handle.lease, LeaseStatus.PENDING)
 
@@ -208,6 +219,7 @@ async def _store_delete(b: Backend, handle: RunHandle, thread: str) -> Any:
 
 STATEMENTS: dict[str, Statement] = {
     "lease renew": _renew,
+    "lease renew_many": _renew_many,
     "lease release": _release,
     "stamp": _stamp,
     "clear stamps": _clear,

@@ -24,6 +24,7 @@ from langgraph_fence.nodes import fence_graph
 from langgraph_fence.records import ExecutionRecord
 from langgraph_fence.serve import MAX_SERVE_BACKOFF, Server
 from langgraph_fence.testing import ManualClock
+from tests.polling import eventually
 
 TTL = 30.0
 POLL = 60.0  # far longer than any deadline here: a wall-clock pause would show
@@ -40,15 +41,6 @@ def graph_on(instance: Instance) -> Any:
     builder.add_edge("step", END)
     fence_graph(builder)
     return builder.compile(checkpointer=instance.checkpointer, name="g")
-
-
-async def until(check: Any, within: float = 10.0) -> None:
-    """Poll ``check()`` (sync) with a deadline: for what the loop's task does on its own."""
-    deadline = asyncio.get_running_loop().time() + within
-    while not check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("the condition did not hold in time")
-        await asyncio.sleep(0)
 
 
 @pytest.fixture
@@ -136,7 +128,7 @@ async def test_the_loop_looks_again_only_when_its_clock_has_moved_by_the_poll_in
     server.take_work = counted  # type: ignore[method-assign]
     stop = asyncio.Event()
     loop = asyncio.create_task(server.run(stop))
-    await until(lambda: looks == 1)
+    await eventually(lambda: looks == 1)
     for _ in range(20):
         await asyncio.sleep(0)  # the loop had every chance to look again: it waits
     assert looks == 1
@@ -145,13 +137,15 @@ async def test_the_loop_looks_again_only_when_its_clock_has_moved_by_the_poll_in
         await asyncio.sleep(0)
     assert looks == 1
     key = await expired(instance, clock, "late")  # advances past the pause as well
-    await until(lambda: looks == 2, within=5.0)
-    await until(lambda: bool(server.running))
+    await eventually(lambda: looks >= 2, timeout=5.0)
+
+    async def done() -> bool:
+        lease = await instance.repository.get(key)
+        return lease is not None and lease.status is LeaseStatus.DONE
+
+    await eventually(done)  # taken by the second look, and run to its end
     stop.set()
     await loop
-    lease = await instance.repository.get(key)
-    assert lease is not None
-    assert lease.status is LeaseStatus.DONE
 
 
 async def test_a_store_that_cannot_be_read_makes_the_loop_back_off_never_stop(
@@ -173,3 +167,40 @@ async def test_a_store_that_cannot_be_read_makes_the_loop_back_off_never_stop(
     lease = await instance.repository.get(key)
     assert lease is not None
     assert lease.status is LeaseStatus.DONE
+
+
+async def test_a_full_instance_defers_takeovers_until_a_run_ends(clock: ManualClock) -> None:
+    store = MemoryLeaseRepository(clock=clock)
+    instance = Instance(
+        store, InMemorySaver(), instance_id="B", lease_ttl=TTL, clock=clock, max_held=1
+    )
+    go, entered = asyncio.Event(), asyncio.Event()
+
+    async def wait(state: Log) -> Log:
+        entered.set()
+        await go.wait()
+        return {"log": ["held"]}
+
+    builder: StateGraph[Log] = StateGraph(Log)
+    builder.add_node("wait", wait)
+    builder.add_edge(START, "wait")
+    builder.add_edge("wait", END)
+    holding = fence_graph(builder).compile(checkpointer=instance.checkpointer, name="hold")
+    key = await expired(instance, clock, "deferred")
+    run = asyncio.create_task(
+        instance.ainvoke(holding, {"log": []}, {"configurable": {"thread_id": "h"}}, tenant_id="t")
+    )
+    await asyncio.wait_for(entered.wait(), 10)
+    server = server_of(instance, clock)
+    await server.poll_once()
+    lease = await store.get(key)
+    assert lease is not None
+    assert lease.holder == "died"  # left for another instance
+    assert not server.running
+    go.set()
+    await run
+    await server.poll_once()  # the slot is free: taken now
+    await asyncio.gather(*server.running)
+    lease = await store.get(key)
+    assert lease is not None
+    assert (lease.status, lease.epoch) == (LeaseStatus.DONE, 2)

@@ -71,6 +71,9 @@ def test_positive_int_refuses_naming_the_argument(bad: object) -> None:
         ({"instance_id": "a\ud800b"}, "instance_id"),
         ({"instance_id": ""}, "instance_id"),
         ({"max_takeovers": 10**400}, "max_takeovers"),
+        ({"max_held": 0}, "max_held"),
+        ({"max_held": 2.5}, "max_held"),
+        ({"max_held": True}, "max_held"),
     ],
 )
 def test_instance_refuses_bad_settings_naming_them(

@@ -1,0 +1,195 @@
+"""The keeper and admission control, on real databases (SQLite and PostgreSQL).
+
+An instance renews every lease it holds with one keeper, batched; it takes on no more
+executions than ``max_held``, refusing the next one before anything is written instead of
+losing any; and a burst of starts does not starve the renewals of the runs it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import operator
+from collections.abc import Callable
+from typing import Annotated, Any, TypedDict
+
+import pytest
+import sqlalchemy.exc
+from langgraph.graph import END, START, StateGraph
+
+from langgraph_fence import EventKind, FenceEvent, InstanceFullError, LeaseKey, LeaseStatus
+from langgraph_fence.database import schema_options
+from langgraph_fence.instance import Instance
+from langgraph_fence.nodes import fence_graph
+from tests.conftest import unique
+from tests.polling import eventually
+
+TENANT = "acme"
+
+
+class Log(TypedDict, total=False):
+    log: Annotated[list[str], operator.add]
+
+
+class Waiting:
+    """A graph whose one step waits (holding its lease) until ``go`` is set."""
+
+    def __init__(self) -> None:
+        self.entered = 0
+        self.go = asyncio.Event()
+
+    def graph(self, instance: Instance) -> Any:
+        async def wait(state: Log) -> Log:
+            self.entered += 1
+            await self.go.wait()
+            return {"log": ["done"]}
+
+        builder: StateGraph[Log] = StateGraph(Log)
+        builder.add_node("wait", wait)
+        builder.add_edge(START, "wait")
+        builder.add_edge("wait", END)
+        return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="waiting")
+
+
+def start(instance: Instance, graph: Any, thread: str) -> asyncio.Task[Any]:
+    return asyncio.create_task(
+        instance.ainvoke(
+            graph, {"log": []}, {"configurable": {"thread_id": thread}}, tenant_id=TENANT
+        )
+    )
+
+
+def losses(instance: Instance) -> list[FenceEvent]:
+    lost: list[FenceEvent] = []
+
+    def listen(event: FenceEvent) -> None:
+        if event.kind in (EventKind.LOST, EventKind.FENCED):
+            lost.append(event)
+
+    instance.add_listener(listen)
+    return lost
+
+
+async def until(check: Callable[[], bool], within: float = 120.0) -> None:
+    await eventually(check, timeout=within)
+
+
+async def test_an_instance_at_its_limit_refuses_the_next_run_and_loses_none(
+    database: Any,
+) -> None:
+    options = schema_options(database.schema or None)
+    async with Instance.open(database.url, engine_options=options, max_held=2) as instance:
+        lost = losses(instance)
+        waiting = Waiting()
+        graph = waiting.graph(instance)
+        threads = [unique("held") for _ in range(3)]
+        held = [start(instance, graph, t) for t in threads[:2]]
+        await until(lambda: waiting.entered == 2, within=30.0)
+        third_run = instance.ainvoke(
+            graph, {"log": []}, {"configurable": {"thread_id": threads[2]}}, tenant_id=TENANT
+        )
+        with pytest.raises(InstanceFullError, match="max_held") as refused:
+            await asyncio.wait_for(third_run, 30)  # admitted, it would wait in its step
+        assert refused.value.code == "instance.full"
+        # Refused before anything was written: no lease, no record, no thread binding.
+        third = LeaseKey(TENANT, threads[2])
+        assert await instance.repository.get(third) is None
+        assert await instance.records.get(third) is None
+        waiting.go.set()
+        assert [r["log"] for r in await asyncio.gather(*held)] == [["done"], ["done"]]
+        # A slot is free again: the refused run starts now.
+        assert (await start(instance, graph, threads[2]))["log"] == ["done"]
+    assert lost == []
+    for thread in threads:
+        lease = await _lease(database, LeaseKey(TENANT, thread))
+        assert lease is not None
+        assert lease.status is LeaseStatus.DONE
+
+
+async def _lease(database: Any, key: LeaseKey) -> Any:
+    options = schema_options(database.schema or None)
+    async with Instance.open(database.url, engine_options=options) as reader:
+        return await reader.repository.get(key)
+
+
+async def test_renewals_keep_their_deadline_while_200_runs_start_at_once(database: Any) -> None:
+    """Runs already held keep being renewed in time while 200 more start together (each
+    start binds, records, acquires and checkpoints on the same pool): no lease is lost, and
+    every renewal statement went out, and was answered, while each of its leases was still
+    confirmed held. At TTL 3 s on PostgreSQL; on SQLite every write of the process waits
+    for the file's one lock, whose busy handler is not fair to a long waiter: a renewal
+    there can wait as long as the burst lasts, so its TTL is 10 s."""
+    options = schema_options(database.schema or None)
+    ttl = 10.0 if database.url.startswith("sqlite") else 3.0
+    async with Instance.open(database.url, engine_options=options, lease_ttl=ttl) as instance:
+        lost = losses(instance)
+        keeper = instance._keeper
+        waiting = Waiting()
+        graph = waiting.graph(instance)
+        first = [start(instance, graph, unique("first")) for _ in range(20)]
+        await until(lambda: waiting.entered == 20)
+        burst_from = instance.clock()
+        burst = [start(instance, graph, unique("burst")) for _ in range(200)]
+        everyone = [*first, *burst]
+        await until(lambda: waiting.entered == 220 or any(t.done() for t in everyone))
+        ended = [t for t in everyone if t.done()]
+        assert not ended, f"a run ended while all should wait: {ended[0].exception()!r}"
+        # Two more rounds of renewals with all 220 held.
+        held_from = instance.clock()
+        await until(
+            lambda: any(
+                b.sent_at >= held_from + 2 * instance.renew_interval for b in keeper.batches
+            )
+        )
+        waiting.go.set()
+        results = await asyncio.gather(*first, *burst, return_exceptions=True)
+    during = [b for b in keeper.batches if b.sent_at >= burst_from]
+    seen = [
+        (round(b.sent_at - burst_from, 2), b.size, round(b.slack, 2), round(b.took, 2))
+        for b in during
+    ]
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert failed == [], f"{len(failed)} runs failed; renewals (at, leases, slack, took): {seen}"
+    assert all(r["log"] == ["done"] for r in results)
+    assert lost == []
+    assert during, "no renewal went out during the burst"
+    assert max(b.size for b in during) >= 20  # batched: many leases per statement
+    # Every renewal was sent, and answered, while each of its leases was confirmed held.
+    late = [b for b in during if b.slack <= 0 or b.took >= b.slack]
+    assert late == [], f"renewals late: {late}"
+
+
+@pytest.mark.postgres
+async def test_renewals_go_through_while_every_pooled_connection_is_taken(
+    own_schema: tuple[str, str],
+) -> None:
+    """The keeper renews on a connection budget of its own: with every connection of the
+    instance's pool checked out (by a burst of starts or checkpoint writes), the leases it
+    holds are renewed all the same."""
+    url, schema = own_schema
+    options = {**schema_options(schema), "pool_size": 3, "max_overflow": 0, "pool_timeout": 1}
+    async with Instance.open(url, engine_options=options, lease_ttl=3.0) as instance:
+        lost = losses(instance)
+        waiting = Waiting()
+        run = start(instance, waiting.graph(instance), unique("held"))
+        await until(lambda: waiting.entered == 1, within=30.0)
+        engine = instance.repository.engine  # type: ignore[attr-defined]
+        taken = []
+        try:
+            while True:  # every connection the pool has left
+                try:
+                    taken.append(await engine.connect())
+                except sqlalchemy.exc.TimeoutError:
+                    break
+            held_from = instance.clock()
+            await until(
+                lambda: (
+                    sum(b.sent_at >= held_from for b in instance._keeper.batches) >= 2 or run.done()
+                ),
+                within=30.0,
+            )
+        finally:
+            for conn in taken:
+                await conn.close()
+        waiting.go.set()
+        assert (await run)["log"] == ["done"]
+    assert lost == []
