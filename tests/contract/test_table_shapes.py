@@ -80,12 +80,23 @@ PRESENT: dict[str, tuple[dict[str, bool], list[str]]] = {
             "recorded_at": False,
             "run_type": True,
             "run": True,
+            # A submitted run (records migration 4): when, the checkpoint its input
+            # follows, and its output.
+            "submitted_at": True,
+            "input_after": True,
+            "output_type": True,
+            "output": True,
         },
         ["tenant_id", "execution_id"],
     ),
     "fence_thread_bindings": (
         {"tenant_id": False, "thread_id": False, "execution_id": False, "bound_at": False},
         ["tenant_id", "thread_id"],
+    ),
+    # Who serves what (records migration 5).
+    "fence_workers": (
+        {"instance_id": False, "graphs": False, "seen_at": False},
+        ["instance_id"],
     ),
 }
 
