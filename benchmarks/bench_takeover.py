@@ -43,11 +43,9 @@ from sqlalchemy import text
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from checkpointers import SqlCheckpointer  # noqa: E402
-from langgraph_fence import SqlLeaseRepository  # noqa: E402
 from langgraph_fence.database import create_engine  # noqa: E402
-from langgraph_fence.records import SqlExecutionRecords  # noqa: E402
 from tests.chaos.chaos_graphs import spawn_hold  # noqa: E402
+from tests.conftest import setup_all  # noqa: E402
 from tests.processes import (  # noqa: E402
     MARK_DIR_ENV,
     Started,
@@ -80,9 +78,7 @@ async def measure(
     samples: list[Sample] = []
     procs: list[Started] = []
     try:
-        await SqlLeaseRepository(engine).setup()
-        await SqlCheckpointer(engine).setup()
-        await SqlExecutionRecords(engine).setup()
+        await setup_all(engine)
         with tempfile.TemporaryDirectory(prefix="lgf-bench-") as tmp:
             work = Path(tmp)
             marks = work / "marks"

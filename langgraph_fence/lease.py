@@ -290,15 +290,22 @@ def decide_acquire(
     reopen: bool = False,
     store_id: str = "",
 ) -> Lease | None:
-    """Take the lease of ``key`` for ``holder``, or ``None`` if it may not be taken.
+    """Take the lease of ``key`` for ``holder``, or ``None`` if it may not be taken; a take
+    decides a standing stamp at once, as :func:`decide_take_over` does (guarantee 3).
 
     Taken when absent (epoch 1), free, or expired (epoch + 1). Never taken while another
     holder's hold has not expired, and never in a terminal status, except that ``reopen``
     lets a new run start again on a ``done`` or ``failed`` execution: a new turn on a
     finished thread, or a resume of it from one of its checkpoints (after an error, a
     replay, a fork), at the next token like any take. A dead-lettered execution is never
-    reopened. The stamp set is kept: the taker decides what it means (``Instance``
-    dead-letters the execution while a non-idempotent entry stands).
+    reopened.
+
+    The stamp set, when the take happens: with any ``NON_IDEMPOTENT_WRITE`` entry standing
+    the execution is dead-lettered instead (epoch + 1, no holder, the set kept for
+    inspection, the reason naming every such entry, "resumed at token N by holder"): the
+    returned lease is then ``dead_lettered`` and the caller must not run. With only
+    idempotent entries (or none) it is taken and the set cleared: the run stamps again
+    before it repeats a write. The SQL stores decide this in their one acquire statement.
     """
     _validate_holder(holder)
     ttl = validate_ttl(ttl)
@@ -310,12 +317,40 @@ def decide_acquire(
         return None
     if _is_held(current, now):
         return None
+    epoch = current.epoch + 1
+    standing = non_idempotent_standing(current)
+    if standing:
+        return _taken(
+            current, epoch, None, None, dead_letter_reason(standing, epoch, holder, how="resumed")
+        )
+    return _taken(current, epoch, holder, now + ttl, None)
+
+
+def _taken(
+    current: Lease,
+    epoch: int,
+    holder: str | None,
+    expires_at: float | None,
+    reason: str | None,
+) -> Lease:
+    """``current`` taken at ``epoch``: dead-lettered with ``reason`` (the stamp set kept for
+    inspection), or else running for ``holder`` until ``expires_at``, the set cleared."""
+    if reason is not None:
+        return replace(
+            current,
+            holder=None,
+            epoch=epoch,
+            expires_at=None,
+            status=LeaseStatus.DEAD_LETTERED,
+            reason=reason,
+        )
     return replace(
         current,
         holder=holder,
-        epoch=current.epoch + 1,
-        expires_at=now + ttl,
+        epoch=epoch,
+        expires_at=expires_at,
         status=LeaseStatus.RUNNING,
+        pending_effects=(),
         reason=None,
     )
 
@@ -565,28 +600,8 @@ def decide_take_over(
         reason = dead_letter_reason(standing, epoch, holder)
     elif crashed and max_takeovers is not None and takeovers > max_takeovers:
         reason = budget_reason(current, epoch, holder, max_takeovers)
-    if reason is not None:
-        return replace(
-            current,
-            holder=None,
-            epoch=epoch,
-            expires_at=None,
-            status=LeaseStatus.DEAD_LETTERED,
-            reason=reason,
-            takeovers=takeovers,
-            progress_mark=progress_mark,
-        )
-    return replace(
-        current,
-        holder=holder,
-        epoch=epoch,
-        expires_at=now + ttl,
-        status=LeaseStatus.RUNNING,
-        pending_effects=(),
-        reason=None,
-        takeovers=takeovers,
-        progress_mark=progress_mark,
-    )
+    taken = _taken(current, epoch, holder, now + ttl, reason)
+    return replace(taken, takeovers=takeovers, progress_mark=progress_mark)
 
 
 def _dead_letter_of(current: Lease | None, key: LeaseKey, action: str) -> Lease:
@@ -699,7 +714,9 @@ class ExecutionLeaseRepository(Protocol):
     async def acquire(
         self, key: LeaseKey, holder: str, ttl: float, *, reopen: bool = False
     ) -> Lease | None:
-        """Take the lease (absent: epoch 1; free or expired: epoch + 1), or ``None``."""
+        """Take the lease (absent: epoch 1; free or expired: epoch + 1), or ``None``; in one
+        statement, which dead-letters instead while a non-idempotent stamp stands and
+        clears the idempotent ones (:func:`decide_acquire`)."""
         ...
 
     async def renew(self, lease: Lease, ttl: float) -> Lease:

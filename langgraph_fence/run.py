@@ -35,8 +35,6 @@ from .lease import (
     Lease,
     LeaseKey,
     LeaseStatus,
-    dead_letter_reason,
-    non_idempotent_standing,
 )
 from .outcome import Settle, decide_outcome
 from .records import ExecutionRecord, check_thread_binding
@@ -257,8 +255,9 @@ def prepare(
 async def acquire(instance: Instance, key: LeaseKey) -> RunHandle:
     """Take ``key``'s lease for a new run (the next token); its handle.
 
-    A standing non-idempotent stamp dead-letters the execution instead (the same decision
-    as ``serve()``'s take-over); standing idempotent entries are cleared.
+    A standing non-idempotent stamp dead-letters the execution instead, inside acquire's
+    one statement (``lease.decide_acquire``, the same decision as ``serve()``'s take-over);
+    standing idempotent entries are cleared by that statement too.
 
     Raises:
         ExecutionLeaseHeldError: another live run holds the lease.
@@ -275,23 +274,14 @@ async def acquire(instance: Instance, key: LeaseKey) -> RunHandle:
     if lease is None:
         raise refusal(key, await repository.get(key), instance.instance_id)
     instance._events.emit(EventKind.ACQUIRED, key.scope_key, lease.epoch)
-    handle = RunHandle(
+    if lease.status is LeaseStatus.DEAD_LETTERED:
+        # A non-idempotent write stood: acquire dead-lettered the execution in its statement.
+        reason = lease.reason or ""
+        announce_dead_letter(instance._events, key.scope_key, lease.epoch, reason)
+        raise ExecutionDeadLetteredError(f"execution {key.scope_key!r} was dead-lettered: {reason}")
+    return RunHandle(
         repository, lease, instance.lease_ttl, clock=instance.clock, confirmed_from=sent_at
     )
-    if lease.pending_effects:
-        standing = non_idempotent_standing(lease)
-        if standing:
-            # The same decision as serve()'s take_over.
-            reason = dead_letter_reason(standing, lease.epoch, instance.instance_id, how="resumed")
-            await repository.dead_letter(key, reason, epoch=lease.epoch)
-            announce_dead_letter(instance._events, key.scope_key, lease.epoch, reason)
-            raise ExecutionDeadLetteredError(
-                f"execution {key.scope_key!r} was dead-lettered: {reason}"
-            )
-        # Idempotent writes converge on repeat: clear their entries and go on.
-        lease = await repository.clear_pending_effects(lease)
-        handle.replace_lease(lease, sent_at=sent_at)
-    return handle
 
 
 async def _settle(instance: Instance, graph: Any, run: Run, exc: BaseException | None) -> None:

@@ -31,6 +31,24 @@ from tests.pg_cluster import PgCluster, find_bindir
 DEFAULT_PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
 BACKENDS = ["memory", "sqlite", "postgresql"]
 SQL_BACKENDS = ["sqlite", "postgresql"]
+#: For one test that runs on the SQL backends only: ``@SQL_ONLY``. A module whose tests all
+#: do says ``RUNS_ON = SQL_BACKENDS``.
+SQL_ONLY = pytest.mark.parametrize("backend", SQL_BACKENDS, indirect=True)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test that uses ``backend`` (itself or through a fixture) runs once per backend
+    of its module's ``RUNS_ON`` (all three unless narrowed), named by it in the test id."""
+    if "backend" not in metafunc.fixturenames:
+        return
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0]
+        listed = names.split(",") if isinstance(names, str) else list(names)
+        if "backend" in (name.strip() for name in listed):
+            return  # the test names its backends itself
+    metafunc.parametrize(
+        "backend", getattr(metafunc.module, "RUNS_ON", BACKENDS), indirect=True, scope="function"
+    )
 
 
 def pg_url_from_env() -> str:
@@ -129,6 +147,33 @@ def cluster_schema(pg_cluster: PgCluster) -> Iterator[tuple[PgCluster, str]]:
         _pg_admin(pg_cluster.url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
+@pytest.fixture
+def backend(request: pytest.FixtureRequest) -> str:
+    """The backend a test runs on: ``memory``, ``sqlite`` or ``postgresql`` (the test ids).
+
+    The one parametrisation of the suite (``pytest_generate_tests``): fixtures build their
+    stores on it (``make_engine`` for the SQL ones). PostgreSQL skips with the reason where none
+    is reachable, and fails instead under ``LANGGRAPH_FENCE_REQUIRE_PG=1``.
+    """
+    if request.param == "postgresql":
+        request.getfixturevalue("pg_schema")  # skips (or fails) saying why
+    return str(request.param)
+
+
+async def setup_all(engine: AsyncEngine) -> None:
+    """Create every table of langgraph-fence on ``engine``'s database, as its users do: the
+    leases (and the execution records beside them), the checkpoints, the store, the sink."""
+    from checkpointers import SqlCheckpointer, SqlStore
+    from langgraph_fence.sinks import setup_sink
+
+    await SqlLeaseRepository(engine).setup()
+    saver = SqlCheckpointer(engine)
+    await saver.setup()
+    await saver.aclose()
+    await SqlStore(engine).setup()
+    await setup_sink(engine)
+
+
 @pytest.fixture(params=SQL_BACKENDS)
 def database(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
     """Where the instances and worker processes of one test meet: a SQLite file, or a
@@ -212,15 +257,15 @@ def clock() -> ManualClock:
     return ManualClock()
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture
 async def lease_store(
-    request: pytest.FixtureRequest, make_engine: Callable[[str], AsyncEngine], clock: ManualClock
+    backend: str, make_engine: Callable[[str], AsyncEngine], clock: ManualClock
 ) -> AsyncIterator[ExecutionLeaseRepository]:
     """A lease store on every backend, all on the controlled ``clock``."""
-    if request.param == "memory":
+    if backend == "memory":
         yield MemoryLeaseRepository(clock=clock)
         return
-    engine = make_engine(request.param)
+    engine = make_engine(backend)
     repo = SqlLeaseRepository(engine, clock=clock)
     await repo.setup()
     yield repo

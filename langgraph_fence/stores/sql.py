@@ -188,6 +188,11 @@ class SqlLeaseRepository:
         )
         terminal = [s.value for s in TERMINAL_STATUSES]
         reopenable = [s.value for s in REOPENABLE_STATUSES]
+        stamps = STAMP_SQL[self._dialect]
+        # The take and its verdict on the stamp set are one statement, as in take_over: a
+        # non-idempotent entry standing dead-letters the execution (lease.decide_acquire).
+        # In ON CONFLICT DO UPDATE, fence_leases.* is the row as it stands.
+        standing = literal_column(stamps["non_idempotent"], Boolean)
         self._acquire = {}
         for reopen in (False, True):
             takeable: ColumnElement[bool] = _C.status.not_in(terminal)
@@ -207,10 +212,20 @@ class SqlLeaseRepository:
                 index_elements=[_C.tenant_id, _C.execution_id],
                 set_={
                     "epoch": _C.epoch + 1,
-                    "holder": stmt.excluded.holder,
-                    "expires_at": stmt.excluded.expires_at,
-                    "status": LeaseStatus.RUNNING.value,
-                    "reason": None,
+                    "holder": case((standing, null()), else_=stmt.excluded.holder),
+                    "expires_at": case((standing, null()), else_=stmt.excluded.expires_at),
+                    "status": case(
+                        (standing, LeaseStatus.DEAD_LETTERED.value),
+                        else_=LeaseStatus.RUNNING.value,
+                    ),
+                    "reason": case(
+                        (standing, self._standing_reason("resumed", stmt.excluded.holder)),
+                        else_=null(),
+                    ),
+                    # Dead-lettered: the set stays for inspection; taken: it is cleared.
+                    "pending_effects": case(
+                        (standing, _C.pending_effects), else_=literal_column("'{}'")
+                    ),
                     "updated_at": stmt.excluded.updated_at,
                 },
                 where=and_(takeable, not_held),
@@ -222,7 +237,6 @@ class SqlLeaseRepository:
             .returning(*_RETURNING)
         )
         self._renew_many = self._build_renew_many()
-        stamps = STAMP_SQL[self._dialect]
         patched = text(stamps["patch"].format(param=":p_patch"))
         status = bindparam("p_status", type_=Text)
         self._release = (
@@ -327,22 +341,29 @@ class SqlLeaseRepository:
             .returning(*_RETURNING)
         )
 
-    def _build_take_over(self, now: ColumnElement[float], ttl: Any) -> Any:
-        # The take and the decision are one statement, on the row as it is now: the stamp
-        # set read with the candidate may have changed since (an expired holder may still
-        # stamp). The reason is built in SQL as lease.dead_letter_reason builds it.
-        stamps = STAMP_SQL[self._dialect]
-        non_idempotent = literal_column(stamps["non_idempotent"], Boolean)
-        holder = bindparam("p_holder", type_=Text)
-        reason = (
-            literal("taken over at token ", Text)
+    def _standing_reason(self, how: str, holder: Any) -> ColumnElement[str]:
+        """The dead letter's reason for the stamps standing on the row, built in SQL as
+        :func:`~langgraph_fence.lease.dead_letter_reason` builds it (``how``: "taken over",
+        "resumed"), at the token the statement moves the row to."""
+        reason: ColumnElement[str] = (
+            literal(f"{how} at token ", Text)
             + cast(_C.epoch + 1, Text)
             + literal(" by ", Text)
             + holder
             + literal(": non-idempotent writes stamped and never cleared: ", Text)
-            + literal_column(stamps["standing_writes"], Text)
+            + literal_column(STAMP_SQL[self._dialect]["standing_writes"], Text)
             + literal("; they may have happened, so the execution is not repeated", Text)
         )
+        return reason
+
+    def _build_take_over(self, now: ColumnElement[float], ttl: Any) -> Any:
+        # The take and the decision are one statement, on the row as it is now: the stamp
+        # set read with the candidate may have changed since (an expired holder may still
+        # stamp).
+        stamps = STAMP_SQL[self._dialect]
+        non_idempotent = literal_column(stamps["non_idempotent"], Boolean)
+        holder = bindparam("p_holder", type_=Text)
+        reason = self._standing_reason("taken over", holder)
         takeable = or_(
             and_(
                 _C.status == LeaseStatus.RUNNING.value,
@@ -470,7 +491,9 @@ class SqlLeaseRepository:
     async def acquire(
         self, key: LeaseKey, holder: str, ttl: float, *, reopen: bool = False
     ) -> Lease | None:
-        """Take the lease (absent: epoch 1; free or expired: epoch + 1), or ``None``."""
+        """Take the lease (absent: epoch 1; free or expired: epoch + 1), or ``None``: one
+        statement, which dead-letters instead while a non-idempotent stamp stands
+        (:func:`~langgraph_fence.lease.decide_acquire`)."""
         check_key(key)
         validate_holder(holder)
         params = self._params(

@@ -45,7 +45,6 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from checkpointers import SqlCheckpointer
 from langgraph_fence import (
     ExecutionLeaseHeldError,
     Lease,
@@ -56,7 +55,6 @@ from langgraph_fence import (
 from langgraph_fence.database import create_engine
 from langgraph_fence.instance import Instance
 from langgraph_fence.records import ExecutionRecord, SqlExecutionRecords
-from langgraph_fence.sinks import setup_sink
 from tests.chaos.chaos_graphs import (
     CREATE_EFFECTS,
     HOLD_GRAPH,
@@ -65,7 +63,7 @@ from tests.chaos.chaos_graphs import (
     build_hold_graph,
     spawn_hold,
 )
-from tests.conftest import pg_engine_options, unique
+from tests.conftest import pg_engine_options, setup_all, unique
 from tests.polling import eventually
 from tests.processes import Started, start_process, start_worker, stop_process, wait_ready
 
@@ -238,6 +236,18 @@ class Chaos:
         return codes
 
 
+async def chaos_database(
+    url: str, schema: str
+) -> tuple[AsyncEngine, SqlLeaseRepository, SqlExecutionRecords]:
+    """An engine on ``schema`` with every table set up (and the charges' table), its lease
+    store and its records."""
+    engine = create_engine(url, **pg_engine_options(schema))
+    await setup_all(engine)
+    async with engine.connect() as conn:
+        await conn.execute(text(CREATE_EFFECTS))
+    return engine, SqlLeaseRepository(engine), SqlExecutionRecords(engine)
+
+
 async def ended(repo: SqlLeaseRepository, key: LeaseKey) -> Lease | None:
     """The lease of ``key`` once it has ended (done, failed or dead-lettered), else None."""
     lease = await repo.get(key)
@@ -330,15 +340,7 @@ async def test_serve_workers_frozen_and_killed_never_charge_twice(
     pending = keys[STARTER_COUNT:]
     started = time.monotonic()
 
-    engine = create_engine(url, **pg_engine_options(schema))
-    repo = SqlLeaseRepository(engine)
-    await repo.setup()
-    await SqlCheckpointer(engine).setup()
-    records = SqlExecutionRecords(engine)
-    await records.setup()
-    await setup_sink(engine)
-    async with engine.connect() as conn:
-        await conn.execute(text(CREATE_EFFECTS))
+    engine, repo, records = await chaos_database(url, schema)
     chaos = Chaos(tmp_path, url, schema, rng)
     codes: dict[str, int | None] = {}
     adopted: set[LeaseKey] = set()
@@ -506,15 +508,7 @@ async def test_a_client_killed_while_it_starts_an_execution_loses_nothing(
     url, schema = own_schema
     tenant = unique("start")
     key = LeaseKey(tenant, unique("x-p"))
-    engine = create_engine(url, **pg_engine_options(schema))
-    repo = SqlLeaseRepository(engine)
-    await repo.setup()
-    await SqlCheckpointer(engine).setup()
-    records = SqlExecutionRecords(engine)
-    await records.setup()
-    await setup_sink(engine)
-    async with engine.connect() as conn:
-        await conn.execute(text(CREATE_EFFECTS))
+    engine, repo, records = await chaos_database(url, schema)
     chaos = Chaos(tmp_path, url, schema, random.Random(0))
     try:
         server = await chaos.spawn()  # up before the lock: its start-up reads the tables
@@ -587,15 +581,7 @@ async def test_executions_serve_cannot_run_do_not_starve_those_it_can(
     twelve untouched and still run the thirteenth.
     """
     url, schema = own_schema
-    engine = create_engine(url, **pg_engine_options(schema))
-    repo = SqlLeaseRepository(engine)
-    await repo.setup()
-    await SqlCheckpointer(engine).setup()
-    records = SqlExecutionRecords(engine)
-    await records.setup()
-    await setup_sink(engine)
-    async with engine.connect() as conn:
-        await conn.execute(text(CREATE_EFFECTS))
+    engine, repo, records = await chaos_database(url, schema)
     others = [LeaseKey("a-payroll", f"run-{i:02d}") for i in range(CONCURRENCY * 4)]
     for key in others:
         await record_pending(repo, records, key, "payroll")
@@ -644,12 +630,7 @@ async def test_a_refused_start_does_not_rewrite_the_record_of_a_running_executio
     tenant, thread = unique("tenant"), unique("thread")
     key = LeaseKey(tenant, thread)
     inside_work = tmp_path / "inside-work.json"
-    engine = create_engine(url, **pg_engine_options(schema))
-    repo = SqlLeaseRepository(engine)
-    await repo.setup()
-    await SqlCheckpointer(engine).setup()
-    records = SqlExecutionRecords(engine)
-    await records.setup()
+    engine, repo, records = await chaos_database(url, schema)
     chaos = Chaos(tmp_path, url, schema, random.Random(0), graphs="hold_graphs")
     holder: Started | None = None
     try:

@@ -34,12 +34,10 @@ from sqlalchemy import text
 
 from langgraph_fence import LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.database import create_engine
-from langgraph_fence.instance import Instance
 from langgraph_fence.records import SqlExecutionRecords
-from langgraph_fence.sinks import setup_sink
 from tests.chaos.chaos_graphs import CREATE_EFFECTS, PLAIN_GRAPH, SINK_GRAPH
 from tests.chaos.test_chaos_serve import effects, record_pending, statuses
-from tests.conftest import pg_engine_options, unique
+from tests.conftest import pg_engine_options, setup_all, unique
 from tests.polling import eventually
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
@@ -65,11 +63,9 @@ async def one_round(
     engine = create_engine(url, **pg_engine_options(schema))
     procs: list[asyncio.subprocess.Process] = []
     try:
-        async with Instance.open(url, engine_options=pg_engine_options(schema)):
-            pass  # the tables
+        await setup_all(engine)
         async with engine.begin() as conn:
             await conn.execute(text(CREATE_EFFECTS))
-        await setup_sink(engine)
         repo = SqlLeaseRepository(engine)
         records = SqlExecutionRecords(engine)
         prefix = unique("ck")

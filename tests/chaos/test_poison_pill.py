@@ -44,14 +44,6 @@ MAX_WORKERS = DEFAULT_MAX_TAKEOVERS + 5
 DEADLINE = 150.0
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
-    if request.param == "sqlite":
-        return Database(f"sqlite+aiosqlite:///{tmp_path / 'fence.db'}", "")
-    url, schema = request.getfixturevalue("own_schema")
-    return Database(url, schema)
-
-
 @dataclass(eq=False)
 class Worker:
     name: str

@@ -29,7 +29,7 @@ from langgraph_fence import Lease, LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.database import create_engine
 from langgraph_fence.records import SqlExecutionRecords
 from tests.chaos.chaos_graphs import EXIT_FENCED, HOLD_GRAPH, spawn_hold
-from tests.conftest import pg_engine_options, unique
+from tests.conftest import pg_engine_options, setup_all, unique
 from tests.processes import Started, read_json, start_worker, stop_process, tail, wait_ready
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
@@ -79,11 +79,10 @@ async def test_a_sigstopped_worker_is_fenced_within_one_renew_interval(
     deadline = started + DEADLINE
 
     engine = create_engine(url, **pg_engine_options(schema))
+    await setup_all(engine)
     repo = SqlLeaseRepository(engine)
-    await repo.setup()
     saver = SqlCheckpointer(engine)
-    await saver.setup()
-    await SqlExecutionRecords(engine).setup()
+    await saver.setup()  # on this loop
     procs: list[Started] = []
     try:
         worker_a = await spawn_hold(url, schema, tenant, thread, TTL, RENEW, inside_work, tmp_path)

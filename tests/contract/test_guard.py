@@ -126,25 +126,26 @@ class Backend:
         return len(found)
 
 
-@pytest.fixture(params=["memory", "sqlite", "postgresql"])
-async def backend(
-    request: pytest.FixtureRequest, make_engine: Callable[[str], AsyncEngine]
+@pytest.fixture
+async def guarded(
+    backend: str, make_engine: Callable[[str], AsyncEngine]
 ) -> AsyncIterator[Backend]:
+    """The guarded statements of ``backend``: its lease store, saver and store."""
     clock = ManualClock()
-    if request.param == "memory":
+    if backend == "memory":
         # A saver that cannot guard: FencedCheckpointer checks the lease, then delegates.
         leases = MemoryLeaseRepository(clock=clock)
         kv: BaseStore = FencedStore(InMemoryStore())
         yield Backend("memory", leases, FencedCheckpointer(InMemorySaver()), None, clock, kv)
         return
-    engine = make_engine(request.param)
+    engine = make_engine(backend)
     sql_leases = SqlLeaseRepository(engine, clock=clock)
     await sql_leases.setup()
     saver = SqlCheckpointer(engine)
     await saver.setup()
     sql_store = SqlStore(engine)
     await sql_store.setup()
-    yield Backend(request.param, sql_leases, saver, engine, clock, FencedStore(sql_store))
+    yield Backend(backend, sql_leases, saver, engine, clock, FencedStore(sql_store))
     # The store's pooled connections go with the engine, on this loop (not at GC).
     await saver.aclose()
     await engine.dispose()
@@ -232,35 +233,35 @@ STATEMENTS: dict[str, Statement] = {
 @pytest.mark.parametrize("state", STATES, ids=lambda s: s.name)
 @pytest.mark.parametrize("statement", list(STATEMENTS))
 async def test_every_guarded_statement_answers_as_the_guard_does(
-    backend: Backend, statement: str, state: State
+    guarded: Backend, statement: str, state: State
 ) -> None:
     key = LeaseKey("tenant", unique("guard"))
     thread = key.execution_id
-    hold = await backend.leases.acquire(key, "H", TTL)
+    hold = await guarded.leases.acquire(key, "H", TTL)
     assert hold is not None
     # The handle's own clock stands still: what is tested is the statement's guard, not the
     # run's local confirmation window (tests/unit/test_fence.py has that).
-    handle = RunHandle(backend.leases, hold, TTL, clock=ManualClock())
-    await backend.store(hold, state)
-    expected = holds(hold, await backend.leases.get(key))
+    handle = RunHandle(guarded.leases, hold, TTL, clock=ManualClock())
+    await guarded.store(hold, state)
+    expected = holds(hold, await guarded.leases.get(key))
     assert expected == (state.change == {}), f"the guard itself disagrees on {state.name!r}"
 
     try:
-        await STATEMENTS[statement](backend, handle, thread)
+        await STATEMENTS[statement](guarded, handle, thread)
         landed = True
     except ExecutionFencedError:
         landed = False
 
     assert landed == expected, (
-        f"{backend.name} {statement} {'landed' if landed else 'was refused'} on {state.name!r}; "
+        f"{guarded.name} {statement} {'landed' if landed else 'was refused'} on {state.name!r}; "
         f"the guard says it {'lands' if expected else 'is refused'}"
     )
     if not landed and statement == "store put":
-        assert await backend.kv.aget(("memories", thread), "summary") is None, "a refused put"
+        assert await guarded.kv.aget(("memories", thread), "summary") is None, "a refused put"
     if not landed and statement == "checkpoint":
-        assert await backend.checkpoints(thread) == 0, "a refused checkpoint left a row"
+        assert await guarded.checkpoints(thread) == 0, "a refused checkpoint left a row"
     if not landed and statement in {"stamp", "clear stamps", "lease renew", "lease release"}:
-        after = await backend.leases.get(key)
+        after = await guarded.leases.get(key)
         before_change = state.change or {}
         if after is not None:
             assert after.epoch == before_change.get("epoch", hold.epoch), "a refusal changed it"

@@ -22,17 +22,18 @@ from langgraph_fence.database import create_engine
 from langgraph_fence.migrations import migrate
 from langgraph_fence.schema import LEASE_MIGRATIONS, LEASES
 from langgraph_fence.testing import ManualClock
-from tests.conftest import _pg_admin, pg_engine_options
+from tests.conftest import SQL_BACKENDS, _pg_admin, pg_engine_options
 
+RUNS_ON = SQL_BACKENDS
 TTL = 10.0
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture
 async def fresh_engine(
-    request: pytest.FixtureRequest, tmp_path: Path
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> AsyncIterator[AsyncEngine]:
     """An engine on an empty database: a new SQLite file, or a PostgreSQL schema of its own."""
-    if request.param == "sqlite":
+    if backend == "sqlite":
         engine = create_engine(f"sqlite+aiosqlite:///{tmp_path / 'old.db'}")
         yield engine
         await engine.dispose()

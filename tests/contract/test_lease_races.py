@@ -29,7 +29,7 @@ T = TypeVar("T")
 TTL = 10.0
 DEADLINE = 60.0
 
-pytestmark = pytest.mark.parametrize("backend", SQL_BACKENDS)
+RUNS_ON = SQL_BACKENDS
 
 
 async def bounded(awaitable: Awaitable[T], seconds: float = DEADLINE) -> T:

@@ -433,18 +433,52 @@ async def test_a_lost_lease_stamps_nothing(lease_store: Store, clock: ManualCloc
     assert current.pending_effects == ()
 
 
-async def test_the_stamp_survives_a_takeover(lease_store: Store, clock: ManualClock) -> None:
+# -- acquire decides a standing stamp in its one statement, as take_over does (guarantee 3)
+
+
+@pytest.mark.parametrize("ended", ["expired", "failed"])
+async def test_acquire_dead_letters_a_standing_non_idempotent_stamp(
+    lease_store: Store, clock: ManualClock, ended: str
+) -> None:
     lease = await held(lease_store)
-    effect = stamp(1)
-    await lease_store.mark_pending_effect(lease, effect, TTL)
-    newer = await taken_over(lease_store, clock, lease)
-    assert newer.pending_effects == (effect,)
-    # The stale holder can no longer clear it: the taker must see it and decide.
+    charge = stamp(1)
+    lookup = PendingEffect(Effect.IDEMPOTENT_WRITE, "lookup", unique("task"), 1)
+    await lease_store.mark_pending_effect(lease, charge, TTL)
+    marked = await lease_store.mark_pending_effect(lease, lookup, TTL)
+    if ended == "expired":
+        clock.advance(TTL)  # the holder died mid-write
+    else:
+        await lease_store.release(marked, LeaseStatus.FAILED, reason="crashed")
+
+    verdict = await lease_store.acquire(lease.key, "B", TTL, reopen=True)
+    assert verdict is not None
+    assert verdict.status is LeaseStatus.DEAD_LETTERED
+    assert (verdict.epoch, verdict.holder, verdict.expires_at) == (2, None, None)
+    assert verdict.reason == (
+        "resumed at token 2 by B: non-idempotent writes stamped and never cleared: "
+        "node 'charge' at token 1; they may have happened, so the execution is not repeated"
+    )
+    assert set(verdict.pending_effects) == {charge, lookup}, "kept for inspection"
+    assert await lease_store.get(lease.key) == verdict
+    # Dead-lettered: no run takes it again, and the stale holder cannot clear the stamp.
+    assert await lease_store.acquire(lease.key, "C", TTL, reopen=True) is None
     await refused_unchanged(
         lease_store, lease.key, lambda: lease_store.clear_pending_effects(lease)
     )
-    cleared = await lease_store.clear_pending_effects(newer)
-    assert cleared.pending_effects == ()
+
+
+async def test_acquire_takes_over_idempotent_stamps_and_clears_them(
+    lease_store: Store, clock: ManualClock
+) -> None:
+    lease = await held(lease_store)
+    await lease_store.mark_pending_effect(lease, stamp(1, Effect.IDEMPOTENT_WRITE), TTL)
+    newer = await taken_over(lease_store, clock, lease)
+    assert (newer.status, newer.holder, newer.pending_effects) == (LeaseStatus.RUNNING, "B", ())
+    assert await lease_store.get(lease.key) == newer
+    # The stale holder can no longer stamp or clear: its writes repeat under B's token.
+    await refused_unchanged(
+        lease_store, lease.key, lambda: lease_store.clear_pending_effects(lease)
+    )
 
 
 async def test_mark_refuses_a_non_effect(lease_store: Store) -> None:
@@ -682,8 +716,9 @@ class WireLog:
 async def test_postgres_hot_paths_are_one_round_trip(pg_schema: tuple[str, str]) -> None:
     url, schema = pg_schema
     engine = create_engine(url, pool_size=1, max_overflow=0, **pg_engine_options(schema))
+    clock = ManualClock()
     try:
-        store = SqlLeaseRepository(engine, clock=ManualClock())
+        store = SqlLeaseRepository(engine, clock=clock)
         await store.setup()  # a transaction on this very connection, then back to autocommit
         wire: list[str] = []
         async with engine.connect() as conn:
@@ -714,6 +749,21 @@ async def test_postgres_hot_paths_are_one_round_trip(pg_schema: tuple[str, str])
             await call()
             # One Bind/Execute/Sync: no BEGIN or COMMIT, no re-prepare.
             assert wire == ["bind_execute"], f"{name}: {wire}"
+        # Acquire over a standing stamp decides it in the same statement: it clears an
+        # idempotent one and dead-letters at a non-idempotent one, one round trip each.
+        for effect, status in [
+            (Effect.IDEMPOTENT_WRITE, LeaseStatus.RUNNING),
+            (Effect.NON_IDEMPOTENT_WRITE, LeaseStatus.DEAD_LETTERED),
+        ]:
+            stamped = await store.acquire(new_key(), "A", TTL)
+            assert stamped is not None
+            await store.mark_pending_effect(stamped, stamp(1, effect), TTL)
+            clock.advance(TTL)
+            wire.clear()
+            verdict = await store.acquire(stamped.key, "B", TTL)
+            assert wire == ["bind_execute"], f"acquire over a {effect.value} stamp: {wire}"
+            assert verdict is not None
+            assert verdict.status is status
     finally:
         await engine.dispose()
 

@@ -42,6 +42,7 @@ from langgraph_fence.testing import ManualClock
 from tests.conftest import SQL_BACKENDS, pg_engine_options, unique
 from tests.polling import eventually
 
+RUNS_ON = SQL_BACKENDS
 LEASE_TTL = 10.0  # on the lease store's manual clock
 HOLD_TTL = 3600.0  # on the handle's real clock: local checks never expire inside a test
 DEADLINE = 10.0  # seconds any polling loop may take before the test fails
@@ -65,11 +66,6 @@ class Abandon(Exception):
 
 
 # -- fixtures and helpers
-
-
-@pytest.fixture(params=SQL_BACKENDS)
-def backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from tests.contract.test_sinks import (
 )
 
 # The async suite's fixtures: both backends, the sink set up, the user table beside it.
-backend = async_suite.backend
+RUNS_ON = async_suite.RUNS_ON
 engines = async_suite.engines
 engine = async_suite.engine
 

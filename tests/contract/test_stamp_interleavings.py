@@ -34,7 +34,9 @@ from langgraph_fence import Effect, LeaseKey, LeaseStatus, PendingEffect, SqlLea
 from langgraph_fence.database import create_engine
 from langgraph_fence.fence import RunHandle
 from langgraph_fence.testing import ManualClock
-from tests.conftest import pg_engine_options
+from tests.conftest import SQL_BACKENDS, pg_engine_options
+
+RUNS_ON = SQL_BACKENDS
 
 TTL = 10.0
 
@@ -157,9 +159,9 @@ class World:
         return await self.leases.take_over(current, "B", TTL)
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def world(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[World]:
-    if request.param == "sqlite":
+@pytest.fixture
+def world(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[World]:
+    if backend == "sqlite":
         engine = create_engine(f"sqlite+aiosqlite:///{tmp_path / 'stamps.db'}")
     else:
         url, schema = request.getfixturevalue("pg_schema")

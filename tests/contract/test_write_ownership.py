@@ -41,8 +41,9 @@ from langgraph_fence import (
 )
 from langgraph_fence.fence import RunHandle
 from langgraph_fence.testing import ManualClock
-from tests.conftest import unique
+from tests.conftest import SQL_BACKENDS, unique
 
+RUNS_ON = SQL_BACKENDS
 MODES = ["sql", "wrapped", "outside"]
 TTL = 10.0
 
@@ -60,11 +61,6 @@ class Worker:
         lease = await self.leases.acquire(key, self.name, TTL)
         assert lease is not None, f"{self.name} could not take {key}"
         return RunHandle(self.leases, lease, TTL)
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
 
 
 @pytest.fixture(params=MODES)

@@ -40,11 +40,12 @@ from langgraph_fence.errors import ExecutionLeaseHeldError
 from langgraph_fence.instance import Instance
 from langgraph_fence.nodes import fence_graph
 from langgraph_fence.records import SqlExecutionRecords
-from langgraph_fence.sinks import fenced_write, setup_sink
+from langgraph_fence.sinks import fenced_write
 from langgraph_fence.testing import ManualClock
-from tests.conftest import SQL_BACKENDS, unique
+from tests.conftest import SQL_BACKENDS, setup_all, unique
 from tests.polling import eventually
 
+RUNS_ON = SQL_BACKENDS
 CARD = "4111111111111111"
 
 
@@ -54,23 +55,21 @@ class Order(TypedDict, total=False):
     second: str
 
 
-@pytest.fixture(params=SQL_BACKENDS)
+@pytest.fixture
 async def engine(
-    request: pytest.FixtureRequest, make_engine: Callable[[str], AsyncEngine]
+    backend: str, make_engine: Callable[[str], AsyncEngine]
 ) -> AsyncIterator[AsyncEngine]:
-    engine = make_engine(request.param)
+    engine = make_engine(backend)
     yield engine
     await engine.dispose()
 
 
 async def open_instance(engine: AsyncEngine, name: str) -> Instance:
-    repository = SqlLeaseRepository(engine)
-    await repository.setup()
+    await setup_all(engine)
     saver = SqlCheckpointer(engine)
-    await saver.setup()
+    await saver.setup()  # on this loop
     records = SqlExecutionRecords(engine)
-    await records.setup()
-    await setup_sink(engine)
+    repository = SqlLeaseRepository(engine)
     return Instance(repository, saver, instance_id=unique(name), lease_ttl=10.0, records=records)
 
 
@@ -447,12 +446,11 @@ async def test_deleting_a_running_runs_checkpoints_is_refused(instance: Instance
 async def test_an_admin_call_keeps_a_dead_workers_stamps_for_its_taker(
     engine: AsyncEngine, clock: ManualClock
 ) -> None:
+    await setup_all(engine)
     repository = SqlLeaseRepository(engine, clock=clock)
-    await repository.setup()
     saver = SqlCheckpointer(engine)
-    await saver.setup()
+    await saver.setup()  # on this loop
     records = SqlExecutionRecords(engine)
-    await records.setup()
     admin = Instance(repository, saver, instance_id=unique("admin"), records=records)
     tenant, thread = unique("acme"), unique("order")
     key = LeaseKey(tenant, thread)

@@ -47,7 +47,7 @@ from langgraph_fence.database import create_engine
 from langgraph_fence.faults import StallableRepository, StallGate
 from langgraph_fence.records import SqlExecutionRecords
 from tests.chaos.write_steps import Database, engine_options
-from tests.conftest import unique
+from tests.conftest import setup_all, unique
 from tests.polling import eventually
 
 TENANT = "acme"
@@ -137,12 +137,11 @@ async def stallable(
     """
     engine = create_engine(database.url, **engine_options(database.url, database.schema))
     try:
+        await setup_all(engine)
         store = SqlLeaseRepository(engine)
-        await store.setup()
         saver = SqlCheckpointer(engine)
-        await saver.setup()
+        await saver.setup()  # on this loop
         records = SqlExecutionRecords(engine)
-        await records.setup()
         gate = StallGate()
         instance = Instance(
             StallableRepository(store, gate),

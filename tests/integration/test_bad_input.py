@@ -23,7 +23,7 @@ from langgraph_fence import Instance, SqlLeaseRepository, fence_graph
 from langgraph_fence.database import create_engine
 from langgraph_fence.records import SqlExecutionRecords
 from tests.chaos.write_steps import Database
-from tests.conftest import pg_engine_options, unique
+from tests.conftest import pg_engine_options, setup_all, unique
 
 #: A refusal comes before any I/O; an accepted serve() would run until this bound.
 REFUSED_WITHIN = 30.0
@@ -68,13 +68,13 @@ def engine_options(database: Database) -> dict[str, Any]:
 @pytest.fixture
 async def world(database: Database) -> AsyncIterator[World]:
     engine = create_engine(database.url, **engine_options(database))
-    repository = SqlLeaseRepository(engine)
-    await repository.setup()
+    await setup_all(engine)
     saver = SqlCheckpointer(engine)
-    await saver.setup()
+    await saver.setup()  # on this loop
     records = SqlExecutionRecords(engine)
-    await records.setup()
-    instance = Instance(repository, saver, instance_id=unique("inst"), records=records)
+    instance = Instance(
+        SqlLeaseRepository(engine), saver, instance_id=unique("inst"), records=records
+    )
     graph = fence_graph(_builder()).compile(checkpointer=instance.checkpointer, name="orders")
     yield World(database, engine, instance, graph)
     await instance.aclose()

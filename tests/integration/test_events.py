@@ -42,16 +42,20 @@ from tests.conftest import SQL_BACKENDS, pg_engine_options, unique
 from tests.integration.test_serve import until_status
 from tests.polling import eventually
 
+RUNS_ON = SQL_BACKENDS
+
 
 class Order(TypedDict, total=False):
     log: Annotated[list[str], operator.add]
 
 
-@pytest.fixture(params=SQL_BACKENDS)
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Leases]:
+@pytest.fixture
+async def store(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[Leases]:
     """The ``leases`` tools on SQLite, or on a PostgreSQL schema of the test's own (serve()
     there sees no other test's executions)."""
-    if request.param == "sqlite":
+    if backend == "sqlite":
         url, options = f"sqlite+aiosqlite:///{tmp_path / 'events.db'}", {}
     else:
         url, schema = request.getfixturevalue("own_schema")

@@ -36,6 +36,8 @@ from tests.conftest import SQL_BACKENDS, unique
 from tests.integration.test_serve import serving, until_status
 from tests.polling import eventually
 
+RUNS_ON = SQL_BACKENDS
+
 TENANT = "acme"
 
 
@@ -67,12 +69,10 @@ def log_graph(instance: Instance, name: str = "served") -> Any:
     return builder.compile(checkpointer=instance.checkpointer, name=name)
 
 
-@pytest.fixture(params=SQL_BACKENDS)
-async def db(
-    request: pytest.FixtureRequest, make_engine: Callable[[str], AsyncEngine]
-) -> AsyncIterator[Leases]:
+@pytest.fixture
+async def db(backend: str, make_engine: Callable[[str], AsyncEngine]) -> AsyncIterator[Leases]:
     """The ``leases`` fixture's instances, on SQLite and on PostgreSQL."""
-    engine = make_engine(request.param)
+    engine = make_engine(backend)
     fixture = Leases(engine, ManualClock())
     await fixture.setup()
     try:
@@ -418,7 +418,7 @@ async def test_cli_listings_filter_by_tenant(db: Leases, request: pytest.Fixture
         lease = await db.store.acquire(key, "A", 30.0)
         assert lease is not None
         await db.store.dead_letter(key, f"secret of {tenant} [/b]", epoch=lease.epoch)
-    if request.node.callspec.params["db"] == "sqlite":
+    if request.node.callspec.params["backend"] == "sqlite":
         target = ["--db", db.engine.url.render_as_string(hide_password=False)]
     else:
         url, schema = request.getfixturevalue("pg_schema")

@@ -26,7 +26,9 @@ from langgraph_fence.context import get_execution_context
 from langgraph_fence.instance import Instance
 from langgraph_fence.nodes import fence_graph
 from langgraph_fence.records import SqlExecutionRecords
-from tests.conftest import SQL_BACKENDS, unique
+from tests.conftest import SQL_BACKENDS, setup_all, unique
+
+RUNS_ON = SQL_BACKENDS
 
 
 class State(TypedDict, total=False):
@@ -38,17 +40,16 @@ class Item(TypedDict):
     item: str
 
 
-@pytest.fixture(params=SQL_BACKENDS)
+@pytest.fixture
 async def instance(
-    request: pytest.FixtureRequest, make_engine: Callable[[str], AsyncEngine]
+    backend: str, make_engine: Callable[[str], AsyncEngine]
 ) -> AsyncIterator[Instance]:
-    engine = make_engine(request.param)
+    engine = make_engine(backend)
+    await setup_all(engine)
     repository = SqlLeaseRepository(engine)
-    await repository.setup()
     saver = SqlCheckpointer(engine)
-    await saver.setup()
+    await saver.setup()  # on this loop
     records = SqlExecutionRecords(engine)
-    await records.setup()
     inst = Instance(repository, saver, instance_id=unique("inst"), lease_ttl=10.0, records=records)
     yield inst
     await inst.aclose()

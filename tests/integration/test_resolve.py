@@ -9,26 +9,28 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence import Effect, LeaseKey, LeaseStatus, PendingEffect, SqlLeaseRepository
 from langgraph_fence.database import create_engine
 from langgraph_fence.testing import ManualClock
+from tests.chaos.write_steps import Database
 from tests.conftest import pg_engine_options, unique
 
 ROOT = Path(__file__).parents[2]
 TTL = 10.0
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
-    """``(url, schema)``; schema empty on SQLite."""
-    if request.param == "sqlite":
-        return f"sqlite+aiosqlite:///{tmp_path / 'fence.db'}", ""
-    url, schema = request.getfixturevalue("pg_schema")
-    return url, schema
+@pytest.fixture
+async def engine(database: Database) -> AsyncIterator[AsyncEngine]:
+    options = pg_engine_options(database.schema) if database.schema else {}
+    made = create_engine(database.url, **options)
+    yield made
+    await made.dispose()
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -47,119 +49,107 @@ def schema_args(schema: str) -> list[str]:
 
 
 async def test_resolve_retry_makes_a_dead_letter_pending_with_its_budget_reset(
-    database: tuple[str, str],
+    database: Database, engine: AsyncEngine
 ) -> None:
-    url, schema = database
-    engine = create_engine(url, **(pg_engine_options(schema) if schema else {}))
+    url, schema = database.url, database.schema
     clock = ManualClock()
-    try:
-        repo = SqlLeaseRepository(engine, clock=clock)
-        await repo.setup()
-        key = LeaseKey(unique("t"), unique("e"))
-        lease = await repo.acquire(key, "w0", TTL)
-        for n in range(1, 5):  # three takeovers resume it, the fourth dead-letters it
-            assert lease is not None
-            clock.advance(TTL)
-            lease = await repo.take_over(lease, f"w{n}", TTL, max_takeovers=3)
+    repo = SqlLeaseRepository(engine, clock=clock)
+    await repo.setup()
+    key = LeaseKey(unique("t"), unique("e"))
+    lease = await repo.acquire(key, "w0", TTL)
+    for n in range(1, 5):  # three takeovers resume it, the fourth dead-letters it
         assert lease is not None
-        assert lease.status is LeaseStatus.DEAD_LETTERED
+        clock.advance(TTL)
+        lease = await repo.take_over(lease, f"w{n}", TTL, max_takeovers=3)
+    assert lease is not None
+    assert lease.status is LeaseStatus.DEAD_LETTERED
 
-        args = ["--tenant", key.tenant_id, "--execution", key.execution_id, *schema_args(schema)]
-        done = cli("resolve", "--db", url, *args, "--retry")
-        assert done.returncode == 0, done.stdout + done.stderr
-        assert "pending again" in done.stdout
-        assert "budget reset" in done.stdout
-        retried = await repo.get(key)
-        assert retried is not None
-        assert (retried.status, retried.takeovers, retried.reason, retried.epoch) == (
-            LeaseStatus.PENDING,
-            0,
-            None,
-            lease.epoch,
-        )
+    args = ["--tenant", key.tenant_id, "--execution", key.execution_id, *schema_args(schema)]
+    done = cli("resolve", "--db", url, *args, "--retry")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "pending again" in done.stdout
+    assert "budget reset" in done.stdout
+    retried = await repo.get(key)
+    assert retried is not None
+    assert (retried.status, retried.takeovers, retried.reason, retried.epoch) == (
+        LeaseStatus.PENDING,
+        0,
+        None,
+        lease.epoch,
+    )
 
-        again = cli("resolve", "--db", url, *args, "--retry")  # pending now: refused
-        assert again.returncode == 2
-        assert "not dead_lettered" in again.stderr
-        unknown = cli(
-            "resolve", "--db", url, "--tenant", key.tenant_id, "--execution", "nope",
-            *schema_args(schema), "--retry",
-        )  # fmt: skip
-        assert unknown.returncode == 2
-        assert "no execution 'nope'" in unknown.stderr
-    finally:
-        await engine.dispose()
+    again = cli("resolve", "--db", url, *args, "--retry")  # pending now: refused
+    assert again.returncode == 2
+    assert "not dead_lettered" in again.stderr
+    unknown = cli(
+        "resolve", "--db", url, "--tenant", key.tenant_id, "--execution", "nope",
+        *schema_args(schema), "--retry",
+    )  # fmt: skip
+    assert unknown.returncode == 2
+    assert "no execution 'nope'" in unknown.stderr
 
 
 async def test_resolve_abandon_ends_a_dead_letter_failed_with_the_operators_reason(
-    database: tuple[str, str],
+    database: Database, engine: AsyncEngine
 ) -> None:
-    url, schema = database
-    engine = create_engine(url, **(pg_engine_options(schema) if schema else {}))
+    url, schema = database.url, database.schema
     clock = ManualClock()
-    try:
-        repo = SqlLeaseRepository(engine, clock=clock)
-        await repo.setup()
-        key = LeaseKey(unique("t"), unique("e"))
-        lease = await repo.acquire(key, "w0", TTL)
-        assert lease is not None
-        stamp = PendingEffect(Effect.NON_IDEMPOTENT_WRITE, "charge", "task-1", lease.epoch)
-        lease = await repo.mark_pending_effect(lease, stamp, TTL)
-        clock.advance(TTL)
-        dead = await repo.take_over(lease, "w1", TTL)
-        assert dead is not None
-        assert dead.status is LeaseStatus.DEAD_LETTERED
-        # A retry would repeat the charge: refused, pointing at the way out.
-        retried = cli("resolve", key.scope_key, "--db", url, *schema_args(schema), "--retry")
-        assert retried.returncode == 2
-        assert "node 'charge' at token 1" in retried.stderr
+    repo = SqlLeaseRepository(engine, clock=clock)
+    await repo.setup()
+    key = LeaseKey(unique("t"), unique("e"))
+    lease = await repo.acquire(key, "w0", TTL)
+    assert lease is not None
+    stamp = PendingEffect(Effect.NON_IDEMPOTENT_WRITE, "charge", "task-1", lease.epoch)
+    lease = await repo.mark_pending_effect(lease, stamp, TTL)
+    clock.advance(TTL)
+    dead = await repo.take_over(lease, "w1", TTL)
+    assert dead is not None
+    assert dead.status is LeaseStatus.DEAD_LETTERED
+    # A retry would repeat the charge: refused, pointing at the way out.
+    retried = cli("resolve", key.scope_key, "--db", url, *schema_args(schema), "--retry")
+    assert retried.returncode == 2
+    assert "node 'charge' at token 1" in retried.stderr
 
-        done = cli(
-            "resolve", key.scope_key, "--db", url, *schema_args(schema),
-            "--abandon", "--reason", "charge refunded by ana (ticket 42)",
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout + done.stderr
-        assert f"execution {key.scope_key} is failed at token {dead.epoch}" in done.stdout
-        abandoned = await repo.get(key)
-        assert abandoned is not None
-        assert (abandoned.status, abandoned.reason, abandoned.epoch) == (
-            LeaseStatus.FAILED,
-            "abandoned by operator: charge refunded by ana (ticket 42)",
-            dead.epoch,
-        )
-        assert abandoned.pending_effects == ()
+    done = cli(
+        "resolve", key.scope_key, "--db", url, *schema_args(schema),
+        "--abandon", "--reason", "charge refunded by ana (ticket 42)",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"execution {key.scope_key} is failed at token {dead.epoch}" in done.stdout
+    abandoned = await repo.get(key)
+    assert abandoned is not None
+    assert (abandoned.status, abandoned.reason, abandoned.epoch) == (
+        LeaseStatus.FAILED,
+        "abandoned by operator: charge refunded by ana (ticket 42)",
+        dead.epoch,
+    )
+    assert abandoned.pending_effects == ()
 
-        again = cli(
-            "resolve", key.scope_key, "--db", url, *schema_args(schema),
-            "--abandon", "--reason", "twice",
-        )  # fmt: skip
-        assert again.returncode == 2
-        assert "is failed, not dead_lettered" in again.stderr
-        assert (await repo.get(key)) == abandoned
-    finally:
-        await engine.dispose()
+    again = cli(
+        "resolve", key.scope_key, "--db", url, *schema_args(schema),
+        "--abandon", "--reason", "twice",
+    )  # fmt: skip
+    assert again.returncode == 2
+    assert "is failed, not dead_lettered" in again.stderr
+    assert (await repo.get(key)) == abandoned
 
 
 async def test_executions_json_lists_what_an_operator_decides_on(
-    database: tuple[str, str],
+    database: Database, engine: AsyncEngine
 ) -> None:
-    url, schema = database
-    engine = create_engine(url, **(pg_engine_options(schema) if schema else {}))
+    url, schema = database.url, database.schema
     tenant = unique("t")
     # Written in the store's clock a minute back: on SQLite the store's clock is this
     # machine's; on PostgreSQL the listing reads now() and the leases carry this clock.
     clock = ManualClock(time.time() - 60.0)
-    try:
-        repo = SqlLeaseRepository(engine, clock=clock)
-        await repo.setup()
-        live = await repo.acquire(LeaseKey(tenant, "live"), "w-live", 600.0)
-        stale = await repo.acquire(LeaseKey(tenant, "stale/1"), "w-stale", 48.0)
-        assert live is not None
-        assert stale is not None
-        stamp = PendingEffect(Effect.NON_IDEMPOTENT_WRITE, "charge", "task-1", stale.epoch)
-        await repo.mark_pending_effect(stale, stamp, 48.0)
-    finally:
-        await engine.dispose()
+    repo = SqlLeaseRepository(engine, clock=clock)
+    await repo.setup()
+    live = await repo.acquire(LeaseKey(tenant, "live"), "w-live", 600.0)
+    stale = await repo.acquire(LeaseKey(tenant, "stale/1"), "w-stale", 48.0)
+    assert live is not None
+    assert stale is not None
+    stamp = PendingEffect(Effect.NON_IDEMPOTENT_WRITE, "charge", "task-1", stale.epoch)
+    await repo.mark_pending_effect(stale, stamp, 48.0)
 
     done = cli("executions", "--db", url, *schema_args(schema), "--tenant", tenant, "--json")
     assert done.returncode == 0, done.stderr

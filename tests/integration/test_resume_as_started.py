@@ -43,6 +43,7 @@ class Context:
 
 
 #: The ``leases`` fixture's instances, on SQLite and on PostgreSQL.
+RUNS_ON = test_hardening.RUNS_ON
 db = test_hardening.db
 CONTEXT_TYPE = {(Context.__module__, Context.__qualname__)}
 

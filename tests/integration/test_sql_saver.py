@@ -29,16 +29,18 @@ from langgraph_fence import (
 )
 from langgraph_fence.fence import RunHandle
 from langgraph_fence.testing import ManualClock
-from tests.conftest import pg_engine_options, unique
+from tests.conftest import SQL_BACKENDS, pg_engine_options, unique
+
+RUNS_ON = SQL_BACKENDS
 
 TTL = 10.0
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture
 async def saver(
-    request: pytest.FixtureRequest, make_engine: Callable[[str], AsyncEngine]
+    backend: str, make_engine: Callable[[str], AsyncEngine]
 ) -> AsyncIterator[SqlCheckpointer]:
-    engine = make_engine(request.param)
+    engine = make_engine(backend)
     saver = SqlCheckpointer(engine)
     await saver.setup()
     yield saver

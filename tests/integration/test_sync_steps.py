@@ -54,14 +54,6 @@ from tests.integration.test_approvals import TENANT, WAIT, invoke, lease_of, sta
 from tests.polling import eventually
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
-    if request.param == "sqlite":
-        return Database(f"sqlite+aiosqlite:///{tmp_path / 'fence.db'}", "")
-    url, schema = request.getfixturevalue("own_schema")
-    return Database(url, schema)
-
-
 class Log(TypedDict):
     log: Annotated[list[str], operator.add]
 

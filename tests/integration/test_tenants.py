@@ -38,7 +38,7 @@ from langgraph_fence.nodes import fence_graph
 from langgraph_fence.records import EXECUTION_MIGRATIONS, SqlExecutionRecords
 from langgraph_fence.run_config import RecordedRun
 from langgraph_fence.schema import LEASE_MIGRATIONS
-from tests.conftest import SQL_BACKENDS, pg_engine_options, unique
+from tests.conftest import SQL_BACKENDS, pg_engine_options, setup_all, unique
 
 TABLES = ("fence_checkpoints", "fence_checkpoint_blobs", "fence_checkpoint_writes")
 
@@ -58,14 +58,13 @@ async def instance(
     request: pytest.FixtureRequest, make_engine: Callable[[str], AsyncEngine]
 ) -> AsyncIterator[Instance]:
     engine = make_engine("sqlite" if request.param == "memory-saver" else request.param)
+    await setup_all(engine)
     repository = SqlLeaseRepository(engine)
-    await repository.setup()
     saver: BaseCheckpointSaver[Any] = InMemorySaver()
     if request.param != "memory-saver":
         saver = SqlCheckpointer(engine)
-        await saver.setup()
+        await saver.setup()  # on this loop
     records = SqlExecutionRecords(engine)
-    await records.setup()
     inst = Instance(repository, saver, instance_id=unique("inst"), lease_ttl=10.0, records=records)
     yield inst
     await inst.aclose()

@@ -50,6 +50,8 @@ from langgraph_fence.testing import ManualClock, run_node
 from tests.agents import ScriptedModel
 from tests.conftest import SQL_BACKENDS, unique
 
+RUNS_ON = SQL_BACKENDS
+
 TENANT = "acme"
 WAIT = 20.0  # seconds a test waits for an event before it fails
 
@@ -157,11 +159,9 @@ class Env:
         return [e for e in self.events if e[0] == kind]
 
 
-@pytest.fixture(params=SQL_BACKENDS)
-async def env(
-    request: pytest.FixtureRequest, make_engine: Callable[[str], AsyncEngine]
-) -> AsyncIterator[Env]:
-    engine = make_engine(request.param)
+@pytest.fixture
+async def env(backend: str, make_engine: Callable[[str], AsyncEngine]) -> AsyncIterator[Env]:
+    engine = make_engine(backend)
     store_clock = ManualClock()
     store = SqlLeaseRepository(engine, clock=store_clock)
     await store.setup()

@@ -73,7 +73,13 @@ class Transitions(RuleBasedStateMachine):
 
     @rule(holder=HOLDERS, reopen=st.booleans())
     def acquire(self, holder: str, reopen: bool) -> None:
-        self._took(decide_acquire(self.w.stored, KEY, holder, TTL, self.w.now, reopen=reopen))
+        standing = self.w.stored is not None and non_idempotent_standing(self.w.stored)
+        taken = decide_acquire(self.w.stored, KEY, holder, TTL, self.w.now, reopen=reopen)
+        if taken is not None and standing:
+            assert taken.status is LeaseStatus.DEAD_LETTERED, "acquire resumed a standing stamp"
+        if taken is not None and taken.status is LeaseStatus.RUNNING:
+            assert taken.pending_effects == (), "acquire took a lease with stamps standing"
+        self._took(taken)
 
     @rule(holder=HOLDERS)
     def take_over(self, holder: str) -> None:

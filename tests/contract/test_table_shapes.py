@@ -1,0 +1,142 @@
+"""The checkpoint and record tables as the migrations leave them are the tables the SQL is
+written against, on both databases, whether created new or upgraded from version 1.
+
+The lease table has its own (``test_lease_migrations.py``, against ``schema.LEASES``). These
+tables have no ``Table`` of their own: their statements are text (``checkpointers/_postgres.py``,
+``_sqlite.py``, ``records.py``), so their present shape is written down here, once, and a
+migration that changes it (or that leaves SQLite and PostgreSQL different) fails this test.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import inspect, text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from checkpointers.schema import CHECKPOINT_MIGRATIONS, COMPONENT
+from langgraph_fence.migrations import migrate
+from langgraph_fence.records import EXECUTION_MIGRATIONS
+from tests.conftest import SQL_BACKENDS, setup_all
+from tests.contract import test_lease_migrations
+
+RUNS_ON = SQL_BACKENDS
+fresh_engine = test_lease_migrations.fresh_engine
+
+#: table -> ({column: nullable}, primary key): what the statements read and write.
+PRESENT: dict[str, tuple[dict[str, bool], list[str]]] = {
+    "fence_checkpoints": (
+        {
+            "tenant_id": False,
+            "thread_id": False,
+            "checkpoint_ns": False,
+            "checkpoint_id": False,
+            "parent_checkpoint_id": True,
+            "type": False,
+            "checkpoint": False,
+            "channel_versions": False,
+            "metadata": False,
+            "run_id": True,
+            "fence_token": True,
+        },
+        ["tenant_id", "thread_id", "checkpoint_ns", "checkpoint_id"],
+    ),
+    "fence_checkpoint_blobs": (
+        {
+            "tenant_id": False,
+            "thread_id": False,
+            "checkpoint_ns": False,
+            "channel": False,
+            "version": False,
+            "type": False,
+            "blob": True,
+        },
+        ["tenant_id", "thread_id", "checkpoint_ns", "channel", "version"],
+    ),
+    "fence_checkpoint_writes": (
+        {
+            "tenant_id": False,
+            "thread_id": False,
+            "checkpoint_ns": False,
+            "checkpoint_id": False,
+            "task_id": False,
+            "idx": False,
+            "channel": False,
+            "type": False,
+            "blob": False,
+            "task_path": False,
+            "fence_token": True,
+        },
+        ["tenant_id", "thread_id", "checkpoint_ns", "checkpoint_id", "task_id", "idx"],
+    ),
+    "fence_executions": (
+        {
+            "tenant_id": False,
+            "execution_id": False,
+            "graph": False,
+            "thread_id": False,
+            "input_type": False,
+            "input": False,
+            "recorded_at": False,
+            "run_type": True,
+            "run": True,
+        },
+        ["tenant_id", "execution_id"],
+    ),
+    "fence_thread_bindings": (
+        {"tenant_id": False, "thread_id": False, "execution_id": False, "bound_at": False},
+        ["tenant_id", "thread_id"],
+    ),
+}
+
+
+async def shapes(engine: AsyncEngine) -> dict[str, tuple[dict[str, bool], list[str]]]:
+    def reflect(conn: Any) -> dict[str, tuple[dict[str, bool], list[str]]]:
+        inspector = inspect(conn)
+        return {
+            table: (
+                {c["name"]: c["nullable"] for c in inspector.get_columns(table)},
+                inspector.get_pk_constraint(table)["constrained_columns"],
+            )
+            for table in PRESENT
+        }
+
+    async with engine.connect() as conn:
+        return await conn.run_sync(reflect)
+
+
+async def test_a_new_database_gets_the_present_tables(fresh_engine: AsyncEngine) -> None:
+    await setup_all(fresh_engine)
+    assert await shapes(fresh_engine) == PRESENT
+
+
+async def test_a_database_of_version_1_with_rows_is_upgraded_to_the_present_tables(
+    fresh_engine: AsyncEngine,
+) -> None:
+    # Version 1 of both, with a row each: the upgrades rebuild (checkpoints) and alter
+    # (records) tables that hold data, as a user's database does.
+    await migrate(fresh_engine, COMPONENT, CHECKPOINT_MIGRATIONS[:1])
+    await migrate(fresh_engine, "executions", EXECUTION_MIGRATIONS[:1])
+    async with fresh_engine.begin() as conn:
+        await conn.execute(
+            text(
+                "INSERT INTO fence_checkpoints (thread_id, checkpoint_ns, checkpoint_id, type,"
+                " checkpoint, channel_versions, metadata) VALUES ('t', '', 'c1', 'json', :b,"
+                " '{}', '{}')"
+            ),
+            {"b": b"{}"},
+        )
+        await conn.execute(
+            text(
+                "INSERT INTO fence_executions (tenant_id, execution_id, graph, thread_id,"
+                " input_type, input, recorded_at) VALUES ('acme', 'e', 'g', 't', 'json', :b, 0)"
+            ),
+            {"b": b"{}"},
+        )
+    await setup_all(fresh_engine)
+    assert await shapes(fresh_engine) == PRESENT
+    async with fresh_engine.connect() as conn:
+        kept = await conn.execute(text("SELECT count(*) FROM fence_checkpoints"))
+        assert kept.scalar_one() == 1, "the upgrade lost the checkpoint"
+        records = await conn.execute(text("SELECT count(*) FROM fence_executions"))
+        assert records.scalar_one() == 1, "the upgrade lost the record"
