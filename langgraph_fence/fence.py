@@ -94,6 +94,10 @@ class RunHandle:
         # Task id -> the attempt in which a fenced tool of that task stamped a
         # NON_IDEMPOTENT_WRITE: a retried attempt of the task runs none of its tools.
         self.tool_stamp_attempts: dict[str, int] = {}
+        # The last connection error a store call of this run met (a retried write, a failed
+        # renewal): the cause of the lease loss when the window runs out before the store
+        # answers again, so the loss says why the hold could not be proven.
+        self.store_error: BaseException | None = None
         self._listeners: list[StopListener] = []
         # The instance the run belongs to (set by the instance): where a step's children
         # are recorded. None for a handle made without one (tests, run_node).
@@ -134,6 +138,7 @@ class RunHandle:
                 f"lease of {lease.scope_key!r} cannot replace the run's lease of {self.scope_key!r}"
             )
         self._lease = lease
+        self.store_error = None  # the store answered: an earlier error explains nothing now
         until = sent_at + self.ttl - safety_margin(self.ttl)
         # Two renewals may answer out of order; the later confirmation stands.
         self.confirmed_until = max(self.confirmed_until, until)
@@ -199,16 +204,21 @@ class RunHandle:
         if self.error is not None:
             raise self.error
         if self.clock() >= self.confirmed_until:
-            raise self.record(
-                ExecutionLeaseLostError(
-                    f"the lease of execution {self.scope_key!r} at token {self.token} can no "
-                    "longer be proven held: its last confirmed renewal has run out. Another "
-                    "worker may take it over; this run must not write again.",
-                    scope_key=self.scope_key,
-                    token_held=self.token,
-                    token_seen=None,
-                )
+            lost = ExecutionLeaseLostError(
+                f"the lease of execution {self.scope_key!r} at token {self.token} can no "
+                "longer be proven held: its last confirmed renewal has run out. Another "
+                "worker may take it over; this run must not write again.",
+                scope_key=self.scope_key,
+                token_held=self.token,
+                token_seen=None,
             )
+            lost.__cause__ = self.store_error  # why the store did not answer, if it said
+            raise self.record(lost)
+
+    def saw_store_error(self, error: BaseException) -> None:
+        """Note a connection error a store call of this run met (it may be retried): the
+        cause of a lease loss the window's end records afterwards."""
+        self.store_error = error
 
     def record_dead_letter(self, error: ExecutionDeadLetteredError) -> ExecutionDeadLetteredError:
         """Record that the run is dead-lettered; returns the first dead letter recorded."""

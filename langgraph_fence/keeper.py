@@ -208,11 +208,12 @@ class Keeper:
             try:
                 with retry_window(earliest):
                     answers = await repository.renew_many([h.lease for h in batch], self.ttl)
-            except Exception:
+            except Exception as exc:
                 # The store may be down for a moment: the watchdog decides when that has
                 # lasted too long; until then the next renewal may get through.
                 logger.warning("renewal of %d leases failed", len(batch), exc_info=True)
                 for handle in batch:
+                    handle.saw_store_error(exc)
                     if handle in self._due:
                         self._due[handle] = self._clock() + self.renew_interval
                 continue

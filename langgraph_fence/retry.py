@@ -259,6 +259,11 @@ async def retry_connection_errors(operation: Callable[[], Awaitable[T]], *, what
             if window is None:
                 window = _window.get() or FixedWindow.lasting(DEFAULT_WINDOW)
                 started = now
+            # A run's window (its handle) keeps the error: the cause of the lease loss its
+            # watchdog records if the window runs out before the store answers again.
+            saw = getattr(window, "saw_store_error", None)
+            if saw is not None:
+                saw(exc)
             pause = backoff(attempt)
             if (
                 window.clock() + pause >= window.confirmed_until

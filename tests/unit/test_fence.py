@@ -21,6 +21,7 @@ from langgraph_fence import (
 )
 from langgraph_fence.fence import RunHandle, safety_margin
 from langgraph_fence.from_thread import run_on_loop
+from langgraph_fence.retry import retry_connection_errors, retry_window
 from langgraph_fence.testing import ManualClock
 from tests.conftest import unique
 
@@ -135,6 +136,36 @@ async def test_assert_held_until_confirmed_until_then_lease_lost() -> None:
         fence.assert_held()
     assert again.value is error
     assert run.heard == [error]
+
+
+async def test_a_lapse_after_a_store_error_names_the_error_as_its_cause() -> None:
+    """A guarded write that met a dead connection, and no renewal got through after it: the
+    lease loss the window's end records says why (the operator sees the connection error)."""
+    run = Run()
+    handle, fence = await run.start()
+    run.local.advance(fence.confirmed_until - run.local() - 1e-6)  # no room for a retry
+    gone = ConnectionResetError("injected: connection lost")
+
+    async def write() -> None:
+        raise gone
+
+    with retry_window(handle), pytest.raises(ConnectionResetError):
+        await retry_connection_errors(write, what="a guarded write")
+    run.local.advance(0.001)
+    with pytest.raises(ExecutionLeaseLostError) as caught:
+        fence.assert_held()
+    assert caught.value.__cause__ is gone
+
+
+async def test_a_store_that_answered_since_is_no_cause_of_a_later_lapse() -> None:
+    run = Run()
+    handle, fence = await run.start()
+    handle.saw_store_error(ConnectionResetError("earlier"))
+    await fence.confirm_now()  # the store answered again
+    run.local.advance(fence.confirmed_until - run.local())
+    with pytest.raises(ExecutionLeaseLostError) as caught:
+        fence.assert_held()
+    assert caught.value.__cause__ is None
 
 
 async def test_assert_held_after_an_observed_takeover_is_fenced() -> None:
