@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 from .errors import ExecutionFencedError, ExecutionLeaseLostError, InstanceFullError
 from .events import EventKind, Listeners
 from .fence import RunHandle, safety_margin
-from .lease import ExecutionLeaseRepository, Lease
+from .lease import ExecutionLeaseRepository, Lease, LeaseKey
 from .retry import retry_window
 
 __all__ = ["DEFAULT_MAX_HELD", "RENEW_BATCH", "Batch", "Keeper", "Sleep"]
@@ -179,7 +179,7 @@ class Keeper:
             due = [h for h, at in waiting.items() if at <= horizon]
             for handle in [h for h in due if isinstance(h.error, ExecutionFencedError)]:
                 self._due.pop(handle, None)  # fenced: nothing to renew, ever
-            due = [h for h in due if h in self._due]
+            due = _one_per_key([h for h in due if h in self._due])
             for start in range(0, len(due), RENEW_BATCH):
                 # Each statement on its own task: a slow answer does not hold back the
                 # renewals that fall due meanwhile (a lease in flight is not sent twice).
@@ -261,3 +261,22 @@ class Keeper:
             if live:
                 remaining = min(h.confirmed_until for h in live) - self._clock()
                 await self._sleep(max(remaining, 0.0) + 1e-3)
+
+
+def _one_per_key(handles: list[RunHandle]) -> list[RunHandle]:
+    """``handles`` with each execution key once, the first of each key kept.
+
+    A store refuses a renewal statement that names a key twice, and the refusal would fail
+    every lease of the batch, pass after pass. Two handles of one key are two runs of one
+    execution in this instance: one that was fenced but has not heard of it yet (its step
+    still running: an interrupt, or its own expired lease taken back by ``serve()``) and the
+    new one. The one left out stays due and goes out in the next pass, in a statement of its
+    own.
+    """
+    seen: set[LeaseKey] = set()
+    kept: list[RunHandle] = []
+    for handle in handles:
+        if handle.key not in seen:
+            seen.add(handle.key)
+            kept.append(handle)
+    return kept
