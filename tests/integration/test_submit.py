@@ -276,3 +276,24 @@ async def test_on_postgresql_a_submit_wakes_a_waiting_server(database: Database)
         finally:
             stop.set()
             await asyncio.wait_for(task, 20)
+
+
+async def test_a_start_with_new_input_while_a_submitted_run_waits_is_refused(
+    database: Database,
+) -> None:
+    """A submitted run waiting for a worker holds no lease, yet it is the thread's run in
+    flight: ``ainvoke`` with new input on that thread is refused, nothing written, and the
+    submitted input still runs, its result its own (before: the start took the pending
+    lease, overwrote the recorded input, and the submitted run was lost)."""
+    async with opened(database, "client") as client, opened(database, "worker") as worker:
+        work = Work()
+        thread = unique("t")
+        run = await client.submit("shout", {"text": "queued"}, cfg(thread), tenant_id="a")
+        before = await rows(client)
+        with pytest.raises(ExecutionBusyError, match="waiting for a worker"):
+            await client.ainvoke(build(client, work), {"text": "now"}, cfg(thread), tenant_id="a")
+        assert await rows(client) == before
+        assert work.started == []
+        async with serving(worker, {"shout": build(worker, work)}):
+            assert await run.result(timeout=20) == {"text": "queued", "out": "QUEUED"}
+        assert work.started == [("a", "queued")]
