@@ -299,6 +299,13 @@ async def _still_held(frame: ExecutionContext) -> None:
     except ExecutionLeaseLostError:
         await handle.renew()  # raises ExecutionFencedError if another instance took it
         raise
+    if handle.stop_reason is not None:
+        # The instance is stopping (SIGTERM, serve()'s stop): a wait would hold its drain
+        # for as long as the children take. Handed back instead; the step run again finds
+        # the children it spawned.
+        from langgraph.errors import GraphDrained
+
+        raise GraphDrained(handle.stop_reason)
 
 
 async def _spawn_here(

@@ -487,3 +487,22 @@ async def test_the_spawn_is_one_write_guarded_by_the_parents_hold(database: Data
         assert await spawn(held, "c1") is None  # the stale hold spawns nothing
         rows = await lease_rows(parent, child_execution_id(key, "c")[:-1])
         assert [row[0] for row in rows] == [child_execution_id(key, "c0")]
+
+
+async def test_a_waiting_parent_is_handed_back_when_its_instance_stops(
+    database: Database,
+) -> None:
+    """An instance that stops (SIGTERM, serve()'s stop) drains its runs; a parent waiting
+    for children that have not ended must not hold that drain for as long as they take: it
+    is handed back (pending), and the step run again later finds the child it spawned."""
+    async with opened(database, "parent") as parent:
+        work = Work()
+        thread = unique("fan")
+        run = await parent.submit("fan", {"items": ["a"]}, cfg(thread), tenant_id=TENANT)
+        async with serving(parent, {"fan": parent_graph(parent, work)}):
+            # No instance serves "shout": the child stays pending and the parent waits.
+            await eventually(lambda: work.spawned == [True], timeout=20, what="the spawn")
+        # Leaving the block stopped the loop (within serving's 20 s): the waiter was drained.
+        state = await run.state()
+        assert state.status is LeaseStatus.PENDING
+        assert state.holder is None
