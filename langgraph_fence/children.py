@@ -316,6 +316,7 @@ async def _spawn_here(
     from langchain_core.runnables.config import ensure_config
 
     from .checkpoint import FencedCheckpointer
+    from .fail_closed import refuse_unfenced
 
     await _still_held(frame)
     handle = frame._handle
@@ -333,6 +334,7 @@ async def _spawn_here(
             f"the graph of child {key!r} has a checkpointer of its own that is not fenced: "
             "compile it without one (it inherits the root's) or with instance.checkpointer"
         )
+    refuse_unfenced(graph)  # it runs under the root's token: fenced, or refused here
     config = ensure_config()  # the step's config: its checkpointer, namespace and handle
     task = asyncio.ensure_future(graph.ainvoke(input, config))
     return Child(handle.key, key, graph_name, ChildPlacement.PARENT_INSTANCE, True, task)

@@ -34,6 +34,7 @@ from langchain_core.runnables.config import ensure_config
 
 from ._compat import hook_pregel
 from .errors import ExecutionContextUnavailableError
+from .fail_closed import refuse_unfenced
 from .fence import FENCE_CONFIG_KEY
 from .from_thread import run_on_loop, running_loop
 
@@ -60,6 +61,15 @@ def instance_of(graph: Any, config: Mapping[str, Any] | None) -> Instance | None
         if isinstance(configurable, Mapping) and FENCE_CONFIG_KEY in configurable:
             return None
     return saver.instance
+
+
+def _refuse_unfenced_inside(graph: Any, config: Mapping[str, Any] | None) -> None:
+    """A graph called inside a fenced run (a subgraph a node calls, a ``PARENT_INSTANCE``
+    child) runs under the run's token: refused if any of its nodes or tools is not fenced,
+    before its first step, as the run's own graph was (checked once per compiled graph)."""
+    configurable = ensure_config(config).get("configurable")  # type: ignore[arg-type]
+    if isinstance(configurable, Mapping) and FENCE_CONFIG_KEY in configurable:
+        refuse_unfenced(graph)
 
 
 def _call(
@@ -92,6 +102,7 @@ def _astream(original: Callable[..., Any]) -> Callable[..., Any]:
     def astream(self: Any, input: Any, config: Any = None, **kwargs: Any) -> Any:
         instance = instance_of(self, config)
         if instance is None:
+            _refuse_unfenced_inside(self, config)
             return original(self, input, config, **kwargs)
         run_config, ids = _call(instance, self, config)
         return instance.astream(self, input, run_config, **ids, **_options(kwargs))
@@ -138,6 +149,7 @@ def _stream(original: Callable[..., Any]) -> Callable[..., Any]:
     def stream(self: Any, input: Any, config: Any = None, **kwargs: Any) -> Any:
         instance = instance_of(self, config)
         if instance is None:
+            _refuse_unfenced_inside(self, config)
             return original(self, input, config, **kwargs)
         loop = _loop_of(instance, "graph.invoke()/stream()")
         run_config, ids = _call(instance, self, config)

@@ -132,6 +132,35 @@ async def test_an_unfenced_node_is_refused_before_its_first_step(instance: Insta
     assert await nothing_written(instance, graph, config)
 
 
+async def test_an_unfenced_graph_called_inside_a_fenced_node_is_refused_before_it_runs(
+    instance: Instance,
+) -> None:
+    """A subgraph a node calls runs under the run's token: its unfenced nodes would run with
+    no frame and no stamp. Refused at its call, before its first step, naming them."""
+    ran: list[str] = []
+
+    async def inner(state: State) -> State:
+        ran.append("inner")
+        return {"n": 2}
+
+    sub_builder = StateGraph(State)
+    sub_builder.add_node("inner", inner)
+    sub_builder.add_edge(START, "inner")
+    sub = sub_builder.compile(name="sub")
+
+    async def outer(state: State) -> State:
+        ran.append("outer")
+        return await sub.ainvoke(state)
+
+    builder = StateGraph(State)
+    builder.add_node("outer", outer)
+    builder.add_edge(START, "outer")
+    graph = fence_graph(builder).compile(checkpointer=instance.checkpointer, name="outer")
+    with pytest.raises(ValueError, match=r"nodes \['inner'\] are not fenced"):
+        await graph.ainvoke({"n": 0}, thread())
+    assert ran == ["outer"]  # the fenced node ran; the unfenced one never did
+
+
 async def test_an_unfenced_tool_in_a_tool_node_is_refused(instance: Instance) -> None:
     builder = StateGraph(MessagesState)
     builder.add_node("tools", ToolNode([lookup, *fence_tools([send_email])]))
