@@ -10,6 +10,7 @@ its runs at their next superstep boundary and hands them back ``pending``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -25,6 +26,7 @@ from .lease import Lease, LeaseKey, LeaseStatus, validate_max_takeovers
 from .queue import ANNOUNCE_EVERY, fair_order
 from .records import ExecutionHead
 from .redact import failure_reason
+from .retry import is_connection_error
 from .run import DEFAULT_GRAPH_NAME, Run, announce_dead_letter, running
 from .run_config import restore_run, run_allowlist
 from .validate import positive_int, positive_seconds, text_id
@@ -330,6 +332,19 @@ class Server:
             if record is None:
                 raise LookupError(f"the record of execution {taken.scope_key!r} is gone")
         except Exception as exc:
+            if is_connection_error(exc):
+                # A store call, so a connection error is the store's: it blinked (its
+                # retries ran out) and nothing is wrong with the record. Handed back for
+                # the next look (or, if the store is still gone, left to expire): an
+                # infrastructure error is never a dead letter.
+                logger.warning(
+                    "the record of %s could not be read (%s): handed back",
+                    taken.scope_key,
+                    failure_reason(exc),
+                )
+                with contextlib.suppress(Exception):
+                    await instance.repository.release(taken, LeaseStatus.PENDING)
+                return False
             # Ours now (epoch + 1): left as it is, every instance would fail on it, poll
             # after poll. It cannot run anywhere: dead-letter it, saying why.
             reason = failure_reason(exc, prefix="its execution record cannot be loaded: ")

@@ -253,6 +253,39 @@ async def test_a_run_that_died_before_its_first_checkpoint_starts_from_its_input
     assert state.values["log"] == ["input", "prepare by B", "charge at token 2", "finish"]
 
 
+async def test_a_record_the_store_cannot_read_for_a_moment_is_no_dead_letter(
+    leases: Leases,
+) -> None:
+    """Taken over, its record's read fails on a connection error (retries spent): an
+    infrastructure error, not a broken record. Handed back, and the next look runs it to
+    its end (before: dead-lettered for good, "its execution record cannot be loaded")."""
+    shop = Shop(Effect.IDEMPOTENT_WRITE)
+    b = leases.instance("B")
+    key = LeaseKey("acme", unique("order"))
+    assert await leases.store.acquire(key, "A", 30.0) is not None
+    await b.records.record(
+        ExecutionRecord(key, "shop", key.execution_id, {"order": "o", "log": ["input"]})
+    )
+    leases.advance(31.0)
+    read = b.records.get
+    failures: list[str] = []
+
+    async def blinking_get(*args: Any, **kwargs: Any) -> Any:
+        if not failures:  # the fault, injected on purpose: the first read only
+            failures.append("get")
+            raise ConnectionResetError("injected: connection lost")
+        return await read(*args, **kwargs)
+
+    b.records.get = blinking_get  # type: ignore[method-assign]
+    worker.set("B")
+    async with serving(b, {"shop": shop.graph(b)}):
+        await until_status(leases, key, LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED)
+    lease = await leases.store.get(key)
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE, lease.reason
+    assert failures == ["get"]
+
+
 async def test_stop_drains_at_a_superstep_and_hands_the_execution_back(leases: Leases) -> None:
     b, c = leases.instance("B"), leases.instance("C")
     in_step, release = asyncio.Event(), asyncio.Event()
