@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from langchain_core.runnables.config import ensure_config
 
 from ._compat import hook_pregel
+from .context import current_frame
 from .errors import ExecutionContextUnavailableError
 from .fail_closed import refuse_unfenced
 from .fence import FENCE_CONFIG_KEY
@@ -64,9 +65,14 @@ def instance_of(graph: Any, config: Mapping[str, Any] | None) -> Instance | None
 
 
 def _refuse_unfenced_inside(graph: Any, config: Mapping[str, Any] | None) -> None:
-    """A graph called inside a fenced run (a subgraph a node calls, a ``PARENT_INSTANCE``
+    """A graph called inside a fenced step (a subgraph a node calls, a ``PARENT_INSTANCE``
     child) runs under the run's token: refused if any of its nodes or tools is not fenced,
-    before its first step, as the run's own graph was (checked once per compiled graph)."""
+    before its first step, as the run's own graph was (checked once per compiled graph).
+
+    Only inside a step: the run's own graph, called by the instance with the run's config,
+    was checked when the run was prepared."""
+    if current_frame() is None:
+        return
     configurable = ensure_config(config).get("configurable")  # type: ignore[arg-type]
     if isinstance(configurable, Mapping) and FENCE_CONFIG_KEY in configurable:
         refuse_unfenced(graph)
