@@ -309,8 +309,9 @@ class Server:
             f"from {candidate.holder or 'no holder'} at token {candidate.epoch}",
         )
         # The record cannot change under us now: a new run of the key takes a new epoch.
-        # A checkpoint found before the take is there still; none found is read again now
-        # the take fenced the old holder (it may have landed its first one in between).
+        # None found before the take is read again now the take fenced the old holder (it
+        # may have landed its first one in between); a submitted run reads it again below
+        # in any case, for its pin.
         now_latest = latest if latest is not None else await graph.checkpointer.aget_tuple(config)
         from_input = now_latest is None
         submitted = False
@@ -320,7 +321,7 @@ class Server:
             # later taker runs the input again only if the thread is still there.
             if latest is not None:
                 now_latest = await graph.checkpointer.aget_tuple(config)
-            mark_now = "" if now_latest is None else _checkpoint_id(now_latest)
+            mark_now = "" if now_latest is None else _checkpoint_id(now_latest.config)
             pinned = await queue.pin(taken, mark_now)
             if pinned is not None:
                 submitted = True
@@ -404,9 +405,10 @@ class Server:
             logger.warning("resumed run %s ended with an error", taken.scope_key, exc_info=True)
 
 
-def _checkpoint_id(saved: Any) -> str:
-    """The id of a ``CheckpointTuple``'s checkpoint."""
-    return str(saved.config["configurable"]["checkpoint_id"])
+def _checkpoint_id(config: Any) -> str:
+    """The id of the checkpoint a checkpoint config names (``CheckpointTuple.config``,
+    ``.parent_config``)."""
+    return str(config["configurable"]["checkpoint_id"])
 
 
 async def progress_mark(checkpointer: Any, latest: CheckpointTuple | None) -> str | None:
@@ -430,8 +432,8 @@ async def progress_mark(checkpointer: Any, latest: CheckpointTuple | None) -> st
             start = parent
     if start.metadata.get("source") == "input":
         before = start.parent_config
-        return None if before is None else str(before["configurable"]["checkpoint_id"])
-    return str(latest.config["configurable"]["checkpoint_id"])
+        return None if before is None else _checkpoint_id(before)
+    return _checkpoint_id(latest.config)
 
 
 def check_budget(max_takeovers: object) -> int:
