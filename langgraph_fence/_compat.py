@@ -116,6 +116,26 @@ def hook_pregel(hooks: Mapping[str, Callable[[Callable[..., Any]], Callable[...,
         setattr(Pregel, name, replacement)
 
 
+def hook_task_call(make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``langgraph.func._TaskFunction.__call__`` (what calling a ``@task`` runs) with
+    ``make(original)``, once.
+
+    ``_TaskFunction`` is private: a ``@task`` is an instance of it and its ``func`` is the
+    decorated function. The package checks, when a task is called inside a fenced step, that
+    ``func`` went through ``@fenced`` (:func:`langgraph_fence.fail_closed.refuse_unfenced_task`).
+    ``tests/unit/test_compat.py`` checks the class, its ``func`` and that calling a task goes
+    through ``__call__``. If a release renames it, that test fails in CI, not a user's run.
+    """
+    from langgraph.func import _TaskFunction
+
+    current = _TaskFunction.__call__
+    if getattr(current, "__langgraph_fence_hook__", False):
+        return
+    replacement = make(current)
+    replacement.__langgraph_fence_hook__ = True  # type: ignore[attr-defined]
+    _TaskFunction.__call__ = replacement  # type: ignore[method-assign]
+
+
 def tool_node_tools(node: Any) -> dict[str, Any] | None:
     """The ``name -> tool`` dict a ``langgraph.prebuilt.ToolNode`` calls its tools from, or
     ``None`` for anything else.

@@ -20,7 +20,7 @@ from typing import Any
 from ._compat import runnable_callable_type, tool_node_tools
 from .effects import EFFECT_ATTRIBUTE
 
-__all__ = ["refuse_unfenced", "unfenced_parts"]
+__all__ = ["refuse_unfenced", "refuse_unfenced_task", "unfenced_parts"]
 
 _checked: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
@@ -92,3 +92,26 @@ def refuse_unfenced(graph: Any) -> None:
         )
     with contextlib.suppress(TypeError):  # not weakly referenceable: checked every time
         _checked[graph] = True
+
+
+def refuse_unfenced_task(task: Any) -> None:
+    """Refuse a call of the ``@task`` ``task`` made inside a fenced step if the task's
+    function did not go through ``@fenced``: it would run as a step of the run with no frame,
+    no lease check and no stamp (a non-idempotent task repeated after a takeover).
+
+    A task is not a node of the compiled graph, so it cannot be seen before the run's first
+    step; it is refused when it is called, before it runs.
+
+    Raises:
+        ValueError: naming the task and the decorator that fences it.
+    """
+    func = getattr(task, "func", task)
+    if getattr(func, EFFECT_ATTRIBUTE, None) is not None:
+        return
+    name = getattr(func, "__name__", repr(func))
+    raise ValueError(
+        f"task {name!r} was refused before it ran: it is called inside a fenced run but is "
+        "not fenced (it would run with no lease check and no stamp). Stack @fenced under "
+        "@task: @task then @fenced, or @fenced(effect=Effect.NON_IDEMPOTENT_WRITE) for a "
+        "write that must not run twice"
+    )

@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any
 
 from langchain_core.runnables.config import ensure_config
 
-from ._compat import hook_pregel
+from ._compat import hook_pregel, hook_task_call
 from .context import current_frame
 from .errors import ExecutionContextUnavailableError
-from .fail_closed import refuse_unfenced
+from .fail_closed import refuse_unfenced, refuse_unfenced_task
 from .fence import FENCE_CONFIG_KEY
 from .from_thread import run_on_loop, running_loop
 
@@ -249,6 +249,18 @@ def _chunks_from(
 _installed = False
 
 
+def _task_call(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A ``@task`` called inside a fenced step is refused unless it is fenced."""
+
+    @functools.wraps(original)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if current_frame() is not None:
+            refuse_unfenced_task(self)
+        return original(self, *args, **kwargs)
+
+    return call
+
+
 def install() -> None:
     """Hook LangGraph's graph calls (once per process; idempotent)."""
     global _installed
@@ -262,4 +274,5 @@ def install() -> None:
             "update_state": _update_state,
         }
     )
+    hook_task_call(_task_call)
     _installed = True

@@ -130,3 +130,25 @@ async def test_a_non_idempotent_task_stalled_past_its_lease_is_not_repeated(
     assert [c for c in shop.calls if c[0] == "charge"] == [("charge", 1)]
     assert ("notify", 1) not in shop.calls
     assert ("notify", 2) not in shop.calls
+
+
+async def test_an_unfenced_task_is_refused_before_it_runs(leases: Leases) -> None:
+    ran: list[str] = []
+
+    @task
+    async def send_email(to: str) -> str:  # no @fenced: it would run unstamped
+        ran.append(to)
+        return f"sent {to}"
+
+    instance = leases.instance("A")
+
+    @entrypoint(checkpointer=instance.checkpointer)
+    @fenced
+    async def mailer(to: str) -> str:
+        return await send_email(to)
+
+    mailer.name = "mailer"
+    config = thread()
+    with pytest.raises(ValueError, match=r"task 'send_email' was refused.*@fenced"):
+        await mailer.ainvoke("ada@example.com", config)
+    assert ran == []

@@ -199,3 +199,15 @@ def test_a_tool_node_calls_its_tools_from_the_dict_tools_by_name_returns() -> No
     tools["first"] = second
     assert node.tools_by_name["first"] is second
     assert _compat.tool_node_tools(object()) is None
+
+
+def test_a_task_is_called_through_task_function_call_and_keeps_its_function() -> None:
+    from langgraph.func import _TaskFunction, task
+
+    def body(x: int) -> int:
+        return x
+
+    made = task(body)
+    assert isinstance(made, _TaskFunction)
+    assert made.func is body
+    assert "__call__" in vars(_TaskFunction)
