@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypedDict
 
 import pytest
+from langchain_core.callbacks import AsyncCallbackManager, BaseCallbackHandler
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import interrupt
 from sqlalchemy import event
@@ -216,3 +217,36 @@ async def test_an_update_of_the_state_reads_where_the_thread_stands(
     assert lease.status is LeaseStatus.WAITING
     out = await instance.ainvoke(graph, None, config, tenant_id=tenant)
     assert out == {"n": 7}
+
+
+class Seen(BaseCallbackHandler):
+    """A user's callback handler: the names of the runs it hears start."""
+
+    run_inline = True
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def on_chain_start(self, serialized: Any, inputs: Any, **kwargs: Any) -> None:
+        self.names.append(str(kwargs.get("name")))
+
+
+@pytest.mark.parametrize("kind", ["list", "manager"])
+async def test_the_users_callbacks_hear_the_run_as_before(
+    parts: tuple[AsyncEngine, Counting, Instance], kind: str
+) -> None:
+    """The run's own lifecycle handler is added beside the user's callbacks (a list or a
+    manager), for the root graph only: the user's handler still hears every step."""
+    _, saver, instance = parts
+    graph = fence_graph(linear()).compile(checkpointer=instance.checkpointer, name="heard")
+    seen = Seen()
+    callbacks: Any = [seen] if kind == "list" else AsyncCallbackManager([seen], [seen])
+    tenant, thread = unique("acme"), unique("thread")
+    config = {"configurable": {"thread_id": thread}, "callbacks": callbacks}
+    reads = saver.reads
+    assert await instance.ainvoke(graph, {"n": 0}, config, tenant_id=tenant) == {"n": 3}
+    assert {"heard", "a", "b", "c"} <= set(seen.names), seen.names
+    assert saver.reads - reads == 1  # told by LangGraph, not read back
+    lease = await instance.repository.get(LeaseKey(tenant, thread))
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
