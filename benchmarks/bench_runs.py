@@ -3,16 +3,15 @@
     python benchmarks/bench_runs.py [--runs 40] [--pg URL] [--only DB]
 
 What a user pays end to end: ``fenced`` is ``Instance.ainvoke`` of a ``fence_graph`` graph on
-``SqlCheckpointer`` (the record, the lease, the keeper, the node wrappers, the release and
-its state read, every checkpoint guarded); ``sql`` the same graph, unwrapped, on
+``SqlCheckpointer`` (the take: binding, record and lease; the keeper, the node wrappers,
+the release with the outcome, every checkpoint guarded); ``sql`` the same graph, unwrapped, on
 ``SqlCheckpointer`` with no lease; ``official`` ``AsyncSqliteSaver`` / ``AsyncPostgresSaver``;
 ``memory`` ``InMemorySaver``. The graphs, rotation and medians of ``bench_savers.py`` (linear
 10 nodes, fanout 8), durability sync and async, one process, a new thread per run.
 
 Also counts the SQL statements one fenced run sends beyond the unfenced run's (SQLAlchemy's
-``before_cursor_execute`` on the engine: the lease store, the records and the SQLite
-checkpointer; the PostgreSQL checkpointer's raw asyncpg calls are not seen, and are the same
-in both runs).
+``before_cursor_execute`` on the engine: the lease store and the records; the
+checkpointers' raw driver calls are not seen, and are the same in both runs).
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ ended (returned, or the exception it raised), :func:`decide_outcome` says, in th
 4. an infrastructure error (a database connection error anywhere in the chain): the run
    stops as lease-lost and is handed back, never ``failed`` (guarantee 6);
 5. only then the graph's own error: ``failed``, with the error as reason;
-6. a graph that returned: ``done`` or ``waiting``, by the thread's state (read by the
-   caller, the one I/O this decision leaves to it).
+6. a graph that returned: ``done`` or ``waiting``, as the caller learns how it ended
+   (LangGraph's lifecycle callbacks, ``run.GraphEnd``; the thread's state where they
+   cannot tell).
 
 ``run.py`` carries the decision out.
 """

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from langgraph.checkpoint.serde.base import SerializerProtocol
-from sqlalchemy import bindparam, text
+from sqlalchemy import Double, LargeBinary, Text, bindparam, column, table, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .database import check_engine, single_statement, transaction
@@ -264,27 +264,51 @@ EXECUTION_MIGRATIONS = [
     ),
 ]
 
-_COLUMNS = (
-    "(tenant_id, execution_id, graph, thread_id, input_type, input, run_type, run, recorded_at) "
+#: The columns a run's record writes (and a later record of the key replaces), beside its
+#: key; and those a new record clears (what a submitted run before it left).
+RECORDED = ("graph", "thread_id", "input_type", "input", "run_type", "run", "recorded_at")
+CLEARED = ("submitted_at", "input_after", "output_type", "output")
+#: ``fence_executions`` and ``fence_thread_bindings`` for statements built with SQLAlchemy
+#: Core (the take of a run, ``stores/sql.py``); their tables are created by the DDL above.
+EXECUTIONS = table(
+    "fence_executions",
+    column("tenant_id", Text),
+    column("execution_id", Text),
+    *(column(name, Text) for name in ("graph", "thread_id", "input_type", "run_type")),
+    column("input", LargeBinary),
+    column("run", LargeBinary),
+    column("recorded_at", Double),
+    *(column(name, Text) for name in CLEARED),
 )
+BINDINGS = table(
+    "fence_thread_bindings",
+    column("tenant_id", Text),
+    column("thread_id", Text),
+    column("execution_id", Text),
+    column("bound_at", Double),
+)
+
+_COLUMNS = f"(tenant_id, execution_id, {', '.join(RECORDED)}) "
 _VALUES = ":tenant_id, :execution_id, :graph, :thread_id, :input_type, :input, :run_type, :run, :at"
-_ON_CONFLICT = (
-    "ON CONFLICT (tenant_id, execution_id) DO UPDATE SET graph = excluded.graph, "
-    "thread_id = excluded.thread_id, input_type = excluded.input_type, "
-    "input = excluded.input, run_type = excluded.run_type, run = excluded.run, "
-    "recorded_at = excluded.recorded_at, submitted_at = NULL, input_after = NULL, "
-    "output_type = NULL, output = NULL"
+_ON_CONFLICT = "ON CONFLICT (tenant_id, execution_id) DO UPDATE SET " + ", ".join(
+    [f"{name} = excluded.{name}" for name in RECORDED] + [f"{name} = NULL" for name in CLEARED]
 )
-_UPSERT = text(f"INSERT INTO fence_executions {_COLUMNS}VALUES ({_VALUES}) {_ON_CONFLICT}")
+#: Write a run's record (binds: :meth:`SqlExecutionRecords.columns`).
+UPSERT_RECORD = text(f"INSERT INTO fence_executions {_COLUMNS}VALUES ({_VALUES}) {_ON_CONFLICT}")
+#: A submitted run of the execution waits for a worker (pending, its record submitted): new
+#: input is refused while it does (``run.py``). On ``l``, a lease row of the same key.
+SUBMIT_WAITING = (
+    "(l.status = 'pending' AND EXISTS (SELECT 1 FROM fence_executions s "
+    "WHERE s.tenant_id = l.tenant_id AND s.execution_id = l.execution_id "
+    "AND s.submitted_at IS NOT NULL))"
+)
 # The same upsert, skipped while the lease is held by anyone (expired or not: a start that
 # takes an expired lease over writes its record again once it holds it), dead-lettered, or
 # pending with a submitted run (waiting for a worker: run.py refuses the start).
 _NOT_HELD = (
     "NOT EXISTS (SELECT 1 FROM fence_leases l WHERE l.tenant_id = :tenant_id "
     "AND l.execution_id = :execution_id AND ((l.status = 'running' AND l.holder IS NOT NULL) "
-    "OR l.status = 'dead_lettered' OR (l.status = 'pending' AND EXISTS (SELECT 1 FROM "
-    "fence_executions s WHERE s.tenant_id = :tenant_id AND s.execution_id = :execution_id "
-    "AND s.submitted_at IS NOT NULL))))"
+    f"OR l.status = 'dead_lettered' OR {SUBMIT_WAITING}))"
 )
 _UPSERT_UNLESS_HELD = text(
     f"INSERT INTO fence_executions {_COLUMNS}SELECT {_VALUES} WHERE {_NOT_HELD} "
@@ -309,11 +333,12 @@ _FORGET_BINDING = text(
 )
 
 
-_BOUND = text(
+#: The execution id the tenant's thread is bound to, and the binding of a first run.
+BOUND_TO = text(
     "SELECT execution_id FROM fence_thread_bindings "
     "WHERE tenant_id = :tenant_id AND thread_id = :thread_id"
 )
-_BIND = text(
+BIND_THREAD = text(
     "INSERT INTO fence_thread_bindings (tenant_id, thread_id, execution_id, bound_at) "
     "VALUES (:tenant_id, :thread_id, :execution_id, :at) "
     "ON CONFLICT (tenant_id, thread_id) DO NOTHING"
@@ -341,6 +366,11 @@ class SqlExecutionRecords:
         self._writer = single_statement(engine)
         self.serde: SerializerProtocol = serde if serde is not None else safe_serializer()
 
+    @property
+    def engine(self) -> AsyncEngine:
+        """The engine the records are kept through."""
+        return self._engine
+
     async def setup(self) -> None:
         """Create or upgrade the table; safe from several processes at once."""
         await migrate(self._engine, "executions", EXECUTION_MIGRATIONS)
@@ -350,24 +380,29 @@ class SqlExecutionRecords:
 
         The lease table must be on the same database (as :meth:`Instance.open` puts it).
         """
-        input_type, blob = self.serde.dumps_typed(record.input)
-        run_type, run = self.serde.dumps_typed(record.run.as_payload())
         async with self._writer.begin() as conn:
             result = await conn.execute(
-                _UPSERT_UNLESS_HELD if unless_held else _UPSERT,
-                {
-                    "tenant_id": record.key.tenant_id,
-                    "execution_id": record.key.execution_id,
-                    "graph": record.graph,
-                    "thread_id": record.thread_id,
-                    "input_type": input_type,
-                    "input": blob,
-                    "run_type": run_type,
-                    "run": run,
-                    "at": time.time(),
-                },
+                _UPSERT_UNLESS_HELD if unless_held else UPSERT_RECORD, self.columns(record)
             )
             return bool(result.rowcount)
+
+    def columns(self, record: ExecutionRecord) -> dict[str, Any]:
+        """The row of ``record`` (input and run config serialised), keyed by the bind names
+        of the record's upsert: ``tenant_id``, ``execution_id``, each of :data:`RECORDED`
+        (``recorded_at`` as ``at``)."""
+        input_type, blob = self.serde.dumps_typed(record.input)
+        run_type, run = self.serde.dumps_typed(record.run.as_payload())
+        return {
+            "tenant_id": record.key.tenant_id,
+            "execution_id": record.key.execution_id,
+            "graph": record.graph,
+            "thread_id": record.thread_id,
+            "input_type": input_type,
+            "input": blob,
+            "run_type": run_type,
+            "run": run,
+            "at": time.time(),
+        }
 
     async def get(
         self, key: LeaseKey, *, allow: Collection[tuple[str, ...]] = (), with_input: bool = True
@@ -419,14 +454,14 @@ class SqlExecutionRecords:
         transaction (a racing first run's insert conflicts and reads the winner's id)."""
         params = {"tenant_id": key.tenant_id, "thread_id": thread_id}
         async with self._engine.connect() as conn:
-            bound = (await conn.execute(_BOUND, params)).scalar_one_or_none()
+            bound = (await conn.execute(BOUND_TO, params)).scalar_one_or_none()
         if bound is not None:
             return str(bound)
         async with transaction(self._engine) as conn:
             await conn.execute(
-                _BIND, {**params, "execution_id": key.execution_id, "at": time.time()}
+                BIND_THREAD, {**params, "execution_id": key.execution_id, "at": time.time()}
             )
-            bound = (await conn.execute(_BOUND, params)).scalar_one()
+            bound = (await conn.execute(BOUND_TO, params)).scalar_one()
         return str(bound)
 
     async def forget(self, key: LeaseKey, thread_id: str) -> None:

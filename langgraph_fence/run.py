@@ -17,7 +17,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from langchain_core.callbacks import AsyncCallbackManager, BaseCallbackManager
 from langchain_core.runnables import RunnableConfig
+from langgraph.callbacks import GraphCallbackHandler, GraphInterruptEvent
 from langgraph.runtime import RunControl
 from langgraph.types import Command
 
@@ -38,16 +40,17 @@ from .lease import (
     LeaseStatus,
 )
 from .outcome import Settle, decide_outcome
-from .records import ExecutionRecord, check_thread_binding
+from .records import ExecutionRecord, SqlExecutionRecords, check_thread_binding
 from .redact import bounded_reason, failure_reason
 from .retry import FixedWindow, retry_window
 from .run_config import record_run, run_allowlist
+from .stores.sql import SqlLeaseRepository
 from .validate import text_id
 
 if TYPE_CHECKING:
     from .instance import Instance
 
-__all__ = ["DEFAULT_GRAPH_NAME", "Run", "announce_dead_letter", "running"]
+__all__ = ["DEFAULT_GRAPH_NAME", "GraphEnd", "Run", "announce_dead_letter", "running"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +58,66 @@ logger = logging.getLogger(__name__)
 DEFAULT_GRAPH_NAME = "LangGraph"
 
 
+class GraphEnd(GraphCallbackHandler):
+    """How the run's graph ended, as LangGraph tells its lifecycle callbacks: a root graph
+    that ran to its end (``on_chain_end``) and whether it stopped at an interrupt
+    (``on_interrupt``: ``interrupt()`` or a static breakpoint).
+
+    Attached to the run's config for the root graph only (not inherited by its steps), so
+    the run's end is known without reading the thread's state back.
+    """
+
+    run_inline = True  # nothing to hand to a thread: it only notes what it heard
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.returned = False
+        self.interrupted: str | None = None  # the loop's status at the interrupt
+
+    # Only the graph's own start, end and interrupts are of interest.
+    ignore_llm = ignore_retry = ignore_agent = ignore_retriever = True
+    ignore_chat_model = ignore_custom_event = True
+
+    async def on_interrupt(self, event: GraphInterruptEvent) -> None:
+        self.interrupted = event.status
+
+    async def on_chain_end(self, outputs: Any, **kwargs: Any) -> None:
+        self.returned = True
+
+    def status(self) -> LeaseStatus | None:
+        """``done`` or ``waiting`` when the graph said how it ended; ``None`` when only the
+        thread's state can tell (the graph did not run its loop, as ``aupdate_state``; or
+        it stopped after a step with ``interrupt_after``, which LangGraph reports as an
+        interrupt even when no step is left)."""
+        if not self.returned or self.interrupted == "interrupt_after":
+            return None
+        return LeaseStatus.DONE if self.interrupted is None else LeaseStatus.WAITING
+
+    def attach(self, callbacks: Any) -> Any:
+        """``callbacks`` (a run config's) with this handler added for the root graph only;
+        callbacks of an unknown kind are left as they are (the state is read instead)."""
+        if callbacks is None:
+            return AsyncCallbackManager(handlers=[self])
+        if isinstance(callbacks, list):
+            return AsyncCallbackManager(
+                handlers=[*callbacks, self], inheritable_handlers=list(callbacks)
+            )
+        if isinstance(callbacks, BaseCallbackManager):
+            joined = callbacks.copy()
+            joined.add_handler(self, inherit=False)
+            return joined
+        return callbacks
+
+
 @dataclass(slots=True, eq=False)
 class Run:
-    """One run in flight: its config, handle and control."""
+    """One run in flight: its config, handle and control, and how its graph ended."""
 
     config: RunnableConfig
     handle: RunHandle
     control: RunControl
     base_config: RunnableConfig
+    end: GraphEnd
 
 
 @asynccontextmanager
@@ -140,19 +195,7 @@ async def _running(
                     allow=run_allowlist(graph),
                 ),
             )
-        # One thread, one execution: a run under another execution id of the thread's
-        # tenant would hold a lease of its own and fork the thread. Checked before the
-        # record and the lease, so a refused run leaves nothing behind.
-        check_thread_binding(key, thread_id, await instance.records.bind(key, thread_id))
-        # Recorded before the lease is taken: a process that dies after its acquire must
-        # leave a record for the instance that takes the execution over (one that dies
-        # before it leaves no lease, so nothing to take over). Skipped while the lease is
-        # held: a start that is refused must not rewrite the record of the run in flight.
-        if record is not None and await instance.records.record(record, unless_held=True):
-            record = None
-        elif record is not None:
-            await _refuse_a_waiting_submit(instance, key)
-        handle = await acquire(instance, key)
+        handle, record = await take(instance, key, thread_id, record)
     else:
         record = None
         handle = RunHandle(instance.repository, taken, instance.lease_ttl, clock=instance.clock)
@@ -165,7 +208,9 @@ async def _running(
         "tenant_id": key.tenant_id,
         "execution_id": key.execution_id,
     }
-    run = Run(run_config, handle, control, base)  # type: ignore[arg-type]
+    end = GraphEnd()
+    run_config["callbacks"] = end.attach(base.get("callbacks"))
+    run = Run(run_config, handle, control, base, end)  # type: ignore[arg-type]
     events = instance._events
 
     def drain(error: BaseException) -> None:
@@ -258,25 +303,66 @@ def prepare(
     return key, base  # type: ignore[return-value]
 
 
-async def acquire(instance: Instance, key: LeaseKey) -> RunHandle:
-    """Take ``key``'s lease for a new run (the next token); its handle.
+async def take(
+    instance: Instance, key: LeaseKey, thread_id: str, record: ExecutionRecord | None
+) -> tuple[RunHandle, ExecutionRecord | None]:
+    """Start a new run of ``key``: bind the thread, take the lease (the next token), record
+    the run's input; its handle, and the record still to write once it holds the lease
+    (``None``: written).
 
-    A standing non-idempotent stamp dead-letters the execution instead, inside acquire's
-    one statement (``lease.decide_acquire``, the same decision as ``serve()``'s take-over);
-    standing idempotent entries are cleared by that statement too.
+    One thread, one execution: a run under another execution id of the thread's tenant
+    would hold a lease of its own and fork the thread, so it is refused before the lease
+    and the record are written. The record is written with the take (a process that dies
+    after it leaves the record for the instance that takes the execution over), and only
+    when the lease is taken: a refused start never rewrites the record of the run in
+    flight. On the SQL store with its records (``Instance.open``) all of it is one
+    statement on PostgreSQL, one transaction on SQLite (``SqlLeaseRepository.take``).
+
+    A standing non-idempotent stamp dead-letters the execution instead, inside the
+    acquire's statement (``lease.decide_acquire``, the same decision as ``serve()``'s
+    take-over); standing idempotent entries are cleared by that statement too.
 
     Raises:
+        ExecutionThreadBoundError: the tenant's thread belongs to another execution id.
+        ExecutionBusyError: new input while a submitted run of the execution waits.
         ExecutionLeaseHeldError: another live run holds the lease.
         ExecutionEndedError: the execution is dead-lettered.
-        ExecutionDeadLetteredError: this acquire found a non-idempotent stamp standing.
+        ExecutionDeadLetteredError: this take found a non-idempotent stamp standing.
     """
     repository = instance.repository
     sent_at = instance.clock()
+    store = _take_store(instance)
     # Every run may reopen a done or failed execution, whatever its input: new input is a
     # new turn, None or a Command resumes (or replays, or forks) from the checkpoint its
     # config names, as LangGraph does. Either is a new run at the next token; only a
     # dead-lettered execution stays shut (decide_acquire).
-    lease = await repository.acquire(key, instance.instance_id, instance.lease_ttl, reopen=True)
+    if store is not None:
+        assert isinstance(instance.records, SqlExecutionRecords)
+        columns = None if record is None else instance.records.columns(record)
+        for _ in range(_TAKE_TRIES):
+            taken = await store.take(
+                key, instance.instance_id, instance.lease_ttl, thread_id=thread_id, record=columns
+            )
+            if taken.bound is not None:
+                break
+        else:
+            raise ExecutionLeaseHeldError(
+                f"thread {thread_id!r} of tenant {key.tenant_id!r} was bound by another run "
+                f"while this one asked for it, {_TAKE_TRIES} times; try again"
+            )
+        check_thread_binding(key, thread_id, taken.bound)
+        lease = taken.lease
+        if lease is None and record is not None:
+            await _refuse_a_waiting_submit(instance, key)
+        record = None
+    else:
+        check_thread_binding(key, thread_id, await instance.records.bind(key, thread_id))
+        # Skipped while the lease is held (written again once this run holds it).
+        if record is not None and await instance.records.record(record, unless_held=True):
+            record = None
+        elif record is not None:
+            await _refuse_a_waiting_submit(instance, key)
+        lease = await repository.acquire(key, instance.instance_id, instance.lease_ttl, reopen=True)
     if lease is None:
         raise refusal(key, await repository.get(key), instance.instance_id)
     instance._events.emit(EventKind.ACQUIRED, key.scope_key, lease.epoch)
@@ -285,9 +371,28 @@ async def acquire(instance: Instance, key: LeaseKey) -> RunHandle:
         reason = lease.reason or ""
         announce_dead_letter(instance._events, key.scope_key, lease.epoch, reason)
         raise ExecutionDeadLetteredError(f"execution {key.scope_key!r} was dead-lettered: {reason}")
-    return RunHandle(
+    handle = RunHandle(
         repository, lease, instance.lease_ttl, clock=instance.clock, confirmed_from=sent_at
     )
+    return handle, record
+
+
+#: How often a take is sent again when a racing first run bound the thread meanwhile.
+_TAKE_TRIES = 3
+
+
+def _take_store(instance: Instance) -> SqlLeaseRepository | None:
+    """The SQL lease store when the instance's records are in its very engine (the take is
+    then one statement or one transaction); else ``None`` (each part on its own)."""
+    repository = instance.repository
+    records = instance.records
+    if (
+        isinstance(repository, SqlLeaseRepository)
+        and isinstance(records, SqlExecutionRecords)
+        and records.engine is repository.engine
+    ):
+        return repository
+    return None
 
 
 async def _settle(instance: Instance, graph: Any, run: Run, exc: BaseException | None) -> None:
@@ -333,10 +438,12 @@ async def _settle(instance: Instance, graph: Any, run: Run, exc: BaseException |
     if outcome.settle is Settle.FAILED:
         await _release(run, LeaseStatus.FAILED, outcome.reason)
         return
-    # Where the thread stands now: its latest checkpoint, not the one a replay or a fork
-    # named in the config (that one has the steps the run just ran still ahead of it).
-    state = await graph.aget_state(_latest(run.base_config))
-    status = LeaseStatus.WAITING if state.next else LeaseStatus.DONE
+    status = run.end.status()
+    if status is None:
+        # Where the thread stands now: its latest checkpoint, not the one a replay or a
+        # fork named in the config (that one has the steps the run just ran still ahead).
+        state = await graph.aget_state(_latest(run.base_config))
+        status = LeaseStatus.WAITING if state.next else LeaseStatus.DONE
     await _release(run, status, None)
     logger.info(
         "run %s ended %s at token %d",

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import (
     Boolean,
@@ -23,6 +23,7 @@ from sqlalchemy import (
     bindparam,
     case,
     cast,
+    exists,
     func,
     literal,
     literal_column,
@@ -30,6 +31,8 @@ from sqlalchemy import (
     or_,
     select,
     text,
+    true,
+    union_all,
     update,
 )
 from sqlalchemy.dialects import postgresql as pg_dialect
@@ -44,6 +47,7 @@ from ..database import (
     own_pool,
     read_only,
     single_statement,
+    transaction,
 )
 from ..errors import ExecutionFencedError
 from ..guard import guard_sql
@@ -71,9 +75,23 @@ from ..lease import (
 from ..migrations import migrate
 from ..retry import retry_connection_errors
 from ..schema import LEASE_MIGRATIONS, LEASES, STAMP_SQL, effects_from_json, stamp_patch
+from ..validate import text_id
 from .common import check_key, check_lease, check_leases, check_limit
 
-__all__ = ["SqlLeaseRepository"]
+__all__ = ["SqlLeaseRepository", "Taken"]
+
+#: The record's columns :meth:`SqlLeaseRepository.take` binds by name (``recorded_at``
+#: comes as ``at``, ``thread_id`` is the take's own).
+_RECORD_BINDS = ("graph", "input_type", "input", "run_type", "run")
+
+
+class Taken(NamedTuple):
+    """What :meth:`SqlLeaseRepository.take` did: the lease taken (or ``None``) and the
+    execution id the thread is bound to (``None``: take again)."""
+
+    lease: Lease | None
+    bound: str | None
+
 
 _C = LEASES.c
 _RETURNING = (
@@ -132,6 +150,7 @@ class SqlLeaseRepository:
         url = engine.url.render_as_string(hide_password=True)
         self._store_id = f"sql:{url}"
         self._build_statements()
+        self._takes: dict[bool, Any] = {}
 
     @classmethod
     @asynccontextmanager
@@ -179,6 +198,24 @@ class SqlLeaseRepository:
     def _build_statements(self) -> None:
         now = self._now()
         ttl = bindparam("p_ttl", type_=Double)
+        self._acquire = {reopen: self._acquire_upsert(reopen=reopen) for reopen in (False, True)}
+        self._renew = (
+            update(LEASES)
+            .where(_GUARD)
+            .values(expires_at=now + ttl, updated_at=now)
+            .returning(*_RETURNING)
+        )
+        self._build_rest(now, ttl)
+
+    def _acquire_upsert(self, *, reopen: bool, when: Any = None) -> Any:
+        """The acquire: one upsert that decides the next token and the stamps it finds.
+
+        With ``when`` (a condition), the row is offered only where it holds (``INSERT ...
+        SELECT ... WHERE``): nothing is inserted or updated where it does not (the take of
+        a run, :meth:`take`).
+        """
+        now = self._now()
+        ttl = bindparam("p_ttl", type_=Double)
         insert = pg_dialect.insert if self._dialect == "postgresql" else sqlite_dialect.insert
         not_held = or_(
             _C.status != LeaseStatus.RUNNING.value,
@@ -188,54 +225,53 @@ class SqlLeaseRepository:
         )
         terminal = [s.value for s in TERMINAL_STATUSES]
         reopenable = [s.value for s in REOPENABLE_STATUSES]
-        stamps = STAMP_SQL[self._dialect]
         # The take and its verdict on the stamp set are one statement, as in take_over: a
         # non-idempotent entry standing dead-letters the execution (lease.decide_acquire).
         # In ON CONFLICT DO UPDATE, fence_leases.* is the row as it stands.
-        standing = literal_column(stamps["non_idempotent"], Boolean)
-        self._acquire = {}
-        for reopen in (False, True):
-            takeable: ColumnElement[bool] = _C.status.not_in(terminal)
-            if reopen:
-                takeable = or_(takeable, _C.status.in_(reopenable))
-            stmt = insert(LEASES).values(
-                tenant_id=bindparam("p_tenant_id"),
-                execution_id=bindparam("p_execution_id"),
-                scope_key=bindparam("p_scope_key"),
-                epoch=1,
-                holder=bindparam("p_holder"),
-                expires_at=now + ttl,
-                status=LeaseStatus.RUNNING.value,
-                updated_at=now,
-            )
-            self._acquire[reopen] = stmt.on_conflict_do_update(
-                index_elements=[_C.tenant_id, _C.execution_id],
-                set_={
-                    "epoch": _C.epoch + 1,
-                    "holder": case((standing, null()), else_=stmt.excluded.holder),
-                    "expires_at": case((standing, null()), else_=stmt.excluded.expires_at),
-                    "status": case(
-                        (standing, LeaseStatus.DEAD_LETTERED.value),
-                        else_=LeaseStatus.RUNNING.value,
-                    ),
-                    "reason": case(
-                        (standing, self._standing_reason("resumed", stmt.excluded.holder)),
-                        else_=null(),
-                    ),
-                    # Dead-lettered: the set stays for inspection; taken: it is cleared.
-                    "pending_effects": case(
-                        (standing, _C.pending_effects), else_=literal_column("'{}'")
-                    ),
-                    "updated_at": stmt.excluded.updated_at,
-                },
-                where=and_(takeable, not_held),
-            ).returning(*_RETURNING)
-        self._renew = (
-            update(LEASES)
-            .where(_GUARD)
-            .values(expires_at=now + ttl, updated_at=now)
-            .returning(*_RETURNING)
-        )
+        standing = literal_column(STAMP_SQL[self._dialect]["non_idempotent"], Boolean)
+        takeable: ColumnElement[bool] = _C.status.not_in(terminal)
+        if reopen:
+            takeable = or_(takeable, _C.status.in_(reopenable))
+        values: dict[str, Any] = {
+            "tenant_id": bindparam("p_tenant_id", type_=Text),
+            "execution_id": bindparam("p_execution_id", type_=Text),
+            "scope_key": bindparam("p_scope_key", type_=Text),
+            "epoch": literal(1, Integer),
+            "holder": bindparam("p_holder", type_=Text),
+            "expires_at": now + ttl,
+            "status": literal(LeaseStatus.RUNNING.value, Text),
+            "updated_at": now,
+        }
+        if when is None:
+            stmt = insert(LEASES).values(**values)
+        else:
+            offered = select(*(value.label(name) for name, value in values.items())).where(when)
+            stmt = insert(LEASES).from_select(list(values), offered)
+        return stmt.on_conflict_do_update(
+            index_elements=[_C.tenant_id, _C.execution_id],
+            set_={
+                "epoch": _C.epoch + 1,
+                "holder": case((standing, null()), else_=stmt.excluded.holder),
+                "expires_at": case((standing, null()), else_=stmt.excluded.expires_at),
+                "status": case(
+                    (standing, LeaseStatus.DEAD_LETTERED.value),
+                    else_=LeaseStatus.RUNNING.value,
+                ),
+                "reason": case(
+                    (standing, self._standing_reason("resumed", stmt.excluded.holder)),
+                    else_=null(),
+                ),
+                # Dead-lettered: the set stays for inspection; taken: it is cleared.
+                "pending_effects": case(
+                    (standing, _C.pending_effects), else_=literal_column("'{}'")
+                ),
+                "updated_at": stmt.excluded.updated_at,
+            },
+            where=and_(takeable, not_held),
+        ).returning(*_RETURNING)
+
+    def _build_rest(self, now: ColumnElement[float], ttl: Any) -> None:
+        stamps = STAMP_SQL[self._dialect]
         self._renew_many = self._build_renew_many()
         patched = text(stamps["patch"].format(param=":p_patch"))
         status = bindparam("p_status", type_=Text)
@@ -495,24 +531,161 @@ class SqlLeaseRepository:
         rows = await self._read(self._now_stmt, {}, what="now")
         return float(rows[0][0])
 
+    def _acquire_params(
+        self, key: LeaseKey, holder: str, ttl: float, **extra: Any
+    ) -> dict[str, Any]:
+        check_key(key)
+        validate_holder(holder)
+        return self._params(
+            tenant_id=key.tenant_id,
+            execution_id=key.execution_id,
+            scope_key=key.scope_key,
+            holder=holder,
+            ttl=validate_ttl(ttl),
+            **extra,
+        )
+
     async def acquire(
         self, key: LeaseKey, holder: str, ttl: float, *, reopen: bool = False
     ) -> Lease | None:
         """Take the lease (absent: epoch 1; free or expired: epoch + 1), or ``None``: one
         statement, which dead-letters instead while a non-idempotent stamp stands
         (:func:`~langgraph_fence.lease.decide_acquire`)."""
-        check_key(key)
-        validate_holder(holder)
-        params = self._params(
-            tenant_id=key.tenant_id,
-            execution_id=key.execution_id,
-            scope_key=key.scope_key,
-            holder=holder,
-            ttl=validate_ttl(ttl),
-        )
+        params = self._acquire_params(key, holder, ttl)
         # Not repeated (see _one): the caller gets the error; nothing runs.
         row = await self._one(self._acquire[bool(reopen)], params)
         return None if row is None else self._lease(row)
+
+    async def take(
+        self,
+        key: LeaseKey,
+        holder: str,
+        ttl: float,
+        *,
+        thread_id: str,
+        record: Mapping[str, Any] | None = None,
+    ) -> Taken:
+        """Start a run of ``key`` on the tenant's ``thread_id``: one statement on
+        PostgreSQL, one transaction on SQLite.
+
+        Binds the thread to ``key`` unless it is bound; takes the lease (as :meth:`acquire`
+        with ``reopen``) only if the thread is bound to ``key`` and, for a run with a
+        ``record``, no submitted run of the execution waits for a worker; writes ``record``
+        (the columns of :meth:`~langgraph_fence.records.SqlExecutionRecords.columns`) only
+        if the lease was taken, so a refused start never rewrites the record of the run in
+        flight. Not repeated after a connection error (as :meth:`acquire`): the caller gets
+        the error, and a take that landed unheard expires and is taken over with its record.
+
+        Returns:
+            The lease taken (``None``: refused; the caller asks why), and the execution id
+            the thread is bound to (``None`` on PostgreSQL when a racing first run of the
+            thread bound it after this statement began: nothing was written; take again).
+        """
+        text_id("thread_id", thread_id, what="the thread the run is of")
+        params = self._acquire_params(key, holder, ttl, thread_id=thread_id, at=time.time())
+        if record is not None:
+            params.update({f"p_{name}": record[name] for name in _RECORD_BINDS})
+            params["p_recorded_at"] = record["at"]
+        stmt = self._take_statement(with_record=record is not None)
+        if self._dialect == "postgresql":
+            row = await self._one(stmt, params)
+            assert row is not None  # the statement returns one row, taken or not
+            return Taken(None if row.epoch is None else self._lease(row), row.bound)
+        from ..records import BIND_THREAD, BOUND_TO, UPSERT_RECORD
+
+        binding = {"tenant_id": key.tenant_id, "thread_id": thread_id}
+        # BEGIN IMMEDIATE: the write lock from the first statement on, so no other writer
+        # comes between the binding, the lease and the record.
+        async with transaction(self._engine) as conn:
+            await conn.execute(
+                BIND_THREAD, {**binding, "execution_id": key.execution_id, "at": params["p_at"]}
+            )
+            row = (await conn.execute(stmt, params)).first()
+            if row is None:
+                return Taken(None, (await conn.execute(BOUND_TO, binding)).scalar_one())
+            if record is not None:
+                await conn.execute(UPSERT_RECORD, record)
+        return Taken(self._lease(row), key.execution_id)
+
+    def _take_statement(self, *, with_record: bool) -> Any:
+        stmt = self._takes.get(with_record)
+        if stmt is None:
+            stmt = self._takes[with_record] = self._build_take(with_record=with_record)
+        return stmt
+
+    def _build_take(self, *, with_record: bool) -> Any:
+        """The take's lease statement (SQLite: the acquire offered only where the thread is
+        bound to the key), or the whole take as one statement of CTEs (PostgreSQL)."""
+        # Imported here: the records' module loads LangGraph's serializer, which the CLI's
+        # listings (a lease store, no runs) must not.
+        from ..records import BINDINGS, CLEARED, EXECUTIONS, RECORDED, SUBMIT_WAITING
+
+        tenant = bindparam("p_tenant_id", type_=Text)
+        thread = bindparam("p_thread_id", type_=Text)
+        execution = bindparam("p_execution_id", type_=Text)
+        # New input is refused while a submitted run waits (run.py says so with the reason).
+        no_submit_waiting = text(
+            "NOT EXISTS (SELECT 1 FROM fence_leases l WHERE l.tenant_id = :p_tenant_id "
+            f"AND l.execution_id = :p_execution_id AND {SUBMIT_WAITING})"
+        )
+        b = BINDINGS.c
+        if self._dialect == "sqlite":
+            # The binding was written (or found) by the transaction's first statement.
+            when: Any = exists().where(
+                b.tenant_id == tenant, b.thread_id == thread, b.execution_id == execution
+            )
+            if with_record:
+                when = and_(when, no_submit_waiting)
+            return self._acquire_upsert(reopen=True, when=when)
+        # PostgreSQL: every part sees the table as it was when the statement began, and the
+        # parts see each other's rows only through RETURNING. A first run that loses the
+        # race to bind the thread finds no binding at all (its insert met the winner's row,
+        # which its snapshot does not show): it takes nothing and writes nothing.
+        existing = (select(b.execution_id).where(b.tenant_id == tenant, b.thread_id == thread)).cte(
+            "existing"
+        )
+        bind = pg_dialect.insert(BINDINGS).from_select(
+            ["tenant_id", "thread_id", "execution_id", "bound_at"],
+            select(tenant, thread, execution, bindparam("p_at", type_=Double)).where(
+                ~exists(select(existing.c.execution_id))
+            ),
+        )
+        inserted = (
+            bind.on_conflict_do_nothing(index_elements=["tenant_id", "thread_id"])
+            .returning(b.execution_id)
+            .cte("inserted")
+        )
+        binding = union_all(select(existing.c.execution_id), select(inserted.c.execution_id)).cte(
+            "binding"
+        )
+        when = exists(select(binding.c.execution_id).where(binding.c.execution_id == execution))
+        if with_record:
+            when = and_(when, no_submit_waiting)
+        taken = self._acquire_upsert(reopen=True, when=when).cte("taken")
+        one = select(literal(1, Integer).label("one")).subquery("one")
+        stmt = select(
+            select(binding.c.execution_id).limit(1).scalar_subquery().label("bound"),
+            *taken.c,
+        ).select_from(one.outerjoin(taken, true()))
+        if not with_record:
+            return stmt
+        e = EXECUTIONS.c
+        offered = select(
+            tenant,
+            execution,
+            *(bindparam(f"p_{name}", type_=e[name].type) for name in RECORDED),
+        ).where(exists(select(taken.c.epoch)))
+        record = pg_dialect.insert(EXECUTIONS).from_select(
+            ["tenant_id", "execution_id", *RECORDED], offered
+        )
+        upsert = record.on_conflict_do_update(
+            index_elements=["tenant_id", "execution_id"],
+            set_={
+                **{name: record.excluded[name] for name in RECORDED},
+                **dict.fromkeys(CLEARED, null()),
+            },
+        ).returning(e.tenant_id)
+        return stmt.add_cte(upsert.cte("recorded"))
 
     async def _guarded(
         self,

@@ -39,8 +39,10 @@ from langgraph_fence import (
     get_execution_context,
 )
 from langgraph_fence.database import create_engine, schema_options, transaction
+from langgraph_fence.errors import linked_errors
 from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
 from langgraph_fence.instance import Instance
+from langgraph_fence.retry import is_database_connection_error
 from langgraph_fence.sinks import fenced_write, setup_sink
 from tests.chaos.chaos_graphs import CREATE_EFFECTS, State
 from tests.chaos.test_chaos_serve import STARTUP_DEADLINE, Chaos, effects, statuses
@@ -343,5 +345,50 @@ async def test_a_worker_started_while_the_database_is_down_waits_for_it(
         )
         codes = await chaos.shutdown()
         assert codes == {worker.name: 0}, (codes, worker.err.read_text()[-2000:])
+    finally:
+        await proxy.close()
+
+
+async def test_a_start_whose_take_loses_its_connection_is_handed_back_to_its_caller(
+    own_schema: tuple[str, str],
+) -> None:
+    """The take (binding, record and lease in one statement) on a pooled connection the
+    database dropped: the caller gets the connection error, nothing of the start stands
+    (no lease, no record, its slot given back), and the same start runs once it is back."""
+    url, schema = own_schema
+    target = make_url(url)
+    proxy = await CuttableProxy(target.host or "127.0.0.1", target.port or 5432).start()
+    through_proxy = target.set(port=proxy.port).render_as_string(hide_password=False)
+    options = {"engine_options": schema_options(schema), "lease_ttl": 5.0}
+    done = asyncio.Event()
+    done.set()
+    try:
+        async with Instance.open(through_proxy, **options) as instance:
+            await _tables(instance.repository.engine)  # type: ignore[attr-defined]
+            graph = waiting_graph(instance, asyncio.Event(), done)
+            warm = {"configurable": {"thread_id": unique("warm")}}
+            await instance.ainvoke(graph, {"log": []}, warm, tenant_id=TENANT)  # pooled now
+            thread = unique("cut-start")
+            config = {"configurable": {"thread_id": thread}}
+            proxy.cut()  # every pooled connection dies
+            caught: BaseException | None = None
+            try:
+                await asyncio.wait_for(
+                    instance.ainvoke(graph, {"log": []}, config, tenant_id=TENANT), DEADLINE
+                )
+            except Exception as exc:
+                caught = exc
+            assert caught is not None, "the start ran with its connection gone"
+            assert any(is_database_connection_error(e) for e in linked_errors(caught)), caught
+            assert instance._keeper.free == instance._keeper.max_held  # its slot is back
+            proxy.heal()
+            key = LeaseKey(TENANT, thread)
+            assert await instance.repository.get(key) is None
+            assert await instance.records.get(key) is None
+            out = await instance.ainvoke(graph, {"log": []}, config, tenant_id=TENANT)
+            assert out["log"] == ["wait", "charge"]
+            lease = await instance.repository.get(key)
+            assert lease is not None
+            assert (lease.status, lease.epoch) == (LeaseStatus.DONE, 1)
     finally:
         await proxy.close()
