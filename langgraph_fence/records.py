@@ -212,6 +212,34 @@ WHERE NOT EXISTS (SELECT 1 FROM fence_executions n WHERE n.tenant_id = e.tenant_
         OR (n.recorded_at = e.recorded_at AND n.execution_id > e.execution_id)))
 """
 
+# Each submitted run of an execution, in submit order: its own identity (run_id, what a
+# handle names) and its own outcome. ``status`` is ``queued`` (behind the thread's run, its
+# input kept here until a worker promotes it), ``current`` (the execution's run: its state is
+# the lease's, its output the record's), or the end it was retired with (the lease's status
+# and reason, the record's output, copied when the next run of the thread begins).
+_CREATE_RUNS = """
+CREATE TABLE IF NOT EXISTS fence_runs (
+    run_id TEXT NOT NULL PRIMARY KEY,
+    tenant_id TEXT NOT NULL,
+    execution_id TEXT NOT NULL,
+    seq BIGINT NOT NULL,
+    status TEXT NOT NULL,
+    graph TEXT NOT NULL,
+    thread_id TEXT NOT NULL,
+    input_type TEXT NOT NULL,
+    input {binary} NOT NULL,
+    run_type TEXT NOT NULL,
+    run {binary} NOT NULL,
+    submitted_at {double} NOT NULL,
+    epoch BIGINT,
+    reason TEXT,
+    output_type TEXT,
+    output {binary},
+    UNIQUE (tenant_id, execution_id, seq)
+)
+"""
+_RUNS_QUEUED_INDEX = "CREATE INDEX IF NOT EXISTS fence_runs_status ON fence_runs (status)"
+
 EXECUTION_MIGRATIONS = [
     Migration(
         version=1,
@@ -262,6 +290,15 @@ EXECUTION_MIGRATIONS = [
         sqlite=[_CREATE_WORKERS.format(double="REAL")],
         postgresql=[_CREATE_WORKERS.format(double="DOUBLE PRECISION")],
     ),
+    Migration(
+        version=6,
+        description="submitted runs, each with its identity and outcome (on_busy='enqueue')",
+        sqlite=[_CREATE_RUNS.format(binary="BLOB", double="REAL"), _RUNS_QUEUED_INDEX],
+        postgresql=[
+            _CREATE_RUNS.format(binary="BYTEA", double="DOUBLE PRECISION"),
+            _RUNS_QUEUED_INDEX,
+        ],
+    ),
 ]
 
 _COLUMNS = (
@@ -303,6 +340,9 @@ _SELECT_HEADS = text(
 _HEADS_CHUNK = 500
 _FORGET_RECORD = text(
     "DELETE FROM fence_executions WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
+)
+_FORGET_RUNS = text(
+    "DELETE FROM fence_runs WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
 )
 _FORGET_BINDING = text(
     "DELETE FROM fence_thread_bindings WHERE tenant_id = :tenant_id AND thread_id = :thread_id"
@@ -430,11 +470,12 @@ class SqlExecutionRecords:
         return str(bound)
 
     async def forget(self, key: LeaseKey, thread_id: str) -> None:
-        """Delete the record of ``key`` and the binding of ``thread_id`` of its tenant, in
-        one transaction."""
+        """Delete the record of ``key``, its submitted runs (their inputs and outputs) and
+        the binding of ``thread_id`` of its tenant, in one transaction."""
         async with transaction(self._engine) as conn:
             params = {"tenant_id": key.tenant_id}
             await conn.execute(_FORGET_RECORD, {**params, "execution_id": key.execution_id})
+            await conn.execute(_FORGET_RUNS, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_BINDING, {**params, "thread_id": thread_id})
 
     async def heads_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, ExecutionHead]:

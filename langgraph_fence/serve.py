@@ -216,6 +216,11 @@ class Server:
         taken) with the reason, instead of failing the loop.
         """
         instance, graphs, unserved = self.instance, self.graphs, self._unserved
+        queue = instance.queue_or_none()
+        if queue is not None:
+            # A thread whose run ended begins its next queued run (on_busy="enqueue"): it is
+            # then a pending candidate like any submitted run. One read when none is queued.
+            await queue.promote()
         window = free * 4
         while free > 0:
             # A store that cannot be read raises out of here: the loop logs it and backs
