@@ -243,6 +243,15 @@ _RUN_STATE = text(
     "WHERE r.run_id = :run_id AND r.tenant_id = :tenant_id AND r.execution_id = :execution_id"
 )
 
+# Whether submitted runs wait on the thread: a pending submitted run, or queued ones.
+_WAITING = text(
+    "SELECT l.status, e.submitted_at, EXISTS (SELECT 1 FROM fence_runs r WHERE "
+    "r.tenant_id = l.tenant_id AND r.execution_id = l.execution_id AND r.status = 'queued') "
+    "AS queued FROM fence_leases l LEFT JOIN fence_executions e ON e.tenant_id = l.tenant_id "
+    "AND e.execution_id = l.execution_id "
+    "WHERE l.tenant_id = :tenant_id AND l.execution_id = :execution_id"
+)
+
 #: The PostgreSQL channel a submit notifies (the payload: the graph name).
 NOTIFY_CHANNEL = "langgraph_fence_runs"
 _NOTIFY = text(f"SELECT pg_notify('{NOTIFY_CHANNEL}', :graph)")
@@ -566,6 +575,39 @@ class SubmittedRuns:
         if row is None:
             return None
         return (row.graph, row.input_type, bytes(row.input), row.run_type, bytes(row.run or b""))
+
+    async def refuse_beside_waiting(self, key: LeaseKey) -> None:
+        """Refuse a start of the thread (``ainvoke`` with new input, ``None`` or a
+        ``Command``) while submitted runs wait on it (one read).
+
+        A submitted run that is pending (not claimed yet, or handed back) is the thread's
+        run in flight, though no one holds its lease, and a queued one runs after it: a
+        start would take that lease (or run between them), and the submitted input would
+        never run (its ``result()`` would read another run's end).
+
+        Raises:
+            ExecutionBusyError: such runs wait; nothing was written.
+        """
+
+        async def once() -> Any:
+            async with self._engine.connect() as conn:
+                params = {"tenant_id": key.tenant_id, "execution_id": key.execution_id}
+                return (await conn.execute(_WAITING, params)).first()
+
+        row = await retry_connection_errors(once, what="submitted runs of the thread")
+        if row is None:
+            return
+        pending = row.status == LeaseStatus.PENDING.value and row.submitted_at is not None
+        if not pending and not row.queued:
+            return
+        what = "a submitted run waiting for a worker" if pending else "submitted runs queued"
+        raise ExecutionBusyError(
+            f"execution {key.scope_key!r} has {what}: the start is refused, nothing written. "
+            "Wait for it (await instance.get_run(...).result()), or submit the new input "
+            "with on_busy='enqueue' or on_busy='interrupt'",
+            scope_key=key.scope_key,
+            status=row.status,
+        )
 
     # -- the claimer's side
 

@@ -315,13 +315,15 @@ _ON_CONFLICT = (
 _UPSERT = text(f"INSERT INTO fence_executions {_COLUMNS}VALUES ({_VALUES}) {_ON_CONFLICT}")
 # The same upsert, skipped while the lease is held by anyone (expired or not: a start that
 # takes an expired lease over writes its record again once it holds it), dead-lettered, or
-# pending with a submitted run (waiting for a worker: run.py refuses the start).
+# pending with a submitted run (waiting for a worker: run.py refuses the start), or with
+# submitted runs queued on the thread (on_busy="enqueue": they run next, not this start).
 _NOT_HELD = (
     "NOT EXISTS (SELECT 1 FROM fence_leases l WHERE l.tenant_id = :tenant_id "
     "AND l.execution_id = :execution_id AND ((l.status = 'running' AND l.holder IS NOT NULL) "
     "OR l.status = 'dead_lettered' OR (l.status = 'pending' AND EXISTS (SELECT 1 FROM "
     "fence_executions s WHERE s.tenant_id = :tenant_id AND s.execution_id = :execution_id "
-    "AND s.submitted_at IS NOT NULL))))"
+    "AND s.submitted_at IS NOT NULL)) OR EXISTS (SELECT 1 FROM fence_runs q WHERE "
+    "q.tenant_id = :tenant_id AND q.execution_id = :execution_id AND q.status = 'queued')))"
 )
 _UPSERT_UNLESS_HELD = text(
     f"INSERT INTO fence_executions {_COLUMNS}SELECT {_VALUES} WHERE {_NOT_HELD} "

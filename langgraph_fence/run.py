@@ -22,7 +22,6 @@ from langgraph.runtime import RunControl
 from langgraph.types import Command
 
 from .errors import (
-    ExecutionBusyError,
     ExecutionDeadLetteredError,
     ExecutionEndedError,
     ExecutionFencedError,
@@ -150,8 +149,11 @@ async def _running(
         # held: a start that is refused must not rewrite the record of the run in flight.
         if record is not None and await instance.records.record(record, unless_held=True):
             record = None
-        elif record is not None:
-            await _refuse_a_waiting_submit(instance, key)
+        else:
+            # Not written (held, dead-lettered, or submitted runs waiting), or a resume
+            # (None, a Command), which writes no record: one read says whether submitted
+            # runs wait on the thread, before the acquire would take their pending lease.
+            await _refuse_beside_waiting_submits(instance, key)
         handle = await acquire(instance, key)
     else:
         record = None
@@ -404,28 +406,12 @@ def announce_dead_letter(events: Listeners, scope_key: str, token: int, reason: 
     )
 
 
-async def _refuse_a_waiting_submit(instance: Instance, key: LeaseKey) -> None:
-    """Refuse new input while the thread's submitted run waits for a worker.
-
-    A submitted run that is pending (not claimed yet, or handed back) is the thread's run in
-    flight, though no one holds its lease: a start with new input would take that lease and
-    its input would never run (its ``result()`` would read another run's end). Refused as a
-    submit with ``on_busy="reject"`` is, with nothing written. Read only when the record was
-    not written (held, dead-lettered, or such a run): off the path of an ordinary start.
-    """
+async def _refuse_beside_waiting_submits(instance: Instance, key: LeaseKey) -> None:
+    """Refuse a start while submitted runs wait on the thread (``ExecutionBusyError``,
+    :mod:`langgraph_fence.queue`); nothing to refuse where there is no queue (no SQL)."""
     queue = instance.queue_or_none()
-    found = None if queue is None else await queue.state(key)
-    if found is None:
-        return
-    state = found[0]
-    if state.submitted and state.status is LeaseStatus.PENDING:
-        raise ExecutionBusyError(
-            f"execution {key.scope_key!r} has a submitted run waiting for a worker: new "
-            "input refused, nothing written. Wait for it (await instance.get_run(...)"
-            ".result()), or submit the new input with on_busy='interrupt'",
-            scope_key=key.scope_key,
-            status=state.status.value,
-        )
+    if queue is not None:
+        await queue.refuse_beside_waiting(key)
 
 
 def recorded_graph_name(graph: Any, graph_name: str | None) -> str:

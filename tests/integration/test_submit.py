@@ -424,3 +424,44 @@ async def test_a_worker_gone_between_queued_runs_loses_and_repeats_none(
         assert [text for _, text in work.started] == ["r0", "r1", "r2"]
         outputs = [(await run.result(timeout=5))["out"] for run in runs]
         assert outputs == ["R0", "R1", "R2"]
+
+
+async def test_a_resume_beside_waiting_submitted_runs_is_refused(database: Database) -> None:
+    """A resume (``None``, or a ``Command``) of a thread whose submitted run waits for a
+    worker is refused, nothing written (before: it took the run's pending lease); and any
+    start is refused while submitted runs are queued on the thread, its last run ended."""
+    from langgraph.types import Command
+
+    from langgraph_fence.serve import Server
+
+    async with opened(database, "client") as client, opened(database, "worker") as worker:
+        work = Work()
+        thread = unique("t")
+        graph = build(client, work)
+        run = await client.submit("shout", {"text": "queued"}, cfg(thread), tenant_id="a")
+        queue = client._run_queue()
+        before = (await rows(client), await run.state())
+        for resume in (None, Command(resume="go")):
+            with pytest.raises(ExecutionBusyError, match="waiting for a worker"):
+                await client.ainvoke(graph, resume, cfg(thread), tenant_id="a")
+            assert (await rows(client), await run.state()) == before
+        # Its last run ended and one is queued: a start runs after it, or not at all.
+        later = await client.submit(
+            "shout", {"text": "later"}, cfg(thread), tenant_id="a", on_busy="enqueue"
+        )
+        graphs = {"shout": build(worker, work)}
+        look = Server(worker, graphs, concurrency=1, poll_interval=0.02, max_takeovers=3, kwargs={})
+        await look.take_work(1)  # the first run only: it is pending, the next still queued
+        await asyncio.wait_for(asyncio.gather(*look.running), 20)
+        assert (await run.state()).status is LeaseStatus.DONE
+        assert (await later.state()).queued
+        before = (await rows(client), await run.state())
+        for start in ({"text": "now"}, None):
+            with pytest.raises(ExecutionBusyError, match="queued"):
+                await client.ainvoke(graph, start, cfg(thread), tenant_id="a")
+            assert (await rows(client), await run.state()) == before
+        assert await queue.promote() == 1
+        async with serving(worker, graphs):
+            assert (await later.result(timeout=20))["out"] == "LATER"
+        assert await run.result(timeout=5) == {"text": "queued", "out": "QUEUED"}
+        assert [text for _, text in work.started] == ["queued", "later"]
