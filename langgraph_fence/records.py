@@ -58,7 +58,8 @@ class ExecutionRecord:
 
 @dataclass(frozen=True, slots=True)
 class ExecutionHead:
-    """What a worker reads of a record before it takes the execution: graph and thread.
+    """What a worker reads of a record before it takes the execution: graph, thread, and
+    whether it is a submitted run (whose claim pins the checkpoint its input follows).
 
     Never the input: that is decoded only when a run needs it, by an instance serving
     ``graph``.
@@ -66,6 +67,7 @@ class ExecutionHead:
 
     graph: str
     thread_id: str
+    submitted: bool = False
 
 
 class ExecutionRecords(Protocol):
@@ -336,7 +338,7 @@ _SELECT = text(
 # By execution id only (one expanding parameter on both dialects); the tenant is matched
 # on the rows that come back.
 _SELECT_HEADS = text(
-    "SELECT tenant_id, execution_id, graph, thread_id FROM fence_executions "
+    "SELECT tenant_id, execution_id, graph, thread_id, submitted_at FROM fence_executions "
     "WHERE execution_id IN :ids"
 ).bindparams(bindparam("ids", expanding=True))
 _HEADS_CHUNK = 500
@@ -494,7 +496,8 @@ class SqlExecutionRecords:
                     for row in await conn.execute(_SELECT_HEADS, {"ids": chunk}):
                         key = LeaseKey(row.tenant_id, row.execution_id)
                         if key in wanted:
-                            found[key] = ExecutionHead(row.graph, row.thread_id)
+                            submitted = row.submitted_at is not None
+                            found[key] = ExecutionHead(row.graph, row.thread_id, submitted)
             return found
 
         return await retry_connection_errors(read, what="execution heads read")

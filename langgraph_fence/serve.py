@@ -321,7 +321,9 @@ class Server:
         from_input = now_latest is None
         submitted = False
         queue = instance.queue_or_none()
-        if queue is not None:
+        # Only a submitted run (its head says so: read with it, no statement more) pays for
+        # the pin: a takeover of a run started by ainvoke reads and writes nothing for it.
+        if queue is not None and head.submitted:
             # A submitted run: the first claimer pins the checkpoint its input follows; a
             # later taker runs the input again only if the thread is still there.
             if latest is not None:
