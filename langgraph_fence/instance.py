@@ -525,7 +525,7 @@ class Instance:
                     "database (every worker reads the queue there): open the instance with "
                     "Instance.open('sqlite+aiosqlite:///...' or 'postgresql+asyncpg://...')"
                 )
-            self._queue = SubmittedRuns(store.engine, self.records.serde)
+            self._queue = SubmittedRuns(store, self.records.serde)
         return self._queue
 
     # -- taking executions over

@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 
     from .fence import RunHandle
     from .run_config import RecordedRun
+    from .stores.sql import SqlLeaseRepository
 
 logger = logging.getLogger(__name__)
 
@@ -100,33 +101,45 @@ _HELD_HERE = (
     "EXISTS (SELECT 1 FROM fence_leases l WHERE l.tenant_id = fence_executions.tenant_id "
     f"AND l.execution_id = fence_executions.execution_id AND {_HELD})"
 )
-# A new key: pending at epoch 0 with no holder (the first claim takes epoch 1).
-_INSERT_PENDING = text(
-    "INSERT INTO fence_leases (tenant_id, execution_id, scope_key, epoch, holder, expires_at, "
-    "status, pending_effects, reason, updated_at, takeovers, progress_mark) VALUES "
-    "(:tenant_id, :execution_id, :scope_key, 0, NULL, NULL, 'pending', '{}', NULL, :at, 0, "
-    "NULL) ON CONFLICT (tenant_id, execution_id) DO NOTHING RETURNING epoch"
-)
 _LEASE = "SELECT status, holder, epoch, reason FROM fence_leases WHERE " + _KEY
-# A new turn of an execution that is not busy: pending again at the same epoch (the claim
-# takes the next one). The stamp set stays: the take decides it, as for every take.
-_REPEND = text(
-    "UPDATE fence_leases SET status = 'pending', holder = NULL, expires_at = NULL, "
-    "reason = NULL, updated_at = :at WHERE " + _KEY + " AND epoch = :epoch"
-)
-# The run in flight is fenced: its epoch moves on, so none of its writes lands again.
-_FENCE = (
-    "UPDATE fence_leases SET epoch = epoch + 1, holder = NULL, expires_at = NULL, "
-    "status = :status, reason = :reason, updated_at = :at WHERE " + _KEY
-)
-_INTERRUPT = text(_FENCE + " AND epoch = :epoch")
-_CANCEL = text(_FENCE + " AND status IN ('pending', 'running') RETURNING epoch")
-# A parent's children that no worker claimed yet (pending, no holder) never start.
-_CANCEL_CHILDREN = text(
-    "UPDATE fence_leases SET epoch = epoch + 1, status = 'failed', reason = :reason, "
-    "updated_at = :at WHERE tenant_id = :tenant_id AND status = 'pending' AND holder IS NULL "
-    "AND substr(execution_id, 1, :length) = :prefix"
-)
+
+
+class _LeaseWrites:
+    """The queue's writes of lease rows, stamped with the lease store's clock (its
+    ``now_sql``: ``now()`` on PostgreSQL, or the store's injected clock), as every other
+    lease write is; never the submitting process's clock."""
+
+    def __init__(self, now: str) -> None:
+        # A new key: pending at epoch 0 with no holder (the first claim takes epoch 1).
+        self.insert_pending = text(
+            "INSERT INTO fence_leases (tenant_id, execution_id, scope_key, epoch, holder, "
+            "expires_at, status, pending_effects, reason, updated_at, takeovers, "
+            "progress_mark) VALUES (:tenant_id, :execution_id, :scope_key, 0, NULL, NULL, "
+            f"'pending', '{{}}', NULL, {now}, 0, NULL) ON CONFLICT (tenant_id, execution_id) "
+            "DO NOTHING RETURNING epoch"
+        )
+        # A new turn of an execution that is not busy: pending again at the same epoch (the
+        # claim takes the next one). The stamp set stays: the take decides it, as for every
+        # take.
+        self.repend = text(
+            "UPDATE fence_leases SET status = 'pending', holder = NULL, expires_at = NULL, "
+            f"reason = NULL, updated_at = {now} WHERE " + _KEY + " AND epoch = :epoch"
+        )
+        # The run in flight is fenced: its epoch moves on, so none of its writes lands again.
+        fence = (
+            "UPDATE fence_leases SET epoch = epoch + 1, holder = NULL, expires_at = NULL, "
+            f"status = :status, reason = :reason, updated_at = {now} WHERE " + _KEY
+        )
+        self.interrupt = text(fence + " AND epoch = :epoch")
+        self.cancel = text(fence + " AND status IN ('pending', 'running') RETURNING epoch")
+        # A parent's children that no worker claimed yet (pending, no holder) never start.
+        self.cancel_children = text(
+            "UPDATE fence_leases SET epoch = epoch + 1, status = 'failed', reason = :reason, "
+            f"updated_at = {now} WHERE tenant_id = :tenant_id AND status = 'pending' "
+            "AND holder IS NULL AND substr(execution_id, 1, :length) = :prefix"
+        )
+
+
 _RECORDED = text(
     "SELECT graph, input_type, input, run_type, run FROM fence_executions WHERE " + _KEY
 )
@@ -307,7 +320,10 @@ class SubmittedRuns:
         serde: the serializer of the recorded inputs and the outputs (the records' one).
     """
 
-    def __init__(self, engine: AsyncEngine, serde: SerializerProtocol) -> None:
+    def __init__(self, store: SqlLeaseRepository, serde: SerializerProtocol) -> None:
+        engine = store.engine
+        self._store = store
+        self._leases = _LeaseWrites(store.now_sql)
         self._engine = engine
         self._writer = single_statement(engine)
         self._pg = dialect_of(engine) == "postgresql"
@@ -418,7 +434,8 @@ class SubmittedRuns:
         async def once() -> str | None:
             async with transaction(self._engine) as conn:
                 created = await conn.execute(
-                    _INSERT_PENDING, {**params, "scope_key": key.scope_key, "at": at}
+                    self._leases.insert_pending,
+                    {**params, "scope_key": key.scope_key, **self._store.now_params()},
                 )
                 if created.first() is None:
                     lease = (await conn.execute(text(_LEASE + self._lock), params)).one()
@@ -445,15 +462,16 @@ class SubmittedRuns:
                         await conn.execute(
                             _RUN_ENDS, {**params, "status": "failed", "reason": reason}
                         )
-                        interrupt = {**params, "epoch": lease.epoch, "at": at}
+                        interrupt = {**params, "epoch": lease.epoch, **self._store.now_params()}
                         await conn.execute(
-                            _INTERRUPT, {**interrupt, "status": "pending", "reason": reason}
+                            self._leases.interrupt,
+                            {**interrupt, "status": "pending", "reason": reason},
                         )
                     else:
                         # The thread's last run ended: it keeps its end, this one begins
                         # (before any queued one, for an interrupt).
                         await conn.execute(_RUN_ENDS, {**params, "status": None, "reason": None})
-                        await conn.execute(_REPEND, {**params, "epoch": lease.epoch, "at": at})
+                        await self._repend(conn, params, lease.epoch)
                 await conn.execute(_ADD_RUN, {**row, "status": "current"})
                 if self._pg:
                     # Delivered on commit: a waiting serve() looks at once.
@@ -480,6 +498,11 @@ class SubmittedRuns:
                 began += 1
         return began
 
+    async def _repend(self, conn: AsyncConnection, params: Mapping[str, str], epoch: int) -> None:
+        """The execution's next run is pending at ``epoch`` (the claim takes the next)."""
+        now = self._store.now_params()
+        await conn.execute(self._leases.repend, {**params, "epoch": epoch, **now})
+
     async def _promote(self, key: LeaseKey) -> bool:
         params = {"tenant_id": key.tenant_id, "execution_id": key.execution_id}
         at = time.time()
@@ -501,7 +524,7 @@ class SubmittedRuns:
                 "run": queued.run,
             }
             await conn.execute(_SUBMIT_RECORD, {**params, **record, "at": at})
-            await conn.execute(_REPEND, {**params, "epoch": lease.epoch, "at": at})
+            await self._repend(conn, params, lease.epoch)
             return True
 
     async def submit_child(
@@ -538,7 +561,8 @@ class SubmittedRuns:
                 if (await conn.execute(text(_PARENT_HELD + self._lock), held)).first() is None:
                     return None
                 created = await conn.execute(
-                    _INSERT_PENDING, {**params, "scope_key": key.scope_key, "at": at}
+                    self._leases.insert_pending,
+                    {**params, "scope_key": key.scope_key, **self._store.now_params()},
                 )
                 if created.first() is None:
                     return False
@@ -750,7 +774,6 @@ class SubmittedRuns:
             "execution_id": key.execution_id,
             "status": LeaseStatus.FAILED.value,
             "reason": reason,
-            "at": time.time(),
         }
         # A child's id is its parent's scope key, ':', and its key (children.py).
         prefix = key.scope_key + ":"
@@ -759,7 +782,6 @@ class SubmittedRuns:
             "prefix": prefix,
             "length": len(prefix),
             "reason": f"its parent {key.scope_key!r} was cancelled before it started",
-            "at": params["at"],
         }
 
         async def once() -> bool:
@@ -774,9 +796,11 @@ class SubmittedRuns:
                         return bool((await conn.execute(_CANCEL_QUEUED, queued)).rowcount)
                     if status != "current":
                         return False  # it ended already
-                cancelled = (await conn.execute(_CANCEL, params)).first() is not None
+                now = self._store.now_params()
+                cancel = self._leases.cancel
+                cancelled = (await conn.execute(cancel, {**params, **now})).first() is not None
                 if cancelled:
-                    await conn.execute(_CANCEL_CHILDREN, children)
+                    await conn.execute(self._leases.cancel_children, {**children, **now})
                 return cancelled
 
         return await retry_connection_errors(once, what="cancel")

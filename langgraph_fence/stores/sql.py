@@ -425,14 +425,23 @@ class SqlLeaseRepository:
             .returning(*_RETURNING)
         )
 
+    @property
+    def now_sql(self) -> str:
+        """The store's clock as SQL text, for a textual statement on ``fence_leases`` (this
+        store's renewals, the run queue's lease writes); bind :meth:`now_params` with it."""
+        if self._clock is not None:
+            return "CAST(:p_now AS DOUBLE PRECISION)"
+        return "CAST(EXTRACT(epoch FROM now()) AS DOUBLE PRECISION)"
+
+    def now_params(self) -> dict[str, float]:
+        """The parameters :attr:`now_sql` needs now (none for the database's own clock)."""
+        return {} if self._clock is None else {"p_now": self._clock()}
+
     def _build_renew_many(self) -> Any:
         """Renew many holds in one statement: the leases come as one JSON parameter (the
         same statement text for any number, so it is compiled and prepared once), each row
         guarded by :func:`~langgraph_fence.guard.guard_sql` against its own hold."""
-        if self._clock is not None:
-            now = "CAST(:p_now AS DOUBLE PRECISION)"
-        else:
-            now = "CAST(EXTRACT(epoch FROM now()) AS DOUBLE PRECISION)"
+        now = self.now_sql
         if self._dialect == "postgresql":
             columns = "t text, e text, h text, ep bigint"
             holds = f"jsonb_to_recordset(CAST(:p_leases AS jsonb)) AS v({columns})"

@@ -28,6 +28,7 @@ from langgraph_fence import (
     RunFailedError,
     fence_graph,
 )
+from langgraph_fence.testing import Leases
 from tests.chaos.write_steps import Database
 from tests.conftest import pg_engine_options, unique
 from tests.polling import eventually
@@ -465,3 +466,31 @@ async def test_a_resume_beside_waiting_submitted_runs_is_refused(database: Datab
             assert (await later.result(timeout=20))["out"] == "LATER"
         assert await run.result(timeout=5) == {"text": "queued", "out": "QUEUED"}
         assert [text for _, text in work.started] == ["queued", "later"]
+
+
+async def test_the_queues_lease_writes_use_the_stores_clock(leases: Leases) -> None:
+    """A submit, an interrupt and a cancel stamp the lease row by the lease store's clock
+    (here the ``leases`` fixture's ManualClock), as every other lease write does, never the
+    submitting process's ``time.time()``: the claim order by age reads one clock."""
+    client = leases.instance("client")
+    thread = unique("t")
+    key = LeaseKey("a", thread)
+
+    async def updated_at() -> float:
+        async with leases.engine.connect() as conn:
+            row = await conn.execute(
+                text("SELECT updated_at FROM fence_leases WHERE execution_id = :e"), {"e": thread}
+            )
+            return float(row.scalar_one())
+
+    await client.submit("shout", {"text": "one"}, cfg(thread), tenant_id="a")
+    assert await updated_at() == leases.clock()
+    leases.advance(5.0)
+    await client.submit("shout", {"text": "two"}, cfg(thread), tenant_id="a", on_busy="interrupt")
+    assert await updated_at() == leases.clock()
+    leases.advance(5.0)
+    assert await client.get_run(thread, tenant_id="a").cancel()
+    assert await updated_at() == leases.clock()
+    lease = await leases.store.get(key)
+    assert lease is not None
+    assert lease.status is LeaseStatus.FAILED
