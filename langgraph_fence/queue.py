@@ -42,7 +42,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from functools import partial
@@ -79,7 +79,6 @@ __all__ = [
     "RunState",
     "SubmittedRun",
     "SubmittedRuns",
-    "fair_order",
     "list_runs",
     "served_graphs",
 ]
@@ -1011,26 +1010,6 @@ def _run_state(row: Any) -> RunState:
         row.reason,
         row.expires_at,
     )
-
-
-def fair_order(candidates: Sequence[Lease], after_tenant: str | None) -> list[Lease]:
-    """``candidates`` in the order a worker claims them: round-robin by tenant.
-
-    Each tenant's first candidate (in the given order: its oldest), then each one's second,
-    and so on; among the tenants at one rank, those after ``after_tenant`` (the tenant this
-    worker claimed for last) come first, in tenant order, then the rest. So one tenant's
-    burst does not starve the others, even one claim per look. The store's candidate query
-    ranks the same way, so a window of candidates holds every waiting tenant's oldest.
-    """
-    seen: dict[str, int] = {}
-    ranked = []
-    for index, lease in enumerate(candidates):
-        tenant = lease.key.tenant_id
-        rank = seen[tenant] = seen.get(tenant, -1) + 1
-        wrapped = after_tenant is not None and tenant <= after_tenant
-        ranked.append(((rank, wrapped, tenant, index), lease))
-    ranked.sort(key=lambda pair: pair[0])
-    return [lease for _, lease in ranked]
 
 
 def _busy(key: LeaseKey, status: str, holder: str | None, queued: int) -> ExecutionBusyError:

@@ -59,6 +59,7 @@ from ..lease import (
     decide_abandon,
     decide_dead_letter,
     decide_retry,
+    fair_order,
     fenced_error,
     release_status,
     validate_effect_keys,
@@ -666,11 +667,14 @@ class SqlLeaseRepository:
             raise KeyError(f"no lease for execution {key.scope_key!r}")
         return self._lease(row)
 
-    async def takeover_candidates(self, limit: int = 100) -> Sequence[Lease]:
-        """Leases any instance may take now: running and expired, or pending and free."""
+    async def takeover_candidates(
+        self, limit: int = 100, *, after_tenant: str | None = None
+    ) -> Sequence[Lease]:
+        """Leases any instance may take now, in claim order from ``after_tenant`` (one read:
+        the window; the order within it is :func:`~langgraph_fence.lease.fair_order`)."""
         check_limit(limit)
         rows = await self._read(self._candidates, self._params(limit=limit), what="candidates")
-        return [self._lease(row) for row in rows]
+        return fair_order([self._lease(row) for row in rows], after_tenant)
 
     async def take_over(
         self,

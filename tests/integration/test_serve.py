@@ -197,8 +197,8 @@ async def test_a_run_renewed_between_the_candidate_query_and_the_take_is_skipped
     real_candidates = b.repository.takeover_candidates
     polls: list[int] = []
 
-    async def candidates_then_renew(limit: int = 100) -> Any:
-        found = await real_candidates(limit)
+    async def candidates_then_renew(limit: int = 100, **order: Any) -> Any:
+        found = await real_candidates(limit, **order)
         polls.append(len(found))
         if not fault.renewed:
             await fault()
