@@ -850,10 +850,11 @@ async def _runs(args: argparse.Namespace) -> int:
             "execution_id": r.key.execution_id,
             "graph": r.graph,
             "thread_id": r.thread_id,
-            "status": r.status.value,
+            "status": "queued" if r.queued else r.status.value,
             "holder": r.holder,
             "epoch": r.epoch,
             "submitted": r.submitted,
+            "run_id": r.run_id,
             "served_by": served.get(r.graph or "", []),
             "unserved": r.holder is None and not served.get(r.graph or ""),
         }
@@ -866,7 +867,7 @@ async def _runs(args: argparse.Namespace) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title="pending and running executions")
+    table = Table(title="pending and running executions, and the runs queued behind them")
     table.add_column("scope key", overflow="fold")
     for column in ("graph", "thread", "status", "worker", "token", "served by"):
         table.add_column(column, overflow="fold")

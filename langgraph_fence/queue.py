@@ -239,6 +239,13 @@ _PROMOTABLE = text(
     "ON l.tenant_id = r.tenant_id AND l.execution_id = r.execution_id "
     "WHERE r.status = 'queued' AND l.status IN ('done', 'waiting', 'failed') LIMIT :limit"
 )
+# The runs queued behind their thread's run, oldest submit first.
+_QUEUED_RUNS = text(
+    "SELECT r.tenant_id, r.execution_id, r.run_id, r.graph, r.thread_id, l.epoch "
+    "FROM fence_runs r JOIN fence_leases l ON l.tenant_id = r.tenant_id "
+    "AND l.execution_id = r.execution_id WHERE r.status = 'queued' "
+    "ORDER BY r.submitted_at, r.seq LIMIT :limit"
+)
 _RUN_STATUS = text("SELECT status FROM fence_runs WHERE run_id = :run_id")
 _CANCEL_QUEUED = text(
     "UPDATE fence_runs SET status = 'failed', reason = :reason "
@@ -871,14 +878,30 @@ class SubmittedRuns:
 
 async def list_runs(engine: AsyncEngine, limit: int = 1000) -> list[RunState]:
     """Every pending and running execution on ``engine``'s database that has a record
-    (with its worker), oldest first."""
+    (with its worker), oldest first; then the submitted runs queued behind them
+    (``queued``, status ``pending``), oldest submit first (up to ``limit`` of each)."""
 
-    async def once() -> list[Any]:
+    async def once() -> tuple[list[Any], list[Any]]:
         async with engine.connect() as conn:
-            return list(await conn.execute(_RUNS, {"limit": limit}))
+            in_flight = list(await conn.execute(_RUNS, {"limit": limit}))
+            return in_flight, list(await conn.execute(_QUEUED_RUNS, {"limit": limit}))
 
-    rows = await retry_connection_errors(once, what="runs")
-    return [_run_state(row) for row in rows]
+    rows, queued = await retry_connection_errors(once, what="runs")
+    waiting = [
+        RunState(
+            LeaseKey(row.tenant_id, row.execution_id),
+            LeaseStatus.PENDING,
+            None,
+            int(row.epoch),
+            row.graph,
+            row.thread_id,
+            True,
+            run_id=row.run_id,
+            queued=True,
+        )
+        for row in queued
+    ]
+    return [_run_state(row) for row in rows] + waiting
 
 
 async def served_graphs(engine: AsyncEngine) -> dict[str, list[str]]:
