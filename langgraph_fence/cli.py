@@ -257,8 +257,9 @@ def _parser() -> argparse.ArgumentParser:
         "and any worker serving the graph (`langgraph-fence worker`) claims it at the next "
         "token. The same input again while it is pending or running is the same run "
         "(nothing written); other input is refused (exit status 3) unless --on-busy "
-        "interrupt, which fences the run in flight and runs this input next. A graph no "
-        "worker serves is accepted: `langgraph-fence runs` shows it unserved.",
+        "enqueue, which runs this input after the thread's runs before it, in order, or "
+        "--on-busy interrupt, which fences the run in flight and runs this input next. A "
+        "graph no worker serves is accepted: `langgraph-fence runs` shows it unserved.",
     )
     _database_options(submit)
     submit.add_argument("--graph", required=True, help="the graph name a worker serves")
@@ -275,8 +276,9 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument(
         "--on-busy",
         default="reject",
-        choices=("reject", "interrupt"),
-        help="what to do when the thread's run is pending or running (default: reject)",
+        choices=("reject", "enqueue", "interrupt"),  # queue.ON_BUSY (not imported at start-up)
+        help="what to do when the thread's run is pending or running, or runs are queued "
+        "on it (default: reject)",
     )
     submit.add_argument(
         "--wait",
@@ -814,8 +816,9 @@ async def _submit(args: argparse.Namespace) -> int:
         state = await run.state()
         if args.wait is None:
             Console().print(
-                f"submitted {run.scope_key} (graph {args.graph}, thread {args.thread}): "
-                f"{state.status.value} at token {state.epoch}",
+                f"submitted {run.scope_key} (graph {args.graph}, thread {args.thread}, run "
+                f"{run.run_id}): {'queued' if state.queued else state.status.value} at token "
+                f"{state.epoch}",
                 markup=False,
                 highlight=False,
                 soft_wrap=True,
@@ -847,10 +850,11 @@ async def _runs(args: argparse.Namespace) -> int:
             "execution_id": r.key.execution_id,
             "graph": r.graph,
             "thread_id": r.thread_id,
-            "status": r.status.value,
+            "status": "queued" if r.queued else r.status.value,
             "holder": r.holder,
             "epoch": r.epoch,
             "submitted": r.submitted,
+            "run_id": r.run_id,
             "served_by": served.get(r.graph or "", []),
             "unserved": r.holder is None and not served.get(r.graph or ""),
         }
@@ -863,7 +867,7 @@ async def _runs(args: argparse.Namespace) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title="pending and running executions")
+    table = Table(title="pending and running executions, and the runs queued behind them")
     table.add_column("scope key", overflow="fold")
     for column in ("graph", "thread", "status", "worker", "token", "served by"):
         table.add_column(column, overflow="fold")

@@ -163,9 +163,11 @@ class StallableRepository:
         await self.gate.wait()
         return await self.inner.dead_letter(key, reason, epoch=epoch)
 
-    async def takeover_candidates(self, limit: int = 100) -> Sequence[Lease]:
+    async def takeover_candidates(
+        self, limit: int = 100, *, after_tenant: str | None = None
+    ) -> Sequence[Lease]:
         await self.gate.wait()
-        return await self.inner.takeover_candidates(limit)
+        return await self.inner.takeover_candidates(limit, after_tenant=after_tenant)
 
     async def take_over(
         self, candidate: Lease, holder: str, ttl: float, **budget: Any

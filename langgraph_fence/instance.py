@@ -461,10 +461,13 @@ class Instance:
         accepted (``langgraph-fence runs`` shows it waiting, unserved).
 
         Idempotent: the same graph, input and run config submitted again while that run is
-        pending or running returns that run and writes nothing. Other input for a busy
-        execution is handled by ``on_busy``: ``"reject"`` raises
-        :class:`~langgraph_fence.ExecutionBusyError`; ``"interrupt"`` fences the run in
-        flight (none of its later writes lands) and the new input runs next on the thread.
+        pending, running or queued returns that run and writes nothing. Other input for a
+        busy execution (a run pending or running, or runs queued) is handled by
+        ``on_busy``: ``"reject"`` raises :class:`~langgraph_fence.ExecutionBusyError`;
+        ``"enqueue"`` queues it: it runs after the runs before it, in submit order, each
+        once, with its own handle and output; ``"interrupt"`` fences the run in flight
+        (none of its later writes lands, it ends ``failed``) and the new input runs next
+        on the thread (runs queued behind stay queued, after it).
 
         Args:
             graph_name: the name a worker serves the graph under.
@@ -472,7 +475,7 @@ class Instance:
             config: the run config; ``config["configurable"]["thread_id"]`` is required.
             tenant_id: the tenant the execution and its thread belong to.
             execution_id: the lease's execution id (default: the thread id).
-            on_busy: ``"reject"`` (default) or ``"interrupt"``.
+            on_busy: ``"reject"`` (default), ``"enqueue"`` or ``"interrupt"``.
             **options: recorded ``ainvoke`` options (``context``, ``durability``, ...).
 
         Raises:
@@ -487,12 +490,16 @@ class Instance:
             graph_name, input, config, tenant_id, execution_id, on_busy, options
         )
         check_thread_binding(key, thread_id, await self.records.bind(key, thread_id))
-        await queue.submit(key, graph_name, thread_id, input, run, on_busy)
-        return SubmittedRun(queue, key)
+        run_id = await queue.submit(key, graph_name, thread_id, input, run, on_busy)
+        return SubmittedRun(queue, key, run_id)
 
-    def get_run(self, execution_id: str, *, tenant_id: str) -> SubmittedRun:
-        """A handle on the run of ``(tenant_id, execution_id)``, from any process."""
-        return SubmittedRun(self._run_queue(), LeaseKey(tenant_id, execution_id))
+    def get_run(
+        self, execution_id: str, *, tenant_id: str, run_id: str | None = None
+    ) -> SubmittedRun:
+        """A handle on a run of ``(tenant_id, execution_id)``, from any process: the
+        submitted run ``run_id`` (:attr:`SubmittedRun.run_id`), or without it the
+        execution's run, whichever is the latest."""
+        return SubmittedRun(self._run_queue(), LeaseKey(tenant_id, execution_id), run_id)
 
     def queue_or_none(self) -> SubmittedRuns | None:
         """The run queue, or ``None`` where there is none (not a SQL store)."""
@@ -518,7 +525,7 @@ class Instance:
                     "database (every worker reads the queue there): open the instance with "
                     "Instance.open('sqlite+aiosqlite:///...' or 'postgresql+asyncpg://...')"
                 )
-            self._queue = SubmittedRuns(store.engine, self.records.serde)
+            self._queue = SubmittedRuns(store, self.records.serde)
         return self._queue
 
     # -- taking executions over

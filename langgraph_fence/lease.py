@@ -44,6 +44,7 @@ __all__ = [
     "decide_renew",
     "decide_retry",
     "decide_take_over",
+    "fair_order",
     "is_takeover_candidate",
     "non_idempotent_standing",
     "release_status",
@@ -681,6 +682,28 @@ def decide_abandon(current: Lease | None, key: LeaseKey, reason: str) -> Lease:
     )
 
 
+def fair_order(candidates: Sequence[Lease], after_tenant: str | None) -> list[Lease]:
+    """``candidates`` in the order a worker claims them: round-robin by tenant.
+
+    Each tenant's first candidate (in the given order: its oldest), then each one's second,
+    and so on; among the tenants at one rank, those after ``after_tenant`` (the tenant this
+    worker claimed for last) come first, in tenant order, then the rest. So one tenant's
+    burst does not starve the others, even one claim per look. Every store returns its
+    candidates in this order (:meth:`ExecutionLeaseRepository.takeover_candidates`); the SQL
+    store's query only picks the window (ranked by tenant, so it holds every waiting
+    tenant's oldest).
+    """
+    seen: dict[str, int] = {}
+    ranked = []
+    for index, lease in enumerate(candidates):
+        tenant = lease.key.tenant_id
+        rank = seen[tenant] = seen.get(tenant, -1) + 1
+        wrapped = after_tenant is not None and tenant <= after_tenant
+        ranked.append(((rank, wrapped, tenant, index), lease))
+    ranked.sort(key=lambda pair: pair[0])
+    return [lease for _, lease in ranked]
+
+
 @runtime_checkable
 class ExecutionLeaseRepository(Protocol):
     """The lease contract every store implements (memory, SQLite, PostgreSQL).
@@ -755,12 +778,15 @@ class ExecutionLeaseRepository(Protocol):
         """End the execution as ``dead_lettered``; guarded by ``epoch`` when given."""
         ...
 
-    async def takeover_candidates(self, limit: int = 100) -> Sequence[Lease]:
+    async def takeover_candidates(
+        self, limit: int = 100, *, after_tenant: str | None = None
+    ) -> Sequence[Lease]:
         """Leases any instance may take now: running and expired, or pending and free.
 
-        Round-robin by tenant: each tenant's first candidate (the longest expired or
-        waiting), then each one's second, and so on, so one tenant's burst of submitted
-        runs does not hide the others' behind it.
+        In claim order (:func:`fair_order`): round-robin by tenant, each tenant's first
+        candidate (the longest expired or waiting), then each one's second, and so on,
+        the tenants after ``after_tenant`` (the one the caller claimed for last) first at
+        each rank; so one tenant's burst of submitted runs does not hide the others'.
         """
         ...
 

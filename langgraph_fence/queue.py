@@ -22,7 +22,14 @@ any other input is handled by ``on_busy``: ``"reject"`` (default) raises
 :class:`~langgraph_fence.errors.ExecutionBusyError`; ``"interrupt"`` fences the run in flight
 (its epoch moves on in the same transaction, so its next write, renewal or release is
 refused as any stale writer's, and it drains) and leaves the new input pending for the next
-claimer. Cancelling a run is the same fence, ending the execution ``failed``.
+claimer; ``"enqueue"`` keeps the new input in the run's own row of ``fence_runs``, queued
+behind the thread's run: once that run has ended, a worker's look begins the next queued run
+of the thread (in submit order) in one transaction (the ended run keeps its outcome in its
+row, the queued one becomes the execution's record and its lease is set pending), and it is
+claimed like any submitted run. A worker gone between two runs leaves the queue as it was:
+the next look of any worker begins the next run, once. Every submit has its own run id, so
+each handle reads its own run's end, never a later run's output. Cancelling a run is the
+same fence, ending the execution ``failed`` (a queued run: it never begins).
 
 Only over a SQL lease store (SQLite or PostgreSQL, :meth:`Instance.open`): the queue is the
 lease table every worker reads.
@@ -34,9 +41,11 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+import uuid
+from collections.abc import AsyncIterator, Collection, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from sqlalchemy import text
@@ -54,6 +63,7 @@ if TYPE_CHECKING:
 
     from .fence import RunHandle
     from .run_config import RecordedRun
+    from .stores.sql import SqlLeaseRepository
 
 logger = logging.getLogger(__name__)
 
@@ -69,17 +79,18 @@ __all__ = [
     "RunState",
     "SubmittedRun",
     "SubmittedRuns",
-    "fair_order",
     "list_runs",
     "served_graphs",
 ]
 
-OnBusy = Literal["reject", "interrupt"]
+OnBusy = Literal["reject", "enqueue", "interrupt"]
 #: What a submit may do when the thread's execution is pending or running.
-ON_BUSY: Final = ("reject", "interrupt")
+ON_BUSY: Final = ("reject", "enqueue", "interrupt")
 _BUSY = (LeaseStatus.PENDING.value, LeaseStatus.RUNNING.value)
 #: Statuses a submitted run ends in (``waiting``: it reached an interrupt).
 _ENDED = frozenset({"done", "waiting", "failed", "dead_lettered"})
+#: Lease statuses after which a thread's next queued run may begin.
+_BETWEEN_RUNS = ("done", "waiting", "failed")
 
 _KEY = "tenant_id = :tenant_id AND execution_id = :execution_id"
 _HELD = guard_sql(
@@ -89,33 +100,45 @@ _HELD_HERE = (
     "EXISTS (SELECT 1 FROM fence_leases l WHERE l.tenant_id = fence_executions.tenant_id "
     f"AND l.execution_id = fence_executions.execution_id AND {_HELD})"
 )
-# A new key: pending at epoch 0 with no holder (the first claim takes epoch 1).
-_INSERT_PENDING = text(
-    "INSERT INTO fence_leases (tenant_id, execution_id, scope_key, epoch, holder, expires_at, "
-    "status, pending_effects, reason, updated_at, takeovers, progress_mark) VALUES "
-    "(:tenant_id, :execution_id, :scope_key, 0, NULL, NULL, 'pending', '{}', NULL, :at, 0, "
-    "NULL) ON CONFLICT (tenant_id, execution_id) DO NOTHING RETURNING epoch"
-)
 _LEASE = "SELECT status, holder, epoch, reason FROM fence_leases WHERE " + _KEY
-# A new turn of an execution that is not busy: pending again at the same epoch (the claim
-# takes the next one). The stamp set stays: the take decides it, as for every take.
-_REPEND = text(
-    "UPDATE fence_leases SET status = 'pending', holder = NULL, expires_at = NULL, "
-    "reason = NULL, updated_at = :at WHERE " + _KEY + " AND epoch = :epoch"
-)
-# The run in flight is fenced: its epoch moves on, so none of its writes lands again.
-_FENCE = (
-    "UPDATE fence_leases SET epoch = epoch + 1, holder = NULL, expires_at = NULL, "
-    "status = :status, reason = :reason, updated_at = :at WHERE " + _KEY
-)
-_INTERRUPT = text(_FENCE + " AND epoch = :epoch")
-_CANCEL = text(_FENCE + " AND status IN ('pending', 'running') RETURNING epoch")
-# A parent's children that no worker claimed yet (pending, no holder) never start.
-_CANCEL_CHILDREN = text(
-    "UPDATE fence_leases SET epoch = epoch + 1, status = 'failed', reason = :reason, "
-    "updated_at = :at WHERE tenant_id = :tenant_id AND status = 'pending' AND holder IS NULL "
-    "AND substr(execution_id, 1, :length) = :prefix"
-)
+
+
+class _LeaseWrites:
+    """The queue's writes of lease rows, stamped with the lease store's clock (its
+    ``now_sql``: ``now()`` on PostgreSQL, or the store's injected clock), as every other
+    lease write is; never the submitting process's clock."""
+
+    def __init__(self, now: str) -> None:
+        # A new key: pending at epoch 0 with no holder (the first claim takes epoch 1).
+        self.insert_pending = text(
+            "INSERT INTO fence_leases (tenant_id, execution_id, scope_key, epoch, holder, "
+            "expires_at, status, pending_effects, reason, updated_at, takeovers, "
+            "progress_mark) VALUES (:tenant_id, :execution_id, :scope_key, 0, NULL, NULL, "
+            f"'pending', '{{}}', NULL, {now}, 0, NULL) ON CONFLICT (tenant_id, execution_id) "
+            "DO NOTHING RETURNING epoch"
+        )
+        # A new turn of an execution that is not busy: pending again at the same epoch (the
+        # claim takes the next one). The stamp set stays: the take decides it, as for every
+        # take.
+        self.repend = text(
+            "UPDATE fence_leases SET status = 'pending', holder = NULL, expires_at = NULL, "
+            f"reason = NULL, updated_at = {now} WHERE " + _KEY + " AND epoch = :epoch"
+        )
+        # The run in flight is fenced: its epoch moves on, so none of its writes lands again.
+        fence = (
+            "UPDATE fence_leases SET epoch = epoch + 1, holder = NULL, expires_at = NULL, "
+            f"status = :status, reason = :reason, updated_at = {now} WHERE " + _KEY
+        )
+        self.interrupt = text(fence + " AND epoch = :epoch")
+        self.cancel = text(fence + " AND status IN ('pending', 'running') RETURNING epoch")
+        # A parent's children that no worker claimed yet (pending, no holder) never start.
+        self.cancel_children = text(
+            "UPDATE fence_leases SET epoch = epoch + 1, status = 'failed', reason = :reason, "
+            f"updated_at = {now} WHERE tenant_id = :tenant_id AND status = 'pending' "
+            "AND holder IS NULL AND substr(execution_id, 1, :length) = :prefix"
+        )
+
+
 _RECORDED = text(
     "SELECT graph, input_type, input, run_type, run FROM fence_executions WHERE " + _KEY
 )
@@ -166,6 +189,88 @@ _RUNS = text(
 )
 
 
+# Each submitted run's own row (records migration 6): its identity and outcome.
+_RUN_KEY = "fence_runs.tenant_id = :tenant_id AND fence_runs.execution_id = :execution_id"
+_OPEN_RUNS = text(
+    "SELECT run_id, status, graph, input_type, input, run_type, run FROM fence_runs WHERE "
+    + _RUN_KEY
+    + " AND status IN ('current', 'queued') ORDER BY seq"
+)
+_ADD_RUN = text(
+    "INSERT INTO fence_runs (run_id, tenant_id, execution_id, seq, status, graph, thread_id, "
+    "input_type, input, run_type, run, submitted_at) SELECT :run_id, :tenant_id, "
+    ":execution_id, COALESCE(MAX(seq), 0) + 1, :status, :graph, :thread_id, :input_type, "
+    ":input, :run_type, :run, :at FROM fence_runs WHERE " + _RUN_KEY
+)
+
+
+def _of_lease(column: str) -> str:
+    return (
+        f"(SELECT l.{column} FROM fence_leases l WHERE l.tenant_id = fence_runs.tenant_id "
+        "AND l.execution_id = fence_runs.execution_id)"
+    )
+
+
+def _of_record(column: str) -> str:
+    return (
+        f"(SELECT e.{column} FROM fence_executions e WHERE e.tenant_id = fence_runs.tenant_id "
+        "AND e.execution_id = fence_runs.execution_id)"
+    )
+
+
+# The thread's current run ends as its execution did (lease status and reason, the output
+# kept with the record), or as ``:status``/``:reason`` say (an interrupt): written before
+# the next run of the thread replaces the record, in the same transaction.
+_RUN_ENDS = text(
+    f"UPDATE fence_runs SET status = COALESCE(:status, {_of_lease('status')}), "
+    f"reason = COALESCE(:reason, {_of_lease('reason')}), epoch = {_of_lease('epoch')}, "
+    f"output_type = {_of_record('output_type')}, output = {_of_record('output')} "
+    f"WHERE {_RUN_KEY} AND status = 'current'"
+)
+_NEXT_QUEUED = text(
+    "SELECT run_id, graph, thread_id, input_type, input, run_type, run FROM fence_runs WHERE "
+    + _RUN_KEY
+    + " AND status = 'queued' ORDER BY seq LIMIT 1"
+)
+_MAKE_CURRENT = text("UPDATE fence_runs SET status = 'current' WHERE run_id = :run_id")
+# Threads with a queued run whose current run has ended: the next one may begin.
+_PROMOTABLE = text(
+    "SELECT DISTINCT r.tenant_id, r.execution_id FROM fence_runs r JOIN fence_leases l "
+    "ON l.tenant_id = r.tenant_id AND l.execution_id = r.execution_id "
+    "WHERE r.status = 'queued' AND l.status IN ('done', 'waiting', 'failed') LIMIT :limit"
+)
+# The runs queued behind their thread's run, oldest submit first.
+_QUEUED_RUNS = text(
+    "SELECT r.tenant_id, r.execution_id, r.run_id, r.graph, r.thread_id, l.epoch "
+    "FROM fence_runs r JOIN fence_leases l ON l.tenant_id = r.tenant_id "
+    "AND l.execution_id = r.execution_id WHERE r.status = 'queued' "
+    "ORDER BY r.submitted_at, r.seq LIMIT :limit"
+)
+_RUN_STATUS = text("SELECT status FROM fence_runs WHERE run_id = :run_id")
+_CANCEL_QUEUED = text(
+    "UPDATE fence_runs SET status = 'failed', reason = :reason "
+    "WHERE run_id = :run_id AND status = 'queued'"
+)
+_RUN_STATE = text(
+    _STATE_COLUMNS
+    + ", e.output_type, e.output, r.run_id, r.status AS run_status, r.reason AS run_reason, "
+    "r.epoch AS run_epoch, r.graph AS run_graph, r.thread_id AS run_thread, "
+    "r.output_type AS run_output_type, r.output AS run_output FROM fence_runs r "
+    "JOIN fence_leases l ON l.tenant_id = r.tenant_id AND l.execution_id = r.execution_id "
+    "LEFT JOIN fence_executions e ON e.tenant_id = r.tenant_id "
+    "AND e.execution_id = r.execution_id "
+    "WHERE r.run_id = :run_id AND r.tenant_id = :tenant_id AND r.execution_id = :execution_id"
+)
+
+# Whether submitted runs wait on the thread: a pending submitted run, or queued ones.
+_WAITING = text(
+    "SELECT l.status, e.submitted_at, EXISTS (SELECT 1 FROM fence_runs r WHERE "
+    "r.tenant_id = l.tenant_id AND r.execution_id = l.execution_id AND r.status = 'queued') "
+    "AS queued FROM fence_leases l LEFT JOIN fence_executions e ON e.tenant_id = l.tenant_id "
+    "AND e.execution_id = l.execution_id "
+    "WHERE l.tenant_id = :tenant_id AND l.execution_id = :execution_id"
+)
+
 #: The PostgreSQL channel a submit notifies (the payload: the graph name).
 NOTIFY_CHANNEL = "langgraph_fence_runs"
 _NOTIFY = text(f"SELECT pg_notify('{NOTIFY_CHANNEL}', :graph)")
@@ -195,6 +300,9 @@ class RunState:
         submitted: whether it was submitted (not started by ``ainvoke``).
         reason: why it ended, when it did.
         expires_at: when the worker's hold ends (store clock), or ``None``.
+        run_id: the submitted run's own id (``None``: the execution's run, whichever).
+        queued: the run waits behind the thread's run (``on_busy="enqueue"``); its status
+            is then ``pending``.
     """
 
     key: LeaseKey
@@ -206,6 +314,8 @@ class RunState:
     submitted: bool
     reason: str | None = None
     expires_at: float | None = None
+    run_id: str | None = None
+    queued: bool = False
 
 
 class SubmittedRuns:
@@ -216,7 +326,10 @@ class SubmittedRuns:
         serde: the serializer of the recorded inputs and the outputs (the records' one).
     """
 
-    def __init__(self, engine: AsyncEngine, serde: SerializerProtocol) -> None:
+    def __init__(self, store: SqlLeaseRepository, serde: SerializerProtocol) -> None:
+        engine = store.engine
+        self._store = store
+        self._leases = _LeaseWrites(store.now_sql)
         self._engine = engine
         self._writer = single_statement(engine)
         self._pg = dialect_of(engine) == "postgresql"
@@ -305,9 +418,13 @@ class SubmittedRuns:
         input: Any,
         run: RecordedRun,
         on_busy: OnBusy,
-    ) -> bool:
-        """Record the run and set the lease pending, in one transaction; whether it was
-        written (``False``: the same run is pending or running already).
+    ) -> str | None:
+        """Record the run (its own row, and the execution's record and pending lease when it
+        runs next), in one transaction; the run's id.
+
+        The same run submitted again while it is pending, running or queued returns that
+        run's id and writes nothing (``None``: the execution's run in flight has no run
+        row, e.g. it was submitted before runs had their own).
 
         Raises:
             ExecutionBusyError: the execution is busy with other input and ``on_busy`` is
@@ -317,36 +434,104 @@ class SubmittedRuns:
         record = self._record(graph_name, thread_id, input, run)
         params = {"tenant_id": key.tenant_id, "execution_id": key.execution_id}
         at = time.time()
+        run_id = uuid.uuid4().hex  # made once: a retried transaction adds the same run
+        row = {**params, **record, "run_id": run_id, "at": at}
 
-        async def once() -> bool:
+        async def once() -> str | None:
             async with transaction(self._engine) as conn:
                 created = await conn.execute(
-                    _INSERT_PENDING, {**params, "scope_key": key.scope_key, "at": at}
+                    self._leases.insert_pending,
+                    {**params, "scope_key": key.scope_key, **self._store.now_params()},
                 )
                 if created.first() is None:
                     lease = (await conn.execute(text(_LEASE + self._lock), params)).one()
                     if lease.status == LeaseStatus.DEAD_LETTERED.value:
                         raise _dead_lettered(key, lease.reason)
-                    if lease.status in _BUSY:
+                    runs = list(await conn.execute(_OPEN_RUNS, params))
+                    queued = [r for r in runs if r.status == "queued"]
+                    current = next((r.run_id for r in runs if r.status == "current"), None)
+                    in_flight = lease.status in _BUSY
+                    if in_flight or queued:
                         same = tuple(record[k] for k in _SAME)
-                        if await self._recorded(conn, params) == same:
-                            return False  # the same submit again: that run
+                        if in_flight and await self._recorded(conn, params) == same:
+                            return current  # the same submit again: that run
+                        for waiting in queued:
+                            if _same_as(waiting) == same:
+                                return str(waiting.run_id)
                         if on_busy == "reject":
-                            raise _busy(key, lease.status, lease.holder)
+                            raise _busy(key, lease.status, lease.holder, len(queued))
+                        if on_busy == "enqueue":
+                            await conn.execute(_ADD_RUN, {**row, "status": "queued"})
+                            return run_id
+                    if in_flight:  # interrupt
                         reason = f"interrupted by a submit of new input at {at:.3f}"
-                        interrupt = {**params, "epoch": lease.epoch, "at": at}
                         await conn.execute(
-                            _INTERRUPT, {**interrupt, "status": "pending", "reason": reason}
+                            _RUN_ENDS, {**params, "status": "failed", "reason": reason}
+                        )
+                        interrupt = {**params, "epoch": lease.epoch, **self._store.now_params()}
+                        await conn.execute(
+                            self._leases.interrupt,
+                            {**interrupt, "status": "pending", "reason": reason},
                         )
                     else:
-                        await conn.execute(_REPEND, {**params, "epoch": lease.epoch, "at": at})
+                        # The thread's last run ended: it keeps its end, this one begins
+                        # (before any queued one, for an interrupt).
+                        await conn.execute(_RUN_ENDS, {**params, "status": None, "reason": None})
+                        await self._repend(conn, params, lease.epoch)
+                await conn.execute(_ADD_RUN, {**row, "status": "current"})
                 if self._pg:
                     # Delivered on commit: a waiting serve() looks at once.
                     await conn.execute(_NOTIFY, {"graph": graph_name})
                 await conn.execute(_SUBMIT_RECORD, {**params, **record, "at": at})
-                return True
+                return run_id
 
         return await retry_connection_errors(once, what="submit")
+
+    async def promote(self, limit: int = 100) -> int:
+        """Begin the next queued run of each thread whose current run has ended: the ended
+        run keeps its outcome, the queued one becomes the execution's run (record and
+        pending lease), in one transaction per thread; how many began. Any worker may do
+        it, and two racing do it once (the lease row is locked, or SQLite serialises)."""
+
+        async def threads() -> list[Any]:
+            async with self._engine.connect() as conn:
+                return list(await conn.execute(_PROMOTABLE, {"limit": limit}))
+
+        began = 0
+        for found in await retry_connection_errors(threads, what="queued runs"):
+            key = LeaseKey(found.tenant_id, found.execution_id)
+            if await retry_connection_errors(partial(self._promote, key), what="queued run"):
+                began += 1
+        return began
+
+    async def _repend(self, conn: AsyncConnection, params: Mapping[str, str], epoch: int) -> None:
+        """The execution's next run is pending at ``epoch`` (the claim takes the next)."""
+        now = self._store.now_params()
+        await conn.execute(self._leases.repend, {**params, "epoch": epoch, **now})
+
+    async def _promote(self, key: LeaseKey) -> bool:
+        params = {"tenant_id": key.tenant_id, "execution_id": key.execution_id}
+        at = time.time()
+        async with transaction(self._engine) as conn:
+            lease = (await conn.execute(text(_LEASE + self._lock), params)).first()
+            if lease is None or lease.status not in _BETWEEN_RUNS:
+                return False
+            queued = (await conn.execute(_NEXT_QUEUED, params)).first()
+            if queued is None:
+                return False
+            await conn.execute(_RUN_ENDS, {**params, "status": None, "reason": None})
+            await conn.execute(_MAKE_CURRENT, {"run_id": queued.run_id})
+            record = {
+                "graph": queued.graph,
+                "thread_id": queued.thread_id,
+                "input_type": queued.input_type,
+                "input": queued.input,
+                "run_type": queued.run_type,
+                "run": queued.run,
+            }
+            await conn.execute(_SUBMIT_RECORD, {**params, **record, "at": at})
+            await self._repend(conn, params, lease.epoch)
+            return True
 
     async def submit_child(
         self,
@@ -382,7 +567,8 @@ class SubmittedRuns:
                 if (await conn.execute(text(_PARENT_HELD + self._lock), held)).first() is None:
                     return None
                 created = await conn.execute(
-                    _INSERT_PENDING, {**params, "scope_key": key.scope_key, "at": at}
+                    self._leases.insert_pending,
+                    {**params, "scope_key": key.scope_key, **self._store.now_params()},
                 )
                 if created.first() is None:
                     return False
@@ -419,6 +605,39 @@ class SubmittedRuns:
         if row is None:
             return None
         return (row.graph, row.input_type, bytes(row.input), row.run_type, bytes(row.run or b""))
+
+    async def refuse_beside_waiting(self, key: LeaseKey) -> None:
+        """Refuse a start of the thread (``ainvoke`` with new input, ``None`` or a
+        ``Command``) while submitted runs wait on it (one read).
+
+        A submitted run that is pending (not claimed yet, or handed back) is the thread's
+        run in flight, though no one holds its lease, and a queued one runs after it: a
+        start would take that lease (or run between them), and the submitted input would
+        never run (its ``result()`` would read another run's end).
+
+        Raises:
+            ExecutionBusyError: such runs wait; nothing was written.
+        """
+
+        async def once() -> Any:
+            async with self._engine.connect() as conn:
+                params = {"tenant_id": key.tenant_id, "execution_id": key.execution_id}
+                return (await conn.execute(_WAITING, params)).first()
+
+        row = await retry_connection_errors(once, what="submitted runs of the thread")
+        if row is None:
+            return
+        pending = row.status == LeaseStatus.PENDING.value and row.submitted_at is not None
+        if not pending and not row.queued:
+            return
+        what = "a submitted run waiting for a worker" if pending else "submitted runs queued"
+        raise ExecutionBusyError(
+            f"execution {key.scope_key!r} has {what}: the start is refused, nothing written. "
+            "Wait for it (await instance.get_run(...).result()), or submit the new input "
+            "with on_busy='enqueue' or on_busy='interrupt'",
+            scope_key=key.scope_key,
+            status=row.status,
+        )
 
     # -- the claimer's side
 
@@ -483,18 +702,56 @@ class SubmittedRuns:
 
     # -- any process's side
 
-    async def state(self, key: LeaseKey) -> tuple[RunState, Any] | None:
-        """The execution's state and stored output (``None`` for none), or ``None``."""
+    async def state(self, key: LeaseKey, run_id: str | None = None) -> tuple[RunState, Any] | None:
+        """The state and stored output (``None`` for none) of the execution's run, or of
+        its submitted run ``run_id``; ``None`` when there is no such execution or run.
+        One read: a run that ended is read with its own outcome, never the next run's."""
 
         async def once() -> Any:
             async with self._engine.connect() as conn:
                 params = {"tenant_id": key.tenant_id, "execution_id": key.execution_id}
-                return (await conn.execute(_STATE, params)).first()
+                if run_id is None:
+                    return (await conn.execute(_STATE, params)).first()
+                return (await conn.execute(_RUN_STATE, {**params, "run_id": run_id})).first()
 
         row = await retry_connection_errors(once, what="submitted run state")
         if row is None:
             return None
-        return _run_state(row), (row.output_type, row.output)
+        state = _run_state(row)
+        if run_id is None or row.run_status == "current":
+            return replace(state, run_id=run_id), (row.output_type, row.output)
+        if row.run_status == "queued":
+            if state.status is LeaseStatus.DEAD_LETTERED:
+                # It cannot begin until the thread is resolved (`langgraph-fence resolve`).
+                reason = (
+                    "it is queued behind the thread's run, which was dead-lettered "
+                    f"({state.reason or 'no reason recorded'}); it has not run"
+                )
+                return replace(state, run_id=run_id, queued=True, reason=reason), (None, None)
+            waiting = replace(
+                state,
+                status=LeaseStatus.PENDING,
+                holder=None,
+                reason=None,
+                expires_at=None,
+                graph=row.run_graph,
+                thread_id=row.run_thread,
+                run_id=run_id,
+                queued=True,
+            )
+            return waiting, (None, None)
+        ended = replace(
+            state,
+            status=LeaseStatus(row.run_status),
+            holder=None,
+            epoch=int(row.run_epoch or 0),
+            graph=row.run_graph,
+            thread_id=row.run_thread,
+            reason=row.run_reason,
+            expires_at=None,
+            run_id=run_id,
+        )
+        return ended, (row.run_output_type, row.run_output)
 
     def decode_output(
         self, key: LeaseKey, stored: tuple[Any, Any], allow: Collection[tuple[str, ...]]
@@ -510,18 +767,19 @@ class SubmittedRuns:
             serde, (output_type, bytes(blob)), what=f"the output of execution {key.scope_key!r}"
         )
 
-    async def cancel(self, key: LeaseKey, reason: str) -> bool:
+    async def cancel(self, key: LeaseKey, reason: str, run_id: str | None = None) -> bool:
         """End the execution ``failed`` with ``reason`` if it is pending or running; whether
-        it was. A running one is fenced (its epoch moves on): its next write, renewal or
-        release is refused and it drains. Its ``ANY_INSTANCE`` children that no worker
-        has claimed yet end ``failed`` with it, in the same transaction (they never start);
-        children already running run to their end (:mod:`langgraph_fence.children`)."""
+        it was. With ``run_id``: that submitted run only (a queued one never begins, and
+        ends ``failed``; the current one as the execution; one that ended: ``False``). A
+        running one is fenced (its epoch moves on): its next write, renewal or release is
+        refused and it drains. Its ``ANY_INSTANCE`` children that no worker has claimed yet
+        end ``failed`` with it, in the same transaction (they never start); children
+        already running run to their end (:mod:`langgraph_fence.children`)."""
         params = {
             "tenant_id": key.tenant_id,
             "execution_id": key.execution_id,
             "status": LeaseStatus.FAILED.value,
             "reason": reason,
-            "at": time.time(),
         }
         # A child's id is its parent's scope key, ':', and its key (children.py).
         prefix = key.scope_key + ":"
@@ -530,14 +788,25 @@ class SubmittedRuns:
             "prefix": prefix,
             "length": len(prefix),
             "reason": f"its parent {key.scope_key!r} was cancelled before it started",
-            "at": params["at"],
         }
 
         async def once() -> bool:
             async with transaction(self._engine) as conn:
-                cancelled = (await conn.execute(_CANCEL, params)).first() is not None
+                if run_id is not None:
+                    # The lease row first (as a promotion locks it): no deadlock with one.
+                    lock = {"tenant_id": key.tenant_id, "execution_id": key.execution_id}
+                    await conn.execute(text(_LEASE + self._lock), lock)
+                    status = (await conn.execute(_RUN_STATUS, {"run_id": run_id})).scalar()
+                    if status == "queued":
+                        queued = {"run_id": run_id, "reason": reason}
+                        return bool((await conn.execute(_CANCEL_QUEUED, queued)).rowcount)
+                    if status != "current":
+                        return False  # it ended already
+                now = self._store.now_params()
+                cancel = self._leases.cancel
+                cancelled = (await conn.execute(cancel, {**params, **now})).first() is not None
                 if cancelled:
-                    await conn.execute(_CANCEL_CHILDREN, children)
+                    await conn.execute(self._leases.cancel_children, {**children, **now})
                 return cancelled
 
         return await retry_connection_errors(once, what="cancel")
@@ -609,14 +878,30 @@ class SubmittedRuns:
 
 async def list_runs(engine: AsyncEngine, limit: int = 1000) -> list[RunState]:
     """Every pending and running execution on ``engine``'s database that has a record
-    (with its worker), oldest first."""
+    (with its worker), oldest first; then the submitted runs queued behind them
+    (``queued``, status ``pending``), oldest submit first (up to ``limit`` of each)."""
 
-    async def once() -> list[Any]:
+    async def once() -> tuple[list[Any], list[Any]]:
         async with engine.connect() as conn:
-            return list(await conn.execute(_RUNS, {"limit": limit}))
+            in_flight = list(await conn.execute(_RUNS, {"limit": limit}))
+            return in_flight, list(await conn.execute(_QUEUED_RUNS, {"limit": limit}))
 
-    rows = await retry_connection_errors(once, what="runs")
-    return [_run_state(row) for row in rows]
+    rows, queued = await retry_connection_errors(once, what="runs")
+    waiting = [
+        RunState(
+            LeaseKey(row.tenant_id, row.execution_id),
+            LeaseStatus.PENDING,
+            None,
+            int(row.epoch),
+            row.graph,
+            row.thread_id,
+            True,
+            run_id=row.run_id,
+            queued=True,
+        )
+        for row in queued
+    ]
+    return [_run_state(row) for row in rows] + waiting
 
 
 async def served_graphs(engine: AsyncEngine) -> dict[str, list[str]]:
@@ -634,16 +919,22 @@ class SubmittedRun:
     """A handle on a submitted run, from the process that submitted it or any other
     (:meth:`Instance.get_run <langgraph_fence.Instance.get_run>`).
 
+    A handle with a ``run_id`` follows that one submit: its state and output are its own,
+    even after later runs of the thread (``on_busy="enqueue"``) began. Without one, it
+    follows the execution's run, whichever is the latest.
+
     Attributes:
         key: the execution.
+        run_id: the submitted run's id, or ``None``.
     """
 
-    def __init__(self, queue: SubmittedRuns, key: LeaseKey) -> None:
+    def __init__(self, queue: SubmittedRuns, key: LeaseKey, run_id: str | None = None) -> None:
         self._queue = queue
         self.key = key
+        self.run_id = run_id
 
     def __repr__(self) -> str:
-        return f"SubmittedRun({self.key.scope_key!r})"
+        return f"SubmittedRun({self.key.scope_key!r}, run_id={self.run_id!r})"
 
     @property
     def scope_key(self) -> str:
@@ -656,7 +947,7 @@ class SubmittedRun:
         Raises:
             KeyError: no execution of that key exists.
         """
-        found = await self._queue.state(self.key)
+        found = await self._queue.state(self.key, self.run_id)
         if found is None:
             raise KeyError(f"no execution {self.key.scope_key!r}: nothing was submitted under it")
         return found[0]
@@ -692,7 +983,7 @@ class SubmittedRun:
         deadline = None if timeout is None else loop.time() + timeout
         wait = min(0.005, pause)
         while True:
-            found = await self._queue.state(self.key)
+            found = await self._queue.state(self.key, self.run_id)
             if found is None:
                 raise KeyError(f"no execution {self.key.scope_key!r}: nothing was submitted")
             state, stored = found
@@ -724,9 +1015,9 @@ class SubmittedRun:
     async def cancel(self) -> bool:
         """Cancel the run: a pending one never starts, a running one is fenced (its next
         write is refused and it drains); it ends ``failed`` with the reason "cancelled".
-        Whether it was still pending or running. Guarantee 3 stands: a non-idempotent write
+        Whether it was still pending, running or queued. Guarantee 3 stands: a non-idempotent write
         it stamped is not repeated by a later run of the thread (that run dead-letters)."""
-        return await self._queue.cancel(self.key, "cancelled by SubmittedRun.cancel()")
+        return await self._queue.cancel(self.key, "cancelled by SubmittedRun.cancel()", self.run_id)
 
 
 def _run_state(row: Any) -> RunState:
@@ -744,35 +1035,23 @@ def _run_state(row: Any) -> RunState:
     )
 
 
-def fair_order(candidates: Sequence[Lease], after_tenant: str | None) -> list[Lease]:
-    """``candidates`` in the order a worker claims them: round-robin by tenant.
-
-    Each tenant's first candidate (in the given order: its oldest), then each one's second,
-    and so on; among the tenants at one rank, those after ``after_tenant`` (the tenant this
-    worker claimed for last) come first, in tenant order, then the rest. So one tenant's
-    burst does not starve the others, even one claim per look. The store's candidate query
-    ranks the same way, so a window of candidates holds every waiting tenant's oldest.
-    """
-    seen: dict[str, int] = {}
-    ranked = []
-    for index, lease in enumerate(candidates):
-        tenant = lease.key.tenant_id
-        rank = seen[tenant] = seen.get(tenant, -1) + 1
-        wrapped = after_tenant is not None and tenant <= after_tenant
-        ranked.append(((rank, wrapped, tenant, index), lease))
-    ranked.sort(key=lambda pair: pair[0])
-    return [lease for _, lease in ranked]
-
-
-def _busy(key: LeaseKey, status: str, holder: str | None) -> ExecutionBusyError:
+def _busy(key: LeaseKey, status: str, holder: str | None, queued: int) -> ExecutionBusyError:
     who = f"running on {holder}" if status == "running" and holder else status
+    if queued:
+        who += f" with {queued} run(s) queued behind"
     return ExecutionBusyError(
-        f"execution {key.scope_key!r} is {who} with other input: refused (on_busy='reject'), "
-        "nothing written. Wait for it (await instance.get_run(...).result()), or submit with "
-        "on_busy='interrupt' to fence it and run the new input next",
+        f"execution {key.scope_key!r} is {who}, with other input: refused (on_busy='reject'), "
+        "nothing written. Wait for it (await instance.get_run(...).result()), submit with "
+        "on_busy='enqueue' to run the new input after it, or with on_busy='interrupt' to "
+        "fence it and run the new input next",
         scope_key=key.scope_key,
         status=status,
     )
+
+
+def _same_as(row: Any) -> tuple[Any, ...]:
+    """A run row's columns as :data:`_SAME` compares them."""
+    return (row.graph, row.input_type, bytes(row.input), row.run_type, bytes(row.run))
 
 
 def _dead_lettered(key: LeaseKey, reason: str | None) -> ExecutionEndedError:

@@ -58,7 +58,8 @@ class ExecutionRecord:
 
 @dataclass(frozen=True, slots=True)
 class ExecutionHead:
-    """What a worker reads of a record before it takes the execution: graph and thread.
+    """What a worker reads of a record before it takes the execution: graph, thread, and
+    whether it is a submitted run (whose claim pins the checkpoint its input follows).
 
     Never the input: that is decoded only when a run needs it, by an instance serving
     ``graph``.
@@ -66,6 +67,7 @@ class ExecutionHead:
 
     graph: str
     thread_id: str
+    submitted: bool = False
 
 
 class ExecutionRecords(Protocol):
@@ -212,6 +214,34 @@ WHERE NOT EXISTS (SELECT 1 FROM fence_executions n WHERE n.tenant_id = e.tenant_
         OR (n.recorded_at = e.recorded_at AND n.execution_id > e.execution_id)))
 """
 
+# Each submitted run of an execution, in submit order: its own identity (run_id, what a
+# handle names) and its own outcome. ``status`` is ``queued`` (behind the thread's run, its
+# input kept here until a worker promotes it), ``current`` (the execution's run: its state is
+# the lease's, its output the record's), or the end it was retired with (the lease's status
+# and reason, the record's output, copied when the next run of the thread begins).
+_CREATE_RUNS = """
+CREATE TABLE IF NOT EXISTS fence_runs (
+    run_id TEXT NOT NULL PRIMARY KEY,
+    tenant_id TEXT NOT NULL,
+    execution_id TEXT NOT NULL,
+    seq BIGINT NOT NULL,
+    status TEXT NOT NULL,
+    graph TEXT NOT NULL,
+    thread_id TEXT NOT NULL,
+    input_type TEXT NOT NULL,
+    input {binary} NOT NULL,
+    run_type TEXT NOT NULL,
+    run {binary} NOT NULL,
+    submitted_at {double} NOT NULL,
+    epoch BIGINT,
+    reason TEXT,
+    output_type TEXT,
+    output {binary},
+    UNIQUE (tenant_id, execution_id, seq)
+)
+"""
+_RUNS_QUEUED_INDEX = "CREATE INDEX IF NOT EXISTS fence_runs_status ON fence_runs (status)"
+
 EXECUTION_MIGRATIONS = [
     Migration(
         version=1,
@@ -262,6 +292,15 @@ EXECUTION_MIGRATIONS = [
         sqlite=[_CREATE_WORKERS.format(double="REAL")],
         postgresql=[_CREATE_WORKERS.format(double="DOUBLE PRECISION")],
     ),
+    Migration(
+        version=6,
+        description="submitted runs, each with its identity and outcome (on_busy='enqueue')",
+        sqlite=[_CREATE_RUNS.format(binary="BLOB", double="REAL"), _RUNS_QUEUED_INDEX],
+        postgresql=[
+            _CREATE_RUNS.format(binary="BYTEA", double="DOUBLE PRECISION"),
+            _RUNS_QUEUED_INDEX,
+        ],
+    ),
 ]
 
 #: The columns a run's record writes (and a later record of the key replaces), beside its
@@ -295,16 +334,20 @@ _ON_CONFLICT = "ON CONFLICT (tenant_id, execution_id) DO UPDATE SET " + ", ".joi
 )
 #: Write a run's record (binds: :meth:`SqlExecutionRecords.columns`).
 UPSERT_RECORD = text(f"INSERT INTO fence_executions {_COLUMNS}VALUES ({_VALUES}) {_ON_CONFLICT}")
-#: A submitted run of the execution waits for a worker (pending, its record submitted): new
-#: input is refused while it does (``run.py``). On ``l``, a lease row of the same key.
+#: Submitted runs of the execution wait: one for a worker (pending, its record submitted),
+#: or runs queued on the thread (``on_busy="enqueue"``: they run next). New input is refused
+#: while they do (``run.py``). On ``l``, a lease row of the same key.
 SUBMIT_WAITING = (
-    "(l.status = 'pending' AND EXISTS (SELECT 1 FROM fence_executions s "
+    "((l.status = 'pending' AND EXISTS (SELECT 1 FROM fence_executions s "
     "WHERE s.tenant_id = l.tenant_id AND s.execution_id = l.execution_id "
-    "AND s.submitted_at IS NOT NULL))"
+    "AND s.submitted_at IS NOT NULL)) OR EXISTS (SELECT 1 FROM fence_runs q "
+    "WHERE q.tenant_id = l.tenant_id AND q.execution_id = l.execution_id "
+    "AND q.status = 'queued'))"
 )
 # The same upsert, skipped while the lease is held by anyone (expired or not: a start that
 # takes an expired lease over writes its record again once it holds it), dead-lettered, or
-# pending with a submitted run (waiting for a worker: run.py refuses the start).
+# pending with a submitted run (waiting for a worker: run.py refuses the start), or with
+# submitted runs queued on the thread (on_busy="enqueue": they run next, not this start).
 _NOT_HELD = (
     "NOT EXISTS (SELECT 1 FROM fence_leases l WHERE l.tenant_id = :tenant_id "
     "AND l.execution_id = :execution_id AND ((l.status = 'running' AND l.holder IS NOT NULL) "
@@ -321,12 +364,15 @@ _SELECT = text(
 # By execution id only (one expanding parameter on both dialects); the tenant is matched
 # on the rows that come back.
 _SELECT_HEADS = text(
-    "SELECT tenant_id, execution_id, graph, thread_id FROM fence_executions "
+    "SELECT tenant_id, execution_id, graph, thread_id, submitted_at FROM fence_executions "
     "WHERE execution_id IN :ids"
 ).bindparams(bindparam("ids", expanding=True))
 _HEADS_CHUNK = 500
 _FORGET_RECORD = text(
     "DELETE FROM fence_executions WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
+)
+_FORGET_RUNS = text(
+    "DELETE FROM fence_runs WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
 )
 _FORGET_BINDING = text(
     "DELETE FROM fence_thread_bindings WHERE tenant_id = :tenant_id AND thread_id = :thread_id"
@@ -465,11 +511,12 @@ class SqlExecutionRecords:
         return str(bound)
 
     async def forget(self, key: LeaseKey, thread_id: str) -> None:
-        """Delete the record of ``key`` and the binding of ``thread_id`` of its tenant, in
-        one transaction."""
+        """Delete the record of ``key``, its submitted runs (their inputs and outputs) and
+        the binding of ``thread_id`` of its tenant, in one transaction."""
         async with transaction(self._engine) as conn:
             params = {"tenant_id": key.tenant_id}
             await conn.execute(_FORGET_RECORD, {**params, "execution_id": key.execution_id})
+            await conn.execute(_FORGET_RUNS, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_BINDING, {**params, "thread_id": thread_id})
 
     async def heads_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, ExecutionHead]:
@@ -486,7 +533,8 @@ class SqlExecutionRecords:
                     for row in await conn.execute(_SELECT_HEADS, {"ids": chunk}):
                         key = LeaseKey(row.tenant_id, row.execution_id)
                         if key in wanted:
-                            found[key] = ExecutionHead(row.graph, row.thread_id)
+                            submitted = row.submitted_at is not None
+                            found[key] = ExecutionHead(row.graph, row.thread_id, submitted)
             return found
 
         return await retry_connection_errors(read, what="execution heads read")

@@ -24,7 +24,6 @@ from langgraph.runtime import RunControl
 from langgraph.types import Command
 
 from .errors import (
-    ExecutionBusyError,
     ExecutionDeadLetteredError,
     ExecutionEndedError,
     ExecutionFencedError,
@@ -336,6 +335,11 @@ async def take(
     # new turn, None or a Command resumes (or replays, or forks) from the checkpoint its
     # config names, as LangGraph does. Either is a new run at the next token; only a
     # dead-lettered execution stays shut (decide_acquire).
+    if record is None:
+        # A resume (None, a Command) writes no record, so no statement's guard sees the
+        # submitted runs waiting on the thread: one read refuses it before the take would
+        # take their pending lease (a start with input pays nothing: its take's guard sees).
+        await _refuse_beside_waiting_submits(instance, key)
     if store is not None:
         assert isinstance(instance.records, SqlExecutionRecords)
         columns = None if record is None else instance.records.columns(record)
@@ -353,7 +357,7 @@ async def take(
         check_thread_binding(key, thread_id, taken.bound)
         lease = taken.lease
         if lease is None and record is not None:
-            await _refuse_a_waiting_submit(instance, key)
+            await _refuse_beside_waiting_submits(instance, key)
         record = None
     else:
         check_thread_binding(key, thread_id, await instance.records.bind(key, thread_id))
@@ -361,7 +365,7 @@ async def take(
         if record is not None and await instance.records.record(record, unless_held=True):
             record = None
         elif record is not None:
-            await _refuse_a_waiting_submit(instance, key)
+            await _refuse_beside_waiting_submits(instance, key)
         lease = await repository.acquire(key, instance.instance_id, instance.lease_ttl, reopen=True)
     if lease is None:
         raise refusal(key, await repository.get(key), instance.instance_id)
@@ -511,28 +515,12 @@ def announce_dead_letter(events: Listeners, scope_key: str, token: int, reason: 
     )
 
 
-async def _refuse_a_waiting_submit(instance: Instance, key: LeaseKey) -> None:
-    """Refuse new input while the thread's submitted run waits for a worker.
-
-    A submitted run that is pending (not claimed yet, or handed back) is the thread's run in
-    flight, though no one holds its lease: a start with new input would take that lease and
-    its input would never run (its ``result()`` would read another run's end). Refused as a
-    submit with ``on_busy="reject"`` is, with nothing written. Read only when the record was
-    not written (held, dead-lettered, or such a run): off the path of an ordinary start.
-    """
+async def _refuse_beside_waiting_submits(instance: Instance, key: LeaseKey) -> None:
+    """Refuse a start while submitted runs wait on the thread (``ExecutionBusyError``,
+    :mod:`langgraph_fence.queue`); nothing to refuse where there is no queue (no SQL)."""
     queue = instance.queue_or_none()
-    found = None if queue is None else await queue.state(key)
-    if found is None:
-        return
-    state = found[0]
-    if state.submitted and state.status is LeaseStatus.PENDING:
-        raise ExecutionBusyError(
-            f"execution {key.scope_key!r} has a submitted run waiting for a worker: new "
-            "input refused, nothing written. Wait for it (await instance.get_run(...)"
-            ".result()), or submit the new input with on_busy='interrupt'",
-            scope_key=key.scope_key,
-            status=state.status.value,
-        )
+    if queue is not None:
+        await queue.refuse_beside_waiting(key)
 
 
 def recorded_graph_name(graph: Any, graph_name: str | None) -> str:

@@ -23,7 +23,7 @@ from langgraph.errors import GraphDrained
 from .events import EventKind
 from .keeper import Sleep
 from .lease import Lease, LeaseKey, LeaseStatus, validate_max_takeovers
-from .queue import ANNOUNCE_EVERY, fair_order
+from .queue import ANNOUNCE_EVERY
 from .records import ExecutionHead
 from .redact import failure_reason
 from .retry import is_connection_error
@@ -112,7 +112,8 @@ class Server:
         # Executions of graphs this loop does not serve, by key, with the epoch seen.
         self._unserved: dict[LeaseKey, int] = {}
         self.failures = 0  # looks in a row that the store refused: the loop backs off
-        # The tenant this loop claimed for last: the next claims start after it (fair_order).
+        # The tenant this loop claimed for last: the next claims start after it (the store's
+        # claim order, lease.fair_order).
         self._claimed_for: str | None = None
         self._announced_at = -ANNOUNCE_EVERY  # monotonic; never yet
 
@@ -216,19 +217,27 @@ class Server:
         taken) with the reason, instead of failing the loop.
         """
         instance, graphs, unserved = self.instance, self.graphs, self._unserved
+        queue = instance.queue_or_none()
+        if queue is not None:
+            # A thread whose run ended begins its next queued run (on_busy="enqueue"): it is
+            # then a pending candidate like any submitted run. One read when none is queued.
+            await queue.promote()
         window = free * 4
         while free > 0:
             # A store that cannot be read raises out of here: the loop logs it and backs
             # off. Unserved executions stay candidates: widen the window by as many, or
             # they would hide the ones this loop can run.
             limit = window + len(unserved)
-            candidates = await instance.repository.takeover_candidates(limit=limit)
+            # In claim order (round-robin by tenant), from after the tenant claimed for last.
+            candidates = await instance.repository.takeover_candidates(
+                limit=limit, after_tenant=self._claimed_for
+            )
             # Forget the ones that are no longer candidates (ended, or taken by their
             # servers); a new epoch is a new run, whose record may name another graph.
             current = {candidate.key: candidate.epoch for candidate in candidates}
             for key in [k for k, epoch in unserved.items() if current.get(k) != epoch]:
                 del unserved[key]
-            fresh = fair_order([c for c in candidates if c.key not in unserved], self._claimed_for)
+            fresh = [c for c in candidates if c.key not in unserved]
             heads = await instance.records.heads_of([c.key for c in fresh]) if fresh else {}
             found_unserved = False
             for candidate in fresh:
@@ -316,7 +325,9 @@ class Server:
         from_input = now_latest is None
         submitted = False
         queue = instance.queue_or_none()
-        if queue is not None:
+        # Only a submitted run (its head says so: read with it, no statement more) pays for
+        # the pin: a takeover of a run started by ainvoke reads and writes nothing for it.
+        if queue is not None and head.submitted:
             # A submitted run: the first claimer pins the checkpoint its input follows; a
             # later taker runs the input again only if the thread is still there.
             if latest is not None:

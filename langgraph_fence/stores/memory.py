@@ -22,6 +22,7 @@ from ..lease import (
     decide_renew,
     decide_retry,
     decide_take_over,
+    fair_order,
     is_takeover_candidate,
     validate_ttl,
 )
@@ -143,14 +144,17 @@ class MemoryLeaseRepository:
             self._rows[key] = ended
             return ended
 
-    async def takeover_candidates(self, limit: int = 100) -> Sequence[Lease]:
-        """Leases any instance may take now: running and expired, or pending and free."""
+    async def takeover_candidates(
+        self, limit: int = 100, *, after_tenant: str | None = None
+    ) -> Sequence[Lease]:
+        """Leases any instance may take now, in claim order from ``after_tenant``: the
+        window the SQL store's query picks (each tenant's oldest first), in
+        :func:`~langgraph_fence.lease.fair_order`."""
         check_limit(limit)
         now = self._clock()
         found = [lease for lease in self._rows.values() if is_takeover_candidate(lease, now)]
         found.sort(key=lambda lease: (lease.expires_at or 0.0, lease.scope_key))
-        # Round-robin by tenant (as the SQL store's window ranks them): each tenant's
-        # oldest first, then each one's second, ...
+        # The window, as the SQL store's query picks it: by rank within the tenant, then age.
         rank: dict[str, int] = {}
         ranked = []
         for lease in found:
@@ -158,7 +162,7 @@ class MemoryLeaseRepository:
             rank[tenant] = rank.get(tenant, 0) + 1
             ranked.append((rank[tenant], lease))
         ranked.sort(key=lambda pair: (pair[0], pair[1].expires_at or 0.0, pair[1].scope_key))
-        return [lease for _, lease in ranked[:limit]]
+        return fair_order([lease for _, lease in ranked[:limit]], after_tenant)
 
     async def take_over(
         self,

@@ -63,6 +63,7 @@ from ..lease import (
     decide_abandon,
     decide_dead_letter,
     decide_retry,
+    fair_order,
     fenced_error,
     release_status,
     validate_effect_keys,
@@ -461,14 +462,23 @@ class SqlLeaseRepository:
             .returning(*_RETURNING)
         )
 
+    @property
+    def now_sql(self) -> str:
+        """The store's clock as SQL text, for a textual statement on ``fence_leases`` (this
+        store's renewals, the run queue's lease writes); bind :meth:`now_params` with it."""
+        if self._clock is not None:
+            return "CAST(:p_now AS DOUBLE PRECISION)"
+        return "CAST(EXTRACT(epoch FROM now()) AS DOUBLE PRECISION)"
+
+    def now_params(self) -> dict[str, float]:
+        """The parameters :attr:`now_sql` needs now (none for the database's own clock)."""
+        return {} if self._clock is None else {"p_now": self._clock()}
+
     def _build_renew_many(self) -> Any:
         """Renew many holds in one statement: the leases come as one JSON parameter (the
         same statement text for any number, so it is compiled and prepared once), each row
         guarded by :func:`~langgraph_fence.guard.guard_sql` against its own hold."""
-        if self._clock is not None:
-            now = "CAST(:p_now AS DOUBLE PRECISION)"
-        else:
-            now = "CAST(EXTRACT(epoch FROM now()) AS DOUBLE PRECISION)"
+        now = self.now_sql
         if self._dialect == "postgresql":
             columns = "t text, e text, h text, ep bigint"
             holds = f"jsonb_to_recordset(CAST(:p_leases AS jsonb)) AS v({columns})"
@@ -830,11 +840,14 @@ class SqlLeaseRepository:
             raise KeyError(f"no lease for execution {key.scope_key!r}")
         return self._lease(row)
 
-    async def takeover_candidates(self, limit: int = 100) -> Sequence[Lease]:
-        """Leases any instance may take now: running and expired, or pending and free."""
+    async def takeover_candidates(
+        self, limit: int = 100, *, after_tenant: str | None = None
+    ) -> Sequence[Lease]:
+        """Leases any instance may take now, in claim order from ``after_tenant`` (one read:
+        the window; the order within it is :func:`~langgraph_fence.lease.fair_order`)."""
         check_limit(limit)
         rows = await self._read(self._candidates, self._params(limit=limit), what="candidates")
-        return [self._lease(row) for row in rows]
+        return fair_order([self._lease(row) for row in rows], after_tenant)
 
     async def take_over(
         self,

@@ -597,6 +597,29 @@ async def test_takeover_candidates_take_turns_by_tenant(lease_store: Store) -> N
     assert mine[4:] == [burst] * 3
 
 
+async def test_takeover_candidates_start_after_the_tenant_claimed_for_last(
+    lease_store: Store,
+) -> None:
+    """The claim order is the store's, told where to start: at each rank, the tenants
+    after ``after_tenant`` first (a worker that claimed for one tenant turns to the next)."""
+    base = unique("turn")
+    tenants = [f"{base}-a", f"{base}-b", f"{base}-c"]
+    for tenant in tenants:
+        for _ in range(2):
+            lease = await lease_store.acquire(LeaseKey(tenant, unique("e")), "A", TTL)
+            assert lease is not None
+            await lease_store.release(lease, LeaseStatus.PENDING)
+
+    async def order(after: str | None) -> list[str]:
+        found = await lease_store.takeover_candidates(limit=10_000, after_tenant=after)
+        return [c.key.tenant_id for c in found if c.key.tenant_id in tenants]
+
+    a, b, c = tenants
+    assert await order(None) == [a, b, c, a, b, c]
+    assert await order(a) == [b, c, a, b, c, a]
+    assert await order(c) == [a, b, c, a, b, c]
+
+
 async def test_takeover_candidates_limit(lease_store: Store, clock: ManualClock) -> None:
     for _ in range(3):
         await held(lease_store, ttl=1.0)

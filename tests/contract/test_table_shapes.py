@@ -98,6 +98,28 @@ PRESENT: dict[str, tuple[dict[str, bool], list[str]]] = {
         {"instance_id": False, "graphs": False, "seen_at": False},
         ["instance_id"],
     ),
+    # Each submitted run, its identity and outcome (records migration 6).
+    "fence_runs": (
+        {
+            "run_id": False,
+            "tenant_id": False,
+            "execution_id": False,
+            "seq": False,
+            "status": False,
+            "graph": False,
+            "thread_id": False,
+            "input_type": False,
+            "input": False,
+            "run_type": False,
+            "run": False,
+            "submitted_at": False,
+            "epoch": True,
+            "reason": True,
+            "output_type": True,
+            "output": True,
+        },
+        ["run_id"],
+    ),
 }
 
 

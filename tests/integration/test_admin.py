@@ -228,6 +228,7 @@ async def stored_anywhere(engine: AsyncEngine, needle: str) -> list[str]:
         "fence_checkpoint_blobs",
         "fence_checkpoint_writes",
         "fence_executions",
+        "fence_runs",
         "fence_thread_bindings",
         "fence_leases",
         "fence_applied",
@@ -475,3 +476,31 @@ async def test_an_admin_call_keeps_a_dead_workers_stamps_for_its_taker(
     taken = await repository.take_over(after, "worker-2", 10.0)
     assert taken is not None
     assert taken.status is LeaseStatus.DEAD_LETTERED
+
+
+async def test_deleting_a_thread_erases_its_submitted_runs_inputs_and_outputs(
+    instance: Instance, engine: AsyncEngine
+) -> None:
+    """Each submitted run keeps its input and output in ``fence_runs``: erased with the
+    thread, with its record."""
+    from langgraph_fence.serve import Server
+
+    tenant, thread = unique("acme"), unique("order")
+    secret = f"{CARD}-{uuid.uuid4().hex[:8]}"
+    graph = order_graph(instance)
+    run = await instance.submit(
+        "graph", {"card": secret}, config_of(thread, tenant), tenant_id=tenant
+    )
+    server = Server(
+        instance, {"graph": graph}, concurrency=1, poll_interval=1, max_takeovers=3, kwargs={}
+    )
+    await server.take_work(1)
+    await asyncio.wait_for(asyncio.gather(*server.running), 20)
+    await run.result(timeout=5)
+    second = await instance.submit(
+        "graph", {"card": secret + "-2"}, config_of(thread, tenant), tenant_id=tenant
+    )  # the first run's end is kept in its row now
+    assert await second.cancel()
+    assert "fence_runs" in {place.split(".")[0] for place in await stored_anywhere(engine, secret)}
+    await instance.checkpointer.adelete_thread(thread, tenant_id=tenant)
+    assert await stored_anywhere(engine, secret) == []

@@ -78,6 +78,13 @@ def test_submit_runs_and_a_worker_on_the_command_line(tmp_path: Path) -> None:
     assert busy.returncode == 3
     assert busy.stderr.count("\n") == 1, busy.stderr
     assert busy.stderr.startswith("refused:"), busy.stderr
+    queued = cli(
+        "submit", "--db", db, "--graph", "shout", "--thread", "t1", "--input",
+        '{"text": "next"}', "--on-busy", "enqueue",
+    )  # fmt: skip
+    assert queued.returncode == 0, queued.stderr
+    assert "queued" in queued.stdout
+    assert [entry["status"] for entry in runs(db)] == ["pending", "queued"]
     bad = cli("submit", "--db", db, "--graph", "shout", "--thread", "t1", "--input", "{oops")
     assert bad.returncode == 2
     assert "--input must be JSON" in bad.stderr

@@ -197,8 +197,8 @@ async def test_a_run_renewed_between_the_candidate_query_and_the_take_is_skipped
     real_candidates = b.repository.takeover_candidates
     polls: list[int] = []
 
-    async def candidates_then_renew(limit: int = 100) -> Any:
-        found = await real_candidates(limit)
+    async def candidates_then_renew(limit: int = 100, **order: Any) -> Any:
+        found = await real_candidates(limit, **order)
         polls.append(len(found))
         if not fault.renewed:
             await fault()
@@ -469,3 +469,78 @@ async def test_confirm_now_during_a_graceful_stop_drains_the_step(
         assert sent == []
         assert final.reason is not None
         assert "'send_email'" in final.reason
+
+
+async def test_only_a_submitted_run_pays_for_the_pin_at_its_takeover(leases: Leases) -> None:
+    """A takeover of a run started by ``ainvoke`` reads the thread's checkpoint once and
+    sends no pin; a submitted run's claim reads it again and sends its one pin UPDATE
+    (checkpoint reads and pin statements counted)."""
+    from sqlalchemy import event
+
+    from langgraph_fence.serve import Server
+
+    shop = Shop(Effect.IDEMPOTENT_WRITE)
+    a, b = leases.instance("A"), leases.instance("B")
+    graph = shop.graph(b)
+    thread = unique("started")
+    started = LeaseKey("acme", thread)
+
+    async def run_a() -> Any:
+        worker.set("A")
+        config = {"configurable": {"thread_id": thread}}
+        return await a.ainvoke(shop.graph(a), {"log": []}, config, tenant_id="acme")
+
+    task_a = asyncio.create_task(run_a())
+    await asyncio.wait_for(shop.a_inside.wait(), 10)  # past prepare: a checkpoint stands
+    submitted = await b.submit("shop", {"log": []}, cfg_of(unique("sub")), tenant_id="acme")
+    leases.stall(a)
+    leases.advance(31.0)  # A's lease expired
+    worker.set("B")
+    server = Server(b, {"shop": graph}, concurrency=1, poll_interval=1, max_takeovers=3, kwargs={})
+    statements: list[str] = []
+    reads: list[Any] = []
+    real_read = graph.checkpointer.aget_tuple
+
+    async def counted_read(config: Any) -> Any:
+        reads.append(config)
+        return await real_read(config)
+
+    def sent(_c: Any, _cur: Any, statement: str, *_: Any) -> None:
+        statements.append(statement)
+
+    async def take(key: LeaseKey) -> tuple[int, int]:
+        (candidate,) = [c for c in await b.repository.takeover_candidates(10) if c.key == key]
+        head = (await b.records.heads_of([key]))[key]
+        statements.clear()
+        reads.clear()
+        event.listen(leases.engine.sync_engine, "before_cursor_execute", sent)
+        assert b._keeper.try_admit()
+        try:
+            assert await server._take_one(graph, candidate, head)
+        finally:
+            event.remove(leases.engine.sync_engine, "before_cursor_execute", sent)
+        counted = (len(reads), sum("SET input_after" in s for s in statements))
+        await asyncio.wait_for(asyncio.gather(*server.running), 10)
+        server.running.clear()
+        b._keeper.leave()  # the slot take_work takes for a run
+        return counted
+
+    graph.checkpointer.aget_tuple = counted_read  # type: ignore[method-assign]
+    try:
+        plain = await take(started)
+        claimed = await take(submitted.key)
+    finally:
+        del graph.checkpointer.aget_tuple  # the instance attribute: back to the method
+        leases.resume(a)
+        shop.a_go.set()
+    with pytest.raises(ExecutionFencedError):
+        await asyncio.wait_for(task_a, 10)
+    # The run started by ainvoke: its latest checkpoint (and its parent, for the progress
+    # mark), no pin. The submitted one: none yet, read again after the take, and its pin.
+    assert plain == (2, 0)
+    assert claimed == (2, 1)
+    assert (await submitted.result(timeout=5))["log"]
+
+
+def cfg_of(thread: str) -> dict[str, Any]:
+    return {"configurable": {"thread_id": thread}}

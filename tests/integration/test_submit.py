@@ -28,6 +28,7 @@ from langgraph_fence import (
     RunFailedError,
     fence_graph,
 )
+from langgraph_fence.testing import Leases
 from tests.chaos.write_steps import Database
 from tests.conftest import pg_engine_options, unique
 from tests.polling import eventually
@@ -297,3 +298,199 @@ async def test_a_start_with_new_input_while_a_submitted_run_waits_is_refused(
         async with serving(worker, {"shout": build(worker, work)}):
             assert await run.result(timeout=20) == {"text": "queued", "out": "QUEUED"}
         assert work.started == [("a", "queued")]
+
+
+async def test_each_strategy_on_one_thread_with_a_slow_run_in_flight(database: Database) -> None:
+    """One thread, one slow run in flight: ``reject`` refuses (nothing written),
+    ``enqueue`` queues after it, ``interrupt`` fences it and runs next, before the queued
+    one; every handle reads its own end."""
+    async with opened(database, "client") as client, opened(database, "worker") as worker:
+        work = Work()
+        work.gates["slow"] = asyncio.Event()
+        thread = unique("t")
+        graph = build(worker, work)
+        slow = await client.submit("shout", {"text": "slow"}, cfg(thread), tenant_id="a")
+        async with serving(worker, {"shout": graph}):
+            await within(work.entered.setdefault("slow", asyncio.Event()))
+            queued = await client.submit(
+                "shout", {"text": "queued"}, cfg(thread), tenant_id="a", on_busy="enqueue"
+            )
+            before = await rows(client)
+            with pytest.raises(ExecutionBusyError, match="1 run\\(s\\) queued"):
+                await client.submit("shout", {"text": "refused"}, cfg(thread), tenant_id="a")
+            assert await rows(client) == before
+            assert (await queued.state()).queued
+            now = await client.submit(
+                "shout", {"text": "now"}, cfg(thread), tenant_id="a", on_busy="interrupt"
+            )
+            assert (await now.result(timeout=20))["out"] == "NOW"
+            assert (await queued.result(timeout=20))["out"] == "QUEUED"
+            work.gates["slow"].set()  # the interrupted step ends late: its write is refused
+            with pytest.raises(RunFailedError, match="interrupted") as ended:
+                await slow.result(timeout=5)
+            assert ended.value.status == "failed"
+        assert [text for _, text in work.started] == ["slow", "now", "queued"]
+        assert len({slow.run_id, queued.run_id, now.run_id}) == 3
+        config = {"configurable": {"thread_id": thread, "tenant_id": "a"}}
+        history = [s.values async for s in graph.aget_state_history(config)]
+        assert history
+        assert all(values.get("out") != "SLOW" for values in history)
+
+
+async def test_enqueued_inputs_run_in_order_each_once_with_its_own_output(
+    database: Database,
+) -> None:
+    async with opened(database, "client") as client, opened(database, "worker") as worker:
+        work = Work()
+        work.gates["first"] = asyncio.Event()
+        thread = unique("t")
+        first = await client.submit("shout", {"text": "first"}, cfg(thread), tenant_id="a")
+        async with serving(worker, {"shout": build(worker, work)}, concurrency=4):
+            await within(work.entered.setdefault("first", asyncio.Event()))
+            queued = [
+                await client.submit(
+                    "shout", {"text": f"q{i}"}, cfg(thread), tenant_id="a", on_busy="enqueue"
+                )
+                for i in range(3)
+            ]
+            # The same submit again is that queued run (idempotent), nothing written.
+            before = await rows(client)
+            again = await client.submit(
+                "shout", {"text": "q1"}, cfg(thread), tenant_id="a", on_busy="enqueue"
+            )
+            assert again.run_id == queued[1].run_id
+            assert await rows(client) == before
+            # Cancelled while queued: it never begins.
+            extra = await client.submit(
+                "shout", {"text": "never"}, cfg(thread), tenant_id="a", on_busy="enqueue"
+            )
+            assert await extra.cancel()
+            work.gates["first"].set()
+            outputs = [(await run.result(timeout=20))["out"] for run in [first, *queued]]
+        assert outputs == ["FIRST", "Q0", "Q1", "Q2"]
+        assert [text for _, text in work.started] == ["first", "q0", "q1", "q2"]
+        with pytest.raises(RunFailedError, match="cancelled"):
+            await extra.result(timeout=5)
+        # Each handle still reads its own end after later runs of the thread (from any
+        # process: get_run with the run id), and the execution's handle reads the latest.
+        again_first = worker.get_run(thread, tenant_id="a", run_id=first.run_id)
+        assert (await again_first.result(timeout=5))["out"] == "FIRST"
+        assert (await worker.get_run(thread, tenant_id="a").result(timeout=5))["out"] == "Q2"
+        epochs = [(await run.state()).epoch for run in [first, *queued]]
+        assert epochs == sorted(set(epochs))  # each claimed at a token of its own, in order
+
+
+async def test_a_worker_gone_between_queued_runs_loses_and_repeats_none(
+    database: Database,
+) -> None:
+    """Worker A runs the first run and is gone before it begins the next; worker B begins
+    the next (promotes it) and is gone before it claims it; worker C runs the rest. Each
+    queued run runs once, in order, with its own output."""
+    from langgraph_fence.serve import Server
+
+    async with (
+        opened(database, "client") as client,
+        opened(database, "a") as a,
+        opened(database, "b") as b,
+        opened(database, "c") as c,
+    ):
+        work = Work()
+        thread = unique("t")
+        runs = [await client.submit("shout", {"text": "r0"}, cfg(thread), tenant_id="a")]
+        for i in (1, 2):
+            runs.append(
+                await client.submit(
+                    "shout", {"text": f"r{i}"}, cfg(thread), tenant_id="a", on_busy="enqueue"
+                )
+            )
+
+        def server(instance: Instance) -> Server:
+            graphs = {"shout": build(instance, work)}
+            return Server(
+                instance, graphs, concurrency=1, poll_interval=0.02, max_takeovers=3, kwargs={}
+            )
+
+        async def look(one: Server) -> None:
+            await one.poll_once()
+            await asyncio.wait_for(asyncio.gather(*one.running), 20)
+
+        await look(server(a))  # runs r0; A looks no more
+        assert (await runs[0].state()).status is LeaseStatus.DONE
+        assert (await runs[1].state()).queued
+        assert await b._run_queue().promote() == 1  # B begins r1, then is gone
+        assert await b._run_queue().promote() == 0  # begun once: r1 is not done yet
+        survivor = server(c)
+        await look(survivor)  # r1
+        await look(survivor)  # r2
+        assert [text for _, text in work.started] == ["r0", "r1", "r2"]
+        outputs = [(await run.result(timeout=5))["out"] for run in runs]
+        assert outputs == ["R0", "R1", "R2"]
+
+
+async def test_a_resume_beside_waiting_submitted_runs_is_refused(database: Database) -> None:
+    """A resume (``None``, or a ``Command``) of a thread whose submitted run waits for a
+    worker is refused, nothing written (before: it took the run's pending lease); and any
+    start is refused while submitted runs are queued on the thread, its last run ended."""
+    from langgraph.types import Command
+
+    from langgraph_fence.serve import Server
+
+    async with opened(database, "client") as client, opened(database, "worker") as worker:
+        work = Work()
+        thread = unique("t")
+        graph = build(client, work)
+        run = await client.submit("shout", {"text": "queued"}, cfg(thread), tenant_id="a")
+        queue = client._run_queue()
+        before = (await rows(client), await run.state())
+        for resume in (None, Command(resume="go")):
+            with pytest.raises(ExecutionBusyError, match="waiting for a worker"):
+                await client.ainvoke(graph, resume, cfg(thread), tenant_id="a")
+            assert (await rows(client), await run.state()) == before
+        # Its last run ended and one is queued: a start runs after it, or not at all.
+        later = await client.submit(
+            "shout", {"text": "later"}, cfg(thread), tenant_id="a", on_busy="enqueue"
+        )
+        graphs = {"shout": build(worker, work)}
+        look = Server(worker, graphs, concurrency=1, poll_interval=0.02, max_takeovers=3, kwargs={})
+        await look.take_work(1)  # the first run only: it is pending, the next still queued
+        await asyncio.wait_for(asyncio.gather(*look.running), 20)
+        assert (await run.state()).status is LeaseStatus.DONE
+        assert (await later.state()).queued
+        before = (await rows(client), await run.state())
+        for start in ({"text": "now"}, None):
+            with pytest.raises(ExecutionBusyError, match="queued"):
+                await client.ainvoke(graph, start, cfg(thread), tenant_id="a")
+            assert (await rows(client), await run.state()) == before
+        assert await queue.promote() == 1
+        async with serving(worker, graphs):
+            assert (await later.result(timeout=20))["out"] == "LATER"
+        assert await run.result(timeout=5) == {"text": "queued", "out": "QUEUED"}
+        assert [text for _, text in work.started] == ["queued", "later"]
+
+
+async def test_the_queues_lease_writes_use_the_stores_clock(leases: Leases) -> None:
+    """A submit, an interrupt and a cancel stamp the lease row by the lease store's clock
+    (here the ``leases`` fixture's ManualClock), as every other lease write does, never the
+    submitting process's ``time.time()``: the claim order by age reads one clock."""
+    client = leases.instance("client")
+    thread = unique("t")
+    key = LeaseKey("a", thread)
+
+    async def updated_at() -> float:
+        async with leases.engine.connect() as conn:
+            row = await conn.execute(
+                text("SELECT updated_at FROM fence_leases WHERE execution_id = :e"), {"e": thread}
+            )
+            return float(row.scalar_one())
+
+    await client.submit("shout", {"text": "one"}, cfg(thread), tenant_id="a")
+    assert await updated_at() == leases.clock()
+    leases.advance(5.0)
+    await client.submit("shout", {"text": "two"}, cfg(thread), tenant_id="a", on_busy="interrupt")
+    assert await updated_at() == leases.clock()
+    leases.advance(5.0)
+    assert await client.get_run(thread, tenant_id="a").cancel()
+    assert await updated_at() == leases.clock()
+    lease = await leases.store.get(key)
+    assert lease is not None
+    assert lease.status is LeaseStatus.FAILED
