@@ -30,7 +30,7 @@ from .errors import ExecutionFencedError, ExecutionLeaseLostError, InstanceFullE
 from .events import EventKind, Listeners
 from .fence import RunHandle, safety_margin
 from .lease import ExecutionLeaseRepository, Lease, LeaseKey
-from .retry import retry_window
+from .retry import FixedWindow, retry_window
 
 __all__ = ["DEFAULT_MAX_HELD", "RENEW_BATCH", "Batch", "Keeper", "Sleep"]
 
@@ -126,6 +126,25 @@ class Keeper:
     def leave(self) -> None:
         """Give a slot back: its run has ended."""
         self._slots = max(self._slots - 1, 0)
+
+    async def confirm_start(self, handle: RunHandle) -> None:
+        """Renew a new run's lease at once if its acquire was answered with less than one
+        renew interval of its window left (a burst of starts queued on the pool), before
+        anything runs under it: the late answer leaves it held, not lost.
+
+        Nothing ran under the token yet, so confirming the hold again is enough: the
+        renewal is guarded (holder and epoch), and one that finds the execution taken over
+        meanwhile raises that :class:`ExecutionFencedError`. One more round trip, on the
+        keeper's own connections, and only on the slow path.
+        """
+        sent_at = self._clock()
+        if handle.confirmed_until - sent_at >= self.renew_interval:
+            return
+        with retry_window(FixedWindow.lasting(self.renew_interval)):
+            (answer,) = await handle.repository.renew_many([handle.lease], self.ttl)
+        if isinstance(answer, ExecutionFencedError):
+            raise answer
+        handle.replace_lease(answer, sent_at=sent_at)
 
     def keep(self, handle: RunHandle) -> None:
         """Renew ``handle``'s lease every ``renew_interval`` and watch its window."""

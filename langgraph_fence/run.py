@@ -153,6 +153,7 @@ async def _running(
         elif record is not None:
             await _refuse_a_waiting_submit(instance, key)
         handle = await acquire(instance, key)
+        await instance._keeper.confirm_start(handle)
     else:
         record = None
         handle = RunHandle(instance.repository, taken, instance.lease_ttl, clock=instance.clock)
