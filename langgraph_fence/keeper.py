@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 from .errors import ExecutionFencedError, ExecutionLeaseLostError, InstanceFullError
 from .events import EventKind, Listeners
 from .fence import RunHandle, safety_margin
-from .lease import ExecutionLeaseRepository, Lease, LeaseKey
+from .lease import DEFAULT_MAX_HELD, ExecutionLeaseRepository, Lease, LeaseKey
 from .retry import FixedWindow, retry_window
 
 __all__ = ["DEFAULT_MAX_HELD", "RENEW_BATCH", "Batch", "Keeper", "Sleep"]
@@ -40,9 +40,6 @@ Sleep = Callable[[float], Awaitable[Any]]
 
 #: The most leases one renewal statement carries; more go out as several statements.
 RENEW_BATCH = 1000
-
-#: How many executions an instance holds at most by default (``Instance(max_held=...)``).
-DEFAULT_MAX_HELD = 1000
 
 
 class Batch(NamedTuple):
