@@ -32,7 +32,7 @@ from .fence import RunHandle, safety_margin
 from .lease import DEFAULT_MAX_HELD, ExecutionLeaseRepository, Lease, LeaseKey
 from .retry import FixedWindow, retry_window
 
-__all__ = ["DEFAULT_MAX_HELD", "RENEW_BATCH", "Batch", "Keeper", "Sleep"]
+__all__ = ["DEFAULT_MAX_HELD", "MAX_STARTING", "RENEW_BATCH", "Batch", "Keeper", "Sleep"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,11 @@ Sleep = Callable[[float], Awaitable[Any]]
 
 #: The most leases one renewal statement carries; more go out as several statements.
 RENEW_BATCH = 1000
+
+#: How many new runs of one instance take their lease at once; more wait their turn. A
+#: burst of thousands of starts then queues here, not on the connection pool, where its
+#: waits would run out the pool's timeout (measured: 5 000 at once on a pool of 16).
+MAX_STARTING = 8
 
 
 class Batch(NamedTuple):
@@ -80,6 +85,8 @@ class Keeper:
         self.holder = holder
         self.max_held = max_held
         self._slots = 0
+        #: Paces starts: held by a new run from its thread binding to its confirmed lease.
+        self.starting = asyncio.Semaphore(MAX_STARTING)
         self.renew_interval = renew_interval
         self._clock = clock
         self._sleep = sleep

@@ -90,7 +90,14 @@ async def running(
     """
     if taken is None:
         instance._keeper.admit(f"execution {tenant_id!r}/{execution_id or 'its thread'!r}")
+    # A new run's start (its binding, record, lease) waits its turn: a burst of starts
+    # queues here, not on the connection pool (``keeper.MAX_STARTING``).
+    starting = instance._keeper.starting if taken is None else None
+    my_turn = False
     try:
+        if starting is not None:
+            await starting.acquire()
+            my_turn = True
         async with _running(
             instance,
             graph,
@@ -102,8 +109,13 @@ async def running(
             graph_name=graph_name,
             taken=taken,
         ) as run:
+            if starting is not None and my_turn:
+                my_turn = False
+                starting.release()
             yield run
     finally:
+        if starting is not None and my_turn:
+            starting.release()
         instance._keeper.leave()
 
 
