@@ -127,14 +127,22 @@ async def part_a(args: argparse.Namespace) -> None:
                 await asyncio.sleep(0.1)
             print(f"{entered} of {args.n} held after {time.monotonic() - started:.1f} s")
             keeper = instance._keeper
+            lag = asyncio.create_task(_loop_lag())
             held_from, cpu_from = instance.clock(), time.process_time()
             await asyncio.sleep(args.hold)  # the measurement window, not a synchronisation
             cpu = time.process_time() - cpu_from
             window = instance.clock() - held_from
             batches = [b for b in keeper.batches if b.sent_at >= held_from]
+            lag_held = max(LAGS, default=0.0)
+            LAGS.clear()
             released_at = time.time()
             go.set()
             results = await asyncio.gather(*tasks, return_exceptions=True)
+            lag.cancel()
+            print(
+                f"event loop lag (a 0.1 s sleep's overshoot): at most {lag_held:.2f} s while "
+                f"held, {max(LAGS, default=0.0):.2f} s while the {args.n} runs ended"
+            )
     finally:
         await admin.execute(f'DROP SCHEMA "{schema}" CASCADE')
         await admin.close()
@@ -161,6 +169,17 @@ async def part_a(args: argparse.Namespace) -> None:
         f"{statistics.median(late) * 1e3:.0f} ms, "
         f"p99 {late[int(0.99 * (len(late) - 1))] * 1e3:.0f} ms"
     )
+
+
+LAGS: list[float] = []
+
+
+async def _loop_lag() -> None:
+    """Record how late a 0.1 s sleep wakes: how long the event loop was kept busy."""
+    while True:
+        asked = time.monotonic()
+        await asyncio.sleep(0.1)
+        LAGS.append(time.monotonic() - asked - 0.1)
 
 
 def _cpu_seconds(pid: int) -> float:
