@@ -141,7 +141,11 @@ async def latency(url: str, runs: int, poll: float, listen: bool) -> list[float]
         return samples
 
 
-async def throughput(url: str, runs: int, workers: int, concurrency: int) -> dict[str, Any]:
+async def throughput(
+    url: str, runs: int, workers: int, concurrency: int, probe: Any = None
+) -> dict[str, Any]:
+    """``probe(worker pids)``, if given, is called as the workers are let go and again at
+    the last run's end; both answers are returned under ``"probe"``."""
     async with (
         own_schema(url) as (schema, options),
         Instance.open(url, engine_options=options, instance_id="client") as client,
@@ -195,6 +199,8 @@ async def throughput(url: str, runs: int, workers: int, concurrency: int) -> dic
                 if time.monotonic() > deadline:
                     raise RuntimeError("the workers did not come up")
                 await asyncio.sleep(0.05)
+            pids = [proc.pid for proc in procs]
+            probed = [probe(pids)] if probe else []
             started = time.perf_counter()
             gate.touch()
             count = text("SELECT count(*) FROM fence_leases WHERE status = 'done'")
@@ -208,6 +214,8 @@ async def throughput(url: str, runs: int, workers: int, concurrency: int) -> dic
                     raise RuntimeError(f"only {done} of {runs} runs ended in time")
                 await asyncio.sleep(0.05)
             elapsed = time.perf_counter() - started
+            if probe:
+                probed.append(probe(pids))
         finally:
             for proc in procs:
                 if proc.returncode is None:
@@ -233,6 +241,7 @@ async def throughput(url: str, runs: int, workers: int, concurrency: int) -> dic
             "per_s": runs / elapsed,
             "counted": int(rows.n),
             "distinct": int(rows.d),
+            "probe": probed,
         }
 
 

@@ -1,20 +1,36 @@
-"""One instance holding N executions that wait in a node: does its keeper keep them all?
+"""Issue 14 at scale, on PostgreSQL: (a) one instance holding N executions, (b) workers on
+one database, (c) the takeover latency of a handed-back execution.
 
-    python benchmarks/bench_scale.py [--n 1000] [--ttl 3] [--hold 15] [--pg URL]
+    python benchmarks/bench_scale.py [--part a] [--n 1000] [--ttl 3] [--hold 15] [--pg URL]
+    python benchmarks/bench_scale.py --part b [--runs 2000] [--workers 1 2 4] [--concurrency 8]
+    python benchmarks/bench_scale.py --part c [--takeovers 10] [--poll-interval 1.0]
 
-Starts N runs on PostgreSQL (their step waits on an event, holding its lease), then, for
-``--hold`` seconds with all N held, measures: leases lost (must be 0), renewal statements
-per second and leases per statement, CPU of the process per held execution and second, and
-the renewal lateness (how much later than due each statement went out: the window it was
-due at, less the least window left among its leases when sent), median and p99. Issue 14
-part (a); parts (b) and (c) are not built.
+(a) Starts N runs (their step waits on an event, holding its lease), then, for ``--hold``
+seconds with all N held, measures: leases lost (must be 0), renewal statements per second
+and leases per statement, CPU of the process per held execution and second, and the renewal
+lateness (how much later than due each statement went out: the window it was due at, less
+the least window left among its leases when sent), median and p99. Then lets every step go
+at once and counts the leases lost while the N runs end together.
+
+(b) ``--runs`` submitted runs of ``bench_queue.py``'s one-node graph over 1, 2 and 4
+``langgraph-fence worker`` processes (``bench_queue.throughput``): runs/s, and the CPU the
+workers and every PostgreSQL process of the box spent meanwhile (from ``/proc``, as ``ps``
+reads it: the database is on this box), to tell which saturates.
+
+(c) Instance A runs a two-step graph and is drained after its first step (handed back, as
+``serve()`` does on stop); instance B serves (poll ``--poll-interval``) and takes it over:
+the time from A's hand-back to B's second step, with B woken by NOTIFY and polling only.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import contextlib
 import operator
+import os
+import resource
 import statistics
 import sys
 import time
@@ -31,6 +47,7 @@ from langgraph_fence.database import schema_options
 from langgraph_fence.fence import safety_margin
 from langgraph_fence.instance import Instance
 
+HERE = Path(__file__).resolve().parent
 DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432/test"
 
 
@@ -40,11 +57,28 @@ class Log(TypedDict, total=False):
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--part", choices=["a", "b", "c"], default="a")
     parser.add_argument("--n", type=int, default=1000)
     parser.add_argument("--ttl", type=float, default=3.0)
     parser.add_argument("--hold", type=float, default=15.0)
     parser.add_argument("--pg", default=DEFAULT_PG)
+    parser.add_argument("--runs", type=int, default=2000)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--takeovers", type=int, default=10)
+    parser.add_argument("--poll-interval", type=float, default=1.0)
     args = parser.parse_args()
+    print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    if args.part == "b":
+        await part_b(args)
+        return
+    if args.part == "c":
+        await part_c(args)
+        return
+    await part_a(args)
+
+
+async def part_a(args: argparse.Namespace) -> None:
     import asyncpg
 
     schema = f"lgf_scale_{uuid.uuid4().hex[:8]}"
@@ -93,19 +127,38 @@ async def main() -> None:
                 await asyncio.sleep(0.1)
             print(f"{entered} of {args.n} held after {time.monotonic() - started:.1f} s")
             keeper = instance._keeper
+            lag = asyncio.create_task(_loop_lag())
             held_from, cpu_from = instance.clock(), time.process_time()
             await asyncio.sleep(args.hold)  # the measurement window, not a synchronisation
             cpu = time.process_time() - cpu_from
             window = instance.clock() - held_from
             batches = [b for b in keeper.batches if b.sent_at >= held_from]
+            lag_held = max(LAGS, default=0.0)
+            LAGS.clear()
+            released_at = time.time()
             go.set()
             results = await asyncio.gather(*tasks, return_exceptions=True)
+            lag.cancel()
+            print(
+                f"event loop lag (a 0.1 s sleep's overshoot): at most {lag_held:.2f} s while "
+                f"held, {max(LAGS, default=0.0):.2f} s while the {args.n} runs ended"
+            )
     finally:
         await admin.execute(f'DROP SCHEMA "{schema}" CASCADE')
         await admin.close()
     due_at = args.ttl - safety_margin(args.ttl) - instance.renew_interval
     late = sorted(max(due_at - b.slack, 0.0) for b in batches) or [0.0]
-    failed = sum(isinstance(r, BaseException) for r in results)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    failed = len(errors)
+    for kind, count in collections.Counter(type(e).__name__ for e in errors).most_common():
+        example = next(e for e in errors if type(e).__name__ == kind)
+        print(f"runs failed with {kind}: {count} (e.g. {str(example)[:300]})")
+    while_held = sum(e.at < released_at for e in lost)
+    print(
+        f"leases lost while held {while_held}, once the {args.n} steps were let go at once "
+        f"{len(lost) - while_held}; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
+        f"; peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB"
+    )
     print(
         f"N={args.n} TTL={args.ttl:g} s over {window:.1f} s held: leases lost {len(lost)} "
         f"(runs failed {failed}); renewal statements/s {len(batches) / window:.2f} "
@@ -116,6 +169,170 @@ async def main() -> None:
         f"{statistics.median(late) * 1e3:.0f} ms, "
         f"p99 {late[int(0.99 * (len(late) - 1))] * 1e3:.0f} ms"
     )
+
+
+LAGS: list[float] = []
+
+
+async def _loop_lag() -> None:
+    """Record how late a 0.1 s sleep wakes: how long the event loop was kept busy."""
+    while True:
+        asked = time.monotonic()
+        await asyncio.sleep(0.1)
+        LAGS.append(time.monotonic() - asked - 0.1)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _postgres_pids() -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() == "postgres":
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def _probe(workers: list[int]) -> tuple[float, dict[int, float], dict[int, float]]:
+    """When, and the CPU so far of each worker and of each PostgreSQL process."""
+    return (
+        time.monotonic(),
+        {pid: _cpu_seconds(pid) for pid in workers},
+        {pid: _cpu_seconds(pid) for pid in _postgres_pids()},
+    )
+
+
+def _spent(before: dict[int, float], after: dict[int, float]) -> float:
+    # A backend that started meanwhile counts from 0; one that ended is not counted.
+    return sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items())
+
+
+async def part_b(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(HERE))
+    from bench_queue import throughput  # type: ignore[import-not-found]
+
+    url = args.pg.replace("postgresql://", "postgresql+asyncpg://")
+    print(f"{os.cpu_count()} CPUs on this box; the database is on it")
+    print("| workers | runs | took | runs/s | workers' CPU | PostgreSQL's CPU | node runs |")
+    print("|--:|--:|--:|--:|--:|--:|--:|")
+    for workers in args.workers:
+        got = await throughput(url, args.runs, workers, args.concurrency, probe=_probe)
+        (t0, w0, p0), (t1, w1, p1) = got["probe"]
+        wall = t1 - t0
+        print(
+            f"| {workers} | {args.runs} | {got['elapsed']:.1f} s | {got['per_s']:.0f} | "
+            f"{_spent(w0, w1) / wall:.2f} cores | {_spent(p0, p1) / wall:.2f} cores | "
+            f"{got['counted']} ({got['distinct']} distinct) |"
+        )
+        print(f"  load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
+class Two(TypedDict, total=False):
+    seen: list[str]
+
+
+async def part_c(args: argparse.Namespace) -> None:
+    import asyncpg
+    from langgraph.errors import GraphDrained
+
+    dsn = args.pg.replace("postgresql+asyncpg://", "postgresql://")
+    admin = await asyncpg.connect(dsn)
+    print(f"B polls every {args.poll_interval} s; {args.takeovers} hand-backs each way")
+    try:
+        for listen in (True, False):
+            schema = f"lgf_scale_{uuid.uuid4().hex[:8]}"
+            await admin.execute(f'CREATE SCHEMA "{schema}"')
+            try:
+                samples = await _takeovers(args, schema, listen, GraphDrained)
+            finally:
+                await admin.execute(f'DROP SCHEMA "{schema}" CASCADE')
+            samples.sort()
+            print(
+                f"B woken by {'NOTIFY' if listen else 'polling only'}: hand-back to takeover "
+                f"median {statistics.median(samples) * 1e3:.0f} ms, max {samples[-1] * 1e3:.0f} ms"
+            )
+    finally:
+        await admin.close()
+
+
+async def _takeovers(
+    args: argparse.Namespace, schema: str, listen: bool, drained: type[BaseException]
+) -> list[float]:
+    go, on_b = asyncio.Event(), asyncio.Event()
+    second_at: list[float] = []
+
+    def build(instance: Instance, hold: bool) -> object:
+        async def first(state: Two) -> Two:
+            if hold:
+                await go.wait()
+            return {"seen": ["first"]}
+
+        async def second(state: Two) -> Two:
+            if not hold:
+                second_at.append(time.monotonic())
+                on_b.set()
+            return {"seen": ["second"]}
+
+        builder: StateGraph[Two] = StateGraph(Two)
+        builder.add_node("first", first)
+        builder.add_node("second", second)
+        builder.add_edge(START, "first")
+        builder.add_edge("first", "second")
+        builder.add_edge("second", END)
+        return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="two")
+
+    options = schema_options(schema)
+    samples = []
+    async with (
+        Instance.open(args.pg, engine_options=options, instance_id="A") as a,
+        Instance.open(args.pg, engine_options=options, instance_id="B") as b,
+    ):
+        graph_a = build(a, hold=True)
+        handed_back: list[float] = []
+        a.add_listener(
+            lambda e: (
+                handed_back.append(time.monotonic()) if e.kind is EventKind.HANDED_BACK else None
+            )
+        )
+        stop = asyncio.Event()
+        server = asyncio.create_task(
+            b.serve(
+                {"two": build(b, hold=False)},
+                poll_interval=args.poll_interval,
+                stop=stop,
+                handle_signals=False,
+                listen=listen,
+            )
+        )
+        try:
+            for i in range(args.takeovers):
+                go.clear()
+                on_b.clear()
+                config = {"configurable": {"thread_id": f"c-{i}-{uuid.uuid4().hex[:6]}"}}
+                run = asyncio.create_task(a.ainvoke(graph_a, {"seen": []}, config, tenant_id="c"))
+                while not a._runs:  # noqa: ASYNC110 - a benchmark's own pacing
+                    await asyncio.sleep(0.01)
+                (held,) = a._runs
+                held.control.request_drain("handed back by the benchmark")
+                go.set()
+                with contextlib.suppress(drained):
+                    await run
+                await asyncio.wait_for(on_b.wait(), 60)
+                samples.append(second_at[-1] - handed_back[-1])
+        finally:
+            stop.set()
+            await asyncio.wait_for(server, 60)
+    return samples
 
 
 if __name__ == "__main__":

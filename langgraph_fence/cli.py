@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from .lease import DEFAULT_MAX_TAKEOVERS, LeaseKey, LeaseStatus
+from .lease import DEFAULT_MAX_HELD, DEFAULT_MAX_TAKEOVERS, LeaseKey, LeaseStatus
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -220,6 +220,15 @@ def _parser() -> argparse.ArgumentParser:
         default=4,
         metavar="N",
         help="how many executions this worker runs at once (default: 4)",
+    )
+    worker.add_argument(
+        "--max-held",
+        type=_positive_int,
+        default=DEFAULT_MAX_HELD,
+        metavar="N",
+        help="how many executions this worker's instance holds (renews) at once; it takes "
+        "no more over until one ends, whatever --concurrency says (default: "
+        f"{DEFAULT_MAX_HELD})",
     )
     worker.add_argument(
         "--poll-interval",
@@ -599,14 +608,15 @@ async def _worker(args: argparse.Namespace) -> int:
                 instance_id=args.instance_id,
                 lease_ttl=args.lease_ttl,
                 max_takeovers=args.max_takeovers,
+                max_held=args.max_held,
             ) as instance:
                 graphs = factory(instance)
                 schema = f" (schema {args.schema})" if args.schema else ""
                 Console().print(
                     f"worker {instance.instance_id} serves {sorted(graphs)} on "
                     f"{target.masked}{schema}: concurrency {args.concurrency}, polls every "
-                    f"{args.poll_interval} s, lease TTL {args.lease_ttl} s, at most "
-                    f"{args.max_takeovers} takeovers without progress",
+                    f"{args.poll_interval} s, lease TTL {args.lease_ttl} s, holds at most "
+                    f"{args.max_held}, at most {args.max_takeovers} takeovers without progress",
                     markup=False,
                     highlight=False,
                     soft_wrap=True,

@@ -581,8 +581,11 @@ class Instance:
             stop: set it to stop the loop gracefully.
             handle_signals: set ``stop`` on SIGTERM and SIGINT (main thread only).
             max_takeovers: the takeover budget (default: the instance's ``max_takeovers``).
-            listen: on PostgreSQL, wake at once when a run is submitted (LISTEN/NOTIFY on
-                one pooled connection); ``False``: find submitted runs by polling only.
+            listen: on PostgreSQL, wake at once when an execution becomes runnable (a
+                submit, a child recorded, a run handed back by its instance: LISTEN/NOTIFY
+                on one pooled connection, opened again if the database drops it);
+                ``False``: find them by polling only. An expired lease whose instance died
+                is found by polling.
             **kwargs: passed to each ``graph.ainvoke`` (``durability``, ...); an option the
                 run recorded (e.g. its ``durability``) wins over these.
         """

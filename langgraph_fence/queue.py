@@ -38,12 +38,13 @@ lease table every worker reads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Collection, Mapping
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -73,8 +74,10 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "ANNOUNCED_FOR",
     "ANNOUNCE_EVERY",
+    "ENDS_CHANNEL",
     "NOTIFY_CHANNEL",
     "ON_BUSY",
+    "Notifications",
     "OnBusy",
     "RunState",
     "SubmittedRun",
@@ -271,9 +274,20 @@ _WAITING = text(
     "WHERE l.tenant_id = :tenant_id AND l.execution_id = :execution_id"
 )
 
-#: The PostgreSQL channel a submit notifies (the payload: the graph name).
+#: The PostgreSQL channel that says an execution became runnable: a submit, a child
+#: recorded, a run handed back (the payload: the graph name, where known). Sent and
+#: listened to per schema: as ``<channel>_<12 hex digits of md5(current_schema())>``.
 NOTIFY_CHANNEL = "langgraph_fence_runs"
-_NOTIFY = text(f"SELECT pg_notify('{NOTIFY_CHANNEL}', :graph)")
+#: The PostgreSQL channel that says a submitted run ended (the payload: its scope key).
+ENDS_CHANNEL = "langgraph_fence_ends"
+_CHANNELS = (NOTIFY_CHANNEL, ENDS_CHANNEL)
+# Each channel is of the schema the tables are in (the connection's ``current_schema()``):
+# instances on another schema of the same database are not woken by this one's runs.
+_OF_SCHEMA = ":channel || '_' || left(md5(current_schema()), 12)"
+_NOTIFY = text(f"SELECT pg_notify({_OF_SCHEMA}, :payload)")
+_CHANNEL_NAME = text(f"SELECT {_OF_SCHEMA}")
+#: The longest pause before the LISTEN connection is opened again after it was dropped.
+MAX_LISTEN_BACKOFF = 5.0
 _ANNOUNCE = text(
     "INSERT INTO fence_workers (instance_id, graphs, seen_at) VALUES (:instance_id, :graphs, "
     ":at) ON CONFLICT (instance_id) DO UPDATE SET graphs = excluded.graphs, "
@@ -334,6 +348,8 @@ class SubmittedRuns:
         self._writer = single_statement(engine)
         self._pg = dialect_of(engine) == "postgresql"
         self.serde = serde
+        #: The LISTEN side: one connection for every waiter of this queue (PostgreSQL).
+        self.notifications = Notifications(engine) if self._pg else None
 
     # -- submit
 
@@ -481,7 +497,7 @@ class SubmittedRuns:
                 await conn.execute(_ADD_RUN, {**row, "status": "current"})
                 if self._pg:
                     # Delivered on commit: a waiting serve() looks at once.
-                    await conn.execute(_NOTIFY, {"graph": graph_name})
+                    await conn.execute(_NOTIFY, {"channel": NOTIFY_CHANNEL, "payload": graph_name})
                 await conn.execute(_SUBMIT_RECORD, {**params, **record, "at": at})
                 return run_id
 
@@ -573,7 +589,7 @@ class SubmittedRuns:
                 if created.first() is None:
                     return False
                 if self._pg:
-                    await conn.execute(_NOTIFY, {"graph": graph_name})
+                    await conn.execute(_NOTIFY, {"channel": NOTIFY_CHANNEL, "payload": graph_name})
                 await conn.execute(_SUBMIT_RECORD, {**params, **record, "at": at})
                 return True
 
@@ -807,6 +823,9 @@ class SubmittedRuns:
                 cancelled = (await conn.execute(cancel, {**params, **now})).first() is not None
                 if cancelled:
                     await conn.execute(self._leases.cancel_children, {**children, **now})
+                    if self._pg:  # delivered on commit: its result() returns at once
+                        ended = {"channel": ENDS_CHANNEL, "payload": key.scope_key}
+                        await conn.execute(_NOTIFY, ended)
                 return cancelled
 
         return await retry_connection_errors(once, what="cancel")
@@ -817,46 +836,27 @@ class SubmittedRuns:
 
     @asynccontextmanager
     async def wakeups(self, wake: asyncio.Event) -> AsyncIterator[bool]:
-        """Set ``wake`` whenever a run is submitted, while the block runs; yields whether it
-        will (PostgreSQL: a connection of the pool LISTENs on :data:`NOTIFY_CHANNEL`;
-        SQLite, or a connection that cannot listen: never, and the caller polls). A
-        connection the database drops later is not listened on again: the caller's polling
-        finds the runs from then on."""
+        """Set ``wake`` whenever an execution becomes runnable (a submit, a child recorded,
+        a run handed back), while the block runs; yields whether it will (PostgreSQL:
+        LISTEN on :data:`NOTIFY_CHANNEL`, re-opened if the database drops it; SQLite, or a
+        database that cannot be listened to: never, and the caller polls)."""
+        if self.notifications is None:
+            yield False
+            return
+        async with self.notifications.subscribe(NOTIFY_CHANNEL, wake) as listening:
+            yield listening
+
+    async def notify(self, channel: str, payload: str) -> None:
+        """Say on ``channel`` (PostgreSQL; nothing elsewhere) what changed: one statement,
+        off the hot paths (a hand-back, a submitted run's end). Never raises: a waiter that
+        misses it finds the change by polling."""
         if not self._pg:
-            yield False
             return
-
-        def notified(*_: Any) -> None:
-            wake.set()
-
         try:
-            conn = await self._engine.connect()
+            async with self._writer.begin() as conn:
+                await conn.execute(_NOTIFY, {"channel": channel, "payload": payload})
         except Exception as exc:
-            logger.info("serve: cannot LISTEN for submits (%s); polling only", exc)
-            yield False
-            return
-        try:
-            driver: Any = None
-            try:
-                driver = (await conn.get_raw_connection()).driver_connection
-                await driver.add_listener(NOTIFY_CHANNEL, notified)
-            except Exception as exc:
-                logger.info("serve: cannot LISTEN for submits (%s); polling only", exc)
-                driver = None
-            try:
-                yield driver is not None
-            finally:
-                if driver is not None:
-                    try:
-                        await driver.remove_listener(NOTIFY_CHANNEL, notified)
-                    except Exception:
-                        logger.debug("serve: UNLISTEN failed", exc_info=True)
-        finally:
-            try:
-                await conn.close()
-            except Exception:
-                # A connection the database dropped (a restart): nothing left to give back.
-                logger.debug("serve: closing the LISTEN connection failed", exc_info=True)
+            logger.info("NOTIFY %s failed (%s): waiters poll", channel, exc)
 
     # -- who serves what
 
@@ -915,6 +915,104 @@ async def served_graphs(engine: AsyncEngine) -> dict[str, list[str]]:
     return served
 
 
+class Notifications:
+    """PostgreSQL LISTEN for every waiter of one queue, on ONE pooled connection.
+
+    The connection is opened when the first waiter subscribes and closed when the last
+    leaves. One the database drops (a restart, ``pg_terminate_backend``) is opened again
+    (backing off up to :data:`MAX_LISTEN_BACKOFF`), and every waiter is woken once then:
+    a notification sent while it was down is lost, so each looks again.
+
+    Attributes:
+        backend_pid: the server process of the LISTEN connection, while it is open.
+    """
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        # (channel, payload wanted or None for any, the event to set).
+        self._waiters: list[tuple[str, str | None, asyncio.Event]] = []
+        self._task: asyncio.Task[None] | None = None
+        self._open = asyncio.Event()
+        self._names: dict[str, str] = {}  # the schema's channel name -> the channel
+        self.backend_pid: int | None = None
+
+    @asynccontextmanager
+    async def subscribe(
+        self, channel: str, wake: asyncio.Event, payload: str | None = None, *, within: float = 5.0
+    ) -> AsyncIterator[bool]:
+        """Set ``wake`` on each notification on ``channel`` (with ``payload``, if given)
+        while the block runs; yields whether the connection was listening within
+        ``within`` seconds (from then on nothing sent is missed; ``False``: poll)."""
+        entry = (channel, payload, wake)
+        self._waiters.append(entry)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._listen(), name="langgraph-fence LISTEN")
+        try:
+            try:
+                await asyncio.wait_for(self._open.wait(), within)
+                listening = True
+            except TimeoutError:
+                listening = False
+            yield listening
+        finally:
+            self._waiters.remove(entry)
+            if not self._waiters and self._task is not None:
+                task, self._task = self._task, None
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    def _notified(self, _conn: Any, _pid: int, name: str, payload: str) -> None:
+        channel = self._names.get(name)
+        for wanted_channel, wanted, wake in self._waiters:
+            if wanted_channel == channel and wanted in (None, payload):
+                wake.set()
+
+    async def _listen(self) -> None:
+        pause, opened_before = 0.1, False
+        while self._waiters:
+            dropped = asyncio.Event()
+            try:
+                conn = await self._engine.connect()
+            except Exception as exc:
+                logger.info("cannot LISTEN (%s); polling until it can, in %.1fs", exc, pause)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, MAX_LISTEN_BACKOFF)
+                continue
+            try:
+                driver: Any = (await conn.get_raw_connection()).driver_connection
+                driver.add_termination_listener(lambda _c, gone=dropped: gone.set())
+                self._names = {}
+                for channel in _CHANNELS:
+                    name = str((await conn.execute(_CHANNEL_NAME, {"channel": channel})).scalar())
+                    self._names[name] = channel
+                    await driver.add_listener(name, self._notified)
+                self.backend_pid = driver.get_server_pid()
+                self._open.set()
+                pause = 0.1
+                if opened_before:
+                    for _, _, wake in self._waiters:
+                        wake.set()  # what was sent while it was down is lost: look again
+                opened_before = True
+                await dropped.wait()
+                logger.info("the LISTEN connection was dropped; opening it again")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.info("LISTEN failed (%s); trying again in %.1fs", exc, pause)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, MAX_LISTEN_BACKOFF)
+            finally:
+                self._open.clear()
+                self.backend_pid = None
+                # Never given back to the pool: a connection that still LISTENs must not
+                # serve other work; one the database dropped is gone anyway.
+                with contextlib.suppress(Exception):
+                    await conn.invalidate()
+                with contextlib.suppress(Exception):
+                    await conn.close()
+
+
 class SubmittedRun:
     """A handle on a submitted run, from the process that submitted it or any other
     (:meth:`Instance.get_run <langgraph_fence.Instance.get_run>`).
@@ -966,7 +1064,10 @@ class SubmittedRun:
 
         Args:
             timeout: seconds to wait (``None``: as long as it takes).
-            poll_interval: the longest pause between looks (they start faster).
+            poll_interval: the longest pause between looks (they start faster). On
+                PostgreSQL the run's end wakes the wait at once (LISTEN on
+                :data:`ENDS_CHANNEL`), and it looks every ``poll_interval`` (at least a
+                second) only in case that notification was lost.
             allow: ``(module, name)`` pairs the output may construct besides what the
                 serializer allows (your state types).
 
@@ -982,23 +1083,38 @@ class SubmittedRun:
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         wait = min(0.005, pause)
-        while True:
-            found = await self._queue.state(self.key, self.run_id)
-            if found is None:
-                raise KeyError(f"no execution {self.key.scope_key!r}: nothing was submitted")
-            state, stored = found
-            if state.status.value in _ENDED:
-                return self._end(state, stored, allow)
-            if deadline is not None and loop.time() >= deadline:
-                raise TimeoutError(
-                    f"execution {self.key.scope_key!r} had not ended after {timeout:g} s (it is "
-                    f"{state.status.value}, held by {state.holder or 'no worker'} at token "
-                    f"{state.epoch}): is a worker serving graph {state.graph!r}? See "
-                    "`langgraph-fence runs`"
-                )
-            left = pause if deadline is None else max(0.0, deadline - loop.time())
-            await asyncio.sleep(min(wait, left))
-            wait = min(wait * 2, pause)
+        ended = asyncio.Event()
+        notifications = self._queue.notifications
+        # Subscribed before the first look: an end after it is not missed.
+        async with (
+            notifications.subscribe(ENDS_CHANNEL, ended, self.key.scope_key)
+            if notifications is not None
+            else nullcontext(False)
+        ) as listening:
+            while True:
+                ended.clear()
+                found = await self._queue.state(self.key, self.run_id)
+                if found is None:
+                    raise KeyError(f"no execution {self.key.scope_key!r}: nothing was submitted")
+                state, stored = found
+                if state.status.value in _ENDED:
+                    return self._end(state, stored, allow)
+                if deadline is not None and loop.time() >= deadline:
+                    raise TimeoutError(
+                        f"execution {self.key.scope_key!r} had not ended after {timeout:g} s "
+                        f"(it is {state.status.value}, held by {state.holder or 'no worker'} "
+                        f"at token {state.epoch}): is a worker serving graph {state.graph!r}? "
+                        "See `langgraph-fence runs`"
+                    )
+                left = pause if deadline is None else max(0.0, deadline - loop.time())
+                if listening:
+                    # Woken by the run's end; a look every poll_interval (at least a
+                    # second) in case that notification was lost.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(ended.wait(), min(max(pause, 1.0), left))
+                else:
+                    await asyncio.sleep(min(wait, left))
+                    wait = min(wait * 2, pause)
 
     def _end(self, state: RunState, stored: tuple[Any, Any], allow: Collection[Any]) -> Any:
         if state.status in (LeaseStatus.DONE, LeaseStatus.WAITING):

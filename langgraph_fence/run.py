@@ -39,6 +39,7 @@ from .lease import (
     LeaseStatus,
 )
 from .outcome import Settle, decide_outcome
+from .queue import NOTIFY_CHANNEL
 from .records import ExecutionRecord, SqlExecutionRecords, check_thread_binding
 from .redact import bounded_reason, failure_reason
 from .retry import FixedWindow, retry_window
@@ -143,7 +144,14 @@ async def running(
     """
     if taken is None:
         instance._keeper.admit(f"execution {tenant_id!r}/{execution_id or 'its thread'!r}")
+    # A new run's start (its binding, record, lease) waits its turn: a burst of starts
+    # queues here, not on the connection pool (``keeper.MAX_STARTING``).
+    starting = instance._keeper.starting if taken is None else None
+    my_turn = False
     try:
+        if starting is not None:
+            await starting.acquire()
+            my_turn = True
         async with _running(
             instance,
             graph,
@@ -155,8 +163,13 @@ async def running(
             graph_name=graph_name,
             taken=taken,
         ) as run:
+            if starting is not None and my_turn:
+                my_turn = False
+                starting.release()
             yield run
     finally:
+        if starting is not None and my_turn:
+            starting.release()
         instance._keeper.leave()
 
 
@@ -195,6 +208,7 @@ async def _running(
                 ),
             )
         handle, record = await take(instance, key, thread_id, record)
+        await instance._keeper.confirm_start(handle)
     else:
         record = None
         handle = RunHandle(instance.repository, taken, instance.lease_ttl, clock=instance.clock)
@@ -410,6 +424,10 @@ async def _settle(instance: Instance, graph: Any, run: Run, exc: BaseException |
             handle.record(outcome.fence_error)
         if exc is not None:
             await _classify_loss(instance, handle)
+        if not isinstance(handle.error, ExecutionFencedError):
+            # Lapsed, and nobody took it over: the run has stopped, so its instance hands
+            # it back for a serving instance to take at once, not once it expires.
+            await _hand_back(instance, run, f"its lease lapsed: {handle.error}")
         assert handle.error is not None
         raise handle.error
     if outcome.settle is Settle.DEAD_LETTER:
@@ -427,6 +445,7 @@ async def _settle(instance: Instance, graph: Any, run: Run, exc: BaseException |
         # Drained by request (not by a fence): hand the execution back for any instance.
         await _release(run, LeaseStatus.PENDING, outcome.reason)
         instance._events.emit(EventKind.HANDED_BACK, handle.scope_key, handle.token, outcome.reason)
+        await _wake_servers(instance)
         return
     if outcome.settle is Settle.LOST_TO_STORE:
         # An infrastructure error, not the graph's: the store could not be reached while
@@ -464,6 +483,7 @@ async def _hand_back(instance: Instance, run: Run, reason: str) -> None:
     try:
         await _release(run, LeaseStatus.PENDING, bounded_reason(reason))
         instance._events.emit(EventKind.HANDED_BACK, run.handle.scope_key, run.handle.token, reason)
+        await _wake_servers(instance)
     except ExecutionLeaseLostError:
         pass  # recorded on the handle: it was taken over
     except Exception as exc:
@@ -472,6 +492,14 @@ async def _hand_back(instance: Instance, run: Run, reason: str) -> None:
             run.handle.scope_key,
             failure_reason(exc),
         )
+
+
+async def _wake_servers(instance: Instance) -> None:
+    """Say that an execution was handed back: on PostgreSQL a serving instance is woken
+    (NOTIFY) and takes it at once, not at its next poll; elsewhere polling finds it."""
+    queue = instance.queue_or_none()
+    if queue is not None:
+        await queue.notify(NOTIFY_CHANNEL, "")
 
 
 async def _classify_loss(instance: Instance, handle: RunHandle) -> None:

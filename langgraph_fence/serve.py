@@ -23,7 +23,7 @@ from langgraph.errors import GraphDrained
 from .events import EventKind
 from .keeper import Sleep
 from .lease import Lease, LeaseKey, LeaseStatus, validate_max_takeovers
-from .queue import ANNOUNCE_EVERY
+from .queue import ANNOUNCE_EVERY, ENDS_CHANNEL
 from .records import ExecutionHead
 from .redact import failure_reason
 from .retry import is_connection_error
@@ -55,8 +55,8 @@ class Server:
         max_takeovers: the takeover budget (checked).
         kwargs: passed to each ``graph.ainvoke``; a run's recorded options win.
         sleep: how the loop pauses between looks (default ``asyncio.sleep``).
-        listen: on PostgreSQL, wake at once when a run is submitted (LISTEN/NOTIFY);
-            ``False``: poll only.
+        listen: on PostgreSQL, wake at once when an execution becomes runnable (a
+            submit, a hand-back: LISTEN/NOTIFY); ``False``: poll only.
     """
 
     def __init__(
@@ -173,7 +173,8 @@ class Server:
         remove_signals = on_signals(stop) if handle_signals else (lambda: None)
         logger.info("instance %s serves %s", self.instance.instance_id, sorted(self.graphs))
         queue = self.instance.queue_or_none()
-        # On PostgreSQL a submit wakes the loop at once (LISTEN/NOTIFY); polling stays.
+        # On PostgreSQL a submit or a hand-back wakes the loop at once (LISTEN/NOTIFY);
+        # polling stays.
         wake = asyncio.Event()
         try:
             listening = queue is not None and self.listen
@@ -414,6 +415,11 @@ class Server:
             logger.info("run %s drained and handed back", taken.scope_key)
         except Exception:
             logger.warning("resumed run %s ended with an error", taken.scope_key, exc_info=True)
+        finally:
+            queue = self.instance.queue_or_none()
+            if submitted and queue is not None:
+                # Its lease is released now: a result() waiting for it looks at once.
+                await queue.notify(ENDS_CHANNEL, taken.scope_key)
 
 
 def _checkpoint_id(config: Any) -> str:

@@ -97,3 +97,93 @@ def test_a_module_missing_from_the_folder_is_one_line_saying_where_it_looked(
         f"error: --graphs: no module 'nope' in the current folder ({tmp_path}) or on "
         "sys.path: start the worker in the folder that holds it, or fix MODULE"
     ]
+
+
+ONE_AT_A_TIME_MODULE = """
+import os
+import time
+
+from langgraph.graph import END, START, StateGraph
+from typing_extensions import TypedDict
+
+from langgraph_fence import fence_graph
+
+
+class State(TypedDict):
+    n: int
+
+
+def step(state):
+    with open(os.environ["STEPS_LOG"], "a") as log:
+        log.write("start\\n")
+    time.sleep(0.2)  # the step's work: long enough for a second run to start beside it
+    with open(os.environ["STEPS_LOG"], "a") as log:
+        log.write("end\\n")
+    return {"n": state["n"] + 1}
+
+
+def graphs(instance):
+    builder = StateGraph(State)
+    builder.add_node("step", step)
+    builder.add_edge(START, "step")
+    builder.add_edge("step", END)
+    return {"counter": fence_graph(builder).compile(checkpointer=instance.checkpointer)}
+"""
+
+
+def test_a_worker_with_max_held_1_runs_one_execution_at_a_time(tmp_path: Path) -> None:
+    """``--max-held`` bounds what the worker holds, whatever ``--concurrency`` allows: three
+    runs waiting, concurrency 4, max-held 1: their steps never overlap."""
+    import asyncio
+
+    from langgraph_fence import Instance
+
+    (tmp_path / "my_graphs.py").write_text(ONE_AT_A_TIME_MODULE)
+    db = f"sqlite+aiosqlite:///{tmp_path}/w.db"
+    log = tmp_path / "steps.log"
+
+    async def submit_three() -> None:
+        async with Instance.open(db) as client:
+            for n in range(3):
+                cfg = {"configurable": {"thread_id": f"t{n}"}}
+                await client.submit("counter", {"n": 0}, cfg, tenant_id="a")
+
+    asyncio.run(submit_three())
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["STEPS_LOG"] = str(log)
+    args = ["worker", "--db", db, "--graphs", "my_graphs:graphs", "--concurrency", "4"]
+    out = tmp_path / "worker.out"
+    with out.open("wb") as out_file:
+        proc = subprocess.Popen(
+            [SCRIPT, *args, "--max-held", "1", "--poll-interval", "0.05"],
+            stdout=out_file,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+            env=env,
+        )
+    try:
+
+        def all_ran() -> bool:
+            assert proc.poll() is None, out.read_text()
+            return log.exists() and log.read_text().count("end") == 3
+
+        eventually_sync(all_ran, timeout=90.0, interval=0.05, what=lambda: out.read_text())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    assert code == 0, out.read_text()
+    assert "holds at most 1," in out.read_text()
+    assert log.read_text().split() == ["start", "end"] * 3
+
+
+def test_max_held_must_be_a_positive_number(tmp_path: Path) -> None:
+    db = f"sqlite+aiosqlite:///{tmp_path}/w.db"
+    done = subprocess.run(
+        [SCRIPT, "worker", "--db", db, "--graphs", "m:f", "--max-held", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "--max-held" in done.stderr

@@ -16,10 +16,20 @@ import pytest
 import sqlalchemy.exc
 from langgraph.graph import END, START, StateGraph
 
-from langgraph_fence import EventKind, FenceEvent, InstanceFullError, LeaseKey, LeaseStatus
+from langgraph_fence import (
+    EventKind,
+    FenceEvent,
+    InstanceFullError,
+    Lease,
+    LeaseKey,
+    LeaseStatus,
+)
 from langgraph_fence.database import schema_options
+from langgraph_fence.faults import StallableRepository, StallGate
 from langgraph_fence.instance import Instance
+from langgraph_fence.keeper import MAX_STARTING
 from langgraph_fence.nodes import fence_graph
+from langgraph_fence.testing import Leases
 from tests.conftest import unique
 from tests.polling import eventually
 
@@ -192,4 +202,63 @@ async def test_renewals_go_through_while_every_pooled_connection_is_taken(
                 await conn.close()
         waiting.go.set()
         assert (await run)["log"] == ["done"]
+    assert lost == []
+
+
+class QueuedAcquires(StallableRepository):
+    """A lease store whose acquires queue (as behind a pool every connection of which a
+    burst of starts holds) until ``served`` is set; every other call goes straight on."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner, StallGate())
+        self.queued = 0
+        self.served = asyncio.Event()
+
+    async def acquire(
+        self, key: LeaseKey, holder: str, ttl: float, *, reopen: bool = False
+    ) -> Lease | None:
+        self.queued += 1
+        await self.served.wait()
+        return await self.inner.acquire(key, holder, ttl, reopen=reopen)
+
+
+async def test_a_burst_of_starts_whose_acquires_answer_after_their_window_loses_none(
+    leases: Leases,
+) -> None:
+    """A burst of starts larger than the pool: the first starts' acquires wait, and are
+    answered after the window each counts from its sending has run out (on the store the
+    lease is fresh: it was written just now). No such start loses its lease: it is renewed
+    at once, before its graph runs, and its renewals keep it from then on; the rest of the
+    burst starts after them."""
+    store = QueuedAcquires(leases.store)
+    instance = Instance(
+        store,
+        leases.saver,
+        instance_id="burst",
+        lease_ttl=3.0,
+        clock=leases.clock,
+        sleep=leases.clock.sleep,
+        records=leases.records,
+    )
+    lost = losses(instance)
+    waiting = Waiting()
+    graph = waiting.graph(instance)
+    burst = [start(instance, graph, unique("burst")) for _ in range(50)]
+    # The first starts' acquires queue (the rest wait their turn to start: MAX_STARTING).
+    await until(lambda: store.queued >= MAX_STARTING, within=30.0)
+    leases.advance(instance.lease_ttl)  # their windows ran out while they queued
+    store.served.set()
+    await until(lambda: waiting.entered == 50 or any(t.done() for t in burst), within=30.0)
+    ended = [t for t in burst if t.done()]
+    assert not ended, f"a run ended while all should wait: {ended[0].exception()!r}"
+    assert lost == []
+    # Held from then on: two rounds of renewals keep every lease.
+    for _ in range(2):
+        sent = len(instance._keeper.batches)
+        leases.advance(instance.renew_interval)
+        await until(lambda sent=sent: len(instance._keeper.batches) > sent, within=30.0)
+    waiting.go.set()
+    results = await asyncio.gather(*burst, return_exceptions=True)
+    await instance.aclose()
+    assert [r for r in results if isinstance(r, BaseException)] == []
     assert lost == []
