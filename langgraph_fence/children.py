@@ -44,7 +44,7 @@ from .errors import (
     ExecutionLeaseLostError,
     find_fence_error,
 )
-from .lease import LeaseKey, LeaseStatus
+from .lease import LeaseKey, LeaseStatus, fenced_error, is_yielded
 from .scope import parse_scope_key, scope_key
 from .validate import positive_seconds, text_id
 
@@ -206,6 +206,11 @@ async def wait_children(
     results: list[Any] = [None] * len(children)
     pending = dict(enumerate(children))
     wait = min(0.005, pause)
+    # A wait for remote children may yield the root lease (tree_activity.py): only while
+    # every running part of the tree waits so; re-taken before the wait returns or raises.
+    activity = handle.activity if queue is not None else None
+    if activity is not None:
+        activity.begin_wait()
     try:
         while True:
             await _still_held(frame)
@@ -219,6 +224,9 @@ async def wait_children(
                     results[index] = value
                     del pending[index]
             if not pending:
+                if activity is not None:
+                    await activity.end_wait()
+                    activity = None
                 await _still_held(frame)
                 return results
             if deadline is not None and loop.time() >= deadline:
@@ -232,6 +240,8 @@ async def wait_children(
             if len(local) == len(pending):  # only children of this process: woken by them
                 await asyncio.wait(local, timeout=left_s, return_when=asyncio.FIRST_COMPLETED)
             else:
+                if activity is not None and not local:
+                    await activity.maybe_yield()
                 await asyncio.sleep(min(wait, left_s))
                 wait = min(wait * 2, pause)
     finally:
@@ -239,6 +249,8 @@ async def wait_children(
         for child in pending.values():
             if child._local is not None:
                 child._local.cancel()
+        if activity is not None:
+            await activity.end_wait()  # re-taken first if yielded
 
 
 def _local_end(child: Child, return_exceptions: bool) -> tuple[bool, Any]:
@@ -270,6 +282,8 @@ async def _remote_end(
             "erased while its parent waited"
         )
     state, stored = found
+    if is_yielded(state.status, state.holder):
+        return False, None  # it waits for children of its own
     if state.status in _OUTPUT_ENDS:
         return True, queue.decode_output(child.execution, stored, allow)
     if state.status not in _FAILED_ENDS:
@@ -292,6 +306,15 @@ async def _still_held(frame: ExecutionContext) -> None:
     about once, so a waiter that was taken over stops with ``ExecutionFencedError``."""
     handle = frame._handle
     handle.check_alive()
+    if handle.activity.yielded:
+        # Given up on purpose: nothing to prove until the re-take, which a stop still
+        # comes to (the wait's end re-takes before the drain hands the run back). One read
+        # tells a take by another instance (or a cancel) within one poll: the epoch moved.
+        current = await handle.repository.get(handle.key)
+        if current is None or current.epoch != handle.token:
+            raise handle.record(fenced_error(handle.lease, current, action="wait_children"))
+        _stopping(handle)
+        return
     try:
         frame.fence.assert_held()
     except ExecutionFencedError:
@@ -299,6 +322,10 @@ async def _still_held(frame: ExecutionContext) -> None:
     except ExecutionLeaseLostError:
         await handle.renew()  # raises ExecutionFencedError if another instance took it
         raise
+    _stopping(handle)
+
+
+def _stopping(handle: RunHandle) -> None:
     if handle.stop_reason is not None:
         # The instance is stopping (SIGTERM, serve()'s stop): a wait would hold its drain
         # for as long as the children take. Handed back instead; the step run again finds

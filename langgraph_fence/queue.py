@@ -45,7 +45,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from .database import dialect_of, single_statement, transaction
 from .errors import ExecutionBusyError, ExecutionEndedError, RunFailedError
 from .guard import guard_sql
-from .lease import Lease, LeaseKey, LeaseStatus
+from .lease import Lease, LeaseKey, LeaseStatus, is_yielded
 from .retry import retry_connection_errors
 from .validate import positive_seconds, text_id
 
@@ -109,12 +109,29 @@ _FENCE = (
     "status = :status, reason = :reason, updated_at = :at WHERE " + _KEY
 )
 _INTERRUPT = text(_FENCE + " AND epoch = :epoch")
-_CANCEL = text(_FENCE + " AND status IN ('pending', 'running') RETURNING epoch")
+# Pending, running, or yielded (waiting with its holder kept: its run goes on).
+_CANCEL = text(
+    _FENCE + " AND (status IN ('pending', 'running') OR (status = 'waiting' AND holder IS "
+    "NOT NULL)) RETURNING epoch"
+)
 # A parent's children that no worker claimed yet (pending, no holder) never start.
 _CANCEL_CHILDREN = text(
     "UPDATE fence_leases SET epoch = epoch + 1, status = 'failed', reason = :reason, "
     "updated_at = :at WHERE tenant_id = :tenant_id AND status = 'pending' AND holder IS NULL "
     "AND substr(execution_id, 1, :length) = :prefix"
+)
+# A yielded tree whose children have all ended becomes pending for any instance, from
+# :not_before on (until then its waiter, usually alive, takes it again first); one statement,
+# run after each child's end and after each yield, so whichever comes last sees every end.
+_LIVE_CHILD = (
+    "SELECT 1 FROM fence_leases c WHERE c.tenant_id = :tenant_id "
+    "AND substr(c.execution_id, 1, :length) = :prefix AND (c.status IN ('pending', 'running') "
+    "OR (c.status = 'waiting' AND c.holder IS NOT NULL))"
+)
+_WAKE = text(
+    "UPDATE fence_leases SET status = 'pending', holder = NULL, expires_at = :not_before, "
+    "updated_at = :at WHERE " + _KEY + " AND status = 'waiting' AND holder IS NOT NULL "
+    "AND NOT EXISTS (" + _LIVE_CHILD + ") RETURNING epoch"
 )
 _RECORDED = text(
     "SELECT graph, input_type, input, run_type, run FROM fence_executions WHERE " + _KEY
@@ -542,6 +559,30 @@ class SubmittedRuns:
 
         return await retry_connection_errors(once, what="cancel")
 
+    async def wake_yielded(self, parent: LeaseKey, not_before: float) -> bool:
+        """Make ``parent`` pending (runnable by any instance's ``serve()`` from
+        ``not_before`` on, store clock) if it is yielded and none of its children is still
+        pending, running or yielded itself; whether it was. Serving instances are woken
+        (PostgreSQL NOTIFY), so a waiter that died never strands its tree."""
+        prefix = parent.scope_key + ":"  # a child's id: its parent's scope key, ':', its key
+        params = {
+            "tenant_id": parent.tenant_id,
+            "execution_id": parent.execution_id,
+            "prefix": prefix,
+            "length": len(prefix),
+            "not_before": not_before,
+            "at": time.time(),
+        }
+
+        async def once() -> bool:
+            async with transaction(self._engine) as conn:
+                woken = (await conn.execute(_WAKE, params)).first() is not None
+                if woken and self._pg:
+                    await conn.execute(_NOTIFY, {"graph": ""})
+                return woken
+
+        return await retry_connection_errors(once, what="wake a yielded tree")
+
     async def runs(self, limit: int = 1000) -> list[RunState]:
         """Every pending and running execution (with its worker), oldest first."""
         return await list_runs(self._engine, limit)
@@ -696,7 +737,8 @@ class SubmittedRun:
             if found is None:
                 raise KeyError(f"no execution {self.key.scope_key!r}: nothing was submitted")
             state, stored = found
-            if state.status.value in _ENDED:
+            # A yielded run (waiting for its children, holder kept) has not ended.
+            if state.status.value in _ENDED and not is_yielded(state.status, state.holder):
                 return self._end(state, stored, allow)
             if deadline is not None and loop.time() >= deadline:
                 raise TimeoutError(
