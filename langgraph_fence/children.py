@@ -44,7 +44,7 @@ from .errors import (
     ExecutionLeaseLostError,
     find_fence_error,
 )
-from .lease import LeaseKey, LeaseStatus, fenced_error, is_yielded
+from .lease import LeaseKey, LeaseStatus, is_yielded
 from .scope import parse_scope_key, scope_key
 from .validate import positive_seconds, text_id
 
@@ -306,13 +306,9 @@ async def _still_held(frame: ExecutionContext) -> None:
     about once, so a waiter that was taken over stops with ``ExecutionFencedError``."""
     handle = frame._handle
     handle.check_alive()
-    if handle.activity.yielded:
+    if await handle.activity.check_yielded():
         # Given up on purpose: nothing to prove until the re-take, which a stop still
-        # comes to (the wait's end re-takes before the drain hands the run back). One read
-        # tells a take by another instance (or a cancel) within one poll: the epoch moved.
-        current = await handle.repository.get(handle.key)
-        if current is None or current.epoch != handle.token:
-            raise handle.record(fenced_error(handle.lease, current, action="wait_children"))
+        # comes to (the wait's end re-takes before the drain hands the run back).
         _stopping(handle)
         return
     try:

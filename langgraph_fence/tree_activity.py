@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from .errors import ExecutionFencedError
 from .events import EventKind
 from .from_thread import run_on_loop
+from .lease import fenced_error
 
 if TYPE_CHECKING:
     from .fence import RunHandle
@@ -144,8 +145,10 @@ class TreeActivity:
             instance = handle.instance
             assert instance is not None  # children are spawned under an instance only
             # Set before the statement: a step entering meanwhile waits for the turn and
-            # re-takes, so nothing of the tree runs under a lease being given up.
+            # re-takes, so nothing of the tree runs under a lease being given up. The keeper
+            # lets go first: it sends no renewal of a lease being yielded.
             self.yielded = True
+            await instance._keeper.release(handle)
             # Should the statement fail, landed or not, ``yielded`` stays set: the re-take
             # (which accepts a lease still held) settles it before anything runs.
             try:
@@ -153,7 +156,6 @@ class TreeActivity:
             except ExecutionFencedError as exc:
                 raise handle.record(exc) from None
             handle.note_yielded(lease)
-            await instance._keeper.release(handle)
             instance._events.emit(
                 EventKind.YIELDED, handle.scope_key, lease.epoch, "waiting for remote children"
             )
@@ -161,6 +163,25 @@ class TreeActivity:
         # once (the wait re-takes it at its next look; if it died, serve() takes it).
         await wake_parent(handle, handle.key)
         return True
+
+    async def check_yielded(self) -> bool:
+        """Whether the lease is yielded now; if so, one read tells whether anyone else
+        took it meanwhile (a takeover after a wake, a cancel, a new run of the thread: the
+        epoch moved), so a yielded waiter learns of it within one poll.
+
+        Raises:
+            ExecutionFencedError: the epoch moved on (recorded on the run's handle).
+        """
+        if not self.yielded:
+            return False
+        handle = self._handle
+        async with self._lock():  # not while a re-take of this run is under way
+            if not self.yielded:
+                return False
+            current = await handle.repository.get(handle.key)
+            if current is None or current.epoch != handle.token:
+                raise handle.record(fenced_error(handle.lease, current, action="wait_children"))
+            return True
 
     async def retake(self) -> None:
         """Take the yielded lease again (epoch + 1) and have the keeper renew it again.
