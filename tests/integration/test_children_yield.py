@@ -16,10 +16,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypedDict
 
+import pytest
 from langgraph.graph import END, START, StateGraph
 
 from langgraph_fence import (
     ChildPlacement,
+    ExecutionFencedError,
     Instance,
     LeaseKey,
     LeaseStatus,
@@ -125,6 +127,7 @@ class Scene:
     (each held in its node until its gate opens), and what the test watches."""
 
     leases: Leases
+    parent: Instance
     root: LeaseKey
     work: Work
     timeline: Timeline
@@ -141,7 +144,7 @@ async def scene(
     leases: Leases, make: Callable[[Instance, Timeline, asyncio.Event], Any]
 ) -> AsyncIterator[Scene]:
     parent = leases.instance("parent")
-    worker = leases.instance("worker")
+    worker = leases.instance("worker", lease_ttl=120.0)  # outlasts the clock jumps here
     work, timeline, b_go = Work(), Timeline(), asyncio.Event()
     timeline.listen(parent)
     for item in ITEMS:
@@ -155,7 +158,7 @@ async def scene(
         root = LeaseKey(TENANT, thread)
         try:
             await eventually(lambda: children_running(leases, root))
-            yield Scene(leases, root, work, timeline, b_go, run)
+            yield Scene(leases, parent, root, work, timeline, b_go, run)
         finally:
             if not run.done():
                 run.cancel()
@@ -259,3 +262,37 @@ async def test_a_step_that_starts_while_yielded_runs_after_the_retake(leases: Le
     # Every yield was re-taken before the tree went on: A continued under the last token.
     tokens = [token for what, token in marks if what == "retaken"]
     assert marks[timeline.index("a-continues")] == ("a-continues", tokens[-1])
+
+
+async def test_a_waiter_stalled_while_a_sibling_holds_the_lease_is_taken_over(
+    leases: Leases,
+) -> None:
+    # B's step keeps the lease held (no yield); the parent freezes past its lease; another
+    # instance takes the tree over and re-runs both branches; A's re-run finds the three
+    # children it spawned; each child runs once; the frozen parent stops fenced.
+    async with scene(leases, two_branches) as seen:
+        taker = leases.instance("taker")
+        leases.stall(seen.parent)
+        leases.advance(31.0)  # past the parent's lease TTL (30 s)
+        graph = two_branches(taker, seen.timeline, seen.b_go)
+        async with serving(taker, {"branches": graph}):
+            await eventually(lambda: _held_by(leases, seen.root, "taker"))
+            seen.b_go.set()
+            seen.open_gates()
+            await eventually(lambda: _status(leases, seen.root, LeaseStatus.DONE))
+        leases.resume(seen.parent)
+        with pytest.raises(ExecutionFencedError):
+            await asyncio.wait_for(seen.run, 30)
+    assert sorted(seen.work.ran) == ITEMS  # each child ran once
+    # The stalled parent never yielded: B's step held the lease the whole time it ran.
+    assert ("yielded", 1) not in seen.timeline.marks
+
+
+async def _held_by(leases: Leases, key: LeaseKey, holder: str) -> bool:
+    lease = await leases.store.get(key)
+    return lease is not None and lease.holder == holder and lease.status is LeaseStatus.RUNNING
+
+
+async def _status(leases: Leases, key: LeaseKey, status: LeaseStatus) -> bool:
+    lease = await leases.store.get(key)
+    return lease is not None and lease.status is status
