@@ -179,7 +179,8 @@ _STATE = text(
 _RUNS = text(
     _STATE_COLUMNS + " FROM fence_leases l JOIN fence_executions e "
     "ON e.tenant_id = l.tenant_id AND e.execution_id = l.execution_id "
-    "WHERE l.status IN ('pending', 'running') ORDER BY l.updated_at, l.scope_key LIMIT :limit"
+    "WHERE (l.status IN ('pending', 'running') OR (l.status = 'waiting' AND l.holder IS NOT "
+    "NULL)) ORDER BY l.updated_at, l.scope_key LIMIT :limit"
 )
 
 
@@ -344,7 +345,8 @@ class SubmittedRuns:
                     lease = (await conn.execute(text(_LEASE + self._lock), params)).one()
                     if lease.status == LeaseStatus.DEAD_LETTERED.value:
                         raise _dead_lettered(key, lease.reason)
-                    if lease.status in _BUSY:
+                    # A yielded execution's run goes on (it waits for its children).
+                    if lease.status in _BUSY or is_yielded(lease.status, lease.holder):
                         same = tuple(record[k] for k in _SAME)
                         if await self._recorded(conn, params) == same:
                             return False  # the same submit again: that run
@@ -584,7 +586,7 @@ class SubmittedRuns:
         return await retry_connection_errors(once, what="wake a yielded tree")
 
     async def runs(self, limit: int = 1000) -> list[RunState]:
-        """Every pending and running execution (with its worker), oldest first."""
+        """Every pending, running and yielded execution (with its worker), oldest first."""
         return await list_runs(self._engine, limit)
 
     @asynccontextmanager
@@ -649,8 +651,8 @@ class SubmittedRuns:
 
 
 async def list_runs(engine: AsyncEngine, limit: int = 1000) -> list[RunState]:
-    """Every pending and running execution on ``engine``'s database that has a record
-    (with its worker), oldest first."""
+    """Every pending, running and yielded execution on ``engine``'s database that has a
+    record (with its worker), oldest first."""
 
     async def once() -> list[Any]:
         async with engine.connect() as conn:

@@ -21,6 +21,7 @@ from langgraph.graph import END, START, StateGraph
 
 from langgraph_fence import (
     ChildPlacement,
+    ExecutionBusyError,
     ExecutionFencedError,
     Instance,
     LeaseKey,
@@ -177,6 +178,12 @@ async def test_the_lease_is_held_through_a_sibling_step_then_yielded_and_retaken
             lambda: _yielded(leases, seen.root), what="the root lease to be yielded"
         )
         assert yielded.epoch == 1
+        # Yielded, its run still goes on: listed among the runs, and busy for a submit.
+        assert seen.root in [r.key for r in await seen.parent._run_queue().runs()]
+        with pytest.raises(ExecutionBusyError):
+            await seen.parent.submit(
+                "branches", {"items": ["z"]}, cfg(seen.root.execution_id), tenant_id=TENANT
+            )
         seen.open_gates()
         out = await asyncio.wait_for(seen.run, 30)
     assert out["results"] == ["A", "B", "C"]
