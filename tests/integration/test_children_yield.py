@@ -178,6 +178,10 @@ async def test_the_lease_is_held_through_a_sibling_step_then_yielded_and_retaken
             lambda: _yielded(leases, seen.root), what="the root lease to be yielded"
         )
         assert yielded.epoch == 1
+        # The keeper let go of it: nothing renews or watches a yielded lease, so the wait
+        # outlasts the parent's TTL (30 s) many times over unharmed.
+        assert seen.parent._keeper.held == 0
+        leases.advance(100.0)
         # Yielded, its run still goes on: listed among the runs, and busy for a submit.
         assert seen.root in [r.key for r in await seen.parent._run_queue().runs()]
         with pytest.raises(ExecutionBusyError):
@@ -255,6 +259,7 @@ async def test_a_step_that_starts_while_yielded_runs_after_the_retake(leases: Le
         await eventually(lambda: _yielded(leases, seen.root), what="the root lease to be yielded")
         seen.b_go.set()  # B starts while A is yielded
         await eventually(lambda: "b-start" in [m[0] for m in seen.timeline.marks])
+        assert seen.parent._keeper.held == 1  # re-taken: renewed again
         seen.open_gates()
         out = await asyncio.wait_for(seen.run, 30)
     assert out["results"] == ["A", "B", "C"]
