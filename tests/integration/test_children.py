@@ -332,7 +332,10 @@ async def test_a_waiter_taken_over_stops_fenced_and_each_child_runs_once(
         for child in children:
             await until_status(leases, child, LeaseStatus.DONE)
         await until_status(leases, root, LeaseStatus.PENDING)
+        # Woken, it is left to its waiter for one TTL (of the waker), then free for anyone.
+        assert root not in [c.key for c in await leases.store.takeover_candidates()]
         leases.advance(121.0)
+        assert root in [c.key for c in await leases.store.takeover_candidates()]
         async with serving(taker, {"fan": parent_graph(taker, work)}):
             await until_status(leases, root, LeaseStatus.DONE)
     lease = await leases.store.get(root)
