@@ -102,3 +102,10 @@ def test_a_woken_tree_is_a_candidate_only_from_its_not_before_time() -> None:
     assert is_takeover_candidate(replace(woken, expires_at=None), 0.0)
     yielded = replace(woken, holder="A", status=LeaseStatus.WAITING, expires_at=None)
     assert not is_takeover_candidate(yielded, 1e12)
+
+
+async def test_a_lease_handed_back_is_not_retaken(lease_store: Store) -> None:
+    # Pending with no not-before time: handed back for anyone, not woken for its waiter.
+    lease = await held(lease_store)
+    await lease_store.release(lease, LeaseStatus.PENDING)
+    await refused_unchanged(lease_store, lease.key, lambda: lease_store.retake(lease, TTL))
