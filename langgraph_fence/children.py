@@ -15,11 +15,12 @@ epoch and scope key; its output, or its failure or dead letter with the reason, 
 with the execution. :meth:`wait_children` polls them and returns their outputs in the order
 given, or raises :class:`~langgraph_fence.ChildFailedError` within one poll of a child's end.
 
-While a step waits, the parent keeps its own lease (renewed as ever): the root lease is not
-yielded during the wait (see README, "Child executions"). A waiter that stalls past its lease
-is taken over like any run; the new holder re-runs the waiting step, which finds the
-children it spawned and their results, and the stalled waiter stops with
-:class:`~langgraph_fence.ExecutionFencedError` at its next look.
+While a step waits for ``ANY_INSTANCE`` children and nothing else of the tree runs, the root
+lease is yielded, and taken again (epoch + 1) before anything of the tree runs or the wait
+ends (:mod:`langgraph_fence.tree_activity`). If another instance took the tree meanwhile
+(after a wake, or a waiter that stalled past its lease while it held it), the new holder
+re-runs the waiting step, which finds the children it spawned and their results, and the
+stalled waiter stops with :class:`~langgraph_fence.ExecutionFencedError` at its next look.
 
 ``ChildPlacement.PARENT_INSTANCE``: the child graph starts at once in this process, as a
 subgraph of the spawning step (LangGraph gives each subgraph call of a step a checkpoint
