@@ -628,6 +628,18 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
                 self._inner_config(config), checkpoint, metadata, new_versions
             )
             return self._outer_config(stored)  # type: ignore[no-any-return]
+        # A checkpoint write of the tree keeps its lease held (re-taken first if yielded).
+        async with handle.activity.step():
+            return await self._aput(handle, config, checkpoint, metadata, new_versions)
+
+    async def _aput(
+        self,
+        handle: RunHandle,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
         inner_config = config
         guarded = self._admit_guarded(handle, config, "aput")
         if not guarded:
@@ -664,6 +676,17 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         if handle is None:
             await self.inner.aput_writes(self._inner_config(config), writes, task_id, task_path)
             return
+        async with handle.activity.step():
+            await self._aput_writes(handle, config, writes, task_id, task_path)
+
+    async def _aput_writes(
+        self,
+        handle: RunHandle,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str,
+    ) -> None:
         inner_config = config
         guarded = self._admit_guarded(handle, config, "aput_writes")
         if not guarded:

@@ -15,11 +15,12 @@ epoch and scope key; its output, or its failure or dead letter with the reason, 
 with the execution. :meth:`wait_children` polls them and returns their outputs in the order
 given, or raises :class:`~langgraph_fence.ChildFailedError` within one poll of a child's end.
 
-While a step waits, the parent keeps its own lease (renewed as ever): the root lease is not
-yielded during the wait (see README, "Child executions"). A waiter that stalls past its lease
-is taken over like any run; the new holder re-runs the waiting step, which finds the
-children it spawned and their results, and the stalled waiter stops with
-:class:`~langgraph_fence.ExecutionFencedError` at its next look.
+While a step waits for ``ANY_INSTANCE`` children and nothing else of the tree runs, the root
+lease is yielded, and taken again (epoch + 1) before anything of the tree runs or the wait
+ends (:mod:`langgraph_fence.tree_activity`). If another instance took the tree meanwhile
+(after a wake, or a waiter that stalled past its lease while it held it), the new holder
+re-runs the waiting step, which finds the children it spawned and their results, and the
+stalled waiter stops with :class:`~langgraph_fence.ExecutionFencedError` at its next look.
 
 ``ChildPlacement.PARENT_INSTANCE``: the child graph starts at once in this process, as a
 subgraph of the spawning step (LangGraph gives each subgraph call of a step a checkpoint
@@ -44,7 +45,7 @@ from .errors import (
     ExecutionLeaseLostError,
     find_fence_error,
 )
-from .lease import LeaseKey, LeaseStatus
+from .lease import LeaseKey, LeaseStatus, is_yielded
 from .scope import parse_scope_key, scope_key
 from .validate import positive_seconds, text_id
 
@@ -206,6 +207,11 @@ async def wait_children(
     results: list[Any] = [None] * len(children)
     pending = dict(enumerate(children))
     wait = min(0.005, pause)
+    # A wait for remote children may yield the root lease (tree_activity.py): only while
+    # every running part of the tree waits so; re-taken before the wait returns or raises.
+    activity = handle.activity if queue is not None else None
+    if activity is not None:
+        activity.begin_wait()
     try:
         while True:
             await _still_held(frame)
@@ -219,6 +225,9 @@ async def wait_children(
                     results[index] = value
                     del pending[index]
             if not pending:
+                if activity is not None:
+                    await activity.end_wait()
+                    activity = None
                 await _still_held(frame)
                 return results
             if deadline is not None and loop.time() >= deadline:
@@ -232,6 +241,8 @@ async def wait_children(
             if len(local) == len(pending):  # only children of this process: woken by them
                 await asyncio.wait(local, timeout=left_s, return_when=asyncio.FIRST_COMPLETED)
             else:
+                if activity is not None and not local:
+                    await activity.maybe_yield()
                 await asyncio.sleep(min(wait, left_s))
                 wait = min(wait * 2, pause)
     finally:
@@ -239,6 +250,8 @@ async def wait_children(
         for child in pending.values():
             if child._local is not None:
                 child._local.cancel()
+        if activity is not None:
+            await activity.end_wait()  # re-taken first if yielded
 
 
 def _local_end(child: Child, return_exceptions: bool) -> tuple[bool, Any]:
@@ -270,6 +283,8 @@ async def _remote_end(
             "erased while its parent waited"
         )
     state, stored = found
+    if is_yielded(state.status, state.holder):
+        return False, None  # it waits for children of its own
     if state.status in _OUTPUT_ENDS:
         return True, queue.decode_output(child.execution, stored, allow)
     if state.status not in _FAILED_ENDS:
@@ -292,6 +307,11 @@ async def _still_held(frame: ExecutionContext) -> None:
     about once, so a waiter that was taken over stops with ``ExecutionFencedError``."""
     handle = frame._handle
     handle.check_alive()
+    if await handle.activity.check_yielded():
+        # Given up on purpose: nothing to prove until the re-take, which a stop still
+        # comes to (the wait's end re-takes before the drain hands the run back).
+        _stopping(handle)
+        return
     try:
         frame.fence.assert_held()
     except ExecutionFencedError:
@@ -299,6 +319,10 @@ async def _still_held(frame: ExecutionContext) -> None:
     except ExecutionLeaseLostError:
         await handle.renew()  # raises ExecutionFencedError if another instance took it
         raise
+    _stopping(handle)
+
+
+def _stopping(handle: RunHandle) -> None:
     if handle.stop_reason is not None:
         # The instance is stopping (SIGTERM, serve()'s stop): a wait would hold its drain
         # for as long as the children take. Handed back instead; the step run again finds

@@ -143,8 +143,10 @@ class ExecutionContext:
         :class:`~langgraph_fence.ChildFailedError` (naming the child execution and its
         reason) within one poll of its end, or with ``return_exceptions=True`` takes its
         place in the list. A ``PARENT_INSTANCE`` child's own error is raised (or placed) as
-        it is; a fencing error is always raised. The step keeps its lease while it waits;
-        if its execution was taken over meanwhile, the wait stops with
+        it is; a fencing error is always raised. While it waits for ``ANY_INSTANCE``
+        children and nothing else of the tree runs, the root lease is yielded; it is taken
+        again (epoch + 1, this fence's token with it) before the wait returns or raises. If
+        the execution was taken over meanwhile, the wait stops with
         ``ExecutionFencedError``.
 
         Args:

@@ -12,7 +12,11 @@ An :class:`~langgraph_fence.Instance` calls every listener added with
 * ``taken_over``: took over, in ``serve()``, an execution whose holder died or froze
   (``token`` is the new one, ``reason`` names the old holder);
 * ``dead_lettered``: dead-lettered an execution (``reason`` says why);
-* ``handed_back``: drained a run and gave its execution back as ``pending``.
+* ``handed_back``: drained a run and gave its execution back as ``pending``;
+* ``yielded``: gave a run's lease up while the tree's only running steps wait for remote
+  children (``token`` is the one it held);
+* ``retaken``: took a yielded lease again before a step of the tree runs or the wait
+  returns (``token`` is the new one, the old + 1).
 
 Listeners are plain callables, called on the instance's event loop, in the order the
 events happen; they must not block. A listener that raises is logged and never changes the
@@ -43,6 +47,8 @@ class EventKind(enum.StrEnum):
     TAKEN_OVER = "taken_over"
     DEAD_LETTERED = "dead_lettered"
     HANDED_BACK = "handed_back"
+    YIELDED = "yielded"
+    RETAKEN = "retaken"
 
 
 @dataclass(frozen=True, slots=True)

@@ -175,6 +175,14 @@ class StallableRepository:
         await self.gate.wait()
         return await self.inner.take_over(candidate, holder, ttl, **budget)
 
+    async def yield_lease(self, lease: Lease) -> Lease:
+        await self.gate.wait()
+        return await self.inner.yield_lease(lease)
+
+    async def retake(self, lease: Lease, ttl: float) -> Lease:
+        await self.gate.wait()
+        return await self.inner.retake(lease, ttl)
+
     async def now(self) -> float:
         await self.gate.wait()
         return await self.inner.now()

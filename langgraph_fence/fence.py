@@ -29,6 +29,7 @@ from .faults import fault_point
 from .from_thread import run_on_loop, running_loop
 from .lease import Lease, LeaseKey, PendingEffect, validate_ttl
 from .retry import retry_window
+from .tree_activity import TreeActivity
 
 if TYPE_CHECKING:
     from .instance import Instance
@@ -99,6 +100,8 @@ class RunHandle:
         # answers again, so the loss says why the hold could not be proven.
         self.store_error: BaseException | None = None
         self._listeners: list[StopListener] = []
+        # Which steps of the tree run now, and the yield while only remote waits do.
+        self.activity = TreeActivity(self)
         # The instance the run belongs to (set by the instance): where a step's children
         # are recorded. None for a handle made without one (tests, run_node).
         self.instance: Instance | None = None
@@ -142,6 +145,12 @@ class RunHandle:
         until = sent_at + self.ttl - safety_margin(self.ttl)
         # Two renewals may answer out of order; the later confirmation stands.
         self.confirmed_until = max(self.confirmed_until, until)
+
+    def note_yielded(self, lease: Lease) -> None:
+        """Adopt the lease as the yield left it (the same token, no hold to confirm)."""
+        if lease.key != self._lease.key or lease.epoch != self._lease.epoch:
+            raise ValueError(f"lease {lease!r} is not the yield of the run's lease")
+        self._lease = lease
 
     # -- stopping
 

@@ -226,6 +226,7 @@ class Keeper:
         for repository, batch in by_store.values():
             sent_at = self._clock()
             left = {h: h.confirmed_until - sent_at for h in batch}
+            epochs = {h: h.token for h in batch}
             # A connection error is retried while the earliest window of the batch lasts.
             earliest = min(batch, key=lambda h: h.confirmed_until)
             try:
@@ -245,7 +246,9 @@ class Keeper:
             )
             del self.batches[:-4096]
             for handle, answer in zip(batch, answers, strict=True):
-                if handle in self._due:  # not released while the statement ran
+                # Not released while the statement ran, nor yielded and re-taken (a new
+                # epoch): an answer about the old token would set the run's token back.
+                if handle in self._due and handle.token == epochs[handle]:
                     self._answer(handle, answer, sent_at, left[handle])
 
     def _answer(

@@ -43,10 +43,13 @@ __all__ = [
     "decide_mark_pending_effect",
     "decide_release",
     "decide_renew",
+    "decide_retake",
     "decide_retry",
     "decide_take_over",
+    "decide_yield",
     "fair_order",
     "is_takeover_candidate",
+    "is_yielded",
     "non_idempotent_standing",
     "release_status",
     "standing_writes",
@@ -65,7 +68,9 @@ class LeaseStatus(enum.StrEnum):
 
     ``pending``: recorded, not started or handed back for any instance to take.
     ``running``: held by an instance (``holder`` set) until ``expires_at``.
-    ``waiting``: released while it waits for input (an interrupt) or remote children.
+    ``waiting``: released while it waits for input (an interrupt); with ``holder`` still
+    set, **yielded**: its holder gave the hold up while the tree's only running steps wait
+    for remote children (:func:`decide_yield`), and takes it again (:func:`decide_retake`).
     ``done``, ``failed``, ``dead_lettered``: terminal; ``acquire`` never takes them over.
     """
 
@@ -267,10 +272,65 @@ def validate_pending_effect(effect: PendingEffect) -> PendingEffect:
 
 
 def is_takeover_candidate(lease: Lease, now: float) -> bool:
-    """A lease any instance may take: running but expired, or pending and free."""
+    """A lease any instance may take: running but expired, or pending and free (a pending
+    lease with ``expires_at`` set is free from then on: a woken yielded tree, left to its
+    waiter until then)."""
     if lease.status is LeaseStatus.RUNNING:
         return lease.expires_at is None or lease.expires_at <= now
-    return lease.status is LeaseStatus.PENDING and lease.holder is None
+    return (
+        lease.status is LeaseStatus.PENDING
+        and lease.holder is None
+        and (lease.expires_at is None or lease.expires_at <= now)
+    )
+
+
+def is_yielded(status: LeaseStatus | str, holder: str | None) -> bool:
+    """Whether a lease of ``status`` and ``holder`` is yielded: its run still goes on (it
+    waits for remote children), so it has not ended, though nobody holds it now."""
+    return status == LeaseStatus.WAITING and holder is not None
+
+
+def decide_yield(current: Lease | None, lease: Lease) -> Lease:
+    """Give the hold up while the tree waits for remote children: guarded like every holder
+    operation; the lease becomes ``waiting`` with its holder kept (yielded), no expiry, the
+    epoch and stamp set unchanged. Nothing writes under it (the guard wants ``running``)
+    and no instance takes it over until :func:`decide_retake` or a wake makes it pending.
+    """
+    held = _guard(current, lease, action="yield")
+    return replace(held, status=LeaseStatus.WAITING, expires_at=None)
+
+
+def _retakeable(current: Lease, lease: Lease) -> bool:
+    """Whether ``current`` is still ``lease``'s to take again: the same epoch, and either
+    still its holder's (running, or yielded) or woken for its waiter (pending with a
+    not-before time, nobody holding it). Any take by another moved the epoch on."""
+    if current.epoch != lease.epoch:
+        return False
+    if current.holder is not None:
+        return current.holder == lease.holder and current.status in (
+            LeaseStatus.RUNNING,
+            LeaseStatus.WAITING,
+        )
+    return current.status is LeaseStatus.PENDING and current.expires_at is not None
+
+
+def decide_retake(current: Lease | None, lease: Lease, ttl: float, now: float) -> Lease:
+    """Take a yielded lease again for its holder: epoch + 1, ``running`` until ``now +
+    ttl``, the stamp set kept (the same run goes on). Refused (``ExecutionFencedError``,
+    the epoch seen) once anyone else took it: the waiter must stop, the new holder re-runs
+    the waiting step.
+    """
+    ttl = validate_ttl(ttl)
+    if current is None or not _retakeable(current, lease):
+        raise fenced_error(lease, current, action="retake")
+    return replace(
+        current,
+        holder=lease.holder,
+        epoch=current.epoch + 1,
+        expires_at=now + ttl,
+        status=LeaseStatus.RUNNING,
+        reason=None,
+    )
 
 
 def _is_held(lease: Lease, now: float) -> bool:
@@ -811,6 +871,16 @@ class ExecutionLeaseRepository(Protocol):
         when the take is over the takeover budget (:func:`decide_take_over`): two instances
         never both resume, or both dead-letter, one execution.
         """
+        ...
+
+    async def yield_lease(self, lease: Lease) -> Lease:
+        """Give the hold up while the tree waits for remote children (:func:`decide_yield`):
+        ``waiting`` with the holder kept; guarded."""
+        ...
+
+    async def retake(self, lease: Lease, ttl: float) -> Lease:
+        """Take ``lease`` (yielded, woken, or still held) again at epoch + 1 for its holder
+        (:func:`decide_retake`), in one statement; refused once anyone else took it."""
         ...
 
     async def now(self) -> float:

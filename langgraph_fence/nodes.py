@@ -95,6 +95,7 @@ class _Step:
     """One step's frame: entered before the body, left after it, on every path."""
 
     __slots__ = (
+        "_counted",
         "_deferred",
         "_reset",
         "_unsubscribe",
@@ -117,6 +118,7 @@ class _Step:
         self._deferred: Any = None
         self._reset: Any = None
         self._unsubscribe: Callable[[], None] | None = None
+        self._counted = False
         self.frame: ExecutionContext | None = None
 
     def _pending(self) -> PendingEffect:
@@ -178,17 +180,23 @@ class _Step:
             )
 
     async def enter_async(self) -> None:
-        self.handle.check()
-        self.handle.check_alive()
-        self._refuse_repeat()
-        if self.effect.is_write:
-            if self.stamp_at == "body":
-                await self.handle.mark_pending_effect(self._pending())
-            else:
-                # Stamped where the body enters ctx.side_effect(): what runs before it
-                # (an approval, a model call) is safe to repeat.
-                handle, pending = self.handle, self._pending()
-                self._deferred = _defer_stamp(lambda: handle.mark_pending_effect(pending))
+        # Counted among the tree's running steps first: a yielded lease is taken again
+        # (epoch + 1) before anything of the step runs (tree_activity.py).
+        await self.handle.activity.enter()
+        self._counted = True
+        try:
+            self._enter_checked()
+            if self.effect.is_write:
+                if self.stamp_at == "body":
+                    await self.handle.mark_pending_effect(self._pending())
+                else:
+                    # Stamped where the body enters ctx.side_effect(): what runs before it
+                    # (an approval, a model call) is safe to repeat.
+                    handle, pending = self.handle, self._pending()
+                    self._deferred = _defer_stamp(lambda: handle.mark_pending_effect(pending))
+        except BaseException:
+            self._uncount()
+            raise
         self._enter_frame()
         task = asyncio.current_task()
         if task is not None:
@@ -205,21 +213,36 @@ class _Step:
 
     def enter_sync(self) -> None:
         """Enter from a worker thread (a sync node); guarded writes go to the run's loop."""
+        self.handle.activity.enter_from_thread()
+        self._counted = True
+        try:
+            self._enter_checked()
+            if self.effect.is_write:
+                handle, pending = self.handle, self._pending()
+                run_on_loop(
+                    handle.loop,
+                    lambda: handle.mark_pending_effect(pending),
+                    what=f"node {self.node!r} ({self.effect.value}) stamping its write",
+                    on_loop="make the node an `async def`, or let LangGraph run it in a "
+                    "worker thread (graph.ainvoke/invoke do)",
+                )
+        except BaseException:
+            self._uncount()
+            raise
+        self._enter_frame()
+
+    def _enter_checked(self) -> None:
         self.handle.check()
         self.handle.check_alive()
         self._refuse_repeat()
-        if self.effect.is_write:
-            handle, pending = self.handle, self._pending()
-            run_on_loop(
-                handle.loop,
-                lambda: handle.mark_pending_effect(pending),
-                what=f"node {self.node!r} ({self.effect.value}) stamping its write",
-                on_loop="make the node an `async def`, or let LangGraph run it in a worker "
-                "thread (graph.ainvoke/invoke do)",
-            )
-        self._enter_frame()
+
+    def _uncount(self) -> None:
+        if self._counted:
+            self._counted = False
+            self.handle.activity.leave()
 
     def leave(self) -> None:
+        self._uncount()
         if self._deferred is not None:
             _reset_deferred(self._deferred)
             self._deferred = None

@@ -55,7 +55,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from .database import dialect_of, single_statement, transaction
 from .errors import ExecutionBusyError, ExecutionEndedError, RunFailedError
 from .guard import guard_sql
-from .lease import Lease, LeaseKey, LeaseStatus
+from .lease import Lease, LeaseKey, LeaseStatus, is_yielded
 from .retry import retry_connection_errors
 from .validate import positive_seconds, text_id
 
@@ -106,6 +106,15 @@ _HELD_HERE = (
 _LEASE = "SELECT status, holder, epoch, reason FROM fence_leases WHERE " + _KEY
 
 
+# A child of the parent (its id: the parent's scope key, ':', its key) still pending,
+# running, or yielded itself.
+_LIVE_CHILD = (
+    "SELECT 1 FROM fence_leases c WHERE c.tenant_id = :tenant_id "
+    "AND substr(c.execution_id, 1, :length) = :prefix AND (c.status IN ('pending', 'running') "
+    "OR (c.status = 'waiting' AND c.holder IS NOT NULL))"
+)
+
+
 class _LeaseWrites:
     """The queue's writes of lease rows, stamped with the lease store's clock (its
     ``now_sql``: ``now()`` on PostgreSQL, or the store's injected clock), as every other
@@ -133,12 +142,25 @@ class _LeaseWrites:
             f"status = :status, reason = :reason, updated_at = {now} WHERE " + _KEY
         )
         self.interrupt = text(fence + " AND epoch = :epoch")
-        self.cancel = text(fence + " AND status IN ('pending', 'running') RETURNING epoch")
+        # Pending, running, or yielded (waiting with its holder kept: its run goes on).
+        self.cancel = text(
+            fence + " AND (status IN ('pending', 'running') OR (status = 'waiting' AND holder "
+            "IS NOT NULL)) RETURNING epoch"
+        )
         # A parent's children that no worker claimed yet (pending, no holder) never start.
         self.cancel_children = text(
             "UPDATE fence_leases SET epoch = epoch + 1, status = 'failed', reason = :reason, "
             f"updated_at = {now} WHERE tenant_id = :tenant_id AND status = 'pending' "
             "AND holder IS NULL AND substr(execution_id, 1, :length) = :prefix"
+        )
+        # A yielded tree whose children have all ended becomes pending for any instance,
+        # one lease TTL (:ttl) from now on (until then its waiter, usually alive, takes it
+        # again first); run after each child's end and after each yield, so whichever
+        # comes last sees every end.
+        self.wake = text(
+            f"UPDATE fence_leases SET status = 'pending', holder = NULL, expires_at = {now} "
+            f"+ :ttl, updated_at = {now} WHERE " + _KEY + " AND status = 'waiting' AND holder "
+            "IS NOT NULL AND NOT EXISTS (" + _LIVE_CHILD + ") RETURNING epoch"
         )
 
 
@@ -188,7 +210,8 @@ _STATE = text(
 _RUNS = text(
     _STATE_COLUMNS + " FROM fence_leases l JOIN fence_executions e "
     "ON e.tenant_id = l.tenant_id AND e.execution_id = l.execution_id "
-    "WHERE l.status IN ('pending', 'running') ORDER BY l.updated_at, l.scope_key LIMIT :limit"
+    "WHERE (l.status IN ('pending', 'running') OR (l.status = 'waiting' AND l.holder IS NOT "
+    "NULL)) ORDER BY l.updated_at, l.scope_key LIMIT :limit"
 )
 
 
@@ -466,7 +489,7 @@ class SubmittedRuns:
                     runs = list(await conn.execute(_OPEN_RUNS, params))
                     queued = [r for r in runs if r.status == "queued"]
                     current = next((r.run_id for r in runs if r.status == "current"), None)
-                    in_flight = lease.status in _BUSY
+                    in_flight = lease.status in _BUSY or is_yielded(lease.status, lease.holder)
                     if in_flight or queued:
                         same = tuple(record[k] for k in _SAME)
                         if in_flight and await self._recorded(conn, params) == same:
@@ -830,8 +853,33 @@ class SubmittedRuns:
 
         return await retry_connection_errors(once, what="cancel")
 
+    async def wake_yielded(self, parent: LeaseKey, ttl: float) -> bool:
+        """Make ``parent`` pending (runnable by any instance's ``serve()`` ``ttl`` seconds
+        from now on, store clock) if it is yielded and none of its children is still
+        pending, running or yielded itself; whether it was. Serving instances are woken
+        (PostgreSQL NOTIFY), so a waiter that died never strands its tree."""
+        prefix = parent.scope_key + ":"  # a child's id: its parent's scope key, ':', its key
+        params = {
+            "tenant_id": parent.tenant_id,
+            "execution_id": parent.execution_id,
+            "prefix": prefix,
+            "length": len(prefix),
+            "ttl": ttl,
+        }
+
+        async def once() -> bool:
+            async with transaction(self._engine) as conn:
+                now = self._store.now_params()
+                woken = (await conn.execute(self._leases.wake, {**params, **now})).first()
+                if woken is not None and self._pg:
+                    runnable = {"channel": NOTIFY_CHANNEL, "payload": ""}
+                    await conn.execute(_NOTIFY, runnable)
+                return woken is not None
+
+        return await retry_connection_errors(once, what="wake a yielded tree")
+
     async def runs(self, limit: int = 1000) -> list[RunState]:
-        """Every pending and running execution (with its worker), oldest first."""
+        """Every pending, running and yielded execution (with its worker), oldest first."""
         return await list_runs(self._engine, limit)
 
     @asynccontextmanager
@@ -877,8 +925,8 @@ class SubmittedRuns:
 
 
 async def list_runs(engine: AsyncEngine, limit: int = 1000) -> list[RunState]:
-    """Every pending and running execution on ``engine``'s database that has a record
-    (with its worker), oldest first; then the submitted runs queued behind them
+    """Every pending, running and yielded execution on ``engine``'s database that has a
+    record (with its worker), oldest first; then the submitted runs queued behind them
     (``queued``, status ``pending``), oldest submit first (up to ``limit`` of each)."""
 
     async def once() -> tuple[list[Any], list[Any]]:
@@ -1097,7 +1145,8 @@ class SubmittedRun:
                 if found is None:
                     raise KeyError(f"no execution {self.key.scope_key!r}: nothing was submitted")
                 state, stored = found
-                if state.status.value in _ENDED:
+                # A yielded run (waiting for its children, holder kept) has not ended.
+                if state.status.value in _ENDED and not is_yielded(state.status, state.holder):
                     return self._end(state, stored, allow)
                 if deadline is not None and loop.time() >= deadline:
                     raise TimeoutError(

@@ -23,6 +23,7 @@ from langgraph.callbacks import GraphCallbackHandler, GraphInterruptEvent
 from langgraph.runtime import RunControl
 from langgraph.types import Command
 
+from .children import parse_child_execution_id
 from .errors import (
     ExecutionDeadLetteredError,
     ExecutionEndedError,
@@ -45,6 +46,7 @@ from .redact import bounded_reason, failure_reason
 from .retry import FixedWindow, retry_window
 from .run_config import record_run, run_allowlist
 from .stores.sql import SqlLeaseRepository
+from .tree_activity import wake_parent
 from .validate import text_id
 
 if TYPE_CHECKING:
@@ -256,6 +258,10 @@ async def _running(
     else:
         await _settle(instance, graph, run, None)
     finally:
+        parent = parse_child_execution_id(key.execution_id)
+        if parent is not None:
+            # A child ended: its parent, yielded while it waits, may now be runnable.
+            await wake_parent(handle, parent[0])
         instance._runs.discard(run)
 
 

@@ -20,8 +20,10 @@ from ..lease import (
     decide_mark_pending_effect,
     decide_release,
     decide_renew,
+    decide_retake,
     decide_retry,
     decide_take_over,
+    decide_yield,
     fair_order,
     is_takeover_candidate,
     validate_ttl,
@@ -187,6 +189,22 @@ class MemoryLeaseRepository:
             )
             if taken is not None:
                 self._rows[candidate.key] = taken
+            return taken
+
+    async def yield_lease(self, lease: Lease) -> Lease:
+        """Give the hold up while the tree waits for remote children; guarded."""
+        check_lease(self, lease)
+        async with self._lock:
+            yielded = decide_yield(self._rows.get(lease.key), lease)
+            self._rows[lease.key] = yielded
+            return yielded
+
+    async def retake(self, lease: Lease, ttl: float) -> Lease:
+        """Take ``lease`` again at epoch + 1 for its holder, unless anyone else took it."""
+        check_lease(self, lease)
+        async with self._lock:
+            taken = decide_retake(self._rows.get(lease.key), lease, ttl, self._clock())
+            self._rows[lease.key] = taken
             return taken
 
     async def retry(self, key: LeaseKey) -> Lease:

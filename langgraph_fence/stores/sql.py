@@ -65,6 +65,7 @@ from ..lease import (
     decide_retry,
     fair_order,
     fenced_error,
+    is_yielded,
     release_status,
     validate_effect_keys,
     validate_holder,
@@ -274,6 +275,42 @@ class SqlLeaseRepository:
     def _build_rest(self, now: ColumnElement[float], ttl: Any) -> None:
         stamps = STAMP_SQL[self._dialect]
         self._renew_many = self._build_renew_many()
+        self._yield = (
+            update(LEASES)
+            .where(_GUARD)
+            .values(status=LeaseStatus.WAITING.value, expires_at=None, updated_at=now)
+            .returning(*_RETURNING)
+        )
+        # Still the waiter's at its epoch: held or yielded by it, or woken for it (pending
+        # with a not-before time); lease.decide_retake.
+        retakeable = and_(
+            _KEY,
+            _C.epoch == bindparam("p_epoch"),
+            or_(
+                and_(
+                    _C.holder == bindparam("p_holder"),
+                    _C.status.in_([LeaseStatus.RUNNING.value, LeaseStatus.WAITING.value]),
+                ),
+                and_(
+                    _C.holder.is_(None),
+                    _C.status == LeaseStatus.PENDING.value,
+                    _C.expires_at.is_not(None),
+                ),
+            ),
+        )
+        self._retake = (
+            update(LEASES)
+            .where(retakeable)
+            .values(
+                epoch=_C.epoch + 1,
+                holder=bindparam("p_holder"),
+                expires_at=now + ttl,
+                status=LeaseStatus.RUNNING.value,
+                reason=None,
+                updated_at=now,
+            )
+            .returning(*_RETURNING)
+        )
         patched = text(stamps["patch"].format(param=":p_patch"))
         status = bindparam("p_status", type_=Text)
         self._release = (
@@ -337,15 +374,7 @@ class SqlLeaseRepository:
         _age = (func.coalesce(_C.expires_at, literal(0.0)), _C.updated_at, _C.scope_key)
         self._candidates = (
             select(*_RETURNING)
-            .where(
-                or_(
-                    and_(
-                        _C.status == LeaseStatus.RUNNING.value,
-                        or_(_C.expires_at.is_(None), _C.expires_at <= now),
-                    ),
-                    and_(_C.status == LeaseStatus.PENDING.value, _C.holder.is_(None)),
-                )
-            )
+            .where(_takeable(now))
             # Fair across tenants: each tenant's oldest candidate first, then each one's
             # second, ... (round-robin by tenant), so one tenant's burst of submitted runs
             # does not starve the others; within a tenant, the longest expired or waiting.
@@ -408,13 +437,7 @@ class SqlLeaseRepository:
         non_idempotent = literal_column(stamps["non_idempotent"], Boolean)
         holder = bindparam("p_holder", type_=Text)
         reason = self._standing_reason("taken over", holder)
-        takeable = or_(
-            and_(
-                _C.status == LeaseStatus.RUNNING.value,
-                or_(_C.expires_at.is_(None), _C.expires_at <= now),
-            ),
-            and_(_C.status == LeaseStatus.PENDING.value, _C.holder.is_(None)),
-        )
+        takeable = _takeable(now)
         # The takeover budget, as lease.decide_take_over counts it: a mark other than the
         # stored one is progress; a take from an expired holder (status still running)
         # counts 1. p_max is a huge number when there is no budget.
@@ -875,6 +898,31 @@ class SqlLeaseRepository:
         row = await self._one(self._take_over, params)
         return None if row is None else self._lease(row)
 
+    async def yield_lease(self, lease: Lease) -> Lease:
+        """Give the hold up while the tree waits for remote children: one guarded statement."""
+        check_lease(self, lease)
+
+        def landed(current: Lease) -> bool:
+            return current.epoch == lease.epoch and is_yielded(current.status, current.holder)
+
+        return await self._guarded(self._yield, lease, "yield", landed=landed)
+
+    async def retake(self, lease: Lease, ttl: float) -> Lease:
+        """Take ``lease`` again at epoch + 1 for its holder: one statement, refused once
+        anyone else took it (:func:`~langgraph_fence.lease.decide_retake`)."""
+        check_lease(self, lease)
+
+        def landed(current: Lease) -> bool:
+            return (
+                current.epoch == lease.epoch + 1
+                and current.holder == lease.holder
+                and current.status is LeaseStatus.RUNNING
+            )
+
+        return await self._guarded(
+            self._retake, lease, "retake", landed=landed, ttl=validate_ttl(ttl)
+        )
+
     async def retry(self, key: LeaseKey) -> Lease:
         """Make a dead-lettered execution ``pending`` again, its takeover budget reset
         (:func:`~langgraph_fence.lease.decide_retry`): one guarded statement."""
@@ -904,6 +952,22 @@ class SqlLeaseRepository:
                 f"execution {key.scope_key!r} changed while it was abandoned; look again"
             )
         return self._lease(row)
+
+
+def _takeable(now: ColumnElement[float]) -> ColumnElement[bool]:
+    """:func:`~langgraph_fence.lease.is_takeover_candidate` in SQL: running and expired, or
+    pending, free, and past its not-before time when it has one (a woken yielded tree)."""
+    return or_(
+        and_(
+            _C.status == LeaseStatus.RUNNING.value,
+            or_(_C.expires_at.is_(None), _C.expires_at <= now),
+        ),
+        and_(
+            _C.status == LeaseStatus.PENDING.value,
+            _C.holder.is_(None),
+            or_(_C.expires_at.is_(None), _C.expires_at <= now),
+        ),
+    )
 
 
 #: ``p_max_takeovers`` when there is no budget: more takes than any execution gets.

@@ -7,7 +7,9 @@ and runs them, each held in its node. Then C is SIGKILLed mid-child and P mid-wa
 fresh workers (one per graph) are started. The children are released: the new child worker
 takes each child over (a later token), the new parent worker takes the tree over and its
 re-run of ``fan_out`` finds the three children (none spawned again) and completes with
-their outputs. Nothing hangs: every wait has a deadline.
+their outputs (the killed parent had yielded the root lease while it waited: the last
+child's end wakes the tree, and the new parent worker takes it one TTL later). Nothing
+hangs: every wait has a deadline.
 
 Bounded: four worker processes, one run, three children; every process is killed in
 ``finally``.
@@ -24,6 +26,7 @@ from sqlalchemy import text
 from langgraph_fence import LeaseKey, LeaseStatus
 from langgraph_fence.children import child_execution_id
 from langgraph_fence.instance import Instance
+from langgraph_fence.lease import is_yielded
 from tests.chaos.children_graphs import CREATE_TABLES, FAN
 from tests.conftest import pg_engine_options, unique
 from tests.polling import eventually
@@ -83,9 +86,15 @@ async def test_killed_child_worker_and_killed_waiting_parent_still_finish_the_tr
                 timeout=DEADLINE,
                 what="the three children running on the child worker",
             )
-            parent_state = await run.state()
-            assert parent_state.status is LeaseStatus.RUNNING
-            assert parent_state.holder == names["parent"]
+
+            # Only the wait runs on the parent worker: it has yielded the root lease
+            # (waiting, its holder kept); killed so, it is woken once the children end.
+            async def yielded() -> bool:
+                state = await run.state()
+                return is_yielded(state.status, state.holder)
+
+            await eventually(yielded, timeout=DEADLINE, what="the parent to yield its lease")
+            assert (await run.state()).holder == names["parent"]
             for role in ("child", "parent"):
                 workers[role].proc.send_signal(signal.SIGKILL)
                 await workers[role].wait()

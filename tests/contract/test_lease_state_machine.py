@@ -152,6 +152,17 @@ class LeaseMachine(RuleBasedStateMachine):
     def renew(self, pair: tuple[Lease, Lease], ttl: float) -> None:
         self.both(lambda repo, lease: repo.renew(lease, ttl), *pair)
 
+    @rule(pair=leases)
+    def yield_lease(self, pair: tuple[Lease, Lease]) -> None:
+        self.both(lambda repo, lease: repo.yield_lease(lease), *pair)
+
+    @rule(target=leases, pair=leases, ttl=TTLS)
+    def retake(self, pair: tuple[Lease, Lease], ttl: float) -> Any:
+        expected, got = self.both(lambda repo, lease: repo.retake(lease, ttl), *pair)
+        if isinstance(expected, Lease):
+            return multiple((expected, got))
+        return multiple()
+
     @rule(pair=leases, status=STATUSES, reason=REASONS)
     def release(self, pair: tuple[Lease, Lease], status: Any, reason: str | None) -> None:
         self.both(lambda repo, lease: repo.release(lease, status, reason), *pair)

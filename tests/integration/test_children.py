@@ -34,6 +34,7 @@ from langgraph_fence import (
 )
 from langgraph_fence.children import child_execution_id, parse_child_execution_id
 from langgraph_fence.database import transaction
+from langgraph_fence.lease import is_yielded
 from langgraph_fence.sinks import fenced_write, setup_sink
 from langgraph_fence.testing import Leases
 from tests.chaos.write_steps import Database
@@ -117,6 +118,12 @@ def parent_graph(instance: Instance, work: Work, *, return_exceptions: bool = Fa
     builder.add_edge(START, "fan_out")
     builder.add_edge("fan_out", END)
     return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="fan")
+
+
+async def is_yielded_by(leases: Leases, key: LeaseKey, holder: str) -> bool:
+    """Whether ``holder`` has yielded the lease of ``key`` (waiting, its holder kept)."""
+    lease = await leases.store.get(key)
+    return lease is not None and lease.holder == holder and is_yielded(lease.status, lease.holder)
 
 
 async def lease_rows(instance: Instance, prefix: str) -> list[tuple[str, str, int]]:
@@ -310,24 +317,30 @@ async def test_a_waiter_taken_over_stops_fenced_and_each_child_runs_once(
     waiter = asyncio.create_task(
         parent.ainvoke(graph, {"items": items}, cfg(thread), tenant_id=TENANT)
     )
+    root = LeaseKey(TENANT, thread)
     async with serving(worker, {"shout": child_graph(worker, work)}):
         for child in children:
             await until_status(leases, child, LeaseStatus.RUNNING)
-        # The waiter freezes past its lease; another instance takes the tree over and re-runs
-        # the waiting step, which finds the three children instead of spawning new ones.
+        # Only the wait runs: the waiter has yielded the root lease (waiting, its holder kept).
+        await eventually(lambda: is_yielded_by(leases, root, "parent"))
+        # The waiter freezes; the children end, which wakes the yielded tree (pending); past
+        # the waker's lease TTL, another instance takes the tree over and re-runs the
+        # waiting step, which finds the three children (ended) instead of spawning new ones.
         leases.stall(parent)
-        leases.advance(11.0)
+        for gate in gates:
+            gate.set()
+        for child in children:
+            await until_status(leases, child, LeaseStatus.DONE)
+        await until_status(leases, root, LeaseStatus.PENDING)
+        # Woken, it is left to its waiter for one TTL (of the waker), then free for anyone.
+        assert root not in [c.key for c in await leases.store.takeover_candidates()]
+        leases.advance(121.0)
+        assert root in [c.key for c in await leases.store.takeover_candidates()]
         async with serving(taker, {"fan": parent_graph(taker, work)}):
-
-            async def taken() -> bool:
-                lease = await leases.store.get(LeaseKey(TENANT, thread))
-                assert lease is not None
-                return lease.holder == "taker" and lease.epoch == 2
-
-            await eventually(taken)
-            for gate in gates:
-                gate.set()
-            await until_status(leases, LeaseKey(TENANT, thread), LeaseStatus.DONE)
+            await until_status(leases, root, LeaseStatus.DONE)
+    lease = await leases.store.get(root)
+    assert lease is not None
+    assert lease.epoch == 2  # taken once, by the taker (epoch 1 -> 2)
     assert work.spawned == [True, True, True, False, False, False]
     assert sorted(work.ran) == items  # each child ran once
     leases.resume(parent)

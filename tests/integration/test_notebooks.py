@@ -32,6 +32,12 @@ SHOWN = {
         "[('order-7', 4200, 2)]",
         "('receipt of order-7 under token 2', [('order-7', 4200, 2)])",
     ],
+    "04_children.ipynb": [
+        "while A waits: waiting | holder A | epoch 1",
+        "['A', 'B', 'C'] | the parent step went on under token [2]",
+        "A  yielded    token 1  acme:fan-1",
+        "A  retaken    token 2  acme:fan-1",
+    ],
 }
 
 #: The modules a notebook may import from this project: the public ones.

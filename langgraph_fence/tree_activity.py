@@ -1,0 +1,225 @@
+"""Tree activity: which steps of one tree run now, and the root lease's yield.
+
+While a step waits for ``ANY_INSTANCE`` children (:func:`langgraph_fence.children.wait_children`)
+the instance gives the root lease up, but ONLY while every running part of the tree is such
+a wait: a sibling task of the same superstep, a ``PARENT_INSTANCE`` child's step, or a
+checkpoint write of the tree still in flight keeps it held. Each of those enters
+:class:`TreeActivity` before it does anything (the node wrapper, the checkpointer wrapper)
+and leaves it when done; a wait counts itself as waiting.
+
+* **Yield** (one guarded statement, :meth:`~langgraph_fence.ExecutionLeaseRepository.yield_lease`):
+  the lease becomes ``waiting`` with its holder kept; the keeper stops renewing it. Nothing
+  writes under it (the guard wants ``running``) and no instance takes it over.
+* **Re-take** (one statement, :meth:`~langgraph_fence.ExecutionLeaseRepository.retake`):
+  before any step or checkpoint write of the tree runs again, and before the wait returns,
+  the lease is taken again at epoch + 1 and the keeper renews it again; every live frame's
+  fence reads the handle, so it shows the new token. If another instance took the tree
+  meanwhile, the re-take is refused: the run records the
+  :class:`~langgraph_fence.ExecutionFencedError` and stops, and the new holder re-runs the
+  waiting step, which finds the children it already spawned.
+* **Wake**: after each yield (and after each child's end, :mod:`langgraph_fence.run`) a
+  yielded tree whose children have all ended is made pending, runnable by any instance's
+  ``serve()`` one lease TTL later (its waiter, usually alive, re-takes it first), so a waiter
+  that died never strands its tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+from .errors import ExecutionFencedError
+from .events import EventKind
+from .from_thread import run_on_loop
+from .lease import fenced_error
+
+if TYPE_CHECKING:
+    from .fence import RunHandle
+    from .lease import LeaseKey
+
+__all__ = ["TreeActivity", "wake_parent"]
+
+logger = logging.getLogger(__name__)
+
+
+class TreeActivity:
+    """The running steps of one run's tree, and whether its lease is yielded now.
+
+    Attributes:
+        running: steps and checkpoint writes of the tree in flight (waits included).
+        waiting: how many of them wait for remote children.
+        yielded: the lease is yielded, or a yield is under way (every entry re-takes first).
+    """
+
+    __slots__ = ("_count", "_handle", "_turn", "running", "waiting", "yielded")
+
+    def __init__(self, handle: RunHandle) -> None:
+        self._handle = handle
+        self._count = threading.Lock()  # sync steps enter from worker threads
+        self._turn: asyncio.Lock | None = None  # one yield or re-take at a time
+        self.running = 0
+        self.waiting = 0
+        self.yielded = False
+
+    def _lock(self) -> asyncio.Lock:
+        if self._turn is None:
+            self._turn = asyncio.Lock()
+        return self._turn
+
+    # -- a step or a checkpoint write of the tree
+
+    async def enter(self) -> None:
+        """A step or checkpoint write starts: counted, and the lease re-taken if yielded."""
+        with self._count:
+            self.running += 1
+        if self.yielded:
+            try:
+                await self.retake()
+            except BaseException:
+                self.leave()
+                raise
+
+    def enter_from_thread(self) -> None:
+        """:meth:`enter` from a worker thread (a sync step): the re-take runs on the run's loop."""
+        with self._count:
+            self.running += 1
+        if self.yielded:
+            try:
+                run_on_loop(
+                    self._handle.loop,
+                    self.retake,
+                    what="a sync step re-taking its tree's yielded lease",
+                    on_loop="make the node an `async def`",
+                )
+            except BaseException:
+                self.leave()
+                raise
+
+    def leave(self) -> None:
+        """A step or checkpoint write ended."""
+        with self._count:
+            self.running -= 1
+
+    @asynccontextmanager
+    async def step(self) -> AsyncIterator[None]:
+        """Count a block (a checkpoint write) as running, the lease held for it."""
+        await self.enter()
+        try:
+            yield
+        finally:
+            self.leave()
+
+    # -- a wait for remote children
+
+    def begin_wait(self) -> None:
+        """The calling step (counted as running) now waits for remote children."""
+        with self._count:
+            self.waiting += 1
+
+    async def end_wait(self) -> None:
+        """The wait ends (returns or raises): the lease is re-taken first if yielded."""
+        with self._count:
+            self.waiting -= 1
+        if self.yielded:
+            await self.retake()
+
+    def _quiet(self) -> bool:
+        """Every running part of the tree is a wait for remote children."""
+        with self._count:
+            return 0 < self.running == self.waiting
+
+    async def maybe_yield(self) -> bool:
+        """Yield the lease if only waits run and the run is not stopping; whether it did."""
+        handle = self._handle
+        if self.yielded or not self._quiet():
+            return False
+        async with self._lock():
+            if self.yielded or not self._quiet():
+                return False
+            if handle.error is not None or handle.stop_reason is not None:
+                return False
+            instance = handle.instance
+            assert instance is not None  # children are spawned under an instance only
+            # Set before the statement: a step entering meanwhile waits for the turn and
+            # re-takes, so nothing of the tree runs under a lease being given up. The keeper
+            # lets go first: it sends no renewal of a lease being yielded.
+            self.yielded = True
+            await instance._keeper.release(handle)
+            # Should the statement fail, landed or not, ``yielded`` stays set: the re-take
+            # (which accepts a lease still held) settles it before anything runs.
+            try:
+                lease = await handle.repository.yield_lease(handle.lease)
+            except ExecutionFencedError as exc:
+                raise handle.record(exc) from None
+            handle.note_yielded(lease)
+            instance._events.emit(
+                EventKind.YIELDED, handle.scope_key, lease.epoch, "waiting for remote children"
+            )
+        # Its children may all have ended since the wait last looked: then it is woken at
+        # once (the wait re-takes it at its next look; if it died, serve() takes it).
+        await wake_parent(handle, handle.key)
+        return True
+
+    async def check_yielded(self) -> bool:
+        """Whether the lease is yielded now; if so, one read tells whether anyone else
+        took it meanwhile (a takeover after a wake, a cancel, a new run of the thread: the
+        epoch moved), so a yielded waiter learns of it within one poll.
+
+        Raises:
+            ExecutionFencedError: the epoch moved on (recorded on the run's handle).
+        """
+        if not self.yielded:
+            return False
+        handle = self._handle
+        async with self._lock():  # not while a re-take of this run is under way
+            if not self.yielded:
+                return False
+            current = await handle.repository.get(handle.key)
+            if current is None or current.epoch != handle.token:
+                raise handle.record(fenced_error(handle.lease, current, action="wait_children"))
+            return True
+
+    async def retake(self) -> None:
+        """Take the yielded lease again (epoch + 1) and have the keeper renew it again.
+
+        Raises:
+            ExecutionFencedError: another instance took the tree meanwhile (recorded on
+                the run's handle: the run stops).
+        """
+        handle = self._handle
+        async with self._lock():
+            if not self.yielded:
+                return
+            if isinstance(handle.error, ExecutionFencedError):
+                raise handle.error
+            instance = handle.instance
+            assert instance is not None
+            sent_at = handle.clock()
+            try:
+                lease = await handle.repository.retake(handle.lease, handle.ttl)
+            except ExecutionFencedError as exc:
+                raise handle.record(exc) from None
+            handle.replace_lease(lease, sent_at=sent_at)
+            self.yielded = False
+            instance._keeper.keep(handle)
+            instance._events.emit(
+                EventKind.RETAKEN, handle.scope_key, lease.epoch, "a step of the tree runs again"
+            )
+
+
+async def wake_parent(handle: RunHandle, parent: LeaseKey) -> None:
+    """Wake ``parent`` if it is yielded and all its children ended: runnable by any
+    ``serve()`` one lease TTL from now (store clock). Best effort: a failure is logged (the
+    waiter, if alive, re-takes it all the same)."""
+    instance = handle.instance
+    queue = None if instance is None else instance.queue_or_none()
+    if queue is None:
+        return
+    try:
+        await queue.wake_yielded(parent, handle.ttl)
+    except Exception:
+        logger.warning("could not wake the yielded tree %s", parent.scope_key, exc_info=True)
