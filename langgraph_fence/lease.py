@@ -334,7 +334,9 @@ def decide_retake(current: Lease | None, lease: Lease, ttl: float, now: float) -
 
 
 def _is_held(lease: Lease, now: float) -> bool:
-    return (
+    """Held: running for a holder whose hold has not expired, or yielded (its holder waits
+    for remote children and takes it again; no one else may take it meanwhile)."""
+    return is_yielded(lease.status, lease.holder) or (
         lease.status is LeaseStatus.RUNNING
         and lease.holder is not None
         and lease.expires_at is not None

@@ -259,11 +259,13 @@ _NEXT_QUEUED = text(
     + " AND status = 'queued' ORDER BY seq LIMIT 1"
 )
 _MAKE_CURRENT = text("UPDATE fence_runs SET status = 'current' WHERE run_id = :run_id")
-# Threads with a queued run whose current run has ended: the next one may begin.
+# Threads with a queued run whose current run has ended (released: no holder; a yielded
+# run keeps its holder and goes on): the next one may begin.
 _PROMOTABLE = text(
     "SELECT DISTINCT r.tenant_id, r.execution_id FROM fence_runs r JOIN fence_leases l "
     "ON l.tenant_id = r.tenant_id AND l.execution_id = r.execution_id "
-    "WHERE r.status = 'queued' AND l.status IN ('done', 'waiting', 'failed') LIMIT :limit"
+    "WHERE r.status = 'queued' AND l.status IN ('done', 'waiting', 'failed') "
+    "AND l.holder IS NULL LIMIT :limit"
 )
 # The runs queued behind their thread's run, oldest submit first.
 _QUEUED_RUNS = text(
@@ -555,6 +557,8 @@ class SubmittedRuns:
             lease = (await conn.execute(text(_LEASE + self._lock), params)).first()
             if lease is None or lease.status not in _BETWEEN_RUNS:
                 return False
+            if is_yielded(lease.status, lease.holder):
+                return False  # its run goes on: it waits for its children
             queued = (await conn.execute(_NEXT_QUEUED, params)).first()
             if queued is None:
                 return False

@@ -219,11 +219,15 @@ class SqlLeaseRepository:
         now = self._now()
         ttl = bindparam("p_ttl", type_=Double)
         insert = pg_dialect.insert if self._dialect == "postgresql" else sqlite_dialect.insert
-        not_held = or_(
-            _C.status != LeaseStatus.RUNNING.value,
-            _C.holder.is_(None),
-            _C.expires_at.is_(None),
-            _C.expires_at <= now,
+        # lease._is_held: running and not expired, or yielded (waiting, its holder kept).
+        not_held = and_(
+            or_(
+                _C.status != LeaseStatus.RUNNING.value,
+                _C.holder.is_(None),
+                _C.expires_at.is_(None),
+                _C.expires_at <= now,
+            ),
+            or_(_C.status != LeaseStatus.WAITING.value, _C.holder.is_(None)),
         )
         terminal = [s.value for s in TERMINAL_STATUSES]
         reopenable = [s.value for s in REOPENABLE_STATUSES]

@@ -23,6 +23,7 @@ from langgraph_fence import (
     ChildPlacement,
     ExecutionBusyError,
     ExecutionFencedError,
+    ExecutionLeaseHeldError,
     Instance,
     LeaseKey,
     LeaseStatus,
@@ -134,6 +135,7 @@ class Scene:
     timeline: Timeline
     b_go: asyncio.Event
     run: asyncio.Task[Any]
+    graph: Any
 
     def open_gates(self) -> None:
         for item in ITEMS:
@@ -159,7 +161,7 @@ async def scene(
         root = LeaseKey(TENANT, thread)
         try:
             await eventually(lambda: children_running(leases, root))
-            yield Scene(leases, parent, root, work, timeline, b_go, run)
+            yield Scene(leases, parent, root, work, timeline, b_go, run, graph)
         finally:
             if not run.done():
                 run.cancel()
@@ -188,6 +190,24 @@ async def test_the_lease_is_held_through_a_sibling_step_then_yielded_and_retaken
             await seen.parent.submit(
                 "branches", {"items": ["z"]}, cfg(seen.root.execution_id), tenant_id=TENANT
             )
+        # Yielded is held: a start on the thread (new input, or a resume) takes nothing.
+        for start in ({"items": ["z"]}, None):
+            with pytest.raises(ExecutionLeaseHeldError):
+                await seen.parent.ainvoke(
+                    seen.graph, start, cfg(seen.root.execution_id), tenant_id=TENANT
+                )
+        assert await _yielded(leases, seen.root) == yielded
+        # An input queued behind it waits for the tree's end: no worker begins it meanwhile.
+        queued = await seen.parent.submit(
+            "branches",
+            {"items": ["q"]},
+            cfg(seen.root.execution_id),
+            tenant_id=TENANT,
+            on_busy="enqueue",
+        )
+        assert (await queued.state()).queued
+        assert await seen.parent._run_queue().promote() == 0
+        assert await _yielded(leases, seen.root) == yielded
         seen.open_gates()
         out = await asyncio.wait_for(seen.run, 30)
     assert out["results"] == ["A", "B", "C"]

@@ -157,10 +157,10 @@ async def test_result_is_woken_at_the_runs_end(database: Database) -> None:
         looks = 0
         state = queue.state
 
-        async def counted(key: Any) -> Any:
+        async def counted(key: Any, run_id: Any = None) -> Any:
             nonlocal looks
             looks += 1
-            return await state(key)
+            return await state(key, run_id)
 
         queue.state = counted  # type: ignore[method-assign]
         async with serving(b, steps, poll=0.05):
