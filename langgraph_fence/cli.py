@@ -19,6 +19,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from .lease import DEFAULT_MAX_HELD, DEFAULT_MAX_TAKEOVERS, LeaseKey, LeaseStatus
 
 if TYPE_CHECKING:
+    import asyncio
+    from collections.abc import Callable
+
     from rich.console import Console
 
     from .diagnosis import Target
@@ -589,6 +592,28 @@ def _checked_target(args: argparse.Namespace, *, must_exist: bool) -> Target:
 async def _worker(args: argparse.Namespace) -> int:
     import asyncio
 
+    from .serve import on_signals
+
+    target = _checked_target(args, must_exist=False)
+    factory = _load_graphs_factory(args.graphs)
+    # SIGTERM / SIGINT stop the worker gracefully from here on: a signal that comes right
+    # after the banner below (or while the database is out of reach) drains and exits 0,
+    # never kills it before serve() would have installed its handlers.
+    stop = asyncio.Event()
+    remove_signals = on_signals(stop)
+    try:
+        return await _work(args, target, factory, stop)
+    finally:
+        remove_signals()
+
+
+async def _work(
+    args: argparse.Namespace, target: Target, factory: Callable[[Any], Any], stop: asyncio.Event
+) -> int:
+    """Serve until ``stop``; a database out of reach at the start is waited for."""
+    import asyncio
+    import contextlib
+
     from rich.console import Console
 
     from .database import schema_options
@@ -596,10 +621,8 @@ async def _worker(args: argparse.Namespace) -> int:
     from .redact import failure_reason
     from .retry import is_database_connection_error
 
-    target = _checked_target(args, must_exist=False)
-    factory = _load_graphs_factory(args.graphs)
     failures = 0
-    while True:
+    while not stop.is_set():
         serving = False
         try:
             async with Instance.open(
@@ -623,7 +646,11 @@ async def _worker(args: argparse.Namespace) -> int:
                 )
                 serving = True
                 await instance.serve(
-                    graphs, concurrency=args.concurrency, poll_interval=args.poll_interval
+                    graphs,
+                    concurrency=args.concurrency,
+                    poll_interval=args.poll_interval,
+                    stop=stop,
+                    handle_signals=False,
                 )
         except Exception as exc:
             # A database out of reach at the start (serve() itself rides out outages): wait
@@ -638,10 +665,12 @@ async def _worker(args: argparse.Namespace) -> int:
                 markup=False,
                 highlight=False,
             )
-            await asyncio.sleep(pause)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), pause)
             continue
         Console().print(f"worker {instance.instance_id} stopped", markup=False, highlight=False)
         return 0
+    return 0
 
 
 async def _migrate(args: argparse.Namespace) -> int:
