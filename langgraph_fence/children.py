@@ -226,8 +226,8 @@ async def wait_children(
                     del pending[index]
             if not pending:
                 if activity is not None:
-                    await activity.end_wait()
-                    activity = None
+                    ending, activity = activity, None  # ended once, even if it raises
+                    await ending.end_wait()
                 await _still_held(frame)
                 return results
             if deadline is not None and loop.time() >= deadline:

@@ -74,9 +74,10 @@ class TreeActivity:
 
     async def enter(self) -> None:
         """A step or checkpoint write starts: counted, and the lease re-taken if yielded."""
-        with self._count:
+        with self._count:  # counted and the yield read at once (maybe_yield sets it so)
             self.running += 1
-        if self.yielded:
+            yielded = self.yielded
+        if yielded:
             try:
                 await self.retake()
             except BaseException:
@@ -85,9 +86,10 @@ class TreeActivity:
 
     def enter_from_thread(self) -> None:
         """:meth:`enter` from a worker thread (a sync step): the re-take runs on the run's loop."""
-        with self._count:
+        with self._count:  # counted and the yield read at once (maybe_yield sets it so)
             self.running += 1
-        if self.yielded:
+            yielded = self.yielded
+        if yielded:
             try:
                 run_on_loop(
                     self._handle.loop,
@@ -138,16 +140,19 @@ class TreeActivity:
         if self.yielded or not self._quiet():
             return False
         async with self._lock():
-            if self.yielded or not self._quiet():
-                return False
             if handle.error is not None or handle.stop_reason is not None:
                 return False
             instance = handle.instance
             assert instance is not None  # children are spawned under an instance only
-            # Set before the statement: a step entering meanwhile waits for the turn and
-            # re-takes, so nothing of the tree runs under a lease being given up. The keeper
-            # lets go first: it sends no renewal of a lease being yielded.
-            self.yielded = True
+            # Decided and set in one hold of the count, before the statement: a step of
+            # another thread entering meanwhile either counts first (no yield) or sees it
+            # set, waits for the turn and re-takes, so nothing of the tree runs under a
+            # lease being given up. The keeper lets go first: it sends no renewal of a
+            # lease being yielded.
+            with self._count:
+                if self.yielded or not 0 < self.running == self.waiting:
+                    return False
+                self.yielded = True
             await instance._keeper.release(handle)
             # Should the statement fail, landed or not, ``yielded`` stays set: the re-take
             # (which accepts a lease still held) settles it before anything runs.
