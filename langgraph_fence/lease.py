@@ -334,14 +334,17 @@ def decide_retake(current: Lease | None, lease: Lease, ttl: float, now: float) -
 
 
 def _is_held(lease: Lease, now: float) -> bool:
-    """Held: running for a holder whose hold has not expired, or yielded (its holder waits
-    for remote children and takes it again; no one else may take it meanwhile)."""
-    return is_yielded(lease.status, lease.holder) or (
-        lease.status is LeaseStatus.RUNNING
-        and lease.holder is not None
-        and lease.expires_at is not None
-        and lease.expires_at > now
-    )
+    """Held: running for a holder whose hold has not expired; yielded (its holder waits
+    for remote children and takes it again; no one else may take it meanwhile); or woken
+    and before its not-before time (pending, no holder, ``expires_at`` in the future: left
+    to its waiter, as :func:`is_takeover_candidate` leaves it)."""
+    if is_yielded(lease.status, lease.holder):
+        return True
+    if lease.expires_at is None or lease.expires_at <= now:
+        return False
+    if lease.status is LeaseStatus.PENDING:
+        return lease.holder is None
+    return lease.status is LeaseStatus.RUNNING and lease.holder is not None
 
 
 def decide_acquire(

@@ -108,10 +108,10 @@ _LEASE = "SELECT status, holder, epoch, reason FROM fence_leases WHERE " + _KEY
 
 # A child of the parent (its id: the parent's scope key, ':', its key) still pending,
 # running, or yielded itself.
+_LIVE = "(c.status IN ('pending', 'running') OR (c.status = 'waiting' AND c.holder IS NOT NULL))"
 _LIVE_CHILD = (
     "SELECT 1 FROM fence_leases c WHERE c.tenant_id = :tenant_id "
-    "AND substr(c.execution_id, 1, :length) = :prefix AND (c.status IN ('pending', 'running') "
-    "OR (c.status = 'waiting' AND c.holder IS NOT NULL))"
+    "AND substr(c.execution_id, 1, :length) = :prefix AND " + _LIVE
 )
 
 
@@ -152,6 +152,16 @@ class _LeaseWrites:
             "UPDATE fence_leases SET epoch = epoch + 1, status = 'failed', reason = :reason, "
             f"updated_at = {now} WHERE tenant_id = :tenant_id AND status = 'pending' "
             "AND holder IS NULL AND substr(execution_id, 1, :length) = :prefix"
+        )
+        # Every yielded tree whose children have all ended, woken as ``wake`` wakes one: the
+        # sweep of a serve() look, for the ends that did not wake their parent (a child
+        # dead-lettered or abandoned by a take or an operator, a wake lost to an outage).
+        self.wake_all = text(
+            f"UPDATE fence_leases SET status = 'pending', holder = NULL, expires_at = {now} "
+            f"+ :ttl, updated_at = {now} WHERE status = 'waiting' AND holder IS NOT NULL "
+            "AND NOT EXISTS (SELECT 1 FROM fence_leases c WHERE c.tenant_id = "
+            "fence_leases.tenant_id AND substr(c.execution_id, 1, length(fence_leases.scope_key) "
+            "+ 1) = fence_leases.scope_key || ':' AND " + _LIVE + ") RETURNING epoch"
         )
         # A yielded tree whose children have all ended becomes pending for any instance,
         # one lease TTL (:ttl) from now on (until then its waiter, usually alive, takes it
@@ -881,6 +891,23 @@ class SubmittedRuns:
                 return woken is not None
 
         return await retry_connection_errors(once, what="wake a yielded tree")
+
+    async def wake_all_yielded(self, ttl: float) -> int:
+        """Wake every yielded tree none of whose children is still pending, running or
+        yielded (runnable by any ``serve()`` ``ttl`` seconds from now, store clock); how
+        many. One statement, made by each look of ``serve()``: a tree whose last child
+        ended without waking it (dead-lettered by a take, ended by an operator, a wake
+        lost to an outage) is not stranded, whether its waiter lives or died."""
+
+        async def once() -> int:
+            async with transaction(self._engine) as conn:
+                now = self._store.now_params()
+                woken = len(list(await conn.execute(self._leases.wake_all, {"ttl": ttl, **now})))
+                if woken and self._pg:
+                    await conn.execute(_NOTIFY, {"channel": NOTIFY_CHANNEL, "payload": ""})
+                return woken
+
+        return await retry_connection_errors(once, what="wake yielded trees")
 
     async def runs(self, limit: int = 1000) -> list[RunState]:
         """Every pending, running and yielded execution (with its worker), oldest first."""

@@ -344,14 +344,15 @@ SUBMIT_WAITING = (
     "WHERE q.tenant_id = l.tenant_id AND q.execution_id = l.execution_id "
     "AND q.status = 'queued'))"
 )
-# The same upsert, skipped while the lease is held by anyone (expired or not, or yielded: a
-# start that takes an expired lease over writes its record again once it holds it),
+# The same upsert, skipped while the lease is held by anyone (expired or not, yielded, or a
+# woken tree: a start that takes such a lease writes its record again once it holds it),
 # dead-lettered, or pending with a submitted run (waiting for a worker: run.py refuses the
 # start), or with submitted runs queued on the thread (on_busy="enqueue": they run next).
 _NOT_HELD = (
     "NOT EXISTS (SELECT 1 FROM fence_leases l WHERE l.tenant_id = :tenant_id "
     "AND l.execution_id = :execution_id AND "
     "((l.status IN ('running', 'waiting') AND l.holder IS NOT NULL) "
+    "OR (l.status = 'pending' AND l.holder IS NULL AND l.expires_at IS NOT NULL) "
     f"OR l.status = 'dead_lettered' OR {SUBMIT_WAITING}))"
 )
 _UPSERT_UNLESS_HELD = text(

@@ -223,6 +223,9 @@ class Server:
             # A thread whose run ended begins its next queued run (on_busy="enqueue"): it is
             # then a pending candidate like any submitted run. One read when none is queued.
             await queue.promote()
+            # A yielded tree whose children all ended without waking it: woken (one
+            # statement; its waiter, if alive, takes it again within the TTL).
+            await queue.wake_all_yielded(instance.lease_ttl)
         window = free * 4
         while free > 0:
             # A store that cannot be read raises out of here: the loop logs it and backs

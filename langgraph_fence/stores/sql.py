@@ -219,7 +219,8 @@ class SqlLeaseRepository:
         now = self._now()
         ttl = bindparam("p_ttl", type_=Double)
         insert = pg_dialect.insert if self._dialect == "postgresql" else sqlite_dialect.insert
-        # lease._is_held: running and not expired, or yielded (waiting, its holder kept).
+        # lease._is_held: running and not expired, yielded (waiting, its holder kept), or
+        # woken and before its not-before time (pending, no holder, expires_at ahead).
         not_held = and_(
             or_(
                 _C.status != LeaseStatus.RUNNING.value,
@@ -228,6 +229,12 @@ class SqlLeaseRepository:
                 _C.expires_at <= now,
             ),
             or_(_C.status != LeaseStatus.WAITING.value, _C.holder.is_(None)),
+            or_(
+                _C.status != LeaseStatus.PENDING.value,
+                _C.holder.is_not(None),
+                _C.expires_at.is_(None),
+                _C.expires_at <= now,
+            ),
         )
         terminal = [s.value for s in TERMINAL_STATUSES]
         reopenable = [s.value for s in REOPENABLE_STATUSES]

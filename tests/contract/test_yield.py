@@ -113,6 +113,17 @@ def test_a_woken_tree_is_a_candidate_only_from_its_not_before_time() -> None:
     assert not is_takeover_candidate(yielded, 1e12)
 
 
+def test_a_woken_tree_is_held_for_a_new_run_until_its_not_before_time() -> None:
+    from langgraph_fence import Lease, LeaseKey
+    from langgraph_fence.lease import decide_acquire
+
+    woken = Lease(LeaseKey("t", "e"), None, 3, 100.0, (), LeaseStatus.PENDING)
+    assert decide_acquire(woken, woken.key, "B", TTL, 99.0, reopen=True) is None
+    taken = decide_acquire(woken, woken.key, "B", TTL, 100.0, reopen=True)
+    assert taken is not None
+    assert (taken.holder, taken.epoch) == ("B", 4)
+
+
 async def test_a_lease_handed_back_is_not_retaken(lease_store: Store) -> None:
     # Pending with no not-before time: handed back for anyone, not woken for its waiter.
     lease = await held(lease_store)

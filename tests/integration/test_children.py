@@ -8,6 +8,7 @@ a spawn leaves must be all another process needs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -24,6 +25,7 @@ from langgraph_fence import (
     ChildFailedError,
     ChildPlacement,
     ExecutionFencedError,
+    ExecutionLeaseHeldError,
     Instance,
     LeaseKey,
     LeaseStatus,
@@ -351,6 +353,47 @@ async def test_a_waiter_taken_over_stops_fenced_and_each_child_runs_once(
     )
     assert saved is not None
     assert saved.checkpoint["channel_values"]["results"] == ["A", "B", "C"]
+
+
+async def test_a_yielded_tree_whose_children_ended_without_waking_it_is_not_stranded(
+    leases: Leases,
+) -> None:
+    # The children never run (no worker serves them) and are dead-lettered by an operator,
+    # with no run of theirs to wake the tree; its waiter is frozen. A serve() look wakes it.
+    parent = leases.instance("parent", lease_ttl=10.0)
+    taker = leases.instance("taker", lease_ttl=120.0)
+    work = Work()
+    thread = unique("fan")
+    root = LeaseKey(TENANT, thread)
+    children = [LeaseKey(TENANT, child_execution_id(root, f"c{i}")) for i in range(2)]
+    waiter = asyncio.create_task(
+        parent.ainvoke(
+            parent_graph(parent, work), {"items": ["a", "b"]}, cfg(thread), tenant_id=TENANT
+        )
+    )
+    try:
+        await eventually(lambda: is_yielded_by(leases, root, "parent"))
+        leases.stall(parent)
+        for child in children:
+            lease = await leases.store.get(child)
+            assert lease is not None
+            await leases.store.dead_letter(child, "given up by an operator", epoch=lease.epoch)
+        assert await is_yielded_by(leases, root, "parent")  # nothing woke it
+        async with serving(taker, {"fan": parent_graph(taker, work, return_exceptions=True)}):
+            await until_status(leases, root, LeaseStatus.PENDING)  # woken by the look
+            # Woken, it is its waiter's until the not-before time: a start takes nothing.
+            with pytest.raises(ExecutionLeaseHeldError):
+                await taker.ainvoke(
+                    parent_graph(taker, work), {"items": ["z"]}, cfg(thread), tenant_id=TENANT
+                )
+            leases.advance(121.0)  # past the waker's TTL: free for anyone
+            await until_status(leases, root, LeaseStatus.DONE)
+        assert work.spawned.count(True) == 2  # the taker found them, spawned none
+    finally:
+        leases.resume(parent)
+        waiter.cancel()
+        with contextlib.suppress(BaseException):
+            await waiter
 
 
 def local_parent_graph(instance: Instance, child: Any, items: list[str]) -> Any:
