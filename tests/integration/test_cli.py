@@ -12,6 +12,9 @@ import pytest
 from langgraph_fence import LeaseKey, SqlLeaseRepository
 from langgraph_fence.database import create_engine
 
+#: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
+pytestmark = pytest.mark.processes
+
 
 @pytest.mark.parametrize("command", ["executions", "dead-letters"])
 def test_listing_commands_read_the_lease_table(command: str, tmp_path: object) -> None:

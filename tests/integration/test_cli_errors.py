@@ -17,6 +17,9 @@ from sqlalchemy.engine import make_url
 
 from tests.conftest import pg_url_from_env
 
+#: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
+pytestmark = pytest.mark.processes
+
 #: The console script pip installed beside this interpreter.
 SCRIPT = str(Path(sys.executable).with_name("langgraph-fence"))
 COMMANDS = ["demo", "worker", "migrate", "erase", "executions", "dead-letters", "resolve"]

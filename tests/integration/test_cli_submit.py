@@ -11,11 +11,15 @@ import sys
 from pathlib import Path
 from typing import Any, TypedDict
 
+import pytest
 from langgraph.graph import END, START, StateGraph
 
 from langgraph_fence import Instance, fence_graph
 from tests.polling import eventually_sync
 from tests.processes import worker_args
+
+#: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
+pytestmark = pytest.mark.processes
 
 ROOT = Path(__file__).parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}

@@ -9,8 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.chaos.write_steps import Database
 from tests.polling import eventually_sync
+
+#: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
+pytestmark = pytest.mark.processes
 
 SCRIPT = str(Path(sys.executable).with_name("langgraph-fence"))
 

@@ -16,9 +16,13 @@ import uuid
 from contextlib import closing
 from pathlib import Path
 
+import pytest
 from sqlalchemy.engine import make_url
 
 from tests.conftest import _pg_admin, pg_url_from_env
+
+#: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
+pytestmark = pytest.mark.processes
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

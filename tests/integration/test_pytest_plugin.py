@@ -17,6 +17,9 @@ import pytest
 from langgraph_fence import Effect, LeaseKey, LeaseStatus, PendingEffect
 from langgraph_fence.testing import Leases
 
+#: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
+pytestmark = pytest.mark.processes
+
 USER_TESTS = '''
 import pytest
 

@@ -26,6 +26,9 @@ from langgraph_fence.stores import SqlLeaseRepository
 from tests.conftest import SQL_BACKENDS, _pg_admin
 from tests.polling import eventually
 
+#: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
+pytestmark = pytest.mark.processes
+
 README = Path(__file__).resolve().parents[2] / "README.md"
 KEY = LeaseKey("acme", "order-42")
 # What the quickstart's charge step prints when it runs with the config it was started with.

@@ -21,6 +21,9 @@ from langgraph_fence.testing import ManualClock
 from tests.chaos.write_steps import Database
 from tests.conftest import pg_engine_options, unique
 
+#: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
+pytestmark = pytest.mark.processes
+
 ROOT = Path(__file__).parents[2]
 TTL = 10.0
 
