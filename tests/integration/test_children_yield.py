@@ -208,6 +208,8 @@ async def test_the_lease_is_held_through_a_sibling_step_then_yielded_and_retaken
         assert (await queued.state()).queued
         assert await seen.parent._run_queue().promote() == 0
         assert await _yielded(leases, seen.root) == yielded
+        # Cancelled while queued: once the tree ends, no look of a server begins it.
+        assert await queued.cancel()
         seen.open_gates()
         out = await asyncio.wait_for(seen.run, 30)
     assert out["results"] == ["A", "B", "C"]
