@@ -280,8 +280,9 @@ async def test_a_step_that_starts_while_yielded_runs_after_the_retake(leases: Le
     async with scene(leases, late_local_step) as seen:
         await eventually(lambda: _yielded(leases, seen.root), what="the root lease to be yielded")
         seen.b_go.set()  # B starts while A is yielded
+        # B's step runs (re-taken first: the order is checked below). Once it ends, A's wait
+        # alone is left and the tree may yield again: the keeper's count is no witness here.
         await eventually(lambda: "b-start" in [m[0] for m in seen.timeline.marks])
-        assert seen.parent._keeper.held == 1  # re-taken: renewed again
         seen.open_gates()
         out = await asyncio.wait_for(seen.run, 30)
     assert out["results"] == ["A", "B", "C"]

@@ -44,7 +44,7 @@ from tests.chaos.write_steps import (
 )
 from tests.conftest import unique
 
-TTL = 0.6  # A's lease lapses this long after its connection is lost
+TTL = 1.2  # A's lease lapses this long after its connection is lost (0.6 lapsed under load)
 DEADLINE = 30.0
 
 
