@@ -57,6 +57,7 @@ from .errors import ExecutionBusyError, ExecutionEndedError, RunFailedError
 from .guard import guard_sql
 from .lease import Lease, LeaseKey, LeaseStatus, is_yielded
 from .retry import retry_connection_errors
+from .schema import in_flight_sql, yielded_sql
 from .validate import positive_seconds, text_id
 
 if TYPE_CHECKING:
@@ -108,7 +109,7 @@ _LEASE = "SELECT status, holder, epoch, reason FROM fence_leases WHERE " + _KEY
 
 # A child of the parent (its id: the parent's scope key, ':', its key) still pending,
 # running, or yielded itself.
-_LIVE = "(c.status IN ('pending', 'running') OR (c.status = 'waiting' AND c.holder IS NOT NULL))"
+_LIVE = in_flight_sql("c")
 _LIVE_CHILD = (
     "SELECT 1 FROM fence_leases c WHERE c.tenant_id = :tenant_id "
     "AND substr(c.execution_id, 1, :length) = :prefix AND " + _LIVE
@@ -143,10 +144,7 @@ class _LeaseWrites:
         )
         self.interrupt = text(fence + " AND epoch = :epoch")
         # Pending, running, or yielded (waiting with its holder kept: its run goes on).
-        self.cancel = text(
-            fence + " AND (status IN ('pending', 'running') OR (status = 'waiting' AND holder "
-            "IS NOT NULL)) RETURNING epoch"
-        )
+        self.cancel = text(fence + " AND " + in_flight_sql() + " RETURNING epoch")
         # A parent's children that no worker claimed yet (pending, no holder) never start.
         self.cancel_children = text(
             "UPDATE fence_leases SET epoch = epoch + 1, status = 'failed', reason = :reason, "
@@ -156,21 +154,24 @@ class _LeaseWrites:
         # Every yielded tree whose children have all ended, woken as ``wake`` wakes one: the
         # sweep of a serve() look, for the ends that did not wake their parent (a child
         # dead-lettered or abandoned by a take or an operator, a wake lost to an outage).
-        self.wake_all = text(
+        woken = (
             f"UPDATE fence_leases SET status = 'pending', holder = NULL, expires_at = {now} "
-            f"+ :ttl, updated_at = {now} WHERE status = 'waiting' AND holder IS NOT NULL "
-            "AND NOT EXISTS (SELECT 1 FROM fence_leases c WHERE c.tenant_id = "
-            "fence_leases.tenant_id AND substr(c.execution_id, 1, length(fence_leases.scope_key) "
-            "+ 1) = fence_leases.scope_key || ':' AND " + _LIVE + ") RETURNING epoch"
+            f"+ :ttl, updated_at = {now} WHERE "
+        )
+        self.wake_all = text(
+            woken + yielded_sql() + " AND NOT EXISTS (SELECT 1 FROM fence_leases c WHERE "
+            "c.tenant_id = fence_leases.tenant_id AND substr(c.execution_id, 1, "
+            "length(fence_leases.scope_key) + 1) = fence_leases.scope_key || ':' AND "
+            + _LIVE
+            + ") RETURNING epoch"
         )
         # A yielded tree whose children have all ended becomes pending for any instance,
         # one lease TTL (:ttl) from now on (until then its waiter, usually alive, takes it
         # again first); run after each child's end and after each yield, so whichever
         # comes last sees every end.
         self.wake = text(
-            f"UPDATE fence_leases SET status = 'pending', holder = NULL, expires_at = {now} "
-            f"+ :ttl, updated_at = {now} WHERE " + _KEY + " AND status = 'waiting' AND holder "
-            "IS NOT NULL AND NOT EXISTS (" + _LIVE_CHILD + ") RETURNING epoch"
+            woken + _KEY + " AND " + yielded_sql() + " AND NOT EXISTS (" + _LIVE_CHILD + ") "
+            "RETURNING epoch"
         )
 
 
@@ -220,8 +221,7 @@ _STATE = text(
 _RUNS = text(
     _STATE_COLUMNS + " FROM fence_leases l JOIN fence_executions e "
     "ON e.tenant_id = l.tenant_id AND e.execution_id = l.execution_id "
-    "WHERE (l.status IN ('pending', 'running') OR (l.status = 'waiting' AND l.holder IS NOT "
-    "NULL)) ORDER BY l.updated_at, l.scope_key LIMIT :limit"
+    "WHERE " + in_flight_sql("l") + " ORDER BY l.updated_at, l.scope_key LIMIT :limit"
 )
 
 

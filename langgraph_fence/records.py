@@ -32,6 +32,7 @@ from .lease import LeaseKey
 from .migrations import Migration, migrate
 from .retry import retry_connection_errors
 from .run_config import RecordedRun
+from .schema import yielded_sql
 from .serde import loads_checked, safe_serializer, with_allowlist
 
 __all__ = [
@@ -351,7 +352,7 @@ SUBMIT_WAITING = (
 _NOT_HELD = (
     "NOT EXISTS (SELECT 1 FROM fence_leases l WHERE l.tenant_id = :tenant_id "
     "AND l.execution_id = :execution_id AND "
-    "((l.status IN ('running', 'waiting') AND l.holder IS NOT NULL) "
+    "((l.status = 'running' AND l.holder IS NOT NULL) OR " + yielded_sql("l") + " "
     "OR (l.status = 'pending' AND l.holder IS NULL AND l.expires_at IS NOT NULL) "
     f"OR l.status = 'dead_lettered' OR {SUBMIT_WAITING}))"
 )

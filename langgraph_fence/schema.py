@@ -24,17 +24,19 @@ from sqlalchemy import (
     BigInteger,
     CheckConstraint,
     Column,
+    ColumnElement,
     Double,
     Integer,
     MetaData,
     PrimaryKeyConstraint,
     Table,
     Text,
+    and_,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
 from .effects import Effect
-from .lease import PendingEffect
+from .lease import LeaseStatus, PendingEffect
 from .migrations import Migration
 
 __all__ = [
@@ -42,8 +44,11 @@ __all__ = [
     "LEASE_MIGRATIONS",
     "STAMP_SQL",
     "effects_from_json",
+    "in_flight_sql",
     "metadata",
+    "not_yielded",
     "stamp_patch",
+    "yielded_sql",
 ]
 
 metadata = MetaData()
@@ -76,6 +81,28 @@ LEASES = Table(
     Column("progress_mark", Text),
     PrimaryKeyConstraint("tenant_id", "execution_id"),
 )
+
+
+def yielded_sql(alias: str = "") -> str:
+    """SQL true for a yielded ``fence_leases`` row, as :func:`~langgraph_fence.lease.is_yielded`
+    tells one: waiting with its holder kept, its run still going on. ``alias`` qualifies the
+    columns. Every statement that tells a yielded tree from an ended one says it this way."""
+    at = f"{alias}." if alias else ""
+    return f"({at}status = '{LeaseStatus.WAITING.value}' AND {at}holder IS NOT NULL)"
+
+
+def in_flight_sql(alias: str = "") -> str:
+    """SQL true for a row whose run has not ended: pending, running, or yielded."""
+    at = f"{alias}." if alias else ""
+    going = f"'{LeaseStatus.PENDING.value}', '{LeaseStatus.RUNNING.value}'"
+    return f"({at}status IN ({going}) OR {yielded_sql(alias)})"
+
+
+def not_yielded() -> ColumnElement[bool]:
+    """:func:`yielded_sql` negated, as an expression on :data:`LEASES`."""
+    columns = LEASES.c
+    return ~and_(columns.status == LeaseStatus.WAITING.value, columns.holder.is_not(None))
+
 
 _CREATE_LEASES = """
 CREATE TABLE IF NOT EXISTS fence_leases (

@@ -76,7 +76,14 @@ from ..lease import (
 )
 from ..migrations import migrate
 from ..retry import retry_connection_errors
-from ..schema import LEASE_MIGRATIONS, LEASES, STAMP_SQL, effects_from_json, stamp_patch
+from ..schema import (
+    LEASE_MIGRATIONS,
+    LEASES,
+    STAMP_SQL,
+    effects_from_json,
+    not_yielded,
+    stamp_patch,
+)
 from ..validate import text_id
 from .common import check_key, check_lease, check_leases, check_limit
 
@@ -228,7 +235,7 @@ class SqlLeaseRepository:
                 _C.expires_at.is_(None),
                 _C.expires_at <= now,
             ),
-            or_(_C.status != LeaseStatus.WAITING.value, _C.holder.is_(None)),
+            not_yielded(),
             or_(
                 _C.status != LeaseStatus.PENDING.value,
                 _C.holder.is_not(None),
