@@ -9,6 +9,11 @@ the release with the outcome, every checkpoint guarded); ``sql`` the same graph,
 ``memory`` ``InMemorySaver``. The graphs, rotation and medians of ``bench_savers.py`` (linear
 10 nodes, fanout 8), durability sync and async, one process, a new thread per run.
 
+Beside each rate, the CPU time of this process per run (``time.process_time``: every
+thread's, user + system; the database server's is not in it), median, for ``sql`` and
+``fenced``: what the fence adds in this process, which other load on the box disturbs far
+less than the wall-clock rates.
+
 Also counts the SQL statements one fenced run sends beyond the unfenced run's (SQLAlchemy's
 ``before_cursor_execute`` on the engine: the lease store and the records; the
 checkpointers' raw driver calls are not seen, and are the same in both runs).
@@ -161,18 +166,26 @@ async def bench(backend: str, targets: list[Target], runs: int) -> list[dict[str
         for durability in DURABILITIES:
             graphs = [t.graph(shape) for t in targets]
             samples: dict[str, list[float]] = {t.name: [] for t in targets}
+            cpu: dict[str, list[float]] = {t.name: [] for t in targets}
             for i in range(runs + WARM_UP):
                 order = list(range(len(targets)))
                 order = order[i % len(order) :] + order[: i % len(order)]
                 for k in order:
-                    started = time.perf_counter()
+                    started, cpu_started = time.perf_counter(), time.process_time()
                     await targets[k].run(graphs[k], durability)
                     if i >= WARM_UP:
                         samples[targets[k].name].append(time.perf_counter() - started)
+                        cpu[targets[k].name].append(time.process_time() - cpu_started)
             row: dict[str, Any] = {
                 name: NODES_PER_RUN / statistics.median(values) for name, values in samples.items()
             }
-            row.update(backend=backend, graph=shape, durability=durability)
+            row.update(
+                backend=backend,
+                graph=shape,
+                durability=durability,
+                sql_cpu=1000 * statistics.median(cpu["sql"]),
+                fenced_cpu=1000 * statistics.median(cpu["fenced"]),
+            )
             results.append(row)
             print(_line(row), file=sys.stderr, flush=True)
     return results
@@ -183,7 +196,8 @@ def _line(row: dict[str, Any]) -> str:
         f"| {row['backend']} | {row['graph']} | {row['durability']} | {row['memory']:.0f} | "
         f"{row['official']:.0f} | {row['sql']:.0f} | {row['fenced']:.0f} | "
         f"{row['fenced'] / row['sql']:.2f} | {row['fenced'] / row['official']:.2f} | "
-        f"{row['fenced'] / row['memory']:.2f} |"
+        f"{row['fenced'] / row['memory']:.2f} | {row['sql_cpu']:.1f} / {row['fenced_cpu']:.1f} | "
+        f"{row['sql_cpu'] / row['fenced_cpu']:.2f} |"
     )
 
 
@@ -207,7 +221,8 @@ async def main() -> None:
             rows += await bench("postgresql", targets, args.runs)
     print(
         "| db | graph | durability | InMemorySaver | official | sql | fenced | fenced/sql "
-        "| fenced/official | fenced/memory |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|"
+        "| fenced/official | fenced/memory | CPU ms/run sql / fenced | sql/fenced CPU |\n"
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     for row in rows:
         print(_line(row))
