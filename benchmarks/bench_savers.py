@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import itertools
 import operator
+import os
 import statistics
 import sys
 import tempfile
@@ -45,7 +46,9 @@ from langgraph_fence.database import create_engine, normalize_url
 from langgraph_fence.fence import RunHandle
 
 DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432/test"
-SCHEMA = "lgf_bench"
+#: Each run works in a schema of its own (two benchmark runs on one database must not drop
+#: each other's tables), dropped at its end.
+SCHEMA = f"lgf_bench_{os.getpid()}"
 PAYLOAD = "x" * 200
 NODES_PER_RUN = 10
 WARM_UP = 5
@@ -158,6 +161,11 @@ async def postgres_official(url: str, schema: str = SCHEMA) -> AsyncIterator[tup
     finally:
         await engine.dispose()
         await pool.close()
+        admin = await asyncpg.connect(dsn)
+        try:
+            await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        finally:
+            await admin.close()
 
 
 @asynccontextmanager
