@@ -3,15 +3,16 @@
 The take (the thread's binding, the execution record and the acquire) is ONE statement on
 PostgreSQL and one ``BEGIN IMMEDIATE`` transaction on SQLite; the release carries the
 outcome, known from how the graph ended (LangGraph's lifecycle callbacks), so the thread's
-state is not read back. Counted with SQLAlchemy's ``before_cursor_execute`` on the engine
-(the lease store and the records; the checkpointer's own writes are raw driver calls) and,
-for the checkpointer, by its reads: a fenced run reads the thread as often as the same run
-unfenced.
+state is not read back. Counted at the driver on every connection but the checkpointer's
+(:class:`Statements`) and, for the checkpointer, by its reads: a fenced run reads the thread
+as often as the same run unfenced.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypedDict
 
@@ -21,6 +22,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.types import interrupt
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.util.concurrency import await_
 
 from checkpointers import SqlCheckpointer
 from langgraph_fence import Instance, LeaseKey, LeaseStatus, fence_graph
@@ -81,18 +83,47 @@ async def parts(
 
 
 class Statements:
-    """The statements SQLAlchemy sends on ``engine``, by their first words."""
+    """The statements sent on ``engine``'s connections beyond the saver's, by their first
+    words.
+
+    Traced at the driver (asyncpg's query loggers, sqlite3's trace callback, installed on
+    each connection when it is checked out), so a statement counts whether SQLAlchemy sends
+    it or the lease store runs it on the driver, and SQLite's BEGIN and COMMIT count too.
+    The saver's statements are left out by their connection: in a window, a connection
+    that touched a checkpoint table is the saver's (it holds its connections, as the lease
+    store holds its own).
+    """
 
     def __init__(self, engine: AsyncEngine) -> None:
-        self.seen: list[str] = []
-        event.listen(engine.sync_engine, "before_cursor_execute", self._count)
+        self._seen: list[tuple[int, str]] = []
+        self._traced: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._postgres = engine.dialect.name == "postgresql"
+        event.listen(engine.sync_engine, "checkout", self._trace)
 
-    def _count(self, _conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        self.seen.append(" ".join(statement.split()[:3]).upper())
+    def _trace(self, dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+        driver = dbapi_connection.driver_connection
+        if driver in self._traced:
+            return
+        self._traced.add(driver)
+        owner = id(driver)
 
-    def take(self) -> list[str]:
-        seen, self.seen = self.seen, []
-        return seen
+        def seen(statement: str) -> None:
+            self._seen.append((owner, statement))
+
+        if self._postgres:
+            driver.add_query_logger(lambda record: seen(record.query))
+        else:
+            # On the connection's own thread (sqlite3 refuses another); the checkout runs
+            # in SQLAlchemy's greenlet, where the driver's coroutine can be awaited.
+            await_(driver.set_trace_callback(seen))
+
+    async def take(self) -> list[str]:
+        # asyncpg hands each record to its loggers with loop.call_soon: one turn of the
+        # loop delivers the records of every query that has finished.
+        await asyncio.sleep(0)
+        seen, self._seen = self._seen, []
+        saver = {owner for owner, sql in seen if "fence_checkpoint" in sql.lower()}
+        return [" ".join(sql.split()[:3]).upper() for owner, sql in seen if owner not in saver]
 
 
 async def test_a_fenced_run_sends_two_round_trips_beyond_its_checkpoints(
@@ -105,7 +136,7 @@ async def test_a_fenced_run_sends_two_round_trips_beyond_its_checkpoints(
     statements = Statements(engine)
 
     async def run(graph: Any, thread: str) -> tuple[list[str], int]:
-        statements.take()
+        await statements.take()
         reads = saver.reads
         config = {"configurable": {"thread_id": thread}}
         if graph is fenced:
@@ -113,7 +144,7 @@ async def test_a_fenced_run_sends_two_round_trips_beyond_its_checkpoints(
         else:
             out = await graph.ainvoke({"n": 0}, config)
         assert out == {"n": 3}
-        return statements.take(), saver.reads - reads
+        return await statements.take(), saver.reads - reads
 
     for _ in range(2):  # warm: statements compiled and prepared, pool connections open
         await run(fenced, unique("warm"))
@@ -135,6 +166,7 @@ async def test_a_fenced_run_sends_two_round_trips_beyond_its_checkpoints(
                 "INSERT INTO FENCE_THREAD_BINDINGS",
                 "INSERT INTO FENCE_LEASES",
                 "INSERT INTO FENCE_EXECUTIONS",
+                "COMMIT",
                 "UPDATE FENCE_LEASES SET",
             ], (turn, sent)
     lease = await instance.repository.get(LeaseKey(tenant, thread))
