@@ -53,12 +53,18 @@ logger = logging.getLogger(__name__)
 
 class Connections:
     """Driver connections (asyncpg / aiosqlite) from ``engine``'s pool, reused across calls:
-    at most ``1 / share`` of the pool's size."""
+    at most ``1 / share`` of the pool's size are held.
 
-    def __init__(self, engine: AsyncEngine, *, share: int = 2) -> None:
+    With ``spill``, a call that finds every held connection busy takes one from the pool
+    for itself (given back after it) instead of waiting: a burst then runs as wide as the
+    pool lets it, as it would through SQLAlchemy, paying the checkout only then.
+    """
+
+    def __init__(self, engine: AsyncEngine, *, share: int = 2, spill: bool = False) -> None:
         self._engine = engine
         size = getattr(engine.pool, "size", None)
         self._limit = max(1, size() // share) if callable(size) else 1
+        self._spill = spill
         self._slots: asyncio.Semaphore | None = None
         self._idle: list[tuple[AsyncConnection, Any]] = []
         self._generation = 0
@@ -68,36 +74,47 @@ class Connections:
     async def __call__(self) -> AsyncIterator[Any]:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self._limit)
-        async with self._slots:
-            generation = self._generation
-            if self._idle:
-                conn, driver = self._idle.pop()
-            else:
-                conn = await self._engine.connect()
-                try:
-                    driver = (await conn.get_raw_connection()).driver_connection
-                except BaseException:
-                    await conn.close()
-                    raise
-            reuse = False
-            try:
+        if self._spill and self._slots.locked():
+            async with self._using(*await self._open(), held=False) as driver:
                 yield driver
-                reuse = generation == self._generation
-            except BaseException as exc:
-                if isinstance(exc, asyncio.CancelledError):
-                    await discard(conn)  # see the module docstring
-                elif is_connection_error(exc):
-                    # The server went away: the held idle connections are dead too.
-                    await discard(conn, server_lost=True)
-                    await self._discard_idle()
-                raise
-            finally:
-                if reuse:
-                    self._idle.append((conn, driver))
-                else:
-                    # After an error the connection's state is unknown: give it back to the
-                    # pool, which resets it (or drops it, discarded above).
-                    await conn.close()
+            return
+        async with self._slots:
+            pair = self._idle.pop() if self._idle else await self._open()
+            async with self._using(*pair, held=True) as driver:
+                yield driver
+
+    async def _open(self) -> tuple[AsyncConnection, Any]:
+        conn = await self._engine.connect()
+        try:
+            return conn, (await conn.get_raw_connection()).driver_connection
+        except BaseException:
+            await conn.close()
+            raise
+
+    @asynccontextmanager
+    async def _using(self, conn: AsyncConnection, driver: Any, *, held: bool) -> AsyncIterator[Any]:
+        """One call on ``driver``; after it a ``held`` connection is kept for the next."""
+        generation = self._generation
+        keep = False
+        try:
+            yield driver
+            keep = held and generation == self._generation
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                await discard(conn)  # see the module docstring
+            elif is_connection_error(exc):
+                # The server went away: the held idle connections are dead too.
+                await discard(conn, server_lost=True)
+                await self._discard_idle()
+            raise
+        finally:
+            if keep:
+                self._idle.append((conn, driver))
+            else:
+                # A call of a burst gives its connection back; after an error the
+                # connection's state is unknown: give it back to the pool, which resets it
+                # (or drops it, discarded above).
+                await conn.close()
 
     async def _discard_idle(self) -> None:
         idle, self._idle = self._idle, []

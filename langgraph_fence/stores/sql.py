@@ -157,8 +157,9 @@ class SqlLeaseRepository:
         # Reads (get, takeover_candidates) never take SQLite's write lock.
         self._reader = read_only(engine)
         # Every write is one statement, on a held driver connection in autocommit (SQLite's
-        # are, asyncpg's are outside a transaction): no BEGIN/COMMIT around it.
-        self._connections = Connections(engine, share=4)
+        # are, asyncpg's are outside a transaction): no BEGIN/COMMIT around it. A burst of
+        # starts spills over to the pool rather than queue behind the held few.
+        self._connections = Connections(engine, share=4, spill=True)
         self._compiled: dict[int, tuple[Any, DriverStatement]] = {}
         # Renewals on a pool of their own (PostgreSQL): a burst of starts or checkpoint
         # writes holding every pooled connection must not make them wait.
