@@ -9,9 +9,10 @@ the release with the outcome, every checkpoint guarded); ``sql`` the same graph,
 ``memory`` ``InMemorySaver``. The graphs, rotation and medians of ``bench_savers.py`` (linear
 10 nodes, fanout 8), durability sync and async, one process, a new thread per run.
 
-Also counts the SQL statements one fenced run sends beyond the unfenced run's (SQLAlchemy's
-``before_cursor_execute`` on the engine: the lease store and the records; the
-checkpointers' raw driver calls are not seen, and are the same in both runs).
+Also counts the SQL statements one fenced run sends beyond the saver's, at the driver
+(``tests/statements.py``: the lease store's and the records', whether SQLAlchemy sends
+them or the lease store runs them on the driver; the saver's, the same in both runs, are
+left out).
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from typing import Any
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import Send
-from sqlalchemy import event
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_savers import (
     DEFAULT_PG,
     DURABILITIES,
@@ -52,6 +53,7 @@ from checkpointers import SqlCheckpointer
 from langgraph_fence import SqlLeaseRepository, fence_graph
 from langgraph_fence.instance import Instance
 from langgraph_fence.records import SqlExecutionRecords
+from tests.statements import Statements
 
 
 def linear(builder: StateGraph[State]) -> None:
@@ -131,27 +133,21 @@ async def postgres_targets(url: str) -> AsyncIterator[tuple[Any, list[Target]]]:
 
 
 async def statements_per_run(engine: Any, targets: list[Target]) -> dict[str, float]:
-    """SQL statements (seen by SQLAlchemy) per run, fenced and unfenced, by kind."""
-    seen: list[str] = []
-
-    def count(_c: Any, _cur: Any, statement: str, *_: Any) -> None:
-        seen.append(" ".join(statement.split()[:3]).upper())
-
+    """SQL statements per run beyond the saver's, fenced and unfenced, by kind."""
+    statements = Statements(engine)
     by_name = {t.name: t for t in targets}
     out: dict[str, float] = {}
-    event.listen(engine.sync_engine, "before_cursor_execute", count)
-    try:
-        for name in ("sql", "fenced"):
-            graph = by_name[name].graph("linear")
-            seen.clear()
-            for _ in range(5):
-                await by_name[name].run(graph, "sync")
-            out[name] = len(seen) / 5
-            if name == "fenced":
-                kinds = collections.Counter(seen)
-                print(f"fenced linear sync, statements by kind (5 runs): {kinds}", file=sys.stderr)
-    finally:
-        event.remove(engine.sync_engine, "before_cursor_execute", count)
+    for name in ("sql", "fenced"):
+        graph = by_name[name].graph("linear")
+        seen: list[str] = []
+        for _ in range(5):
+            await statements.take()
+            await by_name[name].run(graph, "sync")
+            seen += await statements.take()
+        out[name] = len(seen) / 5
+        if name == "fenced":
+            kinds = collections.Counter(seen)
+            print(f"fenced linear sync, statements by kind (5 runs): {kinds}", file=sys.stderr)
     return out
 
 
@@ -213,7 +209,7 @@ async def main() -> None:
         print(_line(row))
     for backend, count in counts.items():
         print(
-            f"\n{backend}: SQL statements per linear-10 sync run seen by SQLAlchemy: "
+            f"\n{backend}: SQL statements per linear-10 sync run beyond the saver's: "
             f"unfenced {count['sql']:.1f}, fenced {count['fenced']:.1f}"
         )
 
