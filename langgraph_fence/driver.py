@@ -161,6 +161,11 @@ class DriverStatement:
         compiled = construct.compile(dialect=dialect)
         assert isinstance(compiled, SQLCompiler)  # a statement, not DDL
         needed = {bind.key for bind in compiled.binds.values() if bind.required}
+        binds = compiled.binds.values()
+        late = [b.key for b in binds if b.required and (b.expanding or b.literal_execute)]
+        if late:
+            # Their SQL depends on the call's values: no one text serves every call.
+            raise ValueError(f"parameters {sorted(late)} are rendered per call; bind them plainly")
         # The public way to the text SQLAlchemy would send for one set of parameters: the
         # needed ones stand in as NULL here; only the constants are kept.
         state = compiled.construct_expanded_state(dict.fromkeys(needed))

@@ -187,6 +187,7 @@ class SqlLeaseRepository:
             repo = cls(engine, clock=clock)
             await repo.setup()
             yield repo
+            await repo.aclose()
         finally:
             await engine.dispose()
 
