@@ -10,10 +10,10 @@ the saver writes itself, or a SQLAlchemy construct compiled once for the engine'
 (:class:`DriverStatement`), so the lease store's statements stay written once.
 
 Each owner holds at most a share of the pool's size (the saver half, the lease store a
-quarter: the records and others share the engine), and no more than that many of its
-calls run at once: a fan-out superstep saves all its tasks' writes at the same moment, and
+quarter: the records and others share the engine). The saver runs no more calls at once
+than it holds: a fan-out superstep saves all its tasks' writes at the same moment, and
 past the pool's size SQLAlchemy would open overflow connections and close them after one
-use.
+use. The lease store's calls beyond its share (a burst of starts) spill over to the pool.
 
 A call interrupted on its connection (cancelled mid-statement, or failed on a connection
 error) closes that connection at the driver (:func:`langgraph_fence.database.discard`): its
@@ -22,7 +22,7 @@ state is unknown, an asyncpg connection may still be cancelling the statement, a
 fails with "another operation is in progress" or "connection is closed". Raw driver calls
 bypass SQLAlchemy's own disconnect handling, so nothing else would.
 
-The held connections are given back by :meth:`Connections.aclose` (the saver's ``aclose``),
+The held connections are given back by :meth:`Connections.aclose` (the owner's ``aclose``),
 and closed when the engine is disposed (its ``engine_disposed`` event), so they never
 outlive the engine.
 """
@@ -160,8 +160,8 @@ class DriverStatement:
             raise ValueError(f"no driver statements for the paramstyle {dialect.paramstyle!r}")
         compiled = construct.compile(dialect=dialect)
         assert isinstance(compiled, SQLCompiler)  # a statement, not DDL
-        needed = {bind.key for bind in compiled.binds.values() if bind.required}
         binds = compiled.binds.values()
+        needed = {b.key for b in binds if b.required}
         late = [b.key for b in binds if b.required and (b.expanding or b.literal_execute)]
         if late:
             # Their SQL depends on the call's values: no one text serves every call.
