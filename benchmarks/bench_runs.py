@@ -14,9 +14,10 @@ thread's, user + system; the database server's is not in it), median, for ``sql`
 ``fenced``: what the fence adds in this process, which other load on the box disturbs far
 less than the wall-clock rates.
 
-Also counts the SQL statements one fenced run sends beyond the unfenced run's (SQLAlchemy's
-``before_cursor_execute`` on the engine: the lease store and the records; the
-checkpointers' raw driver calls are not seen, and are the same in both runs).
+Also counts the SQL statements one fenced run sends beyond the saver's, at the driver
+(``tests/statements.py``: the lease store's and the records', whether SQLAlchemy sends
+them or the lease store runs them on the driver; the saver's, the same in both runs, are
+left out).
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ from typing import Any
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import Send
-from sqlalchemy import event
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_savers import (
     DEFAULT_PG,
     DURABILITIES,
@@ -57,6 +58,7 @@ from checkpointers import SqlCheckpointer
 from langgraph_fence import SqlLeaseRepository, fence_graph
 from langgraph_fence.instance import Instance
 from langgraph_fence.records import SqlExecutionRecords
+from tests.statements import Statements
 
 
 def linear(builder: StateGraph[State]) -> None:
@@ -136,27 +138,21 @@ async def postgres_targets(url: str) -> AsyncIterator[tuple[Any, list[Target]]]:
 
 
 async def statements_per_run(engine: Any, targets: list[Target]) -> dict[str, float]:
-    """SQL statements (seen by SQLAlchemy) per run, fenced and unfenced, by kind."""
-    seen: list[str] = []
-
-    def count(_c: Any, _cur: Any, statement: str, *_: Any) -> None:
-        seen.append(" ".join(statement.split()[:3]).upper())
-
+    """SQL statements per run beyond the saver's, fenced and unfenced, by kind."""
+    statements = Statements(engine)
     by_name = {t.name: t for t in targets}
     out: dict[str, float] = {}
-    event.listen(engine.sync_engine, "before_cursor_execute", count)
-    try:
-        for name in ("sql", "fenced"):
-            graph = by_name[name].graph("linear")
-            seen.clear()
-            for _ in range(5):
-                await by_name[name].run(graph, "sync")
-            out[name] = len(seen) / 5
-            if name == "fenced":
-                kinds = collections.Counter(seen)
-                print(f"fenced linear sync, statements by kind (5 runs): {kinds}", file=sys.stderr)
-    finally:
-        event.remove(engine.sync_engine, "before_cursor_execute", count)
+    for name in ("sql", "fenced"):
+        graph = by_name[name].graph("linear")
+        seen: list[str] = []
+        for _ in range(5):
+            await statements.take()
+            await by_name[name].run(graph, "sync")
+            seen += await statements.take()
+        out[name] = len(seen) / 5
+        if name == "fenced":
+            kinds = collections.Counter(seen)
+            print(f"fenced linear sync, statements by kind (5 runs): {kinds}", file=sys.stderr)
     return out
 
 
@@ -228,7 +224,7 @@ async def main() -> None:
         print(_line(row))
     for backend, count in counts.items():
         print(
-            f"\n{backend}: SQL statements per linear-10 sync run seen by SQLAlchemy: "
+            f"\n{backend}: SQL statements per linear-10 sync run beyond the saver's: "
             f"unfenced {count['sql']:.1f}, fenced {count['fenced']:.1f}"
         )
 

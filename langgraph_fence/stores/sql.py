@@ -3,11 +3,18 @@
 Every operation is ONE statement (an upsert guarded by expiry, or an update guarded by key +
 holder + epoch, each with ``RETURNING``); on PostgreSQL it runs in autocommit, so it costs
 one round trip. Only a refused operation pays a second read, to report the epoch it saw.
+
+The statements are SQLAlchemy constructs, written once for both databases. The writes (a
+run's take and release among them) run on the driver, each construct compiled once for the
+engine's dialect, on connections kept checked out (:mod:`langgraph_fence.driver`): a run
+pays the round trip, not SQLAlchemy's per-statement CPU. The reads and the batched
+renewals (on a pool of their own) go through SQLAlchemy.
 """
 
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -40,6 +47,7 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from .._compat import aiosqlite_call
 from ..database import (
     autocommit,
     check_engine,
@@ -47,8 +55,8 @@ from ..database import (
     own_pool,
     read_only,
     single_statement,
-    transaction,
 )
+from ..driver import Connections, DriverStatement, fetch, sqlite_fetch
 from ..errors import ExecutionFencedError
 from ..guard import guard_sql
 from ..lease import (
@@ -148,11 +156,18 @@ class SqlLeaseRepository:
         self._engine = engine
         # Reads (get, takeover_candidates) never take SQLite's write lock.
         self._reader = read_only(engine)
-        # Every write is one statement: no BEGIN/COMMIT around it on either database.
-        self._writer = single_statement(autocommit(engine))
+        # Every write is one statement, on a held driver connection in autocommit (SQLite's
+        # are, asyncpg's are outside a transaction): no BEGIN/COMMIT around it. A burst of
+        # starts spills over to the pool rather than queue behind the held few.
+        self._connections = Connections(engine, share=4, spill=True)
+        self._compiled: dict[int, tuple[Any, DriverStatement]] = {}
         # Renewals on a pool of their own (PostgreSQL): a burst of starts or checkpoint
         # writes holding every pooled connection must not make them wait.
-        self._renewals = own_pool(engine) if self._dialect == "postgresql" else self._writer
+        self._renewals = (
+            own_pool(engine)
+            if self._dialect == "postgresql"
+            else single_statement(autocommit(engine))
+        )
         if self._dialect == "sqlite" and clock is None:
             clock = time.time
         self._clock = clock
@@ -172,8 +187,14 @@ class SqlLeaseRepository:
             repo = cls(engine, clock=clock)
             await repo.setup()
             yield repo
+            await repo.aclose()
         finally:
             await engine.dispose()
+
+    async def aclose(self) -> None:
+        """Give the connections this store holds back to the engine's pool (disposing of
+        the engine closes them too)."""
+        await self._connections.aclose()
 
     @property
     def engine(self) -> AsyncEngine:
@@ -546,11 +567,21 @@ class SqlLeaseRepository:
             params["p_now"] = self._clock()
         return params
 
-    async def _one(self, stmt: Any, params: dict[str, Any]) -> Row[Any] | None:
+    def _driver_statement(self, stmt: Any) -> DriverStatement:
+        # Keyed by identity: the constructs live as long as the store, built once.
+        found = self._compiled.get(id(stmt))
+        if found is None:
+            found = self._compiled[id(stmt)] = (stmt, DriverStatement(stmt, self._engine.dialect))
+        return found[1]
+
+    async def _one(self, stmt: Any, params: dict[str, Any]) -> Any:
         """Run one write statement, once: acquire, take_over, dead_letter and retry are not
-        repeated after a connection error (a repeat of one that landed would be refused)."""
-        async with self._writer.connect() as conn:
-            return (await conn.execute(stmt, params)).first()
+        repeated after a connection error (a repeat of one that landed would be refused).
+        Its first row (by column name), or ``None``."""
+        compiled = self._driver_statement(stmt)
+        async with self._connections() as driver:
+            rows = await fetch(driver, compiled, params)
+        return rows[0] if rows else None
 
     async def _read(self, stmt: Any, params: dict[str, Any], *, what: str) -> list[Row[Any]]:
         """Run one read statement, retried on a connection error."""
@@ -561,18 +592,20 @@ class SqlLeaseRepository:
 
         return await retry_connection_errors(once, what=what)
 
-    def _lease(self, row: Row[Any] | Any) -> Lease:
+    def _lease(self, row: Row[Any] | Mapping[str, Any]) -> Lease:
+        """The lease of a row: SQLAlchemy's, or a driver's (asyncpg's, sqlite3's)."""
+        found: Any = row._mapping if isinstance(row, Row) else row
         return Lease(
-            key=LeaseKey(row.tenant_id, row.execution_id),
-            holder=row.holder,
-            epoch=row.epoch,
-            expires_at=row.expires_at,
-            pending_effects=effects_from_json(row.pending_effects),
-            status=LeaseStatus(row.status),
-            reason=row.reason,
+            key=LeaseKey(found["tenant_id"], found["execution_id"]),
+            holder=found["holder"],
+            epoch=found["epoch"],
+            expires_at=found["expires_at"],
+            pending_effects=effects_from_json(found["pending_effects"]),
+            status=LeaseStatus(found["status"]),
+            reason=found["reason"],
             store_id=self._store_id,
-            takeovers=row.takeovers,
-            progress_mark=row.progress_mark,
+            takeovers=found["takeovers"],
+            progress_mark=found["progress_mark"],
         )
 
     async def now(self) -> float:
@@ -641,22 +674,40 @@ class SqlLeaseRepository:
         if self._dialect == "postgresql":
             row = await self._one(stmt, params)
             assert row is not None  # the statement returns one row, taken or not
-            return Taken(None if row.epoch is None else self._lease(row), row.bound)
+            return Taken(None if row["epoch"] is None else self._lease(row), row["bound"])
         from ..records import BIND_THREAD, BOUND_TO, UPSERT_RECORD
 
+        bind, take, bound_to, upsert = (
+            self._driver_statement(s) for s in (BIND_THREAD, stmt, BOUND_TO, UPSERT_RECORD)
+        )
         binding = {"tenant_id": key.tenant_id, "thread_id": thread_id}
-        # BEGIN IMMEDIATE: the write lock from the first statement on, so no other writer
-        # comes between the binding, the lease and the record.
-        async with transaction(self._engine) as conn:
-            await conn.execute(
-                BIND_THREAD, {**binding, "execution_id": key.execution_id, "at": params["p_at"]}
-            )
-            row = (await conn.execute(stmt, params)).first()
-            if row is None:
-                return Taken(None, (await conn.execute(BOUND_TO, binding)).scalar_one())
-            if record is not None:
-                await conn.execute(UPSERT_RECORD, record)
-        return Taken(self._lease(row), key.execution_id)
+
+        def body(conn: sqlite3.Connection) -> tuple[Any, str]:
+            # BEGIN IMMEDIATE: the write lock from the first statement on, so no other
+            # writer comes between the binding, the lease and the record. The whole
+            # transaction is one call on the connection's thread: one hop, not five.
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                sqlite_fetch(
+                    conn, bind, {**binding, "execution_id": key.execution_id, "at": params["p_at"]}
+                )
+                rows = sqlite_fetch(conn, take, params)
+                if rows:
+                    if record is not None:
+                        sqlite_fetch(conn, upsert, record)
+                    found: tuple[Any, str] = (rows[0], key.execution_id)
+                else:
+                    found = (None, sqlite_fetch(conn, bound_to, binding)[0]["execution_id"])
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            return found
+
+        async with self._connections() as driver:
+            row, bound = await aiosqlite_call(driver, body)
+        return Taken(None if row is None else self._lease(row), bound)
 
     def _take_statement(self, *, with_record: bool) -> Any:
         stmt = self._takes.get(with_record)
@@ -759,7 +810,7 @@ class SqlLeaseRepository:
         )
         tries = 0
 
-        async def once() -> Row[Any] | None:
+        async def once() -> Any:
             nonlocal tries
             tries += 1
             return await self._one(stmt, params)

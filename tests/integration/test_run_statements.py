@@ -3,10 +3,9 @@
 The take (the thread's binding, the execution record and the acquire) is ONE statement on
 PostgreSQL and one ``BEGIN IMMEDIATE`` transaction on SQLite; the release carries the
 outcome, known from how the graph ended (LangGraph's lifecycle callbacks), so the thread's
-state is not read back. Counted with SQLAlchemy's ``before_cursor_execute`` on the engine
-(the lease store and the records; the checkpointer's own writes are raw driver calls) and,
-for the checkpointer, by its reads: a fenced run reads the thread as often as the same run
-unfenced.
+state is not read back. Counted at the driver on every connection but the checkpointer's
+(:class:`Statements`) and, for the checkpointer, by its reads: a fenced run reads the thread
+as often as the same run unfenced.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import pytest
 from langchain_core.callbacks import AsyncCallbackManager, BaseCallbackHandler
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import interrupt
-from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from checkpointers import SqlCheckpointer
@@ -27,6 +25,7 @@ from langgraph_fence import Instance, LeaseKey, LeaseStatus, fence_graph
 from langgraph_fence.records import SqlExecutionRecords
 from langgraph_fence.stores.sql import SqlLeaseRepository
 from tests.conftest import SQL_BACKENDS, setup_all, unique
+from tests.statements import Statements
 
 RUNS_ON = SQL_BACKENDS
 
@@ -80,21 +79,6 @@ async def parts(
     await engine.dispose()
 
 
-class Statements:
-    """The statements SQLAlchemy sends on ``engine``, by their first words."""
-
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.seen: list[str] = []
-        event.listen(engine.sync_engine, "before_cursor_execute", self._count)
-
-    def _count(self, _conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        self.seen.append(" ".join(statement.split()[:3]).upper())
-
-    def take(self) -> list[str]:
-        seen, self.seen = self.seen, []
-        return seen
-
-
 async def test_a_fenced_run_sends_two_round_trips_beyond_its_checkpoints(
     backend: str, parts: tuple[AsyncEngine, Counting, Instance]
 ) -> None:
@@ -105,7 +89,7 @@ async def test_a_fenced_run_sends_two_round_trips_beyond_its_checkpoints(
     statements = Statements(engine)
 
     async def run(graph: Any, thread: str) -> tuple[list[str], int]:
-        statements.take()
+        await statements.take()
         reads = saver.reads
         config = {"configurable": {"thread_id": thread}}
         if graph is fenced:
@@ -113,7 +97,7 @@ async def test_a_fenced_run_sends_two_round_trips_beyond_its_checkpoints(
         else:
             out = await graph.ainvoke({"n": 0}, config)
         assert out == {"n": 3}
-        return statements.take(), saver.reads - reads
+        return await statements.take(), saver.reads - reads
 
     for _ in range(2):  # warm: statements compiled and prepared, pool connections open
         await run(fenced, unique("warm"))
@@ -135,6 +119,7 @@ async def test_a_fenced_run_sends_two_round_trips_beyond_its_checkpoints(
                 "INSERT INTO FENCE_THREAD_BINDINGS",
                 "INSERT INTO FENCE_LEASES",
                 "INSERT INTO FENCE_EXECUTIONS",
+                "COMMIT",
                 "UPDATE FENCE_LEASES SET",
             ], (turn, sent)
     lease = await instance.repository.get(LeaseKey(tenant, thread))

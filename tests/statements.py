@@ -1,0 +1,57 @@
+"""What a test or a benchmark counts as the SQL a run sends beyond its checkpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.util.concurrency import await_
+
+__all__ = ["Statements"]
+
+
+class Statements:
+    """The statements sent on ``engine``'s connections beyond the saver's, by their first
+    words.
+
+    Traced at the driver (asyncpg's query loggers, sqlite3's trace callback, installed on
+    each connection when it is checked out), so a statement counts whether SQLAlchemy sends
+    it or the lease store runs it on the driver, and SQLite's BEGIN and COMMIT count too.
+    The saver's statements are left out by their connection: in a window, a connection
+    that touched a checkpoint table is the saver's (it holds its connections, as the lease
+    store holds its own).
+    """
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._seen: list[tuple[int, str]] = []
+        self._traced: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._postgres = engine.dialect.name == "postgresql"
+        event.listen(engine.sync_engine, "checkout", self._trace)
+
+    def _trace(self, dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+        driver = dbapi_connection.driver_connection
+        if driver in self._traced:
+            return
+        self._traced.add(driver)
+        owner = id(driver)
+
+        def seen(statement: str) -> None:
+            self._seen.append((owner, statement))
+
+        if self._postgres:
+            driver.add_query_logger(lambda record: seen(record.query))
+        else:
+            # On the connection's own thread (sqlite3 refuses another); the checkout runs
+            # in SQLAlchemy's greenlet, where the driver's coroutine can be awaited.
+            await_(driver.set_trace_callback(seen))
+
+    async def take(self) -> list[str]:
+        # asyncpg hands each record to its loggers with loop.call_soon: one turn of the
+        # loop delivers the records of every query that has finished.
+        await asyncio.sleep(0)
+        seen, self._seen = self._seen, []
+        saver = {owner for owner, sql in seen if "fence_checkpoint" in sql.lower()}
+        return [" ".join(sql.split()[:3]).upper() for owner, sql in seen if owner not in saver]
