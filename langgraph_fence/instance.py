@@ -117,7 +117,7 @@ class Instance:
             memory) and neither ``clock`` nor ``sleep`` is injected, so a busy or blocked
             event loop (thousands of runs starting or ending at once, a node doing
             synchronous work) does not delay them; it keeps renewing while the loop has not
-            run for up to ``max(lease_ttl, 5 s)``, then lets the leases lapse. Otherwise
+            run for up to ``max(lease_ttl, 10 s)``, then lets the leases lapse. Otherwise
             (an injected clock or sleep, as in the ``leases`` fixture; a memory or
             wrapped store) on the instance's event loop, where a loop busier than a
             lease's slack loses the lease (a wrapped store logs a warning saying so).

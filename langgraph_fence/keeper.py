@@ -87,17 +87,20 @@ Renewer = Literal["auto", "thread", "loop"]
 
 #: The renewer thread keeps renewing while the instance's event loop has not run for up to
 #: this many seconds (or the lease TTL, if longer): :func:`loop_stall_bound`.
-LOOP_STALL_FLOOR = 5.0
+LOOP_STALL_FLOOR = 10.0
 
 
 def loop_stall_bound(ttl: float) -> float:
     """How long the instance's loop may go without running before the renewer thread stops
     renewing its leases: the lease TTL, at least :data:`LOOP_STALL_FLOOR` seconds.
 
-    Long enough to ride out the busy stretches measured at scale (up to 3.6 s while 10 000
-    runs ended at once) at a short TTL; short enough that a deadlocked process is taken
-    over within about twice its TTL (the bound, one renew interval to notice, then the
-    TTL), or the TTL and 5 s where the TTL is below 5 s.
+    Long enough to ride out the busy stretches measured at scale at a short TTL (a 0.1 s
+    sleep woke up to 3.6 s late while 10 000 runs ended at once on the on-loop keeper, and
+    5.2 s late while 5 000 ended at once with this thread keeping all their leases, so all
+    of them wrote their ends); short enough that a deadlocked process is taken over within
+    the bound, a renew interval or two to notice (the loop is asked for a sign of life at
+    each renewal), and one TTL: about twice the TTL, or the TTL and 10 s where the TTL is
+    below 10 s.
     """
     return max(ttl, LOOP_STALL_FLOOR)
 

@@ -344,7 +344,7 @@ async def test_a_loop_blocked_by_synchronous_work_loses_no_lease(database: Any) 
     longer than a lease's slack, while other runs hold their leases: the renewer thread
     renews them all the same, so no lease is lost, nothing is taken over (by an instance
     serving meanwhile), and every run completes. At TTL 1.5 s (a window of 1.35 s, renewed
-    every 0.5 s) with the loop blocked 3 s: below the 5 s the loop may stall."""
+    every 0.5 s) with the loop blocked 3 s: below the 10 s the loop may stall."""
     options = schema_options(database.schema or None)
     blocked_for = 3.0
     window = Blocking(lambda: time.sleep(blocked_for))
