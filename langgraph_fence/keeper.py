@@ -340,11 +340,12 @@ class Keeper:
             with self._lock:
                 if thread is None and not self._due:
                     return
+                idle = not self._due
                 waiting = {h: at for h, at in self._due.items() if h not in self._in_flight}
-            if thread is not None and not waiting:
+            if thread is not None and idle:
                 if self._loop is None or self._loop.is_closed():
                     return  # the instance is gone without closing its keeper
-                await thread.wait(self.renew_interval)  # idle: nothing held, or all in flight
+                await thread.wait(self.renew_interval)  # until keep() wakes it
                 continue
             earliest = min(waiting.values(), default=now + self.renew_interval / 4)
             if earliest > now:
@@ -364,22 +365,23 @@ class Keeper:
                     self._due.pop(handle, None)  # fenced: nothing to renew, ever
                 due = _one_per_key([h for h in due if h in self._due])
                 self._in_flight.update(due)
-            store = None if thread is None else thread.store
             for start in range(0, len(due), RENEW_BATCH):
                 # Each statement on its own task: a slow answer does not hold back the
                 # renewals that fall due meanwhile (a lease in flight is not sent twice).
                 batch = due[start : start + RENEW_BATCH]
-                task = asyncio.create_task(self._renew(batch, store), name="keeper renewal")
+                task = asyncio.create_task(self._renew(batch, thread), name="keeper renewal")
                 self._sending.add(task)
                 task.add_done_callback(self._sending.discard)
 
-    async def _renew(self, handles: list[RunHandle], store: SqlLeaseRepository | None) -> None:
+    async def _renew(self, handles: list[RunHandle], thread: _RenewerThread | None) -> None:
         """One renewal statement per store for ``handles``; each answer applied to its run."""
         try:
-            await self._renew_batch(handles, store)
+            await self._renew_batch(handles, None if thread is None else thread.store)
         finally:
             with self._lock:
                 self._in_flight.difference_update(handles)
+            if thread is not None:
+                thread.poke()  # their next renewal may be due already: a slow answer
 
     async def _renew_batch(
         self, handles: list[RunHandle], store: SqlLeaseRepository | None
@@ -544,6 +546,10 @@ class _RenewerThread:
         if due < self._wake_at:
             with contextlib.suppress(RuntimeError):  # ended meanwhile: keep() starts another
                 self.loop.call_soon_threadsafe(self._wake.set)
+
+    def poke(self) -> None:
+        """Wake it now (on the thread's loop)."""
+        self._wake.set()
 
     async def wait(self, seconds: float) -> None:
         """Wait ``seconds``, or until woken (on the thread's loop)."""
