@@ -409,3 +409,32 @@ async def test_a_loop_blocked_past_its_bound_lets_its_lease_lapse(database: Any)
 async def _lease_done(database: Any, key: LeaseKey) -> Lease | None:
     lease = await _lease(database, key)
     return lease if lease is not None and lease.status is LeaseStatus.DONE else None
+
+
+async def test_where_renewals_run_is_said_and_required(database: Any, leases: Leases) -> None:
+    """A real deployment (``Instance.open``: a SQL store, the real clock) renews in the
+    renewer thread, which ends with the instance; the ``leases`` fixture's instances (an
+    injected clock and sleep) renew on their loop; and ``renewer="thread"`` where no thread
+    can renew is refused, naming why, rather than falling back."""
+    options = schema_options(database.schema or None)
+    waiting = Waiting()
+    async with Instance.open(database.url, engine_options=options, lease_ttl=3.0) as instance:
+        assert instance._keeper.in_thread
+        run = start(instance, waiting.graph(instance), unique("held"))
+        await until(lambda: waiting.entered == 1, within=30.0)
+        name = f"langgraph-fence renewer {instance.instance_id}"
+        assert [t for t in threading.enumerate() if t.name == name]
+        waiting.go.set()
+        assert (await run)["log"] == ["done"]
+    assert not [t for t in threading.enumerate() if t.name == name]  # ended with it
+    assert not leases.instance("fixture")._keeper.in_thread
+    with pytest.raises(ValueError, match="injected clock"):
+        Instance(
+            leases.store,
+            leases.saver,
+            records=leases.records,
+            clock=leases.clock,
+            renewer="thread",
+        )
+    with pytest.raises(ValueError, match="renewer must be"):
+        Instance(leases.store, leases.saver, records=leases.records, renewer="elsewhere")  # type: ignore[arg-type]
