@@ -6,7 +6,7 @@ renew interval, so that renewals fall into step and go out together) with ONE st
 batch (:meth:`~langgraph_fence.ExecutionLeaseRepository.renew_many`), which tells lease by
 lease which were refused. Per lease the meaning is that of one renewal of its own:
 
-* renewed: the run's confirmed window moves on (``RunHandle.replace_lease``); a renewal
+* renewed: the run's confirmed window moves on (``RunHandle.renewed``); a renewal
   sent with less than one renew interval of the window left is told as ``renewed_late``;
 * refused: the run's handle records the ``ExecutionFencedError`` and the run drains;
 * the store out of reach: logged; the watchdog decides when that has lasted too long;
@@ -28,7 +28,8 @@ Where the renewals run:
   runs starting or ending at once, a node doing synchronous work). It renews only while the
   instance's loop runs: once that loop has not run for :func:`loop_stall_bound` seconds (a
   deadlocked process), the thread stops renewing, the leases lapse and another instance
-  takes them over.
+  takes them over. It shares the process's interpreter lock: a garbage-collection pass
+  (or a C call that holds the lock) delays it as it delays the loop.
 * **on the instance's event loop**, as tasks, where the instance has an injected clock or
   ``sleep`` (the ``leases`` fixture's controlled clock drives that loop only) or a store no
   other thread can reach (the memory store, a wrapped store, an in-memory SQLite database).
