@@ -38,11 +38,13 @@ __all__ = [
     "create_engine",
     "dialect_of",
     "discard",
+    "in_memory",
     "normalize_url",
     "read_only",
     "schema_options",
     "single_statement",
     "transaction",
+    "twin_engine",
 ]
 
 logger = logging.getLogger(__name__)
@@ -237,21 +239,55 @@ def single_statement(engine: AsyncEngine) -> AsyncEngine:
 
 
 def own_pool(engine: AsyncEngine) -> AsyncEngine:
-    """An engine on ``engine``'s database with a pool of its own (same URL, same connect
-    options: ``pool.recreate()`` keeps the creator), in autocommit; disposed with
-    ``engine``. For work that must not wait behind a busy pool (the keeper's renewals).
-    PostgreSQL only: on SQLite every connection shares the file's one write lock anyway.
+    """An engine on ``engine``'s database with a pool of its own (:func:`twin_engine`),
+    disposed with ``engine``. For work that must not wait behind a busy pool (the keeper's
+    renewals). PostgreSQL only: on SQLite every connection shares the file's one write lock
+    anyway.
     """
     from sqlalchemy import event
-    from sqlalchemy.ext.asyncio import create_async_engine
 
     if engine.dialect.name != "postgresql":
         raise ValueError("own_pool is for PostgreSQL engines")
-    own = create_async_engine(
-        engine.url, pool=engine.sync_engine.pool.recreate(), isolation_level="AUTOCOMMIT"
-    )
+    own = twin_engine(engine)
     event.listen(engine.sync_engine, "engine_disposed", lambda _engine: own.sync_engine.dispose())
     return own
+
+
+def twin_engine(engine: AsyncEngine) -> AsyncEngine:
+    """A new engine on ``engine``'s database, connecting as ``engine`` does, with a pool of
+    its own; the caller disposes of it.
+
+    The same URL (password included) and the same connection recipe: ``pool.recreate()``
+    keeps the pool's creator, so the ``connect_args`` it was made with (e.g. a
+    ``server_settings`` search path) and its connect listeners (SQLite's pragmas) carry
+    over, and so do its size limits (connections are opened only as they are used). In
+    autocommit on PostgreSQL; on SQLite with ``BEGIN IMMEDIATE`` transactions, as from
+    :func:`create_engine`. Its connections belong to the event loop that opens them, so an
+    engine for another thread's loop is used, and disposed of, on that loop only.
+    """
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    pool = engine.sync_engine.pool.recreate()
+    if engine.dialect.name == "postgresql":
+        return create_async_engine(engine.url, pool=pool, isolation_level="AUTOCOMMIT")
+    twin = create_async_engine(engine.url, pool=pool)
+    # The pool's connect listener came with its dispatch; the begin listener is the engine's.
+    event.listen(twin.sync_engine, "begin", _on_sqlite_begin)
+    return twin
+
+
+def in_memory(engine: AsyncEngine) -> bool:
+    """Whether ``engine`` is on an in-memory SQLite database: one that exists only in the
+    connection its pool shares, which no other engine (nor another event loop) can reach."""
+    if engine.dialect.name != "sqlite":
+        return False
+    database = engine.url.database or ""
+    return (
+        database in ("", ":memory:")
+        or database.startswith("file::memory:")
+        or "mode=memory" in str(engine.url)
+        or isinstance(engine.sync_engine.pool, StaticPool)
+    )
 
 
 def dialect_of(engine: AsyncEngine | AsyncConnection) -> Dialect:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Generator, Iterable
 from dataclasses import replace
@@ -80,6 +81,10 @@ class RunHandle:
         self.repository = repository
         self.ttl = validate_ttl(ttl)
         self.clock = clock
+        # The lease, its confirmed window and the recorded error change together under this
+        # lock: the keeper's renewer thread applies renewals while the run's loop (and its
+        # sync steps' worker threads) stamp, clear, yield and record.
+        self._state = threading.Lock()
         self._lease = lease
         sent = clock() if confirmed_from is None else confirmed_from
         self.confirmed_until = sent + self.ttl - safety_margin(self.ttl)
@@ -140,6 +145,23 @@ class RunHandle:
             raise ValueError(
                 f"lease of {lease.scope_key!r} cannot replace the run's lease of {self.scope_key!r}"
             )
+        with self._state:
+            self._adopt(lease, sent_at)
+
+    def renewed(self, lease: Lease, *, sent_at: float) -> bool:
+        """Adopt the answer of a renewal sent at ``sent_at``, unless the run stopped or
+        took another token since it was sent; whether it was adopted.
+
+        Checked and adopted in one step: an answer about an old token never sets the run's
+        token back, whatever thread it comes from.
+        """
+        with self._state:
+            if self.error is not None or lease.epoch != self._lease.epoch:
+                return False
+            self._adopt(lease, sent_at)
+            return True
+
+    def _adopt(self, lease: Lease, sent_at: float) -> None:
         self._lease = lease
         self.store_error = None  # the store answered: an earlier error explains nothing now
         until = sent_at + self.ttl - safety_margin(self.ttl)
@@ -150,7 +172,8 @@ class RunHandle:
         """Adopt the lease as the yield left it (the same token, no hold to confirm)."""
         if lease.key != self._lease.key or lease.epoch != self._lease.epoch:
             raise ValueError(f"lease {lease!r} is not the yield of the run's lease")
-        self._lease = lease
+        with self._state:
+            self._lease = lease
 
     # -- stopping
 
@@ -172,31 +195,56 @@ class RunHandle:
         comes to stand: once in all, or twice when a fence replaces a plain lease loss; an
         error that does not replace the standing one is not announced.
         """
+        stands, new = self._stand(error)
+        if new:
+            self._announce(error)
+        return stands
+
+    def record_from_thread(self, error: ExecutionLeaseLostError) -> None:
+        """:meth:`record` from a thread other than the run's loop's (the keeper's renewer
+        thread): the error stands at once, for every check in any thread; the listeners are
+        told on the run's loop, as soon as it runs."""
+        if not self._stand(error)[1]:
+            return
+        loop = self.loop
+        try:
+            if loop is None:
+                raise RuntimeError("no loop")
+            loop.call_soon_threadsafe(self._announce, error)
+        except RuntimeError:  # the run's loop is gone: nothing of the run is left to stop
+            logger.debug("the loop of %s is closed: stop not announced", self.scope_key)
+
+    def _stand(self, error: ExecutionLeaseLostError) -> tuple[ExecutionLeaseLostError, bool]:
+        """Make ``error`` the run's recorded error if it comes to stand: the error that
+        stands, and whether it is ``error``, new."""
         if not isinstance(error, ExecutionLeaseLostError):
             raise ValueError(
                 f"error must be an ExecutionLeaseLostError, got {type(error).__name__}"
             )
-        current = self.error
-        if current is None or (
-            not isinstance(current, ExecutionFencedError)
-            and isinstance(error, ExecutionFencedError)
-        ):
+        with self._state:
+            current = self.error
+            if current is not None and (
+                isinstance(current, ExecutionFencedError)
+                or not isinstance(error, ExecutionFencedError)
+            ):
+                return current, False
             self.error = error
-            logger.warning(
-                "execution %s %s at token %s: %s",
-                self.scope_key,
-                "fenced" if isinstance(error, ExecutionFencedError) else "lost its lease",
-                self.token,
-                error,
-                extra={"scope_key": self.scope_key, "token": self.token},
-            )
-            for listener in list(self._listeners):
-                try:
-                    listener(error)
-                except Exception:  # a listener must not keep the others from hearing
-                    logger.exception("stop listener of %s failed", self.scope_key)
-        assert self.error is not None
-        return self.error
+        logger.warning(
+            "execution %s %s at token %s: %s",
+            self.scope_key,
+            "fenced" if isinstance(error, ExecutionFencedError) else "lost its lease",
+            self.token,
+            error,
+            extra={"scope_key": self.scope_key, "token": self.token},
+        )
+        return error, True
+
+    def _announce(self, error: ExecutionLeaseLostError) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(error)
+            except Exception:  # a listener must not keep the others from hearing
+                logger.exception("stop listener of %s failed", self.scope_key)
 
     def request_stop(self, reason: str) -> None:
         """Ask the run to stop at the next superstep boundary (a drain, not a fence)."""
@@ -294,10 +342,11 @@ class RunHandle:
         with :meth:`restore_pending_effects`. A clear is no renewal: the hold stays as it was.
         """
         gone = {k: e for k in keys if (e := self.pending_effects.pop(k, None)) is not None}
-        lease = self._lease
-        remaining = tuple(e for e in lease.pending_effects if e.key not in gone)
-        if remaining != lease.pending_effects:
-            self._lease = replace(lease, pending_effects=remaining)
+        with self._state:
+            lease = self._lease
+            remaining = tuple(e for e in lease.pending_effects if e.key not in gone)
+            if remaining != lease.pending_effects:
+                self._lease = replace(lease, pending_effects=remaining)
         return gone
 
     def restore_pending_effects(self, entries: dict[str, PendingEffect]) -> None:

@@ -26,7 +26,7 @@ from .admin import ThreadAdmin, _base_store, admin_holder
 from .contracts import require_implements
 from .events import FenceListener, Listeners
 from .fence import FENCE_CONFIG_KEY, safety_margin
-from .keeper import DEFAULT_MAX_HELD, Keeper, Sleep
+from .keeper import DEFAULT_MAX_HELD, Keeper, Renewer, Sleep, thread_store
 from .lease import DEFAULT_MAX_TAKEOVERS, ExecutionLeaseRepository, LeaseKey
 from .queue import OnBusy, SubmittedRun, SubmittedRuns
 from .records import (
@@ -72,6 +72,7 @@ class _Settings:
     renew_interval: float
     max_takeovers: int
     max_held: int
+    renewer: Renewer
 
 
 class Instance:
@@ -110,6 +111,18 @@ class Instance:
             lease it holds is renewed by its one keeper, batched; past the limit
             :meth:`ainvoke` raises :class:`~langgraph_fence.InstanceFullError` before
             anything is written, and :meth:`serve` takes nothing over until a run ends.
+        renewer: where the renewals run (:mod:`langgraph_fence.keeper`). ``"auto"`` (the
+            default): in a thread with an event loop and database connections of its own
+            when the repository is a :class:`~langgraph_fence.SqlLeaseRepository` (not in
+            memory) and neither ``clock`` nor ``sleep`` is injected, so a busy or blocked
+            event loop (thousands of runs starting or ending at once, a node doing
+            synchronous work) does not delay them; it keeps renewing while the loop has not
+            run for up to ``max(lease_ttl, 10 s)``, then lets the leases lapse. Otherwise
+            (an injected clock or sleep, as in the ``leases`` fixture; a memory or
+            wrapped store) on the instance's event loop, where a loop busier than a
+            lease's slack loses the lease (a wrapped store logs a warning saying so).
+            ``"thread"`` requires the thread (``ValueError`` where it cannot run);
+            ``"loop"`` renews on the loop.
     """
 
     def __init__(
@@ -126,8 +139,11 @@ class Instance:
         max_takeovers: int = DEFAULT_MAX_TAKEOVERS,
         tenant_id: str = DEFAULT_TENANT_ID,
         max_held: int = DEFAULT_MAX_HELD,
+        renewer: Renewer = "auto",
     ) -> None:
-        settings = _settings(instance_id, lease_ttl, renew_interval, max_takeovers, max_held)
+        settings = _settings(
+            instance_id, lease_ttl, renew_interval, max_takeovers, max_held, renewer
+        )
         self._setup(repository, saver, records, settings, clock, sleep, _tenant(tenant_id))
 
     def _setup(
@@ -187,6 +203,7 @@ class Instance:
         #: finds its graph when it names no other (``spawn_child(..., graph=...)``).
         self.served_graphs: dict[str, Any] = {}
         self._events = Listeners(self.instance_id)
+        renew_through = thread_store(repository, renewer=settings.renewer, clock=clock, sleep=sleep)
         self._keeper = Keeper(
             ttl=self.lease_ttl,
             renew_interval=self.renew_interval,
@@ -195,6 +212,7 @@ class Instance:
             events=self._events,
             holder=self.instance_id,
             max_held=settings.max_held,
+            thread_store=renew_through,
         )
         #: The fenced LangGraph store on the instance's database (``Instance.open``):
         #: ``compile(checkpointer=instance.checkpointer, store=instance.store)``.
@@ -238,7 +256,7 @@ class Instance:
                 stored payload constructs no type outside its allow-list).
             **options: :class:`Instance` options (``instance_id``, ``lease_ttl``,
                 ``renew_interval``, ``clock``, ``sleep``, ``max_takeovers``, ``tenant_id``,
-                ``max_held``).
+                ``max_held``, ``renewer``).
         """
         from checkpointers import SqlCheckpointer
         from checkpointers.store import SqlStore
@@ -265,6 +283,7 @@ class Instance:
             options.pop("renew_interval", None),
             options.pop("max_takeovers", DEFAULT_MAX_TAKEOVERS),
             options.pop("max_held", DEFAULT_MAX_HELD),
+            options.pop("renewer", "auto"),
         )
         tenant_id = _tenant(options.pop("tenant_id", DEFAULT_TENANT_ID))
         engine = create_engine(url, **dict(engine_options or {}))
@@ -630,6 +649,7 @@ def _settings(
     renew_interval: object,
     max_takeovers: object,
     max_held: object,
+    renewer: object = "auto",
 ) -> _Settings:
     """The instance's id, TTL, renew interval and takeover budget, checked; else
     ``ValueError`` naming the argument and the fix."""
@@ -650,4 +670,9 @@ def _settings(
     held = positive_int(
         "max_held", max_held, what="how many executions this instance holds (renews) at once"
     )
-    return _Settings(str(instance_id), ttl, renew, check_budget(max_takeovers), held)
+    if renewer not in ("auto", "thread", "loop"):
+        raise ValueError(
+            f"renewer must be 'auto', 'thread' or 'loop', got {renewer!r}: 'auto' (the "
+            "default) renews in a thread of its own wherever the store and the clock allow"
+        )
+    return _Settings(str(instance_id), ttl, renew, check_budget(max_takeovers), held, renewer)

@@ -6,7 +6,7 @@ renew interval, so that renewals fall into step and go out together) with ONE st
 batch (:meth:`~langgraph_fence.ExecutionLeaseRepository.renew_many`), which tells lease by
 lease which were refused. Per lease the meaning is that of one renewal of its own:
 
-* renewed: the run's confirmed window moves on (``RunHandle.replace_lease``); a renewal
+* renewed: the run's confirmed window moves on (``RunHandle.renewed``); a renewal
   sent with less than one renew interval of the window left is told as ``renewed_late``;
 * refused: the run's handle records the ``ExecutionFencedError`` and the run drains;
 * the store out of reach: logged; the watchdog decides when that has lasted too long;
@@ -14,25 +14,60 @@ lease which were refused. Per lease the meaning is that of one renewal of its ow
 
 The watchdog wakes when the earliest confirmed window of a held run runs out and records a
 lease loss on that run's handle (the run drains), on the instance's clock, even while a
-renewal statement hangs. Both wait on the instance's injected ``sleep`` and run only while
-the instance holds runs.
+renewal statement hangs. It runs on the instance's event loop while the instance holds runs:
+it only turns a window that ran out into a recorded loss and a drain, which act on that
+loop, and reads the windows as the renewer leaves them.
+
+Where the renewals run:
+
+* **in a thread of their own** (the default for a real deployment: a
+  :class:`~langgraph_fence.SqlLeaseRepository` on a database file or server, the real clock,
+  no injected ``sleep``): the renewer thread has an event loop and database connections of
+  its own (:func:`~langgraph_fence.database.twin_engine`), so a renewal goes out on time and
+  its answer moves the run's window on while the instance's loop is kept busy (thousands of
+  runs starting or ending at once, a node doing synchronous work). It renews only while the
+  instance's loop runs: once that loop has not run for :func:`loop_stall_bound` seconds (a
+  deadlocked process), the thread stops renewing, the leases lapse and another instance
+  takes them over. It shares the process's interpreter lock: a garbage-collection pass
+  (or a C call that holds the lock) delays it as it delays the loop.
+* **on the instance's event loop**, as tasks, where the instance has an injected clock or
+  ``sleep`` (the ``leases`` fixture's controlled clock drives that loop only) or a store no
+  other thread can reach (the memory store, a wrapped store, an in-memory SQLite database).
+  A loop kept busy for longer than a lease's slack then delays its renewals and loses it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
+import math
+import threading
 from collections.abc import Awaitable, Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from .errors import ExecutionFencedError, ExecutionLeaseLostError, InstanceFullError
 from .events import EventKind, Listeners
 from .fence import RunHandle, safety_margin
-from .lease import DEFAULT_MAX_HELD, ExecutionLeaseRepository, Lease, LeaseKey
+from .lease import DEFAULT_MAX_HELD, ExecutionLeaseRepository, LeaseKey
 from .retry import FixedWindow, retry_window
 
-__all__ = ["DEFAULT_MAX_HELD", "MAX_STARTING", "RENEW_BATCH", "Batch", "Keeper", "Sleep"]
+if TYPE_CHECKING:
+    from .stores.sql import SqlLeaseRepository
+
+__all__ = [
+    "DEFAULT_MAX_HELD",
+    "LOOP_STALL_FLOOR",
+    "MAX_STARTING",
+    "RENEW_BATCH",
+    "Batch",
+    "Keeper",
+    "Renewer",
+    "Sleep",
+    "loop_stall_bound",
+    "thread_store",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +80,75 @@ RENEW_BATCH = 1000
 #: burst of thousands of starts then queues here, not on the connection pool, where its
 #: waits would run out the pool's timeout (measured: 5 000 at once on a pool of 16).
 MAX_STARTING = 8
+
+#: Where an instance's renewals run: ``"auto"`` (in the renewer thread where the store and
+#: the clock allow it, else on the loop), ``"thread"`` (required: refused where impossible)
+#: or ``"loop"``.
+Renewer = Literal["auto", "thread", "loop"]
+
+#: The renewer thread keeps renewing while the instance's event loop has not run for up to
+#: this many seconds (or the lease TTL, if longer): :func:`loop_stall_bound`.
+LOOP_STALL_FLOOR = 10.0
+
+
+def loop_stall_bound(ttl: float) -> float:
+    """How long the instance's loop may go without running before the renewer thread stops
+    renewing its leases: the lease TTL, at least :data:`LOOP_STALL_FLOOR` seconds.
+
+    Long enough to ride out the busy stretches measured at scale at a short TTL (a 0.1 s
+    sleep woke up to 3.6 s late while 10 000 runs ended at once on the on-loop keeper, and
+    5.2 s late while 5 000 ended at once with this thread keeping all their leases, so all
+    of them wrote their ends); short enough that a deadlocked process is taken over within
+    the bound, a renew interval or two to notice (the loop is asked for a sign of life at
+    each renewal), and one TTL: about twice the TTL, or the TTL and 10 s where the TTL is
+    below 10 s.
+    """
+    return max(ttl, LOOP_STALL_FLOOR)
+
+
+def thread_store(
+    repository: ExecutionLeaseRepository,
+    *,
+    renewer: Renewer,
+    clock: Callable[[], float] | None,
+    sleep: Sleep | None,
+) -> SqlLeaseRepository | None:
+    """The store the renewer thread renews through, or ``None``: renew on the loop.
+
+    Raises:
+        ValueError: ``renewer`` is ``"thread"`` where a thread cannot renew (the message
+            says why).
+    """
+    from .database import in_memory
+    from .stores.memory import MemoryLeaseRepository
+    from .stores.sql import SqlLeaseRepository
+
+    if renewer == "loop":
+        return None
+    injected = [name for name, given in (("clock", clock), ("sleep", sleep)) if given]
+    why = None
+    if injected:
+        why = f"the instance has an injected {' and '.join(injected)}, which drive its own loop"
+    elif not isinstance(repository, SqlLeaseRepository):
+        why = (
+            f"its repository is a {type(repository).__name__}: a thread renews through a "
+            "SqlLeaseRepository only (a store of another kind, or a wrapper, lives on the loop)"
+        )
+    elif in_memory(repository.engine):
+        why = "its SQLite database is in memory, where no other connection reaches it"
+    if why is None:
+        assert isinstance(repository, SqlLeaseRepository)
+        return repository
+    if renewer == "thread":
+        raise ValueError(f"renewer='thread' is impossible here: {why}")
+    if not injected and not isinstance(repository, SqlLeaseRepository | MemoryLeaseRepository):
+        logger.warning(
+            "this instance renews its leases on its own event loop (%s): a loop kept busy "
+            "for longer than a lease's slack loses the lease; pass renewer='loop' to say "
+            "that is meant",
+            why,
+        )
+    return None
 
 
 class Batch(NamedTuple):
@@ -64,8 +168,14 @@ class Keeper:
     before anything of it is written and gives it back (:meth:`leave`) when it has ended;
     no more than ``max_held`` runs hold slots at once.
 
+    Args:
+        thread_store: renew in a thread of its own through this store
+            (:func:`thread_store`; the store of every handle kept); ``None``: on the loop.
+
     Attributes:
         renew_interval: seconds between renewals of one lease.
+        loop_stall_bound: with a renewer thread, how long the instance's loop may go
+            without running before the thread stops renewing (:func:`loop_stall_bound`).
         batches: for tests and benchmarks, the renewal statements that were answered (the
             last 4096), on the instance's clock.
     """
@@ -80,6 +190,7 @@ class Keeper:
         events: Listeners,
         holder: str,
         max_held: int = DEFAULT_MAX_HELD,
+        thread_store: SqlLeaseRepository | None = None,
     ) -> None:
         self.ttl = ttl
         self.holder = holder
@@ -88,16 +199,32 @@ class Keeper:
         #: Paces starts: held by a new run from its thread binding to its confirmed lease.
         self.starting = asyncio.Semaphore(MAX_STARTING)
         self.renew_interval = renew_interval
+        self.loop_stall_bound = loop_stall_bound(ttl)
         self._clock = clock
         self._sleep = sleep
         self._events = events
+        # The schedule, shared by the instance's loop (keep, release, the watchdog) and the
+        # renewer thread: read and changed under this lock only.
+        self._lock = threading.Lock()
         # Handle -> when its next renewal is due, on the instance's clock.
         self._due: dict[RunHandle, float] = {}
         self._in_flight: set[RunHandle] = set()  # renewals sent, not yet answered
-        self._sending: set[asyncio.Task[None]] = set()
+        self._sending: set[asyncio.Task[None]] = set()  # on the loop that renews
         self._renewer: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
+        self._thread_store = thread_store
+        self._thread: _RenewerThread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the instance's
+        # When the renewer thread asked the instance's loop for a sign of life that has not
+        # come yet (None: it came): how long the loop has not run, at least.
+        self._beat_asked: float | None = None
+        self._stall_told = False
         self.batches: list[Batch] = []
+
+    @property
+    def in_thread(self) -> bool:
+        """Whether the renewals run in the renewer thread (else on the instance's loop)."""
+        return self._thread_store is not None
 
     @property
     def held(self) -> int:
@@ -152,33 +279,50 @@ class Keeper:
 
     def keep(self, handle: RunHandle) -> None:
         """Renew ``handle``'s lease every ``renew_interval`` and watch its window."""
-        self._due[handle] = self._next_due(handle)
-        if self._renewer is None or self._renewer.done():
-            self._renewer = asyncio.create_task(self._renew_loop(), name="keeper renewals")
+        due = self._next_due(handle)
+        if self._thread_store is not None and handle.repository is not self._thread_store:
+            raise ValueError(
+                f"the run of {handle.scope_key!r} holds its lease from another store than "
+                "the one this keeper's renewer thread renews through"
+            )
+        with self._lock:
+            self._due[handle] = due
+        self._loop = asyncio.get_running_loop()
+        if self._thread_store is not None:
+            thread = self._thread
+            if thread is None or not thread.alive:
+                self._thread = thread = _RenewerThread(self, self._thread_store)
+            thread.wake_by(due)
+        elif self._renewer is None or self._renewer.done():
+            self._renewer = asyncio.create_task(self._renew_loop(None), name="keeper renewals")
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.create_task(self._watch_loop(), name="keeper watchdog")
 
     async def release(self, handle: RunHandle) -> None:
         """Stop keeping ``handle`` (an answer still in flight for it is dropped); the last
-        one stops the keeper's tasks."""
-        self._due.pop(handle, None)
-        if not self._due:
+        one stops the keeper's tasks (the renewer thread waits for the next run)."""
+        with self._lock:
+            self._due.pop(handle, None)
+            idle = not self._due
+        if not idle:
+            return
+        if self._thread_store is None:
             await self.aclose()
+            return
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            await _cancelled([watchdog])
 
     async def aclose(self) -> None:
         """Stop renewing and watching (the leases still held then lapse)."""
         tasks = [t for t in (self._renewer, self._watchdog) if t is not None]
-        tasks.extend(self._sending)
+        if self._thread_store is None:  # the thread's own end with it
+            tasks.extend(self._sending)
         self._renewer = self._watchdog = None
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-            except Exception:
-                logger.exception("keeper task failed")
+        thread, self._thread = self._thread, None
+        await _cancelled(tasks)
+        if thread is not None:
+            await thread.stop()
 
     # -- renewals
 
@@ -189,44 +333,67 @@ class Keeper:
         window = handle.ttl - safety_margin(handle.ttl)
         return handle.confirmed_until - window + self.renew_interval
 
-    async def _renew_loop(self) -> None:
-        while self._due:
+    async def _renew_loop(self, thread: _RenewerThread | None) -> None:
+        """Send the renewals as they fall due: on the instance's loop while it holds runs
+        (``thread`` None), or in the renewer thread until it is stopped."""
+        while thread is None or not thread.stopping:
             now = self._clock()
-            waiting = {h: at for h, at in self._due.items() if h not in self._in_flight}
+            with self._lock:
+                if thread is None and not self._due:
+                    return
+                idle = not self._due
+                waiting = {h: at for h, at in self._due.items() if h not in self._in_flight}
+            if thread is not None and idle:
+                if self._loop is None or self._loop.is_closed():
+                    return  # the instance is gone without closing its keeper
+                await thread.wait(self.renew_interval)  # until keep() wakes it
+                continue
             earliest = min(waiting.values(), default=now + self.renew_interval / 4)
             if earliest > now:
-                await self._sleep(earliest - now)
+                if thread is None:
+                    await self._sleep(earliest - now)
+                else:
+                    await thread.wait(earliest - now)
+                continue
+            if thread is not None and self._loop_stalled(thread):
+                await thread.wait(self.renew_interval / 4)
                 continue
             # Renew with those due soon: renewals fall into step and share statements.
             horizon = now + self.renew_interval / 4
-            due = [h for h, at in waiting.items() if at <= horizon]
-            for handle in [h for h in due if isinstance(h.error, ExecutionFencedError)]:
-                self._due.pop(handle, None)  # fenced: nothing to renew, ever
-            due = _one_per_key([h for h in due if h in self._due])
+            with self._lock:
+                due = [h for h, at in waiting.items() if at <= horizon]
+                for handle in [h for h in due if isinstance(h.error, ExecutionFencedError)]:
+                    self._due.pop(handle, None)  # fenced: nothing to renew, ever
+                due = _one_per_key([h for h in due if h in self._due])
+                self._in_flight.update(due)
             for start in range(0, len(due), RENEW_BATCH):
                 # Each statement on its own task: a slow answer does not hold back the
                 # renewals that fall due meanwhile (a lease in flight is not sent twice).
                 batch = due[start : start + RENEW_BATCH]
-                self._in_flight.update(batch)
-                task = asyncio.create_task(self._renew(batch), name="keeper renewal")
+                task = asyncio.create_task(self._renew(batch, thread), name="keeper renewal")
                 self._sending.add(task)
                 task.add_done_callback(self._sending.discard)
 
-    async def _renew(self, handles: list[RunHandle]) -> None:
+    async def _renew(self, handles: list[RunHandle], thread: _RenewerThread | None) -> None:
         """One renewal statement per store for ``handles``; each answer applied to its run."""
         try:
-            await self._renew_batch(handles)
+            await self._renew_batch(handles, None if thread is None else thread.store)
         finally:
-            self._in_flight.difference_update(handles)
+            with self._lock:
+                self._in_flight.difference_update(handles)
+            if thread is not None:
+                thread.poke()  # their next renewal may be due already: a slow answer
 
-    async def _renew_batch(self, handles: list[RunHandle]) -> None:
+    async def _renew_batch(
+        self, handles: list[RunHandle], store: SqlLeaseRepository | None
+    ) -> None:
         by_store: dict[int, tuple[ExecutionLeaseRepository, list[RunHandle]]] = {}
         for handle in handles:
-            by_store.setdefault(id(handle.repository), (handle.repository, []))[1].append(handle)
+            repository = handle.repository if store is None else store
+            by_store.setdefault(id(repository), (repository, []))[1].append(handle)
         for repository, batch in by_store.values():
             sent_at = self._clock()
             left = {h: h.confirmed_until - sent_at for h in batch}
-            epochs = {h: h.token for h in batch}
             # A connection error is retried while the earliest window of the batch lasts.
             earliest = min(batch, key=lambda h: h.confirmed_until)
             try:
@@ -236,44 +403,105 @@ class Keeper:
                 # The store may be down for a moment: the watchdog decides when that has
                 # lasted too long; until then the next renewal may get through.
                 logger.warning("renewal of %d leases failed", len(batch), exc_info=True)
-                for handle in batch:
-                    handle.saw_store_error(exc)
-                    if handle in self._due:
-                        self._due[handle] = self._clock() + self.renew_interval
+                with self._lock:
+                    for handle in batch:
+                        handle.saw_store_error(exc)
+                        if handle in self._due:
+                            self._due[handle] = self._clock() + self.renew_interval
                 continue
             self.batches.append(
                 Batch(sent_at, len(batch), min(left.values()), self._clock() - sent_at)
             )
             del self.batches[:-4096]
-            for handle, answer in zip(batch, answers, strict=True):
-                # Not released while the statement ran, nor yielded and re-taken (a new
-                # epoch): an answer about the old token would set the run's token back.
-                if handle in self._due and handle.token == epochs[handle]:
-                    self._answer(handle, answer, sent_at, left[handle])
+            fenced: list[tuple[RunHandle, ExecutionFencedError]] = []
+            late: list[tuple[RunHandle, float]] = []
+            with self._lock:  # a handle released meanwhile is not kept any more
+                for handle, answer in zip(batch, answers, strict=True):
+                    if handle not in self._due:
+                        continue
+                    if isinstance(answer, ExecutionFencedError):
+                        self._due.pop(handle)
+                        fenced.append((handle, answer))
+                    elif handle.renewed(answer, sent_at=sent_at):
+                        self._due[handle] = self._next_due(handle)
+                        if left[handle] < self.renew_interval:
+                            late.append((handle, left[handle]))
+                    elif handle.error is not None:
+                        # The run had lost its lease (its window ran out): it stays stopped;
+                        # this renewal only told that nobody took the execution over.
+                        self._due.pop(handle)
+                    # else: yielded and re-taken meanwhile (a new token): kept anew.
+            for handle, error in fenced:  # the run drains
+                if store is None:
+                    handle.record(error)
+                else:
+                    handle.record_from_thread(error)
+            for handle, slack in late:
+                why = f"renewed with {max(slack, 0.0):.1f} s of its proven hold left"
+                self._on_loop(
+                    self._events.emit, EventKind.RENEWED_LATE, handle.scope_key, handle.token, why
+                )
 
-    def _answer(
-        self, handle: RunHandle, answer: Lease | ExecutionFencedError, sent_at: float, left: float
-    ) -> None:
-        if isinstance(answer, ExecutionFencedError):
-            handle.record(answer)  # the run drains
-            self._due.pop(handle, None)
+    def _on_loop(self, call: Callable[..., object], *args: Any) -> None:
+        """``call(*args)`` on the instance's loop: at once if this is it, else when it runs."""
+        loop = self._loop
+        if self._thread_store is None or loop is None:
+            call(*args)
             return
-        if handle.error is not None:
-            # The run had lost its lease (its window ran out): it stays stopped; this
-            # renewal only told that nobody took the execution over.
-            self._due.pop(handle, None)
-            return
-        handle.replace_lease(answer, sent_at=sent_at)
-        self._due[handle] = self._next_due(handle)
-        if left < self.renew_interval:
-            late = f"renewed with {max(left, 0.0):.1f} s of its proven hold left"
-            self._events.emit(EventKind.RENEWED_LATE, handle.scope_key, handle.token, late)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
+            loop.call_soon_threadsafe(call, *args)
+
+    # -- the instance's loop, seen from the renewer thread
+
+    def _loop_stalled(self, thread: _RenewerThread) -> bool:
+        """Whether the instance's loop has not run for longer than the bound (asking it
+        for a sign of life if none is pending); a closed loop stops the thread."""
+        now = self._clock()
+        asked = self._beat_asked
+        loop = self._loop
+        if asked is None:
+            self._beat_asked = now
+            try:
+                if loop is None:
+                    raise RuntimeError("no loop")
+                loop.call_soon_threadsafe(self._beat)
+            except RuntimeError:  # closed: the instance is gone without closing its keeper
+                thread.stopping = True
+                return True
+            return False
+        stalled = now - asked
+        if stalled <= self.loop_stall_bound:
+            return False
+        if not self._stall_told:
+            self._stall_told = True
+            logger.warning(
+                "instance %s: its event loop has not run for %.1f s (more than %.1f s): its "
+                "%d leases are no longer renewed, so they lapse and another instance takes "
+                "them over",
+                self.holder,
+                stalled,
+                self.loop_stall_bound,
+                len(self._due),
+            )
+        if loop is None or loop.is_closed():
+            thread.stopping = True
+        return True
+
+    def _beat(self) -> None:
+        """The instance's loop runs (called on it)."""
+        self._beat_asked = None
+        if self._stall_told:
+            self._stall_told = False
+            logger.warning("instance %s: its event loop runs again", self.holder)
 
     # -- the watchdog
 
     async def _watch_loop(self) -> None:
-        while self._due:
-            live = [h for h in self._due if h.error is None]
+        while True:
+            with self._lock:
+                if not self._due:
+                    return
+                live = [h for h in self._due if h.error is None]
             if not live:
                 await self._sleep(self.renew_interval)
                 continue
@@ -287,6 +515,113 @@ class Keeper:
             if live:
                 remaining = min(h.confirmed_until for h in live) - self._clock()
                 await self._sleep(max(remaining, 0.0) + 1e-3)
+
+
+class _RenewerThread:
+    """The renewer thread: an event loop and connections of its own
+    (:func:`~langgraph_fence.database.twin_engine`), running the keeper's renewals."""
+
+    def __init__(self, keeper: Keeper, source: SqlLeaseRepository) -> None:
+        self._keeper = keeper
+        self._source = source
+        self.loop = asyncio.new_event_loop()
+        self.store: SqlLeaseRepository = source  # its twin, once the thread runs
+        #: Set (from either thread) to end the thread.
+        self.stopping = False
+        self._main: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._wake_at = math.inf  # when it wakes by itself, on the keeper's clock
+        self._ended: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, name=f"langgraph-fence renewer {keeper.holder}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """Whether it renews (it has not ended and is not ending)."""
+        return not self.stopping and not self._ended.done()
+
+    def wake_by(self, due: float) -> None:
+        """Make sure it wakes by ``due`` (called from the instance's loop)."""
+        if due < self._wake_at:
+            with contextlib.suppress(RuntimeError):  # ended meanwhile: keep() starts another
+                self.loop.call_soon_threadsafe(self._wake.set)
+
+    def poke(self) -> None:
+        """Wake it now (on the thread's loop)."""
+        self._wake.set()
+
+    async def wait(self, seconds: float) -> None:
+        """Wait ``seconds``, or until woken (on the thread's loop)."""
+        self._wake_at = self._keeper._clock() + seconds
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._wake.wait()
+        self._wake.clear()
+        self._wake_at = math.inf
+
+    async def stop(self) -> None:
+        """End the thread, its renewals and its connections (from the instance's loop)."""
+        self.stopping = True
+
+        def cancel() -> None:
+            if self._main is not None:
+                self._main.cancel()
+
+        with contextlib.suppress(RuntimeError):  # its loop is closed: it has ended
+            self.loop.call_soon_threadsafe(cancel)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self._ended), 30.0)
+        except TimeoutError:
+            logger.warning("the renewer thread of %s did not end in 30 s", self._keeper.holder)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._serve())
+        except BaseException:
+            logger.exception(
+                "the renewer thread of %s failed: its leases are no longer renewed",
+                self._keeper.holder,
+            )
+        finally:
+            self.stopping = True
+            with contextlib.suppress(Exception):
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+            self._ended.set_result(None)
+
+    async def _serve(self) -> None:
+        from .database import twin_engine
+
+        self._main = asyncio.current_task()
+        if self.stopping:
+            return
+        engine = twin_engine(self._source.engine)
+        self.store = self._source.on_engine(engine)
+        try:
+            await self._keeper._renew_loop(self)
+        except asyncio.CancelledError:
+            if not self.stopping:
+                raise
+        finally:
+            sending = list(self._keeper._sending)
+            await _cancelled(sending)
+            await engine.dispose()
+
+
+async def _cancelled(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel ``tasks`` and wait for them to end (a failure is logged)."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            logger.exception("keeper task failed")
 
 
 def _one_per_key(handles: list[RunHandle]) -> list[RunHandle]:

@@ -13,6 +13,7 @@ renewals (on a pool of their own) go through SQLAlchemy.
 
 from __future__ import annotations
 
+import copy
 import json
 import sqlite3
 import time
@@ -175,6 +176,20 @@ class SqlLeaseRepository:
         self._store_id = f"sql:{url}"
         self._build_statements()
         self._takes: dict[bool, Any] = {}
+
+    def on_engine(self, engine: AsyncEngine) -> SqlLeaseRepository:
+        """This store (same table, same clock, same statements) through ``engine``, an
+        engine on the same database (:func:`~langgraph_fence.database.twin_engine`): for
+        calls from another event loop, whose connections must be its own. Leases pass
+        between the two."""
+        twin = copy.copy(self)
+        twin._dialect = check_engine(engine)
+        twin._engine = engine
+        twin._reader = read_only(engine)
+        twin._writer = single_statement(autocommit(engine))
+        twin._renewals = twin._writer  # a pool of its own already
+        twin._takes = {}
+        return twin
 
     @classmethod
     @asynccontextmanager

@@ -8,8 +8,12 @@ losing any; and a burst of starts does not starve the renewals of the runs it ho
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import operator
+import threading
+import time
 from collections.abc import Callable
+from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypedDict
 
 import pytest
@@ -18,14 +22,17 @@ from langgraph.graph import END, START, StateGraph
 
 from langgraph_fence import (
     EventKind,
+    ExecutionLeaseLostError,
     FenceEvent,
     InstanceFullError,
     Lease,
     LeaseKey,
     LeaseStatus,
+    get_execution_context,
 )
 from langgraph_fence.database import schema_options
 from langgraph_fence.faults import StallableRepository, StallGate
+from langgraph_fence.fence import safety_margin
 from langgraph_fence.instance import Instance
 from langgraph_fence.keeper import MAX_STARTING
 from langgraph_fence.nodes import fence_graph
@@ -262,3 +269,172 @@ async def test_a_burst_of_starts_whose_acquires_answer_after_their_window_loses_
     await instance.aclose()
     assert [r for r in results if isinstance(r, BaseException)] == []
     assert lost == []
+
+
+# -- a loop kept busy: the renewer thread
+
+
+class Blocking:
+    """A graph whose step blocks the event loop for the thread ``blocker`` (synchronous
+    work in an async node: ``block()`` runs on the loop) and waits on ``go`` otherwise.
+    Every step run anywhere counts in ``ran`` (thread ids, in any process thread)."""
+
+    def __init__(self, block: Callable[[], None]) -> None:
+        self.block = block
+        self.entered = 0
+        self.go = asyncio.Event()
+        self.ran: list[str] = []
+
+    def graph(self, instance: Instance, *, blocker: str = "blocker") -> Any:
+        async def work(state: Log) -> Log:
+            thread = get_execution_context().thread_id
+            self.ran.append(thread)
+            if thread.startswith(blocker):
+                self.block()
+            else:
+                self.entered += 1
+                await self.go.wait()
+            return {"log": ["done"]}
+
+        builder: StateGraph[Log] = StateGraph(Log)
+        builder.add_node("work", work)
+        builder.add_edge(START, "work")
+        builder.add_edge("work", END)
+        return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="blocking")
+
+
+@asynccontextmanager
+async def serving_in_another_thread(database: Any, graphs: Callable[[Instance], Any]) -> Any:
+    """Instance B serving ``graphs(b)`` on an event loop in a thread of its own, so a test
+    that blocks its own loop does not block B: whatever lapses, B takes over."""
+    options = schema_options(database.schema or None)
+    ready: concurrent.futures.Future[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = (
+        concurrent.futures.Future()
+    )
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        try:
+            async with Instance.open(
+                database.url, engine_options=options, instance_id="B", lease_ttl=30.0
+            ) as b:
+                served = b.serve(
+                    {"blocking": graphs(b)}, poll_interval=0.1, stop=stop, handle_signals=False
+                )
+                ready.set_result((asyncio.get_running_loop(), stop))
+                await served
+        except BaseException as exc:
+            if not ready.done():
+                ready.set_exception(exc)
+            raise
+
+    done = asyncio.wrap_future(
+        asyncio.get_running_loop().run_in_executor(None, asyncio.run, serve())
+    )
+    loop, stop = await asyncio.wrap_future(ready)
+    try:
+        yield
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        await done
+
+
+async def test_a_loop_blocked_by_synchronous_work_loses_no_lease(database: Any) -> None:
+    """A node blocks the instance's event loop (synchronous work, here ``time.sleep``) for
+    longer than a lease's slack, while other runs hold their leases: the renewer thread
+    renews them all the same, so no lease is lost, nothing is taken over (by an instance
+    serving meanwhile), and every run completes. At TTL 1.5 s (a window of 1.35 s, renewed
+    every 0.5 s) with the loop blocked 3 s: below the 10 s the loop may stall."""
+    options = schema_options(database.schema or None)
+    blocked_for = 3.0
+    window = Blocking(lambda: time.sleep(blocked_for))
+    elsewhere = Blocking(lambda: None)
+    elsewhere.go.set()  # B runs to its end whatever it takes over
+    async with (
+        serving_in_another_thread(database, elsewhere.graph),
+        Instance.open(database.url, engine_options=options, lease_ttl=1.5) as instance,
+    ):
+        assert instance._keeper.loop_stall_bound > blocked_for
+        assert blocked_for > instance.lease_ttl - safety_margin(instance.lease_ttl)
+        lost = losses(instance)
+        graph = window.graph(instance)
+        held = [start(instance, graph, unique("held")) for _ in range(5)]
+        await until(lambda: window.entered == 5, within=30.0)
+        blocked_from = instance.clock()
+        blocker = start(instance, graph, unique("blocker"))
+        await until(lambda: blocker.done(), within=30.0)
+        blocked_until = instance.clock()
+        window.go.set()
+        results = await asyncio.gather(blocker, *held, return_exceptions=True)
+        during = [b for b in instance._keeper.batches if blocked_from < b.sent_at < blocked_until]
+    assert [r for r in results if isinstance(r, BaseException)] == []
+    assert all(r["log"] == ["done"] for r in results)
+    assert lost == []
+    assert elsewhere.ran == []  # nothing lapsed, so B took nothing over
+    assert blocked_until - blocked_from >= blocked_for
+    assert during, "no renewal went out while the loop was blocked"
+    for thread in window.ran:
+        lease = await _lease(database, LeaseKey(TENANT, thread))
+        assert lease is not None
+        assert (lease.status, lease.epoch) == (LeaseStatus.DONE, 1)  # never taken over
+
+
+async def test_a_loop_blocked_past_its_bound_lets_its_lease_lapse(database: Any) -> None:
+    """A loop that does not run again (a deadlocked process: here a node blocks it until
+    another instance has run the step) keeps no lease forever: past the stall bound the
+    renewer thread stops renewing, the lease lapses, and an instance serving meanwhile
+    takes the execution over and runs it to its end; the blocked run, when its loop runs
+    again, stops fenced."""
+    options = schema_options(database.schema or None)
+    taken_over = threading.Event()
+    blocked = Blocking(lambda: taken_over.wait(timeout=60.0))
+    elsewhere = Blocking(taken_over.set)
+    async with (
+        serving_in_another_thread(database, elsewhere.graph),
+        Instance.open(database.url, engine_options=options, lease_ttl=1.5) as instance,
+    ):
+        lost = losses(instance)
+        thread = unique("blocker")
+        run = start(instance, blocked.graph(instance), thread)
+        with pytest.raises(ExecutionLeaseLostError):
+            await asyncio.wait_for(run, 90)
+        assert taken_over.is_set(), "the loop was let go before anyone took over"
+        await until(lambda: len(lost) > 0, within=30.0)
+    assert elsewhere.ran == [thread]
+    key = LeaseKey(TENANT, thread)
+    lease = await eventually(lambda: _lease_done(database, key), timeout=30.0)
+    assert lease.epoch == 2  # taken over once, by B, and run to its end there
+
+
+async def _lease_done(database: Any, key: LeaseKey) -> Lease | None:
+    lease = await _lease(database, key)
+    return lease if lease is not None and lease.status is LeaseStatus.DONE else None
+
+
+async def test_where_renewals_run_is_said_and_required(database: Any, leases: Leases) -> None:
+    """A real deployment (``Instance.open``: a SQL store, the real clock) renews in the
+    renewer thread, which ends with the instance; the ``leases`` fixture's instances (an
+    injected clock and sleep) renew on their loop; and ``renewer="thread"`` where no thread
+    can renew is refused, naming why, rather than falling back."""
+    options = schema_options(database.schema or None)
+    waiting = Waiting()
+    async with Instance.open(database.url, engine_options=options, lease_ttl=3.0) as instance:
+        assert instance._keeper.in_thread
+        run = start(instance, waiting.graph(instance), unique("held"))
+        await until(lambda: waiting.entered == 1, within=30.0)
+        name = f"langgraph-fence renewer {instance.instance_id}"
+        assert [t for t in threading.enumerate() if t.name == name]
+        waiting.go.set()
+        assert (await run)["log"] == ["done"]
+    assert not [t for t in threading.enumerate() if t.name == name]  # ended with it
+    assert not leases.instance("fixture")._keeper.in_thread
+    with pytest.raises(ValueError, match="injected clock"):
+        Instance(
+            leases.store,
+            leases.saver,
+            records=leases.records,
+            clock=leases.clock,
+            renewer="thread",
+        )
+    with pytest.raises(ValueError, match="renewer must be"):
+        Instance(leases.store, leases.saver, records=leases.records, renewer="elsewhere")  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ from langgraph_fence.from_thread import run_on_loop
 from langgraph_fence.retry import retry_connection_errors, retry_window
 from langgraph_fence.testing import ManualClock
 from tests.conftest import unique
+from tests.polling import eventually
 
 TTL = 10.0
 MARGIN = safety_margin(TTL)
@@ -386,3 +387,54 @@ async def test_a_blocking_hop_on_the_loops_own_thread_refuses_instead_of_deadloc
     with pytest.raises(ExecutionContextUnavailableError, match="would deadlock: the fix"):
         run_on_loop(asyncio.get_running_loop(), never, what="x", on_loop="the fix")
     assert made == []  # no coroutine was made, so none is left un-awaited
+
+
+async def test_a_renewal_answered_after_the_run_took_a_new_token_is_not_adopted() -> None:
+    """The renewer thread applies answers while the run's loop goes on: an answer about the
+    token the run held when it was sent never sets the run's token back, and one for a run
+    already stopped moves no window on."""
+    run = Run()
+    handle, _ = await run.start()
+    old = handle.lease
+    renewed = await run.store.renew(old, TTL)
+    run.store_clock.advance(TTL)
+    retaken = await run.store.acquire(run.key, "A", TTL)  # the run's next token (a re-take)
+    assert retaken is not None
+    handle.replace_lease(retaken, sent_at=run.local())
+    assert not handle.renewed(renewed, sent_at=run.local() + 1)
+    assert handle.token == retaken.epoch
+    current = await run.store.renew(retaken, TTL)
+    assert handle.renewed(current, sent_at=run.local() + 1)
+    assert handle.confirmed_until == run.local() + 1 + TTL - MARGIN
+    handle.fenced(retaken.epoch + 1, source="a test")
+    before = handle.confirmed_until
+    assert not handle.renewed(current, sent_at=run.local() + 2)
+    assert handle.confirmed_until == before
+
+
+async def test_a_refusal_recorded_from_another_thread_stands_at_once_and_is_told_on_the_loop() -> (
+    None
+):
+    """A refusal the renewer thread hears stands at once for every check in any thread;
+    the run's stop listeners (its drain, its events) hear of it on the run's loop."""
+    run = Run()
+    handle, fence = await run.start()
+    loop = asyncio.get_running_loop()
+    heard_on: list[asyncio.AbstractEventLoop | None] = []
+    handle.on_stop(lambda _e: heard_on.append(asyncio.get_running_loop()))
+    newer = await run.take_over()
+    refusal = ExecutionFencedError(
+        "taken over", scope_key=run.key.scope_key, token_held=1, token_seen=newer.epoch
+    )
+
+    def in_thread() -> bool:
+        handle.record_from_thread(refusal)
+        try:
+            fence.assert_held()
+        except ExecutionFencedError as exc:
+            return exc is refusal
+        return False
+
+    assert await asyncio.to_thread(in_thread)
+    await eventually(lambda: run.heard == [refusal], timeout=10, what="the announcement")
+    assert heard_on == [loop]
