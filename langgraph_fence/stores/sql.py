@@ -186,8 +186,10 @@ class SqlLeaseRepository:
         twin._dialect = check_engine(engine)
         twin._engine = engine
         twin._reader = read_only(engine)
-        twin._writer = single_statement(autocommit(engine))
-        twin._renewals = twin._writer  # a pool of its own already
+        # Driver connections of its own: held ones belong to the loop that opened them.
+        twin._connections = Connections(engine, share=4, spill=True)
+        twin._compiled = {}
+        twin._renewals = single_statement(autocommit(engine))  # a pool of its own already
         twin._takes = {}
         return twin
 
