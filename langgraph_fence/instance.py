@@ -311,6 +311,7 @@ class Instance:
             finally:
                 await instance.aclose()
                 await saver.aclose()
+                await repository.aclose()
         finally:
             await engine.dispose()
 

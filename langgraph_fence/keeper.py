@@ -43,6 +43,7 @@ import concurrent.futures
 import contextlib
 import logging
 import math
+import os
 import threading
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -394,6 +395,9 @@ class Keeper:
         for repository, batch in by_store.values():
             sent_at = self._clock()
             left = {h: h.confirmed_until - sent_at for h in batch}
+            # The token each lease was renewed at: an answer about an older one (the run
+            # yielded and re-took its lease meanwhile) tells nothing about the run now.
+            epochs = {h: h.token for h in batch}
             # A connection error is retried while the earliest window of the batch lasts.
             earliest = min(batch, key=lambda h: h.confirmed_until)
             try:
@@ -420,6 +424,8 @@ class Keeper:
                     if handle not in self._due:
                         continue
                     if isinstance(answer, ExecutionFencedError):
+                        if handle.token != epochs[handle]:
+                            continue  # re-taken at a new token since: kept anew, not fenced
                         self._due.pop(handle)
                         fenced.append((handle, answer))
                     elif handle.renewed(answer, sent_at=sent_at):
@@ -459,13 +465,16 @@ class Keeper:
         now = self._clock()
         asked = self._beat_asked
         loop = self._loop
+        if loop is None or loop.is_closed():
+            # The instance is gone without closing its keeper: its runs are over, and their
+            # leases must lapse now, not one stall bound later.
+            thread.stopping = True
+            return True
         if asked is None:
             self._beat_asked = now
             try:
-                if loop is None:
-                    raise RuntimeError("no loop")
                 loop.call_soon_threadsafe(self._beat)
-            except RuntimeError:  # closed: the instance is gone without closing its keeper
+            except RuntimeError:  # closed meanwhile
                 thread.stopping = True
                 return True
             return False
@@ -483,8 +492,6 @@ class Keeper:
                 self.loop_stall_bound,
                 len(self._due),
             )
-        if loop is None or loop.is_closed():
-            thread.stopping = True
         return True
 
     def _beat(self) -> None:
@@ -532,6 +539,7 @@ class _RenewerThread:
         self._wake = asyncio.Event()
         self._wake_at = math.inf  # when it wakes by itself, on the keeper's clock
         self._ended: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._pid = os.getpid()
         self._thread = threading.Thread(
             target=self._run, name=f"langgraph-fence renewer {keeper.holder}", daemon=True
         )
@@ -539,8 +547,14 @@ class _RenewerThread:
 
     @property
     def alive(self) -> bool:
-        """Whether it renews (it has not ended and is not ending)."""
-        return not self.stopping and not self._ended.done()
+        """Whether it renews (it has not ended and is not ending, and it runs in this
+        process: a forked child has the object, not the thread)."""
+        return (
+            not self.stopping
+            and not self._ended.done()
+            and self._pid == os.getpid()
+            and self._thread.is_alive()
+        )
 
     def wake_by(self, due: float) -> None:
         """Make sure it wakes by ``due`` (called from the instance's loop)."""

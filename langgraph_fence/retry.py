@@ -193,6 +193,7 @@ _DATABASE_MODULES = (
     "langgraph_fence.stores",
     "langgraph_fence.records",
     "langgraph_fence.database",
+    "langgraph_fence.driver",
     "langgraph_fence.sinks",
     "langgraph_fence.faults",
 )

@@ -150,6 +150,10 @@ class SqlLeaseRepository:
         clock: the store's clock. ``None`` (the default) means the database's own clock on
             PostgreSQL (``now()``) and this process's ``time.time`` on SQLite. Tests pass a
             controlled clock.
+
+    From its first write the store keeps up to a quarter of the engine's pool checked out
+    (at least one connection) for its next writes, until :meth:`aclose` or the engine is
+    disposed of: build one store per engine and share it, not one per call.
     """
 
     def __init__(self, engine: AsyncEngine, *, clock: Callable[[], float] | None = None) -> None:

@@ -30,12 +30,14 @@ from langgraph_fence import (
     LeaseStatus,
     get_execution_context,
 )
-from langgraph_fence.database import schema_options
+from langgraph_fence.database import create_engine, schema_options
+from langgraph_fence.events import Listeners
 from langgraph_fence.faults import StallableRepository, StallGate
-from langgraph_fence.fence import safety_margin
+from langgraph_fence.fence import RunHandle, safety_margin
 from langgraph_fence.instance import Instance
-from langgraph_fence.keeper import MAX_STARTING
+from langgraph_fence.keeper import MAX_STARTING, Keeper
 from langgraph_fence.nodes import fence_graph
+from langgraph_fence.stores.sql import SqlLeaseRepository
 from langgraph_fence.testing import Leases
 from tests.conftest import unique
 from tests.polling import eventually
@@ -438,3 +440,67 @@ async def test_where_renewals_run_is_said_and_required(database: Any, leases: Le
         )
     with pytest.raises(ValueError, match="renewer must be"):
         Instance(leases.store, leases.saver, records=leases.records, renewer="elsewhere")  # type: ignore[arg-type]
+
+
+class _GatedRenewals(SqlLeaseRepository):
+    """A SQL store whose next ``renew_many`` (once armed) waits at a gate, from any thread
+    (the renewer thread's twin store is a copy of it)."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self.armed = threading.Event()
+        self.entered = threading.Event()
+        self.proceed = threading.Event()
+
+    async def renew_many(self, leases: Any, ttl: float) -> Any:
+        if self.armed.is_set():
+            self.armed.clear()
+            self.entered.set()
+            await asyncio.to_thread(self.proceed.wait, 30.0)
+        return await super().renew_many(leases, ttl)
+
+
+@pytest.mark.parametrize("renewer", ["thread", "loop"])
+async def test_a_renewal_refused_for_the_token_before_a_retake_does_not_fence_the_run(
+    tmp_path: Any, renewer: str
+) -> None:
+    """A renewal in flight at token 1 while the run yields its lease and re-takes it at
+    token 2 is refused by the store (the lease moved on): that answer is about token 1 and
+    must not fence the run, which holds token 2 and goes on renewing it."""
+    engine = create_engine(f"sqlite+aiosqlite:///{tmp_path / 'keeper.db'}")
+    store = _GatedRenewals(engine)
+    await store.setup()
+    ttl = 3.0
+    keeper = Keeper(
+        ttl=ttl,
+        renew_interval=ttl / 3,
+        clock=time.monotonic,
+        sleep=asyncio.sleep,
+        events=Listeners("A"),
+        holder="A",
+        thread_store=store if renewer == "thread" else None,
+    )
+    try:
+        # A second run keeps the keeper busy while the first one yields.
+        other = RunHandle(store, await store.acquire(LeaseKey(TENANT, unique("o")), "A", ttl), ttl)
+        keeper.keep(other)
+        key = LeaseKey(TENANT, unique("r"))
+        handle = RunHandle(store, await store.acquire(key, "A", ttl), ttl)
+        store.armed.set()
+        keeper.keep(handle)
+        await until(store.entered.is_set, within=10.0)  # a renewal of token 1 in flight
+        await keeper.release(handle)
+        handle.note_yielded(await store.yield_lease(handle.lease))
+        sent_at = time.monotonic()
+        handle.replace_lease(await store.retake(handle.lease, ttl), sent_at=sent_at)
+        keeper.keep(handle)
+        assert handle.token == 2
+        store.proceed.set()  # the renewal of token 1 reaches the store: refused
+        await until(lambda: handle not in keeper._in_flight, within=10.0)
+        assert handle.error is None
+        renewed = await store.renew(handle.lease, ttl)  # token 2 still holds the lease
+        assert (renewed.epoch, renewed.holder) == (2, "A")
+    finally:
+        await keeper.aclose()
+        await store.aclose()
+        await engine.dispose()
