@@ -8,7 +8,11 @@ from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
-from sqlalchemy.util.concurrency import await_
+
+try:
+    from sqlalchemy.util.concurrency import await_
+except ImportError:  # SQLAlchemy before 2.1 (the lowest CI run has 2.0.43)
+    from sqlalchemy.util.concurrency import await_only as await_
 
 __all__ = ["Statements"]
 
