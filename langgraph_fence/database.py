@@ -113,8 +113,7 @@ def create_engine(url: str | URL, **engine_options: Any) -> AsyncEngine:
         engine_options.setdefault("max_overflow", 8)
         engine_options.setdefault("pool_pre_ping", False)
         return create_async_engine(parsed, **engine_options)
-    database = parsed.database or ""
-    if database in ("", ":memory:") or database.startswith("file::memory:"):
+    if _memory_url(parsed):
         # One in-memory database exists per connection: share one connection.
         engine_options.setdefault("poolclass", StaticPool)
     connect_args = dict(engine_options.pop("connect_args", {}))
@@ -281,13 +280,17 @@ def in_memory(engine: AsyncEngine) -> bool:
     connection its pool shares, which no other engine (nor another event loop) can reach."""
     if engine.dialect.name != "sqlite":
         return False
-    database = engine.url.database or ""
     return (
-        database in ("", ":memory:")
-        or database.startswith("file::memory:")
+        _memory_url(engine.url)
         or "mode=memory" in str(engine.url)
         or isinstance(engine.sync_engine.pool, StaticPool)
     )
+
+
+def _memory_url(url: URL) -> bool:
+    """Whether a SQLite URL names an in-memory database (none, ``:memory:``, ``file::memory:``)."""
+    database = url.database or ""
+    return database in ("", ":memory:") or database.startswith("file::memory:")
 
 
 def dialect_of(engine: AsyncEngine | AsyncConnection) -> Dialect:
