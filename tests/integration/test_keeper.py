@@ -12,7 +12,7 @@ import concurrent.futures
 import operator
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypedDict
 
@@ -62,11 +62,16 @@ class Waiting:
             await self.go.wait()
             return {"log": ["done"]}
 
-        builder: StateGraph[Log] = StateGraph(Log)
-        builder.add_node("wait", wait)
-        builder.add_edge(START, "wait")
-        builder.add_edge("wait", END)
-        return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="waiting")
+        return one_step(instance, wait, name="waiting")
+
+
+def one_step(instance: Instance, step: Callable[[Log], Awaitable[Log]], *, name: str) -> Any:
+    """A fenced graph of the one node ``step``, on ``instance``'s checkpointer."""
+    builder: StateGraph[Log] = StateGraph(Log)
+    builder.add_node(step.__name__, step)
+    builder.add_edge(START, step.__name__)
+    builder.add_edge(step.__name__, END)
+    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name=name)
 
 
 def start(instance: Instance, graph: Any, thread: str) -> asyncio.Task[Any]:
@@ -298,11 +303,7 @@ class Blocking:
                 await self.go.wait()
             return {"log": ["done"]}
 
-        builder: StateGraph[Log] = StateGraph(Log)
-        builder.add_node("work", work)
-        builder.add_edge(START, "work")
-        builder.add_edge("work", END)
-        return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="blocking")
+        return one_step(instance, work, name="blocking")
 
 
 @asynccontextmanager
