@@ -133,8 +133,8 @@ class ExecutionEndedError(LangGraphFenceError, RuntimeError):
 
 
 class InstanceFullError(LangGraphFenceError, RuntimeError):
-    """The instance holds as many executions as it may (its ``max_held``): nothing was run
-    or written.
+    """The instance holds as many executions as it may (its ``max_held``), or the renewals
+    of those it holds have run late for a whole lease TTL: nothing was run or written.
 
     An instance takes on no more executions than its keeper renews in time; past that, a
     lease would lapse for want of a renewal. Start the run on another instance, or again

@@ -26,7 +26,7 @@ from .admin import ThreadAdmin, _base_store, admin_holder
 from .contracts import require_implements
 from .events import FenceListener, Listeners
 from .fence import FENCE_CONFIG_KEY, safety_margin
-from .keeper import DEFAULT_MAX_HELD, Keeper, Renewer, Sleep, thread_store
+from .keeper import Keeper, Renewer, Sleep, thread_store
 from .lease import DEFAULT_MAX_TAKEOVERS, ExecutionLeaseRepository, LeaseKey
 from .queue import OnBusy, SubmittedRun, SubmittedRuns
 from .records import (
@@ -71,7 +71,7 @@ class _Settings:
     lease_ttl: float
     renew_interval: float
     max_takeovers: int
-    max_held: int
+    max_held: int | None
     renewer: Renewer
 
 
@@ -107,10 +107,15 @@ class Instance:
             a row an execution is taken over from a holder that died with no new
             checkpoint of its thread since the take before; the next take dead-letters it
             ("crashed N workers") instead of handing it to one more worker.
-        max_held: how many executions the instance holds at once (default 1000): every
-            lease it holds is renewed by its one keeper, batched; past the limit
-            :meth:`ainvoke` raises :class:`~langgraph_fence.InstanceFullError` before
+        max_held: how many executions the instance holds at once. Default: as many as it
+            renews at 3 000 leases a second (:func:`~langgraph_fence.keeper.default_max_held`):
+            10 000 at the default TTL (1 000 where the renewals run on the loop), 3 000 at
+            TTL 3 s. Every lease it holds is renewed by its one keeper, batched; past the
+            limit :meth:`ainvoke` raises :class:`~langgraph_fence.InstanceFullError` before
             anything is written, and :meth:`serve` takes nothing over until a run ends.
+            Below it too, while the renewals of the leases it holds run late, a new run
+            waits for them to catch up (at most a TTL, then the same error) and
+            :meth:`serve` takes nothing over.
         renewer: where the renewals run (:mod:`langgraph_fence.keeper`). ``"auto"`` (the
             default): in a thread with an event loop and database connections of its own
             when the repository is a :class:`~langgraph_fence.SqlLeaseRepository` (not in
@@ -138,7 +143,7 @@ class Instance:
         records: ExecutionRecords | None = None,
         max_takeovers: int = DEFAULT_MAX_TAKEOVERS,
         tenant_id: str = DEFAULT_TENANT_ID,
-        max_held: int = DEFAULT_MAX_HELD,
+        max_held: int | None = None,
         renewer: Renewer = "auto",
     ) -> None:
         settings = _settings(
@@ -219,6 +224,11 @@ class Instance:
         self.store: FencedStore | None = None
         self._queue: SubmittedRuns | None = None
 
+    @property
+    def max_held(self) -> int:
+        """The most executions this instance holds at once (``max_held``, or its default)."""
+        return self._keeper.max_held
+
     def add_listener(self, listener: FenceListener) -> Callable[[], None]:
         """Call ``listener(event)`` with every :class:`~langgraph_fence.FenceEvent` of this
         instance's runs (acquired, renewed late, lost, fenced, taken over, dead-lettered,
@@ -282,7 +292,7 @@ class Instance:
             options.pop("lease_ttl", 30.0),
             options.pop("renew_interval", None),
             options.pop("max_takeovers", DEFAULT_MAX_TAKEOVERS),
-            options.pop("max_held", DEFAULT_MAX_HELD),
+            options.pop("max_held", None),
             options.pop("renewer", "auto"),
         )
         tenant_id = _tenant(options.pop("tenant_id", DEFAULT_TENANT_ID))
@@ -668,9 +678,11 @@ def _settings(
         instance_id = _default_instance_id()
     else:
         text_id("instance_id", instance_id, what="this instance's holder id in the lease table")
-    held = positive_int(
-        "max_held", max_held, what="how many executions this instance holds (renews) at once"
-    )
+    held = None
+    if max_held is not None:
+        held = positive_int(
+            "max_held", max_held, what="how many executions this instance holds (renews) at once"
+        )
     if renewer not in ("auto", "thread", "loop"):
         raise ValueError(
             f"renewer must be 'auto', 'thread' or 'loop', got {renewer!r}: 'auto' (the "

@@ -24,7 +24,6 @@ from .scope import scope_key
 from .validate import positive_int, positive_seconds, text_id
 
 __all__ = [
-    "DEFAULT_MAX_HELD",
     "DEFAULT_MAX_TAKEOVERS",
     "TERMINAL_STATUSES",
     "ExecutionLeaseRepository",
@@ -589,9 +588,6 @@ def dead_letter_reason(
 
 #: How many takeovers without progress ``serve()`` allows by default before it dead-letters.
 DEFAULT_MAX_TAKEOVERS = 3
-
-#: How many executions an instance holds at most by default (``Instance(max_held=...)``).
-DEFAULT_MAX_HELD = 1000
 
 
 def validate_max_takeovers(value: int | None) -> int | None:

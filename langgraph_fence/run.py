@@ -144,8 +144,9 @@ async def running(
     ``run.control``; leaving it settles the outcome and releases the lease (or raises the
     fencing error that stands), then gives the slot back.
     """
+    what = f"execution {tenant_id!r}/{execution_id or 'its thread'!r}"
     if taken is None:
-        instance._keeper.admit(f"execution {tenant_id!r}/{execution_id or 'its thread'!r}")
+        instance._keeper.admit(what)
     # A new run's start (its binding, record, lease) waits its turn: a burst of starts
     # queues here, not on the connection pool (``keeper.MAX_STARTING``).
     starting = instance._keeper.starting if taken is None else None
@@ -154,6 +155,8 @@ async def running(
         if starting is not None:
             await starting.acquire()
             my_turn = True
+            # The leases held come first: while their renewals run late, wait.
+            await instance._keeper.in_time(what)
         async with _running(
             instance,
             graph,

@@ -129,6 +129,53 @@ async def test_an_instance_at_its_limit_refuses_the_next_run_and_loses_none(
         assert lease.status is LeaseStatus.DONE
 
 
+async def test_while_renewals_run_late_a_new_run_waits_for_them_and_none_is_lost(
+    database: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below ``max_held`` too, an instance whose renewals come back late (here every
+    renewal statement is made to take 2.5 s, an injected fault, of the 4.5 s a lease has
+    left when its renewal goes out on time at TTL 8 s) takes on no new run: the next start
+    waits, writing nothing, while the leases it holds are kept; once the renewals come
+    back in time, it starts. Renewals in the thread, as ``Instance.open`` sets them up."""
+    fast = threading.Event()
+    renew_many = SqlLeaseRepository.renew_many
+
+    async def late_renew_many(self: SqlLeaseRepository, leases: Any, ttl: float) -> Any:
+        # The fault: a renewal answered 2.5 s late, until ``fast`` is set.
+        await asyncio.to_thread(fast.wait, 2.5)
+        return await renew_many(self, leases, ttl)
+
+    monkeypatch.setattr(SqlLeaseRepository, "renew_many", late_renew_many)
+    options = schema_options(database.schema or None)
+    async with Instance.open(database.url, engine_options=options, lease_ttl=8.0) as instance:
+        keeper = instance._keeper
+        assert keeper.in_thread
+        assert keeper.max_held == 8000  # derived: renewed every 8/3 s, 3 000 leases a second
+        lost = losses(instance)
+        waiting = Waiting()
+        graph = waiting.graph(instance)
+        held = [start(instance, graph, unique("held")) for _ in range(5)]
+        await until(lambda: waiting.entered == 5, within=60.0)
+        await until(lambda: keeper.behind, within=30.0)
+        thread = unique("deferred")
+        deferred = start(instance, graph, thread)
+        # One more late statement answered while the new run waits: it wrote nothing.
+        answered = len(keeper.batches)
+        await until(lambda: len(keeper.batches) > answered, within=30.0)
+        assert keeper.behind
+        assert not deferred.done()
+        assert waiting.entered == 5
+        assert await instance.repository.get(LeaseKey(TENANT, thread)) is None
+        fast.set()  # renewals answered at once again
+        await until(lambda: waiting.entered == 6 or deferred.done(), within=30.0)
+        assert not deferred.done(), deferred.exception()
+        assert not keeper.behind
+        waiting.go.set()
+        results = await asyncio.gather(*held, deferred)
+    assert [r["log"] for r in results] == [["done"]] * 6
+    assert lost == []
+
+
 async def _lease(database: Any, key: LeaseKey) -> Any:
     options = schema_options(database.schema or None)
     async with Instance.open(database.url, engine_options=options) as reader:

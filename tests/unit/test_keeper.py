@@ -2,15 +2,39 @@
 
 from __future__ import annotations
 
-from langgraph_fence import ExecutionFencedError, LeaseKey, MemoryLeaseRepository
+import asyncio
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from langgraph_fence import (
+    ExecutionFencedError,
+    ExecutionLeaseLostError,
+    InstanceFullError,
+    Lease,
+    LeaseKey,
+    MemoryLeaseRepository,
+)
 from langgraph_fence.events import Listeners
 from langgraph_fence.fence import RunHandle
-from langgraph_fence.keeper import Keeper
+from langgraph_fence.keeper import Keeper, default_max_held
 from langgraph_fence.testing import ManualClock
 from tests.conftest import unique
 from tests.polling import eventually
 
 TTL = 9.0
+
+
+def keeper_on(clock: ManualClock) -> Keeper:
+    """Instance A's keeper on the controlled clock: TTL 9 s, renewed every 3 s."""
+    return Keeper(
+        ttl=TTL,
+        renew_interval=TTL / 3,
+        clock=clock,
+        sleep=clock.sleep,
+        events=Listeners("A"),
+        holder="A",
+    )
 
 
 async def test_two_runs_of_one_execution_due_at_once_renew_in_statements_of_their_own() -> None:
@@ -31,14 +55,7 @@ async def test_two_runs_of_one_execution_due_at_once_renew_in_statements_of_thei
     assert second.epoch == 2
     # Its renewal due now, as the old run's is.
     new = RunHandle(store, second, TTL, clock=clock, confirmed_from=clock() - TTL / 3)
-    keeper = Keeper(
-        ttl=TTL,
-        renew_interval=TTL / 3,
-        clock=clock,
-        sleep=clock.sleep,
-        events=Listeners("A"),
-        holder="A",
-    )
+    keeper = keeper_on(clock)
     before = new.confirmed_until
     keeper.keep(old)
     keeper.keep(new)
@@ -54,3 +71,96 @@ async def test_two_runs_of_one_execution_due_at_once_renew_in_statements_of_thei
         assert new.error is None
     finally:
         await keeper.aclose()
+
+
+class LateRenewals(MemoryLeaseRepository):
+    """The memory store, whose renewal statements take ``delay`` seconds of the controlled
+    clock to answer (an injected fault: a store answering late)."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        super().__init__(clock=clock)
+        self.clock = clock
+        self.delay = 0.0
+
+    async def renew_many(
+        self, leases: Sequence[Lease], ttl: float
+    ) -> list[Lease | ExecutionFencedError]:
+        if self.delay:
+            await self.clock.sleep(self.delay)
+        return await super().renew_many(leases, ttl)
+
+
+async def step_until(clock: ManualClock, check: Callable[[], bool], *, within: float) -> None:
+    """Move the controlled clock on a tenth of a second at a time, letting the keeper run
+    after each step, until ``check()`` holds; fail after ``within`` seconds of it."""
+    until = clock() + within
+    while not check():
+        assert clock() < until, f"not within {within} s of the controlled clock"
+        clock.advance(0.1)
+        for _ in range(20):  # the renewal's chain of awaits: sleep, statement, answer
+            await asyncio.sleep(0)
+
+
+async def test_a_start_waits_while_renewals_run_late_and_is_refused_after_a_ttl() -> None:
+    """Renewals answered with less than half a lease's on-time margin left (here 3 s late
+    of 5.1 s) turn the keeper ``behind``: ``serve()``'s admission takes nothing, a new run
+    waits (``in_time``) and, if they stay late for a whole TTL, is refused with
+    ``InstanceFullError`` before anything of it is written. Once a renewal comes back in
+    time the next start goes at once; the lease held was never lost."""
+    clock = ManualClock()
+    store = LateRenewals(clock)
+    lease = await store.acquire(LeaseKey(unique("t"), unique("e")), "A", TTL)
+    assert lease is not None
+    handle = RunHandle(store, lease, TTL, clock=clock)
+    keeper = keeper_on(clock)
+    assert keeper.margin == TTL - 0.9 - TTL / 3
+    store.delay = 3.0
+    keeper.keep(handle)
+    try:
+        await step_until(clock, lambda: keeper.behind, within=TTL)
+        assert not keeper.try_admit()  # serve() takes nothing over meanwhile
+        waiting = asyncio.create_task(keeper.in_time("run B"))
+        await step_until(clock, waiting.done, within=TTL + 1)
+        with pytest.raises(InstanceFullError, match="run late") as refused:
+            await waiting
+        assert "run B was not started (nothing was written)" in str(refused.value)
+        assert handle.error is None  # the lease held came first, and is held
+        store.delay = 0.0
+        await step_until(clock, lambda: not keeper.behind, within=TTL)
+        await asyncio.wait_for(keeper.in_time("run C"), 1)  # at once, no clock moved
+        assert keeper.try_admit()
+        assert handle.error is None
+    finally:
+        await keeper.aclose()
+
+
+async def test_a_lapsed_lease_renewed_to_tell_its_fate_does_not_hold_back_new_runs() -> None:
+    """A lease whose window ran out (its run is stopped) is renewed once more only to tell
+    a takeover from a slow store: its negative window left says nothing of the pace of the
+    renewals, so it does not turn the keeper ``behind``."""
+    clock = ManualClock()
+    store = MemoryLeaseRepository(clock=clock)
+    lease = await store.acquire(LeaseKey(unique("t"), unique("e")), "A", TTL)
+    assert lease is not None
+    handle = RunHandle(store, lease, TTL, clock=clock)
+    keeper = keeper_on(clock)
+    clock.advance(TTL)  # the window ran out before the first renewal went out
+    keeper.keep(handle)
+    try:
+        await step_until(clock, lambda: len(keeper.batches) >= 1, within=TTL)
+        assert keeper.batches[0].slack < 0
+        assert isinstance(handle.error, ExecutionLeaseLostError)
+        assert not keeper.behind
+    finally:
+        await keeper.aclose()
+
+
+def test_max_held_follows_the_renew_interval() -> None:
+    """Unless told, an instance holds as many executions as it renews at 3 000 leases a
+    second: 10 000 at the default TTL (30 s, renewed every 10 s) where its renewals run in
+    their own thread, 1 000 where they run on its loop; 3 000 at TTL 3 s; 1 000 at 1 s."""
+    assert default_max_held(10.0, in_thread=True) == 10_000
+    assert default_max_held(10.0, in_thread=False) == 1_000
+    assert default_max_held(1.0, in_thread=True) == 3_000
+    assert default_max_held(1 / 3, in_thread=True) == 1_000
+    assert default_max_held(0.0001, in_thread=True) == 1
