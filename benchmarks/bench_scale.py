@@ -5,7 +5,8 @@ one database, (c) the takeover latency of a handed-back execution.
     python benchmarks/bench_scale.py --part b [--runs 2000] [--workers 1 2 4] [--concurrency 8]
     python benchmarks/bench_scale.py --part c [--takeovers 10] [--poll-interval 1.0]
 
-(a) Starts N runs (their step waits on an event, holding its lease), then, for ``--hold``
+(a) Starts N runs (their step waits on an event, holding its lease; ``--max-held`` sets
+the instance's limit: N by default, or ``default`` for its own), then, for ``--hold``
 seconds with all N held, measures: leases lost (must be 0), renewal statements per second
 and leases per statement, CPU of the process per held execution and second, and the renewal
 lateness (how much later than due each statement went out: the window it was due at, less
@@ -42,7 +43,7 @@ from langgraph.graph import END, START, StateGraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from langgraph_fence import EventKind, FenceEvent, fence_graph
+from langgraph_fence import EventKind, FenceEvent, InstanceFullError, fence_graph
 from langgraph_fence.database import schema_options
 from langgraph_fence.fence import safety_margin
 from langgraph_fence.instance import Instance
@@ -61,6 +62,13 @@ async def main() -> None:
     parser.add_argument("--n", type=int, default=1000)
     parser.add_argument("--ttl", type=float, default=3.0)
     parser.add_argument("--hold", type=float, default=15.0)
+    parser.add_argument(
+        "--max-held",
+        type=lambda value: value if value in ("n", "default") else int(value),
+        default="n",
+        help="(a) the instance's max_held: 'n' (as many as --n, the default), 'default' "
+        "(the instance's own, derived from the TTL), or a number",
+    )
     parser.add_argument("--pg", default=DEFAULT_PG)
     parser.add_argument("--runs", type=int, default=2000)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
@@ -100,7 +108,7 @@ async def part_a(args: argparse.Namespace) -> None:
             args.pg,
             engine_options=schema_options(schema),
             lease_ttl=args.ttl,
-            max_held=max(args.n, 1000),
+            max_held={"n": args.n, "default": None}.get(args.max_held, args.max_held),
         ) as instance:
             instance.add_listener(
                 lambda e: lost.append(e) if e.kind in (EventKind.LOST, EventKind.FENCED) else None
@@ -122,10 +130,23 @@ async def part_a(args: argparse.Namespace) -> None:
                 )
                 for _ in range(args.n)
             ]
-            # A benchmark's progress report, polled: nothing waits on it.
-            while entered < args.n and not any(t.done() for t in tasks):  # noqa: ASYNC110
+            ended = 0
+
+            def count_end(_: object) -> None:
+                nonlocal ended
+                ended += 1
+
+            for task in tasks:
+                task.add_done_callback(count_end)
+            # A benchmark's progress report, polled: nothing waits on it. Every start either
+            # enters its step or ends (refused: InstanceFullError; or failed).
+            while entered + ended < args.n:  # noqa: ASYNC110
                 await asyncio.sleep(0.1)
-            print(f"{entered} of {args.n} held after {time.monotonic() - started:.1f} s")
+            refused = sum(isinstance(t.exception(), InstanceFullError) for t in tasks if t.done())
+            print(
+                f"{entered} of {args.n} held after {time.monotonic() - started:.1f} s; "
+                f"{refused} refused (InstanceFullError), {ended - refused} ended otherwise"
+            )
             keeper = instance._keeper
             lag = asyncio.create_task(_loop_lag())
             held_from, cpu_from = instance.clock(), time.process_time()
