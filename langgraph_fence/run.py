@@ -138,9 +138,10 @@ async def running(
     """One run of ``graph`` under its execution's lease, for the body of the block.
 
     A new run (``taken`` None) takes one of the instance's slots first (else
-    :class:`~langgraph_fence.InstanceFullError`, nothing written), binds the thread, records
-    the execution (when it has input) and takes the lease; a run ``serve()`` took over comes
-    with its lease and its slot. The block runs the graph with ``run.config`` and
+    :class:`~langgraph_fence.InstanceFullError`, nothing written), waits its turn to start
+    (and, while the renewals of the runs held run late, for them to catch up), binds the
+    thread, records the execution (when it has input) and takes the lease; a run
+    ``serve()`` took over comes with its lease and its slot. The block runs the graph with ``run.config`` and
     ``run.control``; leaving it settles the outcome and releases the lease (or raises the
     fencing error that stands), then gives the slot back.
     """
