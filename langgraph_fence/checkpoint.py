@@ -408,6 +408,8 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         # run's recorded error, the thread's execution: check_write_scope), before anything
         # else, gets its writes delegated as they are: the checks are not made twice.
         self._inner_admits = bool(getattr(inner, "admits_fenced_writes", False))
+        # The run handle the inner saver last said it guards (see _delegates).
+        self._guarded_handle: RunHandle | None = None
 
     def __repr__(self) -> str:
         return f"FencedCheckpointer({self.inner!r}, require_fence={self.require_fence})"
@@ -618,8 +620,12 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     def _delegates(self, handle: RunHandle, config: RunnableConfig, action: str) -> bool:
         """True when the inner saver checks the token itself: the write is delegated,
         the local checks made first (by the inner saver, when it says it makes them)."""
-        if not self._guards(handle):
-            return False
+        # Whether the inner saver guards a handle is a matter of the handle's store, which
+        # a handle keeps for its life: asked once per run, not once per write.
+        if handle is not self._guarded_handle:
+            if not self._guards(handle):
+                return False
+            self._guarded_handle = handle
         if not self._inner_admits:
             self._admit(handle, config, action)
         return True
