@@ -335,11 +335,13 @@ class _Step:
         self.handle.check_alive()
 
 
-async def _run_async(step: _Step, call: Callable[[], Awaitable[Any]]) -> Any:
+async def _run_async(
+    step: _Step, fn: Callable[..., Awaitable[Any]], args: Any, kwargs: dict[str, Any]
+) -> Any:
     await step.enter_async()
     failure: BaseException | None = None
     try:
-        result = await call()
+        result = await fn(*args, **kwargs)
         await fault_point("effect.after", node=step.node, handle=step.handle, config=step.config)
     except asyncio.CancelledError:
         if step.handle.error is None:
@@ -389,7 +391,7 @@ def _wrap_async(
     @functools.wraps(fn)
     async def fenced_node(*args: Any, **kwargs: Any) -> Any:
         step = _Step(name, effect, _step_config(name, kwargs), stamp, label=label)
-        return await _run_async(step, lambda: fn(*args, **kwargs))
+        return await _run_async(step, fn, args, kwargs)
 
     setattr(fenced_node, EFFECT_ATTRIBUTE, effect)
     return fenced_node
