@@ -210,6 +210,7 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         self._lifecycle = _Lifecycle()
         # The guard of the lease the last fenced write was made under (see _guard_for).
         self._guard_memo: tuple[Lease, Guard] | None = None
+        self._guarded_handle: RunHandle | None = None  # the last handle guards() accepted
         event.listen(engine.sync_engine, "engine_disposed", self._on_engine_disposed)
 
     @property
@@ -325,7 +326,9 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         refused here, before anything is read or written."""
         if handle is None:
             return None
-        if not self.guards(handle):
+        # Whether this saver guards a handle is a matter of the handle's store, which a
+        # handle keeps for its life: asked once per run, not on each write.
+        if handle is not self._guarded_handle and not self.guards(handle):
             raise ValueError(
                 f'{action}: config["configurable"]["__fence"] holds a lease of store '
                 f"{handle.repository.store_id!r}, and this saver's database is "
@@ -341,6 +344,7 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
             raise refuse_write(handle, config, exc) from None
         # One guard per Lease object, which is immutable: a renewal or a re-take (a new
         # token) hands the handle a new one, so a guard is never of a superseded lease.
+        self._guarded_handle = handle
         lease = handle.lease
         keys = clear_keys(handle)
         if keys:

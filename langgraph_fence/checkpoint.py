@@ -59,7 +59,7 @@ from .errors import (
 from .faults import fault_point
 from .fence import FENCE_CONFIG_KEY, RunHandle
 from .guard import holds
-from .lease import Lease, fenced_error
+from .lease import fenced_error
 from .scope import encode_part
 
 if TYPE_CHECKING:
@@ -103,8 +103,8 @@ def fence_handle(config: RunnableConfig) -> RunHandle | None:
             "the runtime created for the run (Instance.ainvoke does), or leave the key out to "
             "write unfenced"
         )
-    lease = handle.lease
-    if not isinstance(lease, Lease) or lease.store_id != handle.repository.store_id:
+    if not handle.from_own_store():
+        lease = handle.lease
         raise ValueError(
             f'config["configurable"]["{FENCE_CONFIG_KEY}"] holds a RunHandle whose lease '
             f"({getattr(lease, 'store_id', type(lease).__name__)!r}) does not come from its "
