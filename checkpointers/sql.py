@@ -58,7 +58,7 @@ from langgraph_fence.database import Dialect, check_engine, create_engine, trans
 from langgraph_fence.errors import ExecutionLeaseLostError
 from langgraph_fence.faults import fault_point
 from langgraph_fence.fence import RunHandle
-from langgraph_fence.lease import fenced_error
+from langgraph_fence.lease import Lease, fenced_error
 from langgraph_fence.migrations import migrate
 from langgraph_fence.retry import retry_window
 from langgraph_fence.schema import LEASE_MIGRATIONS
@@ -191,6 +191,9 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
 
     #: Every row is keyed by tenant: a wrapper passes tenant configs through as they are.
     scopes_tenants: ClassVar[bool] = True
+    #: A fenced write is refused here, before anything else, when the run is known to be
+    #: fenced or the thread is not the handle's execution: a wrapper need not check first.
+    admits_fenced_writes: ClassVar[bool] = True
 
     def __init__(self, engine: AsyncEngine, *, serde: SerializerProtocol | None = None) -> None:
         dialect = check_engine(engine)
@@ -205,6 +208,9 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         # Shared by the copies LangGraph makes (with_allowlist under strict msgpack): a copy
         # is set up, and closed, with the saver it was made from.
         self._lifecycle = _Lifecycle()
+        # The guard of the lease the last fenced write was made under (see _guard_for).
+        self._guard_memo: tuple[Lease, Guard] | None = None
+        self._guarded_handle: RunHandle | None = None  # the last handle guards() accepted
         event.listen(engine.sync_engine, "engine_disposed", self._on_engine_disposed)
 
     @property
@@ -315,9 +321,14 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         action: str,
         clear_keys: Callable[[RunHandle], tuple[str, ...]],
     ) -> Guard | None:
+        """The guard of a fenced write (``None`` without a handle), after the local checks:
+        a handle of another store, a run already fenced, a thread of another execution are
+        refused here, before anything is read or written."""
         if handle is None:
             return None
-        if not self.guards(handle):
+        # Whether this saver guards a handle is a matter of the handle's store, which a
+        # handle keeps for its life: asked once per run, not on each write.
+        if handle is not self._guarded_handle and not self.guards(handle):
             raise ValueError(
                 f'{action}: config["configurable"]["__fence"] holds a lease of store '
                 f"{handle.repository.store_id!r}, and this saver's database is "
@@ -331,7 +342,19 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
             check_write_scope(handle, config, action=action)
         except ExecutionLeaseLostError as exc:
             raise refuse_write(handle, config, exc) from None
-        return Guard.of(handle.lease, clear_keys(handle))
+        # One guard per Lease object, which is immutable: a renewal or a re-take (a new
+        # token) hands the handle a new one, so a guard is never of a superseded lease.
+        self._guarded_handle = handle
+        lease = handle.lease
+        keys = clear_keys(handle)
+        if keys:
+            return Guard.of(lease, keys)
+        memo = self._guard_memo
+        if memo is not None and memo[0] is lease:
+            return memo[1]
+        guard = Guard.of(lease)
+        self._guard_memo = (lease, guard)
+        return guard
 
     async def _refused(
         self, handle: RunHandle, config: RunnableConfig, action: str
@@ -356,12 +379,12 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
             ValueError: no ``thread_id``, a NUL byte in an id, or a handle this saver cannot
                 guard.
         """
-        self._ready()
-        thread_id, checkpoint_ns = _thread_of(config, "aput")
         handle = fence_handle(config)
         guard = self._guard_for(
             handle, config, "aput", lambda h: checkpoint_clear_keys(h, config, checkpoint["id"])
         )
+        self._ready()
+        thread_id, checkpoint_ns = _thread_of(config, "aput")
         inline: dict[str, Any] = {}
         blob_values: dict[str, Any] = {}
         for channel, value in checkpoint["channel_values"].items():
@@ -427,6 +450,10 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
             ValueError: no ``thread_id`` or ``checkpoint_id``, a NUL byte in an id, or a
                 handle this saver cannot guard.
         """
+        handle = fence_handle(config)
+        guard = self._guard_for(
+            handle, config, "aput_writes", lambda h: writes_clear_keys(h, task_id, writes)
+        )
         self._ready()
         thread_id, checkpoint_ns = _thread_of(config, "aput_writes")
         checkpoint_id = config["configurable"].get("checkpoint_id")
@@ -435,10 +462,6 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
                 'aput_writes needs config["configurable"]["checkpoint_id"]: pass the config '
                 "aput returned for the checkpoint the writes belong to"
             )
-        handle = fence_handle(config)
-        guard = self._guard_for(
-            handle, config, "aput_writes", lambda h: writes_clear_keys(h, task_id, writes)
-        )
         dumps = self.serde.dumps_typed
         rows = [
             (WRITES_IDX_MAP.get(channel, idx), channel, *dumps(value))

@@ -62,7 +62,8 @@ def __getattr__(name: str) -> Any:
 
 
 def _key(name: str) -> str:
-    return str(globals().get(name) or __getattr__(name))
+    found = globals().get(name)  # after the first use: read on every step
+    return found if isinstance(found, str) else str(__getattr__(name))
 
 
 def pregel_task_id(configurable: Mapping[str, Any]) -> str | None:

@@ -59,7 +59,7 @@ from .errors import (
 from .faults import fault_point
 from .fence import FENCE_CONFIG_KEY, RunHandle
 from .guard import holds
-from .lease import Lease, fenced_error
+from .lease import fenced_error
 from .scope import encode_part
 
 if TYPE_CHECKING:
@@ -103,8 +103,8 @@ def fence_handle(config: RunnableConfig) -> RunHandle | None:
             "the runtime created for the run (Instance.ainvoke does), or leave the key out to "
             "write unfenced"
         )
-    lease = handle.lease
-    if not isinstance(lease, Lease) or lease.store_id != handle.repository.store_id:
+    if not handle.from_own_store():
+        lease = handle.lease
         raise ValueError(
             f'config["configurable"]["{FENCE_CONFIG_KEY}"] holds a RunHandle whose lease '
             f"({getattr(lease, 'store_id', type(lease).__name__)!r}) does not come from its "
@@ -270,7 +270,7 @@ def writes_clear_keys(
     resume of that step is dead-lettered rather than repeated. The saver clears them only
     where the writes are seen by a resume: their checkpoint is stored.
     """
-    if any(channel in _UNFINISHED for channel, _ in writes):
+    if not handle.pending_effects or any(channel in _UNFINISHED for channel, _ in writes):
         return ()
     return tuple(k for k, e in handle.pending_effects.items() if e.task_id == task_id)
 
@@ -286,6 +286,8 @@ def checkpoint_clear_keys(
     ordered (LangGraph's uuid6), so "older" is a string comparison. A subgraph's checkpoint
     clears nothing: the root's next checkpoint does.
     """
+    if not handle.pending_effects:
+        return ()
     ns = (config.get("configurable") or {}).get("checkpoint_ns") or ""
     if ns:
         return ()
@@ -326,7 +328,10 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
       ``thread_id``), else the write is refused;
     * if ``inner.guards(handle)`` is true (a fence-aware saver on the lease table's
       database), the write is delegated and the inner saver checks the token inside its own
-      statement or transaction: **no window**;
+      statement or transaction: **no window**. An inner saver whose class sets
+      ``admits_fenced_writes = True`` (:class:`checkpointers.SqlCheckpointer`) refuses a
+      write of another execution, or of a run already fenced, itself, before it does
+      anything else;
     * otherwise the wrapper checks ``handle.check()`` (no I/O), then reads the lease once
       and compares epoch, holder and status, then delegates with the handle removed from
       the config. **Remaining window:** a take-over committed after that read and before
@@ -399,6 +404,12 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         # A saver that keys threads by tenant itself (SqlCheckpointer) gets configs as they
         # are; any other keeps a tenant's thread under an id of its own (_inner_thread_id).
         self._scopes_tenants = bool(getattr(inner, "scopes_tenants", False))
+        # A fence-aware saver that makes the local checks of a fenced write itself (the
+        # run's recorded error, the thread's execution: check_write_scope), before anything
+        # else, gets its writes delegated as they are: the checks are not made twice.
+        self._inner_admits = bool(getattr(inner, "admits_fenced_writes", False))
+        # The run handle the inner saver last said it guards (see _delegates).
+        self._guarded_handle: RunHandle | None = None
 
     def __repr__(self) -> str:
         return f"FencedCheckpointer({self.inner!r}, require_fence={self.require_fence})"
@@ -597,20 +608,33 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         guards = getattr(self.inner, "guards", None)
         return callable(guards) and bool(guards(handle))
 
-    def _admit_guarded(self, handle: RunHandle, config: RunnableConfig, action: str) -> bool:
-        """The local checks (no I/O); True when the inner saver checks the token itself."""
+    def _admit(self, handle: RunHandle, config: RunnableConfig, action: str) -> None:
+        """The local checks (no I/O): the run's recorded error, the thread's execution."""
         try:
             if handle.error is not None:
                 raise handle.error
             check_write_scope(handle, config, action=action)
         except ExecutionLeaseLostError as exc:
             raise refuse_write(handle, config, exc) from None
-        return self._guards(handle)
+
+    def _delegates(self, handle: RunHandle, config: RunnableConfig, action: str) -> bool:
+        """True when the inner saver checks the token itself: the write is delegated,
+        the local checks made first (by the inner saver, when it says it makes them)."""
+        # Whether the inner saver guards a handle is a matter of the handle's store, which
+        # a handle keeps for its life: asked once per run, not once per write.
+        if handle is not self._guarded_handle:
+            if not self._guards(handle):
+                return False
+            self._guarded_handle = handle
+        if not self._inner_admits:
+            self._admit(handle, config, action)
+        return True
 
     async def _check_outside(
         self, handle: RunHandle, config: RunnableConfig, action: str
     ) -> RunnableConfig:
         """For an inner saver that cannot check the token: check it here, by one read."""
+        self._admit(handle, config, action)
         self._loop = asyncio.get_running_loop()
         await check_held(handle, config, action)
         return _without_handle(config)
@@ -629,10 +653,23 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             )
             return self._outer_config(stored)  # type: ignore[no-any-return]
         # A checkpoint write of the tree keeps its lease held (re-taken first if yielded).
-        async with handle.activity.step():
-            return await self._aput(handle, config, checkpoint, metadata, new_versions)
+        activity = handle.activity
+        if not activity.enter_held():
+            await activity.enter()
+        try:
+            if not self._delegates(handle, config, "aput"):
+                return await self._aput_outside(handle, config, checkpoint, metadata, new_versions)
+            try:
+                saved = await self.inner.aput(
+                    self._inner_config(config), checkpoint, metadata, new_versions
+                )
+            except ExecutionLeaseLostError as exc:
+                raise refuse_write(handle, config, exc) from None
+            return self._outer_config(saved)  # type: ignore[no-any-return]
+        finally:
+            activity.leave()
 
-    async def _aput(
+    async def _aput_outside(
         self,
         handle: RunHandle,
         config: RunnableConfig,
@@ -640,27 +677,22 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
-        inner_config = config
-        guarded = self._admit_guarded(handle, config, "aput")
-        if not guarded:
-            inner_config = await self._check_outside(handle, config, "aput")
+        inner_config = await self._check_outside(handle, config, "aput")
         try:
-            if not guarded:  # a fence-aware inner saver marks its own fault points
-                await fault_point(
-                    "checkpoint.before", config=config, checkpoint=checkpoint, metadata=metadata
-                )
+            await fault_point(
+                "checkpoint.before", config=config, checkpoint=checkpoint, metadata=metadata
+            )
             saved = await self.inner.aput(
                 self._inner_config(inner_config), checkpoint, metadata, new_versions
             )
-            keys = () if guarded else checkpoint_clear_keys(handle, config, checkpoint["id"])
+            keys = checkpoint_clear_keys(handle, config, checkpoint["id"])
             if keys:
                 # Not in the inner write's transaction: a crash in between leaves the
                 # entries standing, and their steps are dead-lettered instead of repeated.
                 await self._clear(handle, keys)
-            if not guarded:
-                await fault_point(
-                    "checkpoint.after", config=config, checkpoint=checkpoint, metadata=metadata
-                )
+            await fault_point(
+                "checkpoint.after", config=config, checkpoint=checkpoint, metadata=metadata
+            )
             return self._outer_config(saved)  # type: ignore[no-any-return]
         except ExecutionLeaseLostError as exc:
             raise refuse_write(handle, config, exc) from None
@@ -676,10 +708,21 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         if handle is None:
             await self.inner.aput_writes(self._inner_config(config), writes, task_id, task_path)
             return
-        async with handle.activity.step():
-            await self._aput_writes(handle, config, writes, task_id, task_path)
+        activity = handle.activity
+        if not activity.enter_held():
+            await activity.enter()
+        try:
+            if not self._delegates(handle, config, "aput_writes"):
+                await self._aput_writes_outside(handle, config, writes, task_id, task_path)
+                return
+            try:
+                await self.inner.aput_writes(self._inner_config(config), writes, task_id, task_path)
+            except ExecutionLeaseLostError as exc:
+                raise refuse_write(handle, config, exc) from None
+        finally:
+            activity.leave()
 
-    async def _aput_writes(
+    async def _aput_writes_outside(
         self,
         handle: RunHandle,
         config: RunnableConfig,
@@ -687,17 +730,11 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         task_id: str,
         task_path: str,
     ) -> None:
-        inner_config = config
-        guarded = self._admit_guarded(handle, config, "aput_writes")
-        if not guarded:
-            inner_config = await self._check_outside(handle, config, "aput_writes")
+        inner_config = await self._check_outside(handle, config, "aput_writes")
         try:
-            if not guarded:
-                await fault_point("writes.before", config=config, task_id=task_id, writes=writes)
+            await fault_point("writes.before", config=config, task_id=task_id, writes=writes)
             tenant_config = self._inner_config(inner_config)
             await self.inner.aput_writes(tenant_config, writes, task_id, task_path)
-            if guarded:
-                return
             await fault_point("writes.after", config=config, task_id=task_id, writes=writes)
             keys = writes_clear_keys(handle, task_id, writes)
             # Writes whose checkpoint is not stored are seen by no resume: they prove

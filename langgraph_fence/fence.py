@@ -86,6 +86,8 @@ class RunHandle:
         # sync steps' worker threads) stamp, clear, yield and record.
         self._state = threading.Lock()
         self._lease = lease
+        # The lease and repository from_own_store() last found to match (see there).
+        self._own: tuple[Lease, ExecutionLeaseRepository] | None = None
         sent = clock() if confirmed_from is None else confirmed_from
         self.confirmed_until = sent + self.ttl - safety_margin(self.ttl)
         self.error: ExecutionLeaseLostError | None = None
@@ -123,6 +125,20 @@ class RunHandle:
     def lease(self) -> Lease:
         """The lease as this run last confirmed it."""
         return self._lease
+
+    def from_own_store(self) -> bool:
+        """Whether the lease is a :class:`Lease` that the handle's repository's store
+        returned (the same ``store_id``)."""
+        lease, repository = self._lease, self.repository
+        own = self._own
+        # Checked once per lease object (immutable; each renewal is a new one), not on
+        # each of the run's writes.
+        if own is not None and own[0] is lease and own[1] is repository:
+            return True
+        if not isinstance(lease, Lease) or lease.store_id != repository.store_id:
+            return False
+        self._own = (lease, repository)
+        return True
 
     @property
     def key(self) -> LeaseKey:

@@ -12,6 +12,7 @@ counted per key. It is never a database revision or a global sequence.
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -90,6 +91,11 @@ RELEASE_STATUSES = frozenset(
 )
 
 
+# A run names its key's scope key in every log line and event: encoded once per key, not
+# on each use (both parts are checked text: hashable, and encodable without an error).
+_scope_key_of = functools.lru_cache(maxsize=4096)(scope_key)
+
+
 @dataclass(frozen=True, slots=True)
 class LeaseKey:
     """The key of one execution's lease: ``(tenant_id, execution_id)``."""
@@ -104,7 +110,7 @@ class LeaseKey:
     @property
     def scope_key(self) -> str:
         """The key's scope key: ``tenant:execution`` with each part URI-component encoded."""
-        return scope_key(self.tenant_id, self.execution_id)
+        return _scope_key_of(self.tenant_id, self.execution_id)
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,7 +54,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _configurable(config: Any) -> dict[str, Any]:
-    if not isinstance(config, Mapping):
+    # dict first: LangGraph's configs are dicts, and the Mapping check is an ABC's
+    # (several times slower), paid on every step.
+    if not isinstance(config, (dict, Mapping)):
         return {}
     configurable = config.get("configurable")
     return configurable if isinstance(configurable, dict) else {}
@@ -62,7 +64,7 @@ def _configurable(config: Any) -> dict[str, Any]:
 
 def _step_config(node: str, kwargs: Mapping[str, Any]) -> RunnableConfig:
     config = kwargs.get("config")
-    if isinstance(config, Mapping) and isinstance(config.get("configurable"), dict):
+    if isinstance(config, (dict, Mapping)) and isinstance(config.get("configurable"), dict):
         return config  # type: ignore[return-value]
     try:
         return get_config()
@@ -76,7 +78,11 @@ def _step_config(node: str, kwargs: Mapping[str, Any]) -> RunnableConfig:
 
 def handle_of(config: Any, *, node: str) -> RunHandle:
     """The run handle in ``config``, or a clear refusal."""
-    handle = _configurable(config).get(FENCE_CONFIG_KEY)
+    return _handle_in(_configurable(config), node=node)
+
+
+def _handle_in(configurable: Mapping[str, Any], *, node: str) -> RunHandle:
+    handle = configurable.get(FENCE_CONFIG_KEY)
     if handle is None:
         raise ExecutionContextUnavailableError(
             f"node {node!r} ran without a held lease: run the graph with "
@@ -95,64 +101,82 @@ class _Step:
     """One step's frame: entered before the body, left after it, on every path."""
 
     __slots__ = (
+        "_cancelled",
         "_counted",
         "_deferred",
         "_reset",
+        "_task",
         "_unsubscribe",
         "config",
+        "configurable",
         "effect",
         "frame",
         "handle",
+        "label",
         "node",
         "stamp_at",
+        "task_id",
     )
 
     def __init__(
-        self, node: str, effect: Effect, config: RunnableConfig, stamp_at: StampAt = "body"
+        self,
+        node: str,
+        effect: Effect,
+        config: RunnableConfig,
+        stamp_at: StampAt = "body",
+        *,
+        label: str,
     ) -> None:
         self.node = node
         self.effect = effect
         self.config = config
         self.stamp_at = stamp_at
-        self.handle = handle_of(config, node=node)
+        self.label = label  # the fence's name in its errors
+        # The task's own configurable dict: read once here, written once (the frame).
+        configurable = _configurable(config)
+        self.configurable = configurable
+        self.handle = _handle_in(configurable, node=node)
+        # The task's id keys the step's stamp; the node's name outside a LangGraph task.
+        self.task_id = pregel_task_id(configurable) or node
         self._deferred: Any = None
         self._reset: Any = None
         self._unsubscribe: Callable[[], None] | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._cancelled = False
         self._counted = False
         self.frame: ExecutionContext | None = None
 
     def _pending(self) -> PendingEffect:
         return PendingEffect(
-            self.effect, self.node, self._task_id(), self.handle.token, self._superstep()
+            self.effect, self.node, self.task_id, self.handle.token, self._superstep()
         )
 
     def _superstep(self) -> str:
-        checkpoint_map = _configurable(self.config).get("checkpoint_map")
-        if isinstance(checkpoint_map, Mapping):
+        checkpoint_map = self.configurable.get("checkpoint_map")
+        if isinstance(checkpoint_map, (dict, Mapping)):
             return str(checkpoint_map.get("") or "")
         return ""
 
-    def _task_id(self) -> str:
-        return pregel_task_id(_configurable(self.config)) or self.node
-
     def _attempt(self) -> int:
-        runtime = pregel_runtime(_configurable(self.config))
+        runtime = pregel_runtime(self.configurable)
         info = getattr(runtime, "execution_info", None)
         return int(getattr(info, "node_attempt", 1) or 1)
 
     def _enter_frame(self) -> None:
-        configurable = _configurable(self.config)
-        fence = ExecutionFence(self.handle, label=f"node {self.node!r}")
+        configurable = self.configurable
+        fence = ExecutionFence(self.handle, label=self.label)
+        # Positional (fence, node, task_id, attempt, checkpoint_ns, thread_id, effect,
+        # _handle, _superstep): a third cheaper than by keyword, on every step.
         self.frame = ExecutionContext(
-            fence=fence,
-            node=self.node,
-            task_id=self._task_id(),
-            attempt=self._attempt(),
-            checkpoint_ns=str(configurable.get("checkpoint_ns", "")),
-            thread_id=str(configurable.get("thread_id", "")),
-            effect=self.effect,
-            _handle=self.handle,
-            _superstep=self._superstep(),
+            fence,
+            self.node,
+            self.task_id,
+            self._attempt(),
+            str(configurable.get("checkpoint_ns", "")),
+            str(configurable.get("thread_id", "")),
+            self.effect,
+            self.handle,
+            self._superstep(),
         )
         # The task's configurable dict is its own: the frame is visible to the node through
         # its config and get_config(), and does not leak into the next step or the saver.
@@ -161,7 +185,7 @@ class _Step:
 
     def _standing_non_idempotent(self) -> PendingEffect | None:
         """A non-idempotent entry of this task (the node's or a tool's), if one stands."""
-        return standing_non_idempotent(self.handle, self._task_id())
+        return standing_non_idempotent(self.handle, self.task_id)
 
     def _refuse_repeat(self) -> None:
         """In-process recovery: never run a non-idempotent write again in the same run.
@@ -182,7 +206,9 @@ class _Step:
     async def enter_async(self) -> None:
         # Counted among the tree's running steps first: a yielded lease is taken again
         # (epoch + 1) before anything of the step runs (tree_activity.py).
-        await self.handle.activity.enter()
+        activity = self.handle.activity
+        if not activity.enter_held():
+            await activity.enter()
         self._counted = True
         try:
             self._enter_checked()
@@ -200,16 +226,16 @@ class _Step:
         self._enter_frame()
         task = asyncio.current_task()
         if task is not None:
-            cancelled: list[bool] = []
+            self._task = task
+            self._unsubscribe = self.handle.on_stop(self._cancel)
 
-            def cancel_step(error: BaseException) -> None:
-                # Once: a lapse (lost) followed by the store's answer (fenced) must not
-                # cancel the step's handling of the first cancellation.
-                if not cancelled:
-                    cancelled.append(True)
-                    task.cancel(f"langgraph-fence: {error}")
-
-            self._unsubscribe = self.handle.on_stop(cancel_step)
+    def _cancel(self, error: BaseException) -> None:
+        """The run must stop: cancel the step's task."""
+        # Once: a lapse (lost) followed by the store's answer (fenced) must not cancel the
+        # step's handling of the first cancellation.
+        if not self._cancelled and self._task is not None:
+            self._cancelled = True
+            self._task.cancel(f"langgraph-fence: {error}")
 
     def enter_sync(self) -> None:
         """Enter from a worker thread (a sync node); guarded writes go to the run's loop."""
@@ -232,9 +258,11 @@ class _Step:
         self._enter_frame()
 
     def _enter_checked(self) -> None:
-        self.handle.check()
-        self.handle.check_alive()
-        self._refuse_repeat()
+        handle = self.handle
+        handle.check()
+        handle.check_alive()
+        if handle.pending_effects:  # nothing stamped in this run: nothing to repeat
+            self._refuse_repeat()
 
     def _uncount(self) -> None:
         if self._counted:
@@ -248,6 +276,10 @@ class _Step:
             self._deferred = None
         if self._unsubscribe is not None:
             self._unsubscribe()
+            # The unsubscribe holds the listener, a method of this step: dropped here so
+            # the step is no reference cycle (the garbage collector's work).
+            self._unsubscribe = None
+        self._task = None
         if self.frame is not None:
             self.frame.fence._close()
         if self._reset is not None:
@@ -303,11 +335,13 @@ class _Step:
         self.handle.check_alive()
 
 
-async def _run_async(step: _Step, call: Callable[[], Awaitable[Any]]) -> Any:
+async def _run_async(
+    step: _Step, fn: Callable[..., Awaitable[Any]], args: Any, kwargs: dict[str, Any]
+) -> Any:
     await step.enter_async()
     failure: BaseException | None = None
     try:
-        result = await call()
+        result = await fn(*args, **kwargs)
         await fault_point("effect.after", node=step.node, handle=step.handle, config=step.config)
     except asyncio.CancelledError:
         if step.handle.error is None:
@@ -351,21 +385,25 @@ def _run_sync(step: _Step, call: Callable[[], Any]) -> Any:
 def _wrap_async(
     fn: Callable[..., Awaitable[Any]], node: str | None, effect: Effect, stamp: StampAt = "body"
 ) -> Any:
+    name = node or fn.__name__
+    label = f"node {name!r}"
+
     @functools.wraps(fn)
     async def fenced_node(*args: Any, **kwargs: Any) -> Any:
-        name = node or fn.__name__
-        step = _Step(name, effect, _step_config(name, kwargs), stamp)
-        return await _run_async(step, lambda: fn(*args, **kwargs))
+        step = _Step(name, effect, _step_config(name, kwargs), stamp, label=label)
+        return await _run_async(step, fn, args, kwargs)
 
     setattr(fenced_node, EFFECT_ATTRIBUTE, effect)
     return fenced_node
 
 
 def _wrap_sync(fn: Callable[..., Any], node: str | None, effect: Effect) -> Any:
+    name = node or fn.__name__
+    label = f"node {name!r}"
+
     @functools.wraps(fn)
     def fenced_node(*args: Any, **kwargs: Any) -> Any:
-        name = node or fn.__name__
-        step = _Step(name, effect, _step_config(name, kwargs))
+        step = _Step(name, effect, _step_config(name, kwargs), label=label)
         return _run_sync(step, lambda: fn(*args, **kwargs))
 
     setattr(fenced_node, EFFECT_ATTRIBUTE, effect)

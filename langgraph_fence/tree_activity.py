@@ -28,8 +28,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from .errors import ExecutionFencedError
@@ -72,6 +70,15 @@ class TreeActivity:
 
     # -- a step or a checkpoint write of the tree
 
+    def enter_held(self) -> bool:
+        """A step or checkpoint write starts while the lease is not yielded: counted, and
+        True (no I/O). False, nothing counted, while it is yielded: :meth:`enter` then."""
+        with self._count:  # counted and the yield read at once (maybe_yield sets it so)
+            if self.yielded:
+                return False
+            self.running += 1
+            return True
+
     async def enter(self) -> None:
         """A step or checkpoint write starts: counted, and the lease re-taken if yielded."""
         with self._count:  # counted and the yield read at once (maybe_yield sets it so)
@@ -105,15 +112,6 @@ class TreeActivity:
         """A step or checkpoint write ended."""
         with self._count:
             self.running -= 1
-
-    @asynccontextmanager
-    async def step(self) -> AsyncIterator[None]:
-        """Count a block (a checkpoint write) as running, the lease held for it."""
-        await self.enter()
-        try:
-            yield
-        finally:
-            self.leave()
 
     # -- a wait for remote children
 
