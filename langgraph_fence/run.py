@@ -141,9 +141,9 @@ async def running(
     :class:`~langgraph_fence.InstanceFullError`, nothing written), waits its turn to start
     (and, while the renewals of the runs held run late, for them to catch up), binds the
     thread, records the execution (when it has input) and takes the lease; a run
-    ``serve()`` took over comes with its lease and its slot. The block runs the graph with ``run.config`` and
-    ``run.control``; leaving it settles the outcome and releases the lease (or raises the
-    fencing error that stands), then gives the slot back.
+    ``serve()`` took over comes with its lease and its slot. The block runs the graph with
+    ``run.config`` and ``run.control``; leaving it settles the outcome and releases the
+    lease (or raises the fencing error that stands), then gives the slot back.
     """
     what = f"execution {tenant_id!r}/{execution_id or 'its thread'!r}"
     if taken is None:
