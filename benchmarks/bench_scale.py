@@ -94,12 +94,15 @@ async def part_a(args: argparse.Namespace) -> None:
     admin = await asyncpg.connect(dsn)
     await admin.execute(f'CREATE SCHEMA "{schema}"')
     go = asyncio.Event()
-    entered = 0
+    waiting = 0  # runs in their step now (a run that lost its lease there has left it)
 
     async def wait(state: Log) -> Log:
-        nonlocal entered
-        entered += 1
-        await go.wait()
+        nonlocal waiting
+        waiting += 1
+        try:
+            await go.wait()
+        finally:
+            waiting -= 1
         return {"log": ["done"]}
 
     lost: list[FenceEvent] = []
@@ -139,12 +142,13 @@ async def part_a(args: argparse.Namespace) -> None:
             for task in tasks:
                 task.add_done_callback(count_end)
             # A benchmark's progress report, polled: nothing waits on it. Every start either
-            # enters its step or ends (refused: InstanceFullError; or failed).
-            while entered + ended < args.n:  # noqa: ASYNC110
+            # waits in its step or ends (refused: InstanceFullError; or failed, in its step
+            # or before it).
+            while waiting + ended < args.n:  # noqa: ASYNC110
                 await asyncio.sleep(0.1)
             refused = sum(isinstance(t.exception(), InstanceFullError) for t in tasks if t.done())
             print(
-                f"{entered} of {args.n} held after {time.monotonic() - started:.1f} s; "
+                f"{waiting} of {args.n} held after {time.monotonic() - started:.1f} s; "
                 f"{refused} refused (InstanceFullError), {ended - refused} ended otherwise"
             )
             keeper = instance._keeper

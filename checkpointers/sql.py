@@ -193,6 +193,8 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
     scopes_tenants: ClassVar[bool] = True
     #: A fenced write is refused here, before anything else, when the run is known to be
     #: fenced or the thread is not the handle's execution: a wrapper need not check first.
+    #: A subclass inherits the promise: one that overrides ``aput`` or ``aput_writes``
+    #: keeps their checks first, or sets this to ``False``.
     admits_fenced_writes: ClassVar[bool] = True
 
     def __init__(self, engine: AsyncEngine, *, serde: SerializerProtocol | None = None) -> None:

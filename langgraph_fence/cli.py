@@ -231,7 +231,8 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="how many executions this worker's instance holds (renews) at once; it takes "
         "no more over until one ends, whatever --concurrency says (default: as many as it "
-        "renews at 3 000 leases a second, at most 10 000: 10 000 at a 30 s TTL, 3 000 at 3 s)",
+        "renews at 3 000 leases a second, at most 10 000: 10 000 at a 30 s TTL, 3 000 at 3 s; "
+        "at most 1 000 on an in-memory SQLite database, where renewals run on its loop)",
     )
     worker.add_argument(
         "--poll-interval",

@@ -133,13 +133,18 @@ class ExecutionEndedError(LangGraphFenceError, RuntimeError):
 
 
 class InstanceFullError(LangGraphFenceError, RuntimeError):
-    """The instance holds as many executions as it may (its ``max_held``), or the renewals
-    of those it holds have run late for a whole lease TTL: nothing was run or written.
+    """The instance takes on no more executions now: nothing was run or written.
 
     An instance takes on no more executions than its keeper renews in time; past that, a
-    lease would lapse for want of a renewal. Start the run on another instance, or again
-    once one of this instance's runs has ended (``serve()`` defers its takeovers the same
-    way, leaving them to other instances), or give the instance a higher ``max_held``.
+    lease would lapse for want of a renewal. Two cases, each named in the message:
+
+    * it holds as many as it may (its ``max_held``): start the run on another instance, or
+      again once one of this instance's runs has ended (``serve()`` defers its takeovers the
+      same way, leaving them to other instances), or give the instance a higher
+      ``max_held``;
+    * the renewals of those it holds run late, and the start waited a lease TTL for them
+      to catch up: start it on another instance or again later; if it lasts, hold fewer
+      executions there (a lower ``max_held``) or use a longer ``lease_ttl``.
     """
 
     code: ClassVar[str] = "instance.full"

@@ -108,11 +108,12 @@ class Instance:
             checkpoint of its thread since the take before; the next take dead-letters it
             ("crashed N workers") instead of handing it to one more worker.
         max_held: how many executions the instance holds at once. Default: as many as it
-            renews at 3 000 leases a second (:func:`~langgraph_fence.keeper.default_max_held`):
-            10 000 at the default TTL (1 000 where the renewals run on the loop), 3 000 at
-            TTL 3 s. Every lease it holds is renewed by its one keeper, batched; past the
-            limit :meth:`ainvoke` raises :class:`~langgraph_fence.InstanceFullError` before
-            anything is written, and :meth:`serve` takes nothing over until a run ends.
+            renews at 3 000 leases a second (:func:`~langgraph_fence.keeper.default_max_held`),
+            at most 10 000 where the renewals run in their thread (10 000 at the default TTL,
+            3 000 at TTL 3 s) and 1 000 where they run on the loop. Every lease it holds is
+            renewed by its one keeper, batched; past the limit :meth:`ainvoke` raises
+            :class:`~langgraph_fence.InstanceFullError` before anything is written, and
+            :meth:`serve` takes nothing over until a run ends.
             Below it too, while the renewals of the leases it holds run late, a new run
             waits for them to catch up (at most a TTL, then the same error) and
             :meth:`serve` takes nothing over.
@@ -404,8 +405,9 @@ class Instance:
             ExecutionFencedError: the lease was taken over during the run.
             ExecutionLeaseLostError: the lease could not be renewed in time.
             ExecutionLeaseHeldError: another live instance holds the lease.
-            InstanceFullError: the instance holds ``max_held`` executions already; nothing
-                was written.
+            InstanceFullError: the instance holds ``max_held`` executions already, or the
+                renewals of those it holds ran late for the whole lease TTL the start
+                waited; nothing was written.
             ExecutionEndedError: the execution was dead-lettered: it runs again only after
                 an operator's ``langgraph-fence resolve``.
             ExecutionDeadLetteredError: the run was dead-lettered (a non-idempotent

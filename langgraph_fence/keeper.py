@@ -98,8 +98,9 @@ LOOP_STALL_FLOOR = 10.0
 #: How many lease renewals a second one instance plans for when it derives its ``max_held``
 #: (:func:`default_max_held`). Measured on a 2-core box with PostgreSQL on it
 #: (``benchmarks/bench_scale.py``): 3 000 leases at TTL 3 s (3 000 renewals a second)
-#: held with the renewals' p99 lateness at 27 to 55 ms, 5 000 held at 88 to 90 ms, 10 000
-#: lost; a renewal costs about 20 µs of this process's CPU per lease.
+#: held with none lost, the renewals' p99 lateness at 18 to 55 ms; 5 000 held on a quiet
+#: box, some lost on a loaded one (to garbage-collection pauses that grow with the heap);
+#: 10 000 lost. A renewal costs about 20 µs of this process's CPU per lease.
 RENEWALS_PER_SECOND = 3000
 
 #: The most executions an instance holds by default, whatever its TTL: the most measured
@@ -243,11 +244,11 @@ class Keeper:
         self.renew_interval = renew_interval
         #: The window a lease has left when its renewal goes out on time, in seconds.
         self.margin = ttl - safety_margin(ttl) - renew_interval
-        #: Whether the renewals run late: a statement came back with less than half of
-        #: :attr:`margin` left for one of its leases, and they have not come back in time
-        #: for a whole renew interval since. Meanwhile the instance takes on no new run.
-        self.behind = False
-        self._late_at = 0.0  # when a renewal was last answered late, on the instance's clock
+        # When a renewal statement was last answered late (see ``behind``), on the
+        # instance's clock; and the statements in flight, by when each was sent. Both
+        # under ``_lock``: the renewer thread writes them, the loop reads them.
+        self._late_at: float | None = None
+        self._sent: dict[object, float] = {}
         self.loop_stall_bound = loop_stall_bound(ttl)
         self._clock = clock
         self._sleep = sleep
@@ -279,6 +280,21 @@ class Keeper:
     def held(self) -> int:
         """How many runs the keeper keeps now."""
         return len(self._due)
+
+    @property
+    def behind(self) -> bool:
+        """Whether the renewals of the runs held run late, so that the instance takes on
+        no new run: a renewal statement came back less than a renew interval ago with
+        less than half of :attr:`margin` left for one of the leases it still holds (or
+        after one of their windows ran out), or one has been in flight for longer than
+        half of :attr:`margin`. Never while nothing is held."""
+        now = self._clock()
+        with self._lock:
+            if not self._due:
+                return False
+            if self._late_at is not None and now - self._late_at < self.renew_interval:
+                return True
+            return any(now - sent_at > self.margin / 2 for sent_at in self._sent.values())
 
     @property
     def free(self) -> int:
@@ -324,9 +340,11 @@ class Keeper:
         if self.behind:
             raise InstanceFullError(
                 f"instance {self.holder!r}: the renewals of the {self.held} executions it "
-                f"holds have run late for {self.ttl:g} s (the lease TTL), so {what} was not "
-                "started (nothing was written): the leases it holds come first. Start it on "
-                "another instance or again later, or hold fewer executions here (max_held)"
+                f"holds run late, so {what} waited {self.ttl:g} s (one lease TTL) for them to "
+                "catch up and was not started (nothing was written): the leases it holds come "
+                "first. Start it on another instance or again later; if this lasts, hold "
+                "fewer executions here (a lower max_held) or give the leases a longer "
+                "lease_ttl"
             )
 
     async def confirm_start(self, handle: RunHandle) -> None:
@@ -377,7 +395,6 @@ class Keeper:
             idle = not self._due
         if not idle:
             return
-        self._pace(None)  # nothing held: nothing to fall behind with
         if self._thread_store is None:
             await self.aclose()
             return
@@ -469,8 +486,15 @@ class Keeper:
             # The token each lease was renewed at: an answer about an older one (the run
             # yielded and re-took its lease meanwhile) tells nothing about the run now.
             epochs = {h: h.token for h in batch}
+            # A lease that had lapsed before it was sent (renewed once more only to tell a
+            # takeover from a slow store) says nothing about the pace; one that lapses in
+            # flight does.
+            live = [h for h in batch if h.error is None]
             # A connection error is retried while the earliest window of the batch lasts.
             earliest = min(batch, key=lambda h: h.confirmed_until)
+            ticket = object()
+            with self._lock:
+                self._sent[ticket] = sent_at
             try:
                 with retry_window(earliest):
                     answers = await repository.renew_many([h.lease for h in batch], self.ttl)
@@ -484,14 +508,15 @@ class Keeper:
                         if handle in self._due:
                             self._due[handle] = self._clock() + self.renew_interval
                 continue
+            finally:
+                with self._lock:
+                    del self._sent[ticket]
             took = self._clock() - sent_at
             self.batches.append(Batch(sent_at, len(batch), min(left.values()), took))
             del self.batches[:-4096]
-            # A lease that had lapsed before it was sent (it is renewed once more only to
-            # tell a takeover from a slow store) says nothing about the pace.
-            live = [left[h] for h in batch if h.error is None]
-            if live:
-                self._pace(min(live) - took, len(batch))
+            with self._lock:  # a lease released meanwhile is nobody's to fall behind with
+                held = [left[h] - took for h in live if h in self._due]
+            self._note_pace(held, len(batch))
             fenced: list[tuple[RunHandle, ExecutionFencedError]] = []
             late: list[tuple[RunHandle, float]] = []
             with self._lock:  # a handle released meanwhile is not kept any more
@@ -523,38 +548,30 @@ class Keeper:
                     self._events.emit, EventKind.RENEWED_LATE, handle.scope_key, handle.token, why
                 )
 
-    def _pace(self, left: float | None, size: int = 0) -> None:
-        """Note how much of a lease's window was left when a renewal statement of ``size``
-        leases was answered (``None``: nothing is held any more).
-
-        One answered with less than half of :attr:`margin` left turns :attr:`behind` on;
-        only answers in time for a whole renew interval after the last late one turn it
-        off (every lease held has been renewed in time since): several statements in
-        flight come back in any order, and one small answer in time among late ones does
-        not let new runs in."""
-        now = self._clock()
-        if left is None:
-            behind = False
-        elif left < self.margin / 2:
-            self._late_at = now
-            behind = True
-        else:
-            behind = self.behind and now - self._late_at < self.renew_interval
-        if behind == self.behind:
+    def _note_pace(self, left: list[float], size: int) -> None:
+        """Note a renewal statement of ``size`` leases answered with ``left`` seconds of
+        their windows left, for each lease live when it was sent and still held: late
+        (see :attr:`behind`) if the least is under half of :attr:`margin`."""
+        if not left:
             return
-        self.behind = behind
-        if behind:
+        least = min(left)
+        if least >= self.margin / 2:
+            return
+        now = self._clock()
+        with self._lock:
+            was_late = self._late_at is not None and now - self._late_at < self.renew_interval
+            self._late_at = now
+        if not was_late:
             logger.warning(
                 "instance %s: its renewals run late (a statement of %d leases was answered "
                 "with %.2f s of a lease's window left, against %.2f s when on time): it takes "
-                "on no new run until they catch up",
+                "on no new run until they have come back in time for %.1f s",
                 self.holder,
                 size,
-                left,
+                least,
                 self.margin,
+                self.renew_interval,
             )
-        else:
-            logger.info("instance %s: its renewals run in time again", self.holder)
 
     def _on_loop(self, call: Callable[..., object], *args: Any) -> None:
         """``call(*args)`` on the instance's loop: at once if this is it, else when it runs."""

@@ -138,12 +138,12 @@ async def running(
     """One run of ``graph`` under its execution's lease, for the body of the block.
 
     A new run (``taken`` None) takes one of the instance's slots first (else
-    :class:`~langgraph_fence.InstanceFullError`, nothing written), waits its turn to start
-    (and, while the renewals of the runs held run late, for them to catch up), binds the
-    thread, records the execution (when it has input) and takes the lease; a run
-    ``serve()`` took over comes with its lease and its slot. The block runs the graph with
-    ``run.config`` and ``run.control``; leaving it settles the outcome and releases the
-    lease (or raises the fencing error that stands), then gives the slot back.
+    :class:`~langgraph_fence.InstanceFullError`, nothing written), waits while the renewals
+    of the runs held run late and then its turn to start, binds the thread, records the
+    execution (when it has input) and takes the lease; a run ``serve()`` took over comes
+    with its lease and its slot. The block runs the graph with ``run.config`` and
+    ``run.control``; leaving it settles the outcome and releases the lease (or raises the
+    fencing error that stands), then gives the slot back.
     """
     what = f"execution {tenant_id!r}/{execution_id or 'its thread'!r}"
     if taken is None:
@@ -154,10 +154,11 @@ async def running(
     my_turn = False
     try:
         if starting is not None:
+            # The leases held come first: while their renewals run late, wait (each start
+            # at most one TTL, however many wait, not one after another in turn).
+            await instance._keeper.in_time(what)
             await starting.acquire()
             my_turn = True
-            # The leases held come first: while their renewals run late, wait.
-            await instance._keeper.in_time(what)
         async with _running(
             instance,
             graph,

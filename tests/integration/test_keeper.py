@@ -12,7 +12,7 @@ import concurrent.futures
 import operator
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypedDict
 
@@ -129,28 +129,43 @@ async def test_an_instance_at_its_limit_refuses_the_next_run_and_loses_none(
         assert lease.status is LeaseStatus.DONE
 
 
-async def test_while_renewals_run_late_a_new_run_waits_for_them_and_none_is_lost(
-    database: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Below ``max_held`` too, an instance whose renewals come back late (here every
-    renewal statement is made to take 2.5 s, an injected fault, of the 4.5 s a lease has
-    left when its renewal goes out on time at TTL 8 s) takes on no new run: the next start
-    waits, writing nothing, while the leases it holds are kept; once the renewals come
-    back in time, it starts. Renewals in the thread, as ``Instance.open`` sets them up."""
+@pytest.fixture
+def late_renewals(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """An injected fault: every renewal statement of a ``SqlLeaseRepository`` is answered
+    3.5 s late, until the event returned is set."""
     fast = threading.Event()
     renew_many = SqlLeaseRepository.renew_many
 
     async def late_renew_many(self: SqlLeaseRepository, leases: Any, ttl: float) -> Any:
-        # The fault: a renewal answered 2.5 s late, until ``fast`` is set.
-        await asyncio.to_thread(fast.wait, 2.5)
+        await asyncio.to_thread(fast.wait, 3.5)
         return await renew_many(self, leases, ttl)
 
     monkeypatch.setattr(SqlLeaseRepository, "renew_many", late_renew_many)
+    return fast
+
+
+@asynccontextmanager
+async def renewed_every_second(database: Any) -> AsyncIterator[Instance]:
+    """An instance at TTL 8 s renewed every second: a lease has 6.2 s of its window left
+    when its renewal goes out on time; renewals in the thread, as ``Instance.open`` sets
+    them up."""
     options = schema_options(database.schema or None)
-    async with Instance.open(database.url, engine_options=options, lease_ttl=8.0) as instance:
+    async with Instance.open(
+        database.url, engine_options=options, lease_ttl=8.0, renew_interval=1.0
+    ) as instance:
+        assert instance._keeper.in_thread
+        yield instance
+
+
+async def test_while_renewals_run_late_a_new_run_waits_for_them_and_none_is_lost(
+    database: Any, late_renewals: threading.Event
+) -> None:
+    """Below ``max_held`` too, an instance whose renewals come back late (3.5 s late of
+    the 6.2 s left) takes on no new run: the next start waits, writing nothing, while the
+    leases it holds are kept; once the renewals come back in time, it starts."""
+    async with renewed_every_second(database) as instance:
         keeper = instance._keeper
-        assert keeper.in_thread
-        assert keeper.max_held == 8000  # derived: renewed every 8/3 s, 3 000 leases a second
+        assert keeper.max_held == 3000  # derived: renewed every second, 3 000 leases a second
         lost = losses(instance)
         waiting = Waiting()
         graph = waiting.graph(instance)
@@ -166,7 +181,7 @@ async def test_while_renewals_run_late_a_new_run_waits_for_them_and_none_is_lost
         assert not deferred.done()
         assert waiting.entered == 5
         assert await instance.repository.get(LeaseKey(TENANT, thread)) is None
-        fast.set()  # renewals answered at once again
+        late_renewals.set()  # renewals answered at once again
         await until(lambda: waiting.entered == 6 or deferred.done(), within=30.0)
         assert not deferred.done(), deferred.exception()
         assert not keeper.behind
@@ -174,6 +189,34 @@ async def test_while_renewals_run_late_a_new_run_waits_for_them_and_none_is_lost
         results = await asyncio.gather(*held, deferred)
     assert [r["log"] for r in results] == [["done"]] * 6
     assert lost == []
+
+
+async def test_the_last_run_ending_while_a_late_renewal_is_in_flight_holds_back_nothing(
+    database: Any, late_renewals: threading.Event
+) -> None:
+    """Nothing held, nothing to fall behind with: a late renewal answered after the last
+    run ended does not keep new runs out (else the instance would refuse every run for
+    good, with no renewal left to clear it)."""
+    async with renewed_every_second(database) as instance:
+        keeper = instance._keeper
+        waiting = Waiting()
+        graph = waiting.graph(instance)
+        first = start(instance, graph, unique("first"))
+        await until(lambda: waiting.entered == 1, within=30.0)
+        await until(lambda: keeper.behind, within=30.0)  # a renewal in flight, late
+        answered = len(keeper.batches)
+        waiting.go.set()
+        assert (await first)["log"] == ["done"]
+        assert not keeper.behind
+        # The late renewal in flight for it is answered after its run ended.
+        await until(lambda: len(keeper.batches) > answered, within=30.0)
+        assert keeper.batches[-1].took >= 3.0
+        assert not keeper.behind
+        assert keeper.try_admit()  # serve() takes executions over again
+        keeper.leave()
+        second = start(instance, graph, unique("second"))
+        await until(lambda: waiting.entered == 2 or second.done(), within=30.0)
+        assert (await second)["log"] == ["done"]
 
 
 async def _lease(database: Any, key: LeaseKey) -> Any:

@@ -120,10 +120,15 @@ async def test_a_start_waits_while_renewals_run_late_and_is_refused_after_a_ttl(
         await step_until(clock, lambda: keeper.behind, within=TTL)
         assert not keeper.try_admit()  # serve() takes nothing over meanwhile
         waiting = asyncio.create_task(keeper.in_time("run B"))
-        await step_until(clock, waiting.done, within=TTL + 1)
+        asked_at = clock()
+        await step_until(clock, lambda: clock() >= asked_at + TTL / 2, within=TTL)
+        assert not waiting.done()  # it waits
+        await step_until(clock, waiting.done, within=TTL)
+        assert clock() >= asked_at + TTL  # for a whole TTL
         with pytest.raises(InstanceFullError, match="run late") as refused:
             await waiting
-        assert "run B was not started (nothing was written)" in str(refused.value)
+        assert "run B waited 9 s" in str(refused.value)
+        assert "was not started (nothing was written)" in str(refused.value)
         assert handle.error is None  # the lease held came first, and is held
         store.delay = 0.0
         await step_until(clock, lambda: not keeper.behind, within=TTL)
