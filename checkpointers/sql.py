@@ -47,7 +47,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from langgraph_fence.checkpoint import (
     DEFAULT_TENANT,
-    check_write_scope,
+    admit_write,
     checkpoint_clear_keys,
     fence_handle,
     refuse_write,
@@ -338,12 +338,7 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
                 "leases in the checkpoints' database, or wrap the saver: "
                 "FencedCheckpointer(saver) checks the token before delegating"
             )
-        try:
-            if handle.error is not None:
-                raise handle.error
-            check_write_scope(handle, config, action=action)
-        except ExecutionLeaseLostError as exc:
-            raise refuse_write(handle, config, exc) from None
+        admit_write(handle, config, action)
         # One guard per Lease object, which is immutable: a renewal or a re-take (a new
         # token) hands the handle a new one, so a guard is never of a superseded lease.
         self._guarded_handle = handle

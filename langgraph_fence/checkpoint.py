@@ -69,6 +69,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_TENANT",
     "FencedCheckpointer",
+    "admit_write",
     "check_held",
     "check_write_scope",
     "checkpoint_clear_keys",
@@ -233,6 +234,18 @@ async def check_held(handle: RunHandle, config: RunnableConfig, action: str) -> 
         current = await handle.repository.get(handle.key)
         if not holds(handle.lease, current):
             raise fenced_error(handle.lease, current, action=action)
+    except ExecutionLeaseLostError as exc:
+        raise refuse_write(handle, config, exc) from None
+
+
+def admit_write(handle: RunHandle, config: RunnableConfig, action: str) -> None:
+    """The local checks of a fenced write (no I/O), made before anything is read or
+    written: a run already fenced or lost, a thread of another execution (and any tenant
+    but the run's) are refused with :func:`refuse_write`."""
+    try:
+        if handle.error is not None:
+            raise handle.error
+        check_write_scope(handle, config, action=action)
     except ExecutionLeaseLostError as exc:
         raise refuse_write(handle, config, exc) from None
 
@@ -608,15 +621,6 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         guards = getattr(self.inner, "guards", None)
         return callable(guards) and bool(guards(handle))
 
-    def _admit(self, handle: RunHandle, config: RunnableConfig, action: str) -> None:
-        """The local checks (no I/O): the run's recorded error, the thread's execution."""
-        try:
-            if handle.error is not None:
-                raise handle.error
-            check_write_scope(handle, config, action=action)
-        except ExecutionLeaseLostError as exc:
-            raise refuse_write(handle, config, exc) from None
-
     def _delegates(self, handle: RunHandle, config: RunnableConfig, action: str) -> bool:
         """True when the inner saver checks the token itself: the write is delegated,
         the local checks made first (by the inner saver, when it says it makes them)."""
@@ -627,14 +631,14 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
                 return False
             self._guarded_handle = handle
         if not self._inner_admits:
-            self._admit(handle, config, action)
+            admit_write(handle, config, action)
         return True
 
     async def _check_outside(
         self, handle: RunHandle, config: RunnableConfig, action: str
     ) -> RunnableConfig:
         """For an inner saver that cannot check the token: check it here, by one read."""
-        self._admit(handle, config, action)
+        admit_write(handle, config, action)
         self._loop = asyncio.get_running_loop()
         await check_held(handle, config, action)
         return _without_handle(config)
