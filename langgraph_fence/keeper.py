@@ -292,9 +292,14 @@ class Keeper:
         with self._lock:
             if not self._due:
                 return False
-            if self._late_at is not None and now - self._late_at < self.renew_interval:
+            if self._answered_late(now):
                 return True
             return any(now - sent_at > self.margin / 2 for sent_at in self._sent.values())
+
+    def _answered_late(self, now: float) -> bool:
+        """Whether a renewal statement was answered late less than a renew interval
+        before ``now`` (under ``_lock``)."""
+        return self._late_at is not None and now - self._late_at < self.renew_interval
 
     @property
     def free(self) -> int:
@@ -514,12 +519,11 @@ class Keeper:
             took = self._clock() - sent_at
             self.batches.append(Batch(sent_at, len(batch), min(left.values()), took))
             del self.batches[:-4096]
-            with self._lock:  # a lease released meanwhile is nobody's to fall behind with
-                held = [left[h] - took for h in live if h in self._due]
-            self._note_pace(held, len(batch))
             fenced: list[tuple[RunHandle, ExecutionFencedError]] = []
             late: list[tuple[RunHandle, float]] = []
             with self._lock:  # a handle released meanwhile is not kept any more
+                # Nor is it anybody's to fall behind with: the pace counts those still held.
+                held = [left[h] - took for h in live if h in self._due]
                 for handle, answer in zip(batch, answers, strict=True):
                     if handle not in self._due:
                         continue
@@ -537,6 +541,7 @@ class Keeper:
                         # this renewal only told that nobody took the execution over.
                         self._due.pop(handle)
                     # else: yielded and re-taken meanwhile (a new token): kept anew.
+            self._note_pace(held, len(batch))
             for handle, error in fenced:  # the run drains
                 if store is None:
                     handle.record(error)
@@ -559,7 +564,7 @@ class Keeper:
             return
         now = self._clock()
         with self._lock:
-            was_late = self._late_at is not None and now - self._late_at < self.renew_interval
+            was_late = self._answered_late(now)
             self._late_at = now
         if not was_late:
             logger.warning(
