@@ -47,15 +47,17 @@ _GUARD_CLEAR = f"""UPDATE fence_leases SET pending_effects = {_PATCH},
     updated_at = extract(epoch from now())
 WHERE {_LEASE_WHERE}
 RETURNING epoch, true AS cleared"""
-# A task's writes clear its entries only when their checkpoint is stored (a resume sees
-# them); writes racing their checkpoint's own statement leave the entries to the checkpoint
-# that follows. Every SET expression reads the row as it was.
+# A task's writes clear its entries only when their checkpoint and every ancestor's are
+# stored (``$f``/``$g``: the proof's namespaces and ids; a resume from the root sees the
+# writes then); writes racing one of those checkpoints leave the entries to the root
+# checkpoint that follows. Every SET expression reads the row as it was.
 _GUARD_CLEAR_IF_STORED = f"""UPDATE fence_leases SET
     pending_effects = CASE WHEN stored.yes THEN {_PATCH} ELSE pending_effects END,
     updated_at = extract(epoch from now())
-FROM (SELECT EXISTS (SELECT 1 FROM fence_checkpoints
-    WHERE tenant_id = $10 AND thread_id = $1 AND checkpoint_ns = $2 AND checkpoint_id = $3)
-    AS yes) AS stored
+FROM (SELECT (SELECT count(*) FROM fence_checkpoints c,
+        unnest($f::text[], $g::text[]) AS p(ns, id)
+    WHERE c.tenant_id = $10 AND c.thread_id = $1 AND c.checkpoint_ns = p.ns
+        AND c.checkpoint_id = p.id) = cardinality($g::text[]) AS yes) AS stored
 WHERE {_LEASE_WHERE}
 RETURNING epoch, stored.yes AS cleared"""
 
@@ -122,7 +124,7 @@ def _guarded(template: str, first: int, clear: str, **fmt: str) -> dict[str, str
     return {
         "none": template.format(guard=_GUARD_NONE, **fmt),
         "share": template.format(guard=_numbered(_GUARD_SHARE, first, "abcd"), **fmt),
-        "clear": template.format(guard=_numbered(clear, first, "abcde"), **fmt),
+        "clear": template.format(guard=_numbered(clear, first, "abcdefg"), **fmt),
     }
 
 
@@ -138,13 +140,20 @@ _PUT_WRITES_SQL = {
 }
 
 
-def _guard_args(guard: Guard | None) -> tuple[str, list[Any]]:
+def _guard_args(
+    guard: Guard | None, proof: Sequence[tuple[str, str]] | None = None
+) -> tuple[str, list[Any]]:
+    """The guard's kind and its arguments; ``proof`` (a task's writes only) the checkpoints
+    that must be stored for ``guard.clear_keys`` to clear."""
     if guard is None:
         return "none", []
     args: list[Any] = [guard.tenant_id, guard.execution_id, guard.holder, guard.epoch]
     if not guard.clear_keys:
         return "share", args
-    return "clear", [*args, stamp_patch(remove=guard.clear_keys)]
+    args.append(stamp_patch(remove=guard.clear_keys))
+    if proof is not None:
+        args += [[ns for ns, _ in proof], [id_ for _, id_ in proof]]
+    return "clear", args
 
 
 class PostgresDriver:
@@ -198,7 +207,8 @@ class PostgresDriver:
         upsert: bool,
         guard: Guard | None,
     ) -> tuple[bool, bool]:
-        kind, guard_args = _guard_args(guard)
+        proof = guard.proof if guard is not None and guard.proof else None
+        kind, guard_args = _guard_args(guard, proof or ((checkpoint_ns, checkpoint_id),))
         args = [
             thread_id,
             checkpoint_ns,

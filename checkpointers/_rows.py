@@ -26,8 +26,10 @@ class Guard:
     """The lease a write must still hold: key, holder and epoch, in state ``running``.
 
     ``clear_keys``: entries of the lease's stamp set the write clears in its own statement or
-    transaction: a checkpoint always (it lands with them), a task's writes only when the
-    checkpoint they belong to is stored (orphan writes prove nothing to a resume).
+    transaction: a checkpoint always (it lands with them), a task's writes only when every
+    checkpoint of ``proof`` is stored (orphan writes prove nothing to a resume).
+    ``proof``: for a task's writes, ``(checkpoint_ns, checkpoint_id)`` of the checkpoint they
+    belong to and of every ancestor's (``langgraph_fence.checkpoint.writes_proof``).
     """
 
     tenant_id: str
@@ -35,9 +37,15 @@ class Guard:
     holder: str
     epoch: int
     clear_keys: tuple[str, ...] = ()
+    proof: tuple[tuple[str, str], ...] = ()
 
     @classmethod
-    def of(cls, lease: Lease, clear_keys: tuple[str, ...] = ()) -> Guard:
+    def of(
+        cls,
+        lease: Lease,
+        clear_keys: tuple[str, ...] = (),
+        proof: tuple[tuple[str, str], ...] = (),
+    ) -> Guard:
         """The guard of a write made under ``lease``."""
         return cls(
             tenant_id=lease.key.tenant_id,
@@ -45,6 +53,7 @@ class Guard:
             holder=lease.holder or "",
             epoch=lease.epoch,
             clear_keys=clear_keys,
+            proof=proof,
         )
 
 

@@ -242,12 +242,17 @@ class SqliteDriver:
         cleared: list[bool] = []
 
         def body(conn: sqlite3.Connection) -> bool:
-            # In the write lock: a checkpoint seen here stays stored with the writes.
-            stored = bool(guard and guard.clear_keys) and (
-                conn.execute(
-                    _CHECKPOINT_STORED, (tenant_id, thread_id, checkpoint_ns, checkpoint_id)
-                ).fetchone()
-                is not None
+            # In the write lock: checkpoints seen here stay stored with the writes. The
+            # proof names the writes' checkpoint and every ancestor's (a resume from the
+            # root sees the writes only when all of them are stored).
+            stored = (
+                guard is not None
+                and bool(guard.clear_keys)
+                and all(
+                    conn.execute(_CHECKPOINT_STORED, (tenant_id, thread_id, ns, id_)).fetchone()
+                    is not None
+                    for ns, id_ in guard.proof or ((checkpoint_ns, checkpoint_id),)
+                )
             )
             token = _check_guard(conn, guard, clear=stored)
             if token is False:

@@ -26,7 +26,7 @@ import json
 import random
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, TypeVar
 
 from langchain_core.runnables import RunnableConfig
@@ -53,6 +53,7 @@ from langgraph_fence.checkpoint import (
     refuse_write,
     thread_tenant,
     writes_clear_keys,
+    writes_proof,
 )
 from langgraph_fence.database import Dialect, check_engine, create_engine, transaction
 from langgraph_fence.errors import ExecutionLeaseLostError
@@ -451,6 +452,8 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         guard = self._guard_for(
             handle, config, "aput_writes", lambda h: writes_clear_keys(h, task_id, writes)
         )
+        if guard is not None and guard.clear_keys:
+            guard = replace(guard, proof=writes_proof(config))
         self._ready()
         thread_id, checkpoint_ns = _thread_of(config, "aput_writes")
         checkpoint_id = config["configurable"].get("checkpoint_id")

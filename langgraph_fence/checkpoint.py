@@ -68,6 +68,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_TENANT",
+    "CheckpointAt",
     "FencedCheckpointer",
     "admit_write",
     "check_held",
@@ -78,6 +79,7 @@ __all__ = [
     "step_config",
     "thread_tenant",
     "writes_clear_keys",
+    "writes_proof",
 ]
 
 logger = logging.getLogger(__name__)
@@ -286,6 +288,33 @@ def writes_clear_keys(
     if not handle.pending_effects or any(channel in _UNFINISHED for channel, _ in writes):
         return ()
     return tuple(k for k, e in handle.pending_effects.items() if e.task_id == task_id)
+
+
+#: ``(checkpoint_ns, checkpoint_id)``: one stored checkpoint a proof needs.
+CheckpointAt = tuple[str, str]
+
+
+def writes_proof(config: RunnableConfig) -> tuple[CheckpointAt, ...]:
+    """The checkpoints that must all be stored for a task's writes (saved with ``config``)
+    to be seen by a resume: the one they belong to, and every ancestor's.
+
+    A resume starts from the root. It re-runs the root task that runs a subgraph unless the
+    root checkpoint of that task's superstep is stored; a re-run from an earlier root
+    checkpoint gives that task a new id, so the subgraph starts over in a new namespace and
+    writes stored in the old one are seen by nobody. So a subgraph task's writes prove its
+    step recorded only once the checkpoint of every level above it is stored too: LangGraph's
+    ``checkpoint_map`` names them (``""`` the root's).
+    """
+    configurable = config.get("configurable") or {}
+    own_ns = str(configurable.get("checkpoint_ns") or "")
+    proof: dict[str, str] = {}
+    ancestors = configurable.get("checkpoint_map")
+    if isinstance(ancestors, Mapping):
+        for ns, checkpoint_id in ancestors.items():
+            if isinstance(ns, str) and isinstance(checkpoint_id, str) and checkpoint_id:
+                proof[ns] = checkpoint_id
+    proof[own_ns] = str(configurable.get("checkpoint_id") or "")
+    return tuple(sorted(proof.items()))
 
 
 def checkpoint_clear_keys(
@@ -741,12 +770,22 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             await self.inner.aput_writes(tenant_config, writes, task_id, task_path)
             await fault_point("writes.after", config=config, task_id=task_id, writes=writes)
             keys = writes_clear_keys(handle, task_id, writes)
-            # Writes whose checkpoint is not stored are seen by no resume: they prove
-            # nothing, and the checkpoint that follows clears the entries instead.
-            if keys and await self.inner.aget_tuple(tenant_config) is not None:
+            # Writes whose checkpoint (or an ancestor's) is not stored are seen by no
+            # resume: they prove nothing, and the root checkpoint that follows clears the
+            # entries instead.
+            if keys and await self._all_stored(tenant_config, writes_proof(config)):
                 await self._clear(handle, keys)
         except ExecutionLeaseLostError as exc:
             raise refuse_write(handle, config, exc) from None
+
+    async def _all_stored(self, inner_config: Any, proof: Sequence[CheckpointAt]) -> bool:
+        """Whether the inner saver has every checkpoint of ``proof`` (one read each)."""
+        configurable = inner_config["configurable"]
+        for ns, checkpoint_id in proof:
+            at = {**configurable, "checkpoint_ns": ns, "checkpoint_id": checkpoint_id}
+            if await self.inner.aget_tuple({"configurable": at}) is None:
+                return False
+        return True
 
     async def _clear(self, handle: RunHandle, keys: tuple[str, ...]) -> None:
         # Taken off the handle first: a step's writes and the next checkpoint may both ask

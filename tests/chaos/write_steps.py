@@ -9,6 +9,12 @@ shows as a second line. The graphs (``build_graph(instance, variant, doomed=...)
 * ``fanout``: START -> Send x4 -> ``charge`` (``NON_IDEMPOTENT_WRITE``); tasks 0 and 1 are
   fast, 2 and 3 slow.
 * ``linear``: START -> hold -> charge -> receipt -> END, only ``charge`` a write.
+* ``nested-spawn`` / ``nested-node``: START -> hold -> parent -> receipt -> END, where
+  ``parent`` runs a child graph, START -> charge -> child_done -> END, as a subgraph under the
+  root's lease: a ``PARENT_INSTANCE`` child (``spawn_child`` + ``wait_children``), or the
+  compiled child graph added as the node itself. Only the child's ``charge`` is a write.
+* ``nested-deep``: the same with a grandchild: ``parent`` spawns a ``PARENT_INSTANCE``
+  child whose ``middle`` node spawns the charging graph (depth 3).
 * ``agent-<kind>-<first>``: the agents users build (``create_react_agent`` v1 and v2, a
   custom ``ToolNode`` graph, LangChain's ``create_agent``), fenced, whose scripted model
   answers with two undeclared (so non-idempotent) tool calls, ``send_email`` (slow) and
@@ -54,6 +60,7 @@ from langgraph.graph.message import add_messages
 from langgraph.types import Send
 
 from langgraph_fence import (
+    ChildPlacement,
     Effect,
     Instance,
     LeaseKey,
@@ -75,7 +82,9 @@ AGENT_VARIANTS = tuple(
     f"agent-{kind}-{first}" for kind in AGENTS + SYNC_TOOL_AGENTS for first in ("email", "charge")
 )
 SYNC_VARIANTS = ("sync-pair-slow-first", "sync-pair-slow-second", "sync-fanout")
+NESTED_VARIANTS = ("nested-spawn", "nested-node", "nested-deep")
 VARIANTS = ("pair-slow-first", "pair-slow-second", "fanout", "linear", *SYNC_VARIANTS)
+VARIANTS += NESTED_VARIANTS
 VARIANTS += AGENT_VARIANTS
 SLOW_WAIT = 60.0  # a doomed slow task waits this long at most for its kill
 
@@ -187,6 +196,8 @@ def build_graph(
             time.sleep(SLOW_WAIT)  # the kill lands here, mid-step
         return {"log": [node]}
 
+    if variant in NESTED_VARIANTS:
+        return _build_nested(instance, variant, effect)
     builder = StateGraph(State)
     effects: dict[str, Effect] = {}
     sync = variant.startswith("sync-")
@@ -244,6 +255,58 @@ def build_graph(
         builder.add_edge("receipt", END)
         effects["charge"] = Effect.NON_IDEMPOTENT_WRITE
     return fence_graph(builder, effects=effects).compile(
+        checkpointer=instance.checkpointer, name=graph_name(variant)
+    )
+
+
+def _line(*nodes: tuple[str, Any]) -> StateGraph[Any]:
+    """START -> each node in turn -> END."""
+    builder: StateGraph[Any] = StateGraph(State)
+    previous = START
+    for name, node in nodes:
+        builder.add_node(name, node)
+        builder.add_edge(previous, name)
+        previous = name
+    builder.add_edge(previous, END)
+    return builder
+
+
+def _spawning(name: str, graph: Any) -> Any:
+    """A node that runs ``graph`` as a ``PARENT_INSTANCE`` child and waits for it."""
+
+    async def spawn_and_wait(state: State) -> dict[str, Any]:
+        frame = get_execution_context()
+        child = await frame.spawn_child(
+            name, {"log": []}, placement=ChildPlacement.PARENT_INSTANCE, key=name, graph=graph
+        )
+        await frame.wait_children([child])
+        return {"log": [name]}
+
+    return spawn_and_wait
+
+
+def _build_nested(instance: Instance, variant: str, effect: Callable[[str], None]) -> Any:
+    async def step(state: State) -> dict[str, Any]:
+        return {"log": ["step"]}
+
+    async def charge(state: State) -> dict[str, Any]:
+        effect("charge")
+        return {"log": ["charge"]}
+
+    charging = fence_graph(
+        _line(("charge", charge), ("child_done", step)),
+        effects={"charge": Effect.NON_IDEMPOTENT_WRITE},
+    ).compile(name="charging")
+    if variant == "nested-node":
+        parent: Any = charging
+    elif variant == "nested-spawn":
+        parent = _spawning("child", charging)
+    else:
+        middle = fence_graph(_line(("middle", _spawning("grandchild", charging)))).compile(
+            name="middle"
+        )
+        parent = _spawning("child", middle)
+    return fence_graph(_line(("hold", step), ("parent", parent), ("receipt", step))).compile(
         checkpointer=instance.checkpointer, name=graph_name(variant)
     )
 
