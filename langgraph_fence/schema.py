@@ -16,6 +16,7 @@ drivers use.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -38,6 +39,8 @@ from sqlalchemy.dialects.postgresql import JSONB
 from .effects import Effect
 from .lease import LeaseStatus, PendingEffect
 from .migrations import Migration
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "LEASES",
@@ -230,16 +233,21 @@ STAMP_SQL: Mapping[str, Mapping[str, str]] = {
     },
     "sqlite": {
         "patch": "json_patch(fence_leases.pending_effects, {param})",
+        # An entry that is not a JSON object (another version's, a broken writer's) is no
+        # non-idempotent write, and json_extract must never see it (a bare string is
+        # malformed JSON to it): CASE orders the test before the extraction.
         "non_idempotent": (
             "EXISTS (SELECT 1 FROM json_each(fence_leases.pending_effects) AS e"
-            " WHERE json_extract(e.value, '$.effect') = 'non_idempotent_write')"
+            " WHERE CASE WHEN e.type = 'object' THEN json_extract(e.value, '$.effect') END"
+            " = 'non_idempotent_write')"
         ),
         "standing_writes": (
             "(SELECT group_concat(w, ', ') FROM (SELECT 'node ''' ||"
-            " json_extract(e.value, '$.node') || ''' at token ' ||"
-            " json_extract(e.value, '$.token') AS w"
+            " coalesce(json_extract(e.value, '$.node'), '?') || ''' at token ' ||"
+            " coalesce(json_extract(e.value, '$.token'), '?') AS w"
             " FROM json_each(fence_leases.pending_effects) AS e"
-            " WHERE json_extract(e.value, '$.effect') = 'non_idempotent_write'"
+            " WHERE CASE WHEN e.type = 'object' THEN json_extract(e.value, '$.effect') END"
+            " = 'non_idempotent_write'"
             " ORDER BY e.key))"
         ),
     },
@@ -265,16 +273,50 @@ def stamp_patch(add: Iterable[PendingEffect] = (), remove: Iterable[str] = ()) -
 
 
 def effects_from_json(value: Any) -> tuple[PendingEffect, ...]:
-    """The stamp set as stored (a dict, or its JSON text), ordered by key."""
-    entries = json.loads(value) if isinstance(value, str | bytes) else (value or {})
-    return tuple(
-        PendingEffect(
-            effect=Effect(entry["effect"]),
-            node=entry["node"],
-            task_id=entry["task_id"],
-            token=int(entry["token"]),
-            checkpoint_id=entry.get("checkpoint_id", ""),
-            call=entry.get("call", ""),
-        )
-        for _, entry in sorted(entries.items())
+    """The stamp set as stored (a dict, or its JSON text), ordered by key.
+
+    Read tolerantly, since another version of the package may have written it: an entry
+    never stops a read, it costs at most its own execution. An unset or unrecognised effect
+    reads as retryable (``IDEMPOTENT_WRITE``, as ADR-112 says and as the SQL verdicts, which
+    match ``non_idempotent_write`` only, decide); an entry whose effect is
+    ``non_idempotent_write`` stays one, whatever else is missing (fail closed). The entry's
+    task and call come from its key when its own fields do not name them, so a clear by key
+    still finds it.
+    """
+    if isinstance(value, str | bytes):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            logger.warning("a stamp set that is not JSON was read as empty: %.200r", value)
+            return ()
+    if not isinstance(value, Mapping):
+        if value:
+            logger.warning("a stamp set that is not a JSON object was read as empty: %.200r", value)
+        return ()
+    return tuple(_entry_from(str(key), entry) for key, entry in sorted(value.items()))
+
+
+_KNOWN_EFFECTS = frozenset(e.value for e in Effect)
+
+
+def _entry_from(key: str, entry: Any) -> PendingEffect:
+    """One stamp-set entry stored under ``key``, however partial (see effects_from_json)."""
+    fields: Mapping[str, Any] = entry if isinstance(entry, Mapping) else {}
+    raw = fields.get("effect")
+    effect = Effect(raw) if raw in _KNOWN_EFFECTS else Effect.IDEMPOTENT_WRITE
+    task_id, call = fields.get("task_id"), fields.get("call") or ""
+    if not (isinstance(task_id, str) and isinstance(call, str)) or (
+        f"{task_id}/{call}" if call else task_id
+    ) != key:
+        task_id, _, call = key.partition("/")
+    node = fields.get("node")
+    token = fields.get("token")
+    checkpoint_id = fields.get("checkpoint_id")
+    return PendingEffect(
+        effect=effect,
+        node=node if isinstance(node, str) and node else f"<unreadable entry {key[:80]}>",
+        task_id=task_id,
+        token=token if isinstance(token, int) and not isinstance(token, bool) else 0,
+        checkpoint_id=checkpoint_id if isinstance(checkpoint_id, str) else "",
+        call=call,
     )
