@@ -189,6 +189,18 @@ _DATABASE_MODULES = (
     "asyncpg",
     "aiosqlite",
     "sqlite3",
+    # The other common drivers, and LangGraph's official savers and stores on them: a
+    # node's own database client (a psycopg pool, PostgresStore) losing its connection is
+    # infrastructure as much as ours.
+    "psycopg",
+    "psycopg2",
+    "psycopg_pool",
+    "pymysql",
+    "aiomysql",
+    "langgraph.checkpoint.postgres",
+    "langgraph.checkpoint.sqlite",
+    "langgraph.store.postgres",
+    "langgraph.store.sqlite",
     "checkpointers",
     "langgraph_fence.stores",
     "langgraph_fence.records",

@@ -305,9 +305,10 @@ def _entry_from(key: str, entry: Any) -> PendingEffect:
     raw = fields.get("effect")
     effect = Effect(raw) if raw in _KNOWN_EFFECTS else Effect.IDEMPOTENT_WRITE
     task_id, call = fields.get("task_id"), fields.get("call") or ""
-    if not (isinstance(task_id, str) and isinstance(call, str)) or (
-        f"{task_id}/{call}" if call else task_id
-    ) != key:
+    if (
+        not (isinstance(task_id, str) and isinstance(call, str))
+        or (f"{task_id}/{call}" if call else task_id) != key
+    ):
         task_id, _, call = key.partition("/")
     node = fields.get("node")
     token = fields.get("token")

@@ -232,3 +232,24 @@ async def test_only_a_database_connection_error_is_infrastructure() -> None:
     wrapped = RuntimeError("During task with name 'charge'")
     wrapped.__cause__ = refused
     assert is_database_connection_error(wrapped)
+
+
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_a_killed_psycopg_connection_is_infrastructure(
+    backend: str, make_sync_engine: Callable[[str], sa.Engine]
+) -> None:
+    """A node's own psycopg connection killed under it is handed back like asyncpg's, not
+    the graph's own error (which would end the run failed)."""
+    import psycopg
+
+    url = make_sync_engine(backend).url.set(drivername="postgresql")
+    dsn = url.render_as_string(hide_password=False)
+    with psycopg.connect(dsn, autocommit=True) as victim:
+        pid = victim.execute("SELECT pg_backend_pid()").fetchone()
+        with psycopg.connect(dsn, autocommit=True) as killer:
+            killer.execute("SELECT pg_terminate_backend(%s)", pid)
+        with pytest.raises(psycopg.Error) as caught:
+            victim.execute("SELECT 1")
+    wrapped = RuntimeError("During task with name 'charge'")
+    wrapped.__cause__ = caught.value
+    assert is_database_connection_error(wrapped), repr(caught.value)
