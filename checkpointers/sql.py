@@ -49,6 +49,7 @@ from langgraph_fence.checkpoint import (
     DEFAULT_TENANT,
     admit_write,
     checkpoint_clear_keys,
+    clear_entries,
     fence_handle,
     refuse_write,
     thread_tenant,
@@ -421,9 +422,13 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         if not landed:
             assert handle is not None
             raise await self._refused(handle, config, "aput")
-        if guard is not None and guard.clear_keys:
-            assert handle is not None
-            handle.forget_pending_effects(guard.clear_keys)
+        if handle is not None:
+            cleared = guard.clear_keys if guard is not None else ()
+            if cleared:
+                handle.forget_pending_effects(cleared)
+            proven = handle.proofs.stored((checkpoint_ns, checkpoint["id"]), cleared)
+            if proven:  # their writes landed while this checkpoint was in flight
+                await clear_entries(handle, proven)
         await fault_point(
             "checkpoint.after", config=config, checkpoint=checkpoint, metadata=metadata
         )
@@ -484,10 +489,13 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         if not landed:
             assert handle is not None
             raise await self._refused(handle, config, "aput_writes")
-        if cleared:
+        if guard is not None and guard.clear_keys:
             assert handle is not None
-            assert guard is not None
-            handle.forget_pending_effects(guard.clear_keys)
+            if cleared:
+                handle.forget_pending_effects(guard.clear_keys)
+            else:
+                # Stored before their proof: the run's checkpoint that completes it clears.
+                handle.proofs.landed_unproven(guard.clear_keys, guard.proof)
         await fault_point("writes.after", config=config, task_id=task_id, writes=writes)
 
     def get_next_version(self, current: str | None, channel: None) -> str:

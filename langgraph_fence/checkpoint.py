@@ -60,6 +60,7 @@ from .faults import fault_point
 from .fence import FENCE_CONFIG_KEY, RunHandle
 from .guard import holds
 from .lease import fenced_error
+from .proofs import CheckpointAt
 from .scope import encode_part
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ __all__ = [
     "check_held",
     "check_write_scope",
     "checkpoint_clear_keys",
+    "clear_entries",
     "fence_handle",
     "refuse_write",
     "step_config",
@@ -290,10 +292,6 @@ def writes_clear_keys(
     return tuple(k for k, e in handle.pending_effects.items() if e.task_id == task_id)
 
 
-#: ``(checkpoint_ns, checkpoint_id)``: one stored checkpoint a proof needs.
-CheckpointAt = tuple[str, str]
-
-
 def writes_proof(config: RunnableConfig) -> tuple[CheckpointAt, ...]:
     """The checkpoints that must all be stored for a task's writes (saved with ``config``)
     to be seen by a resume: the one they belong to, and every ancestor's.
@@ -320,24 +318,45 @@ def writes_proof(config: RunnableConfig) -> tuple[CheckpointAt, ...]:
 def checkpoint_clear_keys(
     handle: RunHandle, config: RunnableConfig, checkpoint_id: str
 ) -> tuple[str, ...]:
-    """The entries of the stamp set a root checkpoint ``checkpoint_id`` clears.
+    """The entries of the stamp set a checkpoint ``checkpoint_id`` clears.
 
     A root checkpoint is taken after every task of the supersteps before it finished and
     their writes were applied, so a resume from it (or a later one) never runs those steps
     again: it clears every entry whose superstep checkpoint is older. Checkpoint ids are
-    ordered (LangGraph's uuid6), so "older" is a string comparison. A subgraph's checkpoint
-    clears nothing: the root's next checkpoint does.
+    ordered (LangGraph's uuid6), so "older" is a string comparison.
+
+    Any checkpoint of the run (a subgraph's too) also clears the entries whose finished
+    writes landed before their proof was stored, once it completes that proof
+    (:class:`~langgraph_fence.proofs.WriteProofs`).
     """
-    if not handle.pending_effects:
+    pending = handle.pending_effects
+    if not pending:
         return ()
     ns = (config.get("configurable") or {}).get("checkpoint_ns") or ""
+    proven = [k for k in handle.proofs.provable((ns, checkpoint_id)) if k in pending]
     if ns:
-        return ()
-    return tuple(
-        k
-        for k, e in handle.pending_effects.items()
-        if e.checkpoint_id and e.checkpoint_id < checkpoint_id
-    )
+        return tuple(proven)
+    older = [k for k, e in pending.items() if e.checkpoint_id and e.checkpoint_id < checkpoint_id]
+    return tuple(dict.fromkeys(older + proven))
+
+
+async def clear_entries(handle: RunHandle, keys: Sequence[str]) -> None:
+    """Clear the stamp-set entries ``keys`` of the run in a statement of their own,
+    guarded by its lease (where the write that proved them could not clear them itself)."""
+    # Taken off the handle first: a step's writes and the next checkpoint may both ask to
+    # clear one entry at once, and one of them is enough.
+    taken = handle.forget_pending_effects(keys)
+    if not taken:
+        return
+    try:
+        await handle.repository.clear_pending_effects(handle.lease, list(taken))
+    except BaseException:
+        handle.restore_pending_effects(taken)
+        raise
+
+
+def _checkpoint_at(config: RunnableConfig, checkpoint_id: str) -> CheckpointAt:
+    return (str((config.get("configurable") or {}).get("checkpoint_ns") or ""), checkpoint_id)
 
 
 def _without_handle(config: RunnableConfig) -> RunnableConfig:
@@ -722,7 +741,10 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             if keys:
                 # Not in the inner write's transaction: a crash in between leaves the
                 # entries standing, and their steps are dead-lettered instead of repeated.
-                await self._clear(handle, keys)
+                await clear_entries(handle, keys)
+            proven = handle.proofs.stored(_checkpoint_at(config, checkpoint["id"]), keys)
+            if proven:  # their writes landed while this checkpoint was in flight
+                await clear_entries(handle, proven)
             await fault_point(
                 "checkpoint.after", config=config, checkpoint=checkpoint, metadata=metadata
             )
@@ -771,10 +793,14 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             await fault_point("writes.after", config=config, task_id=task_id, writes=writes)
             keys = writes_clear_keys(handle, task_id, writes)
             # Writes whose checkpoint (or an ancestor's) is not stored are seen by no
-            # resume: they prove nothing, and the root checkpoint that follows clears the
-            # entries instead.
-            if keys and await self._all_stored(tenant_config, writes_proof(config)):
-                await self._clear(handle, keys)
+            # resume: they prove nothing, and the run's checkpoint that completes their
+            # proof clears the entries instead.
+            if keys:
+                proof = writes_proof(config)
+                if await self._all_stored(tenant_config, proof):
+                    await clear_entries(handle, keys)
+                else:
+                    handle.proofs.landed_unproven(keys, proof)
         except ExecutionLeaseLostError as exc:
             raise refuse_write(handle, config, exc) from None
 
@@ -786,18 +812,6 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             if await self.inner.aget_tuple({"configurable": at}) is None:
                 return False
         return True
-
-    async def _clear(self, handle: RunHandle, keys: tuple[str, ...]) -> None:
-        # Taken off the handle first: a step's writes and the next checkpoint may both ask
-        # to clear one entry at once, and one of them is enough.
-        taken = handle.forget_pending_effects(keys)
-        if not taken:
-            return
-        try:
-            await handle.repository.clear_pending_effects(handle.lease, list(taken))
-        except BaseException:
-            handle.restore_pending_effects(taken)
-            raise
 
     # -- admin operations: under the execution's lease when the wrapper is an instance's
 

@@ -29,6 +29,7 @@ from .errors import (
 from .faults import fault_point
 from .from_thread import run_on_loop, running_loop
 from .lease import Lease, LeaseKey, PendingEffect, validate_ttl
+from .proofs import WriteProofs
 from .retry import retry_window
 from .tree_activity import TreeActivity
 
@@ -95,6 +96,9 @@ class RunHandle:
         # The entries of the stamp set this run made and has not seen cleared, by key: what
         # its own writes and checkpoints may clear, and what the refuse-to-repeat rule reads.
         self.pending_effects: dict[str, PendingEffect] = {}
+        # The checkpoints this run stored, and its entries whose writes landed unproven:
+        # a later checkpoint of the run clears those it proves.
+        self.proofs = WriteProofs()
         # Once a write step is dead-lettered the run is dead, whatever catches the error (a
         # tool-retry wrapper, a try/except in a node): every later step and tool body of the
         # run is refused with it, and the run ends dead-lettered.

@@ -191,6 +191,39 @@ def _assert_charged_once(lease: Lease, effects: list[str]) -> str:
     return where
 
 
+def _child_writes_before_the_roots_checkpoint(
+    faults: ExitStack, lost: Lost, a: Instance, charge_stored: asyncio.Event
+) -> None:
+    """charge's writes wait for the subgraph checkpoint they belong to (that one stored,
+    the root's of parent's superstep not yet: what used to clear the stamp); once they
+    are stored, ``charge_stored`` is set."""
+
+    async def after_the_childs_checkpoint(context: Mapping[str, Any]) -> None:
+        lost.after(context)
+        if _ns(context) and _is_charge(context):
+            at = {"configurable": {**context["config"]["configurable"], "tenant_id": TENANT}}
+            at["configurable"].pop("__fence", None)
+
+            async def stored() -> bool:
+                return await a.checkpointer.aget_tuple(at) is not None
+
+            await eventually(stored, timeout=DEADLINE, what="the child's checkpoint")
+
+    def note_writes(context: Mapping[str, Any]) -> None:
+        lost.after(context)
+        if _ns(context) and _is_charge(context):
+            charge_stored.set()
+
+    faults.enter_context(arm_fault("writes.before", after_the_childs_checkpoint))
+    faults.enter_context(arm_fault("writes.after", note_writes))
+    faults.enter_context(arm_fault("stamp.after", lost.after))
+
+
+def _parents_superstep(context: Mapping[str, Any]) -> bool:
+    """The root checkpoint whose tasks include parent (step 1)."""
+    return not _ns(context) and context["metadata"].get("step") == 1
+
+
 @pytest.mark.parametrize("variant", NESTED_VARIANTS)
 async def test_a_childs_writes_clear_nothing_while_the_roots_checkpoint_is_missing(
     open_instance: OpenInstance, variant: str, tmp_path: Path
@@ -202,40 +235,53 @@ async def test_a_childs_writes_clear_nothing_while_the_roots_checkpoint_is_missi
     charge_stored = asyncio.Event()
 
     def arm(faults: ExitStack, lost: Lost, a: Instance) -> None:
-        async def after_the_childs_checkpoint(context: Mapping[str, Any]) -> None:
-            # charge's writes wait for the subgraph checkpoint they belong to: that one is
-            # stored, the root's is not (what used to clear the stamp).
-            lost.after(context)
-            if _ns(context) and _is_charge(context):
-                at = {"configurable": {**context["config"]["configurable"], "tenant_id": TENANT}}
-                at["configurable"].pop("__fence", None)
-
-                async def stored() -> bool:
-                    return await a.checkpointer.aget_tuple(at) is not None
-
-                await eventually(stored, timeout=DEADLINE, what="the child's checkpoint")
-
-        def note_writes(context: Mapping[str, Any]) -> None:
-            lost.after(context)
-            if _ns(context) and _is_charge(context):
-                charge_stored.set()
+        _child_writes_before_the_roots_checkpoint(faults, lost, a, charge_stored)
 
         async def hold_parents_checkpoint(context: Mapping[str, Any]) -> None:
             lost.after(context)
-            if not _ns(context) and context["metadata"].get("step") == 1:
-                # The root checkpoint whose tasks include parent: slow, then lost.
+            if _parents_superstep(context):
                 await asyncio.wait_for(charge_stored.wait(), DEADLINE)
                 lost.now("the root checkpoint of parent's superstep")
 
-        faults.enter_context(arm_fault("writes.before", after_the_childs_checkpoint))
-        faults.enter_context(arm_fault("writes.after", note_writes))
         faults.enter_context(arm_fault("checkpoint.before", hold_parents_checkpoint))
-        faults.enter_context(arm_fault("stamp.after", lost.after))
 
     execution_id = await _run_a(open_instance, variant, tmp_path, "async", arm)
     lease = await _take_over(open_instance, variant, tmp_path, execution_id)
     where = _assert_charged_once(lease, effects_of(tmp_path, execution_id))
     assert lease.status is LeaseStatus.DEAD_LETTERED, where
+
+
+@pytest.mark.parametrize("variant", NESTED_VARIANTS)
+async def test_the_roots_late_checkpoint_proves_the_childs_writes(
+    open_instance: OpenInstance, variant: str, tmp_path: Path
+) -> None:
+    """The same race, but the root checkpoint lands late instead of never: it completes
+    the proof of the child's writes and clears charge's stamp in its own write, so a crash
+    right after it resumes past the charge (no false dead letter; before, the stamp stood
+    until the root's next checkpoint, which comes only after the whole child)."""
+    (tmp_path / "effects").mkdir()
+    charge_stored = asyncio.Event()
+
+    def arm(faults: ExitStack, lost: Lost, a: Instance) -> None:
+        _child_writes_before_the_roots_checkpoint(faults, lost, a, charge_stored)
+
+        async def hold_parents_checkpoint(context: Mapping[str, Any]) -> None:
+            lost.after(context)
+            if _parents_superstep(context):
+                await asyncio.wait_for(charge_stored.wait(), DEADLINE)
+
+        def lose_after_it(context: Mapping[str, Any]) -> None:
+            lost.after(context)
+            if _parents_superstep(context):
+                lost.now("right after the root checkpoint of parent's superstep")
+
+        faults.enter_context(arm_fault("checkpoint.before", hold_parents_checkpoint))
+        faults.enter_context(arm_fault("checkpoint.after", lose_after_it))
+
+    execution_id = await _run_a(open_instance, variant, tmp_path, "async", arm)
+    lease = await _take_over(open_instance, variant, tmp_path, execution_id)
+    where = _assert_charged_once(lease, effects_of(tmp_path, execution_id))
+    assert lease.status is LeaseStatus.DONE, where
 
 
 @pytest.mark.parametrize("durability", ["sync", "async", "exit"])
