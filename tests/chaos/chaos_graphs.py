@@ -16,6 +16,15 @@ Graph factories, for ``langgraph-fence worker --graphs tests.chaos.chaos_graphs:
   ``chaos_plain`` with a plain INSERT (``NON_IDEMPOTENT_WRITE``: at most once), in
   ``chaos_sink`` through :func:`langgraph_fence.sinks.fenced_write` (``IDEMPOTENT_WRITE``:
   exactly once). Each node takes a little while, so signals land inside steps.
+  ``chaos_nested`` = prepare -> parent -> finish, where ``parent`` runs a
+  ``PARENT_INSTANCE`` child whose ``middle`` node runs another, charge -> after, whose
+  ``charge`` is ``chaos_plain``'s (depth 3: the charge is two subgraph levels down). With
+  ``LGF_CHAOS_SLOW_ROOT=1`` in its environment, a process that builds these graphs holds
+  every root checkpoint back 0 to 0.3 s (a slow disk, a lock wait), so under
+  ``durability="async"`` the children's writes often land before the root checkpoint of
+  their superstep. With ``LGF_CHAOS_AIM_WHILE=PATH``, while PATH exists a worker SIGKILLs
+  itself right after one in ten of the children's charge writes is stored: the kill aimed
+  at that race.
 
 The ``hold`` script (one run through ``Instance.ainvoke``, held inside ``work``)::
 
@@ -55,9 +64,15 @@ from typing import Annotated, Any, TypedDict
 from langgraph.graph import END, START, StateGraph
 from sqlalchemy import text
 
-from langgraph_fence import Effect, ExecutionFencedError, ExecutionLeaseLostError
+from langgraph_fence import (
+    ChildPlacement,
+    Effect,
+    ExecutionFencedError,
+    ExecutionLeaseLostError,
+)
 from langgraph_fence.context import get_execution_context
 from langgraph_fence.database import transaction
+from langgraph_fence.faults import arm_fault
 from langgraph_fence.instance import Instance
 from langgraph_fence.nodes import fence_graph
 from langgraph_fence.sinks import fenced_write
@@ -71,6 +86,9 @@ HOLD_GRAPH = "fence_hold"
 PLAIN_GRAPH = "chaos_plain"
 SINK_GRAPH = "chaos_sink"
 POISON_GRAPH = "poison_pill"
+NESTED_GRAPH = "chaos_nested"
+SLOW_ROOT_ENV = "LGF_CHAOS_SLOW_ROOT"
+AIM_WHILE_ENV = "LGF_CHAOS_AIM_WHILE"
 
 #: The external table the chaos graphs charge into; no unique key, so a repeat shows.
 CREATE_EFFECTS = """
@@ -207,28 +225,98 @@ def build_chaos_graph(instance: Instance, variant: str) -> Any:
         await _pause(0.02, 0.1)
         return {"log": [f"finish@{_token()}"]}
 
+    if variant == NESTED_GRAPH:
+        charging = _line(("charge", charge_plain), ("after", finish))
+        charging_graph = fence_graph(
+            charging, effects={"charge": Effect.NON_IDEMPOTENT_WRITE}
+        ).compile(name="charging")
+        middle = fence_graph(_line(("middle", _spawning("charging", charging_graph))))
+        parent = _spawning("middle", middle.compile(name="middle"))
+        return fence_graph(
+            _line(("prepare", prepare), ("parent", parent), ("finish", finish))
+        ).compile(checkpointer=instance.checkpointer, name=variant)
     if variant == PLAIN_GRAPH:
         charge, effect = charge_plain, Effect.NON_IDEMPOTENT_WRITE
     elif variant == SINK_GRAPH:
         charge, effect = charge_sink, Effect.IDEMPOTENT_WRITE
     else:
         raise ValueError(f"unknown chaos graph {variant!r}")
-    builder = StateGraph(State)
-    builder.add_node("prepare", prepare)
-    builder.add_node("charge", charge)
-    builder.add_node("finish", finish)
-    builder.add_edge(START, "prepare")
-    builder.add_edge("prepare", "charge")
-    builder.add_edge("charge", "finish")
-    builder.add_edge("finish", END)
+    builder = _line(("prepare", prepare), ("charge", charge), ("finish", finish))
     return fence_graph(builder, effects={"charge": effect}).compile(
         checkpointer=instance.checkpointer, name=variant
     )
 
 
+def _line(*nodes: tuple[str, Any]) -> StateGraph[Any]:
+    """START -> each node in turn -> END."""
+    builder: StateGraph[Any] = StateGraph(State)
+    previous = START
+    for name, node in nodes:
+        builder.add_node(name, node)
+        builder.add_edge(previous, name)
+        previous = name
+    builder.add_edge(previous, END)
+    return builder
+
+
+def _spawning(name: str, graph: Any) -> Any:
+    """A node that runs ``graph`` as a ``PARENT_INSTANCE`` child and waits for it."""
+
+    async def spawn_and_wait(state: State) -> dict[str, list[str]]:
+        frame = get_execution_context()
+        child = await frame.spawn_child(
+            name, {"log": []}, placement=ChildPlacement.PARENT_INSTANCE, key=name, graph=graph
+        )
+        await frame.wait_children([child])
+        return {"log": [f"{name}@{frame.fence.token}"]}
+
+    return spawn_and_wait
+
+
+#: The fault points this process armed for good (kept: a context manager collected would
+#: disarm its point as its generator closes).
+_slow_root: list[Any] = []
+
+
+def _hold_root_checkpoints_back() -> None:
+    """Each root checkpoint of this process waits 0 to 0.3 s before it is written (once per
+    process; the fault point stays armed until it exits)."""
+    if _slow_root:
+        return
+
+    async def slow(context: Any) -> None:
+        if not context["config"]["configurable"].get("checkpoint_ns"):
+            await asyncio.sleep(random.uniform(0.0, 0.3))
+
+    _slow_root.append(arm_fault("checkpoint.before", slow))
+    aim_while = os.environ.get(AIM_WHILE_ENV)
+    if aim_while:
+
+        def kill_after_a_childs_charge(context: Any) -> None:
+            if (
+                context["config"]["configurable"].get("checkpoint_ns")
+                and any(
+                    channel == "log" and any(str(v).startswith("charge@") for v in value)
+                    for channel, value in context["writes"]
+                )
+                and os.path.exists(aim_while)
+                and random.random() < 0.1
+            ):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        _slow_root.append(arm_fault("writes.after", kill_after_a_childs_charge))
+    for armed in _slow_root:
+        armed.__enter__()
+
+
 def chaos_graphs(instance: Instance) -> dict[str, Any]:
-    """``--graphs`` factory of the chaos workers: ``chaos_plain`` and ``chaos_sink``."""
-    return {name: build_chaos_graph(instance, name) for name in (PLAIN_GRAPH, SINK_GRAPH)}
+    """``--graphs`` factory of the chaos workers: ``chaos_plain``, ``chaos_sink`` and
+    ``chaos_nested`` (root checkpoints held back where ``LGF_CHAOS_SLOW_ROOT=1``)."""
+    if os.environ.get(SLOW_ROOT_ENV) == "1":
+        _hold_root_checkpoints_back()
+    return {
+        name: build_chaos_graph(instance, name) for name in (PLAIN_GRAPH, SINK_GRAPH, NESTED_GRAPH)
+    }
 
 
 # -- poison_pill: a step that kills whoever runs it
