@@ -15,7 +15,7 @@ import functools
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, cast, overload
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.config import get_config
@@ -544,8 +544,9 @@ def fence_graph(builder: Any, effects: Mapping[str, EffectLike] | None = None) -
     Raises:
         ValueError: ``builder`` is neither a ``StateGraph`` nor a compiled graph, ``effects``
             names a node the graph does not have or holds a value that is not an
-            :class:`Effect` or an effect's name, or contradicts a node's ``@fenced``
-            effect. Checked before anything is changed.
+            :class:`Effect` or an effect's name, or contradicts the effect a node was
+            fenced with already (``@fenced``, or an earlier ``fence_graph``), in both forms.
+            Checked before anything is changed.
     """
     from langgraph.graph import StateGraph
     from langgraph.pregel import Pregel
@@ -576,11 +577,7 @@ def fence_graph(builder: Any, effects: Mapping[str, EffectLike] | None = None) -
                 runnable.afunc, EFFECT_ATTRIBUTE, None
             )
             if declared is not None:
-                if node_name in by_node and by_node[node_name] is not declared:
-                    raise ValueError(
-                        f"node {node_name!r} is decorated with @fenced(effect={declared}) but "
-                        f"effects says {by_node[node_name]}: declare it in one place"
-                    )
+                _refuse_contradiction(node_name, declared, by_node.get(node_name))
                 declared_by[node_name] = declared
 
     for node_name, spec in nodes.items():
@@ -605,6 +602,24 @@ def fence_graph(builder: Any, effects: Mapping[str, EffectLike] | None = None) -
             None, _wrap_async(call_runnable, node_name, effect), name=node_name
         )
     return builder
+
+
+def _refuse_contradiction(node: str, fenced_as: Effect, given: Effect | None) -> None:
+    """Refuse an ``effects`` entry that contradicts the effect a node was fenced with: the
+    node would keep its own, and a write declared here would never be stamped."""
+    if given is not None and given is not fenced_as:
+        raise ValueError(
+            f"node {node!r} is fenced already as {fenced_as} (@fenced(effect={fenced_as}), or "
+            f"an earlier fence_graph) but effects says {given}: declare it in one place"
+        )
+
+
+def _fenced_effect(bound: Any) -> Effect | None:
+    """The effect a node's function was fenced with, or ``None`` (not fenced)."""
+    for fn in (bound.func, bound.afunc):
+        if fn is not None and (effect := getattr(fn, EFFECT_ATTRIBUTE, None)) is not None:
+            return cast(Effect, effect)
+    return None
 
 
 def _fence_compiled(graph: Any, effects: Mapping[str, EffectLike] | None) -> Any:
@@ -645,17 +660,15 @@ def _fence_compiled(graph: Any, effects: Mapping[str, EffectLike] | None) -> Any
                 "fence_graph can fence only before compile(): call fence_graph(builder, "
                 "...) and then compile(); nothing was changed"
             )
+        fenced_as = _fenced_effect(bound)
+        if fenced_as is not None:
+            _refuse_contradiction(name, fenced_as, declared.get(name))
     for name, node in nodes.items():
         bound = node.bound
         if isinstance(bound, Pregel):
             continue
         node.retry_policy = guard_retry_policy(node.retry_policy)
-        fenced_already = any(
-            getattr(fn, EFFECT_ATTRIBUTE, None) is not None
-            for fn in (bound.func, bound.afunc)
-            if fn is not None
-        )
-        if not fenced_already:
+        if _fenced_effect(bound) is None:
             effect = declared.get(name, Effect.READ_ONLY)
             if bound.func is not None:
                 bound.func = _wrap_sync(bound.func, name, effect)
