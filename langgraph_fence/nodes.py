@@ -314,8 +314,10 @@ class _Step:
         if isinstance(exc, GraphBubbleUp):
             # An interrupt or a drain is control flow, not a failed write.
             return exc
-        stamped_here = self._standing_non_idempotent() is not None
-        if self.effect is Effect.NON_IDEMPOTENT_WRITE or stamped_here:
+        # Decided by the stamp that stands, not by the declaration: a stamp="effect" step
+        # that failed before side_effect() stamped nothing and wrote nothing, so its error
+        # goes on as it is (a RetryPolicy may retry it; a resume runs it again).
+        if self._standing_non_idempotent() is not None:
             # The stamp stands (this node's, or a tool's it called): the write may have
             # happened. Never retried, never repeated; a GraphBubbleUp, so LangGraph saves no
             # error write that would clear the stamp before the execution is dead-lettered.
@@ -459,8 +461,10 @@ def fenced(
     renews in one guarded write, so a worker that lost the lease stops before the side
     effect; the frame (:func:`~langgraph_fence.get_execution_context`) exists for the
     body only; a fencing error anywhere in a failure is raised in its place (the same
-    object), and a failed non-idempotent write raises
-    :class:`~langgraph_fence.ExecutionDeadLetteredError` instead of being retried.
+    object), and a non-idempotent write that fails once its stamp stands raises
+    :class:`~langgraph_fence.ExecutionDeadLetteredError` instead of being retried (a
+    ``stamp="effect"`` step that fails before ``side_effect()`` stamped nothing: its error
+    is raised as it is, and it may be retried).
 
     Sync and async functions keep their kind, signature and injected parameters
     (``config``, ``runtime``, ``store``, ``writer``). A fenced node run without a lease
