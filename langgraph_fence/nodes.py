@@ -608,13 +608,20 @@ def fence_graph(builder: Any, effects: Mapping[str, EffectLike] | None = None) -
     return builder
 
 
-def _refuse_contradiction(node: str, fenced_as: Effect, given: Effect | None) -> None:
-    """Refuse an ``effects`` entry that contradicts the effect a node was fenced with: the
-    node would keep its own, and a write declared here would never be stamped."""
+def _refuse_contradiction(
+    name: str, fenced_as: Effect, given: Effect | None, kind: str = "node"
+) -> None:
+    """Refuse an ``effects`` entry that contradicts the effect a node (or a tool) was fenced
+    with: it would keep its own, and a write declared here would never be stamped."""
     if given is not None and given is not fenced_as:
+        where = (
+            f"@fenced(effect={fenced_as}), or an earlier fence_graph"
+            if kind == "node"
+            else f"fence_tools(..., effects={{{name!r}: {fenced_as}}}), or its default"
+        )
         raise ValueError(
-            f"node {node!r} is fenced already as {fenced_as} (@fenced(effect={fenced_as}), or "
-            f"an earlier fence_graph) but effects says {given}: declare it in one place"
+            f"{kind} {name!r} is fenced already as {fenced_as} ({where}) but effects says "
+            f"{given}: declare it in one place"
         )
 
 
@@ -667,6 +674,10 @@ def _fence_compiled(graph: Any, effects: Mapping[str, EffectLike] | None) -> Any
         fenced_as = _fenced_effect(bound)
         if fenced_as is not None:
             _refuse_contradiction(name, fenced_as, declared.get(name))
+        for tool in (tool_nodes[name] or {}).values():
+            tool_fenced_as = getattr(type(tool), EFFECT_ATTRIBUTE, None)
+            if tool_fenced_as is not None:
+                _refuse_contradiction(tool.name, tool_fenced_as, declared.get(tool.name), "tool")
     for name, node in nodes.items():
         bound = node.bound
         if isinstance(bound, Pregel):

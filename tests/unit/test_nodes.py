@@ -367,3 +367,26 @@ def test_both_forms_refuse_a_contradicted_decorator_with_one_message() -> None:
     with pytest.raises(ValueError, match=refused) as from_compiled:
         fence_graph(_one_node_graph("refund", refund).compile(), effects=effects)
     assert str(from_builder.value) == str(from_compiled.value)
+
+
+def test_a_compiled_graph_refuses_a_declaration_that_contradicts_its_fenced_tool() -> None:
+    from langchain_core.tools import tool
+    from langgraph.graph.message import MessagesState
+    from langgraph.prebuilt import ToolNode
+
+    from langgraph_fence import fence_tools
+
+    @tool
+    def refund(order: str) -> str:
+        """Refund an order."""
+        return order
+
+    (read_only,) = fence_tools([refund], effects={"refund": Effect.READ_ONLY})
+    builder = StateGraph(MessagesState)
+    builder.add_node("tools", ToolNode([read_only]))
+    builder.add_edge(START, "tools")
+    builder.add_edge("tools", END)
+    compiled = builder.compile()
+    with pytest.raises(ValueError, match=r"tool 'refund' .* declare it in one place"):
+        fence_graph(compiled, effects={"refund": Effect.NON_IDEMPOTENT_WRITE})
+    assert unfenced_parts(compiled) == (["tools"], []), "nothing was changed"
