@@ -5,7 +5,9 @@ and ``results = await ctx.wait_children([child, ...])``.
 
 ``ChildPlacement.ANY_INSTANCE``: the child is an execution of its own, of the parent's tenant,
 whose execution id is derived from the parent's scope key and ``key``
-(:func:`child_execution_id`: collision-free, and :func:`parse_child_execution_id` decodes it).
+(:func:`child_execution_id`: collision-free, never the id of a run of your own, and
+:func:`parse_child_execution_id` decodes it); the lease row records its parent, so a cancel
+or a wake of the parent reaches exactly its own children.
 It is recorded by the parent step in one transaction guarded by the parent's hold, as a
 submitted run (:mod:`langgraph_fence.queue`): a re-run of the parent step finds the child of
 the same key and spawns nothing new; a parent that was taken over spawns nothing (the guard
@@ -55,13 +57,19 @@ if TYPE_CHECKING:
     from .queue import SubmittedRuns
 
 __all__ = [
+    "CHILD_ID_PREFIX",
     "Child",
     "ChildPlacement",
     "child_execution_id",
     "parse_child_execution_id",
+    "refuse_child_ids",
     "spawn_child",
     "wait_children",
 ]
+
+#: Every child execution id starts with this, and no id of a run of your own may: a thread
+#: named like a child is refused, never adopted as one.
+CHILD_ID_PREFIX = "lgf-child:"
 
 _OUTPUT_ENDS = (LeaseStatus.DONE, LeaseStatus.WAITING)
 _FAILED_ENDS = (LeaseStatus.FAILED, LeaseStatus.DEAD_LETTERED)
@@ -108,28 +116,50 @@ class Child:
 
 
 def child_execution_id(parent: LeaseKey, key: str) -> str:
-    """The execution id of ``parent``'s child of ``key``: ``scope_key(tenant, parent id, key)``.
+    """The execution id of ``parent``'s child of ``key``:
+    ``"lgf-child:" + scope_key(tenant, parent id, key)``.
 
-    Collision-free (each part is encoded, so no ``:`` of a part is a separator) and decoded
-    by :func:`parse_child_execution_id`; a grandchild's id nests its parent's.
+    Collision-free among children (each part is encoded, so no ``:`` of a part is a
+    separator), never equal to the id of a run of your own (:func:`refuse_child_ids`), and
+    decoded by :func:`parse_child_execution_id`; a grandchild's id nests its parent's.
+    Every child id is made here.
 
     Raises:
         ValueError: ``key`` is empty or not a ``str``.
     """
-    return scope_key(parent.tenant_id, parent.execution_id, key)
+    return CHILD_ID_PREFIX + scope_key(parent.tenant_id, parent.execution_id, key)
 
 
 def parse_child_execution_id(execution_id: str) -> tuple[LeaseKey, str] | None:
     """``(parent key, child key)`` of a child execution id, or ``None`` for an id that is
-    not one (an execution started by ``ainvoke`` or ``submit``, with a plain id)."""
+    not one (an execution started by ``ainvoke`` or ``submit``)."""
+    if not isinstance(execution_id, str) or not execution_id.startswith(CHILD_ID_PREFIX):
+        return None
     try:
-        parts = parse_scope_key(execution_id)
+        parts = parse_scope_key(execution_id[len(CHILD_ID_PREFIX) :])
     except ValueError:
         return None
     if len(parts) != 3:
         return None
     tenant, parent, key = parts
     return LeaseKey(tenant, parent), key
+
+
+def refuse_child_ids(thread_id: str, execution_id: str | None) -> None:
+    """Refuse a run of your own (``ainvoke``, ``submit``, ...) whose thread id or
+    ``execution_id`` is in the namespace of child execution ids.
+
+    Raises:
+        ValueError: one starts with :data:`CHILD_ID_PREFIX`, naming the argument and the fix.
+    """
+    given = [("config['configurable']['thread_id']", thread_id), ("execution_id", execution_id)]
+    for name, value in given:
+        if isinstance(value, str) and value.startswith(CHILD_ID_PREFIX):
+            raise ValueError(
+                f"{name} is {value!r}: ids starting with {CHILD_ID_PREFIX!r} are reserved "
+                "for child executions (ctx.spawn_child names them): choose another id for a "
+                "run of your own"
+            )
 
 
 async def spawn_child(

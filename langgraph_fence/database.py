@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -35,6 +36,7 @@ __all__ = [
     "Dialect",
     "autocommit",
     "check_engine",
+    "check_sqlite_folder",
     "create_engine",
     "dialect_of",
     "discard",
@@ -105,8 +107,13 @@ def create_engine(url: str | URL, **engine_options: Any) -> AsyncEngine:
     Args:
         url: a SQLite or PostgreSQL URL (see :func:`normalize_url`).
         **engine_options: passed to :func:`sqlalchemy.ext.asyncio.create_async_engine`.
+
+    Raises:
+        ValueError: ``url`` is not a supported URL, or names a SQLite file in a folder that
+            does not exist (naming the folder and the fix).
     """
     parsed = normalize_url(url)
+    check_sqlite_folder(parsed)
     if parsed.get_backend_name() == "postgresql":
         engine_options.setdefault("isolation_level", "AUTOCOMMIT")
         engine_options.setdefault("pool_size", 8)
@@ -121,6 +128,27 @@ def create_engine(url: str | URL, **engine_options: Any) -> AsyncEngine:
     engine = create_async_engine(parsed, connect_args=connect_args, **engine_options)
     configure_sqlite(engine)
     return engine
+
+
+def check_sqlite_folder(url: URL, *, name: str = "url") -> None:
+    """Refuse a SQLite ``url`` whose file is in a folder that does not exist.
+
+    SQLite itself says only "unable to open database file", without the path, and only at
+    the first connection. A PostgreSQL URL, an in-memory SQLite one and a ``file:`` URI
+    filename (SQLite parses those) pass.
+
+    Raises:
+        ValueError: naming ``name`` (the argument the URL came in), the folder and the fix.
+    """
+    path = url.database or ""
+    if url.get_backend_name() != "sqlite" or _memory_url(url) or path.startswith("file:"):
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(
+            f"{name}: the folder {folder} of the SQLite file {path} does not exist: create it "
+            f"(mkdir -p {folder}) or fix the path in {name}"
+        )
 
 
 def configure_sqlite(engine: AsyncEngine) -> None:

@@ -15,7 +15,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from .database import normalize_url
+from .database import check_sqlite_folder, normalize_url
 from .errors import linked_errors
 from .redact import mask_password
 
@@ -58,17 +58,12 @@ def check_sqlite_file(target: Target, *, must_exist: bool) -> None:
         parsed = normalize_url(target.url)
     except ValueError as exc:
         raise ValueError(f"--db: {exc}") from None
+    check_sqlite_folder(parsed, name="--db")
     path = parsed.database or ""
     if parsed.get_backend_name() != "sqlite" or path in ("", ":memory:"):
         return
     if path.startswith("file:"):
         return  # a URI filename: SQLite parses it, we do not guess
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(
-            f"--db: the folder {folder} of the SQLite file {path} does not exist: create it "
-            f"(mkdir -p {folder}) or fix the path in --db"
-        )
     if must_exist and not os.path.exists(path):
         raise ValueError(
             f"--db: there is no SQLite file {path}: fix the path in --db, or create the "

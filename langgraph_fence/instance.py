@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from langchain_core.runnables import RunnableConfig
 
 from .admin import ThreadAdmin, _base_store, admin_holder
+from .children import refuse_child_ids
 from .contracts import require_implements
 from .events import FenceListener, Listeners
 from .fence import FENCE_CONFIG_KEY, safety_margin
@@ -521,6 +522,7 @@ class Instance:
         key, thread_id, run = queue.check(
             graph_name, input, config, tenant_id, execution_id, on_busy, options
         )
+        refuse_child_ids(thread_id, execution_id)
         check_thread_binding(key, thread_id, await self.records.bind(key, thread_id))
         run_id = await queue.submit(key, graph_name, thread_id, input, run, on_busy)
         return SubmittedRun(queue, key, run_id)

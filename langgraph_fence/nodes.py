@@ -15,7 +15,7 @@ import functools
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, cast, overload
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.config import get_config
@@ -314,8 +314,10 @@ class _Step:
         if isinstance(exc, GraphBubbleUp):
             # An interrupt or a drain is control flow, not a failed write.
             return exc
-        stamped_here = self._standing_non_idempotent() is not None
-        if self.effect is Effect.NON_IDEMPOTENT_WRITE or stamped_here:
+        # Decided by the stamp that stands, not by the declaration: a stamp="effect" step
+        # that failed before side_effect() stamped nothing and wrote nothing, so its error
+        # goes on as it is (a RetryPolicy may retry it; a resume runs it again).
+        if self._standing_non_idempotent() is not None:
             # The stamp stands (this node's, or a tool's it called): the write may have
             # happened. Never retried, never repeated; a GraphBubbleUp, so LangGraph saves no
             # error write that would clear the stamp before the execution is dead-lettered.
@@ -459,8 +461,10 @@ def fenced(
     renews in one guarded write, so a worker that lost the lease stops before the side
     effect; the frame (:func:`~langgraph_fence.get_execution_context`) exists for the
     body only; a fencing error anywhere in a failure is raised in its place (the same
-    object), and a failed non-idempotent write raises
-    :class:`~langgraph_fence.ExecutionDeadLetteredError` instead of being retried.
+    object), and a non-idempotent write that fails once its stamp stands raises
+    :class:`~langgraph_fence.ExecutionDeadLetteredError` instead of being retried (a
+    ``stamp="effect"`` step that fails before ``side_effect()`` stamped nothing: its error
+    is raised as it is, and it may be retried).
 
     Sync and async functions keep their kind, signature and injected parameters
     (``config``, ``runtime``, ``store``, ``writer``). A fenced node run without a lease
@@ -544,8 +548,9 @@ def fence_graph(builder: Any, effects: Mapping[str, EffectLike] | None = None) -
     Raises:
         ValueError: ``builder`` is neither a ``StateGraph`` nor a compiled graph, ``effects``
             names a node the graph does not have or holds a value that is not an
-            :class:`Effect` or an effect's name, or contradicts a node's ``@fenced``
-            effect. Checked before anything is changed.
+            :class:`Effect` or an effect's name, or contradicts the effect a node was
+            fenced with already (``@fenced``, or an earlier ``fence_graph``), in both forms.
+            Checked before anything is changed.
     """
     from langgraph.graph import StateGraph
     from langgraph.pregel import Pregel
@@ -576,11 +581,7 @@ def fence_graph(builder: Any, effects: Mapping[str, EffectLike] | None = None) -
                 runnable.afunc, EFFECT_ATTRIBUTE, None
             )
             if declared is not None:
-                if node_name in by_node and by_node[node_name] is not declared:
-                    raise ValueError(
-                        f"node {node_name!r} is decorated with @fenced(effect={declared}) but "
-                        f"effects says {by_node[node_name]}: declare it in one place"
-                    )
+                _refuse_contradiction(node_name, declared, by_node.get(node_name))
                 declared_by[node_name] = declared
 
     for node_name, spec in nodes.items():
@@ -605,6 +606,31 @@ def fence_graph(builder: Any, effects: Mapping[str, EffectLike] | None = None) -
             None, _wrap_async(call_runnable, node_name, effect), name=node_name
         )
     return builder
+
+
+def _refuse_contradiction(
+    name: str, fenced_as: Effect, given: Effect | None, kind: str = "node"
+) -> None:
+    """Refuse an ``effects`` entry that contradicts the effect a node (or a tool) was fenced
+    with: it would keep its own, and a write declared here would never be stamped."""
+    if given is not None and given is not fenced_as:
+        where = (
+            f"@fenced(effect={fenced_as}), or an earlier fence_graph"
+            if kind == "node"
+            else f"fence_tools(..., effects={{{name!r}: {fenced_as}}}), or its default"
+        )
+        raise ValueError(
+            f"{kind} {name!r} is fenced already as {fenced_as} ({where}) but effects says "
+            f"{given}: declare it in one place"
+        )
+
+
+def _fenced_effect(bound: Any) -> Effect | None:
+    """The effect a node's function was fenced with, or ``None`` (not fenced)."""
+    for fn in (bound.func, bound.afunc):
+        if fn is not None and (effect := getattr(fn, EFFECT_ATTRIBUTE, None)) is not None:
+            return cast(Effect, effect)
+    return None
 
 
 def _fence_compiled(graph: Any, effects: Mapping[str, EffectLike] | None) -> Any:
@@ -645,17 +671,19 @@ def _fence_compiled(graph: Any, effects: Mapping[str, EffectLike] | None) -> Any
                 "fence_graph can fence only before compile(): call fence_graph(builder, "
                 "...) and then compile(); nothing was changed"
             )
+        fenced_as = _fenced_effect(bound)
+        if fenced_as is not None:
+            _refuse_contradiction(name, fenced_as, declared.get(name))
+        for tool in (tool_nodes[name] or {}).values():
+            tool_fenced_as = getattr(type(tool), EFFECT_ATTRIBUTE, None)
+            if tool_fenced_as is not None:
+                _refuse_contradiction(tool.name, tool_fenced_as, declared.get(tool.name), "tool")
     for name, node in nodes.items():
         bound = node.bound
         if isinstance(bound, Pregel):
             continue
         node.retry_policy = guard_retry_policy(node.retry_policy)
-        fenced_already = any(
-            getattr(fn, EFFECT_ATTRIBUTE, None) is not None
-            for fn in (bound.func, bound.afunc)
-            if fn is not None
-        )
-        if not fenced_already:
+        if _fenced_effect(bound) is None:
             effect = declared.get(name, Effect.READ_ONLY)
             if bound.func is not None:
                 bound.func = _wrap_sync(bound.func, name, effect)

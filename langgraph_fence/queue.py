@@ -107,12 +107,12 @@ _HELD_HERE = (
 _LEASE = "SELECT status, holder, epoch, reason FROM fence_leases WHERE " + _KEY
 
 
-# A child of the parent (its id: the parent's scope key, ':', its key) still pending,
-# running, or yielded itself.
+# A child of the parent (by the parent its row records, never by the shape of its id)
+# still pending, running, or yielded itself.
 _LIVE = in_flight_sql("c")
 _LIVE_CHILD = (
     "SELECT 1 FROM fence_leases c WHERE c.tenant_id = :tenant_id "
-    "AND substr(c.execution_id, 1, :length) = :prefix AND " + _LIVE
+    "AND c.parent_execution_id = :execution_id AND " + _LIVE
 )
 
 
@@ -122,12 +122,14 @@ class _LeaseWrites:
     lease write is; never the submitting process's clock."""
 
     def __init__(self, now: str) -> None:
-        # A new key: pending at epoch 0 with no holder (the first claim takes epoch 1).
+        # A new key: pending at epoch 0 with no holder (the first claim takes epoch 1); a
+        # child's row records its parent (:parent_execution_id, of the same tenant).
         self.insert_pending = text(
             "INSERT INTO fence_leases (tenant_id, execution_id, scope_key, epoch, holder, "
             "expires_at, status, pending_effects, reason, updated_at, takeovers, "
-            "progress_mark) VALUES (:tenant_id, :execution_id, :scope_key, 0, NULL, NULL, "
-            f"'pending', '{{}}', NULL, {now}, 0, NULL) ON CONFLICT (tenant_id, execution_id) "
+            "progress_mark, parent_execution_id) VALUES (:tenant_id, :execution_id, "
+            f":scope_key, 0, NULL, NULL, 'pending', '{{}}', NULL, {now}, 0, NULL, "
+            ":parent_execution_id) ON CONFLICT (tenant_id, execution_id) "
             "DO NOTHING RETURNING epoch"
         )
         # A new turn of an execution that is not busy: pending again at the same epoch (the
@@ -149,7 +151,7 @@ class _LeaseWrites:
         self.cancel_children = text(
             "UPDATE fence_leases SET epoch = epoch + 1, status = 'failed', reason = :reason, "
             f"updated_at = {now} WHERE tenant_id = :tenant_id AND status = 'pending' "
-            "AND holder IS NULL AND substr(execution_id, 1, :length) = :prefix"
+            "AND holder IS NULL AND parent_execution_id = :parent_execution_id"
         )
         # Every yielded tree whose children have all ended, woken as ``wake`` wakes one: the
         # sweep of a serve() look, for the ends that did not wake their parent (a child
@@ -160,10 +162,8 @@ class _LeaseWrites:
         )
         self.wake_all = text(
             woken + yielded_sql() + " AND NOT EXISTS (SELECT 1 FROM fence_leases c WHERE "
-            "c.tenant_id = fence_leases.tenant_id AND substr(c.execution_id, 1, "
-            "length(fence_leases.scope_key) + 1) = fence_leases.scope_key || ':' AND "
-            + _LIVE
-            + ") RETURNING epoch"
+            "c.tenant_id = fence_leases.tenant_id AND "
+            "c.parent_execution_id = fence_leases.execution_id AND " + _LIVE + ") RETURNING epoch"
         )
         # A yielded tree whose children have all ended becomes pending for any instance,
         # one lease TTL (:ttl) from now on (until then its waiter, usually alive, takes it
@@ -490,9 +490,9 @@ class SubmittedRuns:
 
         async def once() -> str | None:
             async with transaction(self._engine) as conn:
+                root = {"scope_key": key.scope_key, "parent_execution_id": None}
                 created = await conn.execute(
-                    self._leases.insert_pending,
-                    {**params, "scope_key": key.scope_key, **self._store.now_params()},
+                    self._leases.insert_pending, {**params, **root, **self._store.now_params()}
                 )
                 if created.first() is None:
                     lease = (await conn.execute(text(_LEASE + self._lock), params)).one()
@@ -619,9 +619,9 @@ class SubmittedRuns:
                 # child is recorded only while the parent's token is the lease's.
                 if (await conn.execute(text(_PARENT_HELD + self._lock), held)).first() is None:
                     return None
+                child = {"scope_key": key.scope_key, "parent_execution_id": parent.key.execution_id}
                 created = await conn.execute(
-                    self._leases.insert_pending,
-                    {**params, "scope_key": key.scope_key, **self._store.now_params()},
+                    self._leases.insert_pending, {**params, **child, **self._store.now_params()}
                 )
                 if created.first() is None:
                     return False
@@ -834,12 +834,10 @@ class SubmittedRuns:
             "status": LeaseStatus.FAILED.value,
             "reason": reason,
         }
-        # A child's id is its parent's scope key, ':', and its key (children.py).
-        prefix = key.scope_key + ":"
+        # Exactly its own children: the rows that record it as their parent.
         children = {
             "tenant_id": key.tenant_id,
-            "prefix": prefix,
-            "length": len(prefix),
+            "parent_execution_id": key.execution_id,
             "reason": f"its parent {key.scope_key!r} was cancelled before it started",
         }
 
@@ -872,14 +870,7 @@ class SubmittedRuns:
         from now on, store clock) if it is yielded and none of its children is still
         pending, running or yielded itself; whether it was. Serving instances are woken
         (PostgreSQL NOTIFY), so a waiter that died never strands its tree."""
-        prefix = parent.scope_key + ":"  # a child's id: its parent's scope key, ':', its key
-        params = {
-            "tenant_id": parent.tenant_id,
-            "execution_id": parent.execution_id,
-            "prefix": prefix,
-            "length": len(prefix),
-            "ttl": ttl,
-        }
+        params = {"tenant_id": parent.tenant_id, "execution_id": parent.execution_id, "ttl": ttl}
 
         async def once() -> bool:
             async with transaction(self._engine) as conn:

@@ -23,7 +23,7 @@ from langgraph.callbacks import GraphCallbackHandler, GraphInterruptEvent
 from langgraph.runtime import RunControl
 from langgraph.types import Command
 
-from .children import parse_child_execution_id
+from .children import parse_child_execution_id, refuse_child_ids
 from .errors import (
     ExecutionDeadLetteredError,
     ExecutionEndedError,
@@ -198,6 +198,9 @@ async def _running(
         text_id("graph_name", graph_name, what="the name serve() finds the graph under")
     if taken is None:
         thread_id = str(base["configurable"]["thread_id"])
+        # A start of your own: a child's ids are refused (a takeover or a claim, taken,
+        # runs the child as spawned).
+        refuse_child_ids(thread_id, execution_id)
         record = None
         if input is not None and not isinstance(input, Command):
             # Checked before anything is written: the name serve() finds the graph

@@ -33,9 +33,12 @@ from sqlalchemy import (
     Table,
     Text,
     and_,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.ext.asyncio import AsyncConnection
 
+from .database import Dialect
 from .effects import Effect
 from .lease import LeaseStatus, PendingEffect
 from .migrations import Migration
@@ -53,6 +56,8 @@ __all__ = [
     "stamp_patch",
     "yielded_sql",
 ]
+
+logger = logging.getLogger(__name__)
 
 metadata = MetaData()
 
@@ -82,6 +87,7 @@ LEASES = Table(
     Column("updated_at", Double, nullable=False),
     Column("takeovers", Integer, nullable=False, server_default="0"),
     Column("progress_mark", Text),
+    Column("parent_execution_id", Text),
     PrimaryKeyConstraint("tenant_id", "execution_id"),
 )
 
@@ -206,6 +212,83 @@ LEASE_MIGRATIONS.append(
             "ALTER TABLE fence_leases ADD COLUMN IF NOT EXISTS takeovers INTEGER NOT NULL"
             " DEFAULT 0",
             "ALTER TABLE fence_leases ADD COLUMN IF NOT EXISTS progress_mark TEXT",
+        ],
+    )
+)
+
+# Version 5: a child's row records its parent (issue 31). Child ids used to be
+# scope_key(tenant, parent, key), the namespace of every id, and a cancel or a wake found a
+# parent's children by that prefix: a thread of your own named like a child was adopted,
+# cancelled or waited for. New child ids are reserved (langgraph_fence.children) and every
+# statement about a parent's children reads this column.
+_PARENT_INDEX = (
+    "CREATE INDEX IF NOT EXISTS fence_leases_parent ON fence_leases "
+    "(tenant_id, parent_execution_id) WHERE parent_execution_id IS NOT NULL"
+)
+
+
+async def _link_earlier_children(conn: AsyncConnection, dialect: Dialect) -> None:
+    """Record the parent of each child spawned before version 5, as the statements of that
+    version found them: an id ``scope_key(tenant, parent, key)`` of the row's own tenant
+    whose parent's row exists. A cancel or a wake of their parent reaches them as before.
+
+    Their ids stay as they are (they key checkpoints, records and sink marks too). A parent
+    still in flight whose waiting step runs again after the upgrade looks its children up
+    by their new ids and spawns them again: such parents are named in a warning."""
+    from .scope import parse_scope_key
+
+    rows = await conn.execute(
+        text("SELECT tenant_id, execution_id FROM fence_leases WHERE execution_id LIKE '%:%:%'")
+    )
+    links = []
+    for tenant_id, execution_id in rows:
+        try:
+            parts = parse_scope_key(execution_id)
+        except ValueError:
+            continue
+        if len(parts) == 3 and parts[0] == tenant_id:
+            links.append({"t": tenant_id, "e": execution_id, "p": parts[1]})
+    if links:
+        await conn.execute(
+            text(
+                "UPDATE fence_leases SET parent_execution_id = :p WHERE tenant_id = :t "
+                "AND execution_id = :e AND EXISTS (SELECT 1 FROM fence_leases p "
+                "WHERE p.tenant_id = :t AND p.execution_id = :p)"
+            ),
+            links,
+        )
+        in_flight = await conn.execute(
+            text(
+                "SELECT DISTINCT p.scope_key FROM fence_leases p JOIN fence_leases c ON "
+                "c.tenant_id = p.tenant_id AND c.parent_execution_id = p.execution_id "
+                f"WHERE {in_flight_sql('p')} ORDER BY p.scope_key"
+            )
+        )
+        parents = [row.scope_key for row in in_flight]
+        if parents:
+            logger.warning(
+                "%d execution(s) in flight have children spawned by an earlier "
+                "langgraph-fence (%s): if their waiting step runs again under this version it "
+                "spawns those children again under new ids. Let them end (or cancel them) "
+                "with the version that started them",
+                len(parents),
+                ", ".join(parents[:10]) + (", ..." if len(parents) > 10 else ""),
+            )
+
+
+LEASE_MIGRATIONS.append(
+    Migration(
+        version=5,
+        description="each child's row records its parent: cancels and wakes by exact parent",
+        sqlite=[
+            "ALTER TABLE fence_leases ADD COLUMN parent_execution_id TEXT",
+            _PARENT_INDEX,
+            _link_earlier_children,
+        ],
+        postgresql=[
+            "ALTER TABLE fence_leases ADD COLUMN IF NOT EXISTS parent_execution_id TEXT",
+            _PARENT_INDEX,
+            _link_earlier_children,
         ],
     )
 )

@@ -104,8 +104,8 @@ def _refuse_repeat(frame: ExecutionContext, tool: BaseTool) -> None:
         )
 
 
-async def _stamp(frame: ExecutionContext, tool: BaseTool, effect: Effect) -> None:
-    """Add this call's entry to the stamp set and renew, in one guarded write."""
+async def _stamp(frame: ExecutionContext, tool: BaseTool, effect: Effect) -> PendingEffect:
+    """Add this call's entry to the stamp set and renew, in one guarded write; the entry."""
     handle = frame._handle
     stamp = PendingEffect(
         effect,
@@ -118,11 +118,12 @@ async def _stamp(frame: ExecutionContext, tool: BaseTool, effect: Effect) -> Non
     await handle.mark_pending_effect(stamp)
     if effect is Effect.NON_IDEMPOTENT_WRITE:
         handle.tool_stamp_attempts.setdefault(frame.task_id, frame.attempt)
+    return stamp
 
 
-def _stamp_from_thread(frame: ExecutionContext, tool: BaseTool, effect: Effect) -> None:
+def _stamp_from_thread(frame: ExecutionContext, tool: BaseTool, effect: Effect) -> PendingEffect:
     """Stamp from a worker thread (a sync tool): the guarded write runs on the run's loop."""
-    run_on_loop(
+    return run_on_loop(
         frame._handle.loop,
         lambda: _stamp(frame, tool, effect),
         what=f"tool {tool.name!r} ({effect.value}) stamping its call",
@@ -131,16 +132,24 @@ def _stamp_from_thread(frame: ExecutionContext, tool: BaseTool, effect: Effect) 
     )
 
 
+def _stands(frame: ExecutionContext, made: list[PendingEffect]) -> bool:
+    """Whether the entry this call made (if it made one) still stands in the stamp set."""
+    return any(entry.key in frame._handle.pending_effects for entry in made)
+
+
 def _dead_letter(
-    frame: ExecutionContext, tool: BaseTool, effect: Effect, exc: Exception
+    frame: ExecutionContext, tool: BaseTool, effect: Effect, exc: Exception, stamped: bool
 ) -> WriteDeadLetteredError | None:
     """The error a failed call raises instead of ``exc``, or ``None`` to raise ``exc``.
 
     A fencing error (anywhere in ``exc``), an error already recorded on the run, and an
     interrupt (``GraphBubbleUp``) go on as they are; the node wrapper and the instance put
-    the fencing error first. Any other failure of a non-idempotent call is dead-lettered.
+    the fencing error first. Any other failure of a non-idempotent call whose entry stands
+    (``stamped``) is dead-lettered. One that failed before its stamp (a ``stamp_at_effect``
+    tool that never entered ``side_effect()``) wrote nothing: its error goes on as it is,
+    and the call is safe to repeat.
     """
-    if effect is not Effect.NON_IDEMPOTENT_WRITE:
+    if effect is not Effect.NON_IDEMPOTENT_WRITE or not stamped:
         return None
     if isinstance(exc, (WriteDeadLetteredError, GraphBubbleUp)):
         return None
@@ -167,12 +176,11 @@ def _call_sync(tool: BaseTool, body: Callable[[], Any]) -> Any:
     frame.fence.assert_held()
     frame._handle.check_alive()  # a dead-lettered run runs no tool body, whoever retries
     _refuse_repeat(frame, tool)
-    if effect.is_write:
-        _stamp_from_thread(frame, tool, effect)
+    made = [_stamp_from_thread(frame, tool, effect)] if effect.is_write else []
     try:
         return body()
     except Exception as exc:
-        dead = _dead_letter(frame, tool, effect, exc)
+        dead = _dead_letter(frame, tool, effect, exc, _stands(frame, made))
         if dead is None:
             raise
         raise dead from exc
@@ -185,17 +193,21 @@ async def _call_async(tool: BaseTool, body: Callable[[], Awaitable[Any]]) -> Any
     frame._handle.check_alive()  # a dead-lettered run runs no tool body, whoever retries
     _refuse_repeat(frame, tool)
     deferred = None
+    made: list[PendingEffect] = []  # this call's entry, once stamped
     if effect.is_write:
         if getattr(type(tool), STAMP_ATTRIBUTE) == "body":
-            await _stamp(frame, tool, effect)
+            made.append(await _stamp(frame, tool, effect))
         else:
             # Stamped where the body enters side_effect(): an approval before it is safe.
-            deferred = _defer_stamp(lambda: _stamp(frame, tool, effect))
+            async def stamp_at_effect() -> None:
+                made.append(await _stamp(frame, tool, effect))
+
+            deferred = _defer_stamp(stamp_at_effect)
     reset = _fenced_call.set(tool)
     try:
         return await body()
     except Exception as exc:
-        dead = _dead_letter(frame, tool, effect, exc)
+        dead = _dead_letter(frame, tool, effect, exc, _stands(frame, made))
         if dead is None:
             raise
         raise dead from exc

@@ -168,3 +168,39 @@ async def test_the_migrated_table_is_the_table_the_queries_are_built_from(
     assert set(re.findall(r"'([^']*)'", status_check)) == statuses, (
         "the status check must allow exactly the LeaseStatus values"
     )
+
+
+async def test_children_spawned_before_version_5_keep_their_parent(
+    fresh_engine: AsyncEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Child ids were ``scope_key(tenant, parent, key)`` before version 5: those rows get
+    their parent recorded, so a cancel or a wake of the parent reaches them as before;
+    nothing else gets one. A parent still in flight is named in a warning."""
+    await migrate(fresh_engine, "leases", LEASE_MIGRATIONS[:4])
+    rows = {
+        "order-42": None,  # the parent
+        "acme:order-42:c0": "order-42",  # its child, spawned under the old rule
+        "acme:gone:c0": None,  # no row of that parent
+        "beta:order-42:c0": None,  # another tenant's shape
+        "acme:order-42": None,  # two parts: no child
+        "acme:order 42:c0": None,  # not a scope key (unencoded)
+    }
+    async with fresh_engine.begin() as conn:
+        for execution_id in rows:
+            await conn.execute(
+                text(
+                    "INSERT INTO fence_leases (tenant_id, execution_id, scope_key, epoch,"
+                    " status, pending_effects, updated_at) VALUES ('acme', :e, :s, 0,"
+                    " 'pending', '{}', 0)"
+                ),
+                {"e": execution_id, "s": LeaseKey("acme", execution_id).scope_key},
+            )
+    await SqlLeaseRepository(fresh_engine).setup()
+    async with fresh_engine.connect() as conn:
+        found = await conn.execute(
+            text("SELECT execution_id, parent_execution_id FROM fence_leases")
+        )
+        assert {row.execution_id: row.parent_execution_id for row in found} == rows
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "langgraph_fence.schema"]
+    assert "1 execution(s) in flight" in warning
+    assert "(acme:order-42)" in warning

@@ -27,7 +27,7 @@ from langchain_core.tools import tool
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import add_messages
 from langgraph.prebuilt import ToolNode
-from langgraph.types import Command, interrupt
+from langgraph.types import Command, RetryPolicy, interrupt
 
 from checkpointers import SqlCheckpointer
 from langgraph_fence import (
@@ -268,3 +268,85 @@ async def test_an_interrupt_under_a_body_wide_stamp_is_refused_at_once(
     assert "stamp='effect'" in lease.reason
     assert "side_effect()" in lease.reason
     assert refunds.done == []
+
+
+class FailsBeforeTheWrite:
+    """A write step whose first ``failures`` attempts fail before ``side_effect()`` (a model
+    call that timed out): nothing was stamped, nothing written, so it is safe to repeat."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.attempts = 0
+        self.written: list[int] = []
+
+    async def refund(self) -> str:
+        self.attempts += 1
+        if self.attempts <= self.failures:
+            raise ConnectionError("the model call timed out")
+        frame = get_execution_context()
+        async with frame.side_effect():
+            self.written.append(frame.fence.token)
+        return "refunded"
+
+
+def build_failing(kind: str, step: FailsBeforeTheWrite, instance: Instance, retries: int) -> Any:
+    """``kind`` "node": a ``stamp="effect"`` node; "tool": a ``stamp_at_effect`` tool that a
+    read-only node calls. ``retries`` attempts of the node on ``ConnectionError``."""
+
+    @tool
+    async def refund_order(order: str) -> str:
+        """Refund an order."""
+        return await step.refund()
+
+    (fenced_tool,) = fence_tools([refund_order], stamp_at_effect=["refund_order"])
+
+    async def call_tool(state: Log) -> dict[str, list[str]]:
+        return {"log": [await fenced_tool.ainvoke({"order": "o1"})]}
+
+    @fenced(effect=Effect.NON_IDEMPOTENT_WRITE, stamp="effect")
+    async def refund(state: Log) -> dict[str, list[str]]:
+        return {"log": [await step.refund()]}
+
+    builder = StateGraph(Log)
+    policy = RetryPolicy(
+        max_attempts=retries, initial_interval=0.001, jitter=False, retry_on=ConnectionError
+    )
+    builder.add_node("refund", refund if kind == "node" else call_tool, retry_policy=policy)
+    builder.add_edge(START, "refund")
+    builder.add_edge("refund", END)
+    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name=f"fail_{kind}")
+
+
+@pytest.mark.parametrize("kind", ["node", "tool"])
+async def test_a_failure_before_side_effect_is_retried_not_dead_lettered(
+    database: Database, kind: str
+) -> None:
+    step = FailsBeforeTheWrite(failures=1)
+    thread = unique("before-effect")
+    async with stallable(database, "A") as (a, _):
+        out = await invoke(a, build_failing(kind, step, a, retries=2), {"log": []}, thread)
+        lease = await lease_of(a, thread)
+    assert out == {"log": ["refunded"]}
+    assert lease.status is LeaseStatus.DONE, lease
+    assert step.attempts == 2
+    assert step.written == [1]  # written once, by the retried attempt
+
+
+@pytest.mark.parametrize("kind", ["node", "tool"])
+async def test_a_failure_before_side_effect_ends_failed_and_its_resume_writes_once(
+    database: Database, kind: str
+) -> None:
+    step = FailsBeforeTheWrite(failures=1)
+    thread = unique("before-effect")
+    async with stallable(database, "A") as (a, _):
+        graph = build_failing(kind, step, a, retries=1)
+        with pytest.raises(ConnectionError, match="timed out"):
+            await invoke(a, graph, {"log": []}, thread)
+        failed = await lease_of(a, thread)
+        assert failed.status is LeaseStatus.FAILED, failed  # not dead-lettered
+        assert failed.pending_effects == ()
+        out = await invoke(a, graph, None, thread)  # LangGraph's resume after an error
+        done = await lease_of(a, thread)
+    assert out == {"log": ["refunded"]}
+    assert done.status is LeaseStatus.DONE, done
+    assert step.written == [2]

@@ -34,7 +34,11 @@ from langgraph_fence import (
     parse_scope_key,
     scope_key,
 )
-from langgraph_fence.children import child_execution_id, parse_child_execution_id
+from langgraph_fence.children import (
+    CHILD_ID_PREFIX,
+    child_execution_id,
+    parse_child_execution_id,
+)
 from langgraph_fence.database import transaction
 from langgraph_fence.lease import is_yielded
 from langgraph_fence.sinks import fenced_write, setup_sink
@@ -151,6 +155,8 @@ def test_child_ids_are_decodable_and_collision_free() -> None:
     grandchild = child_execution_id(LeaseKey("t:1", child), "g")
     assert parse_child_execution_id(grandchild) == (LeaseKey("t:1", child), "g")
     assert parse_child_execution_id("order-42") is None
+    # An id of your own shaped like a child's (as child ids were before) is not a child.
+    assert parse_child_execution_id(scope_key("t:1", "order:42", "a:b")) is None
     # The child's own scope key decodes to its tenant and its id.
     assert parse_scope_key(scope_key("t:1", child)) == ("t:1", child)
 
@@ -521,6 +527,64 @@ async def test_cancelling_the_parent_cancels_its_children_not_started(
             assert state.status is LeaseStatus.FAILED
             assert "was cancelled before it started" in (state.reason or "")
         assert work.ran == []
+
+
+async def test_a_thread_of_your_own_named_like_a_child_is_never_adopted(
+    database: Database,
+) -> None:
+    async with opened(database, "parent") as parent, opened(database, "worker") as worker:
+        work = Work()
+        thread = unique("fan")
+        # A user thread named as a child of `thread` under the old rule (tenant:parent:key).
+        lookalike = f"{TENANT}:{thread}:c0"
+        async with serving(worker, {"shout": child_graph(worker, work)}):
+            mine = await parent.submit("shout", {"text": "mine"}, cfg(lookalike), tenant_id=TENANT)
+            assert await mine.result(timeout=20) == {"text": "mine", "out": "MINE"}
+            out = await parent.ainvoke(
+                parent_graph(parent, work), {"items": ["a"]}, cfg(thread), tenant_id=TENANT
+            )
+        assert out["results"] == ["A"]  # its own child's output, not the lookalike's
+        assert work.spawned == [True]
+        assert sorted(work.ran) == ["a", "mine"]
+
+
+async def test_cancelling_a_parent_leaves_a_pending_run_named_like_its_child(
+    database: Database,
+) -> None:
+    async with opened(database, "client") as client:
+        thread = unique("order")
+        # Neither graph is served: both runs stay pending.
+        parent = await client.submit("fan", {"items": ["a"]}, cfg(thread), tenant_id=TENANT)
+        lookalike = f"{TENANT}:{thread}:retry"
+        mine = await client.submit("shout", {"text": "x"}, cfg(lookalike), tenant_id=TENANT)
+        assert await parent.cancel()
+        assert (await parent.state()).status is LeaseStatus.FAILED
+        state = await mine.state()
+        assert state.status is LeaseStatus.PENDING, state.reason  # not its child: untouched
+
+
+@pytest.mark.parametrize("named", ["thread_id", "execution_id"])
+async def test_a_run_of_your_own_with_a_child_id_is_refused_writing_nothing(
+    database: Database, named: str
+) -> None:
+    async with opened(database, "client") as client:
+        child_id = child_execution_id(LeaseKey(TENANT, unique("p")), "c0")
+        config = cfg(child_id if named == "thread_id" else unique("t"))
+        execution_id = child_id if named == "execution_id" else None
+        refused = rf"{named}.*{CHILD_ID_PREFIX!r}.* reserved for child executions"
+        with pytest.raises(ValueError, match=refused):
+            await client.submit(
+                "shout", {"text": "x"}, config, tenant_id=TENANT, execution_id=execution_id
+            )
+        with pytest.raises(ValueError, match=refused):
+            await client.ainvoke(
+                child_graph(client, Work()),
+                {"text": "x"},
+                config,
+                tenant_id=TENANT,
+                execution_id=execution_id,
+            )
+        assert await client.repository.get(LeaseKey(TENANT, child_id)) is None
 
 
 async def test_the_spawn_is_one_write_guarded_by_the_parents_hold(database: Database) -> None:

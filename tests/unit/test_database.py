@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -165,3 +166,20 @@ async def test_sql_stores_on_different_databases_refuse_each_others_leases(
     with pytest.raises(ValueError, match="another store"):
         await pg.renew(lease, 10)
     assert await pg.get(key) is None
+
+
+async def test_a_sqlite_file_in_a_missing_folder_is_refused_naming_the_path(
+    tmp_path: Path,
+) -> None:
+    from langgraph_fence import Instance
+
+    folder = tmp_path / "no" / "such"
+    url = f"sqlite+aiosqlite:///{folder}/fence.db"
+    refused = rf"^url: the folder {re.escape(str(folder))} of the SQLite file .*mkdir -p"
+    with pytest.raises(ValueError, match=refused):
+        async with Instance.open(url):
+            pass  # pragma: no cover - refused before it opens
+    with pytest.raises(ValueError, match=refused):
+        create_engine(url)
+    assert not (tmp_path / "no").exists()
+    create_engine(f"sqlite+aiosqlite:///{tmp_path}/fence.db")  # the folder exists: no check

@@ -330,3 +330,63 @@ def test_a_contradicted_decorator_is_refused_before_any_node_changes() -> None:
         fence_graph(builder, effects={"refund": Effect.NON_IDEMPOTENT_WRITE})
     assert builder.nodes["charge"].retry_policy is policy
     assert builder.nodes["charge"].runnable.afunc is _charge  # type: ignore[attr-defined]
+
+
+def _one_node_graph(name: str, fn: Any) -> StateGraph[_Order]:
+    builder = StateGraph(_Order)
+    builder.add_node(name, fn)
+    builder.add_edge(START, name)
+    builder.add_edge(name, END)
+    return builder
+
+
+def test_a_compiled_graph_refuses_a_declaration_that_contradicts_its_fenced_node() -> None:
+    # The node was fenced read-only (an earlier fence_graph, or @fenced): effects= calling
+    # it a non-idempotent write must not be dropped in silence, or the write is never
+    # stamped and a takeover could repeat it.
+    compiled = fence_graph(_one_node_graph("charge", _charge)).compile()
+    bound = compiled.nodes["charge"].bound
+    fenced_fn = bound.afunc
+    with pytest.raises(ValueError, match=r"node 'charge' .* declare it in one place"):
+        fence_graph(compiled, effects={"charge": Effect.NON_IDEMPOTENT_WRITE})
+    assert bound.afunc is fenced_fn, "nothing was changed"
+    assert getattr(bound.afunc, EFFECT_ATTRIBUTE) is Effect.READ_ONLY
+    # The same declaration as the node's own is no conflict.
+    assert fence_graph(compiled, effects={"charge": Effect.READ_ONLY}) is compiled
+
+
+def test_both_forms_refuse_a_contradicted_decorator_with_one_message() -> None:
+    @fenced(effect=Effect.IDEMPOTENT_WRITE)
+    async def refund(state: _Order) -> dict[str, Any]:
+        return {}
+
+    effects = {"refund": Effect.NON_IDEMPOTENT_WRITE}
+    refused = r"node 'refund' .* declare it in one place"
+    with pytest.raises(ValueError, match=refused) as from_builder:
+        fence_graph(_one_node_graph("refund", refund), effects=effects)
+    with pytest.raises(ValueError, match=refused) as from_compiled:
+        fence_graph(_one_node_graph("refund", refund).compile(), effects=effects)
+    assert str(from_builder.value) == str(from_compiled.value)
+
+
+def test_a_compiled_graph_refuses_a_declaration_that_contradicts_its_fenced_tool() -> None:
+    from langchain_core.tools import tool
+    from langgraph.graph.message import MessagesState
+    from langgraph.prebuilt import ToolNode
+
+    from langgraph_fence import fence_tools
+
+    @tool
+    def refund(order: str) -> str:
+        """Refund an order."""
+        return order
+
+    (read_only,) = fence_tools([refund], effects={"refund": Effect.READ_ONLY})
+    builder = StateGraph(MessagesState)
+    builder.add_node("tools", ToolNode([read_only]))
+    builder.add_edge(START, "tools")
+    builder.add_edge("tools", END)
+    compiled = builder.compile()
+    with pytest.raises(ValueError, match=r"tool 'refund' .* declare it in one place"):
+        fence_graph(compiled, effects={"refund": Effect.NON_IDEMPOTENT_WRITE})
+    assert unfenced_parts(compiled) == (["tools"], []), "nothing was changed"
