@@ -49,7 +49,6 @@ from langgraph_fence.checkpoint import (
     DEFAULT_TENANT,
     admit_write,
     checkpoint_clear_keys,
-    clear_entries,
     fence_handle,
     refuse_write,
     thread_tenant,
@@ -428,7 +427,7 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
                 handle.forget_pending_effects(cleared)
             proven = handle.proofs.stored((checkpoint_ns, checkpoint["id"]), cleared)
             if proven:  # their writes landed while this checkpoint was in flight
-                await clear_entries(handle, proven)
+                await handle.clear_pending_effects(proven)
         await fault_point(
             "checkpoint.after", config=config, checkpoint=checkpoint, metadata=metadata
         )

@@ -75,7 +75,6 @@ __all__ = [
     "check_held",
     "check_write_scope",
     "checkpoint_clear_keys",
-    "clear_entries",
     "fence_handle",
     "refuse_write",
     "step_config",
@@ -338,21 +337,6 @@ def checkpoint_clear_keys(
         return tuple(proven)
     older = [k for k, e in pending.items() if e.checkpoint_id and e.checkpoint_id < checkpoint_id]
     return tuple(dict.fromkeys(older + proven))
-
-
-async def clear_entries(handle: RunHandle, keys: Sequence[str]) -> None:
-    """Clear the stamp-set entries ``keys`` of the run in a statement of their own,
-    guarded by its lease (where the write that proved them could not clear them itself)."""
-    # Taken off the handle first: a step's writes and the next checkpoint may both ask to
-    # clear one entry at once, and one of them is enough.
-    taken = handle.forget_pending_effects(keys)
-    if not taken:
-        return
-    try:
-        await handle.repository.clear_pending_effects(handle.lease, list(taken))
-    except BaseException:
-        handle.restore_pending_effects(taken)
-        raise
 
 
 def _checkpoint_at(config: RunnableConfig, checkpoint_id: str) -> CheckpointAt:
@@ -741,10 +725,10 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             if keys:
                 # Not in the inner write's transaction: a crash in between leaves the
                 # entries standing, and their steps are dead-lettered instead of repeated.
-                await clear_entries(handle, keys)
+                await handle.clear_pending_effects(keys)
             proven = handle.proofs.stored(_checkpoint_at(config, checkpoint["id"]), keys)
             if proven:  # their writes landed while this checkpoint was in flight
-                await clear_entries(handle, proven)
+                await handle.clear_pending_effects(proven)
             await fault_point(
                 "checkpoint.after", config=config, checkpoint=checkpoint, metadata=metadata
             )
@@ -798,7 +782,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             if keys:
                 proof = writes_proof(config)
                 if await self._all_stored(tenant_config, proof):
-                    await clear_entries(handle, keys)
+                    await handle.clear_pending_effects(keys)
                 else:
                     handle.proofs.landed_unproven(keys, proof)
         except ExecutionLeaseLostError as exc:

@@ -373,6 +373,24 @@ class RunHandle:
         """Hand back entries :meth:`forget_pending_effects` took whose clear did not land."""
         self.pending_effects.update(entries)
 
+    async def clear_pending_effects(self, keys: Iterable[str]) -> None:
+        """Clear the entries ``keys`` of the stamp set in a statement of their own, guarded
+        by the run's lease (a refusal is recorded and raised)."""
+        # Taken off the handle first: a step's writes and the next checkpoint may both ask
+        # to clear one entry at once, and one of them is enough.
+        taken = self.forget_pending_effects(keys)
+        if not taken:
+            return
+        try:
+            with retry_window(self):
+                await self.repository.clear_pending_effects(self._lease, list(taken))
+        except ExecutionFencedError as exc:
+            self.restore_pending_effects(taken)
+            raise self.record(exc) from None
+        except BaseException:
+            self.restore_pending_effects(taken)
+            raise
+
     def fenced(self, observed_token: int, *, source: str) -> ExecutionFencedError:
         """Record that ``source`` has seen ``observed_token`` (newer than ours) and stop."""
         error = ExecutionFencedError(
