@@ -264,6 +264,37 @@ class _Step:
         if handle.pending_effects:  # nothing stamped in this run: nothing to repeat
             self._refuse_repeat()
 
+    def _body_stamp(self) -> tuple[str, ...]:
+        """The key of the entry stamped before this step's body, while it stands."""
+        if self.stamp_at != "body" or not self.effect.is_write:
+            return ()
+        entry = self.handle.pending_effects.get(self.task_id)
+        return (self.task_id,) if entry is not None and not entry.call else ()
+
+    async def pause(self) -> None:
+        """The body paused at ``interrupt()``: release the stamp made before it.
+
+        LangGraph runs a step that paused at ``interrupt()`` again from its start when the
+        thread is resumed, so (as LangGraph's docs require) its write comes after the
+        ``interrupt()`` call: nothing was written yet, and the resumed step stamps anew
+        before it runs. A ``side_effect()`` entered before the pause is not released.
+        """
+        keys = self._body_stamp()
+        if keys:
+            await self.handle.clear_pending_effects(keys)
+
+    def pause_sync(self) -> None:
+        """:meth:`pause` from a worker thread (a sync node)."""
+        keys = self._body_stamp()
+        if keys:
+            handle = self.handle
+            run_on_loop(
+                handle.loop,
+                lambda: handle.clear_pending_effects(keys),
+                what=f"node {self.node!r} releasing its stamp at interrupt()",
+                on_loop="make the node an `async def`",
+            )
+
     def _uncount(self) -> None:
         if self._counted:
             self._counted = False
@@ -297,17 +328,19 @@ class _Step:
             return self.handle.dead_letter  # whatever the step raised after it
         if not isinstance(exc, Exception) or isinstance(exc, ExecutionDeadLetteredError):
             return exc
-        if isinstance(exc, GraphInterrupt) and self._standing_non_idempotent() is not None:
-            # interrupt() while this step's non-idempotent entry stands (stamped before the
-            # body, or inside side_effect()): nothing tells whether the write began, so the
-            # resume could only be dead-lettered. Say so now, with the fix.
+        standing = self._standing_non_idempotent() if isinstance(exc, GraphInterrupt) else None
+        if standing is not None:
+            # interrupt() after a write of this step began: side_effect() was entered, or a
+            # tool call of the step wrote, before the pause (a body's own stamp, and a tool
+            # call's that paused itself, were released at the interrupt). LangGraph runs the
+            # step again from its start on resume, so the write could repeat: say so now.
             dead = WriteDeadLetteredError(
-                f"interrupted inside a non-idempotent step: node {self.node!r} of execution "
-                f"{self.handle.scope_key!r} called interrupt() under its write's stamp (token "
-                f"{self.handle.token}), so a resume could repeat the write; dead-lettered. To "
-                "ask for approval first, declare the step stamp='effect' (@fenced(..., "
-                "stamp='effect') or fence_tools(..., stamp_at_effect=[...])) and write in "
-                "`async with get_execution_context().side_effect():` after interrupt()"
+                f"interrupted after a non-idempotent write began: {standing.node!r} of "
+                f"execution {self.handle.scope_key!r} (token {self.handle.token}) stamped its "
+                f"write before node {self.node!r} called interrupt(), and LangGraph runs the "
+                "step again from its start on resume, so the write could repeat; "
+                "dead-lettered. Ask for approval before the write: call interrupt() before "
+                "side_effect() or the tool call, or in a node of its own before it"
             )
             dead.__cause__ = exc
             return self.handle.record_dead_letter(dead)
@@ -355,6 +388,8 @@ async def _run_async(
             task.uncancel()
         failure = step.handle.error
     except BaseException as exc:
+        if isinstance(exc, GraphInterrupt):
+            await step.pause()
         failure = step.failure(exc)
         if failure is exc:
             raise
@@ -373,6 +408,8 @@ def _run_sync(step: _Step, call: Callable[[], Any]) -> Any:
     try:
         result = call()
     except BaseException as exc:
+        if isinstance(exc, GraphInterrupt):
+            step.pause_sync()
         failure = step.failure(exc)
         if failure is exc:
             raise
@@ -470,9 +507,13 @@ def fenced(
     (``config``, ``runtime``, ``store``, ``writer``). A fenced node run without a lease
     refuses with :class:`~langgraph_fence.ExecutionContextUnavailableError`.
 
-    An ``interrupt()`` while the step's non-idempotent stamp stands dead-letters the
-    execution at once (its resume could repeat the write), naming the fix: declare the
-    step ``stamp="effect"`` and ask for approval before ``side_effect()``.
+    Human-in-the-loop works as LangGraph writes it: a step that pauses at ``interrupt()``
+    runs again from its start when the thread is resumed, so its write comes after the
+    ``interrupt()`` call; the stamp made before the body is released at the pause, and the
+    resumed step stamps anew before it runs (an approved resume writes once, a worker
+    killed mid-write is never repeated). An ``interrupt()`` after a write of the step began
+    (inside or after ``side_effect()``, or after a write tool call of the step) dead-letters
+    the execution at once: its resume would repeat the write.
 
     Args:
         effect: what the node does to the world (default ``READ_ONLY``).

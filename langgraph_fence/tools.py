@@ -31,7 +31,7 @@ from typing import Any, cast
 
 from langchain_core.tools import BaseTool, StructuredTool
 from langchain_core.tools import tool as create_tool
-from langgraph.errors import GraphBubbleUp
+from langgraph.errors import GraphBubbleUp, GraphInterrupt
 
 from .context import (
     ExecutionContext,
@@ -179,6 +179,17 @@ def _call_sync(tool: BaseTool, body: Callable[[], Any]) -> Any:
     made = [_stamp_from_thread(frame, tool, effect)] if effect.is_write else []
     try:
         return body()
+    except GraphInterrupt:
+        if _stands(frame, made):
+            # Paused before its write (see _call_async): released from this thread.
+            handle, keys = frame._handle, [entry.key for entry in made]
+            run_on_loop(
+                handle.loop,
+                lambda: handle.clear_pending_effects(keys),
+                what=f"tool {tool.name!r} releasing its stamp at interrupt()",
+                on_loop="call `await tool.ainvoke(...)` from async code instead",
+            )
+        raise
     except Exception as exc:
         dead = _dead_letter(frame, tool, effect, exc, _stands(frame, made))
         if dead is None:
@@ -206,6 +217,14 @@ async def _call_async(tool: BaseTool, body: Callable[[], Awaitable[Any]]) -> Any
     reset = _fenced_call.set(tool)
     try:
         return await body()
+    except GraphInterrupt:
+        if deferred is None and _stands(frame, made):
+            # The call paused at interrupt() (an approval): LangGraph runs it again from its
+            # start on resume, so its write comes after the interrupt() and has not begun.
+            # The stamp made before its body is released; the resumed call stamps anew. A
+            # stamp_at_effect tool's entry (side_effect() entered) stands: its write began.
+            await frame._handle.clear_pending_effects([entry.key for entry in made])
+        raise
     except Exception as exc:
         dead = _dead_letter(frame, tool, effect, exc, _stands(frame, made))
         if dead is None:
@@ -322,9 +341,11 @@ def fence_tools(
             ``NON_IDEMPOTENT_WRITE`` (fail-closed).
         stamp_at_effect: names of async write tools stamped where their body enters
             ``async with get_execution_context().side_effect():`` instead of before the
-            body, so an ``interrupt()`` asking for approval before it is safe to resume.
-            An ``interrupt()`` while a tool's non-idempotent stamp stands dead-letters the
-            execution at once, naming this fix.
+            body (a failure before it is then retried, not dead-lettered). A call that
+            pauses at ``interrupt()`` before its write (LangGraph's approval pattern) has
+            its stamp released at the pause and taken anew when it runs again on resume;
+            an ``interrupt()`` after ``side_effect()`` was entered dead-letters the
+            execution at once (its resume would repeat the write).
 
     Returns:
         The fenced tools, in the order given.

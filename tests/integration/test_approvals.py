@@ -254,20 +254,53 @@ async def test_frozen_inside_the_write_is_dead_lettered_naming_it(
 
 
 @pytest.mark.parametrize("kind", ["node", "tool"])
-async def test_an_interrupt_under_a_body_wide_stamp_is_refused_at_once(
+async def test_an_interrupt_under_a_body_wide_stamp_pauses_and_resumes_writing_once(
     database: Database, kind: str
 ) -> None:
+    """Stamped before the body (the default), the step pauses at interrupt(): LangGraph runs
+    it again from its start on resume, so the stamp is released at the pause and taken anew
+    by the resumed step. (The first versions dead-lettered the thread here.)"""
     refunds = Refunds()
     thread = unique("approval")
     async with stallable(database, "A") as (a, _):
         graph = build(kind, refunds, a, stamp="body")
-        with pytest.raises(ExecutionDeadLetteredError, match="interrupted inside a non-idempotent"):
-            await invoke(a, graph, first_input(kind), thread)
+        await invoke(a, graph, first_input(kind), thread)
+        paused = await lease_of(a, thread)
+        assert paused.status is LeaseStatus.WAITING, paused
+        assert paused.pending_effects == ()
+        assert refunds.done == []
+        await invoke(a, graph, Command(resume="yes"), thread)
+        lease = await lease_of(a, thread)
+    assert lease.status is LeaseStatus.DONE, lease
+    assert refunds.done == [("A", 2)]  # once, under the resume's token
+
+
+async def test_an_interrupt_after_the_write_began_is_refused_at_once(database: Database) -> None:
+    """interrupt() inside side_effect(): the write began, and the resumed step would run it
+    again from its start, so the execution is dead-lettered at the pause, naming the fix."""
+    written: list[int] = []
+
+    @fenced(effect=Effect.NON_IDEMPOTENT_WRITE, stamp="effect")
+    async def refund(state: Log) -> dict[str, list[str]]:
+        frame = get_execution_context()
+        async with frame.side_effect():
+            written.append(frame.fence.token)
+            interrupt("was the refund right?")
+        return {"log": ["refunded"]}
+
+    thread = unique("approval")
+    async with stallable(database, "A") as (a, _):
+        builder = StateGraph(Log)
+        builder.add_node("refund", refund)
+        builder.add_edge(START, "refund")
+        builder.add_edge("refund", END)
+        graph = builder.compile(checkpointer=a.checkpointer, name="refund_node")
+        with pytest.raises(ExecutionDeadLetteredError, match="after a non-idempotent write"):
+            await invoke(a, graph, {"log": []}, thread)
         lease = await lease_of(a, thread)
     assert lease.status is LeaseStatus.DEAD_LETTERED
-    assert "stamp='effect'" in lease.reason
-    assert "side_effect()" in lease.reason
-    assert refunds.done == []
+    assert "call interrupt() before" in lease.reason
+    assert written == [1]
 
 
 class FailsBeforeTheWrite:
