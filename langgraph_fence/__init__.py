@@ -28,9 +28,10 @@ if TYPE_CHECKING:
     )
     from .events import EventKind, FenceEvent
     from .fence import ExecutionFence
+    from .graph import fence_graph
     from .instance import Instance
     from .lease import ExecutionLeaseRepository, Lease, LeaseKey, LeaseStatus, PendingEffect
-    from .nodes import fence_graph, fenced
+    from .nodes import fenced
     from .scope import parse_scope_key, scope_key
     from .store import FencedStore
     from .stores import MemoryLeaseRepository, SqlLeaseRepository
@@ -69,7 +70,7 @@ _WHERE = {
     "RunState": ".queue",
     "SqlLeaseRepository": ".stores",
     "SubmittedRun": ".queue",
-    "fence_graph": ".nodes",
+    "fence_graph": ".graph",
     "fence_tools": ".tools",
     "fenced": ".nodes",
     "find_fence_error": ".errors",

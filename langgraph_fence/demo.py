@@ -35,9 +35,9 @@ from .effects import Effect
 from .errors import ExecutionLeaseLostError, find_fence_error
 from .events import FenceEvent
 from .faults import StallableRepository, StallGate
+from .graph import fence_graph
 from .instance import Instance
 from .lease import LeaseKey
-from .nodes import fence_graph
 from .records import SqlExecutionRecords
 from .redact import mask_password
 from .sinks import fenced_write, setup_sink

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 from ._compat import runnable_callable_type, tool_node_tools
@@ -61,37 +62,54 @@ def unfenced_parts(graph: Any, prefix: str = "") -> tuple[list[str], list[str]]:
     return nodes, tools
 
 
-def refuse_unfenced(graph: Any) -> None:
-    """Refuse a run of ``graph`` if any of its nodes or tools is not fenced.
+def refuse_unfenced(graph: Any, also: Sequence[str] = ()) -> None:
+    """Refuse a run of ``graph`` if any of its nodes or tools is not fenced, saying every
+    problem at once: those, and ``also`` (the caller's other reasons to refuse the run).
 
     Raises:
         ValueError: naming the unfenced nodes and tools and the call that fences them.
     """
     try:
-        if _checked.get(graph):
+        if _checked.get(graph) and not also:
             return
     except TypeError:  # not weakly referenceable: checked every time
         pass
     nodes, tools = unfenced_parts(graph)
-    if nodes or tools:
-        name = getattr(graph, "name", "graph")
-        parts = []
-        if nodes:
-            parts.append(f"nodes {nodes} are not fenced (they would run with no lease check)")
-        if tools:
-            parts.append(
-                f"tools {tools} did not go through fence_tools (their writes would run unstamped)"
-            )
-        raise ValueError(
-            f"graph {name!r} was refused before its first step: {' and '.join(parts)}. Fence "
-            "it in one call: fence_graph(builder, effects={...}) before compile(), or "
-            'fence_graph(graph, effects={"send_email": "non_idempotent_write"}) on a compiled '
-            "graph or a prebuilt agent (create_agent, create_react_agent), which fences its "
-            "tools too (undeclared tools are non_idempotent_write); an @entrypoint: stack "
-            "@fenced under it. Nothing ran and nothing was written"
+    if not nodes and not tools:
+        with contextlib.suppress(TypeError):  # not weakly referenceable: checked every time
+            _checked[graph] = True
+        if also:
+            raise ValueError("; ".join(also))
+        return
+    name = getattr(graph, "name", "graph")
+    parts = []
+    if nodes:
+        parts.append(f"nodes {nodes} are not fenced (they would run with no lease check)")
+    if tools:
+        parts.append(
+            f"tools {tools} did not go through fence_tools (their writes would run unstamped)"
         )
-    with contextlib.suppress(TypeError):  # not weakly referenceable: checked every time
-        _checked[graph] = True
+    if nodes:
+        fix = (
+            "Fence it in one call: fence_graph(builder, effects={...}) before compile(), or "
+            'fence_graph(graph, effects={"send_email": "non_idempotent_write"}) on a compiled '
+            "graph or a prebuilt agent (create_agent); both fence the tools of its ToolNodes "
+            "too (undeclared tools are non_idempotent_write); an @entrypoint: stack @fenced "
+            "under it"
+        )
+    else:
+        # The nodes are fenced, so fence_graph was called: these tools came after it, or
+        # sit in a node that is no langgraph.prebuilt.ToolNode.
+        fix = (
+            "fence_graph fences the tools a ToolNode holds when it is called, so these were "
+            "added after it, or their node is not a langgraph.prebuilt.ToolNode: pass them "
+            "through fence_tools(tools, effects={...}) where that node is built"
+        )
+    raise ValueError(
+        f"graph {name!r} was refused before its first step: {' and '.join(parts)}. {fix}"
+        + "".join(f"; {problem}" for problem in also)
+        + ". Nothing ran and nothing was written"
+    )
 
 
 def refuse_unfenced_task(task: Any) -> None:

@@ -15,14 +15,14 @@ import functools
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar, cast, overload
+from typing import Any, TypeVar, overload
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.config import get_config
 from langgraph.errors import GraphBubbleUp, GraphInterrupt
 from langgraph.types import RetryPolicy
 
-from ._compat import pregel_runtime, pregel_task_id, runnable_callable_type
+from ._compat import pregel_runtime, pregel_task_id
 from .context import (
     CONTEXT_CONFIG_KEY,
     STAMP_AT,
@@ -46,7 +46,7 @@ from .fence import FENCE_CONFIG_KEY, ExecutionFence, RunHandle
 from .from_thread import run_on_loop
 from .lease import PendingEffect
 
-__all__ = ["fence_graph", "fenced", "guard_retry_policy"]
+__all__ = ["check_stamp_at", "fenced", "guard_retry_policy", "wrap_step"]
 
 logger = logging.getLogger(__name__)
 
@@ -449,6 +449,17 @@ def _wrap_sync(fn: Callable[..., Any], node: str | None, effect: Effect) -> Any:
     return fenced_node
 
 
+def wrap_step(
+    fn: Callable[..., Any], node: str, effect: Effect, stamp: StampAt = "body", *, sync: bool
+) -> Any:
+    """``fn`` run as a fenced step named ``node`` (what :func:`fenced` does to a function):
+    ``sync`` for a function that returns its result, else one that returns an awaitable
+    (a sync step is stamped before its body: ``side_effect()`` is async)."""
+    if sync:
+        return _wrap_sync(fn, node, effect)
+    return _wrap_async(fn, node, effect, stamp)
+
+
 def _wrap(fn: Callable[..., Any], node: str | None, effect: Effect, stamp: StampAt) -> Any:
     if inspect.iscoroutinefunction(fn):
         return _wrap_async(fn, node, effect, stamp)
@@ -568,172 +579,3 @@ def guard_retry_policy(
             return policy
         return policy._replace(retry_on=_FenceGuardedRetryOn(policy.retry_on))
     return [guard_retry_policy(p) for p in policy]  # type: ignore[misc]
-
-
-def fence_graph(builder: Any, effects: Mapping[str, EffectLike] | None = None) -> Any:
-    """Fence every node of a ``StateGraph`` before ``compile()``; returns the builder.
-
-    Also takes a compiled graph, and so a prebuilt agent in one line
-    (``agent = fence_graph(create_agent(model, tools, checkpointer=instance.checkpointer,
-    name="support"), effects={"send_email": "non_idempotent_write"})``): its nodes are
-    fenced in place and the tools of each ``ToolNode`` go through :func:`fence_tools`
-    (``effects`` then names nodes and tools; an undeclared tool is ``NON_IDEMPOTENT_WRITE``,
-    an undeclared node ``READ_ONLY``); returns the graph.
-
-    Each node runs as if decorated with :func:`fenced` (nodes already decorated keep their
-    own effect), with its declared effect from ``effects`` (undeclared nodes are
-    ``READ_ONLY``), and its ``retry_policy`` guarded so a fencing error is never retried,
-    whatever ``retry_on`` says. A compiled subgraph used as a node is left as it is (its
-    steps run under the root's lease when its own builder is fenced too).
-
-    Raises:
-        ValueError: ``builder`` is neither a ``StateGraph`` nor a compiled graph, ``effects``
-            names a node the graph does not have or holds a value that is not an
-            :class:`Effect` or an effect's name, or contradicts the effect a node was
-            fenced with already (``@fenced``, or an earlier ``fence_graph``), in both forms.
-            Checked before anything is changed.
-    """
-    from langgraph.graph import StateGraph
-    from langgraph.pregel import Pregel
-
-    RunnableCallable = runnable_callable_type()
-    if isinstance(builder, Pregel):
-        return _fence_compiled(builder, effects)
-    if not isinstance(builder, StateGraph):
-        raise ValueError(
-            f"builder must be a StateGraph (before compile()), got {type(builder).__name__}"
-        )
-    nodes = builder.nodes
-    by_node: dict[str, Effect] = {
-        node_name: as_effect(node_effect, name=f"effects[{node_name!r}]")
-        for node_name, node_effect in dict(effects or {}).items()
-    }
-    unknown = sorted(set(by_node) - set(nodes))
-    if unknown:
-        raise ValueError(
-            f"effects names nodes the graph does not have: {unknown}; its nodes are {sorted(nodes)}"
-        )
-    # Every check before the first change: a refused call leaves the builder as it was.
-    declared_by: dict[str, Effect] = {}
-    for node_name, spec in nodes.items():
-        runnable = spec.runnable
-        if isinstance(runnable, RunnableCallable):
-            declared = getattr(runnable.func, EFFECT_ATTRIBUTE, None) or getattr(
-                runnable.afunc, EFFECT_ATTRIBUTE, None
-            )
-            if declared is not None:
-                _refuse_contradiction(node_name, declared, by_node.get(node_name))
-                declared_by[node_name] = declared
-
-    for node_name, spec in nodes.items():
-        spec.retry_policy = guard_retry_policy(spec.retry_policy)
-        runnable = spec.runnable
-        if isinstance(runnable, Pregel) or node_name in declared_by:
-            continue
-        if isinstance(runnable, RunnableCallable):
-            effect = by_node.get(node_name, Effect.READ_ONLY)
-            if runnable.func is not None:
-                runnable.func = _wrap_sync(runnable.func, node_name, effect)
-            if runnable.afunc is not None:
-                runnable.afunc = _wrap_async(runnable.afunc, node_name, effect)
-            continue
-        effect = by_node.get(node_name, Effect.READ_ONLY)
-        inner = runnable
-
-        async def call_runnable(state: Any, config: RunnableConfig, _inner: Any = inner) -> Any:
-            return await _inner.ainvoke(state, config)
-
-        spec.runnable = RunnableCallable(
-            None, _wrap_async(call_runnable, node_name, effect), name=node_name
-        )
-    return builder
-
-
-def _refuse_contradiction(
-    name: str, fenced_as: Effect, given: Effect | None, kind: str = "node"
-) -> None:
-    """Refuse an ``effects`` entry that contradicts the effect a node (or a tool) was fenced
-    with: it would keep its own, and a write declared here would never be stamped."""
-    if given is not None and given is not fenced_as:
-        where = (
-            f"@fenced(effect={fenced_as}), or an earlier fence_graph"
-            if kind == "node"
-            else f"fence_tools(..., effects={{{name!r}: {fenced_as}}}), or its default"
-        )
-        raise ValueError(
-            f"{kind} {name!r} is fenced already as {fenced_as} ({where}) but effects says "
-            f"{given}: declare it in one place"
-        )
-
-
-def _fenced_effect(bound: Any) -> Effect | None:
-    """The effect a node's function was fenced with, or ``None`` (not fenced)."""
-    for fn in (bound.func, bound.afunc):
-        if fn is not None and (effect := getattr(fn, EFFECT_ATTRIBUTE, None)) is not None:
-            return cast(Effect, effect)
-    return None
-
-
-def _fence_compiled(graph: Any, effects: Mapping[str, EffectLike] | None) -> Any:
-    """``fence_graph`` of a compiled graph (a prebuilt agent): nodes and tools, in place."""
-    from langgraph.constants import START
-    from langgraph.pregel import Pregel
-
-    from ._compat import tool_node_tools
-    from .tools import fence_tools
-
-    RunnableCallable = runnable_callable_type()
-    declared = {
-        name: as_effect(value, name=f"effects[{name!r}]")
-        for name, value in dict(effects or {}).items()
-    }
-    nodes = {name: node for name, node in graph.nodes.items() if name != START}
-    tool_nodes = {name: tool_node_tools(node.bound) for name, node in nodes.items()}
-    tool_names = {tool for tools in tool_nodes.values() for tool in (tools or {})}
-    unknown = sorted(set(declared) - set(nodes) - tool_names)
-    if unknown:
-        raise ValueError(
-            f"effects names nodes or tools the graph does not have: {unknown}; its nodes are "
-            f"{sorted(nodes)} and its tools {sorted(tool_names)}"
-        )
-    both = sorted(set(declared) & set(nodes) & tool_names)
-    if both:
-        raise ValueError(
-            f"effects names {both}, both a node and a tool of the graph: fence the tools "
-            "with fence_tools(...) before building the graph, and the nodes here"
-        )
-    for name, node in nodes.items():
-        bound = node.bound
-        if isinstance(bound, Pregel):
-            continue  # a subgraph: its own nodes are fenced with its own builder
-        if not isinstance(bound, RunnableCallable):
-            raise ValueError(
-                f"node {name!r} of the compiled graph is a {type(bound).__name__}, which "
-                "fence_graph can fence only before compile(): call fence_graph(builder, "
-                "...) and then compile(); nothing was changed"
-            )
-        fenced_as = _fenced_effect(bound)
-        if fenced_as is not None:
-            _refuse_contradiction(name, fenced_as, declared.get(name))
-        for tool in (tool_nodes[name] or {}).values():
-            tool_fenced_as = getattr(type(tool), EFFECT_ATTRIBUTE, None)
-            if tool_fenced_as is not None:
-                _refuse_contradiction(tool.name, tool_fenced_as, declared.get(tool.name), "tool")
-    for name, node in nodes.items():
-        bound = node.bound
-        if isinstance(bound, Pregel):
-            continue
-        node.retry_policy = guard_retry_policy(node.retry_policy)
-        if _fenced_effect(bound) is None:
-            effect = declared.get(name, Effect.READ_ONLY)
-            if bound.func is not None:
-                bound.func = _wrap_sync(bound.func, name, effect)
-            if bound.afunc is not None:
-                bound.afunc = _wrap_async(bound.afunc, name, effect)
-        tools = tool_nodes[name]
-        if tools:
-            plain = [tool for tool in tools.values() if not hasattr(type(tool), EFFECT_ATTRIBUTE)]
-            wanted = {t.name: declared[t.name] for t in plain if t.name in declared}
-            for tool in fence_tools(plain, effects=wanted):
-                tools[tool.name] = tool
-    return graph

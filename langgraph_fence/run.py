@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -193,7 +193,13 @@ async def _running(
     graph_name: str | None,
     taken: Lease | None,
 ) -> AsyncIterator[Run]:
-    key, base = prepare(graph, config, tenant_id, execution_id, kwargs)
+    # A run that records its input needs a name serve() finds the graph by: said with
+    # every other problem of the graph at once.
+    records = taken is None and input is not None and not isinstance(input, Command)
+    problem = graph_name_problem(graph, graph_name) if records else None
+    key, base = prepare(
+        graph, config, tenant_id, execution_id, kwargs, also=() if problem is None else (problem,)
+    )
     if graph_name is not None:
         text_id("graph_name", graph_name, what="the name serve() finds the graph under")
     if taken is None:
@@ -279,9 +285,12 @@ def prepare(
     tenant_id: str,
     execution_id: str | None,
     kwargs: Mapping[str, Any],
+    *,
+    also: Sequence[str] = (),
 ) -> tuple[LeaseKey, RunnableConfig]:
     """The run's lease key and its config (with its tenant), every argument checked;
-    ``ValueError`` naming the argument and the fix, before anything is written."""
+    ``ValueError`` naming the argument and the fix, before anything is written (the graph's
+    problems, with ``also``, in one refusal)."""
     from .checkpoint import FencedCheckpointer
     from .fail_closed import refuse_unfenced
 
@@ -290,7 +299,7 @@ def prepare(
             "graph was compiled without a fenced checkpointer: compile it with "
             "builder.compile(checkpointer=instance.checkpointer)"
         )
-    refuse_unfenced(graph)
+    refuse_unfenced(graph, also)
     if "control" in kwargs:
         raise ValueError(
             "control is set by the instance (it drains the run when the lease is lost); "
@@ -573,11 +582,20 @@ def recorded_graph_name(graph: Any, graph_name: str | None) -> str:
             graph it is (LangGraph's default name would strand the execution: no
             ``serve({"orders": graph})`` finds a record named ``"LangGraph"``).
     """
+    problem = graph_name_problem(graph, graph_name)
+    if problem is not None:
+        raise ValueError(problem)
+    return graph_name or str(graph.name)
+
+
+def graph_name_problem(graph: Any, graph_name: str | None) -> str | None:
+    """Why an execution of ``graph`` could not be recorded under a name ``serve()`` finds,
+    or ``None``."""
     if graph_name is not None:
-        return graph_name
+        return None
     name = getattr(graph, "name", None)
     if not isinstance(name, str) or not name or name == DEFAULT_GRAPH_NAME:
-        raise ValueError(
+        return (
             f"the graph has LangGraph's default name {name!r} and no graph_name was given: an "
             "execution is recorded under its graph's name, and another instance takes it over "
             "only if it serves a graph of that name, so this one could never be taken over. "
@@ -586,7 +604,7 @@ def recorded_graph_name(graph: Any, graph_name: str | None) -> str:
             'or pass instance.ainvoke(..., graph_name="orders"). Refused before anything was '
             "written"
         )
-    return name
+    return None
 
 
 def _lost_to_the_store(handle: RunHandle, exc: BaseException) -> ExecutionLeaseLostError:

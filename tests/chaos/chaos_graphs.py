@@ -69,12 +69,12 @@ from langgraph_fence import (
     Effect,
     ExecutionFencedError,
     ExecutionLeaseLostError,
+    fence_graph,
 )
 from langgraph_fence.context import get_execution_context
 from langgraph_fence.database import transaction
 from langgraph_fence.faults import arm_fault
 from langgraph_fence.instance import Instance
-from langgraph_fence.nodes import fence_graph
 from langgraph_fence.sinks import fenced_write
 from tests.polling import eventually
 from tests.processes import MARK_DIR_ENV, Started, start_process

@@ -33,12 +33,12 @@ from langgraph_fence import (
     MemoryLeaseRepository,
     PendingEffect,
     SqlLeaseRepository,
+    fence_graph,
     get_execution_context,
 )
 from langgraph_fence.database import transaction
 from langgraph_fence.errors import ExecutionLeaseHeldError
 from langgraph_fence.instance import Instance
-from langgraph_fence.nodes import fence_graph
 from langgraph_fence.records import SqlExecutionRecords
 from langgraph_fence.sinks import fenced_write
 from langgraph_fence.testing import ManualClock

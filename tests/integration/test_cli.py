@@ -85,8 +85,8 @@ async def _run_and_hold(db: str, tenant: str, thread: str) -> None:
     from langgraph.graph import END, START, StateGraph
     from typing_extensions import TypedDict
 
+    from langgraph_fence import fence_graph
     from langgraph_fence.instance import Instance
-    from langgraph_fence.nodes import fence_graph
 
     class State(TypedDict):
         card: str

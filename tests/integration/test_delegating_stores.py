@@ -14,11 +14,10 @@ import pytest
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 
-from langgraph_fence import ExecutionLeaseRepository, LeaseKey, LeaseStatus
+from langgraph_fence import ExecutionLeaseRepository, LeaseKey, LeaseStatus, fence_graph
 from langgraph_fence.context import get_execution_context
 from langgraph_fence.contracts import missing_members
 from langgraph_fence.instance import Instance
-from langgraph_fence.nodes import fence_graph
 from langgraph_fence.records import ExecutionRecords, MemoryExecutionRecords
 from tests.conftest import unique
 

@@ -11,10 +11,9 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import RetryPolicy
 
-from langgraph_fence import ExecutionFencedError, MemoryLeaseRepository
+from langgraph_fence import ExecutionFencedError, MemoryLeaseRepository, fence_graph
 from langgraph_fence.context import get_execution_context
 from langgraph_fence.instance import Instance
-from langgraph_fence.nodes import fence_graph
 from tests.conftest import unique
 
 

@@ -23,7 +23,6 @@ from langgraph_fence import (
     LeaseKey,
     LeaseStatus,
     fence_graph,
-    fence_tools,
     get_execution_context,
 )
 from tests.agents import ScriptedModel
@@ -161,14 +160,48 @@ async def test_an_unfenced_graph_called_inside_a_fenced_node_is_refused_before_i
     assert ran == ["outer"]  # the fenced node ran; the unfenced one never did
 
 
-async def test_an_unfenced_tool_in_a_tool_node_is_refused(instance: Instance) -> None:
+async def test_fence_graph_on_a_builder_fences_the_tools_of_its_tool_node(
+    instance: Instance,
+) -> None:
+    """The builder form fences what the compiled form does: a ToolNode's tools too (the
+    first versions left them out, and the run was refused telling the user to make the call
+    just made)."""
+    model = script()
+
+    async def agent(state: MessagesState) -> dict[str, Any]:
+        return {"messages": [await model.ainvoke(state["messages"])]}
+
     builder = StateGraph(MessagesState)
-    builder.add_node("tools", ToolNode([lookup, *fence_tools([send_email])]))
-    builder.add_edge(START, "tools")
-    graph = fence_graph(builder).compile(checkpointer=instance.checkpointer, name="tools")
+    builder.add_node("agent", agent)
+    builder.add_node("tools", ToolNode([lookup, send_email]))
+    builder.add_edge(START, "agent")
+    builder.add_edge("agent", "tools")
+    graph = fence_graph(builder, effects={"lookup": "read_only"}).compile(
+        checkpointer=instance.checkpointer, name="tools"
+    )
     config = thread()
-    with pytest.raises(ValueError, match=r"tools \['tools:lookup'\] did not go through"):
-        await graph.ainvoke({"messages": [HumanMessage("hi")]}, config)
+    sent.clear()
+    stamps_seen.clear()
+    await graph.ainvoke({"messages": [HumanMessage("mail ann")]}, config)
+    assert sent == ["ann@example.com"]
+    assert stamps_seen == [["tools:send_email"]]  # lookup is read-only: no stamp
+
+
+async def test_every_problem_of_a_graph_is_refused_at_once(instance: Instance) -> None:
+    """Unfenced nodes and LangGraph's default name (no serve() could take the run over):
+    one refusal says both."""
+
+    async def plain(state: State) -> State:
+        return {"n": 1}
+
+    builder = StateGraph(State)
+    builder.add_node("plain", plain)
+    builder.add_edge(START, "plain")
+    graph = builder.compile(checkpointer=instance.checkpointer)  # no name=
+    config = thread()
+    with pytest.raises(ValueError, match=r"nodes \['plain'\] are not fenced") as refused:
+        await instance.ainvoke(graph, {"n": 0}, config, tenant_id="default")
+    assert "default name 'LangGraph'" in str(refused.value)
     assert await nothing_written(instance, graph, config)
 
 

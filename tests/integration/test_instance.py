@@ -21,10 +21,10 @@ from langgraph_fence import (
     LeaseKey,
     LeaseStatus,
     SqlLeaseRepository,
+    fence_graph,
 )
 from langgraph_fence.context import get_execution_context
 from langgraph_fence.instance import Instance
-from langgraph_fence.nodes import fence_graph
 from langgraph_fence.records import SqlExecutionRecords
 from tests.conftest import SQL_BACKENDS, setup_all, unique
 

@@ -28,6 +28,7 @@ from langgraph_fence import (
     Lease,
     LeaseKey,
     LeaseStatus,
+    fence_graph,
     get_execution_context,
 )
 from langgraph_fence.database import create_engine, schema_options
@@ -36,7 +37,6 @@ from langgraph_fence.faults import StallableRepository, StallGate
 from langgraph_fence.fence import RunHandle, safety_margin
 from langgraph_fence.instance import Instance
 from langgraph_fence.keeper import MAX_STARTING, Keeper
-from langgraph_fence.nodes import fence_graph
 from langgraph_fence.stores.sql import SqlLeaseRepository
 from langgraph_fence.testing import Leases
 from tests.conftest import unique

@@ -21,11 +21,10 @@ from langchain_core.runnables import RunnableConfig
 from langgraph.graph import END, START, StateGraph
 from langgraph.runtime import Runtime
 
-from langgraph_fence import Effect, ExecutionFencedError, LeaseKey, LeaseStatus
+from langgraph_fence import Effect, ExecutionFencedError, LeaseKey, LeaseStatus, fence_graph
 from langgraph_fence.context import get_execution_context
 from langgraph_fence.database import schema_options
 from langgraph_fence.instance import Instance
-from langgraph_fence.nodes import fence_graph
 from langgraph_fence.records import ExecutionRecord
 from langgraph_fence.testing import Leases
 from tests.chaos.write_steps import Database

@@ -27,10 +27,10 @@ from langgraph_fence import (
     LeaseKey,
     LeaseStatus,
     MemoryLeaseRepository,
+    fence_graph,
 )
 from langgraph_fence.context import get_execution_context
 from langgraph_fence.instance import Instance
-from langgraph_fence.nodes import fence_graph
 from langgraph_fence.records import ExecutionRecord
 from langgraph_fence.testing import Leases
 from tests.conftest import unique

@@ -22,9 +22,9 @@ from langgraph_fence import (
     ExecutionLeaseLostError,
     LeaseKey,
     LeaseStatus,
+    fence_graph,
 )
 from langgraph_fence.context import get_execution_context
-from langgraph_fence.nodes import fence_graph
 from langgraph_fence.testing import Leases
 
 worker: contextvars.ContextVar[str] = contextvars.ContextVar("worker", default="?")

@@ -15,9 +15,8 @@ from typing import Annotated, Any, TypedDict
 import pytest
 from langgraph.graph import END, START, StateGraph
 
-from langgraph_fence import LeaseKey, LeaseStatus
+from langgraph_fence import LeaseKey, LeaseStatus, fence_graph
 from langgraph_fence.instance import Instance
-from langgraph_fence.nodes import fence_graph
 from langgraph_fence.records import ExecutionRecord
 from langgraph_fence.testing import Leases
 from tests.conftest import unique

@@ -28,13 +28,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from checkpointers import SqlCheckpointer
 from checkpointers.schema import CHECKPOINT_MIGRATIONS
-from langgraph_fence import LeaseKey, SqlLeaseRepository
+from langgraph_fence import LeaseKey, SqlLeaseRepository, fence_graph
 from langgraph_fence.checkpoint import DEFAULT_TENANT, _inner_thread_id, _outer_thread_id
 from langgraph_fence.database import create_engine, transaction
 from langgraph_fence.errors import ExecutionThreadBoundError
 from langgraph_fence.instance import Instance
 from langgraph_fence.migrations import migrate
-from langgraph_fence.nodes import fence_graph
 from langgraph_fence.records import EXECUTION_MIGRATIONS, SqlExecutionRecords
 from langgraph_fence.run_config import RecordedRun
 from langgraph_fence.schema import LEASE_MIGRATIONS

@@ -18,9 +18,8 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from sqlalchemy.exc import InterfaceError
 
-from langgraph_fence import LeaseKey, LeaseStatus, MemoryLeaseRepository
+from langgraph_fence import LeaseKey, LeaseStatus, MemoryLeaseRepository, fence_graph
 from langgraph_fence.instance import Instance
-from langgraph_fence.nodes import fence_graph
 from langgraph_fence.records import ExecutionRecord
 from langgraph_fence.serve import MAX_SERVE_BACKOFF, Server
 from langgraph_fence.testing import ManualClock
