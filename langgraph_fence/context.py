@@ -78,17 +78,21 @@ class ExecutionContext:
         ``interrupt()`` asking for approval, a model call) is safe to repeat, and a takeover
         that finds no stamp resumes the step. Inside the block the step is a write in
         flight: a takeover dead-letters it. In a step stamped before its body, the block
-        only checks that the lease is held.
+        only checks that the lease is held. The block runs with the lease held, also beside
+        a wait for remote children of this step (the lease is taken again first).
 
         Raises:
             ExecutionFencedError: the lease was taken over (nothing was stamped).
         """
-        self.fence.assert_held()
-        deferred = _deferred.get()
-        if deferred is not None and not deferred.done:
-            await deferred.stamp()
-            deferred.done = True
-        yield
+        # Counted among the tree's running parts for the whole block: a wait of this step
+        # for remote children (another task of it) yields nothing while the write runs.
+        async with self.fence._held():
+            self.fence.assert_held()
+            deferred = _deferred.get()
+            if deferred is not None and not deferred.done:
+                await deferred.stamp()
+                deferred.done = True
+            yield
 
     async def spawn_child(
         self,
@@ -126,7 +130,12 @@ class ExecutionContext:
         """
         from .children import spawn_child
 
-        return await spawn_child(self, graph_name, input, placement=placement, key=key, graph=graph)
+        # The spawn is a write under this step's token: beside a wait of this step for
+        # remote children, the yielded lease is taken again first.
+        async with self.fence._held():
+            return await spawn_child(
+                self, graph_name, input, placement=placement, key=key, graph=graph
+            )
 
     async def wait_children(
         self,
