@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .effects import Effect
 from .errors import ExecutionContextUnavailableError
-from .fence import ExecutionFence, RunHandle
+from .fence import ExecutionFence, RunHandle, _current_frame
 
 if TYPE_CHECKING:
     from .children import Child, ChildPlacement
@@ -32,9 +32,8 @@ STAMP_AT: tuple[StampAt, ...] = ("body", "effect")
 #: Where the frame is also placed in the step's ``config["configurable"]``.
 CONTEXT_CONFIG_KEY = "execution_context"
 
-_current: ContextVar[ExecutionContext | None] = ContextVar(
-    "langgraph_fence_execution_context", default=None
-)
+#: The running frame (kept in :mod:`langgraph_fence.fence`: a fence reads it too).
+_current = _current_frame
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -83,6 +82,8 @@ class ExecutionContext:
 
         Raises:
             ExecutionFencedError: the lease was taken over (nothing was stamped).
+            ExecutionContextUnavailableError: called inside another step (an ancestor's
+                frame used in a child step).
         """
         # Counted among the tree's running parts for the whole block: a wait of this step
         # for remote children (another task of it) yields nothing while the write runs.
@@ -126,6 +127,8 @@ class ExecutionContext:
 
         Raises:
             ExecutionFencedError: this step's execution was taken over: nothing spawned.
+            ExecutionContextUnavailableError: called inside another step (an ancestor's
+                frame used in a child step).
             ValueError, TypeError: a bad argument, named with the fix.
         """
         from .children import spawn_child

@@ -5,7 +5,8 @@ through it, the node wrapper stamps through it, the checkpointer reads its token
 refusals on it; all of them share it by identity through
 ``config["configurable"]["__fence"]``. :class:`ExecutionFence` is the read-only face a step
 sees: it reads the handle live, so a step sees a renewal or a takeover as soon as the handle
-knows of it, and a fence kept past its step refuses.
+knows of it, and a fence used outside its own step (kept past it, or an ancestor's inside a
+child step) refuses.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from contextvars import ContextVar
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +36,7 @@ from .retry import retry_window
 from .tree_activity import TreeActivity
 
 if TYPE_CHECKING:
+    from .context import ExecutionContext
     from .instance import Instance
     from .lease import ExecutionLeaseRepository
 
@@ -46,6 +49,13 @@ logger = logging.getLogger(__name__)
 FENCE_CONFIG_KEY = "__fence"
 
 StopListener = Callable[[BaseException], None]
+
+#: The frame of the step running in this context: set by the node wrapper, read by
+#: ``get_execution_context()`` (:mod:`langgraph_fence.context`) and by every fence, which
+#: refuses inside any frame but its own.
+_current_frame: ContextVar[ExecutionContext | None] = ContextVar(
+    "langgraph_fence_execution_context", default=None
+)
 
 
 def safety_margin(ttl: float) -> float:
@@ -421,10 +431,12 @@ class ExecutionFence:
 
     Guarantees: :meth:`assert_held` raises once the run is known to be fenced or its hold
     can no longer be proven (no I/O); :meth:`confirm_now` proves it with one strict renewal
-    round trip. A fence kept past its step refuses with
-    :class:`~langgraph_fence.ExecutionContextUnavailableError`. While a wait of the step for
-    remote children has yielded the tree's lease, :meth:`assert_held` refuses the same way
-    (the lease is given up, not lost) and :meth:`confirm_now` takes it again first.
+    round trip. A fence covers its own step only: kept past it, or used inside another step
+    (an ancestor's fence inside a child step), it refuses with
+    :class:`~langgraph_fence.ExecutionContextUnavailableError` before anything is written.
+    While a wait of the step for remote children has yielded the tree's lease,
+    :meth:`assert_held` refuses the same way (the lease is given up, not lost) and
+    :meth:`confirm_now` takes it again first.
 
     The token is the lease's epoch for ``(tenant_id, lease_execution_id)``: a plain int, 1
     for the first holder, + 1 with every take. An external system that remembers the highest
@@ -449,12 +461,23 @@ class ExecutionFence:
                 f"the fence of {self._label} of execution {self._handle.scope_key!r} was used "
                 "after its step ended; read get_execution_context().fence inside the step"
             )
+        frame = _current_frame.get()
+        if frame is not None and frame.fence is not self:
+            # An ancestor's fence inside a child step (a PARENT_INSTANCE child or a subgraph
+            # shares the root's lease but not its frame; an ANY_INSTANCE child has a lease of
+            # its own), or a sibling's: the step running here writes under its own fence.
+            raise ExecutionContextUnavailableError(
+                f"the fence of {self._label} of execution {self._handle.scope_key!r} was used "
+                f"inside another step, node {frame.node!r} of execution {frame.scope_key!r}: "
+                "a fence covers its own step only; use the fence of the step running here "
+                "(get_execution_context().fence)"
+            )
         return self._handle
 
     @asynccontextmanager
     async def _held(self) -> AsyncIterator[RunHandle]:
-        """For a write made under this fence (a side effect, a spawn): refused once the
-        fence's step has ended; the block runs with the tree's lease held (re-taken first if a
+        """For a write made under this fence (a side effect, a spawn): refused outside the
+        fence's own step; the block runs with the tree's lease held (re-taken first if a
         wait for remote children yielded it), see
         :meth:`~langgraph_fence.tree_activity.TreeActivity.held`."""
         handle = self._require_active()
@@ -463,8 +486,8 @@ class ExecutionFence:
 
     @contextmanager
     def _held_as_is(self, what: str) -> Iterator[RunHandle]:
-        """For a write that cannot take a yielded lease again first: refused once the
-        fence's step has ended and while the lease is yielded; otherwise the block runs counted
+        """For a write that cannot take a yielded lease again first: refused outside the
+        fence's own step and while the lease is yielded; otherwise the block runs counted
         among the tree's running parts, so no yield lands before it ends (no I/O).
 
         The sink's block is one: it runs inside the caller's transaction, opened already;
@@ -521,7 +544,8 @@ class ExecutionFence:
         Raises:
             ExecutionFencedError: the lease was taken over.
             ExecutionLeaseLostError: the hold can no longer be proven.
-            ExecutionContextUnavailableError: the step of this fence has ended, or the
+            ExecutionContextUnavailableError: the step of this fence has ended, the call is
+                made inside another step (an ancestor's fence inside a child), or the
                 tree's lease is yielded now, given up while this step waits for remote
                 children (:meth:`confirm_now`, a fenced tool, a store write and
                 ``side_effect()`` take it again first).

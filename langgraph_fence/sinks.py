@@ -304,7 +304,8 @@ async def fenced_write(
         ExecutionFencedError: the mark is above the fence's token (the run was taken over).
         ExecutionLeaseLostError: the fence's run is known to be fenced, or its hold can no
             longer be proven (checked first, without I/O).
-        ExecutionContextUnavailableError: the fence's step has ended, or the step's lease
+        ExecutionContextUnavailableError: the fence's step has ended, the write is made
+            inside another step (an ancestor's fence in a child step), or the step's lease
             is yielded now by its wait for remote children (open the transaction inside
             ``async with get_execution_context().side_effect():``): nothing written.
         TypeError: an argument has the wrong type.

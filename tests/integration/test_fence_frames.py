@@ -1,4 +1,4 @@
-"""The fence at the edges of a yield (issue 31, item 1).
+"""The fence at the edges of a yield and of a frame (issue 31, items 1 and 2).
 
 1. While a wait for ``ANY_INSTANCE`` children has yielded the root lease, code of the waiting
    step itself that runs beside the wait (another task of the step) either takes the lease
@@ -7,6 +7,9 @@
    ``ExecutionContextUnavailableError`` naming the yield (``assert_held()``, the sink outside
    a side effect): never a fencing error, never a recorded lease loss, never a write under
    the yielded token.
+2. An ancestor's fence used inside a child step (``PARENT_INSTANCE``, and ``ANY_INSTANCE``
+   while the parent's lease is yielded) is refused with ``ExecutionContextUnavailableError``
+   before anything is written.
 
 On SQLite and PostgreSQL (the ``database`` fixture), with the ``leases`` tools (a
 ManualClock); a second instance serves the children, each held in its node until the test
@@ -43,7 +46,9 @@ from langgraph_fence import (
     fence_tools,
     fenced,
     get_execution_context,
+    scope_key,
 )
+from langgraph_fence.children import child_execution_id
 from langgraph_fence.database import transaction
 from langgraph_fence.events import EventKind, FenceEvent
 from langgraph_fence.lease import is_yielded
@@ -51,7 +56,7 @@ from langgraph_fence.sinks import fenced_write, setup_sink
 from langgraph_fence.testing import Leases, open_leases
 from tests.chaos.write_steps import Database
 from tests.conftest import pg_engine_options, unique
-from tests.integration.test_children import Fan, Work, child_graph
+from tests.integration.test_children import Fan, Job, Work, child_graph
 from tests.integration.test_submit import cfg, serving
 from tests.polling import eventually
 
@@ -329,3 +334,129 @@ async def test_a_check_or_sink_beside_a_yielded_wait_is_refused_and_records_no_l
     assert "side_effect()" in said  # what to do
     assert marks[0] == ("yielded", 1)
     assert await applied(leases.engine) == {}  # nothing written under the yielded token
+
+
+# -- item 2: an ancestor's fence inside a child step
+
+
+async def ancestor_acts(
+    leases: Leases, ancestor: ExecutionFence, refused: list[BaseException]
+) -> None:
+    """Use ``ancestor`` in the running child step: each use must be refused."""
+
+    async def assert_held() -> None:
+        ancestor.assert_held()
+
+    async def confirm_now() -> None:
+        await ancestor.confirm_now()
+
+    uses: list[Callable[[], Awaitable[Any]]] = [
+        assert_held,
+        confirm_now,
+        lambda: sink_write(leases.engine, ancestor, "by-ancestor"),
+    ]
+    for use in uses:
+        try:
+            await use()
+        except Exception as exc:
+            refused.append(exc)
+
+
+def assert_refused_inside(refused: list[BaseException], child_node: str) -> None:
+    assert [type(e) for e in refused] == [ExecutionContextUnavailableError] * 3, refused
+    for error in refused:
+        said = str(error)
+        assert "node 'parent'" in said
+        assert f"inside another step, node {child_node!r}" in said
+        assert "get_execution_context().fence" in said  # what to do
+
+
+async def test_a_parents_fence_is_refused_inside_a_parent_instance_child(
+    leases: Leases,
+) -> None:
+    instance = leases.instance("parent")
+    refused: list[BaseException] = []
+    kept: dict[str, ExecutionFence] = {}
+    own: list[int] = []
+
+    async def inner(state: Job) -> dict[str, Any]:
+        ctx = get_execution_context()
+        ancestor = kept["parent"]
+        assert ancestor.token == ctx.fence.token  # the root's lease and token, yet not its frame
+        await ancestor_acts(leases, ancestor, refused)
+        own.append(await sink_write(leases.engine, ctx.fence, "by-child"))  # its own works
+        return {"out": "done"}
+
+    local_graph = one_step(Job, "inner", inner, name="local")
+
+    async def parent(state: Fan) -> dict[str, Any]:
+        ctx = get_execution_context()
+        kept["parent"] = ctx.fence
+        child = await ctx.spawn_child(
+            "local", {}, placement=ChildPlacement.PARENT_INSTANCE, key="c0", graph=local_graph
+        )
+        [result] = await ctx.wait_children([child], timeout=30)
+        ctx.fence.assert_held()  # in its own step, the parent's fence works
+        return {"results": [result["out"]]}
+
+    graph = one_step(Fan, "parent", parent, checkpointer=instance.checkpointer, name="tree")
+    thread = unique("tree")
+    out = await instance.ainvoke(graph, {"items": []}, cfg(thread), tenant_id=TENANT)
+    assert out["results"] == ["done"]
+    assert_refused_inside(refused, "inner")
+    # Nothing was written under the parent's fence: only the child's own write landed.
+    assert await applied(leases.engine) == {"by-child": (scope_key(TENANT, thread), own[0])}
+
+
+async def test_a_parents_fence_is_refused_inside_an_any_instance_child_while_yielded(
+    leases: Leases,
+) -> None:
+    parent = leases.instance("parent")
+    worker = leases.instance("worker", lease_ttl=120.0)
+    heard, _ = hear_yields(parent)
+    refused: list[BaseException] = []
+    kept: dict[str, ExecutionFence] = {}
+    used = asyncio.Event()
+
+    async def shout(state: Job) -> dict[str, Any]:
+        ctx = get_execution_context()
+        await heard.wait()  # the parent waits for this child with its lease yielded
+        await ancestor_acts(leases, kept["parent"], refused)
+        await sink_write(leases.engine, ctx.fence, "by-child")  # its own fence works
+        used.set()
+        return {"out": state["text"].upper()}
+
+    child_graph_ = one_step(Job, "shout", shout, checkpointer=worker.checkpointer, name="shout")
+
+    async def fan(state: Fan) -> dict[str, Any]:
+        ctx = get_execution_context()
+        kept["parent"] = ctx.fence
+        spawned = await ctx.spawn_child(
+            "shout", {"text": "a"}, placement=ChildPlacement.ANY_INSTANCE, key="c0"
+        )
+        results = await ctx.wait_children([spawned], timeout=30)
+        return {"results": [r["out"] for r in results]}
+
+    graph = one_step(Fan, "parent", fan, checkpointer=parent.checkpointer, name="fan")
+    thread = unique("fan")
+
+    async def child_done() -> bool:
+        leases.advance(0.05)  # wakes the worker's poll
+        return used.is_set()
+
+    async with serving(worker, {"shout": child_graph_}):
+        run = asyncio.create_task(
+            parent.ainvoke(graph, {"items": []}, cfg(thread), tenant_id=TENANT)
+        )
+        try:
+            await eventually(child_done, what="the child to use the parent's fence")
+            out = await asyncio.wait_for(run, 30)
+        finally:
+            if not run.done():
+                run.cancel()
+    assert out["results"] == ["A"]
+    assert_refused_inside(refused, "shout")
+    # Nothing was written under the parent's key and token; the child's own write was made
+    # under its own scope key.
+    child_scope = scope_key(TENANT, child_execution_id(LeaseKey(TENANT, thread), "c0"))
+    assert await applied(leases.engine) == {"by-child": (child_scope, 1)}
