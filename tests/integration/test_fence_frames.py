@@ -130,7 +130,7 @@ class Beside:
     error: BaseException | None = None
 
 
-Act = Callable[[ExecutionContext, Leases, Beside], Awaitable[Any]]
+Act = Callable[[ExecutionContext, Leases], Awaitable[Any]]
 
 
 def waiting_graph(
@@ -153,7 +153,7 @@ def waiting_graph(
             try:
                 lease = await leases.store.get(LeaseKey(TENANT, ctx.thread_id))
                 beside.yielded_then = lease is not None and is_yielded(lease.status, lease.holder)
-                beside.outcome = await act(ctx, leases, beside)
+                beside.outcome = await act(ctx, leases)
             except Exception as exc:
                 beside.error = exc
             finally:
@@ -181,12 +181,12 @@ def charge_sync(order: str) -> int:
     return fence.token
 
 
-async def by_tool(ctx: ExecutionContext, leases: Leases, beside: Beside) -> Any:
+async def by_tool(ctx: ExecutionContext, leases: Leases) -> Any:
     [fenced_charge] = fence_tools([charge])  # undeclared: NON_IDEMPOTENT_WRITE
     return await fenced_charge.ainvoke({"order": "o1"})
 
 
-async def by_sync_tool(ctx: ExecutionContext, leases: Leases, beside: Beside) -> Any:
+async def by_sync_tool(ctx: ExecutionContext, leases: Leases) -> Any:
     [fenced_charge] = fence_tools([charge_sync])
     # Called from a worker thread, as a sync step calls it: the re-take goes to the loop.
     return await asyncio.to_thread(fenced_charge.invoke, {"order": "o1"})
@@ -200,22 +200,22 @@ async def _put(store: BaseStore, ctx: ExecutionContext) -> Any:
     return ctx.fence.token
 
 
-async def by_sql_store(ctx: ExecutionContext, leases: Leases, beside: Beside) -> Any:
+async def by_sql_store(ctx: ExecutionContext, leases: Leases) -> Any:
     inner = SqlStore(leases.engine)  # checks the token inside its own write statement
     await inner.setup()
     return await _put(FencedStore(inner), ctx)
 
 
-async def by_other_store(ctx: ExecutionContext, leases: Leases, beside: Beside) -> Any:
+async def by_other_store(ctx: ExecutionContext, leases: Leases) -> Any:
     return await _put(FencedStore(InMemoryStore()), ctx)  # checked by one read, then written
 
 
-async def by_confirm(ctx: ExecutionContext, leases: Leases, beside: Beside) -> Any:
+async def by_confirm(ctx: ExecutionContext, leases: Leases) -> Any:
     await ctx.fence.confirm_now()
     return ctx.fence.token
 
 
-async def by_sync_confirm(ctx: ExecutionContext, leases: Leases, beside: Beside) -> Any:
+async def by_sync_confirm(ctx: ExecutionContext, leases: Leases) -> Any:
     def confirm() -> int:
         ctx.fence.confirm_now()  # a sync step's form: blocks until confirmed
         return ctx.fence.token
@@ -223,17 +223,17 @@ async def by_sync_confirm(ctx: ExecutionContext, leases: Leases, beside: Beside)
     return await asyncio.to_thread(confirm)
 
 
-async def by_side_effect(ctx: ExecutionContext, leases: Leases, beside: Beside) -> Any:
+async def by_side_effect(ctx: ExecutionContext, leases: Leases) -> Any:
     async with ctx.side_effect():  # the step's stamp="effect" write is stamped here
         return ctx.fence.token
 
 
-async def by_sink_in_side_effect(ctx: ExecutionContext, leases: Leases, beside: Beside) -> Any:
+async def by_sink_in_side_effect(ctx: ExecutionContext, leases: Leases) -> Any:
     async with ctx.side_effect():  # holds the lease; the sink's transaction opens inside
         return await sink_write(leases.engine, ctx.fence, "charge")
 
 
-async def by_spawn(ctx: ExecutionContext, leases: Leases, beside: Beside) -> Any:
+async def by_spawn(ctx: ExecutionContext, leases: Leases) -> Any:
     await ctx.spawn_child("shout", {"text": "b"}, placement=ChildPlacement.ANY_INSTANCE, key="c1")
     return ctx.fence.token
 
@@ -262,8 +262,11 @@ async def run_beside_a_yield(leases: Leases, act: Act) -> tuple[Beside, Any, lis
     graph = waiting_graph(parent, leases, act, beside, gate)
     thread = unique("wait")
     async with serving(worker, {"shout": child_graph(worker, work)}):
+        # durability="sync": the superstep's checkpoint is stored before the step runs. With
+        # "async" it may still be on its way when the wait yields, and take the lease again
+        # (as it must) before the act runs, which would then find it held.
         run = asyncio.create_task(
-            parent.ainvoke(graph, {"items": []}, cfg(thread), tenant_id=TENANT)
+            parent.ainvoke(graph, {"items": []}, cfg(thread), tenant_id=TENANT, durability="sync")
         )
         try:
             await eventually(lambda: child_started(leases, work, "a"), what="the child to run")
@@ -311,7 +314,7 @@ REFUSED: dict[str, Callable[[ExecutionContext, Leases], Awaitable[None]]] = {
 async def test_a_check_or_sink_beside_a_yielded_wait_is_refused_and_records_no_loss(
     leases: Leases, name: str
 ) -> None:
-    async def check(ctx: ExecutionContext, leases: Leases, beside: Beside) -> Any:
+    async def check(ctx: ExecutionContext, leases: Leases) -> Any:
         refused: list[BaseException] = []
         for _ in range(2):
             try:
@@ -445,8 +448,8 @@ async def test_a_parents_fence_is_refused_inside_an_any_instance_child_while_yie
         return used.is_set()
 
     async with serving(worker, {"shout": child_graph_}):
-        run = asyncio.create_task(
-            parent.ainvoke(graph, {"items": []}, cfg(thread), tenant_id=TENANT)
+        run = asyncio.create_task(  # durability="sync": see run_beside_a_yield
+            parent.ainvoke(graph, {"items": []}, cfg(thread), tenant_id=TENANT, durability="sync")
         )
         try:
             await eventually(child_done, what="the child to use the parent's fence")
