@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .effects import Effect
 from .errors import ExecutionContextUnavailableError
-from .fence import ExecutionFence, RunHandle
+from .fence import ExecutionFence, RunHandle, _current_frame
 
 if TYPE_CHECKING:
     from .children import Child, ChildPlacement
@@ -32,9 +32,8 @@ STAMP_AT: tuple[StampAt, ...] = ("body", "effect")
 #: Where the frame is also placed in the step's ``config["configurable"]``.
 CONTEXT_CONFIG_KEY = "execution_context"
 
-_current: ContextVar[ExecutionContext | None] = ContextVar(
-    "langgraph_fence_execution_context", default=None
-)
+#: The running frame (kept in :mod:`langgraph_fence.fence`: a fence reads it too).
+_current = _current_frame
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -78,17 +77,23 @@ class ExecutionContext:
         ``interrupt()`` asking for approval, a model call) is safe to repeat, and a takeover
         that finds no stamp resumes the step. Inside the block the step is a write in
         flight: a takeover dead-letters it. In a step stamped before its body, the block
-        only checks that the lease is held.
+        only checks that the lease is held. The block runs with the lease held, also beside
+        a wait for remote children of this step (the lease is taken again first).
 
         Raises:
             ExecutionFencedError: the lease was taken over (nothing was stamped).
+            ExecutionContextUnavailableError: called inside another step (an ancestor's
+                frame used in a child step).
         """
-        self.fence.assert_held()
-        deferred = _deferred.get()
-        if deferred is not None and not deferred.done:
-            await deferred.stamp()
-            deferred.done = True
-        yield
+        # Counted among the tree's running parts for the whole block: a wait of this step
+        # for remote children (another task of it) yields nothing while the write runs.
+        async with self.fence._held():
+            self.fence.assert_held()
+            deferred = _deferred.get()
+            if deferred is not None and not deferred.done:
+                await deferred.stamp()
+                deferred.done = True
+            yield
 
     async def spawn_child(
         self,
@@ -122,11 +127,18 @@ class ExecutionContext:
 
         Raises:
             ExecutionFencedError: this step's execution was taken over: nothing spawned.
+            ExecutionContextUnavailableError: called inside another step (an ancestor's
+                frame used in a child step).
             ValueError, TypeError: a bad argument, named with the fix.
         """
         from .children import spawn_child
 
-        return await spawn_child(self, graph_name, input, placement=placement, key=key, graph=graph)
+        # The spawn is a write under this step's token: beside a wait of this step for
+        # remote children, the yielded lease is taken again first.
+        async with self.fence._held():
+            return await spawn_child(
+                self, graph_name, input, placement=placement, key=key, graph=graph
+            )
 
     async def wait_children(
         self,

@@ -5,7 +5,8 @@ through it, the node wrapper stamps through it, the checkpointer reads its token
 refusals on it; all of them share it by identity through
 ``config["configurable"]["__fence"]``. :class:`ExecutionFence` is the read-only face a step
 sees: it reads the handle live, so a step sees a renewal or a takeover as soon as the handle
-knows of it, and a fence kept past its step refuses.
+knows of it, and a fence used outside its own step (kept past it, or an ancestor's inside a
+child step) refuses.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Generator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from contextvars import ContextVar
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +37,7 @@ from .retry import retry_window
 from .tree_activity import TreeActivity
 
 if TYPE_CHECKING:
+    from .context import ExecutionContext
     from .instance import Instance
     from .lease import ExecutionLeaseRepository
 
@@ -46,6 +50,13 @@ logger = logging.getLogger(__name__)
 FENCE_CONFIG_KEY = "__fence"
 
 StopListener = Callable[[BaseException], None]
+
+#: The frame of the step running in this context: set by the node wrapper, read by
+#: ``get_execution_context()`` (:mod:`langgraph_fence.context`) and by every fence, which
+#: refuses inside any frame but its own.
+_current_frame: ContextVar[ExecutionContext | None] = ContextVar(
+    "langgraph_fence_execution_context", default=None
+)
 
 
 def safety_margin(ttl: float) -> float:
@@ -406,8 +417,12 @@ class RunHandle:
 
 
 async def _confirm(handle: RunHandle) -> None:
-    # The round trip comes first: after a lapse it tells a takeover from a slow store.
-    await handle.renew()
+    # Counted among the tree's running parts while it renews: a yield of a wait for remote
+    # children of this step (another task of it) cannot land between the renewal and its
+    # answer; a lease yielded already is taken again first (epoch + 1).
+    async with handle.activity.held():
+        # The round trip comes first: after a lapse it tells a takeover from a slow store.
+        await handle.renew()
     if handle.stop_reason is not None:
         raise GraphDrained(handle.stop_reason)
 
@@ -438,8 +453,12 @@ class ExecutionFence:
 
     Guarantees: :meth:`assert_held` raises once the run is known to be fenced or its hold
     can no longer be proven (no I/O); :meth:`confirm_now` proves it with one strict renewal
-    round trip. A fence kept past its step refuses with
-    :class:`~langgraph_fence.ExecutionContextUnavailableError`.
+    round trip. A fence covers its own step only: kept past it, or used inside another step
+    (an ancestor's fence inside a child step), it refuses with
+    :class:`~langgraph_fence.ExecutionContextUnavailableError` before anything is written.
+    While a wait of the step for remote children has yielded the tree's lease,
+    :meth:`assert_held` refuses the same way (the lease is given up, not lost) and
+    :meth:`confirm_now` takes it again first.
 
     The token is the lease's epoch for ``(tenant_id, lease_execution_id)``: a plain int, 1
     for the first holder, + 1 with every take. An external system that remembers the highest
@@ -464,7 +483,57 @@ class ExecutionFence:
                 f"the fence of {self._label} of execution {self._handle.scope_key!r} was used "
                 "after its step ended; read get_execution_context().fence inside the step"
             )
+        frame = _current_frame.get()
+        if frame is not None and frame.fence is not self:
+            # An ancestor's fence inside a child step (a PARENT_INSTANCE child or a subgraph
+            # shares the root's lease but not its frame; an ANY_INSTANCE child has a lease of
+            # its own), or a sibling's: the step running here writes under its own fence.
+            raise ExecutionContextUnavailableError(
+                f"the fence of {self._label} of execution {self._handle.scope_key!r} was used "
+                f"inside another step, node {frame.node!r} of execution {frame.scope_key!r}: "
+                "a fence covers its own step only; use the fence of the step running here "
+                "(get_execution_context().fence)"
+            )
         return self._handle
+
+    @asynccontextmanager
+    async def _held(self) -> AsyncIterator[RunHandle]:
+        """For a write made under this fence (a side effect, a spawn): refused outside the
+        fence's own step; the block runs with the tree's lease held (re-taken first if a
+        wait for remote children yielded it), see
+        :meth:`~langgraph_fence.tree_activity.TreeActivity.held`."""
+        handle = self._require_active()
+        async with handle.activity.held():
+            yield handle
+
+    @contextmanager
+    def _held_as_is(self, what: str) -> Iterator[RunHandle]:
+        """For a write that cannot take a yielded lease again first: refused outside the
+        fence's own step and while the lease is yielded; otherwise the block runs counted
+        among the tree's running parts, so no yield lands before it ends (no I/O).
+
+        The sink's block is one: it runs inside the caller's transaction, opened already;
+        on SQLite a re-take from inside it would wait for the caller's own write lock.
+        """
+        handle = self._require_active()
+        activity = handle.activity
+        if not activity.enter_held():
+            if handle.error is not None:  # a fencing error first, always
+                raise handle.error
+            raise self._yielded(handle, what)
+        try:
+            yield handle
+        finally:
+            activity.leave()
+
+    def _yielded(self, handle: RunHandle, what: str) -> ExecutionContextUnavailableError:
+        return ExecutionContextUnavailableError(
+            f"{what} under the fence of {self._label} of execution {handle.scope_key!r} was "
+            "refused: no lease covers it now, a wait for remote children (wait_children) "
+            f"yielded it at token {handle.token} while nothing else of the tree runs. Make "
+            "the call inside `async with get_execution_context().side_effect():`, which takes "
+            "the lease again first and holds it for the block, or after wait_children() returns"
+        )
 
     @property
     def scope_key(self) -> str:
@@ -497,9 +566,18 @@ class ExecutionFence:
         Raises:
             ExecutionFencedError: the lease was taken over.
             ExecutionLeaseLostError: the hold can no longer be proven.
-            ExecutionContextUnavailableError: the step of this fence has ended.
+            ExecutionContextUnavailableError: the step of this fence has ended, the call is
+                made inside another step (an ancestor's fence inside a child), or the
+                tree's lease is yielded now, given up while this step waits for remote
+                children (:meth:`confirm_now`, a fenced tool, a store write and
+                ``side_effect()`` take it again first).
         """
-        self._require_active().check()
+        handle = self._require_active()
+        if handle.error is None and handle.activity.yielded:
+            # Given up on purpose, not lost: no hold covers the caller, and none runs out
+            # (the keeper watches no yielded lease), so no loss is ever recorded for it.
+            raise self._yielded(handle, "assert_held()")
+        handle.check()
 
     def confirm_now(self) -> Awaitable[None]:
         """Prove the lease is held with one strict renewal, before a call that can't check tokens.
@@ -513,7 +591,9 @@ class ExecutionFence:
           once it is confirmed, or raises. What it returns is already done (awaiting it is
           harmless), so no coroutine is ever left un-awaited.
 
-        Either way the call after it starts only once the store confirmed the hold.
+        Either way the call after it starts only once the store confirmed the hold. While a
+        wait of this step for remote children has yielded the tree's lease, the lease is
+        taken again first (a new token).
 
         Raises:
             ExecutionFencedError: the lease was taken over (the renewal was refused).

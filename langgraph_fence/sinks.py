@@ -304,7 +304,10 @@ async def fenced_write(
         ExecutionFencedError: the mark is above the fence's token (the run was taken over).
         ExecutionLeaseLostError: the fence's run is known to be fenced, or its hold can no
             longer be proven (checked first, without I/O).
-        ExecutionContextUnavailableError: the fence's step has ended.
+        ExecutionContextUnavailableError: the fence's step has ended, the write is made
+            inside another step (an ancestor's fence in a child step), or the step's lease
+            is yielded now by its wait for remote children (open the transaction inside
+            ``async with get_execution_context().side_effect():``): nothing written.
         TypeError: an argument has the wrong type.
         ValueError: ``idempotency_key`` is empty or holds a NUL, or ``conn`` is not inside a
             transaction, is in AUTOCOMMIT, or is not SQLite or PostgreSQL.
@@ -312,6 +315,20 @@ async def fenced_write(
             applied key.
     """
     await _check_arguments(conn, fence, idempotency_key)
+    # Counted among the tree's running parts until the block ends: no yield of a wait of
+    # this step for remote children (another task of it) lands while the write is made. A
+    # lease yielded already is refused, not taken again: the caller's transaction is open,
+    # and on SQLite a re-take would wait for its write lock.
+    with fence._held_as_is("fenced_write()"):
+        async with _fenced_block(conn, fence, idempotency_key) as write:
+            yield write
+
+
+@asynccontextmanager
+async def _fenced_block(
+    conn: AsyncConnection, fence: ExecutionFence, idempotency_key: str
+) -> AsyncIterator[FencedWrite]:
+    """The sink's statements around the caller's block (see :func:`fenced_write`)."""
     fence.assert_held()
     scope = fence.scope_key
     # The token is read once: the mark, the key row and a refusal all speak of this one.
@@ -533,6 +550,18 @@ def fenced_write_sync(
         ``ValueError`` for a PostgreSQL driver other than ``psycopg``.
     """
     _check_sync_arguments(conn, fence, idempotency_key)
+    with (
+        fence._held_as_is("fenced_write_sync()"),
+        _fenced_block_sync(conn, fence, idempotency_key) as write,
+    ):
+        yield write
+
+
+@contextmanager
+def _fenced_block_sync(
+    conn: Connection, fence: ExecutionFence, idempotency_key: str
+) -> Iterator[FencedWrite]:
+    """The sink's statements around the caller's block (see :func:`fenced_write_sync`)."""
     fence.assert_held()
     scope = fence.scope_key
     token = fence.token  # read once: the mark, the key row and a refusal speak of this one

@@ -37,9 +37,11 @@ class FencedStore(BaseStore):
         inner: the store that holds the items.
 
     Every ``PutOp`` of a ``batch``/``abatch`` (``put``, and ``delete``: a put of ``None``)
-    made inside a fenced step is made under the step's token; under a superseded token it is
-    refused with :class:`~langgraph_fence.ExecutionFencedError`, recorded on the run like a
-    refused checkpoint write (the run is drained and ends with that error), and nothing of
+    made inside a fenced step is made under the step's token, with the step's lease held
+    (beside a wait of the step for remote children, which may have yielded it, it is taken
+    again first); under a superseded token it is refused with
+    :class:`~langgraph_fence.ExecutionFencedError`, recorded on the run like a refused
+    checkpoint write (the run is drained and ends with that error), and nothing of
     the batch is delegated. Reads, searches and ``list_namespaces`` are never fenced. A write
     from outside any fenced step (an admin script, a migration) is passed through unfenced.
 
@@ -72,14 +74,13 @@ class FencedStore(BaseStore):
         guards = getattr(self.inner, "guards", None)
         return callable(guards) and bool(guards(handle))
 
-    def _handle_for(self, ops: list[Op]) -> RunHandle | None:
-        """The run handle a batch's writes must be checked against, or ``None`` (no write,
-        no fenced step, or an inner store that checks the token itself)."""
+    def _writer(self, ops: list[Op]) -> RunHandle | None:
+        """The run handle of the fenced step writing in this batch, or ``None`` (no write,
+        or no fenced step)."""
         frame = current_frame()
         if frame is None or not any(isinstance(op, PutOp) for op in ops):
             return None
-        handle = frame._handle
-        return None if self._guards(handle) else handle
+        return frame._handle
 
     async def abatch(self, ops: Iterable[Op]) -> list[Result]:
         """Run ``ops`` on the inner store; writes inside a fenced step under its token.
@@ -89,22 +90,32 @@ class FencedStore(BaseStore):
             ExecutionLeaseLostError: the step's hold can no longer be proven.
         """
         listed = list(ops)
-        handle = self._handle_for(listed)
-        if handle is not None:
-            await check_held(handle, step_config(), _action(listed))
-        return await self.inner.abatch(listed)
+        handle = self._writer(listed)
+        if handle is None:
+            return await self.inner.abatch(listed)
+        # Counted among the tree's running parts until the inner write is over: a yield
+        # (a wait of this step for remote children, in another task of it) never lands
+        # between the check and the write, and a yielded lease is taken again first.
+        async with handle.activity.held():
+            if not self._guards(handle):  # a fence-aware store checks in its own write
+                await check_held(handle, step_config(), _action(listed))
+            return await self.inner.abatch(listed)
 
     def batch(self, ops: Iterable[Op]) -> list[Result]:
         """Sync twin of :meth:`abatch` (a sync node in a worker thread): the check runs on
         the run's loop."""
         listed = list(ops)
-        handle = self._handle_for(listed)
-        if handle is not None:
-            config = step_config()
-            run_on_loop(
-                handle.loop,
-                lambda: check_held(handle, config, _action(listed)),
-                what="a fenced store write",
-                on_loop="use the async methods there (await store.aput(...))",
-            )
-        return self.inner.batch(listed)
+        handle = self._writer(listed)
+        if handle is None:
+            return self.inner.batch(listed)
+        on_loop = "use the async methods there (await store.aput(...))"
+        with handle.activity.held_from_thread(what="a fenced store write", on_loop=on_loop):
+            if not self._guards(handle):
+                config = step_config()
+                run_on_loop(
+                    handle.loop,
+                    lambda: check_held(handle, config, _action(listed)),
+                    what="a fenced store write",
+                    on_loop=on_loop,
+                )
+            return self.inner.batch(listed)

@@ -4,6 +4,8 @@
 step that calls them (a ``ToolNode`` of a graph passed through ``fence_graph()``, a
 ``create_react_agent``-style loop, or any fenced node that calls ``tool.ainvoke()``):
 
+* the whole call runs with the step's lease held (beside a wait of the step for remote
+  children, which may have yielded it, it is taken again first);
 * before the tool's body: the lease must be held (``assert_held``, no I/O); a write tool
   (``IDEMPOTENT_WRITE``, ``NON_IDEMPOTENT_WRITE``) adds an entry of its own to the lease's
   stamp set and renews, in ONE guarded write, so a worker that lost the lease stamps
@@ -172,6 +174,18 @@ def _call_sync(tool: BaseTool, body: Callable[[], Any]) -> Any:
         _fenced_call.set(None)
         return body()
     frame = _frame(tool)
+    # The whole call (stamp and body) is counted among the tree's running parts: a wait of
+    # this step for remote children (another task of it) yields nothing until it ends, and
+    # a lease yielded already is taken again before the stamp.
+    with frame._handle.activity.held_from_thread(
+        what=f"tool {tool.name!r} taking its step's yielded lease again",
+        on_loop="call `await tool.ainvoke(...)` from async code instead of a blocking "
+        "tool.invoke()",
+    ):
+        return _run_sync(frame, tool, body)
+
+
+def _run_sync(frame: ExecutionContext, tool: BaseTool, body: Callable[[], Any]) -> Any:
     effect = _effect_of(tool)
     frame.fence.assert_held()
     frame._handle.check_alive()  # a dead-lettered run runs no tool body, whoever retries
@@ -199,6 +213,14 @@ def _call_sync(tool: BaseTool, body: Callable[[], Any]) -> Any:
 
 async def _call_async(tool: BaseTool, body: Callable[[], Awaitable[Any]]) -> Any:
     frame = _frame(tool)
+    # As in _call_sync: the call keeps the lease held (re-taken first if yielded).
+    async with frame._handle.activity.held():
+        return await _run_async(frame, tool, body)
+
+
+async def _run_async(
+    frame: ExecutionContext, tool: BaseTool, body: Callable[[], Awaitable[Any]]
+) -> Any:
     effect = _effect_of(tool)
     frame.fence.assert_held()
     frame._handle.check_alive()  # a dead-lettered run runs no tool body, whoever retries

@@ -11,7 +11,10 @@ and leaves it when done; a wait counts itself as waiting.
   the lease becomes ``waiting`` with its holder kept; the keeper stops renewing it. Nothing
   writes under it (the guard wants ``running``) and no instance takes it over.
 * **Re-take** (one statement, :meth:`~langgraph_fence.ExecutionLeaseRepository.retake`):
-  before any step or checkpoint write of the tree runs again, and before the wait returns,
+  before any step or checkpoint write of the tree runs again, before an operation of a
+  running step that writes under the token (a fenced tool call, a store write,
+  ``side_effect()``, a spawn, ``confirm_now()``: :meth:`TreeActivity.held`) runs, and
+  before the wait returns,
   the lease is taken again at epoch + 1 and the keeper renews it again; every live frame's
   fence reads the handle, so it shows the new token. If another instance took the tree
   meanwhile, the re-take is refused: the run records the
@@ -28,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING
 
 from .errors import ExecutionFencedError
@@ -91,19 +96,20 @@ class TreeActivity:
                 self.leave()
                 raise
 
-    def enter_from_thread(self) -> None:
-        """:meth:`enter` from a worker thread (a sync step): the re-take runs on the run's loop."""
+    def enter_from_thread(
+        self,
+        *,
+        what: str = "a sync step re-taking its tree's yielded lease",
+        on_loop: str = "make the node an `async def`",
+    ) -> None:
+        """:meth:`enter` from a worker thread (a sync step): the re-take runs on the run's
+        loop (``what`` and ``on_loop`` as for :func:`~langgraph_fence.from_thread.run_on_loop`)."""
         with self._count:  # counted and the yield read at once (maybe_yield sets it so)
             self.running += 1
             yielded = self.yielded
         if yielded:
             try:
-                run_on_loop(
-                    self._handle.loop,
-                    self.retake,
-                    what="a sync step re-taking its tree's yielded lease",
-                    on_loop="make the node an `async def`",
-                )
+                run_on_loop(self._handle.loop, self.retake, what=what, on_loop=on_loop)
             except BaseException:
                 self.leave()
                 raise
@@ -112,6 +118,35 @@ class TreeActivity:
         """A step or checkpoint write ended."""
         with self._count:
             self.running -= 1
+
+    # -- an operation of a running step
+
+    @asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        """The block runs with the lease held: counted among the running parts of the tree
+        (so no yield lands while it runs) and the lease re-taken first if yielded.
+
+        For what a step writes beside its own entry and checkpoint writes (a tool call, a
+        store write, a side effect, a spawn, a confirmation): the step itself may be the one
+        waiting for remote children, with this code running concurrently in another task.
+        """
+        if not self.enter_held():
+            await self.enter()
+        try:
+            yield
+        finally:
+            self.leave()
+
+    @contextmanager
+    def held_from_thread(self, *, what: str, on_loop: str) -> Iterator[None]:
+        """:meth:`held` from a worker thread (a sync tool or step): the re-take runs on the
+        run's loop (``what`` and ``on_loop`` as for
+        :func:`~langgraph_fence.from_thread.run_on_loop`)."""
+        self.enter_from_thread(what=what, on_loop=on_loop)
+        try:
+            yield
+        finally:
+            self.leave()
 
     # -- a wait for remote children
 
