@@ -7,7 +7,8 @@ ended (returned, or the exception it raised), :func:`decide_outcome` says, in th
    chain or groups) stands above everything: the run raises it, never a cancellation, a
    drain or a sibling's error in its place (guarantee 5);
 2. a dead letter: the execution is dead-lettered and the dead letter raised;
-3. a drain by request: handed back ``pending`` for any instance to resume;
+3. a drain by request, or a cancellation (Ctrl-C, SIGTERM, a cancelled task): handed back
+   ``pending`` for any instance to resume at once;
 4. an infrastructure error (a database connection error anywhere in the chain): the run
    stops as lease-lost and is handed back, never ``failed`` (guarantee 6);
 5. only then the graph's own error: ``failed``, with the error as reason;
@@ -44,7 +45,7 @@ class Settle(enum.Enum):
 
     FENCED = "fenced"  # raise the fencing error that stands (lost or taken over)
     DEAD_LETTER = "dead_letter"  # dead-letter the execution, raise the dead letter
-    HAND_BACK = "hand_back"  # drained by request: release ``pending``
+    HAND_BACK = "hand_back"  # drained by request, or cancelled: release ``pending``
     LOST_TO_STORE = "lost_to_store"  # the store could not be reached: lease-lost, handed back
     FAILED = "failed"  # the graph's own error: release ``failed``
     ENDED = "ended"  # the graph returned: release ``done`` or ``waiting``
@@ -99,5 +100,11 @@ def decide_outcome(
     if any(is_database_connection_error(e) for e in linked_errors(exc)):
         return Outcome(Settle.LOST_TO_STORE, reason=failure_reason(exc))
     if isinstance(exc, asyncio.CancelledError):
-        return Outcome(Settle.FAILED, reason="cancelled")
+        # Ctrl-C, SIGTERM, a cancelled task: the process (or its caller) stopped the run, the
+        # graph did not fail. Handed back at once, so a serving instance resumes it from its
+        # last checkpoint without waiting out the lease (a write stamped mid-step is then
+        # dead-lettered by that take, never repeated).
+        return Outcome(
+            Settle.HAND_BACK, reason="cancelled (its process stopping, or its caller): handed back"
+        )
     return Outcome(Settle.FAILED, reason=failure_reason(exc))

@@ -465,7 +465,8 @@ async def _settle(instance: Instance, graph: Any, run: Run, exc: BaseException |
             raise dead  # keeps its own cause: the error the write failed with
         return
     if outcome.settle is Settle.HAND_BACK:
-        # Drained by request (not by a fence): hand the execution back for any instance.
+        # Drained by request, or cancelled (not by a fence): hand the execution back for any
+        # instance to resume at once.
         await _release(run, LeaseStatus.PENDING, outcome.reason)
         instance._events.emit(EventKind.HANDED_BACK, handle.scope_key, handle.token, outcome.reason)
         await _wake_servers(instance)

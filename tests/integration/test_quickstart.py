@@ -159,3 +159,55 @@ async def test_the_readme_quickstart_killed_mid_node_is_taken_over_by_the_worker
         _, stderr = await asyncio.wait_for(worker.communicate(), 60)
         await engine.dispose()
     assert charged == CHARGED, stderr.decode()
+
+
+async def test_the_readme_quickstart_stopped_with_ctrl_c_is_handed_back_at_once(
+    tmp_path: Path, orders_db: str
+) -> None:
+    """Ctrl-C (SIGINT) mid-node: the run is handed back as it stops (``pending``, no holder),
+    so a worker takes it at its next poll, not once the 10 s lease has run out; the order
+    is charged once, by the worker. (It used to end ``failed``, "cancelled", and nothing
+    resumed it.)"""
+    (tmp_path / "orders.py").write_text(quickstart())
+    env = {**env_importing(tmp_path), "ORDERS_DB": orders_db}
+    program = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "orders.py",
+        cwd=tmp_path,
+        env={**env, "PLAN_SECONDS": "600"},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert program.stdout is not None
+    try:
+        await line_with(program.stdout, "planning order 42", within=120)
+    finally:
+        program.send_signal(signal.SIGINT)
+        stopped_output, stopped_err = await asyncio.wait_for(program.communicate(), 60)
+    assert "charging" not in stopped_output.decode()
+    assert "KeyboardInterrupt" in stopped_err.decode()
+
+    engine = create_engine(orders_db)
+    try:
+        repository = SqlLeaseRepository(engine)
+        handed_back = await repository.get(KEY)
+        assert handed_back is not None
+        assert handed_back.status is LeaseStatus.PENDING, handed_back
+        assert handed_back.holder is None  # released: nothing to wait out
+        worker = await start_worker(
+            orders_db, "orders:graphs", cwd=tmp_path, env={**env, "PLAN_SECONDS": "0"}
+        )
+        assert worker.stdout is not None
+        try:
+            charged = await line_with(worker.stdout, "charging order 42", within=180)
+            await until_done(repository, KEY, within=60)
+            lease = await repository.get(KEY)
+            assert lease is not None
+            assert lease.epoch == 2  # one take by the worker, no other run
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            rest, stderr = await asyncio.wait_for(worker.communicate(), 60)
+    finally:
+        await engine.dispose()
+    assert charged == CHARGED, stderr.decode()
+    assert "charging" not in rest.decode()  # once
