@@ -55,6 +55,7 @@ from langgraph_fence.guard import guard_sql, holds
 from langgraph_fence.lease import fenced_error
 from langgraph_fence.migrations import Migration, migrate
 from langgraph_fence.schema import LEASE_MIGRATIONS
+from langgraph_fence.store import checked_ops
 
 from ._rows import Guard
 
@@ -167,6 +168,8 @@ class SqlStore(BaseStore):
     """
 
     supports_ttl = True
+    #: Items are keyed by tenant here: :class:`~langgraph_fence.FencedStore` adds no label.
+    scopes_tenants = True
 
     def __init__(
         self,
@@ -215,7 +218,7 @@ class SqlStore(BaseStore):
 
     def batch(self, ops: Iterable[Op]) -> list[Result]:
         """Sync twin of :meth:`abatch`: runs it on the store's loop, from another thread."""
-        listed = list(ops)
+        listed = checked_ops(ops)
         # The step's frame is this thread's: the loop runs the batch in a context of its own.
         frame = current_frame()
         return run_on_loop(
@@ -231,10 +234,11 @@ class SqlStore(BaseStore):
         Raises:
             ExecutionFencedError: a write inside a fenced step under a superseded token
                 (nothing of the batch's writes landed; the refusal is recorded on the run).
-            ValueError: semantic search asked for, a value that is not JSON, or a step
-                whose lease lives in another database.
+            ValueError: semantic search asked for, a value that is not JSON, a step
+                whose lease lives in another database, or a namespace or key no store can
+                keep (NUL, lone surrogate, too long: the message names it and the limit).
         """
-        return await self._run(list(ops), current_frame())
+        return await self._run(checked_ops(ops), current_frame())
 
     async def _run(self, listed: list[Op], frame: ExecutionContext | None) -> list[Result]:
         now = self._now_params()
