@@ -116,6 +116,10 @@ class Server:
         # claim order, lease.fair_order).
         self._claimed_for: str | None = None
         self._announced_at = -ANNOUNCE_EVERY  # monotonic; never yet
+        # The takeover budget's last take runs alone: while such a run goes on, or while the
+        # loop waits to be idle for one, it takes nothing else (:meth:`_last_chance`).
+        self._alone: asyncio.Task[None] | None = None
+        self._isolating = False
 
     async def poll_once(self) -> float:
         """One look: forget the runs that ended, take work if a slot is free; returns the
@@ -221,6 +225,12 @@ class Server:
         delays the takeover of a healthy execution behind them.
         """
         instance, graphs, unserved = self.instance, self.graphs, self._unserved
+        if self._alone is not None and not self._alone.done():
+            return  # an execution's last take of its budget runs with nothing beside it
+        self._alone = None
+        if self._isolating and not self._idle():
+            return  # draining to idle, to run an execution's last take alone
+        self._isolating = False
         queue = instance.queue_or_none()
         if queue is not None:
             # A thread whose run ended begins its next queued run (on_busy="enqueue"): it is
@@ -288,6 +298,8 @@ class Server:
                 else:
                     instance._keeper.leave()
                     passed = True
+                if self._alone is not None or self._isolating:
+                    return  # a last take runs alone, or the loop drains to run one
             if len(candidates) < limit or not (found_unserved or passed):
                 return
             # A full window of newly found unserved executions (or of rows just settled or
@@ -319,6 +331,12 @@ class Server:
             if is_connection_error(exc):
                 raise  # the store blinked: nothing is wrong with the checkpoint
             await self._settle_unreadable(candidate, exc)
+            return False
+        alone = self._last_chance(candidate, mark)
+        if alone and not self._idle():
+            # Left for now (another instance may take it); this loop takes nothing more
+            # until its runs have ended, then takes it alone.
+            self._isolating = True
             return False
         taken = await instance.repository.take_over(
             candidate,
@@ -395,7 +413,26 @@ class Server:
             name=f"resume {taken.scope_key}",
         )
         self.running[task] = runs
+        if alone:
+            self._alone = task
         return True
+
+    def _last_chance(self, candidate: Lease, mark: str | None) -> bool:
+        """Whether this take is an execution's last within the takeover budget: its holder
+        crashed, no checkpoint landed since the last take, and the count would reach
+        ``max_takeovers``. Such a run goes on alone (this loop runs nothing else, and takes
+        nothing else until it ends): if it kills its worker, it was the cause, and the next
+        take dead-letters it; a healthy execution that only shared workers with a poison
+        pill ends here instead of being blamed for their deaths."""
+        if candidate.status is not LeaseStatus.RUNNING:
+            return False  # handed back or never started: nobody crashed, nothing counts
+        count = (candidate.takeovers if candidate.progress_mark == mark else 0) + 1
+        return count == self.budget
+
+    def _idle(self) -> bool:
+        """Whether this loop runs nothing and its instance holds no other lease."""
+        running = [task for task in self.running if not task.done()]
+        return not running and self.instance._keeper.held == 0
 
     async def _settle_unreadable(self, candidate: Lease, exc: Exception) -> None:
         """Dead-letter ``candidate``, whose latest checkpoint cannot be read (``exc``), once.
