@@ -430,9 +430,10 @@ class Server:
         return count == self.budget
 
     def _idle(self) -> bool:
-        """Whether this loop runs nothing and its instance holds no other lease."""
-        running = [task for task in self.running if not task.done()]
-        return not running and self.instance._keeper.held == 0
+        """Whether this loop runs nothing. Runs its instance makes for callers
+        (``ainvoke``) are not waited for: they may never pause, and a loop waiting for
+        them would never serve again."""
+        return all(task.done() for task in self.running)
 
     async def _settle_unreadable(self, candidate: Lease, exc: Exception) -> None:
         """Dead-letter ``candidate``, whose latest checkpoint cannot be read (``exc``), once.
