@@ -126,8 +126,15 @@ def _thread_config(
     return {"configurable": configurable}
 
 
+#: The longest text kept inline in a checkpoint row; a longer one is a channel blob, stored
+#: once per version instead of once per checkpoint (a 100 MB input was in every one).
+INLINE_MAX_CHARS = 1024
+
+
 def _is_inline(value: Any) -> bool:
-    return value is None or isinstance(value, str | int | float | bool)
+    if isinstance(value, str):
+        return len(value) <= INLINE_MAX_CHARS
+    return value is None or isinstance(value, int | float | bool)
 
 
 def _prune_plan(
@@ -390,10 +397,14 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         stored = checkpoint.copy()
         stored["channel_values"] = inline
         dumps = self.serde.dumps_typed
+        versions = {**checkpoint["channel_versions"], **new_versions}
+        # A new version's blob, and a long text's at any version: a checkpoint written
+        # before long texts left the row kept it inline, so its blob may not exist yet (it
+        # is written once: an existing blob row is left as it is).
         blobs = [
-            (channel, str(version), *dumps(blob_values[channel]))
-            for channel, version in new_versions.items()
-            if channel in blob_values
+            (channel, str(versions[channel]), *dumps(value))
+            for channel, value in blob_values.items()
+            if channel in new_versions or (isinstance(value, str) and channel in versions)
         ]
         type_, data = dumps(stored)
         meta = get_serializable_checkpoint_metadata(config, metadata)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -56,6 +55,7 @@ from langgraph_fence.guard import guard_sql, holds
 from langgraph_fence.lease import fenced_error
 from langgraph_fence.migrations import Migration, migrate
 from langgraph_fence.schema import LEASE_MIGRATIONS
+from langgraph_fence.store import checked_ops
 
 from ._rows import Guard
 
@@ -92,13 +92,20 @@ _GUARD = guard_sql(
 )
 _LOCK = {"postgresql": " FOR SHARE", "sqlite": ""}
 _COLUMNS = "prefix, key, value, created_at, updated_at, expires_at, ttl_minutes"
-_LIVE = "(expires_at IS NULL OR expires_at > :now)"
+_LIVE = "(expires_at IS NULL OR expires_at > {now})"
+#: The database's clock, in seconds since the epoch, as SQL (the store's clock when none is
+#: given): the same on every host, as the leases' expiry is.
+_DATABASE_NOW = {
+    "postgresql": "CAST(EXTRACT(epoch FROM now()) AS DOUBLE PRECISION)",
+    "sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
+}
+_GIVEN_NOW = "CAST(:now AS DOUBLE PRECISION)"
 
 _UPSERT = """INSERT INTO fence_store_items
     (tenant_id, prefix, key, value, created_at, updated_at, expires_at, ttl_minutes, fence_token)
 SELECT CAST(:tenant AS TEXT), CAST(:prefix AS TEXT), CAST(:key AS TEXT), CAST(:value AS TEXT),
-    CAST(:now AS DOUBLE PRECISION), CAST(:now AS DOUBLE PRECISION),
-    CAST(:expires_at AS DOUBLE PRECISION), CAST(:ttl AS DOUBLE PRECISION), CAST(:token AS BIGINT)
+    {now}, {now}, {now} + CAST(:ttl AS DOUBLE PRECISION) * 60,
+    CAST(:ttl AS DOUBLE PRECISION), CAST(:token AS BIGINT)
 WHERE {guard}
 ON CONFLICT (tenant_id, prefix, key) DO UPDATE SET value = excluded.value,
     updated_at = excluded.updated_at, expires_at = excluded.expires_at,
@@ -109,15 +116,17 @@ ON CONFLICT (tenant_id, prefix, key) DO UPDATE SET value = excluded.value,
 _DELETE = """DELETE FROM fence_store_items
 WHERE tenant_id = :tenant AND prefix = :prefix AND key = :key AND {guard}"""
 _UNGUARDED = "1 = 1"
+#: The parameters the store's clock needs in a statement (none: the database's clock).
+Now = dict[str, float]
 
 
-def _guarded(statement: str, dialect: Dialect, guard: Guard | None) -> Any:
+def _guarded(statement: str, dialect: Dialect, guard: Guard | None, now: str) -> Any:
     condition = (
         _UNGUARDED
         if guard is None
         else f"EXISTS (SELECT 1 FROM fence_leases WHERE {_GUARD}{_LOCK[dialect]})"
     )
-    return text(statement.format(guard=condition))
+    return text(statement.format(guard=condition, now=now))
 
 
 def _prefix(namespace: tuple[str, ...]) -> str:
@@ -141,18 +150,26 @@ class SqlStore(BaseStore):
         ttl: LangGraph's TTL config (``default_ttl`` and ``refresh_on_read``, minutes).
         tenant_id: whose items a call from outside any fenced step reads and writes
             (default: the default tenant). Inside a step, the lease's tenant.
-        clock: wall clock in seconds for timestamps and TTL (default ``time.time``).
+        clock: the store's clock in seconds, for timestamps and TTL. ``None`` (the
+            default) means the database's own clock (PostgreSQL's ``now()``, SQLite's
+            ``julianday('now')``), as the leases' expiry is judged: every host sees an item
+            live or expired alike, whatever its own clock says. Tests pass a controlled one.
 
     Guarantee: a put or delete made inside a fenced step lands only while the step's token
     is the lease's epoch, checked in the write's own statement: no window. A write from
     outside any fenced step is not fenced (``fence_token`` is ``NULL``). A batch with
-    several writes is one transaction: a refused write lands none of them.
+    several writes is one transaction: a refused write lands none of them. An item's TTL,
+    its ``created_at`` and ``updated_at`` are read from the database's clock (unless a
+    ``clock`` is given), never the calling host's: a host with a skewed clock neither hides
+    live items, nor sweeps them, nor writes items that others see as expired.
 
     Semantic search (``query=``, an index config) is not offered: it is refused with
     ``ValueError`` (no embeddings index, no vector column).
     """
 
     supports_ttl = True
+    #: Items are keyed by tenant here: :class:`~langgraph_fence.FencedStore` adds no label.
+    scopes_tenants = True
 
     def __init__(
         self,
@@ -160,7 +177,7 @@ class SqlStore(BaseStore):
         *,
         ttl: TTLConfig | None = None,
         tenant_id: str = DEFAULT_TENANT,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         dialect = check_engine(engine)  # the one engine rule of every store
         if not isinstance(tenant_id, str) or "\x00" in tenant_id:
@@ -174,6 +191,7 @@ class SqlStore(BaseStore):
         self.ttl_config = ttl
         self.tenant_id = tenant_id
         self._clock = clock
+        self._now = _DATABASE_NOW[dialect] if clock is None else _GIVEN_NOW
         self.loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -192,11 +210,15 @@ class SqlStore(BaseStore):
         await migrate(self._engine, STORE_COMPONENT, STORE_MIGRATIONS)
         self.loop = asyncio.get_running_loop()
 
+    def _now_params(self) -> Now:
+        """The parameters :attr:`_now` needs now (none for the database's own clock)."""
+        return {} if self._clock is None else {"now": self._clock()}
+
     # -- the batch
 
     def batch(self, ops: Iterable[Op]) -> list[Result]:
         """Sync twin of :meth:`abatch`: runs it on the store's loop, from another thread."""
-        listed = list(ops)
+        listed = checked_ops(ops)
         # The step's frame is this thread's: the loop runs the batch in a context of its own.
         frame = current_frame()
         return run_on_loop(
@@ -212,13 +234,14 @@ class SqlStore(BaseStore):
         Raises:
             ExecutionFencedError: a write inside a fenced step under a superseded token
                 (nothing of the batch's writes landed; the refusal is recorded on the run).
-            ValueError: semantic search asked for, a value that is not JSON, or a step
-                whose lease lives in another database.
+            ValueError: semantic search asked for, a value that is not JSON, a step
+                whose lease lives in another database, or a namespace or key no store can
+                keep (NUL, lone surrogate, too long: the message names it and the limit).
         """
-        return await self._run(list(ops), current_frame())
+        return await self._run(checked_ops(ops), current_frame())
 
     async def _run(self, listed: list[Op], frame: ExecutionContext | None) -> list[Result]:
-        now = self._clock()
+        now = self._now_params()
         handle = None if frame is None else frame._handle
         tenant = self.tenant_id if handle is None else handle.key.tenant_id
         results: list[Result] = [None] * len(listed)
@@ -247,7 +270,7 @@ class SqlStore(BaseStore):
     # -- reads
 
     async def _reads(
-        self, reads: Sequence[tuple[int, Op]], results: list[Result], tenant: str, now: float
+        self, reads: Sequence[tuple[int, Op]], results: list[Result], tenant: str, now: Now
     ) -> None:
         refresh: set[tuple[str, str]] = set()
         async with read_only(self._engine).connect() as conn:
@@ -275,14 +298,14 @@ class SqlStore(BaseStore):
         self,
         conn: AsyncConnection,
         tenant: str,
-        now: float,
+        now: Now,
         *,
         prefix: str | None = None,
         key: str | None = None,
         under: tuple[str, ...] | None = None,
     ) -> list[Any]:
-        where = f"tenant_id = :tenant AND {_LIVE}"
-        params: dict[str, Any] = {"tenant": tenant, "now": now}
+        where = f"tenant_id = :tenant AND {_LIVE.format(now=self._now)}"
+        params: dict[str, Any] = {"tenant": tenant, **now}
         if key is not None:
             where += " AND prefix = :prefix AND key = :key"
             params.update(prefix=prefix, key=key)
@@ -297,14 +320,14 @@ class SqlStore(BaseStore):
         return list((await conn.execute(statement, params)).all())
 
     async def _namespaces(
-        self, conn: AsyncConnection, tenant: str, now: float, op: ListNamespacesOp
+        self, conn: AsyncConnection, tenant: str, now: Now, op: ListNamespacesOp
     ) -> list[tuple[str, ...]]:
         rows = await conn.execute(
             text(
                 "SELECT DISTINCT prefix FROM fence_store_items"
-                f" WHERE tenant_id = :tenant AND {_LIVE}"
+                f" WHERE tenant_id = :tenant AND {_LIVE.format(now=self._now)}"
             ),
-            {"tenant": tenant, "now": now},
+            {"tenant": tenant, **now},
         )
         namespaces = [tuple(prefix.split(".")) for (prefix,) in rows.all()]
         if op.match_conditions:
@@ -334,14 +357,14 @@ class SqlStore(BaseStore):
             updated_at=_when(row.updated_at),
         )
 
-    async def _refresh(self, tenant: str, items: set[tuple[str, str]], now: float) -> None:
+    async def _refresh(self, tenant: str, items: set[tuple[str, str]], now: Now) -> None:
         # A read's TTL refresh is no write of the step's: not fenced.
         statement = text(
-            "UPDATE fence_store_items SET expires_at = :now + ttl_minutes * 60"
+            f"UPDATE fence_store_items SET expires_at = {self._now} + ttl_minutes * 60"
             " WHERE tenant_id = :tenant AND prefix = :prefix AND key = :key"
             " AND ttl_minutes IS NOT NULL"
         )
-        params = [{"tenant": tenant, "prefix": p, "key": k, "now": now} for p, k in items]
+        params = [{"tenant": tenant, "prefix": p, "key": k, **now} for p, k in items]
         async with transaction(self._engine) as conn:
             await conn.execute(statement, params)
 
@@ -362,7 +385,7 @@ class SqlStore(BaseStore):
         return Guard.of(handle.lease)
 
     def _write_params(
-        self, op: PutOp, tenant: str, guard: Guard | None, now: float
+        self, op: PutOp, tenant: str, guard: Guard | None, now: Now
     ) -> dict[str, Any]:
         params: dict[str, Any] = {"tenant": tenant, "prefix": _prefix(op.namespace), "key": op.key}
         if guard is not None:
@@ -382,22 +405,16 @@ class SqlStore(BaseStore):
                 f"({exc}); store plain data (str, numbers, lists, dicts)"
             ) from None
         ttl = op.ttl
-        params.update(
-            value=value,
-            now=now,
-            ttl=ttl,
-            expires_at=None if ttl is None else now + ttl * 60,
-            token=None if guard is None else guard.epoch,
-        )
+        params.update(now, value=value, ttl=ttl, token=None if guard is None else guard.epoch)
         return params
 
     async def _writes(
-        self, puts: Sequence[PutOp], handle: RunHandle | None, tenant: str, now: float
+        self, puts: Sequence[PutOp], handle: RunHandle | None, tenant: str, now: Now
     ) -> None:
         guard = self._guard(handle)
         statements = [
             (
-                _guarded(_DELETE if op.value is None else _UPSERT, self._dialect, guard),
+                _guarded(_DELETE if op.value is None else _UPSERT, self._dialect, guard, self._now),
                 self._write_params(op, tenant, guard, now),
                 op,
             )
@@ -436,12 +453,13 @@ class SqlStore(BaseStore):
     # -- maintenance
 
     async def sweep_ttl(self) -> int:
-        """Delete the items whose TTL has run out; returns how many. Reads never see them
-        anyway; this frees the space. Not fenced (maintenance)."""
+        """Delete the items whose TTL has run out by the database's clock (or the store's
+        ``clock``), never this host's; returns how many. Reads never see them anyway; this
+        frees the space. Not fenced (maintenance)."""
         async with single_statement(self._engine).connect() as conn:
             result = await conn.execute(
-                text("DELETE FROM fence_store_items WHERE expires_at <= :now"),
-                {"now": self._clock()},
+                text(f"DELETE FROM fence_store_items WHERE expires_at <= {self._now}"),
+                self._now_params(),
             )
             await conn.commit()
         return int(result.rowcount)

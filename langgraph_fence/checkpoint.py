@@ -62,6 +62,7 @@ from .guard import holds
 from .lease import fenced_error
 from .proofs import CheckpointAt
 from .scope import encode_part
+from .serde import strict_serde
 
 if TYPE_CHECKING:
     from .admin import ThreadAdmin
@@ -395,6 +396,13 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     finds the writes' checkpoint), so a crash between the two leaves the entry standing and
     the step is dead-lettered rather than repeated (safe, not exact).
 
+    Safe loading holds through the wrapper: an inner saver whose serializer is LangGraph's
+    ``JsonPlusSerializer`` (or an ``EncryptedSerializer`` over one) in its permissive default
+    (any ``module.name`` a payload names is constructed) gets a strict one in its place
+    (:func:`langgraph_fence.serde.strict_serde`; the saver object is changed, it reads what
+    it wrote alike). A serializer of any other class, or with a custom ext hook, decodes as
+    it always did: safe loading does not hold there.
+
     On refusal the error is recorded on the handle, the run is asked to drain
     (``runtime.control.request_drain``), and the recorded error is raised. Reads are never
     fenced. The wrapper overrides only the optional methods (``acopy_thread``,
@@ -442,6 +450,11 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             raise ValueError(
                 f"inner must be a LangGraph BaseCheckpointSaver, got {type(inner).__name__}"
             )
+        # Safe loading through a foreign saver too: its permissive decoding (LangGraph's
+        # default) is replaced by strict mode, which reads what it wrote alike.
+        safe = strict_serde(inner.serde)
+        if safe is not inner.serde:
+            inner.serde = safe
         super().__init__(serde=inner.serde)
         self.inner = inner
         self.require_fence = bool(require_fence)

@@ -30,7 +30,7 @@ from .errors import (
     ExecutionLeaseLostError,
 )
 from .faults import fault_point
-from .from_thread import run_on_loop, running_loop
+from .from_thread import caller_discards_result, run_on_loop, running_loop
 from .lease import Lease, LeaseKey, PendingEffect, validate_ttl
 from .proofs import WriteProofs
 from .retry import retry_window
@@ -601,7 +601,10 @@ class ExecutionFence:
                 lost track of its lease, the round trip still tells a takeover apart).
             ExecutionContextUnavailableError: the step of this fence has ended; or a sync
                 call on the run's own event loop thread (waiting there would deadlock: use
-                ``await fence.confirm_now()``), or with no running loop to renew on.
+                ``await fence.confirm_now()``), or with no running loop to renew on; or a
+                call whose result is thrown away (``fence.confirm_now()`` as a statement,
+                no ``await``) on a thread that runs an event loop: raised at once, never a
+                coroutine nothing awaits.
             GraphDrained: the run is being drained (its instance is stopping): the step ends
                 without its writes and runs again wherever the execution is resumed, so no
                 side effect starts during a shutdown.
@@ -616,6 +619,14 @@ class ExecutionFence:
                 on_loop="use `await fence.confirm_now()` in async code",
             )
             return _CONFIRMED
+        if caller_discards_result():
+            # Called as a blocking call on a thread that runs an event loop: what it would
+            # return is a coroutine nothing awaits, and nothing would be renewed.
+            raise ExecutionContextUnavailableError(
+                f"fence.confirm_now() of {self._label} was called without `await` on a "
+                "thread that runs an event loop: it would renew nothing, and the call after "
+                "it would start unproven; use `await fence.confirm_now()`"
+            )
         if handle.loop is None or running is handle.loop:
             return _confirm(handle)
         return _confirm_across(handle)

@@ -8,6 +8,9 @@ started on. :func:`run_on_loop` is the one hop from such a thread to that loop.
 from __future__ import annotations
 
 import asyncio
+import dis
+import functools
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from contextlib import contextmanager
@@ -15,7 +18,7 @@ from typing import Any, TypeVar
 
 from .errors import ExecutionContextUnavailableError
 
-__all__ = ["LoopThread", "loop_thread", "run_on_loop", "running_loop"]
+__all__ = ["LoopThread", "caller_discards_result", "loop_thread", "run_on_loop", "running_loop"]
 
 T = TypeVar("T")
 
@@ -26,6 +29,30 @@ def running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
+
+
+def caller_discards_result(depth: int = 2) -> bool:
+    """Whether the call being made ``depth`` frames up (2: the caller of the function that
+    asks) throws its result away: an expression statement, ``fence.confirm_now()`` with no
+    ``await`` and no name to await it by later. Read from the caller's bytecode (the
+    instruction after its call is ``POP_TOP``); ``False`` wherever that cannot be read (an
+    interpreter without frames or ``dis`` offsets), so a call is never refused by mistake.
+    """
+    try:
+        frame = sys._getframe(depth)
+    except (AttributeError, ValueError):
+        return False
+    return _pops_result(frame.f_code, frame.f_lasti)
+
+
+@functools.lru_cache(maxsize=256)
+def _pops_result(code: Any, offset: int) -> bool:
+    instructions = iter(dis.get_instructions(code))
+    for instruction in instructions:
+        if instruction.offset == offset:
+            after = next(instructions, None)
+            return after is not None and after.opname == "POP_TOP"
+    return False
 
 
 def run_on_loop(

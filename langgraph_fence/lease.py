@@ -623,7 +623,8 @@ def budget_reason(current: Lease, epoch: int, holder: str, max_takeovers: int) -
     return (
         f"taken over at token {epoch} by {holder}: crashed {current.takeovers} workers in a "
         f"row with no new checkpoint (the last {current.holder or ''} at token "
-        f"{current.epoch}), over the takeover budget (max_takeovers={max_takeovers}); fix "
+        f"{current.epoch}, where serve() ran it alone: the likely cause), over the takeover "
+        f"budget (max_takeovers={max_takeovers}); fix "
         "the step, then `langgraph-fence resolve --retry` runs it again"
     )
 

@@ -58,7 +58,7 @@ from .guard import guard_sql
 from .lease import Lease, LeaseKey, LeaseStatus, is_yielded
 from .retry import retry_connection_errors
 from .schema import in_flight_sql, yielded_sql
-from .validate import positive_seconds, text_id
+from .validate import MAX_ID_BYTES, positive_seconds, text_id
 
 if TYPE_CHECKING:
     from langgraph.checkpoint.serde.base import SerializerProtocol
@@ -410,7 +410,12 @@ class SubmittedRuns:
         from .run_config import RECORDED_OPTIONS, record_run
 
         text_id("graph_name", graph_name, what="the name a worker serves the graph under")
-        text_id("tenant_id", tenant_id, what="the tenant the execution and its thread belong to")
+        text_id(
+            "tenant_id",
+            tenant_id,
+            what="the tenant the execution and its thread belong to",
+            max_bytes=MAX_ID_BYTES,
+        )
         if on_busy not in ON_BUSY:
             raise ValueError(
                 f"on_busy must be one of {', '.join(map(repr, ON_BUSY))} (what a submit does "
@@ -429,6 +434,7 @@ class SubmittedRuns:
             "config['configurable']['thread_id']",
             configurable.get("thread_id"),
             what="a submitted run is one thread, e.g. {'configurable': {'thread_id': 'order-42'}}",
+            max_bytes=MAX_ID_BYTES,
         )
         given = configurable.get("tenant_id")
         if given is not None and given != tenant_id:
@@ -438,7 +444,9 @@ class SubmittedRuns:
             )
         if execution_id is None:
             execution_id = thread_id
-        text_id("execution_id", execution_id, what="the lease's execution id")
+        text_id(
+            "execution_id", execution_id, what="the lease's execution id", max_bytes=MAX_ID_BYTES
+        )
         if input is None:
             raise ValueError(
                 "input must be the graph's input: a submitted run starts from it (to resume "

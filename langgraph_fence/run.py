@@ -47,7 +47,7 @@ from .retry import FixedWindow, retry_window
 from .run_config import record_run, run_allowlist
 from .stores.sql import SqlLeaseRepository
 from .tree_activity import wake_parent
-from .validate import text_id
+from .validate import MAX_ID_BYTES, text_id
 
 if TYPE_CHECKING:
     from .instance import Instance
@@ -198,7 +198,13 @@ async def _running(
     records = taken is None and input is not None and not isinstance(input, Command)
     problem = graph_name_problem(graph, graph_name) if records else None
     key, base = prepare(
-        graph, config, tenant_id, execution_id, kwargs, also=() if problem is None else (problem,)
+        graph,
+        config,
+        tenant_id,
+        execution_id,
+        kwargs,
+        from_caller=taken is None,
+        also=() if problem is None else (problem,),
     )
     if graph_name is not None:
         text_id("graph_name", graph_name, what="the name serve() finds the graph under")
@@ -286,11 +292,18 @@ def prepare(
     execution_id: str | None,
     kwargs: Mapping[str, Any],
     *,
+    from_caller: bool = True,
     also: Sequence[str] = (),
 ) -> tuple[LeaseKey, RunnableConfig]:
     """The run's lease key and its config (with its tenant), every argument checked;
     ``ValueError`` naming the argument and the fix, before anything is written (the graph's
-    problems, with ``also``, in one refusal)."""
+    problems, with ``also``, in one refusal).
+
+    ``from_caller``: the ids come from a caller (a new run), so each is at most
+    :data:`~langgraph_fence.validate.MAX_ID_BYTES` long; a run resumed by a take
+    (``False``) has the ids it was recorded with (a child's are derived from its parent's).
+    """
+    limit = MAX_ID_BYTES if from_caller else None
     from .checkpoint import FencedCheckpointer
     from .fail_closed import refuse_unfenced
 
@@ -318,10 +331,16 @@ def prepare(
         "config['configurable']['thread_id']",
         configurable.get("thread_id"),
         what="a fenced run is one thread, e.g. {'configurable': {'thread_id': 'order-42'}}",
+        max_bytes=limit,
     )
-    text_id("tenant_id", tenant_id, what="the tenant the execution and its thread belong to")
+    text_id(
+        "tenant_id",
+        tenant_id,
+        what="the tenant the execution and its thread belong to",
+        max_bytes=limit,
+    )
     if execution_id is not None:
-        text_id("execution_id", execution_id, what="the lease's execution id")
+        text_id("execution_id", execution_id, what="the lease's execution id", max_bytes=limit)
     given = configurable.get("tenant_id")
     if given is not None and given != tenant_id:
         raise ValueError(

@@ -27,7 +27,13 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 from langgraph.checkpoint.serde.event_hooks import SerdeEvent, register_serde_event_listener
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 
-__all__ = ["graph_allowlist", "loads_checked", "safe_serializer", "with_allowlist"]
+__all__ = [
+    "graph_allowlist",
+    "loads_checked",
+    "safe_serializer",
+    "strict_serde",
+    "with_allowlist",
+]
 
 _BLOCKED_KINDS = frozenset({"msgpack_blocked", "msgpack_method_blocked"})
 #: The names refused while the current :func:`loads_checked` call decodes (None elsewhere).
@@ -58,6 +64,36 @@ def safe_serializer(
     """
     allowed = tuple(allowed_msgpack_modules) if allowed_msgpack_modules is not None else ()
     return JsonPlusSerializer(allowed_msgpack_modules=allowed or None)
+
+
+def strict_serde(serde: SerializerProtocol) -> SerializerProtocol:
+    """``serde`` made to decode as :func:`safe_serializer` does: what a foreign saver wrapped
+    by :class:`~langgraph_fence.FencedCheckpointer` decodes with.
+
+    A LangGraph ``JsonPlusSerializer`` that would construct any ``module.name`` a payload
+    names (``allowed_msgpack_modules=True``, LangGraph's default without
+    ``LANGGRAPH_STRICT_MSGPACK``), unpickle (``pickle_fallback=True``) or load any JSON
+    constructor (``allowed_json_modules=True``) is replaced by one in strict mode that keeps
+    its explicit allow-lists; an ``EncryptedSerializer`` keeps its cipher over a strict
+    inner serializer. It encodes as before, so what the saver stored stays readable. Any
+    other serializer (your own class, a ``JsonPlusSerializer`` with a custom ext hook) is
+    returned as it is: its decoding is its own.
+    """
+    from langgraph.checkpoint.serde.encrypted import EncryptedSerializer
+
+    if isinstance(serde, EncryptedSerializer):
+        inner = strict_serde(serde.serde)
+        return serde if inner is serde.serde else EncryptedSerializer(serde.cipher, inner)
+    if not isinstance(serde, JsonPlusSerializer) or serde._custom_unpack_ext_hook:
+        return serde
+    msgpack = serde._allowed_msgpack_modules
+    json_modules = serde._allowed_json_modules
+    if msgpack is not True and json_modules is not True and not serde.pickle_fallback:
+        return serde  # strict already
+    return JsonPlusSerializer(
+        allowed_msgpack_modules=None if msgpack is True else (tuple(msgpack or ()) or None),
+        allowed_json_modules=None if json_modules is True else json_modules,
+    )
 
 
 def with_allowlist(

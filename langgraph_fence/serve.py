@@ -116,6 +116,10 @@ class Server:
         # claim order, lease.fair_order).
         self._claimed_for: str | None = None
         self._announced_at = -ANNOUNCE_EVERY  # monotonic; never yet
+        # The takeover budget's last take runs alone: while such a run goes on, or while the
+        # loop waits to be idle for one, it takes nothing else (:meth:`_last_chance`).
+        self._alone: asyncio.Task[None] | None = None
+        self._isolating = False
 
     async def poll_once(self) -> float:
         """One look: forget the runs that ended, take work if a slot is free; returns the
@@ -215,9 +219,18 @@ class Server:
         (``unserved``) and costs no read on the polls after: its record is never loaded, its
         input never decoded. A record is decoded only once its execution is taken, and a
         record that cannot be decoded dead-letters its execution (guarded by the epoch just
-        taken) with the reason, instead of failing the loop.
+        taken) with the reason, instead of failing the loop. So does a latest checkpoint that
+        cannot be read (taken, then dead-lettered: two statements, once). Candidates settled
+        or passed over in a look are looked past in the same look, so no number of them
+        delays the takeover of a healthy execution behind them.
         """
         instance, graphs, unserved = self.instance, self.graphs, self._unserved
+        if self._alone is not None and not self._alone.done():
+            return  # an execution's last take of its budget runs with nothing beside it
+        self._alone = None
+        if self._isolating and not self._idle():
+            return  # draining to idle, to run an execution's last take alone
+        self._isolating = False
         queue = instance.queue_or_none()
         if queue is not None:
             # A thread whose run ended begins its next queued run (on_busy="enqueue"): it is
@@ -227,11 +240,15 @@ class Server:
             # statement; its waiter, if alive, takes it again within the TTL).
             await queue.wake_all_yielded(instance.lease_ttl)
         window = free * 4
+        # The candidates this look took, settled or passed over: a window full of rows that
+        # cannot run here (dead-lettered now, moved on) is looked past at once, not one
+        # window per poll.
+        seen: set[LeaseKey] = set()
         while free > 0:
             # A store that cannot be read raises out of here: the loop logs it and backs
             # off. Unserved executions stay candidates: widen the window by as many, or
             # they would hide the ones this loop can run.
-            limit = window + len(unserved)
+            limit = window + len(unserved) + len(seen)
             # In claim order (round-robin by tenant), from after the tenant claimed for last.
             candidates = await instance.repository.takeover_candidates(
                 limit=limit, after_tenant=self._claimed_for
@@ -241,12 +258,13 @@ class Server:
             current = {candidate.key: candidate.epoch for candidate in candidates}
             for key in [k for k, epoch in unserved.items() if current.get(k) != epoch]:
                 del unserved[key]
-            fresh = [c for c in candidates if c.key not in unserved]
+            fresh = [c for c in candidates if c.key not in unserved and c.key not in seen]
             heads = await instance.records.heads_of([c.key for c in fresh]) if fresh else {}
-            found_unserved = False
+            found_unserved = passed = False
             for candidate in fresh:
                 if free <= 0:
                     return
+                seen.add(candidate.key)
                 head = heads.get(candidate.key)
                 graph_name = None if head is None else head.graph
                 if head is None or head.graph not in graphs:
@@ -272,17 +290,22 @@ class Server:
                 except Exception:
                     instance._keeper.leave()
                     logger.warning("could not take %s over", candidate.scope_key, exc_info=True)
+                    passed = True
                     continue
                 if started:
                     free -= 1
                     self._claimed_for = candidate.key.tenant_id
                 else:
                     instance._keeper.leave()
-            if len(candidates) < limit or not found_unserved:
+                    passed = True
+                if self._alone is not None or self._isolating:
+                    return  # a last take runs alone, or the loop drains to run one
+            if len(candidates) < limit or not (found_unserved or passed):
                 return
-            # A full window of newly found unserved executions may hide servable ones behind
-            # it: look again at once, past them (doubling, so N of them take log N looks,
-            # once; later polls skip them without a read).
+            # A full window of newly found unserved executions (or of rows just settled or
+            # passed over) may hide servable ones behind it: look again at once, past them
+            # (doubling, so N of them take log N looks, once; later polls skip the unserved
+            # without a read, and the settled are no longer candidates).
             window *= 2
 
     async def _take_one(self, graph: Any, candidate: Lease, head: ExecutionHead) -> bool:
@@ -301,8 +324,20 @@ class Server:
         # statement compares it with the mark the last take stored). The expired holder may
         # still land a checkpoint between this read and the take: that progress is then seen
         # by the next take, one take late.
-        latest = await graph.checkpointer.aget_tuple(config)
-        mark = await progress_mark(graph.checkpointer, latest)
+        try:
+            latest = await graph.checkpointer.aget_tuple(config)
+            mark = await progress_mark(graph.checkpointer, latest)
+        except Exception as exc:
+            if is_connection_error(exc):
+                raise  # the store blinked: nothing is wrong with the checkpoint
+            await self._settle_unreadable(candidate, exc)
+            return False
+        alone = self._last_chance(candidate, mark)
+        if alone and not self._idle():
+            # Left for now (another instance may take it); this loop takes nothing more
+            # until its runs have ended, then takes it alone.
+            self._isolating = True
+            return False
         taken = await instance.repository.take_over(
             candidate,
             instance.instance_id,
@@ -378,7 +413,47 @@ class Server:
             name=f"resume {taken.scope_key}",
         )
         self.running[task] = runs
+        if alone:
+            self._alone = task
         return True
+
+    def _last_chance(self, candidate: Lease, mark: str | None) -> bool:
+        """Whether this take is an execution's last within the takeover budget: its holder
+        crashed, no checkpoint landed since the last take, and the count would reach
+        ``max_takeovers``. Such a run goes on alone (this loop runs nothing else, and takes
+        nothing else until it ends): if it kills its worker, it was the cause, and the next
+        take dead-letters it; a healthy execution that only shared workers with a poison
+        pill ends here instead of being blamed for their deaths."""
+        if candidate.status is not LeaseStatus.RUNNING:
+            return False  # handed back or never started: nobody crashed, nothing counts
+        count = (candidate.takeovers if candidate.progress_mark == mark else 0) + 1
+        return count == self.budget
+
+    def _idle(self) -> bool:
+        """Whether this loop runs nothing. Runs its instance makes for callers
+        (``ainvoke``) are not waited for: they may never pause, and a loop waiting for
+        them would never serve again."""
+        return all(task.done() for task in self.running)
+
+    async def _settle_unreadable(self, candidate: Lease, exc: Exception) -> None:
+        """Dead-letter ``candidate``, whose latest checkpoint cannot be read (``exc``), once.
+
+        Left as it is, it would stay ``running`` with a dead holder, every look of every
+        instance would fail on it again, and a window full of such rows would hide the
+        healthy candidates behind them. It is taken first (one guarded take: fenced from its
+        old holder, and only one instance ends it), then dead-lettered under the token just
+        taken, with a reason naming what could not be read: two statements, once.
+        """
+        instance = self.instance
+        reason = failure_reason(exc, prefix="its latest checkpoint cannot be loaded: ")
+        taken = await instance.repository.take_over(
+            candidate, instance.instance_id, instance.lease_ttl, max_takeovers=self.budget
+        )
+        if taken is None:
+            return  # renewed by its holder or taken by another instance meanwhile
+        if taken.status is not LeaseStatus.DEAD_LETTERED:
+            taken = await instance.repository.dead_letter(taken.key, reason, epoch=taken.epoch)
+        announce_dead_letter(instance._events, taken.scope_key, taken.epoch, taken.reason)
 
     async def _resume(
         self,

@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from langgraph_fence.database import create_engine, normalize_url
 from langgraph_fence.lease import ExecutionLeaseRepository
 from langgraph_fence.stores import MemoryLeaseRepository, SqlLeaseRepository
-from langgraph_fence.testing import ManualClock
+from langgraph_fence.testing import Leases, ManualClock
 from tests.chaos.write_steps import Database
 from tests.pg_cluster import PgCluster, find_bindir
 
@@ -270,6 +270,19 @@ async def lease_store(
     await repo.setup()
     yield repo
     await engine.dispose()
+
+
+@pytest.fixture
+async def db(backend: str, make_engine: Callable[[str], AsyncEngine]) -> AsyncIterator[Leases]:
+    """The ``leases`` fixture's instances (a controlled clock), on each backend of the
+    module: SQLite and PostgreSQL."""
+    engine = make_engine(backend)
+    fixture = Leases(engine, ManualClock())
+    await fixture.setup()
+    try:
+        yield fixture
+    finally:
+        await engine.dispose()
 
 
 def unique(prefix: str = "x") -> str:

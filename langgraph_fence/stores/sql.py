@@ -519,7 +519,11 @@ class SqlLeaseRepository:
             + func.coalesce(_C.holder, literal("", Text))
             + literal(" at token ", Text)
             + cast(_C.epoch, Text)
-            + literal("), over the takeover budget (max_takeovers=", Text)
+            + literal(
+                ", where serve() ran it alone: the likely cause), over the takeover budget "
+                "(max_takeovers=",
+                Text,
+            )
             + cast(max_takeovers, Text)
             + literal("); fix the step, then `langgraph-fence resolve --retry` runs it again", Text)
         )

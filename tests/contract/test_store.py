@@ -19,6 +19,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from checkpointers import SqlStore
 from langgraph_fence import FencedStore
+from langgraph_fence.checkpoint import DEFAULT_TENANT
+from langgraph_fence.store import tenant_label
 from tests.conftest import unique
 
 STORES = ["memory", "sqlite", "postgresql"]
@@ -208,14 +210,18 @@ async def test_sync_methods_from_a_worker_thread(store: BaseStore, root: str) ->
 async def test_fenced_store_passes_the_contract_unchanged_outside_a_step(
     store: BaseStore, root: str
 ) -> None:
-    # Outside any fenced step (an admin script) the wrapper is the store itself.
+    # Outside any fenced step (an admin script) the wrapper is the store itself, keyed by
+    # the default tenant: under a label of its own in a store that does not key by tenant.
     fenced = FencedStore(store)
     assert fenced.supports_ttl == store.supports_ttl
+    scoped = getattr(store, "scopes_tenants", False)
+    inner = (root, "admin") if scoped else (tenant_label(DEFAULT_TENANT), root, "admin")
     await fenced.aput((root, "admin"), "k", {"v": 1})
-    assert (await store.aget((root, "admin"), "k")).value == {"v": 1}  # type: ignore[union-attr]
-    assert [i.key for i in await fenced.asearch((root,))] == ["k"]
+    assert (await store.aget(inner, "k")).value == {"v": 1}  # type: ignore[union-attr]
+    assert [(i.namespace, i.key) for i in await fenced.asearch((root,))] == [((root, "admin"), "k")]
+    assert await fenced.alist_namespaces(prefix=(root,)) == [(root, "admin")]
     await fenced.adelete((root, "admin"), "k")
-    assert await store.aget((root, "admin"), "k") is None
+    assert await store.aget(inner, "k") is None
 
 
 async def test_semantic_search_is_refused_clearly(store: BaseStore, root: str) -> None:

@@ -27,6 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from checkpointers import SqlStore
 from langgraph_fence import Effect, ExecutionFencedError, FencedStore, LeaseKey, fenced
 from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
+from langgraph_fence.store import tenant_label
 from langgraph_fence.stores import SqlLeaseRepository
 from langgraph_fence.testing import ManualClock
 from tests.conftest import unique
@@ -258,8 +259,89 @@ async def test_the_window_of_a_foreign_store_is_the_write_in_flight(
     assert await repo.acquire(LeaseKey("t", thread), "B", TTL) is not None
     slow.release.set()
     await step  # the write in flight lands: the window
-    assert (await slow.inner.aget(ns, "summary")).value == {"by": 1}  # type: ignore[union-attr]
+    landed = await slow.inner.aget((tenant_label("t"), *ns), "summary")  # the tenant's
+    assert landed is not None
+    assert landed.value == {"by": 1}
     slow.release.clear()  # a write that got through now would hang: bounded below
     with pytest.raises(ExecutionFencedError):
         await asyncio.wait_for(run_step(remember(s.store, ns), handle_a, thread), 60.0)
     await engine.dispose()
+
+
+# -- issue 32, item 10: items keyed by tenant over any store; namespaces and keys checked
+
+
+def looks(store: BaseStore, ns: tuple[str, ...], seen: list[Any]) -> Callable[[Any], Any]:
+    """A step that reads ``ns`` every way a node can and appends what it saw to ``seen``."""
+
+    async def node(state: Any) -> dict[str, Any]:
+        # Listed first: InMemoryStore lists a namespace a get only looked at.
+        names = await store.alist_namespaces(prefix=ns[:1])
+        item = await store.aget(ns, "summary")
+        found = await store.asearch(ns[:1])
+        seen.append((item, [(i.namespace, i.key) for i in found], names))
+        return {}
+
+    return node
+
+
+async def test_a_tenant_never_sees_another_tenant_s_items(setup: Setup) -> None:
+    ns = (unique("memories"), "user")
+    handles = {}
+    for tenant in ("tenant-a", "tenant-b"):
+        lease = await setup.repo.acquire(LeaseKey(tenant, unique("thread")), "A", TTL)
+        assert lease is not None
+        handles[tenant] = RunHandle(setup.repo, lease, TTL)
+    a, b = handles["tenant-a"], handles["tenant-b"]
+    await run_step(remember(setup.store, ns), a, a.key.execution_id)
+    seen: list[Any] = []
+    await run_step(looks(setup.store, ns, seen), b, b.key.execution_id)
+    await run_step(looks(setup.store, ns, seen), a, a.key.execution_id)
+    (b_item, b_found, b_names), (a_item, a_found, a_names) = seen
+    assert (b_item, b_found, b_names) == (None, [], [])  # tenant B sees nothing of A's
+    assert a_item is not None
+    assert (a_item.namespace, a_item.value) == (ns, {"by": 1})  # A's, as it wrote it
+    assert a_found == [(ns, "summary")]
+    assert a_names == [ns]
+
+
+MB = "k" * (1 << 20)
+
+
+@pytest.mark.parametrize(
+    ("namespace", "key", "message"),
+    [
+        (("ok",), "nul\x00key", "key must not contain a NUL byte"),
+        (("ok",), "lone\udc80", "key contains a lone surrogate"),
+        (("ok",), MB, "key must be at most 1024 bytes"),
+        (("nul\x00label",), "k", "NUL byte"),
+        (("lone\udc80",), "k", "namespace contains a lone surrogate"),
+        ((MB,), "k", "namespace must be at most 512 bytes"),
+    ],
+    ids=["nul-key", "surrogate-key", "1mb-key", "nul-label", "surrogate-label", "1mb-label"],
+)
+async def test_namespaces_and_keys_are_checked_before_any_store_sees_them(
+    setup: Setup, namespace: tuple[str, ...], key: str, message: str
+) -> None:
+    lease = await setup.repo.acquire(LeaseKey("t", unique("thread")), "A", TTL)
+    assert lease is not None
+    handle = RunHandle(setup.repo, lease, TTL)
+    errors: list[BaseException] = []
+
+    async def node(state: Any) -> dict[str, Any]:
+        for call in (
+            setup.store.aput(namespace, key, {"v": 1}),
+            setup.store.aget(namespace, key),
+            setup.store.adelete(namespace, key),
+        ):
+            try:
+                await call
+            except Exception as exc:
+                errors.append(exc)
+        return {}
+
+    await run_step(node, handle, handle.key.execution_id)
+    assert len(errors) == 3
+    for error in errors:
+        assert isinstance(error, ValueError), repr(error)[:300]
+        assert message in str(error)

@@ -220,3 +220,18 @@ async def test_serve_refuses_bad_numbers_naming_them(world: World, case: str) ->
     with pytest.raises(ValueError, match=case.strip()):
         await asyncio.wait_for(serving, timeout=REFUSED_WITHIN)
     assert await world.rows() == dict.fromkeys(ROW_TABLES, 0)
+
+
+#: The calls that take a tenant, execution or thread id (issue 32, item 10: a 1 MB one
+#: ended in PostgreSQL's ProgramLimitExceededError, after a first row was written).
+ID_CALLS = sorted(call for call in RUN_CALLS if RUN_CALLS[call][0].endswith("_id"))
+
+
+@pytest.mark.parametrize("call", [c for c in ID_CALLS if not c.startswith("Instance")])
+async def test_an_over_long_id_is_refused_naming_it_and_its_limit(world: World, call: str) -> None:
+    argument, run = RUN_CALLS[call]
+    with pytest.raises(ValueError, match=re.escape(argument)) as refused:
+        await asyncio.wait_for(run(world, "x" * (1 << 20)), timeout=REFUSED_WITHIN)
+    assert "at most 256 bytes" in str(refused.value)
+    assert len(str(refused.value)) < 1000  # the message does not repeat the megabyte
+    assert await world.rows() == dict.fromkeys(ROW_TABLES, 0)

@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -23,7 +22,6 @@ from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 from langgraph.graph import END, START, StateGraph
 from sqlalchemy import event, text
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from checkpointers import SqlCheckpointer
 from langgraph_fence import FencedCheckpointer, LeaseKey, LeaseStatus, fence_graph
@@ -31,7 +29,7 @@ from langgraph_fence.instance import Instance
 from langgraph_fence.records import ExecutionRecord, SqlExecutionRecords
 from langgraph_fence.serde import safe_serializer
 from langgraph_fence.serve import Server
-from langgraph_fence.testing import Leases, ManualClock
+from langgraph_fence.testing import Leases
 from tests.conftest import SQL_BACKENDS, unique
 from tests.integration.test_serve import serving, until_status
 from tests.polling import eventually
@@ -67,18 +65,6 @@ def log_graph(instance: Instance, name: str = "served") -> Any:
     builder.add_edge(START, "step")
     builder.add_edge("step", END)
     return fence_graph(builder).compile(checkpointer=instance.checkpointer, name=name)
-
-
-@pytest.fixture
-async def db(backend: str, make_engine: Callable[[str], AsyncEngine]) -> AsyncIterator[Leases]:
-    """The ``leases`` fixture's instances, on SQLite and on PostgreSQL."""
-    engine = make_engine(backend)
-    fixture = Leases(engine, ManualClock())
-    await fixture.setup()
-    try:
-        yield fixture
-    finally:
-        await engine.dispose()
 
 
 async def expired(

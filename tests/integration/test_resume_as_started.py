@@ -41,9 +41,8 @@ class Context:
     currency: str
 
 
-#: The ``leases`` fixture's instances, on SQLite and on PostgreSQL.
+#: The ``db`` fixture's instances (tests/conftest.py), on SQLite and on PostgreSQL.
 RUNS_ON = test_hardening.RUNS_ON
-db = test_hardening.db
 CONTEXT_TYPE = {(Context.__module__, Context.__qualname__)}
 
 

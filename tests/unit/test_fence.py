@@ -470,3 +470,23 @@ async def test_a_refusal_recorded_from_another_thread_stands_at_once_and_is_told
     assert await asyncio.to_thread(in_thread)
     await eventually(lambda: run.heard == [refusal], timeout=10, what="the announcement")
     assert heard_on == [loop]
+
+
+async def test_confirm_now_without_await_on_the_loops_thread_raises_at_once() -> None:
+    """Issue 32, item 9: a call whose result nothing awaits renewed nothing and raised
+    nothing; it raises at once now, and nothing is left un-awaited."""
+    run = Run()
+    _handle, fence = await run.start()
+    with pytest.raises(ExecutionContextUnavailableError, match="without `await`"):
+        fence.confirm_now()
+
+    def sync_code_on_the_loop() -> None:
+        fence.confirm_now()
+
+    with pytest.raises(ExecutionContextUnavailableError, match="without `await`"):
+        sync_code_on_the_loop()
+    assert run.wire.calls == []
+    pending = fence.confirm_now()  # kept, to be awaited later: allowed
+    await pending
+    await asyncio.wait_for(fence.confirm_now(), 5)  # handed to what awaits it: allowed
+    assert run.wire.calls == ["renew", "renew"]
