@@ -34,7 +34,9 @@ the spawning step runs it again (it is part of the step).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection, Sequence
+import contextlib
+from collections.abc import Collection, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -45,14 +47,14 @@ from .errors import (
     ExecutionLeaseLostError,
     find_fence_error,
 )
-from .lease import LeaseKey, LeaseStatus, is_yielded
+from .lease import LeaseKey, LeaseStatus
 from .scope import parse_scope_key, scope_key
 from .validate import positive_seconds, text_id
 
 if TYPE_CHECKING:
     from .context import ExecutionContext
     from .fence import RunHandle
-    from .queue import SubmittedRuns
+    from .queue import RunState, SubmittedRuns
 
 __all__ = [
     "Child",
@@ -60,6 +62,7 @@ __all__ = [
     "child_execution_id",
     "parse_child_execution_id",
     "spawn_child",
+    "spawn_children",
     "wait_children",
 ]
 
@@ -142,15 +145,39 @@ async def spawn_child(
     graph: Any = None,
 ) -> Child:
     """Spawn a child of the step ``frame`` (see :meth:`ExecutionContext.spawn_child`)."""
-    text_id("graph_name", graph_name, what="the name a worker serves the child's graph under")
     text_id("key", key, what="the child's key, unique among this execution's children")
+    (child,) = await spawn_children(
+        frame, graph_name, {key: input}, placement=placement, graph=graph
+    )
+    return child
+
+
+async def spawn_children(
+    frame: ExecutionContext,
+    graph_name: str,
+    inputs: Mapping[str, Any],
+    *,
+    placement: ChildPlacement,
+    graph: Any = None,
+) -> list[Child]:
+    """Spawn children of the step ``frame``, one per key of ``inputs`` (see
+    :meth:`ExecutionContext.spawn_children`)."""
+    text_id("graph_name", graph_name, what="the name a worker serves the child's graph under")
+    if not isinstance(inputs, Mapping):
+        raise TypeError(
+            f"inputs must be a dict of child key -> the child graph's input, got {inputs!r}"
+        )
+    for key in inputs:
+        text_id("key", key, what="the child's key, unique among this execution's children")
     if not isinstance(placement, ChildPlacement):
         raise TypeError(
             f"placement must be a ChildPlacement (ChildPlacement.ANY_INSTANCE or "
             f"ChildPlacement.PARENT_INSTANCE), got {placement!r}"
         )
     if placement is ChildPlacement.PARENT_INSTANCE:
-        return await _spawn_here(frame, graph_name, input, key, graph)
+        return [
+            await _spawn_here(frame, graph_name, input, key, graph) for key, input in inputs.items()
+        ]
     if graph is not None:
         raise ValueError(
             "graph= is for ChildPlacement.PARENT_INSTANCE: an ANY_INSTANCE child runs on "
@@ -160,24 +187,27 @@ async def spawn_child(
     await _still_held(frame)
     queue = _queue_of(handle)
     parent = handle.key
-    execution_id = child_execution_id(parent, key)
-    config = {"configurable": {"thread_id": execution_id}}
-    child_key, thread_id, run = queue.check(
-        graph_name, input, config, parent.tenant_id, execution_id, "reject", {}
+    stored = queue.serialize_inputs(inputs)  # every input checked before anything is written
+    keys = [LeaseKey(parent.tenant_id, child_execution_id(parent, key)) for key in inputs]
+    written = await queue.submit_children(
+        handle.lease, graph_name, list(zip(keys, stored, strict=True))
     )
-    written = await queue.submit_child(handle.lease, child_key, graph_name, thread_id, input, run)
     if written is None:
         # The parent's hold is gone: the strict renewal says how (taken over: fenced).
         await handle.renew()
+        spawned = ", ".join(map(repr, inputs))
         raise handle.record(
             ExecutionLeaseLostError(
                 f"execution {handle.scope_key!r} at token {handle.token} no longer holds its "
-                f"lease: child {key!r} was not spawned",
+                f"lease: children {spawned} were not spawned",
                 scope_key=handle.scope_key,
                 token_held=handle.token,
             )
         )
-    return Child(child_key, key, graph_name, placement, written)
+    return [
+        Child(child_key, key, graph_name, placement, new)
+        for child_key, key, new in zip(keys, inputs, written, strict=True)
+    ]
 
 
 async def wait_children(
@@ -200,51 +230,83 @@ async def wait_children(
     if timeout is not None:
         timeout = positive_seconds("timeout", timeout, what="how long wait_children() waits")
     pause = positive_seconds("poll_interval", poll_interval, what="between looks at children")
+    from .queue import ENDS_CHANNEL
+
     handle = frame._handle
-    queue = None if all(c._local is not None for c in children) else _queue_of(handle)
+    remote = [child for child in children if child._local is None]
+    queue = _queue_of(handle) if remote else None
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
     results: list[Any] = [None] * len(children)
     pending = dict(enumerate(children))
     wait = min(0.005, pause)
+    ended = asyncio.Event()
+    notifications = None if queue is None else queue.notifications
+    # On PostgreSQL a child's end (and a cancel of the parent) wakes the wait: subscribed
+    # before the first look, so an end after it is not missed.
+    woken_by = frozenset([handle.scope_key, *(child.scope_key for child in remote)])
     # A wait for remote children may yield the root lease (tree_activity.py): only while
     # every running part of the tree waits so; re-taken before the wait returns or raises.
     activity = handle.activity if queue is not None else None
     if activity is not None:
         activity.begin_wait()
     try:
-        while True:
-            await _still_held(frame)
-            for index, child in list(pending.items()):
-                if child._local is not None:
-                    ended, value = _local_end(child, return_exceptions)
-                else:
-                    assert queue is not None
-                    ended, value = await _remote_end(queue, handle, child, return_exceptions, allow)
-                if ended:
-                    results[index] = value
-                    del pending[index]
-            if not pending:
-                if activity is not None:
-                    ending, activity = activity, None  # ended once, even if it raises
-                    await ending.end_wait()
+        async with (
+            notifications.subscribe(ENDS_CHANNEL, ended, woken_by)
+            if notifications is not None
+            else nullcontext(False)
+        ) as listening:
+            while True:
+                ended.clear()
                 await _still_held(frame)
-                return results
-            if deadline is not None and loop.time() >= deadline:
-                left = ", ".join(repr(child.scope_key) for child in pending.values())
-                raise TimeoutError(
-                    f"children {left} of {handle.scope_key!r} had not ended after "
-                    f"{timeout:g} s: is a worker serving their graph? See `langgraph-fence runs`"
-                )
-            left_s = pause if deadline is None else max(0.0, deadline - loop.time())
-            local = [c._local for c in pending.values() if c._local is not None]
-            if len(local) == len(pending):  # only children of this process: woken by them
-                await asyncio.wait(local, timeout=left_s, return_when=asyncio.FIRST_COMPLETED)
-            else:
+                looked_at = loop.time()
+                # Every remote child still pending, in ONE read whatever their number.
+                ends = {}
+                if queue is not None and any(c._local is None for c in pending.values()):
+                    ends = await queue.child_ends(
+                        [c.execution for c in pending.values() if c._local is None]
+                    )
+                for index, child in list(pending.items()):
+                    if child._local is not None:
+                        done, value = _local_end(child, return_exceptions)
+                    else:
+                        done, value = _remote_end(handle, child, ends, return_exceptions, allow)
+                    if done:
+                        results[index] = value
+                        del pending[index]
+                if not pending:
+                    if activity is not None:
+                        ending, activity = activity, None  # ended once, even if it raises
+                        await ending.end_wait()
+                    await _still_held(frame)
+                    return results
+                if deadline is not None and loop.time() >= deadline:
+                    left = ", ".join(repr(child.scope_key) for child in pending.values())
+                    raise TimeoutError(
+                        f"children {left} of {handle.scope_key!r} had not ended after "
+                        f"{timeout:g} s: is a worker serving their graph? See "
+                        "`langgraph-fence runs`"
+                    )
+                left_s = pause if deadline is None else max(0.0, deadline - loop.time())
+                local = [c._local for c in pending.values() if c._local is not None]
+                if len(local) == len(pending):  # only children of this process: woken by them
+                    await asyncio.wait(local, timeout=left_s, return_when=asyncio.FIRST_COMPLETED)
+                    continue
                 if activity is not None and not local:
                     await activity.maybe_yield()
-                await asyncio.sleep(min(wait, left_s))
-                wait = min(wait * 2, pause)
+                if listening and not local:
+                    # Woken by a child's end; a look every poll_interval (at least a second)
+                    # in case a notification was lost (an end no run of serve() made: a
+                    # dead letter by a takeover or an operator). Looks stay poll_interval
+                    # apart, however fast children end.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(ended.wait(), min(max(pause, 1.0), left_s))
+                    since = loop.time() - looked_at
+                    if since < pause:
+                        await asyncio.sleep(min(pause - since, left_s))
+                else:
+                    await asyncio.sleep(min(wait, left_s))
+                    wait = min(wait * 2, pause)
     finally:
         # A wait that raised leaves no child of this process running on its own.
         for child in pending.values():
@@ -268,27 +330,27 @@ def _local_end(child: Child, return_exceptions: bool) -> tuple[bool, Any]:
     raise failure
 
 
-async def _remote_end(
-    queue: SubmittedRuns,
+def _remote_end(
     handle: RunHandle,
     child: Child,
+    ends: Mapping[LeaseKey, tuple[RunState, tuple[Any, Any]] | None],
     return_exceptions: bool,
     allow: Collection[tuple[str, ...]],
 ) -> tuple[bool, Any]:
-    """Whether an ANY_INSTANCE child ended (one read), and its output (or error, placed)."""
-    found = await queue.state(child.execution)
+    """Whether an ANY_INSTANCE child ended (by the look's read of every pending child,
+    :meth:`SubmittedRuns.child_ends`), and its output (or error, placed)."""
+    if child.execution not in ends:
+        return False, None  # pending, running, or waiting for children of its own
+    found = ends[child.execution]
     if found is None:
         raise LookupError(
             f"child execution {child.scope_key!r} (key {child.key!r}) is gone: it was "
             "erased while its parent waited"
         )
     state, stored = found
-    if is_yielded(state.status, state.holder):
-        return False, None  # it waits for children of its own
     if state.status in _OUTPUT_ENDS:
+        queue = _queue_of(handle)
         return True, queue.decode_output(child.execution, stored, allow)
-    if state.status not in _FAILED_ENDS:
-        return False, None
     error = ChildFailedError(
         f"child execution {child.scope_key!r} (key {child.key!r}, graph "
         f"{child.graph_name!r}) of {handle.scope_key!r} ended {state.status.value} at token "

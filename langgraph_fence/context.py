@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Mapping,
+    Sequence,
+)
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -127,6 +134,44 @@ class ExecutionContext:
         from .children import spawn_child
 
         return await spawn_child(self, graph_name, input, placement=placement, key=key, graph=graph)
+
+    async def spawn_children(
+        self,
+        graph_name: str,
+        inputs: Mapping[str, Any],
+        *,
+        placement: ChildPlacement,
+        graph: Any = None,
+    ) -> list[Child]:
+        """Spawn one child execution per key of ``inputs`` (child key -> the child graph's
+        input), as :meth:`spawn_child` does for one, in the order given.
+
+        ``ChildPlacement.ANY_INSTANCE``: every child is recorded pending in ONE statement
+        on PostgreSQL (one transaction of a fixed number of statements on SQLite), whatever
+        their number, guarded by this step's hold on the parent's row: all are spawned or,
+        if this step's execution was taken over, none. A re-run of this step (a retry, a
+        takeover) finds the children of the keys it spawned and spawns only the keys that
+        are new (``child.spawned`` says which).
+
+        ``ChildPlacement.PARENT_INSTANCE``: each child graph starts now in this process, as
+        :meth:`spawn_child` starts one.
+
+        Args:
+            graph_name: the name a worker serves the children's graph under.
+            inputs: child key (unique among this execution's children) -> its input
+                (storable data: another process runs it).
+            placement: where the children run.
+            graph: for ``PARENT_INSTANCE``, the compiled child graph (default: the one this
+                instance serves under ``graph_name``).
+
+        Raises:
+            ExecutionFencedError: this step's execution was taken over: nothing spawned.
+            ValueError, TypeError: a bad argument or an input that cannot be recorded,
+                named with the fix; nothing spawned.
+        """
+        from .children import spawn_children
+
+        return await spawn_children(self, graph_name, inputs, placement=placement, graph=graph)
 
     async def wait_children(
         self,
