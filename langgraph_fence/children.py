@@ -1,7 +1,8 @@
 """Child executions: a step spawns children and waits for their outputs.
 
-``child = await get_execution_context().spawn_child(graph_name, input, placement=..., key=...)``
-and ``results = await ctx.wait_children([child, ...])``.
+``child = await get_execution_context().spawn_child(graph_name, input, placement=..., key=...)``,
+``children = await ctx.spawn_children(graph_name, {key: input, ...}, placement=...)`` (a batch,
+recorded in one statement however large), and ``results = await ctx.wait_children(children)``.
 
 ``ChildPlacement.ANY_INSTANCE``: the child is an execution of its own, of the parent's tenant,
 whose execution id is derived from the parent's scope key and ``key``
@@ -12,8 +13,9 @@ the same key and spawns nothing new; a parent that was taken over spawns nothing
 refuses, and the step stops with :class:`~langgraph_fence.ExecutionFencedError`). Any
 instance whose ``serve()`` serves ``graph_name`` claims it and runs it under its own lease,
 epoch and scope key; its output, or its failure or dead letter with the reason, is stored
-with the execution. :meth:`wait_children` polls them and returns their outputs in the order
-given, or raises :class:`~langgraph_fence.ChildFailedError` within one poll of a child's end.
+with the execution. :meth:`wait_children` looks at them, every pending child in one read
+per look (woken by their ends on PostgreSQL), and returns their outputs in the order given,
+or raises :class:`~langgraph_fence.ChildFailedError` within one look of a child's end.
 
 While a step waits for ``ANY_INSTANCE`` children and nothing else of the tree runs, the root
 lease is yielded, and taken again (epoch + 1) before anything of the tree runs or the wait
@@ -241,10 +243,16 @@ async def wait_children(
     pending = dict(enumerate(children))
     wait = min(0.005, pause)
     ended = asyncio.Event()
+    heard: set[str] = set()  # the scope keys of the ends notified since the last look
     notifications = None if queue is None else queue.notifications
     # On PostgreSQL a child's end (and a cancel of the parent) wakes the wait: subscribed
     # before the first look, so an end after it is not missed.
     woken_by = frozenset([handle.scope_key, *(child.scope_key for child in remote)])
+    # Every pending child is read at the first look, then (when woken by ends) the ones
+    # heard of, and all of them again every max(poll_interval, 1 s) in case a notification
+    # was lost (an end no run of serve() made: a dead letter by a takeover or an operator).
+    full_every = max(pause, 1.0)
+    full_at = -float("inf")
     # A wait for remote children may yield the root lease (tree_activity.py): only while
     # every running part of the tree waits so; re-taken before the wait returns or raises.
     activity = handle.activity if queue is not None else None
@@ -252,20 +260,25 @@ async def wait_children(
         activity.begin_wait()
     try:
         async with (
-            notifications.subscribe(ENDS_CHANNEL, ended, woken_by)
+            notifications.subscribe(ENDS_CHANNEL, ended, woken_by, heard=heard)
             if notifications is not None
             else nullcontext(False)
         ) as listening:
             while True:
                 ended.clear()
                 await _still_held(frame)
-                looked_at = loop.time()
-                # Every remote child still pending, in ONE read whatever their number.
+                remote_left = [c for c in pending.values() if c._local is None]
+                if not listening or loop.time() - full_at >= full_every:
+                    full_at = loop.time()
+                    asked = remote_left
+                else:
+                    asked = [c for c in remote_left if c.scope_key in heard]
+                heard.clear()
+                # The children asked about, in ONE read whatever their number.
                 ends = {}
-                if queue is not None and any(c._local is None for c in pending.values()):
-                    ends = await queue.child_ends(
-                        [c.execution for c in pending.values() if c._local is None]
-                    )
+                if asked:
+                    assert queue is not None
+                    ends = await queue.child_ends([c.execution for c in asked])
                 for index, child in list(pending.items()):
                     if child._local is not None:
                         done, value = _local_end(child, return_exceptions)
@@ -287,23 +300,20 @@ async def wait_children(
                         f"{timeout:g} s: is a worker serving their graph? See "
                         "`langgraph-fence runs`"
                     )
-                left_s = pause if deadline is None else max(0.0, deadline - loop.time())
+                left_s = float("inf") if deadline is None else max(0.0, deadline - loop.time())
                 local = [c._local for c in pending.values() if c._local is not None]
                 if len(local) == len(pending):  # only children of this process: woken by them
-                    await asyncio.wait(local, timeout=left_s, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(
+                        local, timeout=min(pause, left_s), return_when=asyncio.FIRST_COMPLETED
+                    )
                     continue
                 if activity is not None and not local:
                     await activity.maybe_yield()
                 if listening and not local:
-                    # Woken by a child's end; a look every poll_interval (at least a second)
-                    # in case a notification was lost (an end no run of serve() made: a
-                    # dead letter by a takeover or an operator). Looks stay poll_interval
-                    # apart, however fast children end.
+                    # Woken by a child's end, or at the next look at all of them.
+                    next_full = max(0.0, full_at + full_every - loop.time())
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(ended.wait(), min(max(pause, 1.0), left_s))
-                    since = loop.time() - looked_at
-                    if since < pause:
-                        await asyncio.sleep(min(pause - since, left_s))
+                        await asyncio.wait_for(ended.wait(), min(next_full, left_s))
                 else:
                     await asyncio.sleep(min(wait, left_s))
                     wait = min(wait * 2, pause)

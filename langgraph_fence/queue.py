@@ -1246,8 +1246,11 @@ class Notifications:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
-        # (channel, payload(s) wanted or None for any, the event to set).
-        self._waiters: list[tuple[str, str | Collection[str] | None, asyncio.Event]] = []
+        # (channel, payload(s) wanted or None for any, the event to set, the set the
+        # payloads heard are added to or None).
+        self._waiters: list[
+            tuple[str, str | Collection[str] | None, asyncio.Event, set[str] | None]
+        ] = []
         self._task: asyncio.Task[None] | None = None
         self._open = asyncio.Event()
         self._names: dict[str, str] = {}  # the schema's channel name -> the channel
@@ -1261,12 +1264,13 @@ class Notifications:
         payload: str | Collection[str] | None = None,
         *,
         within: float = 5.0,
+        heard: set[str] | None = None,
     ) -> AsyncIterator[bool]:
         """Set ``wake`` on each notification on ``channel`` (with ``payload``, or one of
-        the payloads of a collection, if given) while the block runs; yields whether the
-        connection was listening within
+        the payloads of a collection, if given), and add its payload to ``heard`` if given,
+        while the block runs; yields whether the connection was listening within
         ``within`` seconds (from then on nothing sent is missed; ``False``: poll)."""
-        entry = (channel, payload, wake)
+        entry = (channel, payload, wake, heard)
         self._waiters.append(entry)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._listen(), name="langgraph-fence LISTEN")
@@ -1287,7 +1291,7 @@ class Notifications:
 
     def _notified(self, _conn: Any, _pid: int, name: str, payload: str) -> None:
         channel = self._names.get(name)
-        for wanted_channel, wanted, wake in self._waiters:
+        for wanted_channel, wanted, wake, heard in self._waiters:
             if wanted_channel != channel:
                 continue
             if (
@@ -1295,6 +1299,8 @@ class Notifications:
                 or wanted == payload
                 or (not isinstance(wanted, str) and payload in wanted)
             ):
+                if heard is not None:
+                    heard.add(payload)
                 wake.set()
 
     async def _listen(self) -> None:
@@ -1320,7 +1326,7 @@ class Notifications:
                 self._open.set()
                 pause = 0.1
                 if opened_before:
-                    for _, _, wake in self._waiters:
+                    for _, _, wake, _ in self._waiters:
                         wake.set()  # what was sent while it was down is lost: look again
                 opened_before = True
                 await dropped.wait()

@@ -221,6 +221,7 @@ class Looks:
 
     during: list[list[str]] = field(default_factory=list)
     between: list[list[str]] = field(default_factory=list)
+    asked: list[list[str]] = field(default_factory=list)  # the children each look read
     # (what, n): "look" when a look starts, "ended" when the last child's end is committed.
     timeline: list[str] = field(default_factory=list)
     enough: asyncio.Event = field(default_factory=asyncio.Event)
@@ -231,6 +232,7 @@ def spy_on_looks(queue: SubmittedRuns, statements: Statements, looks: Looks, eno
 
     async def child_ends(children: Any) -> Any:
         looks.timeline.append("look")
+        looks.asked.append(sorted(child.execution_id for child in children))
         looks.between.append(await taken(statements))
         found = await real(children)
         looks.during.append(await taken(statements))
@@ -359,3 +361,40 @@ async def test_the_parent_resumes_within_one_look_of_its_last_childs_end(
     ended = timeline.index("ended")
     # The first look that began after the last child's end found it, and the wait returned.
     assert timeline[ended + 1 :].count("look") <= 1, timeline[ended:]
+
+
+@pytest.mark.parametrize("database", ["postgresql"], indirect=True)
+async def test_a_wait_woken_by_an_end_reads_the_children_heard_of(database: Database) -> None:
+    """On PostgreSQL a child's end wakes the wait (the NOTIFY serve() sends at a run's end),
+    and that look reads the children whose ends it heard of, not every pending one."""
+    async with opened(database, "parent") as parent, opened(database, "worker") as worker:
+        queue = parent._run_queue()
+        looks = Looks()
+        spy_on_looks(queue, Statements(queue._engine), looks, enough=1)
+        work = Work()
+        gates = [work.gates.setdefault(text, asyncio.Event()) for text in ("t0", "t2")]
+        thread = unique("heard")
+        root = LeaseKey(TENANT, thread)
+        keys = [child_execution_id(root, f"c{i}") for i in range(3)]
+
+        async def fan(state: Tree) -> dict[str, Any]:
+            ctx = get_execution_context()
+            children = await ctx.spawn_children(
+                "shout",
+                {f"c{i}": {"text": f"t{i}"} for i in range(3)},
+                placement=ChildPlacement.ANY_INSTANCE,
+            )
+            results = await ctx.wait_children(children, timeout=120)
+            return {"results": [r["out"] for r in results]}
+
+        run = asyncio.create_task(
+            parent.ainvoke(one_step(parent, "fan", fan), {"n": 0}, cfg(thread), tenant_id=TENANT)
+        )
+        async with serving(worker, {"shout": child_graph(worker, work)}):
+            # c1 runs to its end; c0 and c2 wait at their gates.
+            await eventually(lambda: [keys[1]] in looks.asked, timeout=60, what="a look at c1")
+            for gate in gates:
+                gate.set()
+            out = await asyncio.wait_for(run, 60)
+    assert out["results"] == ["T0", "T1", "T2"]
+    assert looks.asked[0] == sorted(keys)  # the first look reads every child
