@@ -186,8 +186,10 @@ class ExecutionContext:
 
         As ``asyncio.gather``: a child that failed or was dead-lettered raises
         :class:`~langgraph_fence.ChildFailedError` (naming the child execution and its
-        reason) within one poll of its end, or with ``return_exceptions=True`` takes its
-        place in the list. A ``PARENT_INSTANCE`` child's own error is raised (or placed) as
+        reason) within one look of its end, or with ``return_exceptions=True`` takes its
+        place in the list. Each look reads every pending ``ANY_INSTANCE`` child in ONE
+        statement, whatever their number; on PostgreSQL a child's end wakes the wait at
+        once. A ``PARENT_INSTANCE`` child's own error is raised (or placed) as
         it is; a fencing error is always raised. While it waits for ``ANY_INSTANCE``
         children and nothing else of the tree runs, the root lease is yielded; it is taken
         again (epoch + 1, this fence's token with it) before the wait returns or raises. If
@@ -197,7 +199,10 @@ class ExecutionContext:
         Args:
             children: what :meth:`spawn_child` returned.
             timeout: seconds to wait (``None``: as long as it takes).
-            poll_interval: the longest pause between looks (they start faster).
+            poll_interval: the longest pause between looks (they start faster). On
+                PostgreSQL the children's ends wake the wait (LISTEN), and it reads all of
+                them every ``poll_interval`` (at least a second) only in case a
+                notification was lost.
             allow: ``(module, name)`` pairs the outputs may construct besides what the
                 serializer allows.
 
