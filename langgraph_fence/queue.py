@@ -194,7 +194,7 @@ class _LeaseWrites:
             "AS text) FROM created) AS created, "
             f"(SELECT count(pg_notify({_OF_SCHEMA}, :graph)) FROM (SELECT 1 FROM created "
             "LIMIT 1) AS any_created) AS told"
-        )
+        )  # told: serve() is notified (on commit) once if any child is new
         # SQLite (inside BEGIN IMMEDIATE, after the guard's read): the leases; the records
         # follow (SubmittedRuns.submit_children).
         self.spawn_leases = text(
@@ -243,7 +243,19 @@ _SQLITE_CHILDREN_PER_STATEMENT = 10_000
 # What a waiting parent reads per look: of the children it waits for, those that ended (with
 # their outputs) or are gone, in one read whatever their number.
 _ENDED_SQL = (
-    "(l.status IN ('done', 'waiting', 'failed', 'dead_lettered') AND NOT " + yielded_sql("l") + ")"
+    "(l.status IN ("
+    + ", ".join(
+        f"'{status.value}'"
+        for status in (
+            LeaseStatus.DONE,
+            LeaseStatus.WAITING,
+            LeaseStatus.FAILED,
+            LeaseStatus.DEAD_LETTERED,
+        )
+    )
+    + ") AND NOT "
+    + yielded_sql("l")
+    + ")"
 )
 _CHILD_ENDS_COLUMNS = (
     "SELECT c.tenant_id, c.execution_id, l.status, l.holder, l.epoch, l.reason, "
