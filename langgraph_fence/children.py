@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 from collections.abc import Collection, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -146,12 +147,70 @@ async def spawn_child(
     key: str,
     graph: Any = None,
 ) -> Child:
-    """Spawn a child of the step ``frame`` (see :meth:`ExecutionContext.spawn_child`)."""
+    """Spawn a child of the step ``frame`` (see :meth:`ExecutionContext.spawn_child`).
+
+    ``ANY_INSTANCE`` children spawned by calls of one run made in the same turn of its
+    event loop (``asyncio.gather`` of ``spawn_child`` calls) are recorded together, one
+    statement per graph name, as :func:`spawn_children` records a batch."""
     text_id("key", key, what="the child's key, unique among this execution's children")
-    (child,) = await spawn_children(
-        frame, graph_name, {key: input}, placement=placement, graph=graph
-    )
-    return child
+    if placement is not ChildPlacement.ANY_INSTANCE or graph is not None:
+        (child,) = await spawn_children(
+            frame, graph_name, {key: input}, placement=placement, graph=graph
+        )
+        return child
+    text_id("graph_name", graph_name, what="the name a worker serves the child's graph under")
+    handle = frame._handle
+    await _still_held(frame)
+    (stored,) = _queue_of(handle).serialize_inputs({key: input})  # refused here, alone
+    loop = asyncio.get_running_loop()
+    gathered = _gathering.get(handle)
+    if gathered is None:
+        gathered = _gathering[handle] = []
+        # Runs after the calls of this turn of the loop have joined.
+        task = loop.create_task(_spawn_gathered(handle, gathered))
+        _recording.add(task)
+        task.add_done_callback(_recording.discard)
+    spawned: asyncio.Future[Child] = loop.create_future()
+    gathered.append((frame, graph_name, key, stored, spawned))
+    return await spawned
+
+
+# The spawn_child calls of a run waiting to be recorded together (see spawn_child).
+_Call = tuple["ExecutionContext", str, str, tuple[str, bytes], "asyncio.Future[Child]"]
+_gathering: weakref.WeakKeyDictionary[RunHandle, list[_Call]] = weakref.WeakKeyDictionary()
+_recording: set[asyncio.Task[None]] = set()  # referenced until done
+
+
+async def _spawn_gathered(handle: RunHandle, gathered: list[_Call]) -> None:
+    """Record the gathered calls, one batch per graph name, and answer each call."""
+    if _gathering.get(handle) is gathered:
+        del _gathering[handle]
+    for graph_name in dict.fromkeys(call[1] for call in gathered):
+        calls = [call for call in gathered if call[1] == graph_name]
+        first: dict[str, _Call] = {}  # a key spawned twice at once: recorded once
+        for call in calls:
+            first.setdefault(call[2], call)
+        try:
+            children = await _record_remote(
+                calls[0][0],
+                graph_name,
+                list(first),
+                [call[3] for call in first.values()],
+            )
+        except BaseException as exc:
+            for *_, spawned in calls:
+                if not spawned.done():
+                    spawned.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            continue
+        found = dict(zip(first, children, strict=True))
+        for call in calls:
+            child = found[call[2]]
+            if call is not first[call[2]]:
+                child = Child(child.execution, child.key, graph_name, child.placement, False)
+            if not call[4].done():
+                call[4].set_result(child)
 
 
 async def spawn_children(
@@ -185,19 +244,26 @@ async def spawn_children(
             "graph= is for ChildPlacement.PARENT_INSTANCE: an ANY_INSTANCE child runs on "
             "the worker that serves graph_name; leave graph out"
         )
-    handle = frame._handle
     await _still_held(frame)
-    queue = _queue_of(handle)
+    stored = _queue_of(frame._handle).serialize_inputs(inputs)  # all checked before writing
+    return await _record_remote(frame, graph_name, list(inputs), stored)
+
+
+async def _record_remote(
+    frame: ExecutionContext, graph_name: str, keys: list[str], stored: list[tuple[str, bytes]]
+) -> list[Child]:
+    """Record ANY_INSTANCE children of ``keys`` (their inputs serialized) in one batch,
+    under the parent's hold; a parent no longer held spawns none of them."""
+    handle = frame._handle
     parent = handle.key
-    stored = queue.serialize_inputs(inputs)  # every input checked before anything is written
-    keys = [LeaseKey(parent.tenant_id, child_execution_id(parent, key)) for key in inputs]
-    written = await queue.submit_children(
-        handle.lease, graph_name, list(zip(keys, stored, strict=True))
+    executions = [LeaseKey(parent.tenant_id, child_execution_id(parent, key)) for key in keys]
+    written = await _queue_of(handle).submit_children(
+        handle.lease, graph_name, list(zip(executions, stored, strict=True))
     )
     if written is None:
         # The parent's hold is gone: the strict renewal says how (taken over: fenced).
         await handle.renew()
-        spawned = ", ".join(map(repr, inputs))
+        spawned = ", ".join(map(repr, keys))
         raise handle.record(
             ExecutionLeaseLostError(
                 f"execution {handle.scope_key!r} at token {handle.token} no longer holds its "
@@ -207,8 +273,8 @@ async def spawn_children(
             )
         )
     return [
-        Child(child_key, key, graph_name, placement, new)
-        for child_key, key, new in zip(keys, inputs, written, strict=True)
+        Child(execution, key, graph_name, ChildPlacement.ANY_INSTANCE, new)
+        for execution, key, new in zip(executions, keys, written, strict=True)
     ]
 
 

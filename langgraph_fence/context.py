@@ -110,7 +110,9 @@ class ExecutionContext:
 
         ``ChildPlacement.ANY_INSTANCE``: the child is recorded pending (its own execution:
         the parent's tenant, an id derived from the parent's scope key and ``key``) in one
-        transaction guarded by this step's hold; any instance whose ``serve()`` serves
+        statement guarded by this step's hold; calls of one run made together
+        (``asyncio.gather``) are recorded in one statement per graph name, as
+        :meth:`spawn_children` records a batch. Any instance whose ``serve()`` serves
         ``graph_name`` runs it under its own lease and epoch. A re-run of this step (a
         retry, a takeover) finds the child of the same key and spawns nothing new
         (``child.spawned`` is then ``False``).

@@ -10,7 +10,7 @@ children) are in ``benchmarks/bench_children.py``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -90,6 +90,16 @@ def one_step(instance: Instance, name: str, body: Callable[[Tree], Awaitable[Any
     return fence_graph(builder).compile(checkpointer=instance.checkpointer, name=name)
 
 
+def run_step(
+    instance: Instance, name: str, body: Callable[[Tree], Awaitable[Any]], thread: str
+) -> Coroutine[Any, Any, Any]:
+    """Run a one-step graph of ``body`` on ``thread``. durability="sync": the run's
+    checkpoint writes are not in flight while the step runs (nor counted with it)."""
+    return instance.ainvoke(
+        one_step(instance, name, body), {"n": 0}, cfg(thread), tenant_id=TENANT, durability="sync"
+    )
+
+
 def backend_of(database: Database) -> str:
     return "postgresql" if database.schema else "sqlite"
 
@@ -120,14 +130,7 @@ async def test_a_batch_of_children_is_spawned_in_one_statement_whatever_its_size
             return {"spawned": [c.spawned for c in first] + [c.spawned for c in again]}
 
         thread = unique("batch")
-        # durability="sync": the run's checkpoint writes are not in flight during the step.
-        out = await parent.ainvoke(
-            one_step(parent, "spawn", spawn),
-            {"n": 0},
-            cfg(thread),
-            tenant_id=TENANT,
-            durability="sync",
-        )
+        out = await run_step(parent, "spawn", spawn, thread)
         backend = backend_of(database)
         assert sent == [SPAWN[backend], RESPAWN[backend], SPAWN[backend]]
         assert out["spawned"] == [True] * size + [False] * size
@@ -142,6 +145,49 @@ async def test_a_batch_of_children_is_spawned_in_one_statement_whatever_its_size
         assert found[0].graph == "shout"
         assert found[0].thread_id == last.execution_id
         assert found[0].submitted
+
+
+async def test_spawn_child_calls_gathered_together_are_one_statement(database: Database) -> None:
+    async with opened(database, "parent", lease_ttl=600.0) as parent:
+        statements = Statements(parent._run_queue()._engine, sqlalchemy=True)
+        sent: list[list[str]] = []
+        refused: list[BaseException] = []
+
+        async def gather(state: Tree) -> dict[str, Any]:
+            ctx = get_execution_context()
+
+            def spawn(key: str, input: Any) -> Awaitable[Child]:
+                return ctx.spawn_child(
+                    "shout", input, placement=ChildPlacement.ANY_INSTANCE, key=key
+                )
+
+            await taken(statements)
+            children = await asyncio.gather(*(spawn(f"c{i}", {"text": "x"}) for i in range(40)))
+            sent.append(await taken(statements))
+            # A bad input is refused to its own call; the others are spawned, together; a
+            # key given twice at once is spawned once (the second call finds it).
+            more = await asyncio.gather(
+                spawn("d0", {"text": "x"}),
+                spawn("bad", object()),
+                spawn("d1", {"text": "x"}),
+                spawn("d0", {"text": "x"}),
+                return_exceptions=True,
+            )
+            sent.append(await taken(statements))
+            refused.extend(m for m in more if isinstance(m, BaseException))
+            assert [c.key for c in children] == [f"c{i}" for i in range(40)]
+            assert [c.spawned for c in children] == [True] * 40
+            assert [m.spawned for m in more if isinstance(m, Child)] == [True, True, False]
+            return {}
+
+        thread = unique("gather")
+        await run_step(parent, "gather", gather, thread)
+        assert sent == [SPAWN[backend_of(database)]] * 2
+        assert len(refused) == 1
+        assert "child 'bad' cannot be recorded" in str(refused[0])
+        root = LeaseKey(TENANT, thread)
+        rows = await lease_rows(parent, child_execution_id(root, "c")[:-1])
+        assert len(rows) == 42
 
 
 async def test_a_stale_parent_spawns_no_child_of_its_batch(database: Database) -> None:
@@ -166,13 +212,7 @@ async def test_a_stale_parent_spawns_no_child_of_its_batch(database: Database) -
             return {}
 
         with pytest.raises(ExecutionFencedError):
-            await parent.ainvoke(
-                one_step(parent, "stale", stale),
-                {"n": 0},
-                cfg(thread),
-                tenant_id=TENANT,
-                durability="sync",
-            )
+            await run_step(parent, "stale", stale, thread)
         assert caught
         assert isinstance(caught[0], ExecutionFencedError | asyncio.CancelledError)
         root = LeaseKey(TENANT, thread)
@@ -272,15 +312,7 @@ async def test_the_wait_reads_every_pending_child_in_one_read_per_look(
             return {"results": await ctx.wait_children(children, timeout=300)}
 
         # No worker serves "shout": every child stays pending while the wait looks.
-        run = asyncio.create_task(
-            parent.ainvoke(
-                one_step(parent, "fan", fan),
-                {"n": 0},
-                cfg(thread),
-                tenant_id=TENANT,
-                durability="sync",
-            )
-        )
+        run = asyncio.create_task(run_step(parent, "fan", fan, thread))
         await asyncio.wait_for(looks.enough.wait(), 120)
         await eventually(
             lambda: len(looks.between) >= (yielded_before or [10**9])[0] + 3,
