@@ -1,7 +1,8 @@
 """Child executions: a step spawns children and waits for their outputs.
 
-``child = await get_execution_context().spawn_child(graph_name, input, placement=..., key=...)``
-and ``results = await ctx.wait_children([child, ...])``.
+``child = await get_execution_context().spawn_child(graph_name, input, placement=..., key=...)``,
+``children = await ctx.spawn_children(graph_name, {key: input, ...}, placement=...)`` (a batch,
+recorded in one statement however large), and ``results = await ctx.wait_children(children)``.
 
 ``ChildPlacement.ANY_INSTANCE``: the child is an execution of its own, of the parent's tenant,
 whose execution id is derived from the parent's scope key and ``key``
@@ -14,8 +15,9 @@ the same key and spawns nothing new; a parent that was taken over spawns nothing
 refuses, and the step stops with :class:`~langgraph_fence.ExecutionFencedError`). Any
 instance whose ``serve()`` serves ``graph_name`` claims it and runs it under its own lease,
 epoch and scope key; its output, or its failure or dead letter with the reason, is stored
-with the execution. :meth:`wait_children` polls them and returns their outputs in the order
-given, or raises :class:`~langgraph_fence.ChildFailedError` within one poll of a child's end.
+with the execution. :meth:`wait_children` looks at them, every pending child in one read
+per look (woken by their ends on PostgreSQL), and returns their outputs in the order given,
+or raises :class:`~langgraph_fence.ChildFailedError` within one look of a child's end.
 
 While a step waits for ``ANY_INSTANCE`` children and nothing else of the tree runs, the root
 lease is yielded, and taken again (epoch + 1) before anything of the tree runs or the wait
@@ -36,7 +38,10 @@ the spawning step runs it again (it is part of the step).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection, Sequence
+import contextlib
+import weakref
+from collections.abc import Collection, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -47,14 +52,14 @@ from .errors import (
     ExecutionLeaseLostError,
     find_fence_error,
 )
-from .lease import LeaseKey, LeaseStatus, is_yielded
+from .lease import LeaseKey, LeaseStatus
 from .scope import parse_scope_key, scope_key
 from .validate import positive_seconds, text_id
 
 if TYPE_CHECKING:
     from .context import ExecutionContext
     from .fence import RunHandle
-    from .queue import SubmittedRuns
+    from .queue import RunState, SubmittedRuns
 
 __all__ = [
     "CHILD_ID_PREFIX",
@@ -64,6 +69,7 @@ __all__ = [
     "parse_child_execution_id",
     "refuse_child_ids",
     "spawn_child",
+    "spawn_children",
     "wait_children",
 ]
 
@@ -171,43 +177,135 @@ async def spawn_child(
     key: str,
     graph: Any = None,
 ) -> Child:
-    """Spawn a child of the step ``frame`` (see :meth:`ExecutionContext.spawn_child`)."""
-    text_id("graph_name", graph_name, what="the name a worker serves the child's graph under")
+    """Spawn a child of the step ``frame`` (see :meth:`ExecutionContext.spawn_child`).
+
+    ``ANY_INSTANCE`` children spawned by calls of one run made in the same turn of its
+    event loop (``asyncio.gather`` of ``spawn_child`` calls) are recorded together, one
+    statement per graph name, as :func:`spawn_children` records a batch."""
     text_id("key", key, what="the child's key, unique among this execution's children")
+    if placement is not ChildPlacement.ANY_INSTANCE or graph is not None:
+        (child,) = await spawn_children(
+            frame, graph_name, {key: input}, placement=placement, graph=graph
+        )
+        return child
+    text_id("graph_name", graph_name, what="the name a worker serves the child's graph under")
+    handle = frame._handle
+    await _still_held(frame)
+    (stored,) = _queue_of(handle).serialize_inputs({key: input})  # refused here, alone
+    loop = asyncio.get_running_loop()
+    gathered = _gathering.get(handle)
+    if gathered is None:
+        gathered = _gathering[handle] = []
+        # Runs after the calls of this turn of the loop have joined.
+        task = loop.create_task(_spawn_gathered(handle, gathered))
+        _recording.add(task)
+        task.add_done_callback(_recording.discard)
+    spawned: asyncio.Future[Child] = loop.create_future()
+    gathered.append((frame, graph_name, key, stored, spawned))
+    return await spawned
+
+
+# The spawn_child calls of a run waiting to be recorded together (see spawn_child).
+_Call = tuple["ExecutionContext", str, str, tuple[str, bytes], "asyncio.Future[Child]"]
+_gathering: weakref.WeakKeyDictionary[RunHandle, list[_Call]] = weakref.WeakKeyDictionary()
+_recording: set[asyncio.Task[None]] = set()  # referenced until done
+
+
+async def _spawn_gathered(handle: RunHandle, gathered: list[_Call]) -> None:
+    """Record the gathered calls, one batch per graph name, and answer each call."""
+    if _gathering.get(handle) is gathered:
+        del _gathering[handle]
+    for graph_name in dict.fromkeys(call[1] for call in gathered):
+        calls = [call for call in gathered if call[1] == graph_name]
+        first: dict[str, _Call] = {}  # a key spawned twice at once: recorded once
+        for call in calls:
+            first.setdefault(call[2], call)
+        try:
+            children = await _record_remote(
+                calls[0][0],
+                graph_name,
+                list(first),
+                [call[3] for call in first.values()],
+            )
+        except BaseException as exc:
+            for *_, spawned in calls:
+                if not spawned.done():
+                    spawned.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            continue
+        found = dict(zip(first, children, strict=True))
+        for call in calls:
+            child = found[call[2]]
+            if call is not first[call[2]]:
+                child = Child(child.execution, child.key, graph_name, child.placement, False)
+            if not call[4].done():
+                call[4].set_result(child)
+
+
+async def spawn_children(
+    frame: ExecutionContext,
+    graph_name: str,
+    inputs: Mapping[str, Any],
+    *,
+    placement: ChildPlacement,
+    graph: Any = None,
+) -> list[Child]:
+    """Spawn children of the step ``frame``, one per key of ``inputs`` (see
+    :meth:`ExecutionContext.spawn_children`)."""
+    text_id("graph_name", graph_name, what="the name a worker serves the child's graph under")
+    if not isinstance(inputs, Mapping):
+        raise TypeError(
+            f"inputs must be a dict of child key -> the child graph's input, got {inputs!r}"
+        )
+    for key in inputs:
+        text_id("key", key, what="the child's key, unique among this execution's children")
     if not isinstance(placement, ChildPlacement):
         raise TypeError(
             f"placement must be a ChildPlacement (ChildPlacement.ANY_INSTANCE or "
             f"ChildPlacement.PARENT_INSTANCE), got {placement!r}"
         )
     if placement is ChildPlacement.PARENT_INSTANCE:
-        return await _spawn_here(frame, graph_name, input, key, graph)
+        return [
+            await _spawn_here(frame, graph_name, input, key, graph) for key, input in inputs.items()
+        ]
     if graph is not None:
         raise ValueError(
             "graph= is for ChildPlacement.PARENT_INSTANCE: an ANY_INSTANCE child runs on "
             "the worker that serves graph_name; leave graph out"
         )
-    handle = frame._handle
     await _still_held(frame)
-    queue = _queue_of(handle)
+    stored = _queue_of(frame._handle).serialize_inputs(inputs)  # all checked before writing
+    return await _record_remote(frame, graph_name, list(inputs), stored)
+
+
+async def _record_remote(
+    frame: ExecutionContext, graph_name: str, keys: list[str], stored: list[tuple[str, bytes]]
+) -> list[Child]:
+    """Record ANY_INSTANCE children of ``keys`` (their inputs serialized) in one batch,
+    under the parent's hold; a parent no longer held spawns none of them."""
+    handle = frame._handle
     parent = handle.key
-    execution_id = child_execution_id(parent, key)
-    config = {"configurable": {"thread_id": execution_id}}
-    child_key, thread_id, run = queue.check(
-        graph_name, input, config, parent.tenant_id, execution_id, "reject", {}
+    executions = [LeaseKey(parent.tenant_id, child_execution_id(parent, key)) for key in keys]
+    written = await _queue_of(handle).submit_children(
+        handle.lease, graph_name, list(zip(executions, stored, strict=True))
     )
-    written = await queue.submit_child(handle.lease, child_key, graph_name, thread_id, input, run)
     if written is None:
         # The parent's hold is gone: the strict renewal says how (taken over: fenced).
         await handle.renew()
+        spawned = ", ".join(map(repr, keys))
         raise handle.record(
             ExecutionLeaseLostError(
                 f"execution {handle.scope_key!r} at token {handle.token} no longer holds its "
-                f"lease: child {key!r} was not spawned",
+                f"lease: children {spawned} were not spawned",
                 scope_key=handle.scope_key,
                 token_held=handle.token,
             )
         )
-    return Child(child_key, key, graph_name, placement, written)
+    return [
+        Child(execution, key, graph_name, ChildPlacement.ANY_INSTANCE, new)
+        for execution, key, new in zip(executions, keys, written, strict=True)
+    ]
 
 
 async def wait_children(
@@ -230,51 +328,91 @@ async def wait_children(
     if timeout is not None:
         timeout = positive_seconds("timeout", timeout, what="how long wait_children() waits")
     pause = positive_seconds("poll_interval", poll_interval, what="between looks at children")
+    from .queue import ENDS_CHANNEL
+
     handle = frame._handle
-    queue = None if all(c._local is not None for c in children) else _queue_of(handle)
+    remote = [child for child in children if child._local is None]
+    queue = _queue_of(handle) if remote else None
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
     results: list[Any] = [None] * len(children)
     pending = dict(enumerate(children))
     wait = min(0.005, pause)
+    ended = asyncio.Event()
+    heard: set[str] = set()  # the scope keys of the ends notified since the last look
+    notifications = None if queue is None else queue.notifications
+    # On PostgreSQL a child's end (and a cancel of the parent) wakes the wait: subscribed
+    # before the first look, so an end after it is not missed.
+    woken_by = frozenset([handle.scope_key, *(child.scope_key for child in remote)])
+    # Every pending child is read at the first look, then (when woken by ends) the ones
+    # heard of, and all of them again every max(poll_interval, 1 s) in case a notification
+    # was lost (an end no run of serve() made: a dead letter by a takeover or an operator).
+    full_every = max(pause, 1.0)
+    full_at = -float("inf")
     # A wait for remote children may yield the root lease (tree_activity.py): only while
     # every running part of the tree waits so; re-taken before the wait returns or raises.
     activity = handle.activity if queue is not None else None
     if activity is not None:
         activity.begin_wait()
     try:
-        while True:
-            await _still_held(frame)
-            for index, child in list(pending.items()):
-                if child._local is not None:
-                    ended, value = _local_end(child, return_exceptions)
-                else:
-                    assert queue is not None
-                    ended, value = await _remote_end(queue, handle, child, return_exceptions, allow)
-                if ended:
-                    results[index] = value
-                    del pending[index]
-            if not pending:
-                if activity is not None:
-                    ending, activity = activity, None  # ended once, even if it raises
-                    await ending.end_wait()
+        async with (
+            notifications.subscribe(ENDS_CHANNEL, ended, woken_by, heard=heard)
+            if notifications is not None
+            else nullcontext(False)
+        ) as listening:
+            while True:
+                ended.clear()
                 await _still_held(frame)
-                return results
-            if deadline is not None and loop.time() >= deadline:
-                left = ", ".join(repr(child.scope_key) for child in pending.values())
-                raise TimeoutError(
-                    f"children {left} of {handle.scope_key!r} had not ended after "
-                    f"{timeout:g} s: is a worker serving their graph? See `langgraph-fence runs`"
-                )
-            left_s = pause if deadline is None else max(0.0, deadline - loop.time())
-            local = [c._local for c in pending.values() if c._local is not None]
-            if len(local) == len(pending):  # only children of this process: woken by them
-                await asyncio.wait(local, timeout=left_s, return_when=asyncio.FIRST_COMPLETED)
-            else:
+                remote_left = [c for c in pending.values() if c._local is None]
+                if not listening or loop.time() - full_at >= full_every:
+                    full_at = loop.time()
+                    asked = remote_left
+                else:
+                    asked = [c for c in remote_left if c.scope_key in heard]
+                heard.clear()
+                # The children asked about, in ONE read whatever their number.
+                ends = {}
+                if asked:
+                    assert queue is not None
+                    ends = await queue.child_ends([c.execution for c in asked])
+                for index, child in list(pending.items()):
+                    if child._local is not None:
+                        done, value = _local_end(child, return_exceptions)
+                    else:
+                        done, value = _remote_end(handle, child, ends, return_exceptions, allow)
+                    if done:
+                        results[index] = value
+                        del pending[index]
+                if not pending:
+                    if activity is not None:
+                        ending, activity = activity, None  # ended once, even if it raises
+                        await ending.end_wait()
+                    await _still_held(frame)
+                    return results
+                if deadline is not None and loop.time() >= deadline:
+                    left = ", ".join(repr(child.scope_key) for child in pending.values())
+                    raise TimeoutError(
+                        f"children {left} of {handle.scope_key!r} had not ended after "
+                        f"{timeout:g} s: is a worker serving their graph? See "
+                        "`langgraph-fence runs`"
+                    )
+                left_s = float("inf") if deadline is None else max(0.0, deadline - loop.time())
+                local = [c._local for c in pending.values() if c._local is not None]
+                if len(local) == len(pending):  # only children of this process: woken by them
+                    await asyncio.wait(
+                        local, timeout=min(pause, left_s), return_when=asyncio.FIRST_COMPLETED
+                    )
+                    continue
                 if activity is not None and not local:
                     await activity.maybe_yield()
-                await asyncio.sleep(min(wait, left_s))
-                wait = min(wait * 2, pause)
+                if listening and not local:
+                    # Woken by a child's end, or at the next look at all of them.
+                    next_full = max(0.0, full_at + full_every - loop.time())
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(ended.wait(), min(next_full, left_s))
+                else:
+                    await asyncio.sleep(min(wait, left_s))
+                    wait = min(wait * 2, pause)
     finally:
         # A wait that raised leaves no child of this process running on its own.
         for child in pending.values():
@@ -298,27 +436,27 @@ def _local_end(child: Child, return_exceptions: bool) -> tuple[bool, Any]:
     raise failure
 
 
-async def _remote_end(
-    queue: SubmittedRuns,
+def _remote_end(
     handle: RunHandle,
     child: Child,
+    ends: Mapping[LeaseKey, tuple[RunState, tuple[Any, Any]] | None],
     return_exceptions: bool,
     allow: Collection[tuple[str, ...]],
 ) -> tuple[bool, Any]:
-    """Whether an ANY_INSTANCE child ended (one read), and its output (or error, placed)."""
-    found = await queue.state(child.execution)
+    """Whether an ANY_INSTANCE child ended (by the look's read of every pending child,
+    :meth:`SubmittedRuns.child_ends`), and its output (or error, placed)."""
+    if child.execution not in ends:
+        return False, None  # pending, running, or waiting for children of its own
+    found = ends[child.execution]
     if found is None:
         raise LookupError(
             f"child execution {child.scope_key!r} (key {child.key!r}) is gone: it was "
             "erased while its parent waited"
         )
     state, stored = found
-    if is_yielded(state.status, state.holder):
-        return False, None  # it waits for children of its own
     if state.status in _OUTPUT_ENDS:
+        queue = _queue_of(handle)
         return True, queue.decode_output(child.execution, stored, allow)
-    if state.status not in _FAILED_ENDS:
-        return False, None
     error = ChildFailedError(
         f"child execution {child.scope_key!r} (key {child.key!r}, graph "
         f"{child.graph_name!r}) of {handle.scope_key!r} ended {state.status.value} at token "

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Mapping,
+    Sequence,
+)
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -108,7 +115,9 @@ class ExecutionContext:
 
         ``ChildPlacement.ANY_INSTANCE``: the child is recorded pending (its own execution:
         the parent's tenant, an id derived from the parent's scope key and ``key``) in one
-        transaction guarded by this step's hold; any instance whose ``serve()`` serves
+        statement guarded by this step's hold; calls of one run made together
+        (``asyncio.gather``) are recorded in one statement per graph name, as
+        :meth:`spawn_children` records a batch. Any instance whose ``serve()`` serves
         ``graph_name`` runs it under its own lease and epoch. A re-run of this step (a
         retry, a takeover) finds the child of the same key and spawns nothing new
         (``child.spawned`` is then ``False``).
@@ -140,6 +149,44 @@ class ExecutionContext:
                 self, graph_name, input, placement=placement, key=key, graph=graph
             )
 
+    async def spawn_children(
+        self,
+        graph_name: str,
+        inputs: Mapping[str, Any],
+        *,
+        placement: ChildPlacement,
+        graph: Any = None,
+    ) -> list[Child]:
+        """Spawn one child execution per key of ``inputs`` (child key -> the child graph's
+        input), as :meth:`spawn_child` does for one, in the order given.
+
+        ``ChildPlacement.ANY_INSTANCE``: every child is recorded pending in ONE statement
+        on PostgreSQL (one transaction of a fixed number of statements on SQLite), whatever
+        their number, guarded by this step's hold on the parent's row: all are spawned or,
+        if this step's execution was taken over, none. A re-run of this step (a retry, a
+        takeover) finds the children of the keys it spawned and spawns only the keys that
+        are new (``child.spawned`` says which).
+
+        ``ChildPlacement.PARENT_INSTANCE``: each child graph starts now in this process, as
+        :meth:`spawn_child` starts one.
+
+        Args:
+            graph_name: the name a worker serves the children's graph under.
+            inputs: child key (unique among this execution's children) -> its input
+                (storable data: another process runs it).
+            placement: where the children run.
+            graph: for ``PARENT_INSTANCE``, the compiled child graph (default: the one this
+                instance serves under ``graph_name``).
+
+        Raises:
+            ExecutionFencedError: this step's execution was taken over: nothing spawned.
+            ValueError, TypeError: a bad argument or an input that cannot be recorded,
+                named with the fix; nothing spawned.
+        """
+        from .children import spawn_children
+
+        return await spawn_children(self, graph_name, inputs, placement=placement, graph=graph)
+
     async def wait_children(
         self,
         children: Sequence[Child],
@@ -153,8 +200,10 @@ class ExecutionContext:
 
         As ``asyncio.gather``: a child that failed or was dead-lettered raises
         :class:`~langgraph_fence.ChildFailedError` (naming the child execution and its
-        reason) within one poll of its end, or with ``return_exceptions=True`` takes its
-        place in the list. A ``PARENT_INSTANCE`` child's own error is raised (or placed) as
+        reason) within one look of its end, or with ``return_exceptions=True`` takes its
+        place in the list. Each look reads every pending ``ANY_INSTANCE`` child in ONE
+        statement, whatever their number; on PostgreSQL a child's end wakes the wait at
+        once. A ``PARENT_INSTANCE`` child's own error is raised (or placed) as
         it is; a fencing error is always raised. While it waits for ``ANY_INSTANCE``
         children and nothing else of the tree runs, the root lease is yielded; it is taken
         again (epoch + 1, this fence's token with it) before the wait returns or raises. If
@@ -164,7 +213,10 @@ class ExecutionContext:
         Args:
             children: what :meth:`spawn_child` returned.
             timeout: seconds to wait (``None``: as long as it takes).
-            poll_interval: the longest pause between looks (they start faster).
+            poll_interval: the longest pause between looks (they start faster). On
+                PostgreSQL the children's ends wake the wait (LISTEN), and it reads all of
+                them every ``poll_interval`` (at least a second) only in case a
+                notification was lost.
             allow: ``(module, name)`` pairs the outputs may construct besides what the
                 serializer allows.
 

@@ -43,7 +43,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Collection, Mapping
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass, replace
 from functools import partial
@@ -52,11 +52,12 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from .database import dialect_of, single_statement, transaction
+from .database import dialect_of, discard, single_statement, transaction
+from .driver import DriverStatement, fetch
 from .errors import ExecutionBusyError, ExecutionEndedError, RunFailedError
 from .guard import guard_sql
 from .lease import Lease, LeaseKey, LeaseStatus, is_yielded
-from .retry import retry_connection_errors
+from .retry import is_connection_error, retry_connection_errors
 from .schema import in_flight_sql, yielded_sql
 from .validate import MAX_ID_BYTES, positive_seconds, text_id
 
@@ -173,20 +174,56 @@ class _LeaseWrites:
             woken + _KEY + " AND " + yielded_sql() + " AND NOT EXISTS (" + _LIVE_CHILD + ") "
             "RETURNING epoch"
         )
+        # Children spawned together, each new key a pending lease at epoch 0 (a key found
+        # is left as it is), only while the parent's row passes the guard.
+        pending = f"0, NULL, NULL, 'pending', '{{}}', NULL, {now}, 0, NULL"
+        # PostgreSQL: the parent's row locked, the leases, the records and the NOTIFY (on
+        # commit), in ONE statement; the spawned keys come back.
+        self.spawn_children = text(
+            "WITH parent AS (" + _PARENT_HELD + " FOR UPDATE), "
+            "spawned AS (SELECT s.value ->> 0 AS execution_id, s.value ->> 1 AS scope_key, "
+            "s.value ->> 2 AS input_type, decode(s.value ->> 3, 'hex') AS input FROM "
+            "jsonb_array_elements(CAST(:children AS jsonb)) AS s(value)), "
+            "created AS (" + _CHILD_LEASE + "SELECT :tenant_id, s.execution_id, s.scope_key, "
+            f"{pending}, :pexecution FROM parent, spawned s "
+            "ON CONFLICT (tenant_id, execution_id) DO NOTHING "
+            "RETURNING execution_id), "
+            "recorded AS (" + _RECORD_INTO + "SELECT :tenant_id, s.execution_id, :graph, "
+            "s.execution_id, s.input_type, s.input, :run_type, :run, :at, :at, NULL, NULL, NULL "
+            "FROM created JOIN spawned s USING (execution_id)" + _RECORD_UPSERT + ") "
+            "SELECT EXISTS (SELECT 1 FROM parent) AS held, (SELECT CAST(json_agg(execution_id) "
+            "AS text) FROM created) AS created, "
+            f"(SELECT count(pg_notify({_OF_SCHEMA}, :graph)) FROM (SELECT 1 FROM created "
+            "LIMIT 1) AS any_created) AS told"
+        )  # told: serve() is notified (on commit) once if any child is new
+        # SQLite (inside BEGIN IMMEDIATE, after the guard's read): the leases; the records
+        # follow (SubmittedRuns.submit_children).
+        self.spawn_leases = text(
+            _CHILD_LEASE + "SELECT :tenant_id, json_extract(value, '$[0]'), "
+            f"json_extract(value, '$[1]'), {pending}, :pexecution FROM json_each(:rows) "
+            "WHERE true "
+            "ON CONFLICT (tenant_id, execution_id) DO NOTHING RETURNING execution_id"
+        )
 
 
 _RECORDED = text(
     "SELECT graph, input_type, input, run_type, run FROM fence_executions WHERE " + _KEY
 )
-_SUBMIT_RECORD = text(
+_RECORD_INTO = (
     "INSERT INTO fence_executions (tenant_id, execution_id, graph, thread_id, input_type, "
     "input, run_type, run, recorded_at, submitted_at, input_after, output_type, output) "
-    "VALUES (:tenant_id, :execution_id, :graph, :thread_id, :input_type, :input, :run_type, "
-    ":run, :at, :at, NULL, NULL, NULL) ON CONFLICT (tenant_id, execution_id) DO UPDATE SET "
+)
+_RECORD_UPSERT = (
+    " ON CONFLICT (tenant_id, execution_id) DO UPDATE SET "
     "graph = excluded.graph, thread_id = excluded.thread_id, input_type = excluded.input_type, "
     "input = excluded.input, run_type = excluded.run_type, run = excluded.run, "
     "recorded_at = excluded.recorded_at, submitted_at = excluded.submitted_at, "
     "input_after = NULL, output_type = NULL, output = NULL"
+)
+_SUBMIT_RECORD = text(
+    _RECORD_INTO
+    + "VALUES (:tenant_id, :execution_id, :graph, :thread_id, :input_type, :input, :run_type, "
+    ":run, :at, :at, NULL, NULL, NULL)" + _RECORD_UPSERT
 )
 # The record columns two submits must share to be the same submit again.
 _SAME = ("graph", "input_type", "input", "run_type", "run")
@@ -194,6 +231,59 @@ _SAME = ("graph", "input_type", "input", "run_type", "run")
 _PARENT_HELD = "SELECT 1 FROM fence_leases WHERE " + guard_sql(
     tenant_id=":ptenant", execution_id=":pexecution", holder=":holder", epoch=":epoch"
 )
+# Children spawned together, recorded in one statement (PostgreSQL) or one transaction of a
+# fixed number of statements (SQLite), whatever their number: each a pending lease at epoch
+# 0 and a submitted record, for the keys that are new (a key found is left as it is).
+# A child's lease row records its parent (:pexecution, of the same tenant).
+_CHILD_LEASE = (
+    "INSERT INTO fence_leases (tenant_id, execution_id, scope_key, epoch, holder, expires_at, "
+    "status, pending_effects, reason, updated_at, takeovers, progress_mark, "
+    "parent_execution_id) "
+)
+# SQLite: the children's records as positional rows (an input is a blob, which its JSON
+# cannot carry), at most this many in one statement (three parameters each, under SQLite's
+# default limit of 32 766 parameters).
+_SQLITE_CHILDREN_PER_STATEMENT = 10_000
+# What a waiting parent reads per look: of the children it waits for, those that ended (with
+# their outputs) or are gone, in one read whatever their number.
+_ENDED_SQL = (
+    "(l.status IN ("
+    + ", ".join(
+        f"'{status.value}'"
+        for status in (
+            LeaseStatus.DONE,
+            LeaseStatus.WAITING,
+            LeaseStatus.FAILED,
+            LeaseStatus.DEAD_LETTERED,
+        )
+    )
+    + ") AND NOT "
+    + yielded_sql("l")
+    + ")"
+)
+_CHILD_ENDS_COLUMNS = (
+    "SELECT c.tenant_id, c.execution_id, l.status, l.holder, l.epoch, l.reason, "
+    "e.output_type, e.output FROM "
+)
+_CHILD_ENDS_JOINS = (
+    " LEFT JOIN fence_leases l ON l.tenant_id = c.tenant_id AND l.execution_id = "
+    "c.execution_id LEFT JOIN fence_executions e ON e.tenant_id = c.tenant_id AND "
+    "e.execution_id = c.execution_id WHERE l.execution_id IS NULL OR " + _ENDED_SQL
+)
+_CHILD_ENDS = {
+    "postgresql": text(
+        _CHILD_ENDS_COLUMNS
+        + "(SELECT k.value ->> 0 AS tenant_id, k.value ->> 1 AS execution_id FROM "
+        "jsonb_array_elements(CAST(:keys AS jsonb)) AS k(value)) AS c" + _CHILD_ENDS_JOINS
+    ),
+    "sqlite": text(
+        _CHILD_ENDS_COLUMNS
+        + "(SELECT json_extract(value, '$[0]') AS tenant_id, json_extract(value, '$[1]') AS "
+        "execution_id FROM json_each(:keys)) AS c" + _CHILD_ENDS_JOINS
+    ),
+}
+
+
 # The first claimer pins the checkpoint the input follows; every later taker reads it back.
 _PIN = text(
     "UPDATE fence_executions SET input_after = COALESCE(input_after, :checkpoint) WHERE "
@@ -385,6 +475,11 @@ class SubmittedRuns:
         self.serde = serde
         #: The LISTEN side: one connection for every waiter of this queue (PostgreSQL).
         self.notifications = Notifications(engine) if self._pg else None
+        # PostgreSQL: a batch of children and the wait's look run on the driver, in one
+        # round trip each (compiled once).
+        if self._pg:
+            self._spawn_children = DriverStatement(self._leases.spawn_children, engine.dialect)
+            self._child_ends = DriverStatement(_CHILD_ENDS["postgresql"], engine.dialect)
 
     # -- submit
 
@@ -594,51 +689,170 @@ class SubmittedRuns:
             await self._repend(conn, params, lease.epoch)
             return True
 
-    async def submit_child(
+    def serialize_inputs(self, inputs: Mapping[str, Any]) -> list[tuple[str, bytes]]:
+        """Each input of ``inputs`` (child key -> input) as it is recorded, checked storable
+        (encoded once and read back, as :meth:`check` does), in the order given.
+
+        Raises:
+            ValueError: an input cannot be recorded (its key named); nothing was written.
+        """
+        from .serde import loads_checked
+
+        stored = []
+        for key, input in inputs.items():
+            try:
+                typed = self.serde.dumps_typed(input)
+                loads_checked(self.serde, typed, what="the input")
+            except Exception as exc:
+                raise ValueError(
+                    f"the input of child {key!r} cannot be recorded with the execution "
+                    f"({type(exc).__name__}: {exc}): a worker in another process runs it from "
+                    "the record, so it must be storable data (str, numbers, lists, dicts, or "
+                    "types LANGGRAPH_STRICT_MSGPACK allows). Refused before anything was written"
+                ) from exc
+            stored.append((typed[0], bytes(typed[1])))
+        return stored
+
+    async def submit_children(
         self,
         parent: Lease,
-        key: LeaseKey,
         graph_name: str,
-        thread_id: str,
-        input: Any,
-        run: RecordedRun,
-    ) -> bool | None:
-        """Record a child run and set its lease pending, in one transaction guarded by the
-        parent's hold (:mod:`langgraph_fence.children`); whether it was written.
+        children: Sequence[tuple[LeaseKey, tuple[str, bytes]]],
+    ) -> list[bool] | None:
+        """Record children of ``parent`` (their keys, and their inputs as
+        :meth:`serialize_inputs` gives them) as submitted runs of ``graph_name``, each
+        pending, all at once and only while ``parent`` is held; whether each was written.
 
-        ``False``: the child's key exists already (the parent step ran again): nothing
-        written, the child stays as it is. ``None``: ``parent`` is no longer held (taken
-        over, or ended): nothing written.
+        One statement on PostgreSQL (it locks the parent's row, so a takeover of the parent
+        waits for it), one ``BEGIN IMMEDIATE`` transaction of four statements on SQLite (up
+        to 10 000 children; one more per 10 000), whatever the number of children. Each
+        child's thread is its execution id; its recorded run config is empty (as
+        ``{"configurable": {"thread_id": ...}}`` records).
+
+        Returns:
+            per child, in the order given: ``True`` recorded now, ``False`` its key existed
+            already (an earlier run of the parent step spawned it: nothing written for it);
+            or ``None``: ``parent`` is no longer held (taken over, or ended), nothing written.
+
+        Raises:
+            ValueError: two children of the same key.
         """
-        record = self._record(graph_name, thread_id, input, run)
-        params = {"tenant_id": key.tenant_id, "execution_id": key.execution_id}
+        from .run_config import record_run
+
+        ids = [key.execution_id for key, _ in children]
+        if len(set(ids)) != len(ids):
+            raise ValueError("children spawned together must have distinct keys")
+        if not children:
+            return []
+        tenant = children[0][0].tenant_id
+        if any(key.tenant_id != tenant for key, _ in children):
+            raise ValueError("children spawned together must be of one tenant (their parent's)")
+        run_type, run_blob = self.serde.dumps_typed(
+            record_run({}, {}, serde=self.serde).as_payload()
+        )
         held = {
             "ptenant": parent.key.tenant_id,
             "pexecution": parent.key.execution_id,
             "holder": parent.holder,
             "epoch": parent.epoch,
         }
-        at = time.time()
+        common = {
+            "tenant_id": tenant,
+            "graph": graph_name,
+            "run_type": run_type,
+            "run": run_blob,
+            "at": time.time(),
+        }
 
-        async def once() -> bool | None:
+        async def once_pg() -> set[str] | None:
+            (row,) = await _on_driver(
+                self._engine,
+                self._spawn_children,
+                {
+                    **held,
+                    **common,
+                    **self._store.now_params(),
+                    # As JSON (the inputs in hex): the same one parameter for any number,
+                    # and no array type for the driver to look up on a new connection.
+                    "children": json.dumps(
+                        [
+                            [key.execution_id, key.scope_key, input_type, blob.hex()]
+                            for key, (input_type, blob) in children
+                        ]
+                    ),
+                    "channel": NOTIFY_CHANNEL,
+                },
+            )
+            if not row["held"]:
+                return None
+            return set(json.loads(row["created"] or "[]"))
+
+        async def once_sqlite() -> set[str] | None:
             async with transaction(self._engine) as conn:
-                # The parent's row, locked (PostgreSQL) or serialised (SQLite's BEGIN
-                # IMMEDIATE): a takeover of the parent waits for this transaction, so the
-                # child is recorded only while the parent's token is the lease's.
-                if (await conn.execute(text(_PARENT_HELD + self._lock), held)).first() is None:
+                # BEGIN IMMEDIATE serialises every writer: a takeover of the parent waits
+                # for this transaction, so children are recorded only under its token.
+                if (await conn.execute(text(_PARENT_HELD), held)).first() is None:
                     return None
-                child = {"scope_key": key.scope_key, "parent_execution_id": parent.key.execution_id}
-                created = await conn.execute(
-                    self._leases.insert_pending, {**params, **child, **self._store.now_params()}
-                )
-                if created.first() is None:
-                    return False
-                if self._pg:
-                    await conn.execute(_NOTIFY, {"channel": NOTIFY_CHANNEL, "payload": graph_name})
-                await conn.execute(_SUBMIT_RECORD, {**params, **record, "at": at})
-                return True
+                rows = json.dumps([[key.execution_id, key.scope_key] for key, _ in children])
+                created = {
+                    row.execution_id
+                    for row in await conn.execute(
+                        self._leases.spawn_leases,
+                        {
+                            "tenant_id": tenant,
+                            "rows": rows,
+                            "pexecution": parent.key.execution_id,
+                            **self._store.now_params(),
+                        },
+                    )
+                }
+                new = [(key, typed) for key, typed in children if key.execution_id in created]
+                step = _SQLITE_CHILDREN_PER_STATEMENT
+                for start in range(0, len(new), step):
+                    await _record_children_sqlite(conn, common, new[start : start + step])
+                return created
 
-        return await retry_connection_errors(once, what="spawn child")
+        once = once_pg if self._pg else once_sqlite
+        created = await retry_connection_errors(once, what="spawn children")
+        if created is None:
+            return None
+        return [execution_id in created for execution_id in ids]
+
+    async def child_ends(
+        self, children: Collection[LeaseKey]
+    ) -> dict[LeaseKey, tuple[RunState, tuple[Any, Any]] | None]:
+        """Of ``children``, those that ended (done, an interrupt, failed, dead-lettered;
+        not yielded) with their stored outputs, and those that are gone (``None``): ONE
+        read, whatever their number. A child still pending, running or yielded is not in
+        the answer."""
+        params = {"keys": json.dumps([[key.tenant_id, key.execution_id] for key in children])}
+
+        async def once() -> Sequence[Any]:
+            if self._pg:
+                return await _on_driver(self._engine, self._child_ends, params)
+            # One statement, in autocommit: a read takes no write lock.
+            async with self._writer.connect() as conn:
+                rows = await conn.execute(_CHILD_ENDS["sqlite"], params)
+                return [row._mapping for row in rows]
+
+        ends: dict[LeaseKey, tuple[RunState, tuple[Any, Any]] | None] = {}
+        for row in await retry_connection_errors(once, what="children's ends"):
+            key = LeaseKey(row["tenant_id"], row["execution_id"])
+            if row["status"] is None:
+                ends[key] = None
+                continue
+            state = RunState(
+                key,
+                LeaseStatus(row["status"]),
+                row["holder"],
+                int(row["epoch"]),
+                None,
+                None,
+                True,
+                row["reason"],
+            )
+            ends[key] = (state, (row["output_type"], row["output"]))
+        return ends
 
     def _record(
         self, graph_name: str, thread_id: str, input: Any, run: RecordedRun
@@ -954,6 +1168,51 @@ class SubmittedRuns:
         return await served_graphs(self._engine)
 
 
+async def _on_driver(
+    engine: AsyncEngine, statement: DriverStatement, params: Mapping[str, Any]
+) -> Sequence[Any]:
+    """Run ``statement`` on an asyncpg connection of ``engine`` (autocommit: one statement
+    is its own transaction) in one round trip; its rows. A connection the call was
+    interrupted on is discarded (its state is unknown: :mod:`langgraph_fence.driver`)."""
+    async with engine.connect() as conn:
+        driver = (await conn.get_raw_connection()).driver_connection
+        try:
+            return await fetch(driver, statement, params)
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                await discard(conn)
+            elif is_connection_error(exc):
+                await discard(conn, server_lost=True)
+            raise
+
+
+async def _record_children_sqlite(
+    conn: AsyncConnection,
+    common: Mapping[str, Any],
+    children: Sequence[tuple[LeaseKey, tuple[str, bytes]]],
+) -> None:
+    """The records of ``children`` on SQLite, in one statement: a row of three positional
+    parameters each (id, input type, input), since SQLite's JSON cannot carry a blob."""
+    if not children:
+        return
+    values = ", ".join(["(?, ?, ?)"] * len(children))
+    statement = (
+        _RECORD_INTO + "SELECT ?, v.column1, ?, v.column1, v.column2, v.column3, ?, ?, ?, ?, "
+        f"NULL, NULL, NULL FROM (VALUES {values}) AS v WHERE true" + _RECORD_UPSERT
+    )
+    params: list[Any] = [
+        common["tenant_id"],
+        common["graph"],
+        common["run_type"],
+        common["run"],
+        common["at"],
+        common["at"],
+    ]
+    for key, (input_type, blob) in children:
+        params.extend((key.execution_id, input_type, blob))
+    await conn.exec_driver_sql(statement, tuple(params))
+
+
 async def list_runs(engine: AsyncEngine, limit: int = 1000) -> list[RunState]:
     """Every pending, running and yielded execution on ``engine``'s database that has a
     record (with its worker), oldest first; then the submitted runs queued behind them
@@ -1007,8 +1266,11 @@ class Notifications:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
-        # (channel, payload wanted or None for any, the event to set).
-        self._waiters: list[tuple[str, str | None, asyncio.Event]] = []
+        # (channel, payload(s) wanted or None for any, the event to set, the set the
+        # payloads heard are added to or None).
+        self._waiters: list[
+            tuple[str, str | Collection[str] | None, asyncio.Event, set[str] | None]
+        ] = []
         self._task: asyncio.Task[None] | None = None
         self._open = asyncio.Event()
         self._names: dict[str, str] = {}  # the schema's channel name -> the channel
@@ -1016,12 +1278,19 @@ class Notifications:
 
     @asynccontextmanager
     async def subscribe(
-        self, channel: str, wake: asyncio.Event, payload: str | None = None, *, within: float = 5.0
+        self,
+        channel: str,
+        wake: asyncio.Event,
+        payload: str | Collection[str] | None = None,
+        *,
+        within: float = 5.0,
+        heard: set[str] | None = None,
     ) -> AsyncIterator[bool]:
-        """Set ``wake`` on each notification on ``channel`` (with ``payload``, if given)
+        """Set ``wake`` on each notification on ``channel`` (with ``payload``, or one of
+        the payloads of a collection, if given), and add its payload to ``heard`` if given,
         while the block runs; yields whether the connection was listening within
         ``within`` seconds (from then on nothing sent is missed; ``False``: poll)."""
-        entry = (channel, payload, wake)
+        entry = (channel, payload, wake, heard)
         self._waiters.append(entry)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._listen(), name="langgraph-fence LISTEN")
@@ -1042,8 +1311,16 @@ class Notifications:
 
     def _notified(self, _conn: Any, _pid: int, name: str, payload: str) -> None:
         channel = self._names.get(name)
-        for wanted_channel, wanted, wake in self._waiters:
-            if wanted_channel == channel and wanted in (None, payload):
+        for wanted_channel, wanted, wake, heard in self._waiters:
+            if wanted_channel != channel:
+                continue
+            if (
+                wanted is None
+                or wanted == payload
+                or (not isinstance(wanted, str) and payload in wanted)
+            ):
+                if heard is not None:
+                    heard.add(payload)
                 wake.set()
 
     async def _listen(self) -> None:
@@ -1069,7 +1346,7 @@ class Notifications:
                 self._open.set()
                 pause = 0.1
                 if opened_before:
-                    for _, _, wake in self._waiters:
+                    for _, _, wake, _ in self._waiters:
                         wake.set()  # what was sent while it was down is lost: look again
                 opened_before = True
                 await dropped.wait()

@@ -27,13 +27,22 @@ class Statements:
     The saver's statements are left out by their connection: in a window, a connection
     that touched a checkpoint table is the saver's (it holds its connections, as the lease
     store holds its own).
+
+    asyncpg's query loggers do not see the statements SQLAlchemy sends (it runs them as
+    prepared statements); with ``sqlalchemy=True`` those are counted too, from SQLAlchemy's
+    ``before_cursor_execute`` (on SQLite the trace sees them already).
     """
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, *, sqlalchemy: bool = False) -> None:
         self._seen: list[tuple[int, str]] = []
         self._traced: weakref.WeakSet[Any] = weakref.WeakSet()
         self._postgres = engine.dialect.name == "postgresql"
         event.listen(engine.sync_engine, "checkout", self._trace)
+        if sqlalchemy and self._postgres:
+            event.listen(engine.sync_engine, "before_cursor_execute", self._sent)
+
+    def _sent(self, conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        self._seen.append((id(conn.connection.driver_connection), statement))
 
     def _trace(self, dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
         driver = dbapi_connection.driver_connection

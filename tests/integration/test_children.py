@@ -594,19 +594,30 @@ async def test_the_spawn_is_one_write_guarded_by_the_parents_hold(database: Data
         held = await parent.repository.acquire(key, parent.instance_id, 30.0)
         assert held is not None
 
-        async def spawn(lease: Any, child_key: str) -> bool | None:
-            child = child_execution_id(key, child_key)
-            checked, thread, run = queue.check(
-                "shout", {"text": "x"}, cfg(child), TENANT, child, "reject", {}
+        async def spawn(lease: Any, *child_keys: str) -> list[bool] | None:
+            inputs = {child_key: {"text": child_key} for child_key in child_keys}
+            children = [LeaseKey(TENANT, child_execution_id(key, k)) for k in child_keys]
+            stored = queue.serialize_inputs(inputs)
+            return await queue.submit_children(
+                lease, "shout", list(zip(children, stored, strict=True))
             )
-            return await queue.submit_child(lease, checked, "shout", thread, {"text": "x"}, run)
 
-        assert await spawn(held, "c0") is True
-        assert await spawn(held, "c0") is False  # the same key again: nothing written
+        assert await spawn(held, "c0") == [True]
+        assert await spawn(held, "c0") == [False]  # the same key again: nothing written
+        # Found keys and new ones together: only the new ones are written.
+        assert await spawn(held, "c0", "c2", "c3") == [False, True, True]
         assert await parent.get_run(key.execution_id, tenant_id=TENANT).cancel()  # epoch + 1
-        assert await spawn(held, "c1") is None  # the stale hold spawns nothing
+        assert await spawn(held, "c1", "c4") is None  # the stale hold spawns nothing
         rows = await lease_rows(parent, child_execution_id(key, "c")[:-1])
-        assert [row[0] for row in rows] == [child_execution_id(key, "c0")]
+        assert [row[0] for row in rows] == [child_execution_id(key, k) for k in ("c0", "c2", "c3")]
+        # Each spawned child is a submitted run of its own input.
+        for child_key in ("c0", "c3"):
+            record = await parent._run_queue().state(
+                LeaseKey(TENANT, child_execution_id(key, child_key))
+            )
+            assert record is not None
+            assert record[0].graph == "shout"
+            assert record[0].submitted
 
 
 async def test_a_waiting_parent_is_handed_back_when_its_instance_stops(
