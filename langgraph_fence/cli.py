@@ -34,7 +34,11 @@ __all__ = ["main"]
 logger = logging.getLogger(__name__)
 
 DB_HELP = "database URL: sqlite+aiosqlite:///path.db or postgresql+asyncpg://user@host/db"
-SCHEMA_HELP = "PostgreSQL schema (search_path) to use; default: the role's search_path"
+SCHEMA_HELP = (
+    "PostgreSQL schema the tables are in (the connections' search_path), created by the "
+    "commands that set tables up (migrate, worker, submit) when missing; default: the "
+    "role's search_path. SQLite has none"
+)
 
 EXIT_OK = 0
 #: The command ran and failed (the demo found a problem, an unexpected error).
@@ -581,12 +585,23 @@ def _load_graphs_factory(spec: str) -> Any:
 
 
 def _checked_target(args: argparse.Namespace, *, must_exist: bool) -> Target:
-    """``--db`` and ``--schema``, the URL parsed and a SQLite path checked before use."""
+    """``--db`` and ``--schema``, the URL parsed, a SQLite path checked and a schema with a
+    SQLite URL refused before use."""
     from .diagnosis import check_sqlite_file
 
     target = _target(args)
     assert target is not None
     check_sqlite_file(target, must_exist=must_exist)
+    if target.schema is not None:
+        from .database import normalize_url
+
+        if not target.schema:
+            raise ValueError("--schema must name a schema, or be left out")
+        if normalize_url(target.url).get_backend_name() != "postgresql":
+            raise ValueError(
+                "--schema: SQLite has no schemas: leave --schema out, or give a PostgreSQL "
+                "URL in --db"
+            )
     return target
 
 
@@ -617,7 +632,6 @@ async def _work(
 
     from rich.console import Console
 
-    from .database import schema_options
     from .instance import Instance
     from .redact import failure_reason
     from .retry import is_database_connection_error
@@ -628,7 +642,7 @@ async def _work(
         try:
             async with Instance.open(
                 args.db,
-                engine_options=schema_options(args.schema),
+                schema=args.schema,
                 instance_id=args.instance_id,
                 lease_ttl=args.lease_ttl,
                 max_takeovers=args.max_takeovers,
@@ -679,13 +693,13 @@ async def _migrate(args: argparse.Namespace) -> int:
 
     from checkpointers import SqlCheckpointer, SqlStore
 
-    from .database import create_engine, schema_options
+    from .database import create_engine
     from .records import SqlExecutionRecords
     from .sinks import setup_sink
     from .stores.sql import SqlLeaseRepository
 
     _checked_target(args, must_exist=False)
-    engine = create_engine(args.db, **schema_options(args.schema))
+    engine = create_engine(args.db, schema=args.schema)
     try:
         await SqlLeaseRepository(engine).setup()
         await SqlCheckpointer(engine).setup()
@@ -747,14 +761,14 @@ async def _executions(args: argparse.Namespace, status: str | None) -> int:
 
     from sqlalchemy import select
 
-    from .database import create_engine, read_only, schema_options
+    from .database import create_engine, read_only
     from .schema import LEASES, effects_from_json
     from .stores.sql import SqlLeaseRepository
 
     if args.tenant is not None and not args.tenant:
         raise ValueError("--tenant must be a non-empty tenant id (or left out for every tenant)")
     _checked_target(args, must_exist=True)
-    engine = create_engine(args.db, **schema_options(args.schema))
+    engine = create_engine(args.db, schema=args.schema)
     try:
         query: Any = select(LEASES).order_by(LEASES.c.updated_at.desc()).limit(args.limit)
         if status is not None:
@@ -989,7 +1003,7 @@ async def _resolve(args: argparse.Namespace) -> int:
     from rich.text import Text
     from sqlalchemy import select
 
-    from .database import create_engine, schema_options
+    from .database import create_engine
     from .schema import LEASES
     from .stores.sql import SqlLeaseRepository
 
@@ -999,7 +1013,7 @@ async def _resolve(args: argparse.Namespace) -> int:
     if args.retry and args.reason is not None:
         raise ValueError("--reason goes with --abandon only (a retry keeps no reason)")
     _checked_target(args, must_exist=True)
-    engine = create_engine(args.db, **schema_options(args.schema))
+    engine = create_engine(args.db, schema=args.schema)
     try:
         async with engine.connect() as conn:
             # Never migrated: say so (the table is not created on a database named by mistake).

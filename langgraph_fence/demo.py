@@ -30,7 +30,7 @@ from langchain_core.runnables import RunnableConfig
 from sqlalchemy import text
 
 from .context import get_execution_context
-from .database import create_engine, normalize_url, schema_options
+from .database import create_engine, normalize_url
 from .effects import Effect
 from .errors import ExecutionLeaseLostError, find_fence_error
 from .events import FenceEvent
@@ -248,29 +248,18 @@ async def run_demo(db: str | None = None, *, schema: str | None = None) -> DemoR
     if schema is not None and not postgres:
         raise ValueError("--schema is for PostgreSQL; leave it out on SQLite")
     if postgres:
-        schema = schema or DEFAULT_DEMO_SCHEMA
-        await _create_schema(url, schema)
+        schema = schema or DEFAULT_DEMO_SCHEMA  # created by the stores' setup() if missing
     order_id = f"order-{uuid.uuid4().hex[:6]}"
     shown = mask_password(url)
     result = DemoResult(
         db=shown.split("@")[-1], execution=f"{TENANT}:{order_id}", url=shown, schema=schema
     )
-    engine = create_engine(url, **schema_options(schema))
+    engine = create_engine(url, schema=schema)
     try:
         await _run(engine, order_id, _Timeline(result), result, SqlCheckpointer)
     finally:
         await engine.dispose()
     return result
-
-
-async def _create_schema(url: str, schema: str) -> None:
-    engine = create_engine(url)
-    try:
-        async with engine.connect() as conn:
-            quoted = conn.dialect.identifier_preparer.quote_identifier(schema)
-            await conn.execute(text(f"CREATE SCHEMA IF NOT EXISTS {quoted}"))
-    finally:
-        await engine.dispose()
 
 
 async def _run(
