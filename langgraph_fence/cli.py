@@ -285,6 +285,29 @@ def _parser() -> argparse.ArgumentParser:
         "--input", required=True, metavar="JSON", help="the graph's input, e.g. '{\"n\": 1}'"
     )
     submit.add_argument(
+        "--config",
+        default=None,
+        metavar="JSON",
+        help="the run config as a JSON object, as graph.ainvoke takes it, e.g. "
+        '\'{"configurable": {"user_id": "u-7"}, "tags": ["cli"], "recursion_limit": 10}\'; '
+        "recorded with the run, so a takeover runs with it too",
+    )
+    submit.add_argument(
+        "--configurable",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one config['configurable'] key, its value a string (repeatable; over --config's; "
+        "other types go in --config)",
+    )
+    submit.add_argument(
+        "--context",
+        default=None,
+        metavar="JSON",
+        help="the run's runtime context (graph.ainvoke's context=) as JSON, e.g. "
+        '\'{"currency": "EUR"}\'',
+    )
+    submit.add_argument(
         "--tenant", default="default", help="the tenant of the thread (default: default)"
     )
     submit.add_argument(
@@ -302,7 +325,8 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive_seconds,
         default=None,
         metavar="SECONDS",
-        help="wait this long for the run's end and print its output as JSON",
+        help="wait this long for the run's end and print its output as JSON (LangChain "
+        "messages as message_to_dict's dicts, other values JSON cannot hold as strings)",
     )
     runs = command(
         "runs",
@@ -845,27 +869,98 @@ def as_tree(listed: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return ordered
 
 
-async def _submit(args: argparse.Namespace) -> int:
+def _json_option(option: str, text: str, example: str) -> Any:
+    """The JSON value of ``option``, or a ``ValueError`` naming it and the fix."""
     import json
 
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{option} must be JSON, e.g. {example} (quote it for the shell): {exc}"
+        ) from None
+
+
+def _submit_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The run config ``submit`` was given: ``--config``, each ``--configurable KEY=VALUE``
+    over its ``configurable``, and ``--thread`` as the thread id."""
+    config: Any = {}
+    if args.config is not None:
+        config = _json_option("--config", args.config, '\'{"configurable": {"user_id": "u-7"}}\'')
+        if not isinstance(config, dict):
+            raise ValueError(
+                f"--config must be a JSON object (the run config), got {args.config!r}: e.g. "
+                '\'{"configurable": {"user_id": "u-7"}, "tags": ["cli"]}\''
+            )
+    configurable = config.get("configurable", {})
+    if not isinstance(configurable, dict):
+        raise ValueError(
+            f'--config\'s "configurable" must be a JSON object, got {configurable!r}: e.g. '
+            '\'{"configurable": {"user_id": "u-7"}}\''
+        )
+    configurable = dict(configurable)
+    for item in args.configurable:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(
+                f"--configurable must be KEY=VALUE (e.g. --configurable user_id=u-7), got "
+                f"{item!r}; give it once per key"
+            )
+        configurable[key.strip()] = value
+    thread = configurable.setdefault("thread_id", args.thread)
+    if thread != args.thread:
+        raise ValueError(
+            f"the config's thread_id {thread!r} is not --thread {args.thread!r}: name the "
+            "thread once, with --thread"
+        )
+    return {**config, "configurable": configurable}
+
+
+def as_json(value: Any) -> str:
+    """``value`` (a run's output) as JSON a program can read: LangChain messages as
+    ``message_to_dict`` makes them (``{"type": ..., "data": {...}}``), dataclasses (an
+    ``Interrupt``) and pydantic models as their fields, sets as lists, and anything else
+    JSON cannot hold as its ``str``."""
+    import dataclasses
+    import json
+
+    from langchain_core.messages import BaseMessage, message_to_dict
+
+    def plain(obj: Any) -> Any:
+        if isinstance(obj, BaseMessage):
+            return message_to_dict(obj)
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+        model_dump = getattr(obj, "model_dump", None)
+        if callable(model_dump) and not isinstance(obj, type):
+            return model_dump(mode="json")
+        if isinstance(obj, set | frozenset):
+            return list(obj)
+        return str(obj)
+
+    return json.dumps(value, default=plain)
+
+
+async def _submit(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .database import schema_options
     from .instance import Instance
 
-    try:
-        payload = json.loads(args.input)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--input must be JSON, e.g. '{{\"n\": 1}}': {exc}") from None
+    payload = _json_option("--input", args.input, "'{\"n\": 1}'")
+    config = _submit_config(args)
+    options: dict[str, Any] = {}
+    if args.context is not None:
+        options["context"] = _json_option("--context", args.context, '\'{"currency": "EUR"}\'')
     _checked_target(args, must_exist=False)
-    async with Instance.open(args.db, engine_options=schema_options(args.schema)) as instance:
+    async with Instance.open(args.db, schema=args.schema) as instance:
         run = await instance.submit(
             args.graph,
             payload,
-            {"configurable": {"thread_id": args.thread}},
+            config,  # type: ignore[arg-type]
             tenant_id=args.tenant,
             execution_id=args.execution,
             on_busy=args.on_busy,
+            **options,
         )
         state = await run.state()
         if args.wait is None:
@@ -879,18 +974,18 @@ async def _submit(args: argparse.Namespace) -> int:
             )
             return 0
         output = await run.result(timeout=args.wait)
-    sys.stdout.write(json.dumps(output, default=str) + "\n")
+    sys.stdout.write(as_json(output) + "\n")
     return 0
 
 
 async def _runs(args: argparse.Namespace) -> int:
     import json
 
-    from .database import create_engine, read_only, schema_options
+    from .database import create_engine, read_only
     from .queue import list_runs, served_graphs
 
     _checked_target(args, must_exist=True)
-    engine = create_engine(args.db, **schema_options(args.schema))
+    engine = create_engine(args.db, schema=args.schema)
     try:
         reader = read_only(engine)
         found = await list_runs(reader, args.limit)
