@@ -569,15 +569,16 @@ async def _demo(console: Console, db: str | None, schema: str | None) -> int:
     console.print(f"payments for the order: {result.payments}  (order, cents, token)")
     console.print(f"final state log: {result.final_state.get('log')}")
     where = f", schema {result.schema}" if result.schema else ""
-    kept = f"the database is kept ({result.db}{where}); inspect it:\n  {result.inspect_command}"
+    kept = Text(f"the database is kept ({result.db}{where}); inspect it with:")
     if result.ok:
         console.print("[green]OK[/green]: charged once, by the holder of token 2; A was fenced")
-        console.print(Text(kept))
-        return 0
-    for problem in result.problems:
-        console.print(f"[red]PROBLEM[/red]: {problem}")
-    console.print(Text(kept))
-    return 1
+    else:
+        for problem in result.problems:
+            console.print(f"[red]PROBLEM[/red]: {problem}")
+    console.print(kept)
+    # On a line of its own and never wrapped, whatever the terminal's width: it is copied.
+    console.print(Text(result.inspect_command), soft_wrap=True)
+    return 0 if result.ok else 1
 
 
 def _load_graphs_factory(spec: str) -> Any:

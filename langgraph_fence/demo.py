@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import operator
+import shlex
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -89,9 +91,12 @@ class DemoResult:
 
     @property
     def inspect_command(self) -> str:
-        """The command that lists the executions of the kept database."""
-        schema = f" --schema {self.schema}" if self.schema else ""
-        return f"langgraph-fence executions --db {self.url}{schema}"
+        """The command that lists the executions of the kept database, runnable as printed
+        in a shell (quoted where needed): this interpreter's path and ``-m langgraph_fence``,
+        so it needs no activated virtual environment."""
+        schema = ["--schema", self.schema] if self.schema else []
+        command = [sys.executable, "-m", "langgraph_fence", "executions", "--db", self.url]
+        return shlex.join([*command, *schema])
 
 
 class Order(TypedDict, total=False):
