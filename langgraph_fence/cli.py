@@ -569,7 +569,8 @@ async def _demo(console: Console, db: str | None, schema: str | None) -> int:
     console.print(f"payments for the order: {result.payments}  (order, cents, token)")
     console.print(f"final state log: {result.final_state.get('log')}")
     where = f", schema {result.schema}" if result.schema else ""
-    kept = Text(f"the database is kept ({result.db}{where}); inspect it with:")
+    password = " (its password left out: give it in PGPASSWORD)" if result.password_left_out else ""
+    kept = Text(f"the database is kept ({result.db}{where}); inspect it with{password}:")
     if result.ok:
         console.print("[green]OK[/green]: charged once, by the holder of token 2; A was fenced")
     else:

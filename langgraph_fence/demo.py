@@ -30,6 +30,7 @@ from typing import Annotated, Any, TypedDict
 
 from langchain_core.runnables import RunnableConfig
 from sqlalchemy import text
+from sqlalchemy.engine import make_url
 
 from .context import get_execution_context
 from .database import create_engine, normalize_url
@@ -75,9 +76,11 @@ class DemoResult:
 
     db: str
     execution: str
-    #: The kept database's URL (password masked) and PostgreSQL schema, to inspect it.
+    #: The kept database's URL (its password left out) and PostgreSQL schema, to inspect it.
     url: str = ""
     schema: str | None = None
+    #: Whether ``url`` had a password, left out of :attr:`inspect_command` (never printed).
+    password_left_out: bool = False
     events: list[TimelineEvent] = field(default_factory=list)
     payments: list[tuple[str, int, int]] = field(default_factory=list)
     final_state: dict[str, Any] = field(default_factory=dict)
@@ -256,8 +259,16 @@ async def run_demo(db: str | None = None, *, schema: str | None = None) -> DemoR
         schema = schema or DEFAULT_DEMO_SCHEMA  # created by the stores' setup() if missing
     order_id = f"order-{uuid.uuid4().hex[:6]}"
     shown = mask_password(url)
+    parsed = make_url(url)
     result = DemoResult(
-        db=shown.split("@")[-1], execution=f"{TENANT}:{order_id}", url=shown, schema=schema
+        db=shown.split("@")[-1],
+        execution=f"{TENANT}:{order_id}",
+        # A masked password would not work in the printed command; asyncpg reads PGPASSWORD.
+        url=parsed._replace(password=None).render_as_string(hide_password=False)
+        if parsed.password
+        else url,
+        schema=schema,
+        password_left_out=bool(parsed.password),
     )
     engine = create_engine(url, schema=schema)
     try:

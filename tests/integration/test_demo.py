@@ -65,7 +65,7 @@ def _run_demo(cwd: Path, *args: str) -> tuple[str, list[str]]:
 def _inspect_command(out: str) -> list[str]:
     """The command the demo printed to inspect its database: the whole line after
     "inspect it with:", split as a shell splits it."""
-    found = re.search(r"inspect it with:\n(.*)\n", out)
+    found = re.search(r"inspect it with(?: \(its password left out: .*\))?:\n(.*)\n", out)
     assert found is not None, out
     return shlex.split(found.group(1))
 
@@ -134,8 +134,12 @@ def test_the_demo_on_postgresql_works_in_its_schema_and_says_which(
     own_schema: tuple[str, str], tmp_path: Path
 ) -> None:
     url, schema = own_schema
-    order, command = _run_demo(tmp_path, "--db", url, "--schema", schema)
+    # With a password (the test server trusts its clients, so any works): the printed
+    # command leaves it out (a masked one would fail) and says where it goes instead.
+    with_password = make_url(url).set(password="s3cret").render_as_string(hide_password=False)
+    order, command = _run_demo(tmp_path, "--db", with_password, "--schema", schema)
     assert command[-2:] == ["--schema", schema]
+    assert not any("s3cret" in part or "***" in part for part in command), command
     _assert_listed_done(tmp_path, command, order)
     # Nothing outside its schema: the database's default schema does not list it.
     listed = _cli("executions", "--db", pg_url_from_env(), cwd=tmp_path)
