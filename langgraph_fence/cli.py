@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 DB_HELP = "database URL: sqlite+aiosqlite:///path.db or postgresql+asyncpg://user@host/db"
 SCHEMA_HELP = (
     "PostgreSQL schema the tables are in (the connections' search_path), created by the "
-    "commands that set tables up (migrate, worker, submit) when missing; default: the "
-    "role's search_path. SQLite has none"
+    "commands that set tables up (migrate, worker, submit, erase) when missing; default: "
+    "the role's search_path. SQLite has none"
 )
 
 EXIT_OK = 0
