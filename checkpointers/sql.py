@@ -243,10 +243,20 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
     @classmethod
     @asynccontextmanager
     async def from_conn_string(
-        cls, url: str, *, serde: SerializerProtocol | None = None, **engine_options: Any
+        cls,
+        url: str,
+        *,
+        serde: SerializerProtocol | None = None,
+        schema: str | None = None,
+        **engine_options: Any,
     ) -> AsyncIterator[SqlCheckpointer]:
-        """Open an engine on ``url``, set up, yield the saver, then dispose of the engine."""
-        engine = create_engine(url, **engine_options)
+        """Open an engine on ``url``, set up, yield the saver, then dispose of the engine.
+
+        ``schema`` (PostgreSQL only) is the schema its tables are in, created if missing
+        (:func:`langgraph_fence.database.create_engine`, as ``Instance.open`` takes it);
+        ``engine_options`` go to ``create_engine`` too.
+        """
+        engine = create_engine(url, schema=schema, **engine_options)
         saver = cls(engine, serde=serde)
         try:
             await saver.setup()

@@ -34,7 +34,11 @@ __all__ = ["main"]
 logger = logging.getLogger(__name__)
 
 DB_HELP = "database URL: sqlite+aiosqlite:///path.db or postgresql+asyncpg://user@host/db"
-SCHEMA_HELP = "PostgreSQL schema (search_path) to use; default: the role's search_path"
+SCHEMA_HELP = (
+    "PostgreSQL schema the tables are in (the connections' search_path), created by the "
+    "commands that set tables up (migrate, worker, submit, erase) when missing; default: "
+    "the role's search_path. SQLite has none"
+)
 
 EXIT_OK = 0
 #: The command ran and failed (the demo found a problem, an unexpected error).
@@ -281,6 +285,29 @@ def _parser() -> argparse.ArgumentParser:
         "--input", required=True, metavar="JSON", help="the graph's input, e.g. '{\"n\": 1}'"
     )
     submit.add_argument(
+        "--config",
+        default=None,
+        metavar="JSON",
+        help="the run config as a JSON object, as graph.ainvoke takes it, e.g. "
+        '\'{"configurable": {"user_id": "u-7"}, "tags": ["cli"], "recursion_limit": 10}\'; '
+        "recorded with the run, so a takeover runs with it too",
+    )
+    submit.add_argument(
+        "--configurable",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one config['configurable'] key, its value a string (repeatable; over --config's; "
+        "other types go in --config)",
+    )
+    submit.add_argument(
+        "--context",
+        default=None,
+        metavar="JSON",
+        help="the run's runtime context (graph.ainvoke's context=) as JSON, e.g. "
+        '\'{"currency": "EUR"}\'',
+    )
+    submit.add_argument(
         "--tenant", default="default", help="the tenant of the thread (default: default)"
     )
     submit.add_argument(
@@ -298,7 +325,8 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive_seconds,
         default=None,
         metavar="SECONDS",
-        help="wait this long for the run's end and print its output as JSON",
+        help="wait this long for the run's end and print its output as JSON (LangChain "
+        "messages as message_to_dict's dicts, other values JSON cannot hold as strings)",
     )
     runs = command(
         "runs",
@@ -541,15 +569,17 @@ async def _demo(console: Console, db: str | None, schema: str | None) -> int:
     console.print(f"payments for the order: {result.payments}  (order, cents, token)")
     console.print(f"final state log: {result.final_state.get('log')}")
     where = f", schema {result.schema}" if result.schema else ""
-    kept = f"the database is kept ({result.db}{where}); inspect it:\n  {result.inspect_command}"
+    password = " (its password left out: give it in PGPASSWORD)" if result.password_left_out else ""
+    kept = Text(f"the database is kept ({result.db}{where}); inspect it with{password}:")
     if result.ok:
         console.print("[green]OK[/green]: charged once, by the holder of token 2; A was fenced")
-        console.print(Text(kept))
-        return 0
-    for problem in result.problems:
-        console.print(f"[red]PROBLEM[/red]: {problem}")
-    console.print(Text(kept))
-    return 1
+    else:
+        for problem in result.problems:
+            console.print(f"[red]PROBLEM[/red]: {problem}")
+    console.print(kept)
+    # On a line of its own and never wrapped, whatever the terminal's width: it is copied.
+    console.print(Text(result.inspect_command), soft_wrap=True)
+    return 0 if result.ok else 1
 
 
 def _load_graphs_factory(spec: str) -> Any:
@@ -581,12 +611,23 @@ def _load_graphs_factory(spec: str) -> Any:
 
 
 def _checked_target(args: argparse.Namespace, *, must_exist: bool) -> Target:
-    """``--db`` and ``--schema``, the URL parsed and a SQLite path checked before use."""
+    """``--db`` and ``--schema``, the URL parsed, a SQLite path checked and a schema with a
+    SQLite URL refused before use."""
     from .diagnosis import check_sqlite_file
 
     target = _target(args)
     assert target is not None
     check_sqlite_file(target, must_exist=must_exist)
+    if target.schema is not None:
+        from .database import normalize_url
+
+        if not target.schema:
+            raise ValueError("--schema must name a schema, or be left out")
+        if normalize_url(target.url).get_backend_name() != "postgresql":
+            raise ValueError(
+                "--schema: SQLite has no schemas: leave --schema out, or give a PostgreSQL "
+                "URL in --db"
+            )
     return target
 
 
@@ -617,7 +658,6 @@ async def _work(
 
     from rich.console import Console
 
-    from .database import schema_options
     from .instance import Instance
     from .redact import failure_reason
     from .retry import is_database_connection_error
@@ -628,7 +668,7 @@ async def _work(
         try:
             async with Instance.open(
                 args.db,
-                engine_options=schema_options(args.schema),
+                schema=args.schema,
                 instance_id=args.instance_id,
                 lease_ttl=args.lease_ttl,
                 max_takeovers=args.max_takeovers,
@@ -679,13 +719,13 @@ async def _migrate(args: argparse.Namespace) -> int:
 
     from checkpointers import SqlCheckpointer, SqlStore
 
-    from .database import create_engine, schema_options
+    from .database import create_engine
     from .records import SqlExecutionRecords
     from .sinks import setup_sink
     from .stores.sql import SqlLeaseRepository
 
     _checked_target(args, must_exist=False)
-    engine = create_engine(args.db, **schema_options(args.schema))
+    engine = create_engine(args.db, schema=args.schema)
     try:
         await SqlLeaseRepository(engine).setup()
         await SqlCheckpointer(engine).setup()
@@ -747,14 +787,14 @@ async def _executions(args: argparse.Namespace, status: str | None) -> int:
 
     from sqlalchemy import select
 
-    from .database import create_engine, read_only, schema_options
+    from .database import create_engine, read_only
     from .schema import LEASES, effects_from_json
     from .stores.sql import SqlLeaseRepository
 
     if args.tenant is not None and not args.tenant:
         raise ValueError("--tenant must be a non-empty tenant id (or left out for every tenant)")
     _checked_target(args, must_exist=True)
-    engine = create_engine(args.db, **schema_options(args.schema))
+    engine = create_engine(args.db, schema=args.schema)
     try:
         query: Any = select(LEASES).order_by(LEASES.c.updated_at.desc()).limit(args.limit)
         if status is not None:
@@ -831,27 +871,98 @@ def as_tree(listed: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return ordered
 
 
-async def _submit(args: argparse.Namespace) -> int:
+def _json_option(option: str, text: str, example: str) -> Any:
+    """The JSON value of ``option``, or a ``ValueError`` naming it and the fix."""
     import json
 
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{option} must be JSON, e.g. {example} (quote it for the shell): {exc}"
+        ) from None
+
+
+def _submit_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The run config ``submit`` was given: ``--config``, each ``--configurable KEY=VALUE``
+    over its ``configurable``, and ``--thread`` as the thread id."""
+    config: Any = {}
+    if args.config is not None:
+        config = _json_option("--config", args.config, '\'{"configurable": {"user_id": "u-7"}}\'')
+        if not isinstance(config, dict):
+            raise ValueError(
+                f"--config must be a JSON object (the run config), got {args.config!r}: e.g. "
+                '\'{"configurable": {"user_id": "u-7"}, "tags": ["cli"]}\''
+            )
+    configurable = config.get("configurable", {})
+    if not isinstance(configurable, dict):
+        raise ValueError(
+            f'--config\'s "configurable" must be a JSON object, got {configurable!r}: e.g. '
+            '\'{"configurable": {"user_id": "u-7"}}\''
+        )
+    configurable = dict(configurable)
+    for item in args.configurable:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(
+                f"--configurable must be KEY=VALUE (e.g. --configurable user_id=u-7), got "
+                f"{item!r}; give it once per key"
+            )
+        configurable[key.strip()] = value
+    thread = configurable.setdefault("thread_id", args.thread)
+    if thread != args.thread:
+        raise ValueError(
+            f"the config's thread_id {thread!r} is not --thread {args.thread!r}: name the "
+            "thread once, with --thread"
+        )
+    return {**config, "configurable": configurable}
+
+
+def as_json(value: Any) -> str:
+    """``value`` (a run's output) as JSON a program can read: LangChain messages as
+    ``message_to_dict`` makes them (``{"type": ..., "data": {...}}``), dataclasses (an
+    ``Interrupt``) and pydantic models as their fields, sets as lists, and anything else
+    JSON cannot hold as its ``str``."""
+    import dataclasses
+    import json
+
+    from langchain_core.messages import BaseMessage, message_to_dict
+
+    def plain(obj: Any) -> Any:
+        if isinstance(obj, BaseMessage):
+            return message_to_dict(obj)
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+        model_dump = getattr(obj, "model_dump", None)
+        if callable(model_dump) and not isinstance(obj, type):
+            return model_dump(mode="json")
+        if isinstance(obj, set | frozenset):
+            return list(obj)
+        return str(obj)
+
+    return json.dumps(value, default=plain)
+
+
+async def _submit(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .database import schema_options
     from .instance import Instance
 
-    try:
-        payload = json.loads(args.input)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--input must be JSON, e.g. '{{\"n\": 1}}': {exc}") from None
+    payload = _json_option("--input", args.input, "'{\"n\": 1}'")
+    config = _submit_config(args)
+    options: dict[str, Any] = {}
+    if args.context is not None:
+        options["context"] = _json_option("--context", args.context, '\'{"currency": "EUR"}\'')
     _checked_target(args, must_exist=False)
-    async with Instance.open(args.db, engine_options=schema_options(args.schema)) as instance:
+    async with Instance.open(args.db, schema=args.schema) as instance:
         run = await instance.submit(
             args.graph,
             payload,
-            {"configurable": {"thread_id": args.thread}},
+            config,  # type: ignore[arg-type]
             tenant_id=args.tenant,
             execution_id=args.execution,
             on_busy=args.on_busy,
+            **options,
         )
         state = await run.state()
         if args.wait is None:
@@ -865,18 +976,18 @@ async def _submit(args: argparse.Namespace) -> int:
             )
             return 0
         output = await run.result(timeout=args.wait)
-    sys.stdout.write(json.dumps(output, default=str) + "\n")
+    sys.stdout.write(as_json(output) + "\n")
     return 0
 
 
 async def _runs(args: argparse.Namespace) -> int:
     import json
 
-    from .database import create_engine, read_only, schema_options
+    from .database import create_engine, read_only
     from .queue import list_runs, served_graphs
 
     _checked_target(args, must_exist=True)
-    engine = create_engine(args.db, **schema_options(args.schema))
+    engine = create_engine(args.db, schema=args.schema)
     try:
         reader = read_only(engine)
         found = await list_runs(reader, args.limit)
@@ -989,7 +1100,7 @@ async def _resolve(args: argparse.Namespace) -> int:
     from rich.text import Text
     from sqlalchemy import select
 
-    from .database import create_engine, schema_options
+    from .database import create_engine
     from .schema import LEASES
     from .stores.sql import SqlLeaseRepository
 
@@ -999,7 +1110,7 @@ async def _resolve(args: argparse.Namespace) -> int:
     if args.retry and args.reason is not None:
         raise ValueError("--reason goes with --abandon only (a retry keeps no reason)")
     _checked_target(args, must_exist=True)
-    engine = create_engine(args.db, **schema_options(args.schema))
+    engine = create_engine(args.db, schema=args.schema)
     try:
         async with engine.connect() as conn:
             # Never migrated: say so (the table is not created on a database named by mistake).

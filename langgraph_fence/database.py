@@ -101,18 +101,33 @@ def normalize_url(url: str | URL) -> URL:
     )
 
 
-def create_engine(url: str | URL, **engine_options: Any) -> AsyncEngine:
+def create_engine(
+    url: str | URL, *, schema: str | None = None, **engine_options: Any
+) -> AsyncEngine:
     """Create an engine for ``url`` set up the way every langgraph-fence store expects.
 
     Args:
         url: a SQLite or PostgreSQL URL (see :func:`normalize_url`).
+        schema: PostgreSQL only: the schema every connection of the engine works in (its
+            ``search_path``). The stores' ``setup()`` (and ``langgraph-fence migrate``)
+            create it when it does not exist. ``None``: the role's own search_path.
         **engine_options: passed to :func:`sqlalchemy.ext.asyncio.create_async_engine`.
 
     Raises:
         ValueError: ``url`` is not a supported URL, or names a SQLite file in a folder that
-            does not exist (naming the folder and the fix).
+            does not exist (naming the folder and the fix); ``schema`` is not a non-empty
+            name, is given with a SQLite URL (SQLite has no schemas), or is given along
+            with a ``search_path`` in ``connect_args``.
     """
     parsed = normalize_url(url)
+    if schema is not None:
+        text_id("schema", schema, what="the PostgreSQL schema every connection works in")
+        if parsed.get_backend_name() != "postgresql":
+            raise ValueError(
+                f"schema: SQLite has no schemas (got schema={schema!r} with a SQLite URL): "
+                "leave schema out, or use a PostgreSQL URL"
+            )
+        engine_options["connect_args"] = _in_schema(engine_options.get("connect_args"), schema)
     check_sqlite_folder(parsed)
     if parsed.get_backend_name() == "postgresql":
         engine_options.setdefault("isolation_level", "AUTOCOMMIT")
@@ -371,8 +386,24 @@ async def transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
 
 
 def schema_options(schema: str | None) -> dict[str, Any]:
-    """Engine options that put every PostgreSQL connection in ``schema`` (none: ``{}``)."""
+    """The :func:`create_engine` options that put every PostgreSQL connection in
+    ``schema`` (none or empty: ``{}``): ``{"schema": schema}``, for code that passes engine
+    options on (``Instance.open(url, engine_options=...)``)."""
     if not schema:
         return {}
     text_id("schema", schema, what="the PostgreSQL schema every connection works in")
-    return {"connect_args": {"server_settings": {"search_path": schema}}}
+    return {"schema": schema}
+
+
+def _in_schema(connect_args: Any, schema: str) -> dict[str, Any]:
+    """asyncpg's ``connect_args`` with ``schema`` as the search_path of every connection."""
+    args = dict(connect_args or {})
+    settings = dict(args.get("server_settings") or {})
+    if settings.get("search_path", schema) != schema:
+        raise ValueError(
+            f"schema={schema!r} and connect_args['server_settings']['search_path']="
+            f"{settings['search_path']!r} both choose the schema: pass it once, as schema="
+        )
+    settings["search_path"] = schema
+    args["server_settings"] = settings
+    return args

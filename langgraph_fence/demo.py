@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import operator
+import shlex
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -28,9 +30,10 @@ from typing import Annotated, Any, TypedDict
 
 from langchain_core.runnables import RunnableConfig
 from sqlalchemy import text
+from sqlalchemy.engine import make_url
 
 from .context import get_execution_context
-from .database import create_engine, normalize_url, schema_options
+from .database import create_engine, normalize_url
 from .effects import Effect
 from .errors import ExecutionLeaseLostError, find_fence_error
 from .events import FenceEvent
@@ -73,9 +76,11 @@ class DemoResult:
 
     db: str
     execution: str
-    #: The kept database's URL (password masked) and PostgreSQL schema, to inspect it.
+    #: The kept database's URL (its password left out) and PostgreSQL schema, to inspect it.
     url: str = ""
     schema: str | None = None
+    #: Whether ``url`` had a password, left out of :attr:`inspect_command` (never printed).
+    password_left_out: bool = False
     events: list[TimelineEvent] = field(default_factory=list)
     payments: list[tuple[str, int, int]] = field(default_factory=list)
     final_state: dict[str, Any] = field(default_factory=dict)
@@ -89,9 +94,12 @@ class DemoResult:
 
     @property
     def inspect_command(self) -> str:
-        """The command that lists the executions of the kept database."""
-        schema = f" --schema {self.schema}" if self.schema else ""
-        return f"langgraph-fence executions --db {self.url}{schema}"
+        """The command that lists the executions of the kept database, runnable as printed
+        in a shell (quoted where needed): this interpreter's path and ``-m langgraph_fence``,
+        so it needs no activated virtual environment."""
+        schema = ["--schema", self.schema] if self.schema else []
+        command = [sys.executable, "-m", "langgraph_fence", "executions", "--db", self.url]
+        return shlex.join([*command, *schema])
 
 
 class Order(TypedDict, total=False):
@@ -248,29 +256,26 @@ async def run_demo(db: str | None = None, *, schema: str | None = None) -> DemoR
     if schema is not None and not postgres:
         raise ValueError("--schema is for PostgreSQL; leave it out on SQLite")
     if postgres:
-        schema = schema or DEFAULT_DEMO_SCHEMA
-        await _create_schema(url, schema)
+        schema = schema or DEFAULT_DEMO_SCHEMA  # created by the stores' setup() if missing
     order_id = f"order-{uuid.uuid4().hex[:6]}"
     shown = mask_password(url)
+    parsed = make_url(url)
     result = DemoResult(
-        db=shown.split("@")[-1], execution=f"{TENANT}:{order_id}", url=shown, schema=schema
+        db=shown.split("@")[-1],
+        execution=f"{TENANT}:{order_id}",
+        # A masked password would not work in the printed command; asyncpg reads PGPASSWORD.
+        url=parsed._replace(password=None).render_as_string(hide_password=False)
+        if parsed.password
+        else url,
+        schema=schema,
+        password_left_out=bool(parsed.password),
     )
-    engine = create_engine(url, **schema_options(schema))
+    engine = create_engine(url, schema=schema)
     try:
         await _run(engine, order_id, _Timeline(result), result, SqlCheckpointer)
     finally:
         await engine.dispose()
     return result
-
-
-async def _create_schema(url: str, schema: str) -> None:
-    engine = create_engine(url)
-    try:
-        async with engine.connect() as conn:
-            quoted = conn.dialect.identifier_preparer.quote_identifier(schema)
-            await conn.execute(text(f"CREATE SCHEMA IF NOT EXISTS {quoted}"))
-    finally:
-        await engine.dispose()
 
 
 async def _run(

@@ -247,6 +247,7 @@ class Instance:
         cls,
         url: str,
         *,
+        schema: str | None = None,
         engine_options: Mapping[str, Any] | None = None,
         serde: SerializerProtocol | None = None,
         **options: Any,
@@ -262,6 +263,9 @@ class Instance:
 
         Args:
             url: ``sqlite+aiosqlite:///path.db`` or ``postgresql+asyncpg://...``.
+            schema: PostgreSQL only: the schema every table of the instance is in (the
+                connections' ``search_path``), created if it does not exist; default: the
+                role's search_path. A ``ValueError`` naming ``schema`` with a SQLite URL.
             engine_options: passed to :func:`langgraph_fence.database.create_engine`.
             serde: the serializer of checkpoints and execution records (default: LangGraph's
                 in strict msgpack mode, :func:`langgraph_fence.serde.safe_serializer`; a
@@ -286,8 +290,8 @@ class Instance:
         unknown = sorted(set(options) - accepted)
         if unknown:
             raise ValueError(
-                f"Instance.open got unknown options {unknown}: it takes url, engine_options, "
-                f"serde and the Instance options {sorted(accepted)}"
+                f"Instance.open got unknown options {unknown}: it takes url, schema, "
+                f"engine_options, serde and the Instance options {sorted(accepted)}"
             )
         settings = _settings(
             options.pop("instance_id", None),
@@ -298,7 +302,15 @@ class Instance:
             options.pop("renewer", "auto"),
         )
         tenant_id = _tenant(options.pop("tenant_id", DEFAULT_TENANT_ID))
-        engine = create_engine(url, **dict(engine_options or {}))
+        engine_kwargs = dict(engine_options or {})
+        if schema is not None:
+            if engine_kwargs.get("schema", schema) != schema:
+                raise ValueError(
+                    f"schema={schema!r} and engine_options['schema']="
+                    f"{engine_kwargs['schema']!r} disagree: pass the schema once, as schema="
+                )
+            engine_kwargs["schema"] = schema
+        engine = create_engine(url, **engine_kwargs)
         try:
             repository = SqlLeaseRepository(engine)
             await repository.setup()

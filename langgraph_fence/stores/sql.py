@@ -200,10 +200,12 @@ class SqlLeaseRepository:
     @classmethod
     @asynccontextmanager
     async def from_conn_string(
-        cls, url: str, *, clock: Callable[[], float] | None = None
+        cls, url: str, *, clock: Callable[[], float] | None = None, schema: str | None = None
     ) -> AsyncIterator[SqlLeaseRepository]:
-        """Open an engine on ``url``, migrate, yield the store, and dispose of the engine."""
-        engine = create_engine(url)
+        """Open an engine on ``url`` (in ``schema`` on PostgreSQL, created if missing: see
+        :func:`langgraph_fence.database.create_engine`), migrate, yield the store, and
+        dispose of the engine."""
+        engine = create_engine(url, schema=schema)
         try:
             repo = cls(engine, clock=clock)
             await repo.setup()

@@ -9,13 +9,14 @@ import os
 import sqlite3
 import subprocess
 import sys
+import uuid
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 from sqlalchemy.engine import make_url
 
-from tests.conftest import pg_url_from_env
+from tests.conftest import _pg_admin, pg_url_from_env
 
 #: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
 pytestmark = pytest.mark.processes
@@ -108,10 +109,45 @@ def test_a_postgresql_schema_never_migrated_says_to_migrate(own_schema: tuple[st
     assert_one_line(done, '"fence_leases" does not exist', f"migrate --db {url} --schema {schema}")
 
 
-def test_a_schema_that_does_not_exist_says_to_create_it(pg_schema: tuple[str, str]) -> None:
+def test_a_schema_that_does_not_exist_is_listed_as_never_migrated_and_migrate_creates_it(
+    pg_schema: tuple[str, str],
+) -> None:
+    """The README's own ``migrate --schema fence``, on a schema that does not exist yet."""
     url, _ = pg_schema
-    done = run("migrate", "--db", url, "--schema", "lgf_no_such_schema")
-    assert_one_line(done, "schema 'lgf_no_such_schema' does not exist", "CREATE SCHEMA")
+    schema = f"lgf_fresh_{uuid.uuid4().hex[:12]}"
+    try:
+        # A listing creates nothing: it says to migrate, naming the schema.
+        done = run("executions", "--db", url, "--schema", schema)
+        assert_one_line(
+            done, "has no langgraph-fence tables", f"migrate --db {url} --schema {schema}"
+        )
+        migrated = run("migrate", "--db", url, "--schema", schema)
+        assert migrated.returncode == 0, migrated.stdout + migrated.stderr
+        listed = run("executions", "--db", url, "--schema", schema, "--json")
+        assert (listed.returncode, json.loads(listed.stdout)) == (0, []), listed.stderr
+        again = run("migrate", "--db", url, "--schema", schema)  # a no-op the second time
+        assert again.returncode == 0, again.stdout + again.stderr
+    finally:
+        _pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["migrate"],
+        ["executions"],
+        ["dead-letters"],
+        ["runs"],
+        ["resolve", "t:e", "--retry"],
+        ["worker", "--graphs", "m:f"],
+        ["submit", "--graph", "g", "--thread", "t", "--input", "{}"],
+    ],
+)
+def test_a_schema_with_a_sqlite_url_is_one_line(command: list[str], tmp_path: Path) -> None:
+    db = f"sqlite+aiosqlite:///{tmp_path}/fence.db"
+    sqlite3.connect(tmp_path / "fence.db").close()  # exists: the listings get past that check
+    done = run(*command, "--db", db, "--schema", "fence")
+    assert_one_line(done, "--schema: SQLite has no schemas", "leave --schema out")
 
 
 @pytest.mark.parametrize(

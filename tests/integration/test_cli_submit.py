@@ -15,6 +15,7 @@ import pytest
 from langgraph.graph import END, START, StateGraph
 
 from langgraph_fence import Instance, fence_graph
+from tests.conftest import Database
 from tests.polling import eventually_sync
 from tests.processes import worker_args
 
@@ -126,3 +127,110 @@ def test_submit_runs_and_a_worker_on_the_command_line(tmp_path: Path) -> None:
         worker.wait(timeout=30)
         log.close()
     assert worker.returncode == 0, (tmp_path / "worker.log").read_text()
+
+
+def orders_and_chat_graphs(instance: Instance) -> dict[str, Any]:
+    """A worker's ``--graphs`` factory: the README quickstart's ``orders`` (its module,
+    ``orders.py``, written by the test into the worker's folder) and ``chat``, whose state
+    is LangChain messages."""
+    import orders  # type: ignore[import-not-found]  # the README's quickstart, written by the test
+    from langchain_core.messages import AIMessage
+    from langgraph.graph import MessagesState
+
+    async def reply(state: MessagesState) -> dict[str, Any]:
+        return {"messages": [AIMessage(content=f"you said {state['messages'][-1].content}")]}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("reply", reply)
+    builder.add_edge(START, "reply")
+    builder.add_edge("reply", END)
+    chat = fence_graph(builder).compile(checkpointer=instance.checkpointer, name="chat")
+    return {**orders.graphs(instance), "chat": chat}
+
+
+def test_submit_gives_the_readme_orders_graph_its_config_and_context_and_prints_json(
+    database: Database, tmp_path: Path
+) -> None:
+    """The README's own ``orders`` graph reads ``configurable["user_id"]`` and the context:
+    submitted from the command line with them, a worker runs it as ``ainvoke`` would, and
+    ``--wait`` prints JSON (messages as dicts, never Python reprs)."""
+    from tests.integration.test_quickstart import quickstart
+
+    (tmp_path / "orders.py").write_text(quickstart())
+    db, schema = database.url, database.schema
+    where = ["--db", db, *(["--schema", schema] if schema else [])]
+    env = {
+        **ENV,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
+        "PLAN_SECONDS": "0",
+    }
+    log_path = tmp_path / "worker.log"
+    graphs = "tests.integration.test_cli_submit:orders_and_chat_graphs"
+    args = worker_args(db, schema, graphs, ttl=30, poll=0.1, instance_id="cli-worker")
+    with log_path.open("wb") as log:
+        worker = subprocess.Popen(
+            [sys.executable, *args], stdout=log, stderr=log, cwd=tmp_path, env=env
+        )
+    try:
+        ordered = cli(
+            "submit", *where, "--graph", "orders", "--thread", "order-42", "--tenant", "acme",
+            "--input", '{"order": "42"}',
+            "--config", '{"tags": ["checkout"], "recursion_limit": 10}',
+            "--configurable", "user_id=u-7",
+            "--context", '{"currency": "EUR"}',
+            "--wait", "120",
+        )  # fmt: skip
+        assert ordered.returncode == 0, ordered.stdout + ordered.stderr + log_path.read_text()
+        assert json.loads(ordered.stdout) == {
+            "order": "42",
+            "plan": "charge the card",
+            "receipt": "order 42 charged to u-7",
+        }
+        charged = (
+            "charging order 42 for u-7 in EUR at token 1 (tags ['checkout'], recursion limit 10)"
+        )
+        assert charged in log_path.read_text()
+
+        chatted = cli(
+            "submit", *where, "--graph", "chat", "--thread", "chat-1",
+            "--input", '{"messages": [{"role": "user", "content": "hi"}]}', "--wait", "120",
+        )  # fmt: skip
+        assert chatted.returncode == 0, chatted.stdout + chatted.stderr
+        human, ai = json.loads(chatted.stdout)["messages"]
+        assert human["type"] == "human"
+        assert human["data"]["content"] == "hi"
+        assert ai["type"] == "ai"
+        assert ai["data"]["content"] == "you said hi"
+        # What message_to_dict makes, messages_from_dict reads back.
+        from langchain_core.messages import messages_from_dict
+
+        assert [m.content for m in messages_from_dict([human, ai])] == ["hi", "you said hi"]
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=60)
+    assert worker.returncode == 0, log_path.read_text()
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (["--config", "{oops"], "--config must be JSON, e.g."),
+        (["--config", "[1]"], "--config must be a JSON object"),
+        (["--config", '{"configurable": 3}'], '"configurable" must be a JSON object'),
+        (["--configurable", "user_id"], "--configurable must be KEY=VALUE (e.g."),
+        (["--configurable", "=u-7"], "--configurable must be KEY=VALUE (e.g."),
+        (["--context", "{bad"], "--context must be JSON, e.g."),
+        (["--config", '{"configurable": {"thread_id": "t2"}}'], "name the thread once"),
+    ],
+)
+def test_bad_config_or_context_is_one_line_naming_the_option(
+    options: list[str], expected: str, tmp_path: Path
+) -> None:
+    db = f"sqlite+aiosqlite:///{tmp_path}/cli.db"
+    done = cli("submit", "--db", db, "--graph", "g", "--thread", "t1", "--input", "{}", *options)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    [line] = done.stderr.splitlines()
+    assert expected in line, line
+    assert done.stdout == ""
+    assert not (tmp_path / "cli.db").exists()  # refused before the database was opened

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import sqlite3
 import subprocess
 import sys
@@ -56,9 +57,17 @@ def _run_demo(cwd: Path, *args: str) -> tuple[str, list[str]]:
         )
     order = re.search(r"timeline of execution acme:(order-[0-9a-f]+)", out)
     assert order is not None, out
-    inspect = re.search(r"^  (langgraph-fence executions --db .*)$", out, flags=re.MULTILINE)
-    assert inspect is not None, out
-    return order.group(1), inspect.group(1).split()[1:]
+    command = _inspect_command(out)
+    assert command[:3] == [sys.executable, "-m", "langgraph_fence"], command
+    return order.group(1), command[3:]
+
+
+def _inspect_command(out: str) -> list[str]:
+    """The command the demo printed to inspect its database: the whole line after
+    "inspect it with:", split as a shell splits it."""
+    found = re.search(r"inspect it with(?: \(its password left out: .*\))?:\n(.*)\n", out)
+    assert found is not None, out
+    return shlex.split(found.group(1))
 
 
 def _assert_listed_done(cwd: Path, command: list[str], order: str) -> None:
@@ -86,12 +95,51 @@ def test_the_demo_keeps_its_sqlite_file_and_executions_shows_it_done(tmp_path: P
     _assert_listed_done(tmp_path, command, again)
 
 
+def test_the_demo_prints_a_command_that_runs_as_printed_in_a_narrow_terminal(
+    tmp_path: Path,
+) -> None:
+    """At 80 columns, in a folder whose path makes the command longer than that, the
+    command is one line, and a shell without the virtual environment on its PATH runs it."""
+    folder = tmp_path / ("a-long-folder-name-" * 3)
+    folder.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "langgraph_fence", "demo"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=folder,
+        env={**os.environ, "COLUMNS": "80"},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = re.search(r"inspect it with:\n(.*)\n", done.stdout)
+    assert line is not None, done.stdout
+    assert len(line.group(1)) > 80  # it would have wrapped
+    bare = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
+    bare.update(PATH="/usr/bin:/bin", COLUMNS="200")
+    ran = subprocess.run(
+        ["/bin/sh", "-c", line.group(1)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,  # anywhere: the command names the database in full
+        env=bare,
+    )
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    order = re.search(r"acme:(order-[0-9a-f]+)", done.stdout)
+    assert order is not None, done.stdout
+    assert order.group(1) in ran.stdout, ran.stdout
+
+
 def test_the_demo_on_postgresql_works_in_its_schema_and_says_which(
     own_schema: tuple[str, str], tmp_path: Path
 ) -> None:
     url, schema = own_schema
-    order, command = _run_demo(tmp_path, "--db", url, "--schema", schema)
+    # With a password (the test server trusts its clients, so any works): the printed
+    # command leaves it out (a masked one would fail) and says where it goes instead.
+    with_password = make_url(url).set(password="s3cret").render_as_string(hide_password=False)
+    order, command = _run_demo(tmp_path, "--db", with_password, "--schema", schema)
     assert command[-2:] == ["--schema", schema]
+    assert not any("s3cret" in part or "***" in part for part in command), command
     _assert_listed_done(tmp_path, command, order)
     # Nothing outside its schema: the database's default schema does not list it.
     listed = _cli("executions", "--db", pg_url_from_env(), cwd=tmp_path)
