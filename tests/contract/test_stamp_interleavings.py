@@ -8,8 +8,10 @@ saves it concurrently with the tasks); the next checkpoint (``C_N+1``) only afte
 task's writes. The run is killed after any prefix of the events, and another instance
 takes it over.
 
-The pure model: a task's entry is cleared by its writes saved after ``C_N`` was stored, or
-by ``C_N+1``; the takeover dead-letters iff a non-idempotent entry stands. The guarantee
+The pure model: a task's entry is cleared once its writes and ``C_N`` are both stored, in
+either order (by its writes saved after ``C_N``, or by ``C_N`` saved after them: the run
+remembers writes that landed before their proof), or by ``C_N+1``; the takeover
+dead-letters iff a non-idempotent entry stands. The guarantee
 under test: a resumed run never re-runs a non-idempotent write that may have happened (a
 resume re-runs every task whose writes it cannot see: ``C_N+1`` missing, and ``C_N`` or
 the task's writes missing).
@@ -78,14 +80,11 @@ def model(effects: list[Effect], done: list[str]) -> tuple[bool, set[str]]:
     later_checkpoint = "put C_N+1" in done
     c_n_at = done.index("put C_N") if "put C_N" in done else None
 
-    def cleared(task: str) -> bool:
-        write = f"write {task}"
-        if later_checkpoint:
-            return True
-        return write in done and c_n_at is not None and done.index(write) > c_n_at
-
     def seen(task: str) -> bool:
         return later_checkpoint or (f"write {task}" in done and c_n_at is not None)
+
+    # Exact: an entry is cleared as soon as a resume would see its task's writes.
+    cleared = seen
 
     tasks = [f"t{i}" for i in range(len(effects))]
     dead = any(
