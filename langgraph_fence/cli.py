@@ -329,8 +329,10 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Erase a tenant's thread under its execution's lease (refused, naming the holder, "
             "while another instance runs it): its checkpoints, blobs and writes, the "
-            "execution's record (the run's input), the thread's binding, the lease's reason "
-            "and stamps, and the exactly-once sink's stored results. What stays, holding no "
+            "execution's record (the run's input), its submitted and queued runs, the "
+            "thread's binding, the lease's reason and stamps, the store items its steps "
+            "wrote, and the exactly-once sink's stored results; and the same for every "
+            "ANY_INSTANCE child it spawned, recursively. What stays, holding no "
             "data of the run: the lease row (done, no reason: its token must never go back) "
             "and the sink's high-water mark row (the scope key and a token). Exit status 3 "
             "when refused."
@@ -722,16 +724,20 @@ async def _erase(args: argparse.Namespace) -> int:
             if sink is not None and checkpointer.admin is not None:
                 admin = checkpointer.admin
                 checkpointer.admin = ThreadAdmin(
-                    admin.repository, admin.records, holder=admin.holder, sink_engine=sink
+                    admin.repository,
+                    admin.records,
+                    holder=admin.holder,
+                    sink_engine=sink,
+                    store=admin.store,
                 )
             await checkpointer.adelete_thread(args.thread, tenant_id=args.tenant)
     finally:
         if sink is not None:
             await sink.dispose()
     Console().print(
-        f"erased thread {args.thread!r} of tenant {args.tenant!r}: checkpoints, record, "
-        "binding, lease reason, sink results (kept: the lease's token, the sink's "
-        "high-water mark)",
+        f"erased thread {args.thread!r} of tenant {args.tenant!r} and its children: "
+        "checkpoints, records, runs, binding, lease reason, store items, sink results "
+        "(kept: each lease's token, the sink's high-water mark)",
         markup=False,
         highlight=False,
     )

@@ -371,6 +371,10 @@ _SELECT_HEADS = text(
     "WHERE execution_id IN :ids"
 ).bindparams(bindparam("ids", expanding=True))
 _HEADS_CHUNK = 500
+_SUBMITTED_OF_TENANT = text(
+    "SELECT execution_id, thread_id FROM fence_executions "
+    "WHERE tenant_id = :tenant_id AND submitted_at IS NOT NULL"
+)
 _FORGET_RECORD = text(
     "DELETE FROM fence_executions WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
 )
@@ -521,6 +525,22 @@ class SqlExecutionRecords:
             await conn.execute(_FORGET_RECORD, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_RUNS, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_BINDING, {**params, "thread_id": thread_id})
+
+    async def children_of(self, key: LeaseKey) -> list[tuple[LeaseKey, str]]:
+        """``(key, thread id)`` of each ``ANY_INSTANCE`` child ``key`` spawned that has a
+        record, in order of id: children are found by what their id says its parent is
+        (:func:`~langgraph_fence.children.parse_child_execution_id`, the exact parent), never
+        by an id prefix. One read of the tenant's submitted runs."""
+        from .children import parse_child_execution_id
+
+        async with self._engine.connect() as conn:
+            rows = await conn.execute(_SUBMITTED_OF_TENANT, {"tenant_id": key.tenant_id})
+            found = []
+            for row in rows:
+                parsed = parse_child_execution_id(row.execution_id)
+                if parsed is not None and parsed[0] == key:
+                    found.append((LeaseKey(key.tenant_id, row.execution_id), row.thread_id))
+        return sorted(found, key=lambda child: child[0].execution_id)
 
     async def heads_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, ExecutionHead]:
         """Graph and thread of each of ``keys`` that has a record: one read per 500 keys, no
