@@ -10,13 +10,18 @@ checkpoints, store items: what the parent passed it). On SQLite and PostgreSQL (
 
 from __future__ import annotations
 
+import json
 from typing import Any, TypedDict
 
 import pytest
+from langgraph.checkpoint.conformance.test_utils import generate_checkpoint
+from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 from langgraph.config import get_store
 from langgraph.graph import END, START, StateGraph
 from sqlalchemy import text
 
+from checkpointers.schema import CHECKPOINT_MIGRATIONS
+from checkpointers.store import STORE_MIGRATIONS
 from langgraph_fence import (
     ChildPlacement,
     Instance,
@@ -25,9 +30,12 @@ from langgraph_fence import (
     fence_graph,
     get_execution_context,
 )
-from langgraph_fence.checkpoint import DEFAULT_TENANT
+from langgraph_fence.checkpoint import DEFAULT_TENANT, LEGACY_TENANT
 from langgraph_fence.children import child_execution_id
+from langgraph_fence.database import create_engine, schema_options, transaction
 from langgraph_fence.instance import DEFAULT_TENANT_ID
+from langgraph_fence.migrations import migrate
+from langgraph_fence.schema import LEASE_MIGRATIONS
 from tests.chaos.write_steps import Database
 from tests.conftest import unique
 from tests.integration.test_admin import TABLES, stored_anywhere
@@ -170,3 +178,89 @@ async def test_erasing_a_parent_erases_its_any_instance_child(
         assert await leases_of_tenant(app, of) == sorted(
             [(thread, "done", None), (child, "done", None)]
         )
+
+
+async def test_rows_of_the_old_default_tenant_are_the_default_tenants_after_migrating(
+    database: Database,
+) -> None:
+    # A database as the old default left it: a bare saver's thread and store item under ''.
+    engine = create_engine(database.url, **schema_options(database.schema))
+    try:
+        await migrate(engine, "leases", LEASE_MIGRATIONS)
+        await migrate(engine, "checkpoints", CHECKPOINT_MIGRATIONS[:2])
+        await migrate(engine, "store", STORE_MIGRATIONS[:1])
+        type_, blob = JsonPlusSerializer().dumps_typed(generate_checkpoint())
+        async with transaction(engine) as conn:
+            for tenant, thread, checkpoint_id in (
+                ("", "old", "c1"),  # the bare saver's: moves to 'default'
+                ("", "both", "c1"),  # 'default' has this thread too: never merged, stays
+                ("default", "both", "c2"),
+            ):
+                await conn.execute(
+                    text(
+                        "INSERT INTO fence_checkpoints (tenant_id, thread_id, checkpoint_ns, "
+                        "checkpoint_id, type, checkpoint, channel_versions, metadata) "
+                        "VALUES (:tenant, :thread, '', :id, :type, :blob, '{}', '{}')"
+                    ),
+                    {"tenant": tenant, "thread": thread, "id": checkpoint_id, "type": type_,
+                     "blob": blob},
+                )  # fmt: skip
+            for tenant, key, value in (
+                ("", "k", "old"),
+                ("", "dup", "old"),
+                ("default", "dup", "new"),
+            ):
+                await conn.execute(
+                    text(
+                        "INSERT INTO fence_store_items (tenant_id, prefix, key, value, "
+                        "created_at, updated_at) VALUES (:tenant, 'memories', :key, :value, 1, 1)"
+                    ),
+                    {"tenant": tenant, "key": key, "value": json.dumps({"v": value})},
+                )
+    finally:
+        await engine.dispose()
+
+    async with Instance.open(
+        database.url, engine_options=schema_options(database.schema)
+    ) as instance:
+        saver = instance.checkpointer
+
+        def at(thread: str, tenant: str | None = None) -> Any:
+            configurable = {"thread_id": thread}
+            return {
+                "configurable": configurable | ({} if tenant is None else {"tenant_id": tenant})
+            }
+
+        old = await saver.aget_tuple(at("old"))  # no tenant: the default tenant's
+        assert old is not None
+        both = await saver.aget_tuple(at("both"))
+        assert both is not None
+        assert both.config["configurable"]["checkpoint_id"] == "c2"
+        kept = await saver.aget_tuple(at("both", LEGACY_TENANT))  # read with tenant_id=""
+        assert kept is not None
+        assert kept.config["configurable"]["checkpoint_id"] == "c1"
+        assert (await instance.store.aget(("memories",), "k")).value == {"v": "old"}  # type: ignore[union-attr]
+        assert (await instance.store.aget(("memories",), "dup")).value == {"v": "new"}  # type: ignore[union-attr]
+
+        await saver.adelete_thread("old")  # no tenant: erases what the old default wrote
+        assert await saver.aget_tuple(at("old")) is None
+
+
+async def test_admin_calls_with_no_tenant_act_on_the_thread_a_plain_run_wrote(
+    database: Database,
+) -> None:
+    async with opened(database, "app") as app:
+        graph = order_graph(app)
+        saver = app.checkpointer
+        thread, copy = unique("order"), unique("copy")
+        for n in range(2):
+            await graph.ainvoke({"secret": f"turn-{n}"}, cfg(thread))
+
+        async def checkpoints(of: str) -> list[Any]:
+            return [item async for item in saver.alist(cfg(of))]
+
+        assert len(await checkpoints(thread)) > 1
+        await saver.acopy_thread(thread, copy)  # type: ignore[attr-defined]
+        assert (await graph.aget_state(cfg(copy))).values["secret"] == "turn-1"
+        await saver.aprune([thread])  # type: ignore[attr-defined]
+        assert len(await checkpoints(thread)) == 1
