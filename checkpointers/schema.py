@@ -22,12 +22,21 @@ Table names carry the ``fence_`` prefix: they can live beside the official saver
 Tenants (version 2): every row carries ``tenant_id``, first in each primary key. A thread is
 ``(tenant_id, thread_id)``: a tenant's ``chat-1`` and another's ``chat-1`` are two threads
 that never meet. Rows written with no tenant given (plain LangGraph use) belong to the
-default tenant, the empty string (:data:`langgraph_fence.checkpoint.DEFAULT_TENANT`), which
-no lease can have. Rows that existed before version 2 get the tenant of the thread's lease:
+default tenant, ``"default"`` (:data:`langgraph_fence.checkpoint.DEFAULT_TENANT`), the
+tenant an instance runs a graph under when its config names none. Rows that existed before
+version 2 get the tenant of the thread's lease:
 the tenant of the execution records naming the thread, or of the lease whose execution id
 is the thread id. A thread that no lease names, or that leases of two tenants name (their
-writes are mixed in one chain and cannot be told apart), goes to the default tenant, so no
-tenant is shown rows another tenant may have written.
+writes are mixed in one chain and cannot be told apart), goes to the empty tenant ``''``
+(the default tenant before version 3), so no tenant is shown rows another tenant may have
+written.
+
+One default tenant (version 3): the default tenant was ``''`` for a bare saver and
+``"default"`` for an instance, so a thread a run wrote under ``"default"`` was erased by a
+call naming no tenant under ``''`` (nothing). The rows of ``''`` move to ``"default"``,
+except a thread that has rows of ``"default"`` too (two threads are never merged) or that a
+lease or record of another tenant names (left as version 2 left it): those stay under
+``''`` (:data:`langgraph_fence.checkpoint.LEGACY_TENANT`), read with ``tenant_id=""``.
 """
 
 from __future__ import annotations
@@ -205,6 +214,45 @@ def _steps_v2(*, binary: str, json: str) -> list[MigrationStep]:
     return steps
 
 
+# -- version 3: one default tenant ("default", as the instance's), no longer the empty string
+
+_MOVES = "fence_default_tenant_moves_v3"
+
+
+async def _default_moves(conn: AsyncConnection, dialect: Dialect) -> None:
+    """A temporary table: the threads of the old default tenant ``''`` that move to
+    ``'default'``: each one with no row of ``'default'`` (two threads are never merged) and
+    that no lease or record of another tenant names (a thread version 2 could not give one
+    tenant stays where no tenant sees it)."""
+    tables = list(_TABLES_V2)
+    old = " UNION ".join(f"SELECT thread_id FROM {t} WHERE tenant_id = ''" for t in tables)
+    taken = " UNION ".join(f"SELECT thread_id FROM {t} WHERE tenant_id = 'default'" for t in tables)
+    named = []
+    if await _table_exists(conn, dialect, "fence_executions"):
+        named.append("SELECT thread_id FROM fence_executions WHERE tenant_id <> 'default'")
+    if await _table_exists(conn, dialect, "fence_leases"):
+        named.append(
+            "SELECT execution_id AS thread_id FROM fence_leases WHERE tenant_id <> 'default'"
+        )
+    other = " UNION ".join([taken, *named])
+    await conn.execute(
+        text(
+            f"CREATE TEMPORARY TABLE {_MOVES} AS SELECT DISTINCT thread_id FROM ({old}) o"
+            f" WHERE thread_id NOT IN (SELECT thread_id FROM ({other}) t)"
+        )
+    )
+
+
+def _steps_v3() -> list[MigrationStep]:
+    steps: list[MigrationStep] = [_default_moves]
+    steps += [
+        f"UPDATE {table} SET tenant_id = 'default' WHERE tenant_id = ''"
+        f" AND thread_id IN (SELECT thread_id FROM {_MOVES})"
+        for table in _TABLES_V2
+    ]
+    return [*steps, f"DROP TABLE {_MOVES}"]
+
+
 CHECKPOINT_MIGRATIONS = [
     Migration(
         version=1,
@@ -217,5 +265,11 @@ CHECKPOINT_MIGRATIONS = [
         description="the tenant in every checkpoint, blob and write key (from the lease)",
         sqlite=_steps_v2(binary="BLOB", json="TEXT"),
         postgresql=_steps_v2(binary="BYTEA", json="JSONB"),
+    ),
+    Migration(
+        version=3,
+        description="one default tenant: the rows of the old default '' move to 'default'",
+        sqlite=_steps_v3(),
+        postgresql=_steps_v3(),
     ),
 ]

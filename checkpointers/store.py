@@ -12,7 +12,10 @@ written under (``fence_token``; ``NULL`` for a write from outside any fenced ste
 script, which is allowed). Reads, searches and ``list_namespaces`` are never fenced.
 
 Items are keyed by tenant: inside a step, the lease's tenant; outside, the store's
-``tenant_id`` (default: the default tenant, ``""``, which no lease has).
+``tenant_id`` (default: the default tenant, ``"default"``, the tenant a run with no tenant
+has). Each item also names the execution whose fenced step wrote it last
+(``fence_execution``): erasing a thread deletes the items its runs wrote
+(:meth:`SqlStore.erase_written_by`).
 """
 
 from __future__ import annotations
@@ -83,8 +86,30 @@ _EXPIRES = (
     " WHERE expires_at IS NOT NULL"
 )
 
+# Version 2: each item names the execution whose step wrote it last (NULL: written from
+# outside any fenced step), so erasing a thread erases the items its runs wrote; and the items
+# of the old default tenant '' move to the one default tenant, 'default', unless that tenant
+# has an item of the same namespace and key (never overwritten; the old one stays under '').
+_WRITER = "ALTER TABLE fence_store_items ADD COLUMN fence_execution TEXT"
+_WRITER_INDEX = (
+    "CREATE INDEX IF NOT EXISTS fence_store_items_execution "
+    "ON fence_store_items (tenant_id, fence_execution) WHERE fence_execution IS NOT NULL"
+)
+_TO_DEFAULT = (
+    f"UPDATE fence_store_items SET tenant_id = '{DEFAULT_TENANT}' WHERE tenant_id = '' "
+    "AND NOT EXISTS (SELECT 1 FROM fence_store_items d WHERE "
+    f"d.tenant_id = '{DEFAULT_TENANT}' AND d.prefix = fence_store_items.prefix "
+    "AND d.key = fence_store_items.key)"
+)
+
 STORE_MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "store items, keyed by tenant", (_ITEMS, _EXPIRES), (_ITEMS, _EXPIRES)),
+    Migration(
+        2,
+        "the execution that wrote each item; the old default tenant's items to 'default'",
+        (_WRITER, _WRITER_INDEX, _TO_DEFAULT),
+        (_WRITER, _WRITER_INDEX, _TO_DEFAULT),
+    ),
 )
 
 _GUARD = guard_sql(
@@ -102,14 +127,16 @@ _DATABASE_NOW = {
 _GIVEN_NOW = "CAST(:now AS DOUBLE PRECISION)"
 
 _UPSERT = """INSERT INTO fence_store_items
-    (tenant_id, prefix, key, value, created_at, updated_at, expires_at, ttl_minutes, fence_token)
+    (tenant_id, prefix, key, value, created_at, updated_at, expires_at, ttl_minutes, fence_token,
+    fence_execution)
 SELECT CAST(:tenant AS TEXT), CAST(:prefix AS TEXT), CAST(:key AS TEXT), CAST(:value AS TEXT),
     {now}, {now}, {now} + CAST(:ttl AS DOUBLE PRECISION) * 60,
-    CAST(:ttl AS DOUBLE PRECISION), CAST(:token AS BIGINT)
+    CAST(:ttl AS DOUBLE PRECISION), CAST(:token AS BIGINT), CAST(:execution AS TEXT)
 WHERE {guard}
 ON CONFLICT (tenant_id, prefix, key) DO UPDATE SET value = excluded.value,
     updated_at = excluded.updated_at, expires_at = excluded.expires_at,
     ttl_minutes = excluded.ttl_minutes, fence_token = excluded.fence_token,
+    fence_execution = excluded.fence_execution,
     created_at = CASE WHEN fence_store_items.expires_at IS NOT NULL
         AND fence_store_items.expires_at <= excluded.updated_at
         THEN excluded.created_at ELSE fence_store_items.created_at END"""
@@ -118,6 +145,9 @@ WHERE tenant_id = :tenant AND prefix = :prefix AND key = :key AND {guard}"""
 _UNGUARDED = "1 = 1"
 #: The parameters the store's clock needs in a statement (none: the database's clock).
 Now = dict[str, float]
+_ERASE_WRITTEN = text(
+    "DELETE FROM fence_store_items WHERE tenant_id = :tenant AND fence_execution = :execution"
+)
 
 
 def _guarded(statement: str, dialect: Dialect, guard: Guard | None, now: str) -> Any:
@@ -183,7 +213,7 @@ class SqlStore(BaseStore):
         if not isinstance(tenant_id, str) or "\x00" in tenant_id:
             raise ValueError(
                 f"tenant_id must be a str without NUL bytes (whose items to act on outside a "
-                f"fenced step; '' for the default tenant), got {tenant_id!r}"
+                f"fenced step; {DEFAULT_TENANT!r} for the default tenant), got {tenant_id!r}"
             )
         self._engine = engine
         self._dialect: Dialect = dialect
@@ -213,6 +243,14 @@ class SqlStore(BaseStore):
     def _now_params(self) -> Now:
         """The parameters :attr:`_now` needs now (none for the database's own clock)."""
         return {} if self._clock is None else {"now": self._clock()}
+
+    async def erase_written_by(self, tenant_id: str, execution_id: str) -> int:
+        """Delete the tenant's items whose last write was made by a fenced step of
+        ``execution_id`` (an item another execution, or an admin, wrote over since is its
+        writer's: kept); how many. Part of erasing a thread (:mod:`langgraph_fence.admin`)."""
+        async with transaction(self._engine) as conn:
+            params = {"tenant": tenant_id, "execution": execution_id}
+            return int((await conn.execute(_ERASE_WRITTEN, params)).rowcount)
 
     # -- the batch
 
@@ -405,7 +443,13 @@ class SqlStore(BaseStore):
                 f"({exc}); store plain data (str, numbers, lists, dicts)"
             ) from None
         ttl = op.ttl
-        params.update(now, value=value, ttl=ttl, token=None if guard is None else guard.epoch)
+        params.update(
+            now,
+            value=value,
+            ttl=ttl,
+            token=None if guard is None else guard.epoch,
+            execution=None if guard is None else guard.execution_id,
+        )
         return params
 
     async def _writes(

@@ -19,10 +19,13 @@ The take and the give-back each read and write the lease row in one transaction 
 locked on PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite): they are admin paths, beside the
 lease store's one-statement hot paths, which they leave alone.
 
-Erasure (:meth:`ThreadAdmin.erase`) removes every row of the thread under that hold: its
-checkpoints, blobs and writes, the execution's record (its input), the thread's binding (the
-thread id can be bound again), the exactly-once sink's stored results of the execution's
-scope key, and the lease's reason and stamp set. The lease row itself stays, ``done`` with
+Erasure (:meth:`ThreadAdmin.erase`) removes every row derived from the thread under the
+holds of its execution and of every ``ANY_INSTANCE`` child execution under it (recursively:
+the children hold what the parent passed them; found by their records, the exact parent
+their id names): for each, its checkpoints, blobs and writes, the execution's record (its
+input) with its submitted and queued runs, the thread's binding (the thread id can be bound
+again), the store items its steps wrote last, the exactly-once sink's stored results of the
+execution's scope key, and the lease's reason and stamp set. Each lease row stays, ``done`` with
 no reason: its epoch must never go back (a frozen worker still holding an old token, and the
 sink's high-water mark, both rely on each take of a key getting a higher token), so a later
 run of the same execution takes the next token as a new turn on a finished thread. The
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -269,6 +272,9 @@ class ThreadAdmin:
         ttl: how long an admin hold lasts (an admin process that dies frees it after that).
         sink_engine: the database of the exactly-once sink's tables, whose stored results
             an erasure deletes (default: the SQL lease store's; none over a memory store).
+        store: the store whose items an erased execution's steps wrote are deleted with it
+            (anything with ``erase_written_by(tenant_id, execution_id)``, as
+            :class:`checkpointers.SqlStore`; ``Instance.open`` passes ``instance.store``'s).
     """
 
     def __init__(
@@ -279,7 +285,9 @@ class ThreadAdmin:
         holder: str,
         ttl: float = 30.0,
         sink_engine: AsyncEngine | None = None,
+        store: Any = None,
     ) -> None:
+        self.store = store
         self.repository = repository
         self.records = records
         self.holder = validate_holder(holder)
@@ -338,9 +346,60 @@ class ThreadAdmin:
                 for taken in reversed(holds):
                     await _give_back(store, taken, erased=True)
 
+    async def _tree(self, tenant_id: str, thread_id: str) -> list[tuple[LeaseKey, str]]:
+        """``(execution, thread)`` of the thread's execution and of every ``ANY_INSTANCE``
+        child under it, recursively (children found by their records: exact parent)."""
+        tree = [(await self.execution_of(tenant_id, thread_id), thread_id)]
+        children_of = getattr(self.records, "children_of", None)
+        if children_of is None:  # records of another kind keep no children
+            return tree
+        seen = {tree[0][0]}
+        index = 0
+        while index < len(tree):
+            for child, child_thread in await children_of(tree[index][0]):
+                if child not in seen:
+                    seen.add(child)
+                    tree.append((child, child_thread))
+            index += 1
+        return tree
+
+    async def erase(
+        self,
+        tenant_id: str,
+        thread_id: str,
+        delete_checkpoints: Callable[[str], Awaitable[None]],
+    ) -> None:
+        """Erase the tenant's thread and everything derived from it, under the holds of its
+        execution and of every ``ANY_INSTANCE`` child execution under it (recursively).
+
+        For each such execution: ``delete_checkpoints(thread)`` (its checkpoints, blobs and
+        writes), then :meth:`forget` (its record, submitted and queued runs, binding, the
+        store items it wrote and the sink's results). Children are looked up again under
+        the holds until no new one appears (the parent cannot spawn one while held).
+
+        Raises:
+            ExecutionLeaseHeldError: another holder runs the execution or one of its
+                children: nothing was changed.
+        """
+        threads = await self._tree(tenant_id, thread_id)
+        while True:
+            wanted = [thread for _, thread in threads]
+            async with self.hold(tenant_id, wanted, action="delete_thread", erase=True) as holds:
+                found = await self._tree(tenant_id, thread_id)
+                if {t for _, t in found} <= set(wanted):
+                    held = {hold.key: hold for hold in holds}
+                    for _, thread in reversed(found):  # children first
+                        await delete_checkpoints(thread)
+                        await self.forget(held[await self.execution_of(tenant_id, thread)], thread)
+                    return
+            threads = found
+
     async def forget(self, hold: AdminHold, thread_id: str) -> None:
-        """Delete the execution's record, the thread's binding and the sink's results."""
+        """Delete the execution's record (with its submitted and queued runs), the thread's
+        binding, the store items its steps wrote and the sink's results."""
         await self.records.forget(hold.key, thread_id)
+        if self.store is not None:
+            await self.store.erase_written_by(hold.key.tenant_id, hold.key.execution_id)
         if self.sink_engine is not None:
             from .sinks import erase_results
 

@@ -70,6 +70,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_TENANT",
+    "LEGACY_TENANT",
     "CheckpointAt",
     "FencedCheckpointer",
     "admit_write",
@@ -119,10 +120,18 @@ def fence_handle(config: RunnableConfig) -> RunHandle | None:
     return handle
 
 
-#: The tenant of a thread read or written with no tenant given (plain LangGraph use): the
-#: empty string. No lease can be of it (a lease's tenant is never empty), so a thread written
-#: without a tenant never meets any tenant's thread of the same id.
-DEFAULT_TENANT = ""
+#: The one default tenant: of a thread read, written or erased with no tenant given (plain
+#: LangGraph use), through a bare saver and through an instance that was given no
+#: ``tenant_id`` alike. A tenant like any other: a run the LangGraph way with no tenant holds
+#: a lease of it, and ``adelete_thread(thread_id)`` erases that run's thread.
+DEFAULT_TENANT = "default"
+
+#: The tenant that rows written with no tenant while the default tenant was the empty string
+#: keep where they could not be moved to :data:`DEFAULT_TENANT` (version 3 of the
+#: ``checkpoints`` component: the thread had rows of that tenant too, or a lease of another
+#: tenant names it): read them with ``configurable["tenant_id"] = ""``. No lease can be of
+#: it, so nothing fences its threads.
+LEGACY_TENANT = ""
 
 
 def thread_tenant(config: RunnableConfig | None) -> str:
@@ -187,6 +196,11 @@ def check_write_scope(handle: RunHandle, config: RunnableConfig, *, action: str)
 _TENANT_THREAD = "lgf-tenant:"
 
 
+def _plain(tenant_id: str) -> bool:
+    """Whether a saver that knows no tenants keeps ``tenant_id``'s thread ids as they are."""
+    return tenant_id in (DEFAULT_TENANT, LEGACY_TENANT)
+
+
 def _inner_thread_id(tenant_id: str, thread_id: str) -> str:
     """The thread id under which a saver that knows no tenants keeps the tenant's thread.
 
@@ -195,9 +209,19 @@ def _inner_thread_id(tenant_id: str, thread_id: str) -> str:
     scope key, so no two ``(tenant, thread)`` pairs share one: a default-tenant id that
     itself starts with the prefix is encoded too, with an empty tenant part.
     """
-    if tenant_id == DEFAULT_TENANT and not thread_id.startswith(_TENANT_THREAD):
+    if _plain(tenant_id) and not thread_id.startswith(_TENANT_THREAD):
         return thread_id
-    tenant_part = "" if tenant_id == DEFAULT_TENANT else encode_part(tenant_id, name="tenant_id")
+    tenant_part = "" if _plain(tenant_id) else encode_part(tenant_id, name="tenant_id")
+    return f"{_TENANT_THREAD}{tenant_part}:{encode_part(thread_id, name='thread_id')}"
+
+
+def _legacy_thread_id(tenant_id: str, thread_id: str) -> str | None:
+    """Where an instance kept the default tenant's thread over a saver that knows no tenants
+    while a bare saver's default was the empty string (``lgf-tenant:default:<thread>``): read
+    when the thread has no checkpoint under its own id, erased with it."""
+    if tenant_id != DEFAULT_TENANT:
+        return None
+    tenant_part = encode_part(tenant_id, name="tenant_id")
     return f"{_TENANT_THREAD}{tenant_part}:{encode_part(thread_id, name='thread_id')}"
 
 
@@ -206,7 +230,7 @@ def _outer_thread_id(inner_id: str) -> tuple[str, str]:
     if not inner_id.startswith(_TENANT_THREAD):
         return DEFAULT_TENANT, inner_id
     tenant_part, _, thread_part = inner_id[len(_TENANT_THREAD) :].partition(":")
-    return unquote(tenant_part), unquote(thread_part)
+    return unquote(tenant_part) or DEFAULT_TENANT, unquote(thread_part)
 
 
 def step_config() -> RunnableConfig:
@@ -526,7 +550,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             return config
         inner_id = str(configurable["thread_id"])
         tenant_id, thread_id = _outer_thread_id(inner_id)
-        if tenant_id == DEFAULT_TENANT and thread_id == inner_id:
+        if _plain(tenant_id) and thread_id == inner_id:
             return config
         outer = {**configurable, "thread_id": thread_id}
         if tenant_id != DEFAULT_TENANT:
@@ -564,8 +588,17 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     def _thread_call(self, thread_id: str, tenant_id: str) -> tuple[str, dict[str, str]]:
         """``(thread id, keyword arguments)`` for an inner admin call on the tenant's thread."""
         if self._scopes_tenants:
-            return thread_id, ({} if tenant_id == DEFAULT_TENANT else {"tenant_id": tenant_id})
+            return thread_id, {"tenant_id": tenant_id}
         return _inner_thread_id(tenant_id, str(thread_id)), {}
+
+    def tenant_of(self, tenant_id: str | None) -> str:
+        """The tenant a call that names ``tenant_id`` (``None``: none) acts on: the one way
+        every call of this saver resolves a missing tenant, reads, writes and admin calls
+        alike. The owning instance's tenant (``Instance.open(url, tenant_id=...)``, default
+        :data:`DEFAULT_TENANT`), or :data:`DEFAULT_TENANT` for a wrapper no instance owns."""
+        if tenant_id is not None:
+            return tenant_id
+        return DEFAULT_TENANT if self.instance is None else self.instance.tenant_id
 
     # -- reads: never fenced; each sees the tenant's own threads only
 
@@ -585,9 +618,27 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         tenant = {**configurable, "tenant_id": self.instance.tenant_id}
         return {**config, "configurable": tenant}
 
+    def _legacy_config(self, config: Any) -> Any:
+        """``config`` naming the thread's legacy id (:func:`_legacy_thread_id`), or
+        ``None``: a saver keyed by tenant, or no legacy id for the thread's tenant."""
+        if self._scopes_tenants or not isinstance(config, Mapping):
+            return None
+        configurable = config.get("configurable") or {}
+        if configurable.get("thread_id") is None:
+            return None
+        tenant_id = thread_tenant(config)  # type: ignore[arg-type]
+        legacy = _legacy_thread_id(tenant_id, str(configurable["thread_id"]))
+        if legacy is None:
+            return None
+        return {**config, "configurable": {**configurable, "thread_id": legacy}}
+
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         config = self._tenanted(config)
-        return self._outer_tuple(await self.inner.aget_tuple(self._inner_config(config)))
+        found = await self.inner.aget_tuple(self._inner_config(config))
+        legacy = self._legacy_config(config) if found is None else None
+        if legacy is not None:
+            found = await self.inner.aget_tuple(legacy)
+        return self._outer_tuple(found)
 
     async def alist(
         self,
@@ -616,7 +667,11 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         config = self._tenanted(config)
-        return self._outer_tuple(self.inner.get_tuple(self._inner_config(config)))
+        found = self.inner.get_tuple(self._inner_config(config))
+        legacy = self._legacy_config(config) if found is None else None
+        if legacy is not None:
+            found = self.inner.get_tuple(legacy)
+        return self._outer_tuple(found)
 
     def list(
         self,
@@ -814,42 +869,57 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
 
     def _admin_for(self, tenant_id: str) -> ThreadAdmin | None:
         """The admin that holds leases for an operation on ``tenant_id``'s threads, or
-        ``None``: no instance attached one, or the default tenant, which no lease (so no
-        fenced run) can be of."""
-        if self.admin is None or tenant_id == DEFAULT_TENANT:
+        ``None``: no instance attached one, or the legacy tenant ``""``, which no lease (so
+        no fenced run) can be of."""
+        if self.admin is None or tenant_id == LEGACY_TENANT:
             return None
         return self.admin
 
-    async def adelete_thread(self, thread_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
-        """Erase the tenant's ``thread_id`` (the default tenant's when none is given).
+    async def _adelete_inner(self, thread_id: str, tenant_id: str) -> None:
+        """Delete the tenant's thread from the inner saver (and its legacy id, if any)."""
+        inner_id, tenant = self._thread_call(thread_id, tenant_id)
+        await self.inner.adelete_thread(inner_id, **tenant)
+        legacy = None if self._scopes_tenants else _legacy_thread_id(tenant_id, str(thread_id))
+        if legacy is not None:
+            await self.inner.adelete_thread(legacy)
+
+    async def adelete_thread(self, thread_id: str, *, tenant_id: str | None = None) -> None:
+        """Erase the tenant's ``thread_id``: with no ``tenant_id``, the thread a run with no
+        tenant wrote (:meth:`tenant_of`: the instance's tenant, else the default tenant).
 
         Through an instance's checkpointer (``instance.checkpointer``), under the lease of
         the thread's execution (refused with ``ExecutionLeaseHeldError`` while another
-        holder runs it): every checkpoint, blob and write of the thread, the execution's
-        record, the thread's binding, the sink's stored results of its scope key, and the
-        lease's reason and stamps are deleted; the lease row stays ``done`` (its epoch never
+        holder of it, or of any execution erased with it, runs it), everything derived from
+        the thread is deleted: every checkpoint, blob and write of the thread, the
+        execution's record, its submitted and queued runs (inputs, outputs, reasons), the
+        thread's binding, the store items its runs wrote (``instance.store``), the sink's
+        stored results of its scope key, and the lease's reason and stamps; and so, the same
+        way, is every ``ANY_INSTANCE`` child execution it spawned, and theirs (the children
+        hold what the parent passed them). Each lease row stays ``done`` (its epoch never
         goes back) and so does the sink's high-water mark (a scope key and a token). See
-        :mod:`langgraph_fence.admin`. Over a wrapper no instance owns, or for the default
-        tenant, only the checkpoints, blobs and writes are deleted.
+        :mod:`langgraph_fence.admin`. Over a wrapper no instance owns, or for the legacy
+        tenant ``""``, only the checkpoints, blobs and writes are deleted.
         """
-        inner_id, tenant = self._thread_call(thread_id, tenant_id)
+        tenant_id = self.tenant_of(tenant_id)
         admin = self._admin_for(tenant_id)
         if admin is None:
-            await self.inner.adelete_thread(inner_id, **tenant)
+            await self._adelete_inner(thread_id, tenant_id)
             return
-        async with admin.hold(tenant_id, [str(thread_id)], action="delete_thread", erase=True) as (
-            hold,
-        ):
-            await self.inner.adelete_thread(inner_id, **tenant)
-            await admin.forget(hold, str(thread_id))
+        await admin.erase(
+            tenant_id, str(thread_id), lambda thread: self._adelete_inner(thread, tenant_id)
+        )
 
-    def delete_thread(self, thread_id: str, *, tenant_id: str = DEFAULT_TENANT) -> None:
+    def delete_thread(self, thread_id: str, *, tenant_id: str | None = None) -> None:
         """Sync twin of :meth:`adelete_thread`."""
+        tenant_id = self.tenant_of(tenant_id)
         if self._admin_for(tenant_id) is not None:
             self._run_sync(lambda: self.adelete_thread(thread_id, tenant_id=tenant_id))
             return
         inner_id, tenant = self._thread_call(thread_id, tenant_id)
         self.inner.delete_thread(inner_id, **tenant)
+        legacy = None if self._scopes_tenants else _legacy_thread_id(tenant_id, str(thread_id))
+        if legacy is not None:
+            self.inner.delete_thread(legacy)
 
     # -- sync twins of the writes
 
@@ -897,13 +967,13 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
 # the wrapper (see _admin_for).
 
 
-# Each within one tenant (the default tenant's when none is given), as the reads are. Run ids
-# are global: over a saver that does not key threads by tenant, delete_for_runs is not
-# scoped to one tenant (a run id is one run's, of one tenant, anyway).
+# Each within one tenant (FencedCheckpointer.tenant_of when none is given), as the reads
+# are. Run ids are global: over a saver that does not key threads by tenant,
+# delete_for_runs is not scoped to one tenant (a run id is one run's, of one tenant, anyway).
 
 
 def _tenant_kw(self: FencedCheckpointer, tenant_id: str) -> dict[str, str]:
-    return {"tenant_id": tenant_id} if self._scopes_tenants and tenant_id else {}
+    return {"tenant_id": tenant_id} if self._scopes_tenants else {}
 
 
 def _threads(self: FencedCheckpointer, thread_ids: Sequence[str], tenant_id: str) -> Any:
@@ -926,8 +996,9 @@ async def _run_threads(
 
 
 async def _adelete_for_runs(
-    self: FencedCheckpointer, run_ids: Sequence[str], *, tenant_id: str = DEFAULT_TENANT
+    self: FencedCheckpointer, run_ids: Sequence[str], *, tenant_id: str | None = None
 ) -> None:
+    tenant_id = self.tenant_of(tenant_id)
     admin = self._admin_for(tenant_id)
     if admin is None or isinstance(run_ids, str):  # a str: the inner saver refuses it
         await self.inner.adelete_for_runs(run_ids, **_tenant_kw(self, tenant_id))
@@ -946,8 +1017,9 @@ async def _adelete_for_runs(
 
 
 def _delete_for_runs(
-    self: FencedCheckpointer, run_ids: Sequence[str], *, tenant_id: str = DEFAULT_TENANT
+    self: FencedCheckpointer, run_ids: Sequence[str], *, tenant_id: str | None = None
 ) -> None:
+    tenant_id = self.tenant_of(tenant_id)
     if self._admin_for(tenant_id) is not None:
         self._run_sync(lambda: _adelete_for_runs(self, run_ids, tenant_id=tenant_id))
         return
@@ -959,8 +1031,9 @@ async def _acopy_thread(
     source_thread_id: str,
     target_thread_id: str,
     *,
-    tenant_id: str = DEFAULT_TENANT,
+    tenant_id: str | None = None,
 ) -> None:
+    tenant_id = self.tenant_of(tenant_id)
     source, target = _threads(self, [source_thread_id, target_thread_id], tenant_id)
     admin = self._admin_for(tenant_id)
     if admin is None:
@@ -977,8 +1050,9 @@ def _copy_thread(
     source_thread_id: str,
     target_thread_id: str,
     *,
-    tenant_id: str = DEFAULT_TENANT,
+    tenant_id: str | None = None,
 ) -> None:
+    tenant_id = self.tenant_of(tenant_id)
     if self._admin_for(tenant_id) is not None:
         self._run_sync(
             lambda: _acopy_thread(self, source_thread_id, target_thread_id, tenant_id=tenant_id)
@@ -993,8 +1067,9 @@ async def _aprune(
     thread_ids: Sequence[str],
     *,
     strategy: str = "keep_latest",
-    tenant_id: str = DEFAULT_TENANT,
+    tenant_id: str | None = None,
 ) -> None:
+    tenant_id = self.tenant_of(tenant_id)
     admin = self._admin_for(tenant_id)
     inner_ids = _threads(self, thread_ids, tenant_id)
     if admin is None or isinstance(thread_ids, str):  # a str: the inner saver refuses it
@@ -1009,8 +1084,9 @@ def _prune(
     thread_ids: Sequence[str],
     *,
     strategy: str = "keep_latest",
-    tenant_id: str = DEFAULT_TENANT,
+    tenant_id: str | None = None,
 ) -> None:
+    tenant_id = self.tenant_of(tenant_id)
     if self._admin_for(tenant_id) is not None:
         self._run_sync(lambda: _aprune(self, thread_ids, strategy=strategy, tenant_id=tenant_id))
         return

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -338,6 +339,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     _database_options(runs)
     runs.add_argument(
+        "--tenant", default=None, help="only this tenant's runs (their graphs and threads too)"
+    )
+    runs.add_argument(
         "--limit", type=_positive_int, default=200, metavar="N", help="at most this many"
     )
     runs.add_argument(
@@ -353,8 +357,10 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Erase a tenant's thread under its execution's lease (refused, naming the holder, "
             "while another instance runs it): its checkpoints, blobs and writes, the "
-            "execution's record (the run's input), the thread's binding, the lease's reason "
-            "and stamps, and the exactly-once sink's stored results. What stays, holding no "
+            "execution's record (the run's input), its submitted and queued runs, the "
+            "thread's binding, the lease's reason and stamps, the store items its steps "
+            "wrote, and the exactly-once sink's stored results; and the same for every "
+            "ANY_INSTANCE child it spawned, recursively. What stays, holding no "
             "data of the run: the lease row (done, no reason: its token must never go back) "
             "and the sink's high-water mark row (the scope key and a token). Exit status 3 "
             "when refused."
@@ -463,9 +469,9 @@ def _log_level(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``langgraph-fence`` console script; returns the exit code."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    handler = logging.StreamHandler()
+    handler.setFormatter(_PrintableFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     logging.getLogger("langgraph_fence").setLevel(_log_level(args))
     try:
         return _run(args)
@@ -758,20 +764,48 @@ async def _erase(args: argparse.Namespace) -> int:
             if sink is not None and checkpointer.admin is not None:
                 admin = checkpointer.admin
                 checkpointer.admin = ThreadAdmin(
-                    admin.repository, admin.records, holder=admin.holder, sink_engine=sink
+                    admin.repository,
+                    admin.records,
+                    holder=admin.holder,
+                    sink_engine=sink,
+                    store=admin.store,
                 )
             await checkpointer.adelete_thread(args.thread, tenant_id=args.tenant)
     finally:
         if sink is not None:
             await sink.dispose()
     Console().print(
-        f"erased thread {args.thread!r} of tenant {args.tenant!r}: checkpoints, record, "
-        "binding, lease reason, sink results (kept: the lease's token, the sink's "
-        "high-water mark)",
+        f"erased thread {args.thread!r} of tenant {args.tenant!r} and its children: "
+        "checkpoints, records, runs, binding, lease reason, store items, sink results "
+        "(kept: each lease's token, the sink's high-water mark)",
         markup=False,
         highlight=False,
     )
     return 0
+
+
+# What a terminal would act on instead of showing: C0 and C1 controls (ESC starts every
+# escape sequence: clear screen, set title, move the cursor), DEL, the line and paragraph
+# separators, and the invisible format characters that reorder or hide text (bidi
+# overrides and isolates, zero-width characters, the BOM).
+_UNPRINTABLE = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]"
+)
+
+
+def printable(text: str) -> str:
+    """``text`` with every control or invisible format character escaped as Python writes
+    it (``\\x1b``, ``\\u202e``): what a listing prints of a stored field never acts on the
+    terminal, and every character of it stays visible."""
+    return _UNPRINTABLE.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
+class _PrintableFormatter(logging.Formatter):
+    """A log line made :func:`printable` (a graph name or id it quotes is a tenant's); a
+    traceback after it keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return printable(super().formatMessage(record))
 
 
 def _expires(expires_at: float | None, now: float) -> str:
@@ -986,11 +1020,13 @@ async def _runs(args: argparse.Namespace) -> int:
     from .database import create_engine, read_only
     from .queue import list_runs, served_graphs
 
+    if args.tenant is not None and not args.tenant:
+        raise ValueError("--tenant must be a non-empty tenant id (or left out for every tenant)")
     _checked_target(args, must_exist=True)
     engine = create_engine(args.db, schema=args.schema)
     try:
         reader = read_only(engine)
-        found = await list_runs(reader, args.limit)
+        found = await list_runs(reader, args.limit, tenant_id=args.tenant)
         served = await served_graphs(reader)
     finally:
         await engine.dispose()
@@ -1018,7 +1054,10 @@ async def _runs(args: argparse.Namespace) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title="pending and running executions, and the runs queued behind them")
+    title = "pending and running executions, and the runs queued behind them"
+    if args.tenant is not None:
+        title += f" of tenant {args.tenant}"
+    table = Table(title=printable(title))
     table.add_column("scope key", overflow="fold")
     for column in ("graph", "thread", "status", "worker", "token", "served by"):
         table.add_column(column, overflow="fold")
@@ -1033,7 +1072,7 @@ async def _runs(args: argparse.Namespace) -> int:
             str(entry["epoch"]),
             serving,
         )
-        table.add_row(*(Text(cell) for cell in cells))
+        table.add_row(*(Text(printable(cell)) for cell in cells))
     Console().print(table)
     return 0
 
@@ -1048,28 +1087,30 @@ def _print_executions(
     title = "dead-lettered executions" if status == "dead_lettered" else "executions"
     if args.tenant is not None:
         title += f" of tenant {args.tenant}"
-    table = Table(title=title)
+    table = Table(title=printable(title))
     # The scope key in full: the KEY that `resolve` takes.
     table.add_column("scope key", overflow="fold")
     for column in ("status", "holder", "token", "expires", "pending effects", "reason"):
         table.add_column(column, overflow="fold")
     for entry in listed:
         pending = "\n".join(
-            f"{e['effect']} @ {e['node']} (token {e['token']})" for e in entry["pending_effects"]
+            printable(f"{e['effect']} @ {e['node']} (token {e['token']})")
+            for e in entry["pending_effects"]
         )
         cells = (
             "  " * entry.get("depth", 0)
             + ("└ " if entry.get("depth") else "")
-            + entry["scope_key"],
-            entry["status"],
-            entry["holder"] or "",
+            + printable(entry["scope_key"]),
+            printable(entry["status"]),
+            printable(entry["holder"] or ""),
             str(entry["epoch"]),
             _expires(entry["expires_at"], now),
             pending,
-            entry["reason"] or "",
+            printable(entry["reason"] or ""),
         )
         # Text, not markup: a stored reason or id is data ("[/b]" in a reason must not
-        # break the listing or restyle it).
+        # break the listing or restyle it), and printable: no escape sequence of a tenant's
+        # reaches the terminal.
         table.add_row(*(Text(cell) for cell in cells))
     Console().print(table)
 
@@ -1136,7 +1177,7 @@ async def _resolve(args: argparse.Namespace) -> int:
             f"execution {lease.scope_key} is pending again at token {lease.epoch}, its "
             "takeover budget reset: a worker serving its graph takes it at its next poll"
         )
-    Console().print(Text(said))
+    Console().print(Text(printable(said)))
     return 0
 
 

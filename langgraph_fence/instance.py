@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from langchain_core.runnables import RunnableConfig
 
 from .admin import ThreadAdmin, _base_store, admin_holder
+from .checkpoint import DEFAULT_TENANT
 from .children import refuse_child_ids
 from .contracts import require_implements
 from .events import FenceListener, Listeners
@@ -49,8 +50,9 @@ if TYPE_CHECKING:
 __all__ = ["Instance"]
 
 
-#: The tenant of a graph called the LangGraph way whose config names none (``tenant_id=``).
-DEFAULT_TENANT_ID = "default"
+#: The tenant of a graph called the LangGraph way whose config names none (``tenant_id=``):
+#: the one default tenant, :data:`langgraph_fence.checkpoint.DEFAULT_TENANT`.
+DEFAULT_TENANT_ID = DEFAULT_TENANT
 
 
 def _tenant(tenant_id: object) -> str:
@@ -161,7 +163,7 @@ class Instance:
         settings: _Settings,
         clock: Callable[[], float] | None,
         sleep: Sleep | None,
-        tenant_id: str = "default",
+        tenant_id: str = DEFAULT_TENANT_ID,
     ) -> None:
         """The instance on checked ``settings`` (``__init__`` and ``open`` check them once)."""
         from . import graph_calls
@@ -327,9 +329,11 @@ class Instance:
                 options.get("sleep"),
                 tenant_id,
             )
-            store = SqlStore(engine)
+            store = SqlStore(engine, tenant_id=tenant_id)  # outside a step: its tenant
             await store.setup()
             instance.store = FencedStore(store)
+            # An erased thread's runs' items go with it.
+            instance.checkpointer.admin.store = store  # type: ignore[union-attr]
             try:
                 yield instance
             finally:

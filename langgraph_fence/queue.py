@@ -308,11 +308,16 @@ _STATE = text(
     "ON e.tenant_id = l.tenant_id AND e.execution_id = l.execution_id "
     "WHERE l.tenant_id = :tenant_id AND l.execution_id = :execution_id"
 )
-_RUNS = text(
-    _STATE_COLUMNS + " FROM fence_leases l JOIN fence_executions e "
-    "ON e.tenant_id = l.tenant_id AND e.execution_id = l.execution_id "
-    "WHERE " + in_flight_sql("l") + " ORDER BY l.updated_at, l.scope_key LIMIT :limit"
-)
+# The in-flight runs, and the queued ones: of every tenant ("") or of ``:tenant_id``.
+_OF_TENANT = ("", "l.tenant_id = :tenant_id AND ")
+_RUNS = {
+    of: text(
+        _STATE_COLUMNS + " FROM fence_leases l JOIN fence_executions e "
+        "ON e.tenant_id = l.tenant_id AND e.execution_id = l.execution_id "
+        "WHERE " + of + in_flight_sql("l") + " ORDER BY l.updated_at, l.scope_key LIMIT :limit"
+    )
+    for of in _OF_TENANT
+}
 
 
 # Each submitted run's own row (records migration 6): its identity and outcome.
@@ -368,12 +373,15 @@ _PROMOTABLE = text(
     "AND l.holder IS NULL LIMIT :limit"
 )
 # The runs queued behind their thread's run, oldest submit first.
-_QUEUED_RUNS = text(
-    "SELECT r.tenant_id, r.execution_id, r.run_id, r.graph, r.thread_id, l.epoch "
-    "FROM fence_runs r JOIN fence_leases l ON l.tenant_id = r.tenant_id "
-    "AND l.execution_id = r.execution_id WHERE r.status = 'queued' "
-    "ORDER BY r.submitted_at, r.seq LIMIT :limit"
-)
+_QUEUED_RUNS = {
+    of: text(
+        "SELECT r.tenant_id, r.execution_id, r.run_id, r.graph, r.thread_id, l.epoch "
+        "FROM fence_runs r JOIN fence_leases l ON l.tenant_id = r.tenant_id "
+        "AND l.execution_id = r.execution_id WHERE " + of + "r.status = 'queued' "
+        "ORDER BY r.submitted_at, r.seq LIMIT :limit"
+    )
+    for of in _OF_TENANT
+}
 _RUN_STATUS = text("SELECT status FROM fence_runs WHERE run_id = :run_id")
 _CANCEL_QUEUED = text(
     "UPDATE fence_runs SET status = 'failed', reason = :reason "
@@ -1213,15 +1221,22 @@ async def _record_children_sqlite(
     await conn.exec_driver_sql(statement, tuple(params))
 
 
-async def list_runs(engine: AsyncEngine, limit: int = 1000) -> list[RunState]:
+async def list_runs(
+    engine: AsyncEngine, limit: int = 1000, *, tenant_id: str | None = None
+) -> list[RunState]:
     """Every pending, running and yielded execution on ``engine``'s database that has a
     record (with its worker), oldest first; then the submitted runs queued behind them
-    (``queued``, status ``pending``), oldest submit first (up to ``limit`` of each)."""
+    (``queued``, status ``pending``), oldest submit first (up to ``limit`` of each). With
+    ``tenant_id``, that tenant's only: no other tenant's id, graph or thread is read."""
+    of = _OF_TENANT[tenant_id is not None]
+    params: dict[str, Any] = {"limit": limit}
+    if tenant_id is not None:
+        params["tenant_id"] = tenant_id
 
     async def once() -> tuple[list[Any], list[Any]]:
         async with engine.connect() as conn:
-            in_flight = list(await conn.execute(_RUNS, {"limit": limit}))
-            return in_flight, list(await conn.execute(_QUEUED_RUNS, {"limit": limit}))
+            in_flight = list(await conn.execute(_RUNS[of], params))
+            return in_flight, list(await conn.execute(_QUEUED_RUNS[of], params))
 
     rows, queued = await retry_connection_errors(once, what="runs")
     waiting = [

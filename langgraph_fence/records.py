@@ -371,6 +371,14 @@ _SELECT_HEADS = text(
     "WHERE execution_id IN :ids"
 ).bindparams(bindparam("ids", expanding=True))
 _HEADS_CHUNK = 500
+# A parent's children: each child's lease row records its parent (lease schema version 5;
+# children of earlier versions were linked by that migration).
+_CHILDREN_OF = text(
+    "SELECT e.execution_id, e.thread_id FROM fence_executions e JOIN fence_leases l "
+    "ON l.tenant_id = e.tenant_id AND l.execution_id = e.execution_id "
+    "WHERE e.tenant_id = :tenant_id AND l.parent_execution_id = :parent_execution_id "
+    "ORDER BY e.execution_id"
+)
 _FORGET_RECORD = text(
     "DELETE FROM fence_executions WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
 )
@@ -521,6 +529,15 @@ class SqlExecutionRecords:
             await conn.execute(_FORGET_RECORD, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_RUNS, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_BINDING, {**params, "thread_id": thread_id})
+
+    async def children_of(self, key: LeaseKey) -> list[tuple[LeaseKey, str]]:
+        """``(key, thread id)`` of each ``ANY_INSTANCE`` child ``key`` spawned that has a
+        record, in order of id: the children whose lease row names ``key`` as their exact
+        parent, never an id prefix. One indexed read."""
+        params = {"tenant_id": key.tenant_id, "parent_execution_id": key.execution_id}
+        async with self._engine.connect() as conn:
+            rows = await conn.execute(_CHILDREN_OF, params)
+            return [(LeaseKey(key.tenant_id, row.execution_id), row.thread_id) for row in rows]
 
     async def heads_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, ExecutionHead]:
         """Graph and thread of each of ``keys`` that has a record: one read per 500 keys, no

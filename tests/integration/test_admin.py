@@ -221,19 +221,24 @@ async def test_an_admin_call_on_an_idle_thread_runs_and_keeps_its_status(
     assert len([s async for s in graph.aget_state_history(config_of(thread, tenant))]) == 1
 
 
-async def stored_anywhere(engine: AsyncEngine, needle: str) -> list[str]:
-    """Every ``table.column`` of langgraph-fence's tables whose text holds ``needle``."""
-    tables = (
-        "fence_checkpoints",
-        "fence_checkpoint_blobs",
-        "fence_checkpoint_writes",
-        "fence_executions",
-        "fence_runs",
-        "fence_thread_bindings",
-        "fence_leases",
-        "fence_applied",
-        "fence_high_water",
-    )
+#: The tables of langgraph-fence that may hold what a run was given.
+TABLES = (
+    "fence_checkpoints",
+    "fence_checkpoint_blobs",
+    "fence_checkpoint_writes",
+    "fence_executions",
+    "fence_runs",
+    "fence_thread_bindings",
+    "fence_leases",
+    "fence_applied",
+    "fence_high_water",
+)
+
+
+async def stored_anywhere(
+    engine: AsyncEngine, needle: str, tables: tuple[str, ...] = TABLES
+) -> list[str]:
+    """Every ``table.column`` of ``tables`` whose text holds ``needle``."""
     found = []
     async with engine.connect() as conn:
         for table in tables:
@@ -285,7 +290,8 @@ async def test_deleting_a_thread_erases_every_row_of_it_and_the_id_can_be_used_a
     await instance.ainvoke(graph, {"card": secret}, config_of(thread, tenant), tenant_id=tenant)
 
     async def declined() -> None:
-        raise RuntimeError(f"card {secret} declined")
+        # A reason masks a card number: the erasure of the reason is seen by the reference.
+        raise RuntimeError(f"card declined, ref {secret.rsplit('-', 1)[1]}")
 
     # A second turn fails: its input is recorded and its error is the lease's reason.
     with pytest.raises(RuntimeError):
@@ -300,9 +306,10 @@ async def test_deleting_a_thread_erases_every_row_of_it_and_the_id_can_be_used_a
         "fence_checkpoint_blobs",
         "fence_checkpoint_writes",
         "fence_executions",
-        "fence_leases",
         "fence_applied",
     } <= held, held
+    reference = f"ref {secret.rsplit('-', 1)[1]}"
+    assert "fence_leases.reason" in await stored_anywhere(engine, reference)
     key = LeaseKey(tenant, thread)
     before = await instance.repository.get(key)
     assert before is not None
@@ -311,6 +318,7 @@ async def test_deleting_a_thread_erases_every_row_of_it_and_the_id_can_be_used_a
     await instance.checkpointer.adelete_thread(thread, tenant_id=tenant)
 
     assert await stored_anywhere(engine, secret) == []
+    assert await stored_anywhere(engine, reference) == []
     await assert_erased(instance, engine, key, mark=1)
     assert (await graph.aget_state(config_of(thread, tenant))).values == {}
 

@@ -155,7 +155,7 @@ async def test_two_tenants_one_thread_id_in_sequence(instance: Instance) -> None
     await assert_only_own(instance, graph, thread, globex, acme)
     assert set(await tenant_rows(instance, thread)) == {acme, globex}
     # With no tenant given (plain LangGraph use) the read is of the default tenant's thread.
-    assert DEFAULT_TENANT == ""
+    assert DEFAULT_TENANT == "default"
     assert (await graph.aget_state(thread_config(thread))).values == {}
     untenanted = [t async for t in instance.checkpointer.alist(None)]
     assert all("tenant_id" not in t.config["configurable"] for t in untenanted)
@@ -418,7 +418,9 @@ async def test_rows_written_before_tenants_get_the_tenant_of_their_lease(
     await saver.setup()
     await records.setup()
 
-    owners = {"leased": "acme", "recorded": "globex", "orphan": "", "mixed": ""}
+    # Version 2 gives each thread its lease's tenant, or '' (the old default); version 3
+    # moves '' to the one default tenant, except a thread two tenants' leases name.
+    owners = {"leased": "acme", "recorded": "globex", "orphan": "default", "mixed": ""}
     async with engine.connect() as conn:
         for table in TABLES:
             found = dict(
