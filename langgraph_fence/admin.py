@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import and_, delete, insert, select, update
+from sqlalchemy import and_, delete, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -58,6 +58,7 @@ __all__ = [
     "AdminHold",
     "ThreadAdmin",
     "admin_holder",
+    "count_erasable",
     "decide_admin_give_back",
     "decide_admin_take",
 ]
@@ -346,7 +347,7 @@ class ThreadAdmin:
                 for taken in reversed(holds):
                     await _give_back(store, taken, erased=True)
 
-    async def _tree(self, tenant_id: str, thread_id: str) -> list[tuple[LeaseKey, str]]:
+    async def tree(self, tenant_id: str, thread_id: str) -> list[tuple[LeaseKey, str]]:
         """``(execution, thread)`` of the thread's execution and of every ``ANY_INSTANCE``
         child under it, recursively (children found by their records: exact parent)."""
         tree = [(await self.execution_of(tenant_id, thread_id), thread_id)]
@@ -381,11 +382,11 @@ class ThreadAdmin:
             ExecutionLeaseHeldError: another holder runs the execution or one of its
                 children: nothing was changed.
         """
-        threads = await self._tree(tenant_id, thread_id)
+        threads = await self.tree(tenant_id, thread_id)
         while True:
             wanted = [thread for _, thread in threads]
             async with self.hold(tenant_id, wanted, action="delete_thread", erase=True) as holds:
-                found = await self._tree(tenant_id, thread_id)
+                found = await self.tree(tenant_id, thread_id)
                 if {t for _, t in found} <= set(wanted):
                     held = {hold.key: hold for hold in holds}
                     for _, thread in reversed(found):  # children first
@@ -409,3 +410,37 @@ class ThreadAdmin:
 def admin_holder(instance_id: str) -> str:
     """The holder id of an instance's admin operations: ``<instance id>/admin``."""
     return f"{instance_id}/admin"
+
+
+#: What an erase deletes, by table: ``(table, the column it is found by)``; a thread's rows by
+#: its thread id, an execution's by its execution id.
+_ERASED_BY = (
+    ("fence_checkpoints", "thread_id"),
+    ("fence_checkpoint_blobs", "thread_id"),
+    ("fence_checkpoint_writes", "thread_id"),
+    ("fence_executions", "execution_id"),
+    ("fence_runs", "execution_id"),
+    ("fence_thread_bindings", "thread_id"),
+    ("fence_store_items", "fence_execution"),
+)
+
+
+async def count_erasable(
+    engine: AsyncEngine, tenant_id: str, tree: Sequence[tuple[LeaseKey, str]]
+) -> dict[str, int]:
+    """How many rows of each table an erase of ``tree`` (:meth:`ThreadAdmin.tree`) would
+    delete now: what ``langgraph-fence erase`` reports, counted before and after it."""
+    threads = sorted({thread for _, thread in tree})
+    executions = sorted({key.execution_id for key, _ in tree})
+    counts: dict[str, int] = {}
+    async with engine.connect() as conn:
+        for table, column in _ERASED_BY:
+            ids = threads if column == "thread_id" else executions
+            names = ", ".join(f":i{n}" for n in range(len(ids)))
+            params: dict[str, Any] = {f"i{n}": value for n, value in enumerate(ids)}
+            params["tenant"] = tenant_id
+            statement = text(
+                f"SELECT count(*) FROM {table} WHERE tenant_id = :tenant AND {column} IN ({names})"
+            )
+            counts[table] = int((await conn.execute(statement, params)).scalar_one())
+    return counts

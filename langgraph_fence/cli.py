@@ -746,8 +746,9 @@ async def _migrate(args: argparse.Namespace) -> int:
 
 async def _erase(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.table import Table
 
-    from .admin import ThreadAdmin
+    from .admin import ThreadAdmin, count_erasable
     from .database import create_engine, schema_options
     from .instance import Instance
 
@@ -761,23 +762,53 @@ async def _erase(args: argparse.Namespace) -> int:
     try:
         async with Instance.open(args.db, engine_options=options) as instance:
             checkpointer = instance.checkpointer
-            if sink is not None and checkpointer.admin is not None:
-                admin = checkpointer.admin
-                checkpointer.admin = ThreadAdmin(
+            admin = checkpointer.admin
+            assert admin is not None  # an instance's checkpointer erases under its leases
+            if sink is not None:
+                admin = ThreadAdmin(
                     admin.repository,
                     admin.records,
                     holder=admin.holder,
                     sink_engine=sink,
                     store=admin.store,
                 )
+                checkpointer.admin = admin
+            engine = instance.repository.engine  # type: ignore[attr-defined]
+            # Looked for before anything binds the thread (the tree's lookup would).
+            plain = LeaseKey(args.tenant, args.thread)
+            known = await instance.repository.get(plain) is not None
+            if not known and not any(
+                (await count_erasable(engine, args.tenant, [(plain, args.thread)])).values()
+            ):
+                Console(stderr=True).print(
+                    f"nothing erased: tenant {printable(args.tenant)!r} has no thread "
+                    f"{printable(args.thread)!r} on this database (check --tenant, --thread "
+                    "and --schema; `langgraph-fence executions --tenant T` lists its threads)",
+                    markup=False,
+                    highlight=False,
+                )
+                return 1
+            tree = await admin.tree(args.tenant, args.thread)
+            before = await count_erasable(engine, args.tenant, tree)
             await checkpointer.adelete_thread(args.thread, tenant_id=args.tenant)
+            after = await count_erasable(engine, args.tenant, tree)
     finally:
         if sink is not None:
             await sink.dispose()
-    Console().print(
-        f"erased thread {args.thread!r} of tenant {args.tenant!r} and its children: "
-        "checkpoints, records, runs, binding, lease reason, store items, sink results "
-        "(kept: each lease's token, the sink's high-water mark)",
+    table = Table(
+        title=f"erased thread {printable(args.thread)!r} of tenant {printable(args.tenant)!r}"
+        + (f" and {len(tree) - 1} child execution(s)" if len(tree) > 1 else ""),
+        title_justify="left",
+    )
+    table.add_column("table")
+    table.add_column("rows", justify="right")
+    for name, count in before.items():
+        table.add_row(name, str(count - after[name]))
+    console = Console()
+    console.print(table)
+    console.print(
+        "also erased: the lease's reason and stamps, the sink's results (with --sink-db); "
+        "kept: each lease's token, the sink's high-water mark",
         markup=False,
         highlight=False,
     )

@@ -113,6 +113,15 @@ def test_erase_removes_a_thread_and_refuses_a_running_one(tmp_path: object) -> N
 
     erased = _cli("erase", "--db", db, "--tenant", "acme", "--thread", "order-1")
     assert erased.returncode == 0, erased.stdout + erased.stderr
+    # What it erased, rows per table: the run's checkpoints, its record, its binding.
+    said = {
+        line.split()[1]: int(line.split()[-2])
+        for line in erased.stdout.splitlines()
+        if line.split()[1:2] and line.split()[1].startswith("fence_")
+    }
+    assert said["fence_checkpoints"] >= 2, erased.stdout
+    assert said["fence_executions"] == 1, erased.stdout
+    assert said["fence_thread_bindings"] == 1, erased.stdout
     path = f"{tmp_path}/cli.db"
     import sqlite3
 
@@ -128,3 +137,10 @@ def test_erase_removes_a_thread_and_refuses_a_running_one(tmp_path: object) -> N
     missing = _cli("erase", "--db", db, "--tenant", "", "--thread", "order-1")
     assert missing.returncode == 2
     assert "--tenant" in missing.stderr
+
+    # Nothing there (another tenant's thread, a thread that never was): said, exit 1.
+    for tenant, thread in (("globex", "order-1"), ("acme", "never-was")):
+        nothing = _cli("erase", "--db", db, "--tenant", tenant, "--thread", thread)
+        assert nothing.returncode == 1, nothing.stdout + nothing.stderr
+        assert "nothing erased" in nothing.stderr
+        assert f"tenant {tenant!r} has no thread {thread!r}" in nothing.stderr
