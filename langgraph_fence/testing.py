@@ -17,7 +17,8 @@ node can be tested without a graph.
 
 The fixture works whatever the project's pytest-asyncio mode (``strict``, its default, or
 ``auto``): it is declared with ``pytest_asyncio.fixture``. Outside pytest (a notebook, a
-script), ``async with open_leases(url) as leases:`` gives the same tools on any database.
+script), ``async with open_leases(url) as leases:`` gives the same tools on any database;
+this module then needs no pytest installed (only the ``leases`` fixture is left out).
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import pytest
-
 from ._compat import CONFIG_KEY_TASK_ID
 from .effects import EFFECT_ATTRIBUTE, EffectLike, as_effect
 from .faults import StallableRepository, StallGate
@@ -43,7 +42,7 @@ if TYPE_CHECKING:
 
     from .instance import Instance
 
-__all__ = ["Leases", "ManualClock", "leases", "open_leases", "run_node"]
+__all__ = ["Leases", "ManualClock", "open_leases", "run_node"]
 
 
 class ManualClock:
@@ -198,17 +197,23 @@ async def open_leases(url: str, **engine_options: Any) -> AsyncIterator[Leases]:
         await engine.dispose()
 
 
-try:  # pytest-asyncio's own decorator: the fixture then works in its strict mode too
-    from pytest_asyncio import fixture as _async_fixture
-except ImportError:  # no pytest-asyncio: another async plugin (anyio) may serve it
-    _async_fixture = pytest.fixture  # type: ignore[assignment]
+try:
+    import pytest
+except ImportError:  # a notebook or a script: open_leases and run_node need no pytest
+    pass
+else:
+    try:  # pytest-asyncio's own decorator: the fixture then works in its strict mode too
+        from pytest_asyncio import fixture as _async_fixture
+    except ImportError:  # no pytest-asyncio: another async plugin (anyio) may serve it
+        _async_fixture = pytest.fixture  # type: ignore[assignment]
 
+    @_async_fixture
+    async def leases(tmp_path: Path) -> AsyncIterator[Leases]:
+        """Instances on a real store with a controlled clock that a test can stall and resume."""
+        async with open_leases(f"sqlite+aiosqlite:///{tmp_path / 'leases.db'}") as fixture:
+            yield fixture
 
-@_async_fixture
-async def leases(tmp_path: Path) -> AsyncIterator[Leases]:
-    """Instances on a real store with a controlled clock that a test can stall and resume."""
-    async with open_leases(f"sqlite+aiosqlite:///{tmp_path / 'leases.db'}") as fixture:
-        yield fixture
+    __all__ += ["leases"]
 
 
 FenceOption = Literal["held", "lost"] | int

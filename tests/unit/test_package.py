@@ -29,6 +29,25 @@ def test_importing_the_package_and_its_errors_loads_no_langgraph() -> None:
     assert done.stdout.strip() == "[]"
 
 
+def test_the_testing_tools_import_without_pytest() -> None:
+    """Notebooks and scripts use open_leases and run_node with the notebooks extra only: the
+    module needs pytest for its fixture alone."""
+    probe = (
+        "import sys\n"
+        "class NoPytest:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('pytest', '_pytest', 'pytest_asyncio'):\n"
+        "            raise ImportError(f'No module named {name!r}')\n"
+        "sys.meta_path.insert(0, NoPytest())\n"
+        "from langgraph_fence.testing import *\n"
+        "import langgraph_fence.testing as testing\n"
+        "print(sorted(testing.__all__), hasattr(testing, 'leases'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['Leases', 'ManualClock', 'open_leases', 'run_node'] False"
+
+
 def test_write_dead_lettered_error_is_one_class_that_pickles_and_bubbles_up() -> None:
     from langgraph.errors import GraphBubbleUp
 
