@@ -49,10 +49,18 @@ T = TypeVar("T")
 # end of its current superstep before it stops (still refused at each write).
 
 
+#
+# CONFIG_KEY_SCRATCHPAD ("__pregel_scratchpad"): the task's scratchpad, whose ``resume`` lists
+# the answers to the task's interrupts that this attempt consumed. With Interrupt.from_ns (the
+# id of a task's first unanswered interrupt) it tells a pause at the task's own first
+# interrupt() from any other (see paused_at_first_interrupt). If either changes, a paused
+# write step keeps its stamp and its resume is dead-lettered: loud, never repeated.
+
+
 def __getattr__(name: str) -> Any:
     # LangGraph's keys are read on first use: the SQLAlchemy helpers below serve the CLI's
     # listings, which must not load LangGraph (its imports cost seconds).
-    if name in ("CONFIG_KEY_RUNTIME", "CONFIG_KEY_TASK_ID"):
+    if name in ("CONFIG_KEY_RUNTIME", "CONFIG_KEY_TASK_ID", "CONFIG_KEY_SCRATCHPAD"):
         from langgraph._internal import _constants
 
         value = getattr(_constants, name)
@@ -75,6 +83,26 @@ def pregel_task_id(configurable: Mapping[str, Any]) -> str | None:
 def pregel_runtime(configurable: Mapping[str, Any]) -> Any:
     """The step's ``langgraph.runtime.Runtime``, or ``None`` outside a task."""
     return configurable.get(_key("CONFIG_KEY_RUNTIME"))
+
+
+def paused_at_first_interrupt(configurable: Mapping[str, Any], interrupt: BaseException) -> bool:
+    """Whether the task of ``configurable`` paused at its own first ``interrupt()`` call with
+    no answer consumed yet in this attempt: every interrupt ``interrupt`` (a
+    ``GraphInterrupt``) carries is that one (not a subgraph's, not a later one of the task).
+
+    Anything unknown answers ``False``: the caller then keeps the step's stamp.
+    """
+    try:
+        from langgraph.types import Interrupt
+
+        scratchpad = configurable.get(_key("CONFIG_KEY_SCRATCHPAD"))
+        if scratchpad is None or scratchpad.resume:
+            return False
+        own = Interrupt.from_ns(None, str(configurable.get("checkpoint_ns") or "")).id
+        raised = interrupt.args[0] if interrupt.args else ()
+        return bool(raised) and all(getattr(i, "id", None) == own for i in raised)
+    except Exception:
+        return False
 
 
 def runnable_callable_type() -> type[RunnableCallable]:

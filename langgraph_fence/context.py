@@ -12,7 +12,7 @@ from collections.abc import (
 )
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from .effects import Effect
@@ -73,6 +73,9 @@ class ExecutionContext:
     # The root checkpoint whose superstep this step belongs to (checkpoint_map[""]): the
     # stamps the step makes are cleared by a later root checkpoint.
     _superstep: str = ""
+    # Set once the body entered side_effect(): its write began (a pause after it keeps the
+    # stamp, so the resume is dead-lettered rather than repeated).
+    _began: list[bool] = field(default_factory=list)
 
     @asynccontextmanager
     async def side_effect(self) -> AsyncIterator[None]:
@@ -96,6 +99,7 @@ class ExecutionContext:
         # for remote children (another task of it) yields nothing while the write runs.
         async with self.fence._held():
             self.fence.assert_held()
+            self._began.append(True)
             deferred = _deferred.get()
             if deferred is not None and not deferred.done:
                 await deferred.stamp()

@@ -22,7 +22,7 @@ from langgraph.config import get_config
 from langgraph.errors import GraphBubbleUp, GraphInterrupt
 from langgraph.types import RetryPolicy
 
-from ._compat import pregel_runtime, pregel_task_id
+from ._compat import paused_at_first_interrupt, pregel_runtime, pregel_task_id
 from .context import (
     CONTEXT_CONFIG_KEY,
     STAMP_AT,
@@ -264,28 +264,42 @@ class _Step:
         if handle.pending_effects:  # nothing stamped in this run: nothing to repeat
             self._refuse_repeat()
 
-    def _body_stamp(self) -> tuple[str, ...]:
-        """The key of the entry stamped before this step's body, while it stands."""
+    def _released_at_pause(self, interrupt: BaseException) -> tuple[str, ...]:
+        """The key of the entry stamped before this step's body, if the step's pause
+        proves its write has not begun: it paused at its own first ``interrupt()`` with no
+        answer consumed yet in this attempt, and its body never entered ``side_effect()``.
+        Else nothing: the entry stands, and the pause dead-letters the run."""
         if self.stamp_at != "body" or not self.effect.is_write:
             return ()
         entry = self.handle.pending_effects.get(self.task_id)
-        return (self.task_id,) if entry is not None and not entry.call else ()
+        if entry is None or entry.call:
+            return ()
+        frame = self.frame
+        if frame is None or frame._began:
+            return ()
+        if not paused_at_first_interrupt(self.configurable, interrupt):
+            return ()
+        return (self.task_id,)
 
-    async def pause(self) -> None:
-        """The body paused at ``interrupt()``: release the stamp made before it.
+    async def pause(self, interrupt: BaseException) -> None:
+        """The body paused at ``interrupt()``: release the stamp made before it, when that
+        proves the write has not begun.
 
         LangGraph runs a step that paused at ``interrupt()`` again from its start when the
-        thread is resumed, so (as LangGraph's docs require) its write comes after the
-        ``interrupt()`` call: nothing was written yet, and the resumed step stamps anew
-        before it runs. A ``side_effect()`` entered before the pause is not released.
+        thread is resumed, and (its docs say) a step's write comes after its
+        ``interrupt()``. So a pause at the step's own first ``interrupt()``, with no answer
+        consumed and ``side_effect()`` never entered, comes before the write: the resumed
+        step stamps anew before it runs. Any other pause (a second interrupt after an
+        answer, one raised in a subgraph the step called, one after ``side_effect()``) may
+        follow a write: the entry stands.
         """
-        keys = self._body_stamp()
+        keys = self._released_at_pause(interrupt)
         if keys:
             await self.handle.clear_pending_effects(keys)
 
-    def pause_sync(self) -> None:
+    def pause_sync(self, interrupt: BaseException) -> None:
         """:meth:`pause` from a worker thread (a sync node)."""
-        keys = self._body_stamp()
+        keys = self._released_at_pause(interrupt)
         if keys:
             handle = self.handle
             run_on_loop(
@@ -389,7 +403,7 @@ async def _run_async(
         failure = step.handle.error
     except BaseException as exc:
         if isinstance(exc, GraphInterrupt):
-            await step.pause()
+            await step.pause(exc)
         failure = step.failure(exc)
         if failure is exc:
             raise
@@ -409,7 +423,7 @@ def _run_sync(step: _Step, call: Callable[[], Any]) -> Any:
         result = call()
     except BaseException as exc:
         if isinstance(exc, GraphInterrupt):
-            step.pause_sync()
+            step.pause_sync(exc)
         failure = step.failure(exc)
         if failure is exc:
             raise

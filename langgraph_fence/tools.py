@@ -33,8 +33,10 @@ from typing import Any, cast
 
 from langchain_core.tools import BaseTool, StructuredTool
 from langchain_core.tools import tool as create_tool
+from langgraph.config import get_config
 from langgraph.errors import GraphBubbleUp, GraphInterrupt
 
+from ._compat import paused_at_first_interrupt
 from .context import (
     ExecutionContext,
     StampAt,
@@ -139,6 +141,22 @@ def _stands(frame: ExecutionContext, made: list[PendingEffect]) -> bool:
     return any(entry.key in frame._handle.pending_effects for entry in made)
 
 
+def _paused_before_its_write(
+    frame: ExecutionContext, made: list[PendingEffect], paused: BaseException
+) -> bool:
+    """Whether this call's stamp may be released at its pause: it stands, the step never
+    entered ``side_effect()``, and the call paused at its task's own first ``interrupt()``
+    with no answer consumed in this attempt (as a node's pause). Anything else
+    keeps the stamp: the resume is then dead-lettered, never repeated."""
+    if not _stands(frame, made) or frame._began:
+        return False
+    try:
+        configurable = get_config().get("configurable") or {}
+    except RuntimeError:  # no runnable context: nothing proves where it paused
+        return False
+    return paused_at_first_interrupt(configurable, paused)
+
+
 def _dead_letter(
     frame: ExecutionContext, tool: BaseTool, effect: Effect, exc: Exception, stamped: bool
 ) -> WriteDeadLetteredError | None:
@@ -193,9 +211,9 @@ def _run_sync(frame: ExecutionContext, tool: BaseTool, body: Callable[[], Any]) 
     made = [_stamp_from_thread(frame, tool, effect)] if effect.is_write else []
     try:
         return body()
-    except GraphInterrupt:
-        if _stands(frame, made):
-            # Paused before its write (see _call_async): released from this thread.
+    except GraphInterrupt as paused:
+        if _paused_before_its_write(frame, made, paused):
+            # As in _run_async, released from this thread.
             handle, keys = frame._handle, [entry.key for entry in made]
             run_on_loop(
                 handle.loop,
@@ -239,10 +257,10 @@ async def _run_async(
     reset = _fenced_call.set(tool)
     try:
         return await body()
-    except GraphInterrupt:
-        if deferred is None and _stands(frame, made):
-            # The call paused at interrupt() (an approval): LangGraph runs it again from its
-            # start on resume, so its write comes after the interrupt() and has not begun.
+    except GraphInterrupt as paused:
+        if deferred is None and _paused_before_its_write(frame, made, paused):
+            # The call paused at its task's first interrupt() (an approval): LangGraph runs
+            # it again from its start on resume, and its write comes after the interrupt().
             # The stamp made before its body is released; the resumed call stamps anew. A
             # stamp_at_effect tool's entry (side_effect() entered) stands: its write began.
             await frame._handle.clear_pending_effects([entry.key for entry in made])

@@ -77,3 +77,90 @@ async def test_an_approval_writes_once_and_a_rejection_writes_nothing(
         await graph.ainvoke(first_input(pattern), _config(approved))
         await _paused(instance, graph, approved)
         assert effects_of(tmp_path, approved) == [write]
+
+
+def _unsafe_shapes(charges: list[str]) -> dict[str, Any]:
+    """Write steps (stamped before their body, as by default) whose pause may follow their
+    write: a second interrupt() after an answered one, an interrupt() after side_effect(),
+    and an interrupt() raised in a subgraph the step calls after writing."""
+    from langgraph.graph import END, START, StateGraph
+    from langgraph.types import interrupt
+
+    from langgraph_fence import fence_graph, get_execution_context
+    from tests.chaos.approvals import State
+
+    async def two_interrupts(state: State) -> dict[str, Any]:
+        interrupt("charge?")
+        charges.append("charge")
+        interrupt("and e-mail the receipt?")
+        return {"log": ["done"]}
+
+    async def after_side_effect(state: State) -> dict[str, Any]:
+        async with get_execution_context().side_effect():
+            charges.append("charge")
+        interrupt("was that right?")
+        return {"log": ["done"]}
+
+    async def ask(state: State) -> dict[str, Any]:
+        interrupt("anything else?")
+        return {"log": ["asked"]}
+
+    sub = StateGraph(State)
+    sub.add_node("ask", ask)
+    sub.add_edge(START, "ask")
+    sub.add_edge("ask", END)
+    asking = fence_graph(sub).compile(name="asking")
+
+    async def then_a_subgraph(state: State) -> dict[str, Any]:
+        charges.append("charge")
+        await asking.ainvoke({"log": []})
+        return {"log": ["done"]}
+
+    return {
+        "two-interrupts": two_interrupts,
+        "after-side-effect": after_side_effect,
+        "then-a-subgraph": then_a_subgraph,
+    }
+
+
+@pytest.mark.parametrize("shape", ["two-interrupts", "after-side-effect", "then-a-subgraph"])
+async def test_a_pause_that_may_follow_the_write_keeps_its_stamp(
+    database: Database, shape: str, tmp_path: Path
+) -> None:
+    """Only a pause at the step's own first interrupt(), no answer consumed, side_effect()
+    never entered, proves the write has not begun; any other pause keeps the stamp, so the
+    execution is dead-lettered there and the write never runs twice."""
+    from langgraph.graph import END, START, StateGraph
+    from langgraph.types import Command
+
+    from langgraph_fence import Effect, ExecutionDeadLetteredError, fence_graph
+    from tests.chaos.approvals import State
+
+    charges: list[str] = []
+    node = _unsafe_shapes(charges)[shape]
+    async with Instance.open(
+        database.url, engine_options=engine_options(database.url, database.schema)
+    ) as instance:
+        builder = StateGraph(State)
+        builder.add_node("charge", node)
+        builder.add_edge(START, "charge")
+        builder.add_edge("charge", END)
+        graph = fence_graph(builder, effects={"charge": Effect.NON_IDEMPOTENT_WRITE}).compile(
+            checkpointer=instance.checkpointer, name="unsafe"
+        )
+        thread = unique(shape)
+        if shape == "two-interrupts":
+            await graph.ainvoke({"log": []}, _config(thread))  # the first pause: released
+            await _paused(instance, graph, thread)
+            first = Command(resume="yes")
+        else:
+            first = {"log": []}
+        with pytest.raises(ExecutionDeadLetteredError, match="after a non-idempotent write"):
+            await graph.ainvoke(first, _config(thread))
+        assert charges == ["charge"]
+        lease = await instance.repository.get(LeaseKey(instance.tenant_id, thread))
+        assert lease is not None
+        assert lease.status is LeaseStatus.DEAD_LETTERED, lease
+        with pytest.raises(Exception):  # noqa: B017, PT011 - refused, whatever the class
+            await graph.ainvoke(Command(resume="yes"), _config(thread))
+        assert charges == ["charge"]
