@@ -74,6 +74,7 @@ def decide_outcome(
     *,
     fence_error: ExecutionLeaseLostError | None,
     dead_letter: ExecutionDeadLetteredError | None,
+    stopped: bool = True,
 ) -> Outcome:
     """How a run that ended with ``exc`` (None: the graph returned) settles its lease.
 
@@ -81,6 +82,10 @@ def decide_outcome(
         exc: what the graph raised, or None if it returned.
         fence_error: the fencing error recorded on the run's handle, if any.
         dead_letter: the dead letter recorded on the run's handle, if any.
+        stopped: the run's own task is being cancelled (Ctrl-C, SIGTERM, its caller): a
+            ``CancelledError`` is then the process stopping the run, handed back; one the
+            graph raised by itself (nobody cancelled the run) is the graph's own failure,
+            never handed back to be taken and fail again for ever.
     """
     found = find_fence_error(exc)
     if found is not None or fence_error is not None:
@@ -99,7 +104,7 @@ def decide_outcome(
         return Outcome(Settle.HAND_BACK, reason=bounded_reason(f"drained: {exc.reason}"))
     if any(is_database_connection_error(e) for e in linked_errors(exc)):
         return Outcome(Settle.LOST_TO_STORE, reason=failure_reason(exc))
-    if isinstance(exc, asyncio.CancelledError):
+    if isinstance(exc, asyncio.CancelledError) and stopped:
         # Ctrl-C, SIGTERM, a cancelled task: the process (or its caller) stopped the run, the
         # graph did not fail. Handed back at once, so a serving instance resumes it from its
         # last checkpoint without waiting out the lease (a write stamped mid-step is then

@@ -459,7 +459,13 @@ async def _settle(instance: Instance, graph: Any, run: Run, exc: BaseException |
     """Carry out the outcome of a run that ended with ``exc`` (None: returned); raises the
     error that stands, or returns for ``exc`` to propagate as it is."""
     handle = run.handle
-    outcome = decide_outcome(exc, fence_error=handle.error, dead_letter=handle.dead_letter)
+    task = asyncio.current_task()
+    outcome = decide_outcome(
+        exc,
+        fence_error=handle.error,
+        dead_letter=handle.dead_letter,
+        stopped=task is not None and task.cancelling() > 0,
+    )
     if outcome.settle is Settle.FENCED:
         # The fencing error is decided first, before cancellation, drains or anything else.
         if outcome.fence_error is not None:

@@ -180,3 +180,15 @@ def test_each_plain_end_settles_as_documented(
     else:
         assert outcome.reason is not None
         assert reason in outcome.reason
+
+
+def test_a_cancellation_the_graph_raised_by_itself_is_its_own_failure() -> None:
+    """Handed back only when the run's own task is being cancelled (Ctrl-C, SIGTERM, its
+    caller); a CancelledError the graph raised while nobody cancelled the run would be
+    taken and raised again for ever, so it ends the run failed."""
+    exc = asyncio.CancelledError("an inner task was cancelled")
+    handed = decide_outcome(exc, fence_error=None, dead_letter=None, stopped=True)
+    assert handed.settle is Settle.HAND_BACK
+    failed = decide_outcome(exc, fence_error=None, dead_letter=None, stopped=False)
+    assert failed.settle is Settle.FAILED
+    assert failed.reason
