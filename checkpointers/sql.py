@@ -514,8 +514,11 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
             if cleared:
                 handle.forget_pending_effects(guard.clear_keys)
             else:
-                # Stored before their proof: the run's checkpoint that completes it clears.
-                handle.proofs.landed_unproven(guard.clear_keys, guard.proof)
+                # Stored before their proof: the run's checkpoint that completes it clears
+                # (or, stored meanwhile, the statement after this one).
+                proven = handle.proofs.landed_unproven(guard.clear_keys, guard.proof)
+                if proven:
+                    await handle.clear_pending_effects(proven)
         await fault_point("writes.after", config=config, task_id=task_id, writes=writes)
 
     def get_next_version(self, current: str | None, channel: None) -> str:

@@ -851,8 +851,8 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
                 proof = writes_proof(config)
                 if await self._all_stored(tenant_config, proof):
                     await handle.clear_pending_effects(keys)
-                else:
-                    handle.proofs.landed_unproven(keys, proof)
+                elif proven := handle.proofs.landed_unproven(keys, proof):
+                    await handle.clear_pending_effects(proven)
         except ExecutionLeaseLostError as exc:
             raise refuse_write(handle, config, exc) from None
 

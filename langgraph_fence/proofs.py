@@ -31,10 +31,18 @@ class WriteProofs:
         self._stored: set[CheckpointAt] = set()
         self._unproven: dict[str, tuple[CheckpointAt, ...]] = {}
 
-    def landed_unproven(self, keys: tuple[str, ...], proof: tuple[CheckpointAt, ...]) -> None:
-        """The finished writes of the entries ``keys`` are stored; ``proof`` was not (all)."""
+    def landed_unproven(
+        self, keys: tuple[str, ...], proof: tuple[CheckpointAt, ...]
+    ) -> tuple[str, ...]:
+        """The finished writes of the entries ``keys`` are stored, and their statement did
+        not see all of ``proof`` stored. Returns ``keys`` when this run has stored every
+        checkpoint of it meanwhile (the last one landed while the writes were in flight):
+        the caller clears them now. Else they wait for the checkpoint that completes it."""
+        if all(pair in self._stored for pair in proof):
+            return keys
         for key in keys:
             self._unproven[key] = proof
+        return ()
 
     def provable(self, at: CheckpointAt) -> tuple[str, ...]:
         """The unproven entries a checkpoint stored at ``at`` would prove: every checkpoint
