@@ -34,7 +34,6 @@ sink's high-water mark row stays too: it holds the scope key and a token, no res
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -206,7 +205,6 @@ async def _take_row(store: Any, key: LeaseKey, holder: str, ttl: float) -> Admin
 
 async def _give_back(store: Any, hold: AdminHold, *, erased: bool) -> None:
     """Give the admin's hold back (see :func:`decide_admin_give_back`); guarded by it."""
-    from .schema import stamp_patch
     from .stores.sql import SqlLeaseRepository
 
     held, key = hold.held, hold.key
@@ -232,21 +230,21 @@ async def _give_back(store: Any, hold: AdminHold, *, erased: bool) -> None:
         if after is None:
             result = await conn.execute(delete(LEASES).where(guard))
         else:
-            effects = json.loads(stamp_patch(add=after.pending_effects))
-            result = await conn.execute(
-                update(LEASES)
-                .where(guard)
-                .values(
-                    holder=None,
-                    expires_at=None,
-                    status=after.status.value,
-                    reason=after.reason,
-                    pending_effects=effects,
-                    takeovers=after.takeovers,
-                    progress_mark=after.progress_mark,
-                    updated_at=await store.now(),
-                )
-            )
+            values: dict[str, Any] = {
+                "holder": None,
+                "expires_at": None,
+                "status": after.status.value,
+                "reason": after.reason,
+                "takeovers": after.takeovers,
+                "progress_mark": after.progress_mark,
+                "updated_at": await store.now(),
+            }
+            if erased:
+                values["pending_effects"] = {}
+            # Otherwise the stamp set stays as stored: rewritten from its parsed form, an
+            # entry of another version (an effect this one reads as retryable) would lose
+            # what it said.
+            result = await conn.execute(update(LEASES).where(guard).values(**values))
         if result.rowcount == 1:
             return
     current = await store.get(key)
