@@ -488,7 +488,11 @@ async def test_only_a_submitted_run_pays_for_the_pin_at_its_takeover(leases: Lea
     async def run_a() -> Any:
         worker.set("A")
         config = {"configurable": {"thread_id": thread}}
-        return await a.ainvoke(shop.graph(a), {"log": []}, config, tenant_id="acme")
+        # durability="sync": the checkpoint after prepare is stored before the next step
+        # starts, so the take below finds it (and its parent) whatever the machine's load.
+        return await a.ainvoke(
+            shop.graph(a), {"log": []}, config, tenant_id="acme", durability="sync"
+        )
 
     task_a = asyncio.create_task(run_a())
     await asyncio.wait_for(shop.a_inside.wait(), 10)  # past prepare: a checkpoint stands
