@@ -33,7 +33,7 @@ from tests.polling import eventually
 
 pytestmark = pytest.mark.chaos
 
-TTL = 2.0
+TTL = 3.0  # the doomed worker must reach its write before a late renewal lapses it
 DEADLINE = 60.0
 TENANT = "acme"
 ENDED = (LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED, LeaseStatus.FAILED)
