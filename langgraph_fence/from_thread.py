@@ -47,11 +47,13 @@ def caller_discards_result(depth: int = 2) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _pops_result(code: Any, offset: int) -> bool:
-    instructions = iter(dis.get_instructions(code))
-    for instruction in instructions:
-        if instruction.offset == offset:
-            after = next(instructions, None)
-            return after is not None and after.opname == "POP_TOP"
+    # The first real instruction after the call: Python 3.11 leaves f_lasti on one of the
+    # call's inline CACHE entries, later versions on the call itself.
+    # (3.13 lists no CACHE entries, and deprecates asking for them.)
+    caches = {"show_caches": True} if sys.version_info < (3, 13) else {}
+    for instruction in dis.get_instructions(code, **caches):
+        if instruction.offset > offset and instruction.opname != "CACHE":
+            return instruction.opname == "POP_TOP"
     return False
 
 
