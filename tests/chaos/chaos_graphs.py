@@ -65,7 +65,6 @@ from langgraph.graph import END, START, StateGraph
 from sqlalchemy import text
 
 from langgraph_fence import (
-    ChildPlacement,
     Effect,
     ExecutionFencedError,
     ExecutionLeaseLostError,
@@ -76,6 +75,7 @@ from langgraph_fence.database import transaction
 from langgraph_fence.faults import arm_fault
 from langgraph_fence.instance import Instance
 from langgraph_fence.sinks import fenced_write
+from tests.chaos.write_steps import line, spawning
 from tests.polling import eventually
 from tests.processes import MARK_DIR_ENV, Started, start_process
 
@@ -226,14 +226,14 @@ def build_chaos_graph(instance: Instance, variant: str) -> Any:
         return {"log": [f"finish@{_token()}"]}
 
     if variant == NESTED_GRAPH:
-        charging = _line(("charge", charge_plain), ("after", finish))
+        charging = line(("charge", charge_plain), ("after", finish))
         charging_graph = fence_graph(
             charging, effects={"charge": Effect.NON_IDEMPOTENT_WRITE}
         ).compile(name="charging")
-        middle = fence_graph(_line(("middle", _spawning("charging", charging_graph))))
-        parent = _spawning("middle", middle.compile(name="middle"))
+        middle = fence_graph(line(("middle", spawning("charging", charging_graph))))
+        parent = spawning("middle", middle.compile(name="middle"))
         return fence_graph(
-            _line(("prepare", prepare), ("parent", parent), ("finish", finish))
+            line(("prepare", prepare), ("parent", parent), ("finish", finish))
         ).compile(checkpointer=instance.checkpointer, name=variant)
     if variant == PLAIN_GRAPH:
         charge, effect = charge_plain, Effect.NON_IDEMPOTENT_WRITE
@@ -241,36 +241,10 @@ def build_chaos_graph(instance: Instance, variant: str) -> Any:
         charge, effect = charge_sink, Effect.IDEMPOTENT_WRITE
     else:
         raise ValueError(f"unknown chaos graph {variant!r}")
-    builder = _line(("prepare", prepare), ("charge", charge), ("finish", finish))
+    builder = line(("prepare", prepare), ("charge", charge), ("finish", finish))
     return fence_graph(builder, effects={"charge": effect}).compile(
         checkpointer=instance.checkpointer, name=variant
     )
-
-
-def _line(*nodes: tuple[str, Any]) -> StateGraph[Any]:
-    """START -> each node in turn -> END."""
-    builder: StateGraph[Any] = StateGraph(State)
-    previous = START
-    for name, node in nodes:
-        builder.add_node(name, node)
-        builder.add_edge(previous, name)
-        previous = name
-    builder.add_edge(previous, END)
-    return builder
-
-
-def _spawning(name: str, graph: Any) -> Any:
-    """A node that runs ``graph`` as a ``PARENT_INSTANCE`` child and waits for it."""
-
-    async def spawn_and_wait(state: State) -> dict[str, list[str]]:
-        frame = get_execution_context()
-        child = await frame.spawn_child(
-            name, {"log": []}, placement=ChildPlacement.PARENT_INSTANCE, key=name, graph=graph
-        )
-        await frame.wait_children([child])
-        return {"log": [f"{name}@{frame.fence.token}"]}
-
-    return spawn_and_wait
 
 
 #: The fault points this process armed for good (kept: a context manager collected would

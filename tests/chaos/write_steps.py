@@ -259,8 +259,8 @@ def build_graph(
     )
 
 
-def _line(*nodes: tuple[str, Any]) -> StateGraph[Any]:
-    """START -> each node in turn -> END."""
+def line(*nodes: tuple[str, Any]) -> StateGraph[Any]:
+    """START -> each node in turn -> END (on a state with a ``log``)."""
     builder: StateGraph[Any] = StateGraph(State)
     previous = START
     for name, node in nodes:
@@ -271,7 +271,7 @@ def _line(*nodes: tuple[str, Any]) -> StateGraph[Any]:
     return builder
 
 
-def _spawning(name: str, graph: Any) -> Any:
+def spawning(name: str, graph: Any) -> Any:
     """A node that runs ``graph`` as a ``PARENT_INSTANCE`` child and waits for it."""
 
     async def spawn_and_wait(state: State) -> dict[str, Any]:
@@ -280,7 +280,7 @@ def _spawning(name: str, graph: Any) -> Any:
             name, {"log": []}, placement=ChildPlacement.PARENT_INSTANCE, key=name, graph=graph
         )
         await frame.wait_children([child])
-        return {"log": [name]}
+        return {"log": [f"{name}@{frame.fence.token}"]}
 
     return spawn_and_wait
 
@@ -294,19 +294,19 @@ def _build_nested(instance: Instance, variant: str, effect: Callable[[str], None
         return {"log": ["charge"]}
 
     charging = fence_graph(
-        _line(("charge", charge), ("child_done", step)),
+        line(("charge", charge), ("child_done", step)),
         effects={"charge": Effect.NON_IDEMPOTENT_WRITE},
     ).compile(name="charging")
     if variant == "nested-node":
         parent: Any = charging
     elif variant == "nested-spawn":
-        parent = _spawning("child", charging)
+        parent = spawning("child", charging)
     else:
-        middle = fence_graph(_line(("middle", _spawning("grandchild", charging)))).compile(
+        middle = fence_graph(line(("middle", spawning("grandchild", charging)))).compile(
             name="middle"
         )
-        parent = _spawning("child", middle)
-    return fence_graph(_line(("hold", step), ("parent", parent), ("receipt", step))).compile(
+        parent = spawning("child", middle)
+    return fence_graph(line(("hold", step), ("parent", parent), ("receipt", step))).compile(
         checkpointer=instance.checkpointer, name=graph_name(variant)
     )
 
