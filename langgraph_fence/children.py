@@ -78,7 +78,7 @@ __all__ = [
 CHILD_ID_PREFIX = "lgf-child:"
 
 _OUTPUT_ENDS = (LeaseStatus.DONE, LeaseStatus.WAITING)
-_FAILED_ENDS = (LeaseStatus.FAILED, LeaseStatus.DEAD_LETTERED)
+_FAILED_ENDS = (LeaseStatus.FAILED, LeaseStatus.DEAD_LETTERED, LeaseStatus.CANCELLED)
 
 
 class ChildPlacement(StrEnum):

@@ -411,8 +411,8 @@ def _parser() -> argparse.ArgumentParser:
         )
     resolve = command(
         "resolve",
-        "act on one dead-lettered execution: --retry it, or --abandon it",
-        description="Act on one dead-lettered execution, named by its scope key as "
+        "act on one dead-lettered or cancelled execution: --retry it, or --abandon it",
+        description="Act on one dead-lettered (or cancelled) execution, named by its scope key as "
         "`executions` lists it (or by --tenant and --execution), after a person checked what "
         "it may have done. --retry makes it pending again with its takeover budget reset: "
         "any worker serving its graph takes it at its next poll and resumes it from its last "
@@ -420,7 +420,8 @@ def _parser() -> argparse.ArgumentParser:
         "while a non-idempotent write stamped before it was dead-lettered stands, since a "
         "retry would repeat it. --abandon ends it failed with the reason 'abandoned by "
         "operator: TEXT' and clears its stamped writes (settled by hand); nothing runs it "
-        "again. Both are refused for an execution that is not dead-lettered.",
+        "again. Both are refused for an execution that is neither dead-lettered nor "
+        "cancelled.",
     )
     resolve.add_argument(
         "key",

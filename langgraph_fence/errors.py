@@ -210,7 +210,8 @@ class ExecutionBusyError(LangGraphFenceError, RuntimeError):
 
 
 class RunFailedError(LangGraphFenceError, RuntimeError):
-    """A submitted run ended without an output: ``failed`` (its error, or cancelled) or
+    """A submitted run ended without an output: ``failed`` (its error), ``cancelled`` (on
+    purpose, by :meth:`SubmittedRun.cancel <langgraph_fence.queue.SubmittedRun.cancel>`) or
     ``dead_lettered`` (a non-idempotent write may have happened and is not repeated).
 
     Raised by :meth:`SubmittedRun.result <langgraph_fence.queue.SubmittedRun.result>`; the
@@ -218,7 +219,7 @@ class RunFailedError(LangGraphFenceError, RuntimeError):
 
     Attributes:
         scope_key: the execution's scope key.
-        status: ``"failed"`` or ``"dead_lettered"``.
+        status: ``"failed"``, ``"dead_lettered"`` or ``"cancelled"``.
         reason: why, as the lease records it, or ``None``.
     """
 
@@ -243,8 +244,8 @@ class RunFailedError(LangGraphFenceError, RuntimeError):
 
 
 class ChildFailedError(RunFailedError):
-    """A child execution a step waited for ended without an output: ``failed`` (its error,
-    or cancelled) or ``dead_lettered``.
+    """A child execution a step waited for ended without an output: ``failed`` (its error),
+    ``cancelled`` or ``dead_lettered``.
 
     Raised (or, with ``return_exceptions=True``, returned in its place) by
     :meth:`ExecutionContext.wait_children <langgraph_fence.ExecutionContext.wait_children>`
@@ -253,7 +254,7 @@ class ChildFailedError(RunFailedError):
 
     Attributes:
         scope_key: the child execution's scope key.
-        status: ``"failed"`` or ``"dead_lettered"``.
+        status: ``"failed"``, ``"dead_lettered"`` or ``"cancelled"``.
         reason: why, as the child's lease records it, or ``None``.
     """
 

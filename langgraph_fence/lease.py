@@ -71,7 +71,10 @@ class LeaseStatus(enum.StrEnum):
     ``waiting``: released while it waits for input (an interrupt); with ``holder`` still
     set, **yielded**: its holder gave the hold up while the tree's only running steps wait
     for remote children (:func:`decide_yield`), and takes it again (:func:`decide_retake`).
-    ``done``, ``failed``, ``dead_lettered``: terminal; ``acquire`` never takes them over.
+    ``done``, ``failed``, ``dead_lettered``, ``cancelled``: terminal; ``acquire`` never
+    takes them over. ``cancelled``: ended on purpose by its submitter
+    (:meth:`~langgraph_fence.SubmittedRun.cancel`), never by a fault; a new run of the
+    execution resumes it, and so does ``langgraph-fence resolve --retry``.
     """
 
     PENDING = "pending"
@@ -80,11 +83,16 @@ class LeaseStatus(enum.StrEnum):
     DONE = "done"
     FAILED = "failed"
     DEAD_LETTERED = "dead_lettered"
+    CANCELLED = "cancelled"
 
 
-TERMINAL_STATUSES = frozenset({LeaseStatus.DONE, LeaseStatus.FAILED, LeaseStatus.DEAD_LETTERED})
+TERMINAL_STATUSES = frozenset(
+    {LeaseStatus.DONE, LeaseStatus.FAILED, LeaseStatus.DEAD_LETTERED, LeaseStatus.CANCELLED}
+)
 #: Statuses a new run of the same execution may reopen (a new turn, or a resume).
-REOPENABLE_STATUSES = frozenset({LeaseStatus.DONE, LeaseStatus.FAILED})
+REOPENABLE_STATUSES = frozenset({LeaseStatus.DONE, LeaseStatus.FAILED, LeaseStatus.CANCELLED})
+#: Statuses an operator resolves (``langgraph-fence resolve``): retry or abandon.
+RESOLVABLE_STATUSES = frozenset({LeaseStatus.DEAD_LETTERED, LeaseStatus.CANCELLED})
 #: Statuses ``release`` accepts.
 RELEASE_STATUSES = frozenset(
     {LeaseStatus.PENDING, LeaseStatus.WAITING, LeaseStatus.DONE, LeaseStatus.FAILED}
@@ -677,30 +685,31 @@ def decide_take_over(
     return replace(taken, takeovers=takeovers, progress_mark=progress_mark)
 
 
-def _dead_letter_of(current: Lease | None, key: LeaseKey, action: str) -> Lease:
-    """``current`` if dead-lettered: ``KeyError`` when absent, else ``ValueError`` saying
-    that only a dead-lettered execution can be ``action``."""
+def _resolvable(current: Lease | None, key: LeaseKey, action: str) -> Lease:
+    """``current`` if dead-lettered or cancelled: ``KeyError`` when absent, else
+    ``ValueError`` saying that only those can be ``action``."""
     if current is None:
         raise KeyError(f"no lease for execution {key.scope_key!r}")
-    if current.status is not LeaseStatus.DEAD_LETTERED:
+    if current.status not in RESOLVABLE_STATUSES:
         raise ValueError(
-            f"execution {key.scope_key!r} is {current.status.value}, not dead_lettered: only a "
-            f"dead-lettered execution can be {action}"
+            f"execution {key.scope_key!r} is {current.status.value}, not dead_lettered or "
+            f"cancelled: only a dead-lettered or cancelled execution can be {action}"
         )
     return current
 
 
 def decide_retry(current: Lease | None, key: LeaseKey) -> Lease:
-    """Make a dead-lettered execution ``pending`` again, its takeover budget reset.
+    """Make a dead-lettered or cancelled execution ``pending`` again, its takeover budget
+    reset.
 
     The operator's decision after fixing what killed it (``langgraph-fence resolve
     --retry``): any instance's ``serve()`` then takes it and resumes it from its last
     checkpoint. The epoch stays (the next take is + 1). Refused (``ValueError``) unless it
-    is dead-lettered, and while a ``NON_IDEMPOTENT_WRITE`` entry stands in its stamp set:
-    that write may have happened, and a retry would repeat it. Raises ``KeyError`` when
-    there is no lease for ``key``.
+    is dead-lettered or cancelled, and while a ``NON_IDEMPOTENT_WRITE`` entry stands in its
+    stamp set: that write may have happened, and a retry would repeat it. Raises
+    ``KeyError`` when there is no lease for ``key``.
     """
-    current = _dead_letter_of(current, key, "retried")
+    current = _resolvable(current, key, "retried")
     standing = non_idempotent_standing(current)
     if standing:
         raise ValueError(
@@ -733,17 +742,17 @@ def abandon_reason(text: str) -> str:
 
 
 def decide_abandon(current: Lease | None, key: LeaseKey, reason: str) -> Lease:
-    """End a dead-lettered execution ``failed`` with ``abandon_reason(reason)``.
+    """End a dead-lettered or cancelled execution ``failed`` with ``abandon_reason(reason)``.
 
     The operator's decision after a person checked the side effect a dead letter may have
     left (``langgraph-fence resolve --abandon --reason TEXT``): nothing resumes it. The
     epoch stays; the stamp set is cleared, the operator's word standing for the writes it
     named (else a new turn on the thread, reopening the failed execution, would be
     dead-lettered again for a write already settled). Refused (``ValueError``) unless it is
-    dead-lettered; raises ``KeyError`` when there is no lease for ``key``.
+    dead-lettered or cancelled; raises ``KeyError`` when there is no lease for ``key``.
     """
     stored = abandon_reason(reason)
-    current = _dead_letter_of(current, key, "abandoned")
+    current = _resolvable(current, key, "abandoned")
     return replace(
         current,
         holder=None,

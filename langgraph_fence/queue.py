@@ -93,9 +93,9 @@ OnBusy = Literal["reject", "enqueue", "interrupt"]
 ON_BUSY: Final = ("reject", "enqueue", "interrupt")
 _BUSY = (LeaseStatus.PENDING.value, LeaseStatus.RUNNING.value)
 #: Statuses a submitted run ends in (``waiting``: it reached an interrupt).
-_ENDED = frozenset({"done", "waiting", "failed", "dead_lettered"})
+_ENDED = frozenset({"done", "waiting", "failed", "dead_lettered", "cancelled"})
 #: Lease statuses after which a thread's next queued run may begin.
-_BETWEEN_RUNS = ("done", "waiting", "failed")
+_BETWEEN_RUNS = ("done", "waiting", "failed", "cancelled")
 
 _KEY = "tenant_id = :tenant_id AND execution_id = :execution_id"
 _HELD = guard_sql(
@@ -150,7 +150,7 @@ class _LeaseWrites:
         self.cancel = text(fence + " AND " + in_flight_sql() + " RETURNING epoch")
         # A parent's children that no worker claimed yet (pending, no holder) never start.
         self.cancel_children = text(
-            "UPDATE fence_leases SET epoch = epoch + 1, status = 'failed', reason = :reason, "
+            "UPDATE fence_leases SET epoch = epoch + 1, status = 'cancelled', reason = :reason, "
             f"updated_at = {now} WHERE tenant_id = :tenant_id AND status = 'pending' "
             "AND holder IS NULL AND parent_execution_id = :parent_execution_id"
         )
@@ -255,6 +255,7 @@ _ENDED_SQL = (
             LeaseStatus.WAITING,
             LeaseStatus.FAILED,
             LeaseStatus.DEAD_LETTERED,
+            LeaseStatus.CANCELLED,
         )
     )
     + ") AND NOT "
@@ -369,7 +370,9 @@ _MAKE_CURRENT = text("UPDATE fence_runs SET status = 'current' WHERE run_id = :r
 _PROMOTABLE = text(
     "SELECT DISTINCT r.tenant_id, r.execution_id FROM fence_runs r JOIN fence_leases l "
     "ON l.tenant_id = r.tenant_id AND l.execution_id = r.execution_id "
-    "WHERE r.status = 'queued' AND l.status IN ('done', 'waiting', 'failed') "
+    "WHERE r.status = 'queued' AND l.status IN ("
+    + ", ".join(f"'{status}'" for status in _BETWEEN_RUNS)
+    + ") "
     "AND l.holder IS NULL LIMIT :limit"
 )
 # The runs queued behind their thread's run, oldest submit first.
@@ -384,7 +387,7 @@ _QUEUED_RUNS = {
 }
 _RUN_STATUS = text("SELECT status FROM fence_runs WHERE run_id = :run_id")
 _CANCEL_QUEUED = text(
-    "UPDATE fence_runs SET status = 'failed', reason = :reason "
+    "UPDATE fence_runs SET status = 'cancelled', reason = :reason "
     "WHERE run_id = :run_id AND status = 'queued'"
 )
 _RUN_STATE = text(
@@ -1051,17 +1054,19 @@ class SubmittedRuns:
         )
 
     async def cancel(self, key: LeaseKey, reason: str, run_id: str | None = None) -> bool:
-        """End the execution ``failed`` with ``reason`` if it is pending or running; whether
-        it was. With ``run_id``: that submitted run only (a queued one never begins, and
-        ends ``failed``; the current one as the execution; one that ended: ``False``). A
-        running one is fenced (its epoch moves on): its next write, renewal or release is
-        refused and it drains. Its ``ANY_INSTANCE`` children that no worker has claimed yet
-        end ``failed`` with it, in the same transaction (they never start); children
-        already running run to their end (:mod:`langgraph_fence.children`)."""
+        """End the execution ``cancelled`` with ``reason`` if it is pending or running;
+        whether it was. With ``run_id``: that submitted run only (a queued one never begins,
+        and ends ``cancelled``; the current one as the execution; one that ended:
+        ``False``). A running one is fenced (its epoch moves on): its next write, renewal or
+        release is refused and it drains. Its ``ANY_INSTANCE`` children that no worker has
+        claimed yet end ``cancelled`` with it, in the same transaction (they never start);
+        children already running run to their end (:mod:`langgraph_fence.children`). A
+        cancelled execution is resumed from its last checkpoint by a new run of its thread
+        or by ``langgraph-fence resolve --retry``."""
         params = {
             "tenant_id": key.tenant_id,
             "execution_id": key.execution_id,
-            "status": LeaseStatus.FAILED.value,
+            "status": LeaseStatus.CANCELLED.value,
             "reason": reason,
         }
         # Exactly its own children: the rows that record it as their parent.
@@ -1500,10 +1505,16 @@ class SubmittedRun:
         )
 
     async def cancel(self) -> bool:
-        """Cancel the run: a pending one never starts, a running one is fenced (its next
-        write is refused and it drains); it ends ``failed`` with the reason "cancelled".
-        Whether it was still pending, running or queued. Guarantee 3 stands: a non-idempotent write
-        it stamped is not repeated by a later run of the thread (that run dead-letters)."""
+        """Cancel the run on purpose: a pending or queued one never starts, a running one is
+        fenced (its next write is refused and it drains); it ends ``cancelled``, a state of
+        its own that no worker takes over. Whether it was still pending, running or queued.
+
+        A cancelled run resumes from its last checkpoint when its thread is run again, or
+        with ``langgraph-fence resolve --retry`` (refused, like every resume, while a
+        non-idempotent write it stamped may have happened: guarantee 3 stands).
+
+        A run stopped by its process (Ctrl-C, SIGTERM, a cancelled task) is not cancelled:
+        it is handed back for any worker to take over."""
         return await self._queue.cancel(self.key, "cancelled by SubmittedRun.cancel()", self.run_id)
 
 

@@ -78,7 +78,8 @@ LEASES = Table(
         "status",
         Text,
         CheckConstraint(
-            "status IN ('pending', 'running', 'waiting', 'done', 'failed', 'dead_lettered')"
+            "status IN ('pending', 'running', 'waiting', 'done', 'failed', 'dead_lettered', "
+            "'cancelled')"
         ),
         nullable=False,
     ),
@@ -289,6 +290,58 @@ LEASE_MIGRATIONS.append(
             "ALTER TABLE fence_leases ADD COLUMN IF NOT EXISTS parent_execution_id TEXT",
             _PARENT_INDEX,
             _link_earlier_children,
+        ],
+    )
+)
+
+# Version 6: ``cancelled``, a status of its own (issue 33). A run cancelled on purpose
+# (SubmittedRun.cancel) used to end ``failed``, which nothing resumes; ``cancelled`` is
+# resumed by a new run of the thread and by ``resolve --retry``. PostgreSQL swaps the
+# status check; SQLite cannot alter a check, so the table is rebuilt as it stands after
+# version 5 (same columns, keys and indexes), in the migration's own transaction.
+_STATUS_CHECK = (
+    "status IN ('pending', 'running', 'waiting', 'done', 'failed', 'dead_lettered', 'cancelled')"
+)
+_LEASE_COLUMNS_V5 = (
+    "tenant_id, execution_id, scope_key, epoch, holder, expires_at, status, reason, "
+    "updated_at, pending_effects, takeovers, progress_mark, parent_execution_id"
+)
+_SQLITE_LEASES_V6 = f"""
+CREATE TABLE fence_leases_v6 (
+    tenant_id TEXT NOT NULL,
+    execution_id TEXT NOT NULL,
+    scope_key TEXT NOT NULL UNIQUE,
+    epoch BIGINT NOT NULL CHECK (epoch >= 0),
+    holder TEXT,
+    expires_at REAL,
+    status TEXT NOT NULL CHECK ({_STATUS_CHECK}),
+    reason TEXT,
+    updated_at REAL NOT NULL,
+    pending_effects TEXT NOT NULL DEFAULT '{{}}',
+    takeovers INTEGER NOT NULL DEFAULT 0,
+    progress_mark TEXT,
+    parent_execution_id TEXT,
+    PRIMARY KEY (tenant_id, execution_id)
+)
+"""
+
+LEASE_MIGRATIONS.append(
+    Migration(
+        version=6,
+        description="the cancelled status: a run cancelled on purpose, resumable",
+        sqlite=[
+            _SQLITE_LEASES_V6,
+            f"INSERT INTO fence_leases_v6 ({_LEASE_COLUMNS_V5}) "
+            f"SELECT {_LEASE_COLUMNS_V5} FROM fence_leases",
+            "DROP TABLE fence_leases",
+            "ALTER TABLE fence_leases_v6 RENAME TO fence_leases",
+            _CANDIDATES_INDEX,
+            _PARENT_INDEX,
+        ],
+        postgresql=[
+            "ALTER TABLE fence_leases DROP CONSTRAINT IF EXISTS fence_leases_status_check",
+            f"ALTER TABLE fence_leases ADD CONSTRAINT fence_leases_status_check "
+            f"CHECK ({_STATUS_CHECK})",
         ],
     )
 )

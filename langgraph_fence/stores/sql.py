@@ -62,6 +62,7 @@ from ..errors import ExecutionFencedError
 from ..guard import guard_sql
 from ..lease import (
     REOPENABLE_STATUSES,
+    RESOLVABLE_STATUSES,
     TERMINAL_STATUSES,
     Lease,
     LeaseKey,
@@ -112,6 +113,8 @@ class Taken(NamedTuple):
 
 
 _C = LEASES.c
+# The statuses an operator resolves, in a stable order (one cached statement).
+_RESOLVABLE = sorted(status.value for status in RESOLVABLE_STATUSES)
 _RETURNING = (
     _C.tenant_id,
     _C.execution_id,
@@ -451,7 +454,7 @@ class SqlLeaseRepository:
         non_idempotent = literal_column(stamps["non_idempotent"], Boolean)
         self._retry = (
             update(LEASES)
-            .where(and_(_KEY, _C.status == LeaseStatus.DEAD_LETTERED.value, ~non_idempotent))
+            .where(and_(_KEY, _C.status.in_(_RESOLVABLE), ~non_idempotent))
             .values(
                 holder=None,
                 expires_at=None,
@@ -464,7 +467,7 @@ class SqlLeaseRepository:
         )
         self._abandon = (
             update(LEASES)
-            .where(and_(_KEY, _C.status == LeaseStatus.DEAD_LETTERED.value))
+            .where(and_(_KEY, _C.status.in_(_RESOLVABLE)))
             .values(
                 holder=None,
                 expires_at=None,
@@ -1020,13 +1023,13 @@ class SqlLeaseRepository:
         )
 
     async def retry(self, key: LeaseKey) -> Lease:
-        """Make a dead-lettered execution ``pending`` again, its takeover budget reset
-        (:func:`~langgraph_fence.lease.decide_retry`): one guarded statement."""
+        """Make a dead-lettered or cancelled execution ``pending`` again, its takeover
+        budget reset (:func:`~langgraph_fence.lease.decide_retry`): one guarded statement."""
         check_key(key)
         params = self._params(tenant_id=key.tenant_id, execution_id=key.execution_id)
         row = await self._one(self._retry, params)
         if row is None:
-            # Refused: let the pure decision say why (no row, not dead-lettered, stamps).
+            # Refused: let the pure decision say why (no row, not resolvable, stamps).
             decide_retry(await self.get(key), key)
             raise ValueError(
                 f"execution {key.scope_key!r} changed while it was retried; look again"
@@ -1034,7 +1037,7 @@ class SqlLeaseRepository:
         return self._lease(row)
 
     async def abandon(self, key: LeaseKey, reason: str) -> Lease:
-        """End a dead-lettered execution ``failed``, its reason the operator's
+        """End a dead-lettered or cancelled execution ``failed``, its reason the operator's
         (:func:`~langgraph_fence.lease.decide_abandon`): one guarded statement."""
         check_key(key)
         params = self._params(
@@ -1042,7 +1045,7 @@ class SqlLeaseRepository:
         )
         row = await self._one(self._abandon, params)
         if row is None:
-            # Refused: let the pure decision say why (no row, not dead-lettered).
+            # Refused: let the pure decision say why (no row, not resolvable).
             decide_abandon(await self.get(key), key, reason)
             raise ValueError(
                 f"execution {key.scope_key!r} changed while it was abandoned; look again"

@@ -204,3 +204,47 @@ async def test_children_spawned_before_version_5_keep_their_parent(
     (warning,) = [r.getMessage() for r in caplog.records if r.name == "langgraph_fence.schema"]
     assert "1 execution(s) in flight" in warning
     assert "(acme:order-42)" in warning
+
+
+async def test_version_6_keeps_every_row_and_index_and_allows_cancelled(
+    fresh_engine: AsyncEngine,
+) -> None:
+    """Version 6 (``cancelled``) rebuilds SQLite's table and swaps PostgreSQL's check: every
+    row of version 5 stays as it was (stamps, budget, parent), the indexes the takes and
+    the children's reads use are there, and a row may end ``cancelled``; an unknown status
+    is still refused."""
+    await migrate(fresh_engine, "leases", LEASE_MIGRATIONS[:5])
+    columns = (
+        "tenant_id, execution_id, scope_key, epoch, holder, expires_at, status, reason, "
+        "updated_at, pending_effects, takeovers, progress_mark, parent_execution_id"
+    )
+    stamp = '{"t1": {"effect": "non_idempotent_write", "node": "charge", "token": 3}}'
+    before = [
+        ("acme", "p", "acme:p", 3, "A", 12.5, "running", None, 1.0, stamp, 2, "ck-1", None),
+        ("acme", "c", "acme:c", 0, None, None, "pending", "r", 2.0, "{}", 0, None, "p"),
+    ]
+    select = text(f"SELECT {columns} FROM fence_leases ORDER BY execution_id")
+    async with fresh_engine.begin() as conn:
+        names = columns.split(", ")
+        insert = text(
+            f"INSERT INTO fence_leases ({columns}) VALUES ("
+            + ", ".join(f":{n}" for n in names)
+            + ")"
+        )
+        for row in before:
+            await conn.execute(insert, dict(zip(names, row, strict=True)))
+        kept = [tuple(r) for r in await conn.execute(select)]
+
+    await SqlLeaseRepository(fresh_engine).setup()
+
+    def indexes(conn: Any) -> set[str]:
+        return {i["name"] for i in inspect(conn).get_indexes("fence_leases")}
+
+    async with fresh_engine.begin() as conn:
+        assert [tuple(r) for r in await conn.execute(select)] == kept
+        assert {"fence_leases_candidates", "fence_leases_parent"} <= await conn.run_sync(indexes)
+        ended = "UPDATE fence_leases SET status = :s WHERE execution_id = 'c'"
+        await conn.execute(text(ended), {"s": "cancelled"})
+    with pytest.raises(Exception, match=r"(?i)check"):
+        async with fresh_engine.begin() as conn:
+            await conn.execute(text(ended), {"s": "paused"})

@@ -524,7 +524,7 @@ async def test_cancelling_the_parent_cancels_its_children_not_started(
             await asyncio.wait_for(waiter, 20)
         for child in children:
             state = await parent.get_run(child.execution_id, tenant_id=TENANT).state()
-            assert state.status is LeaseStatus.FAILED
+            assert state.status is LeaseStatus.CANCELLED
             assert "was cancelled before it started" in (state.reason or "")
         assert work.ran == []
 
@@ -558,7 +558,7 @@ async def test_cancelling_a_parent_leaves_a_pending_run_named_like_its_child(
         lookalike = f"{TENANT}:{thread}:retry"
         mine = await client.submit("shout", {"text": "x"}, cfg(lookalike), tenant_id=TENANT)
         assert await parent.cancel()
-        assert (await parent.state()).status is LeaseStatus.FAILED
+        assert (await parent.state()).status is LeaseStatus.CANCELLED
         state = await mine.state()
         assert state.status is LeaseStatus.PENDING, state.reason  # not its child: untouched
 

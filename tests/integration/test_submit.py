@@ -163,7 +163,7 @@ async def test_cancel_a_pending_run_and_a_running_one(database: Database) -> Non
         assert await pending.cancel()
         with pytest.raises(RunFailedError) as ended:
             await pending.result(timeout=5)
-        assert ended.value.status == "failed"
+        assert ended.value.status == "cancelled"
         assert "cancelled" in (ended.value.reason or "")
         assert ended.value.code == "execution.run-failed"
 
@@ -185,6 +185,86 @@ async def test_cancel_a_pending_run_and_a_running_one(database: Database) -> Non
         history = [s.values async for s in graph.aget_state_history(config)]
         assert all(values.get("out") != "SLOW" for values in history)
         assert work.started.count(("a", "never")) == 0
+
+
+def build_two_steps(instance: Instance, work: Work) -> Any:
+    """``first`` then ``second``, each recording its input; ``second`` waits at its gate."""
+
+    async def first(state: State) -> dict[str, Any]:
+        work.started.append(("first", state["text"]))
+        return {"text": state["text"] + "+1"}
+
+    async def second(state: State) -> dict[str, Any]:
+        work.started.append(("second", state["text"]))
+        work.entered.setdefault("second", asyncio.Event()).set()
+        gate = work.gates.get("second")
+        if gate is not None:
+            await gate.wait()
+        return {"out": state["text"].upper()}
+
+    builder = StateGraph(State)
+    builder.add_node("first", first)
+    builder.add_node("second", second)
+    builder.add_edge(START, "first")
+    builder.add_edge("first", "second")
+    builder.add_edge("second", END)
+    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="two")
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("resume", ["cli", "api"])
+async def test_a_cancelled_run_is_its_own_end_and_resumes_from_its_last_checkpoint(
+    database: Database, resume: str
+) -> None:
+    """A run cancelled on purpose ends ``cancelled``: no worker takes it over, and it is
+    resumed, from the checkpoint its cancel left, by ``resolve --retry`` (an operator) or by
+    a new run of its thread (the API)."""
+    async with opened(database, "client") as client, opened(database, "worker") as worker:
+        work = Work(gates={"second": asyncio.Event()})
+        graph = build_two_steps(worker, work)
+        thread = unique("t")
+        run = await client.submit("two", {"text": "x"}, cfg(thread), tenant_id="a")
+        fenced = asyncio.Event()
+        worker.add_listener(lambda e: fenced.set() if e.kind is EventKind.FENCED else None)
+        config = {"configurable": {"thread_id": thread, "tenant_id": "a"}}
+
+        async def after_first() -> bool:
+            return (await graph.aget_state(config)).next == ("second",)
+
+        async with serving(worker, {"two": graph}):
+            await within(work.entered.setdefault("second", asyncio.Event()))
+            # The checkpoint ``first`` left is stored (durability "async" writes it beside
+            # ``second``): the cancel comes after it, as a cancel mid-run usually does.
+            await eventually(after_first, what="the checkpoint after first")
+            assert await run.cancel()
+            work.gates["second"].set()
+            await within(fenced)
+            with pytest.raises(RunFailedError) as ended:
+                await run.result(timeout=5)
+            assert ended.value.status == "cancelled"
+            # The worker serving its graph goes on, and leaves it alone: another run is
+            # claimed and ends while the cancelled one stays cancelled.
+            other = await client.submit("two", {"text": "y"}, cfg(unique("t")), tenant_id="a")
+            assert (await other.result(timeout=20))["out"] == "Y+1"
+            assert (await run.state()).status is LeaseStatus.CANCELLED
+            assert work.started.count(("second", "x+1")) == 1
+
+            if resume == "cli":
+                from tests.integration.test_resolve import cli, schema_args
+
+                key = ["--db", database.url, *schema_args(database.schema), f"a:{thread}"]
+                # In a thread: the worker in this loop goes on (a SQLite writer mid-statement
+                # must not be frozen while the CLI waits for the file's lock).
+                done = await asyncio.to_thread(cli, "resolve", "--retry", *key)
+                assert done.returncode == 0, done.stderr
+                assert "pending again" in done.stdout
+                assert (await run.result(timeout=20))["out"] == "X+1"
+            else:
+                assert (await graph.ainvoke(None, config))["out"] == "X+1"
+        # Resumed from the checkpoint after ``first``: it ran once, ``second`` again.
+        assert work.started.count(("first", "x")) == 1
+        assert work.started.count(("second", "x+1")) == 2
+        assert (await run.state()).status is LeaseStatus.DONE
 
 
 async def test_one_tenants_burst_does_not_starve_another(database: Database) -> None:
@@ -497,4 +577,4 @@ async def test_the_queues_lease_writes_use_the_stores_clock(leases: Leases) -> N
     assert await updated_at() == leases.clock()
     lease = await leases.store.get(key)
     assert lease is not None
-    assert lease.status is LeaseStatus.FAILED
+    assert lease.status is LeaseStatus.CANCELLED
