@@ -54,8 +54,8 @@ from bench_savers import (
     sqlite_official,
 )
 
-from checkpointers import SqlCheckpointer
 from langgraph_fence import SqlLeaseRepository, fence_graph
+from langgraph_fence.checkpointers import SqlCheckpointer
 from langgraph_fence.instance import Instance
 from langgraph_fence.records import SqlExecutionRecords
 from tests.statements import Statements

@@ -40,8 +40,8 @@ from typing import Annotated, Any, TypedDict
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import Send
 
-from checkpointers import SqlCheckpointer
 from langgraph_fence import FencedCheckpointer, LeaseKey, SqlLeaseRepository
+from langgraph_fence.checkpointers import SqlCheckpointer
 from langgraph_fence.database import create_engine, normalize_url
 from langgraph_fence.fence import RunHandle
 

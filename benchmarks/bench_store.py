@@ -39,8 +39,8 @@ from langgraph.store.memory import InMemoryStore
 from langgraph.store.postgres import AsyncPostgresStore
 from sqlalchemy import text
 
-from checkpointers import SqlStore
 from langgraph_fence import Effect, FencedStore, LeaseKey, SqlLeaseRepository
+from langgraph_fence.checkpointers import SqlStore
 from langgraph_fence.context import ExecutionContext, _reset_frame, _set_frame
 from langgraph_fence.database import create_engine, schema_options
 from langgraph_fence.fence import ExecutionFence, RunHandle

@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     __version__: str
     from .checkpoint import FencedCheckpointer
+    from .checkpointers import SqlCheckpointer, SqlStore
     from .children import Child, ChildPlacement
     from .context import ExecutionContext, get_execution_context
     from .effects import Effect
     from .errors import (
         ChildFailedError,
+        ExecutionBusyError,
         ExecutionContextUnavailableError,
         ExecutionDeadLetteredError,
         ExecutionEndedError,
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
         ExecutionLeaseLostError,
         InstanceFullError,
         LangGraphFenceError,
+        RunFailedError,
         find_fence_error,
     )
     from .events import EventKind, FenceEvent
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
     from .instance import Instance
     from .lease import ExecutionLeaseRepository, Lease, LeaseKey, LeaseStatus, PendingEffect
     from .nodes import fenced
+    from .queue import RunState, SubmittedRun
     from .scope import parse_scope_key, scope_key
     from .store import FencedStore
     from .stores import MemoryLeaseRepository, SqlLeaseRepository
@@ -68,7 +72,9 @@ _WHERE = {
     "PendingEffect": ".lease",
     "RunFailedError": ".errors",
     "RunState": ".queue",
+    "SqlCheckpointer": ".checkpointers",
     "SqlLeaseRepository": ".stores",
+    "SqlStore": ".checkpointers",
     "SubmittedRun": ".queue",
     "fence_graph": ".graph",
     "fence_tools": ".tools",
@@ -135,7 +141,9 @@ __all__ = [
     "PendingEffect",
     "RunFailedError",
     "RunState",
+    "SqlCheckpointer",
     "SqlLeaseRepository",
+    "SqlStore",
     "SubmittedRun",
     "__version__",
     "fence_graph",

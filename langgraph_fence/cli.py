@@ -724,8 +724,7 @@ async def _work(
 async def _migrate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from checkpointers import SqlCheckpointer, SqlStore
-
+    from .checkpointers import SqlCheckpointer, SqlStore
     from .database import create_engine
     from .records import SqlExecutionRecords
     from .sinks import setup_sink

@@ -249,7 +249,7 @@ async def run_demo(db: str | None = None, *, schema: str | None = None) -> DemoR
     Raises:
         ValueError: an unsupported URL, or a schema given for SQLite.
     """
-    from checkpointers import SqlCheckpointer
+    from .checkpointers import SqlCheckpointer
 
     url = db or f"sqlite+aiosqlite:///{Path.cwd() / DEFAULT_DEMO_FILE}"
     postgres = normalize_url(url).get_backend_name() == "postgresql"

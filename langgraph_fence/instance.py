@@ -276,9 +276,8 @@ class Instance:
                 ``renew_interval``, ``clock``, ``sleep``, ``max_takeovers``, ``tenant_id``,
                 ``max_held``, ``renewer``).
         """
-        from checkpointers import SqlCheckpointer
-        from checkpointers.store import SqlStore
-
+        from .checkpointers import SqlCheckpointer
+        from .checkpointers.store import SqlStore
         from .database import create_engine
         from .stores.sql import SqlLeaseRepository
 

@@ -201,7 +201,7 @@ _DATABASE_MODULES = (
     "langgraph.checkpoint.sqlite",
     "langgraph.store.postgres",
     "langgraph.store.sqlite",
-    "checkpointers",
+    "langgraph_fence.checkpointers",
     "langgraph_fence.stores",
     "langgraph_fence.records",
     "langgraph_fence.database",

@@ -91,8 +91,7 @@ class Leases:
     instances on them that a test can stall and resume. See the module docstring."""
 
     def __init__(self, engine: AsyncEngine, clock: ManualClock) -> None:
-        from checkpointers import SqlCheckpointer
-
+        from .checkpointers import SqlCheckpointer
         from .records import SqlExecutionRecords
         from .stores.sql import SqlLeaseRepository
 

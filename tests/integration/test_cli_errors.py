@@ -237,7 +237,8 @@ def test_help_and_listings_never_load_langgraph(tmp_path: Path) -> None:
         "from langgraph_fence.cli import main\n"
         "code = main(sys.argv[1:])\n"
         "print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('langgraph', 'langchain_core', 'checkpointers')))\n"
+        "('langgraph', 'langchain_core', 'checkpointers') "
+        "or m.startswith('langgraph_fence.checkpointers')))\n"
         "sys.exit(code)\n"
     )
     for args in (

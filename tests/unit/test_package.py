@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import langgraph_fence
 from langgraph_fence import errors
@@ -17,6 +19,50 @@ def test_every_public_name_resolves_to_its_modules_object() -> None:
         defined = getattr(importlib.import_module(module, "langgraph_fence"), name)
         assert getattr(langgraph_fence, name) is defined, name
     assert set(langgraph_fence.__all__) <= set(dir(langgraph_fence))
+
+
+def test_type_checkers_see_every_public_name() -> None:
+    """The ``TYPE_CHECKING`` block names what ``_WHERE`` loads (else a type checker sees
+    ``Any`` for a public name)."""
+    tree = ast.parse(Path(langgraph_fence.__file__).read_text())
+    block = next(
+        n for n in tree.body if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)
+    )
+    seen = {
+        alias.asname or alias.name
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert seen == set(langgraph_fence._WHERE)
+
+
+def test_a_users_own_checkpointers_module_cannot_break_the_package(tmp_path: Path) -> None:
+    """A project with a ``checkpointers.py`` of its own (found first on the script's path)
+    opens an instance, and the earlier import name ``checkpointers`` (outside such a
+    project) gives the very same classes."""
+    (tmp_path / "checkpointers.py").write_text("raise ImportError('the user own module')\n")
+    probe = (
+        "import asyncio, langgraph_fence\n"
+        "async def main():\n"
+        "    async with langgraph_fence.Instance.open('sqlite+aiosqlite:///f.db') as i:\n"
+        "        print(type(i.checkpointer).__name__)\n"
+        "asyncio.run(main())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "FencedCheckpointer"
+
+    import checkpointers.sql
+
+    import checkpointers
+    from langgraph_fence.checkpointers import sql
+
+    assert checkpointers.SqlCheckpointer is langgraph_fence.SqlCheckpointer
+    assert checkpointers.sql is sql
+    assert checkpointers.SqlStore is langgraph_fence.SqlStore
 
 
 def test_importing_the_package_and_its_errors_loads_no_langgraph() -> None:

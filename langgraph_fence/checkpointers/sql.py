@@ -45,7 +45,7 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from langgraph_fence.checkpoint import (
+from ..checkpoint import (
     DEFAULT_TENANT,
     admit_write,
     checkpoint_clear_keys,
@@ -55,17 +55,16 @@ from langgraph_fence.checkpoint import (
     writes_clear_keys,
     writes_proof,
 )
-from langgraph_fence.database import Dialect, check_engine, create_engine, transaction
-from langgraph_fence.errors import ExecutionLeaseLostError
-from langgraph_fence.faults import fault_point
-from langgraph_fence.fence import RunHandle
-from langgraph_fence.lease import Lease, fenced_error
-from langgraph_fence.migrations import migrate
-from langgraph_fence.retry import retry_window
-from langgraph_fence.schema import LEASE_MIGRATIONS
-from langgraph_fence.serde import safe_serializer
-from langgraph_fence.validate import storable_text
-
+from ..database import Dialect, check_engine, create_engine, transaction
+from ..errors import ExecutionLeaseLostError
+from ..faults import fault_point
+from ..fence import RunHandle
+from ..lease import Lease, fenced_error
+from ..migrations import migrate
+from ..retry import retry_window
+from ..schema import LEASE_MIGRATIONS
+from ..serde import safe_serializer
+from ..validate import storable_text
 from ._postgres import PostgresDriver
 from ._rows import CheckpointQuery, CheckpointRow, Driver, Guard, StoredCheckpoint
 from ._sqlite import SqliteDriver

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from langgraph_fence.lease import Lease
+    from ..lease import Lease
 
 __all__ = [
     "CheckpointQuery",

@@ -24,11 +24,10 @@ from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from langgraph_fence._compat import aiosqlite_call
-from langgraph_fence.driver import Connections
-from langgraph_fence.guard import guard_sql
-from langgraph_fence.schema import STAMP_SQL, stamp_patch
-
+from .._compat import aiosqlite_call
+from ..driver import Connections
+from ..guard import guard_sql
+from ..schema import STAMP_SQL, stamp_patch
 from ._rows import (
     BlobRow,
     CheckpointQuery,

@@ -42,24 +42,23 @@ from langgraph.store.memory import _compare_values, _does_match
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from langgraph_fence.checkpoint import DEFAULT_TENANT, refuse_write, step_config
-from langgraph_fence.context import ExecutionContext, current_frame
-from langgraph_fence.database import (
+from ..checkpoint import DEFAULT_TENANT, refuse_write, step_config
+from ..context import ExecutionContext, current_frame
+from ..database import (
     Dialect,
     check_engine,
     read_only,
     single_statement,
     transaction,
 )
-from langgraph_fence.errors import ExecutionLeaseLostError
-from langgraph_fence.fence import RunHandle
-from langgraph_fence.from_thread import run_on_loop
-from langgraph_fence.guard import guard_sql, holds
-from langgraph_fence.lease import fenced_error
-from langgraph_fence.migrations import Migration, migrate
-from langgraph_fence.schema import LEASE_MIGRATIONS
-from langgraph_fence.store import checked_ops
-
+from ..errors import ExecutionLeaseLostError
+from ..fence import RunHandle
+from ..from_thread import run_on_loop
+from ..guard import guard_sql, holds
+from ..lease import fenced_error
+from ..migrations import Migration, migrate
+from ..schema import LEASE_MIGRATIONS
+from ..store import checked_ops
 from ._rows import Guard
 
 __all__ = ["STORE_COMPONENT", "STORE_MIGRATIONS", "SqlStore"]
