@@ -36,7 +36,6 @@ from collections.abc import (
     Sequence,
 )
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
-from urllib.parse import unquote
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
@@ -47,321 +46,43 @@ from langgraph.checkpoint.base import (
     CheckpointTuple,
     DeltaChannelHistory,
 )
-from langgraph.checkpoint.serde.types import ERROR, INTERRUPT
-from langgraph.config import get_config
 
-from ._compat import pregel_runtime
+from .admission import (
+    admit_write,
+    check_held,
+    checkpoint_clear_keys,
+    fence_handle,
+    refuse_write,
+    writes_clear_keys,
+    writes_proof,
+)
 from .errors import (
     ExecutionContextUnavailableError,
-    ExecutionFencedError,
     ExecutionLeaseLostError,
 )
 from .faults import fault_point
 from .fence import FENCE_CONFIG_KEY, RunHandle
-from .guard import holds
-from .lease import fenced_error
 from .proofs import CheckpointAt
-from .scope import encode_part
 from .serde import strict_serde
+from .tenancy import (
+    DEFAULT_TENANT,
+    LEGACY_TENANT,
+    inner_thread_id,
+    legacy_thread_id,
+    outer_thread_id,
+    plain_tenant,
+    thread_tenant,
+)
 
 if TYPE_CHECKING:
     from .admin import ThreadAdmin
     from .instance import Instance
 
-__all__ = [
-    "DEFAULT_TENANT",
-    "LEGACY_TENANT",
-    "CheckpointAt",
-    "FencedCheckpointer",
-    "admit_write",
-    "check_held",
-    "check_write_scope",
-    "checkpoint_clear_keys",
-    "fence_handle",
-    "refuse_write",
-    "step_config",
-    "thread_tenant",
-    "writes_clear_keys",
-    "writes_proof",
-]
+__all__ = ["FencedCheckpointer"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-def fence_handle(config: RunnableConfig) -> RunHandle | None:
-    """The run handle at ``config["configurable"]["__fence"]``, or ``None`` when absent.
-
-    Raises:
-        ValueError: something other than a :class:`~langgraph_fence.fence.RunHandle` is
-            there (a lease, a token, another library's object), or the handle's lease does
-            not come from the handle's repository.
-    """
-    configurable = config.get("configurable") or {}
-    handle = configurable.get(FENCE_CONFIG_KEY)
-    if handle is None:
-        return None
-    if not isinstance(handle, RunHandle):
-        raise ValueError(
-            f'config["configurable"]["{FENCE_CONFIG_KEY}"] must be the RunHandle of the run '
-            f"(langgraph_fence.fence.RunHandle), got {type(handle).__name__}: pass the handle "
-            "the runtime created for the run (Instance.ainvoke does), or leave the key out to "
-            "write unfenced"
-        )
-    if not handle.from_own_store():
-        lease = handle.lease
-        raise ValueError(
-            f'config["configurable"]["{FENCE_CONFIG_KEY}"] holds a RunHandle whose lease '
-            f"({getattr(lease, 'store_id', type(lease).__name__)!r}) does not come from its "
-            f"repository ({handle.repository.store_id!r}): build the handle from the lease "
-            "its own repository returned"
-        )
-    return handle
-
-
-#: The one default tenant: of a thread read, written or erased with no tenant given (plain
-#: LangGraph use), through a bare saver and through an instance that was given no
-#: ``tenant_id`` alike. A tenant like any other: a run the LangGraph way with no tenant holds
-#: a lease of it, and ``adelete_thread(thread_id)`` erases that run's thread.
-DEFAULT_TENANT = "default"
-
-#: The tenant that rows written with no tenant while the default tenant was the empty string
-#: keep where they could not be moved to :data:`DEFAULT_TENANT` (version 3 of the
-#: ``checkpoints`` component: the thread had rows of that tenant too, or a lease of another
-#: tenant names it): read them with ``configurable["tenant_id"] = ""``. No lease can be of
-#: it, so nothing fences its threads.
-LEGACY_TENANT = ""
-
-
-def thread_tenant(config: RunnableConfig | None) -> str:
-    """The tenant a thread read or write belongs to: part of the thread's key.
-
-    ``config["configurable"]["tenant_id"]`` when given, else the tenant of the run handle at
-    ``config["configurable"]["__fence"]``, else :data:`DEFAULT_TENANT`. A tenant's
-    ``chat-1`` and another tenant's ``chat-1`` are two threads that never meet.
-
-    Raises:
-        ValueError: ``tenant_id`` is not a str.
-    """
-    configurable = config.get("configurable") if isinstance(config, Mapping) else None
-    if not isinstance(configurable, Mapping):
-        return DEFAULT_TENANT
-    tenant_id = configurable.get("tenant_id")
-    if tenant_id is None:
-        handle = configurable.get(FENCE_CONFIG_KEY)
-        return handle.key.tenant_id if isinstance(handle, RunHandle) else DEFAULT_TENANT
-    if not isinstance(tenant_id, str):
-        raise ValueError(
-            f'config["configurable"]["tenant_id"] must be a str (the tenant the thread belongs '
-            f"to), got {type(tenant_id).__name__}: pass the tenant's id as text, or leave the "
-            "key out for the default tenant"
-        )
-    return tenant_id
-
-
-def check_write_scope(handle: RunHandle, config: RunnableConfig, *, action: str) -> None:
-    """Refuse a write to a thread that is not the handle's execution.
-
-    The thread's execution is ``configurable["execution_id"]`` (default: the ``thread_id``)
-    of tenant ``configurable["tenant_id"]`` when given. A handle of another execution holds
-    no right to this thread, whatever its token.
-
-    Raises:
-        ExecutionFencedError: the handle covers another execution (not recorded here).
-        ValueError: the config names no thread.
-    """
-    configurable = config.get("configurable") or {}
-    if configurable.get("thread_id") is None:
-        raise ValueError(
-            f'{action} needs config["configurable"]["thread_id"]: pass '
-            'config={"configurable": {"thread_id": "<your thread id>"}}'
-        )
-    execution_id = configurable.get("execution_id") or str(configurable["thread_id"])
-    tenant_id = configurable.get("tenant_id")
-    key = handle.key
-    if key.execution_id != execution_id or (tenant_id is not None and tenant_id != key.tenant_id):
-        raise ExecutionFencedError(
-            f"{action} refused: thread {configurable.get('thread_id')!r} belongs to execution "
-            f"{execution_id!r}{'' if tenant_id is None else f' of tenant {tenant_id!r}'}, but "
-            f"the run handle holds the lease of {handle.scope_key!r} (token {handle.token}): a "
-            "lease covers its own execution only. Pass the handle of this thread's execution.",
-            scope_key=handle.scope_key,
-            token_held=handle.token,
-            token_seen=None,
-        )
-
-
-#: How a saver that does not key threads by tenant stores a tenant's thread (see below).
-_TENANT_THREAD = "lgf-tenant:"
-
-
-def _plain(tenant_id: str) -> bool:
-    """Whether a saver that knows no tenants keeps ``tenant_id``'s thread ids as they are."""
-    return tenant_id in (DEFAULT_TENANT, LEGACY_TENANT)
-
-
-def _inner_thread_id(tenant_id: str, thread_id: str) -> str:
-    """The thread id under which a saver that knows no tenants keeps the tenant's thread.
-
-    The default tenant's ids are kept as they are (plain LangGraph use sees its own ids);
-    any other tenant's become ``lgf-tenant:<tenant>:<thread>``, each part encoded as in a
-    scope key, so no two ``(tenant, thread)`` pairs share one: a default-tenant id that
-    itself starts with the prefix is encoded too, with an empty tenant part.
-    """
-    if _plain(tenant_id) and not thread_id.startswith(_TENANT_THREAD):
-        return thread_id
-    tenant_part = "" if _plain(tenant_id) else encode_part(tenant_id, name="tenant_id")
-    return f"{_TENANT_THREAD}{tenant_part}:{encode_part(thread_id, name='thread_id')}"
-
-
-def _legacy_thread_id(tenant_id: str, thread_id: str) -> str | None:
-    """Where an instance kept the default tenant's thread over a saver that knows no tenants
-    while a bare saver's default was the empty string (``lgf-tenant:default:<thread>``): read
-    when the thread has no checkpoint under its own id, erased with it."""
-    if tenant_id != DEFAULT_TENANT:
-        return None
-    tenant_part = encode_part(tenant_id, name="tenant_id")
-    return f"{_TENANT_THREAD}{tenant_part}:{encode_part(thread_id, name='thread_id')}"
-
-
-def _outer_thread_id(inner_id: str) -> tuple[str, str]:
-    """``(tenant_id, thread_id)`` of an id made by :func:`_inner_thread_id`."""
-    if not inner_id.startswith(_TENANT_THREAD):
-        return DEFAULT_TENANT, inner_id
-    tenant_part, _, thread_part = inner_id[len(_TENANT_THREAD) :].partition(":")
-    return unquote(tenant_part) or DEFAULT_TENANT, unquote(thread_part)
-
-
-def step_config() -> RunnableConfig:
-    """The config of the LangGraph step running now, or an empty one outside any step.
-
-    For a write that is handed no config (a store op): :func:`refuse_write` finds the run's
-    drain control in it.
-    """
-    try:
-        return get_config()
-    except RuntimeError:
-        return {}
-
-
-async def check_held(handle: RunHandle, config: RunnableConfig, action: str) -> None:
-    """The check a write to a store that cannot check tokens makes before it delegates.
-
-    Locally first (no I/O), then one read of the lease compared by the one guard
-    (:func:`~langgraph_fence.guard.holds`). A refusal is recorded on the run
-    (:func:`refuse_write`) and raised. **Window:** a take-over committed after the read and
-    before the delegated write completes is not seen; that write lands.
-
-    Raises:
-        ExecutionLeaseLostError: the hold can no longer be proven, or (as
-            ``ExecutionFencedError``) the lease was taken over.
-    """
-    try:
-        handle.check()
-        current = await handle.repository.get(handle.key)
-        if not holds(handle.lease, current):
-            raise fenced_error(handle.lease, current, action=action)
-    except ExecutionLeaseLostError as exc:
-        raise refuse_write(handle, config, exc) from None
-
-
-def admit_write(handle: RunHandle, config: RunnableConfig, action: str) -> None:
-    """The local checks of a fenced write (no I/O), made before anything is read or
-    written: a run already fenced or lost, a thread of another execution (and any tenant
-    but the run's) are refused with :func:`refuse_write`."""
-    try:
-        if handle.error is not None:
-            raise handle.error
-        check_write_scope(handle, config, action=action)
-    except ExecutionLeaseLostError as exc:
-        raise refuse_write(handle, config, exc) from None
-
-
-def refuse_write(
-    handle: RunHandle, config: RunnableConfig, error: ExecutionLeaseLostError
-) -> ExecutionLeaseLostError:
-    """Record ``error`` on the handle, ask the run to drain, and return the error to raise.
-
-    The handle keeps the first fencing error of the run; that one is returned, so every
-    place that raises raises the same object. The drain goes through LangGraph's
-    ``RunControl`` (``runtime.control.request_drain``) when the run has one: a run with
-    ``durability="async"`` then stops at the next superstep boundary instead of running on
-    ahead of its refused checkpoints.
-    """
-    recorded = handle.record(error)
-    runtime = pregel_runtime(config.get("configurable") or {})
-    control = getattr(runtime, "control", None)
-    if control is not None:
-        control.request_drain(f"execution {handle.scope_key} fenced at token {handle.token}")
-    return recorded
-
-
-#: Writes that record a step that did not finish: its effect may or may not have happened.
-_UNFINISHED = frozenset({ERROR, INTERRUPT})
-
-
-def writes_clear_keys(
-    handle: RunHandle, task_id: str, writes: Sequence[tuple[str, Any]]
-) -> tuple[str, ...]:
-    """The entries of the stamp set these writes of ``task_id`` may clear.
-
-    Only the task's own entries, and only with writes of a finished step: an error or an
-    interrupt write leaves them standing (nothing proves the effect did not start), so a
-    resume of that step is dead-lettered rather than repeated. The saver clears them only
-    where the writes are seen by a resume: their checkpoint is stored.
-    """
-    if not handle.pending_effects or any(channel in _UNFINISHED for channel, _ in writes):
-        return ()
-    return tuple(k for k, e in handle.pending_effects.items() if e.task_id == task_id)
-
-
-def writes_proof(config: RunnableConfig) -> tuple[CheckpointAt, ...]:
-    """The checkpoints that must all be stored for a task's writes (saved with ``config``)
-    to be seen by a resume: the one they belong to, and every ancestor's.
-
-    A resume starts from the root. It re-runs the root task that runs a subgraph unless the
-    root checkpoint of that task's superstep is stored; a re-run from an earlier root
-    checkpoint gives that task a new id, so the subgraph starts over in a new namespace and
-    writes stored in the old one are seen by nobody. So a subgraph task's writes prove its
-    step recorded only once the checkpoint of every level above it is stored too: LangGraph's
-    ``checkpoint_map`` names them (``""`` the root's).
-    """
-    configurable = config.get("configurable") or {}
-    own_ns = str(configurable.get("checkpoint_ns") or "")
-    proof: dict[str, str] = {}
-    ancestors = configurable.get("checkpoint_map")
-    if isinstance(ancestors, Mapping):
-        for ns, checkpoint_id in ancestors.items():
-            if isinstance(ns, str) and isinstance(checkpoint_id, str) and checkpoint_id:
-                proof[ns] = checkpoint_id
-    proof[own_ns] = str(configurable.get("checkpoint_id") or "")
-    return tuple(sorted(proof.items()))
-
-
-def checkpoint_clear_keys(
-    handle: RunHandle, config: RunnableConfig, checkpoint_id: str
-) -> tuple[str, ...]:
-    """The entries of the stamp set a checkpoint ``checkpoint_id`` clears.
-
-    A root checkpoint is taken after every task of the supersteps before it finished and
-    their writes were applied, so a resume from it (or a later one) never runs those steps
-    again: it clears every entry whose superstep checkpoint is older. Checkpoint ids are
-    ordered (LangGraph's uuid6), so "older" is a string comparison.
-
-    Any checkpoint of the run (a subgraph's too) also clears the entries whose finished
-    writes landed before their proof was stored, once it completes that proof
-    (:class:`~langgraph_fence.proofs.WriteProofs`).
-    """
-    pending = handle.pending_effects
-    if not pending:
-        return ()
-    ns = (config.get("configurable") or {}).get("checkpoint_ns") or ""
-    proven = [k for k in handle.proofs.provable((ns, checkpoint_id)) if k in pending]
-    if ns:
-        return tuple(proven)
-    older = [k for k, e in pending.items() if e.checkpoint_id and e.checkpoint_id < checkpoint_id]
-    return tuple(dict.fromkeys(older + proven))
 
 
 def _checkpoint_at(config: RunnableConfig, checkpoint_id: str) -> CheckpointAt:
@@ -484,7 +205,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         self.require_fence = bool(require_fence)
         self._loop: asyncio.AbstractEventLoop | None = None
         # A saver that keys threads by tenant itself (SqlCheckpointer) gets configs as they
-        # are; any other keeps a tenant's thread under an id of its own (_inner_thread_id).
+        # are; any other keeps a tenant's thread under an id of its own (inner_thread_id).
         self._scopes_tenants = bool(getattr(inner, "scopes_tenants", False))
         # A fence-aware saver that makes the local checks of a fenced write itself (the
         # run's recorded error, the thread's execution: check_write_scope), before anything
@@ -536,7 +257,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             rest = {k: v for k, v in configurable.items() if k != "tenant_id"}
             return {**config, "configurable": rest} if rest else None
         thread_id = str(configurable["thread_id"])
-        inner_id = _inner_thread_id(thread_tenant(config), thread_id)
+        inner_id = inner_thread_id(thread_tenant(config), thread_id)
         if inner_id == thread_id:
             return config
         return {**config, "configurable": {**configurable, "thread_id": inner_id}}
@@ -549,8 +270,8 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         if configurable.get("thread_id") is None:
             return config
         inner_id = str(configurable["thread_id"])
-        tenant_id, thread_id = _outer_thread_id(inner_id)
-        if _plain(tenant_id) and thread_id == inner_id:
+        tenant_id, thread_id = outer_thread_id(inner_id)
+        if plain_tenant(tenant_id) and thread_id == inner_id:
             return config
         outer = {**configurable, "thread_id": thread_id}
         if tenant_id != DEFAULT_TENANT:
@@ -589,7 +310,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         """``(thread id, keyword arguments)`` for an inner admin call on the tenant's thread."""
         if self._scopes_tenants:
             return thread_id, {"tenant_id": tenant_id}
-        return _inner_thread_id(tenant_id, str(thread_id)), {}
+        return inner_thread_id(tenant_id, str(thread_id)), {}
 
     def tenant_of(self, tenant_id: str | None) -> str:
         """The tenant a call that names ``tenant_id`` (``None``: none) acts on: the one way
@@ -619,7 +340,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         return {**config, "configurable": tenant}
 
     def _legacy_config(self, config: Any) -> Any:
-        """``config`` naming the thread's legacy id (:func:`_legacy_thread_id`), or
+        """``config`` naming the thread's legacy id (:func:`legacy_thread_id`), or
         ``None``: a saver keyed by tenant, or no legacy id for the thread's tenant."""
         if self._scopes_tenants or not isinstance(config, Mapping):
             return None
@@ -627,7 +348,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         if configurable.get("thread_id") is None:
             return None
         tenant_id = thread_tenant(config)  # type: ignore[arg-type]
-        legacy = _legacy_thread_id(tenant_id, str(configurable["thread_id"]))
+        legacy = legacy_thread_id(tenant_id, str(configurable["thread_id"]))
         if legacy is None:
             return None
         return {**config, "configurable": {**configurable, "thread_id": legacy}}
@@ -879,7 +600,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         """Delete the tenant's thread from the inner saver (and its legacy id, if any)."""
         inner_id, tenant = self._thread_call(thread_id, tenant_id)
         await self.inner.adelete_thread(inner_id, **tenant)
-        legacy = None if self._scopes_tenants else _legacy_thread_id(tenant_id, str(thread_id))
+        legacy = None if self._scopes_tenants else legacy_thread_id(tenant_id, str(thread_id))
         if legacy is not None:
             await self.inner.adelete_thread(legacy)
 
@@ -917,7 +638,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             return
         inner_id, tenant = self._thread_call(thread_id, tenant_id)
         self.inner.delete_thread(inner_id, **tenant)
-        legacy = None if self._scopes_tenants else _legacy_thread_id(tenant_id, str(thread_id))
+        legacy = None if self._scopes_tenants else legacy_thread_id(tenant_id, str(thread_id))
         if legacy is not None:
             self.inner.delete_thread(legacy)
 
@@ -979,7 +700,7 @@ def _tenant_kw(self: FencedCheckpointer, tenant_id: str) -> dict[str, str]:
 def _threads(self: FencedCheckpointer, thread_ids: Sequence[str], tenant_id: str) -> Any:
     if self._scopes_tenants or isinstance(thread_ids, str):
         return thread_ids  # a str: the inner saver refuses it with its own message
-    return [_inner_thread_id(tenant_id, str(t)) for t in thread_ids]
+    return [inner_thread_id(tenant_id, str(t)) for t in thread_ids]
 
 
 async def _run_threads(

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 from langchain_core.runnables import RunnableConfig
 
 from .admin import ThreadAdmin, _base_store, admin_holder
-from .checkpoint import DEFAULT_TENANT
 from .children import refuse_child_ids
 from .contracts import require_implements
 from .events import FenceListener, Listeners
@@ -41,6 +40,7 @@ from .run import Run, running
 from .serde import safe_serializer
 from .serve import check_budget
 from .store import FencedStore
+from .tenancy import DEFAULT_TENANT
 from .validate import positive_int, positive_seconds, text_id
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ __all__ = ["Instance"]
 
 
 #: The tenant of a graph called the LangGraph way whose config names none (``tenant_id=``):
-#: the one default tenant, :data:`langgraph_fence.checkpoint.DEFAULT_TENANT`.
+#: the one default tenant, :data:`langgraph_fence.tenancy.DEFAULT_TENANT`.
 DEFAULT_TENANT_ID = DEFAULT_TENANT
 
 

@@ -2,7 +2,7 @@
 raced their proof, at the next checkpoint of the run instead of never.
 
 A task's finished writes clear its stamp-set entries only when every checkpoint of their
-proof is stored (``langgraph_fence.checkpoint.writes_proof``: the writes' own checkpoint and
+proof is stored (``langgraph_fence.admission.writes_proof``: the writes' own checkpoint and
 every ancestor's). Under ``durability="async"`` one of those is often still in flight when
 the writes land, and the entries then stood until the next *root* checkpoint, which for a
 long subgraph comes only after it ends: a crash in between dead-lettered an execution whose

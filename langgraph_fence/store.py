@@ -26,10 +26,11 @@ from langgraph.store.base import (
     SearchOp,
 )
 
-from .checkpoint import DEFAULT_TENANT, check_held, step_config
+from .admission import check_held, step_config
 from .context import current_frame
 from .fence import RunHandle
 from .from_thread import run_on_loop
+from .tenancy import DEFAULT_TENANT
 from .validate import storable_text, store_key, store_namespace
 
 __all__ = ["FencedStore", "checked_ops", "tenant_label"]

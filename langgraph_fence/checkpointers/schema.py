@@ -22,7 +22,7 @@ Table names carry the ``fence_`` prefix: they can live beside the official saver
 Tenants (version 2): every row carries ``tenant_id``, first in each primary key. A thread is
 ``(tenant_id, thread_id)``: a tenant's ``chat-1`` and another's ``chat-1`` are two threads
 that never meet. Rows written with no tenant given (plain LangGraph use) belong to the
-default tenant, ``"default"`` (:data:`langgraph_fence.checkpoint.DEFAULT_TENANT`), the
+default tenant, ``"default"`` (:data:`langgraph_fence.tenancy.DEFAULT_TENANT`), the
 tenant an instance runs a graph under when its config names none. Rows that existed before
 version 2 get the tenant of the thread's lease:
 the tenant of the execution records naming the thread, or of the lease whose execution id

@@ -45,13 +45,11 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from ..checkpoint import (
-    DEFAULT_TENANT,
+from ..admission import (
     admit_write,
     checkpoint_clear_keys,
     fence_handle,
     refuse_write,
-    thread_tenant,
     writes_clear_keys,
     writes_proof,
 )
@@ -64,6 +62,7 @@ from ..migrations import migrate
 from ..retry import retry_window
 from ..schema import LEASE_MIGRATIONS
 from ..serde import safe_serializer
+from ..tenancy import DEFAULT_TENANT, thread_tenant
 from ..validate import storable_text
 from ._postgres import PostgresDriver
 from ._rows import CheckpointQuery, CheckpointRow, Driver, Guard, StoredCheckpoint
@@ -560,7 +559,7 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         """The checkpoint at ``checkpoint_id``, or the thread's latest in its namespace.
 
         Only the tenant's own thread is read (the tenant: see
-        :func:`langgraph_fence.checkpoint.thread_tenant`).
+        :func:`langgraph_fence.tenancy.thread_tenant`).
         """
         self._ready()
         thread_id, checkpoint_ns = _thread_of(config, "aget_tuple")

@@ -6,7 +6,7 @@ and delete is ONE statement whose ``WHERE`` holds the lease guard
 (:func:`langgraph_fence.guard.guard_sql`; on PostgreSQL the lease row is read ``FOR SHARE``,
 so a take-over committing meanwhile is waited for and seen): a write under a superseded
 token leaves nothing, is recorded on the run like a refused checkpoint write
-(:func:`langgraph_fence.checkpoint.refuse_write`) and raises
+(:func:`langgraph_fence.admission.refuse_write`) and raises
 :class:`~langgraph_fence.ExecutionFencedError`. Every item row records the token it was
 written under (``fence_token``; ``NULL`` for a write from outside any fenced step, an admin
 script, which is allowed). Reads, searches and ``list_namespaces`` are never fenced.
@@ -42,7 +42,7 @@ from langgraph.store.memory import _compare_values, _does_match
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from ..checkpoint import DEFAULT_TENANT, refuse_write, step_config
+from ..admission import refuse_write, step_config
 from ..context import ExecutionContext, current_frame
 from ..database import (
     Dialect,
@@ -59,6 +59,7 @@ from ..lease import fenced_error
 from ..migrations import Migration, migrate
 from ..schema import LEASE_MIGRATIONS
 from ..store import checked_ops
+from ..tenancy import DEFAULT_TENANT
 from ._rows import Guard
 
 __all__ = ["STORE_COMPONENT", "STORE_MIGRATIONS", "SqlStore"]

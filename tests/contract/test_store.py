@@ -19,8 +19,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from checkpointers import SqlStore
 from langgraph_fence import FencedStore
-from langgraph_fence.checkpoint import DEFAULT_TENANT
 from langgraph_fence.store import tenant_label
+from langgraph_fence.tenancy import DEFAULT_TENANT
 from tests.conftest import unique
 
 STORES = ["memory", "sqlite", "postgresql"]

@@ -30,12 +30,12 @@ from langgraph_fence import (
     fence_graph,
     get_execution_context,
 )
-from langgraph_fence.checkpoint import DEFAULT_TENANT, LEGACY_TENANT
 from langgraph_fence.children import child_execution_id
 from langgraph_fence.database import create_engine, schema_options, transaction
 from langgraph_fence.instance import DEFAULT_TENANT_ID
 from langgraph_fence.migrations import migrate
 from langgraph_fence.schema import LEASE_MIGRATIONS
+from langgraph_fence.tenancy import DEFAULT_TENANT, LEGACY_TENANT
 from tests.chaos.write_steps import Database
 from tests.conftest import unique
 from tests.integration.test_admin import TABLES, stored_anywhere

@@ -29,7 +29,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from checkpointers import SqlCheckpointer
 from checkpointers.schema import CHECKPOINT_MIGRATIONS
 from langgraph_fence import LeaseKey, SqlLeaseRepository, fence_graph
-from langgraph_fence.checkpoint import DEFAULT_TENANT, _inner_thread_id, _outer_thread_id
 from langgraph_fence.database import create_engine, transaction
 from langgraph_fence.errors import ExecutionThreadBoundError
 from langgraph_fence.instance import Instance
@@ -37,6 +36,7 @@ from langgraph_fence.migrations import migrate
 from langgraph_fence.records import EXECUTION_MIGRATIONS, SqlExecutionRecords
 from langgraph_fence.run_config import RecordedRun
 from langgraph_fence.schema import LEASE_MIGRATIONS
+from langgraph_fence.tenancy import DEFAULT_TENANT, inner_thread_id, outer_thread_id
 from tests.conftest import SQL_BACKENDS, pg_engine_options, setup_all, unique
 
 TABLES = ("fence_checkpoints", "fence_checkpoint_blobs", "fence_checkpoint_writes")
@@ -97,7 +97,7 @@ async def tenant_rows(instance: Instance, thread_id: str) -> dict[str, list[byte
     inner = instance.checkpointer.inner
     if isinstance(inner, InMemorySaver):
         for inner_id, namespaces in inner.storage.items():
-            tenant, thread = _outer_thread_id(inner_id)
+            tenant, thread = outer_thread_id(inner_id)
             if thread == thread_id:
                 values = found.setdefault(tenant, [])
                 for checkpoints in namespaces.values():
@@ -450,8 +450,8 @@ def test_a_saver_without_tenants_keeps_each_pair_under_an_id_of_its_own(
     """The ids FencedCheckpointer gives a tenant's thread in a saver that knows no tenants
     decode back to the pair (so no two pairs share one); the default tenant's ids are kept
     as they are unless they look like such an id."""
-    inner = _inner_thread_id(tenant, thread)
-    assert _outer_thread_id(inner) == (tenant, thread)
+    inner = inner_thread_id(tenant, thread)
+    assert outer_thread_id(inner) == (tenant, thread)
     if tenant == DEFAULT_TENANT and not thread.startswith("lgf-tenant:"):
         assert inner == thread
 

@@ -55,9 +55,8 @@ def test_a_users_own_checkpointers_module_cannot_break_the_package(tmp_path: Pat
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "FencedCheckpointer"
 
-    import checkpointers.sql
-
     import checkpointers
+    import checkpointers.sql
     from langgraph_fence.checkpointers import sql
 
     assert checkpointers.SqlCheckpointer is langgraph_fence.SqlCheckpointer
