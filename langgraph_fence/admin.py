@@ -48,6 +48,7 @@ from .database import transaction
 from .errors import ExecutionLeaseHeldError
 from .lease import Lease, LeaseKey, LeaseStatus, fenced_error, validate_holder, validate_ttl
 from .schema import LEASES
+from .stores import base_store
 
 if TYPE_CHECKING:
     from .lease import ExecutionLeaseRepository
@@ -131,22 +132,6 @@ def decide_admin_give_back(found: Lease | None, held: Lease, *, erased: bool) ->
         pending_effects=effects,
         takeovers=takeovers,
         progress_mark=mark,
-    )
-
-
-def _base_store(repository: ExecutionLeaseRepository) -> Any:
-    """The store under wrappers (``StallableRepository`` and the like keep it at ``inner``)."""
-    from .stores.memory import MemoryLeaseRepository
-    from .stores.sql import SqlLeaseRepository
-
-    store: Any = repository
-    for _ in range(8):
-        if isinstance(store, SqlLeaseRepository | MemoryLeaseRepository):
-            return store
-        store = getattr(store, "inner", None)
-    raise ValueError(
-        f"admin operations need a SqlLeaseRepository or MemoryLeaseRepository under the "
-        f"instance's repository, got {type(repository).__name__}"
     )
 
 
@@ -293,7 +278,7 @@ class ThreadAdmin:
         self.ttl = validate_ttl(ttl)
         if sink_engine is None:
             try:
-                sink_engine = getattr(_base_store(repository), "engine", None)
+                sink_engine = getattr(base_store(repository), "engine", None)
             except ValueError:  # a store of another kind: its admin calls are refused
                 sink_engine = None
         self.sink_engine = sink_engine
@@ -324,7 +309,7 @@ class ThreadAdmin:
             ExecutionFencedError: the admin's hold was taken over before the give-back (the
                 operation ran past ``ttl``).
         """
-        store = _base_store(self.repository)
+        store = base_store(self.repository)
         holds: list[AdminHold] = []
         async with AsyncExitStack() as stack:
             for thread_id in sorted(set(thread_ids)):

@@ -513,7 +513,7 @@ async def _spawn_here(
     await _still_held(frame)
     handle = frame._handle
     if graph is None:
-        served = {} if handle.instance is None else handle.instance.served_graphs
+        served = {} if handle.host is None else handle.host.served_graphs
         graph = served.get(graph_name)
     if graph is None or not hasattr(graph, "ainvoke"):
         raise ValueError(
@@ -533,10 +533,12 @@ async def _spawn_here(
 
 
 def _queue_of(handle: RunHandle) -> SubmittedRuns:
-    instance = handle.instance
-    if instance is None:
+    from .host import InstanceHost
+
+    host = handle.host
+    if not isinstance(host, InstanceHost):
         raise RuntimeError(
             f"execution {handle.scope_key!r} runs without an Instance: children are spawned "
             "from a step of a run started by an Instance (ainvoke, submit or serve)"
         )
-    return instance._run_queue()
+    return host.run_queue()

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Itera
 from contextlib import asynccontextmanager, contextmanager
 from contextvars import ContextVar
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from langgraph.errors import GraphDrained
 
@@ -29,6 +29,7 @@ from .errors import (
     ExecutionFencedError,
     ExecutionLeaseLostError,
 )
+from .events import EventKind
 from .faults import fault_point
 from .from_thread import caller_discards_result, run_on_loop, running_loop
 from .lease import Lease, LeaseKey, PendingEffect, validate_ttl
@@ -38,7 +39,6 @@ from .tree_activity import TreeActivity
 
 if TYPE_CHECKING:
     from .context import ExecutionContext
-    from .instance import Instance
     from .lease import ExecutionLeaseRepository
 
 __all__ = ["FENCE_CONFIG_KEY", "ExecutionFence", "RunHandle", "safety_margin"]
@@ -66,6 +66,27 @@ def safety_margin(ttl: float) -> float:
     and the store, and for the time a renewal's answer takes to come back.
     """
     return min(ttl / 10.0, 2.0)
+
+
+
+class RunHost(Protocol):
+    """What a run's handle needs of the instance it runs under
+    (:class:`~langgraph_fence.host.InstanceHost`): keep its lease renewed or let it go, tell
+    the instance's listeners, wake a yielded parent, and the graphs served there."""
+
+    served_graphs: dict[str, Any]
+
+    def keep(self, handle: RunHandle) -> None:
+        """Renew ``handle``'s lease with every other lease the instance holds."""
+
+    async def let_go(self, handle: RunHandle) -> None:
+        """Stop renewing ``handle``'s lease (it is being released or yielded)."""
+
+    def emit(self, kind: EventKind, scope_key: str, token: int, reason: str | None = None) -> None:
+        """Tell the instance's listeners."""
+
+    async def wake_yielded(self, parent: LeaseKey, ttl: float) -> None:
+        """Make the yielded ``parent`` runnable if all its children ended."""
 
 
 class RunHandle:
@@ -124,9 +145,10 @@ class RunHandle:
         self._listeners: list[StopListener] = []
         # Which steps of the tree run now, and the yield while only remote waits do.
         self.activity = TreeActivity(self)
-        # The instance the run belongs to (set by the instance): where a step's children
-        # are recorded. None for a handle made without one (tests, run_node).
-        self.instance: Instance | None = None
+        # What the run needs of the instance it belongs to (set by the instance): its
+        # keeper, its listeners, the run queue. None for a handle made without one (tests,
+        # run_node).
+        self.host: RunHost | None = None
         # The loop the run's store calls belong to; sync steps running in worker threads
         # submit their guarded writes to it.
         try:

@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from langchain_core.runnables import RunnableConfig
 
-from .admin import ThreadAdmin, _base_store, admin_holder
+from .admin import ThreadAdmin, admin_holder
 from .children import refuse_child_ids
 from .contracts import require_implements
 from .events import FenceListener, Listeners
 from .fence import FENCE_CONFIG_KEY, safety_margin
+from .host import InstanceHost
 from .keeper import Keeper, Renewer, Sleep, thread_store
 from .lease import DEFAULT_MAX_TAKEOVERS, ExecutionLeaseRepository, LeaseKey
 from .queue import OnBusy, SubmittedRun, SubmittedRuns
@@ -36,10 +37,10 @@ from .records import (
     SqlExecutionRecords,
     check_thread_binding,
 )
-from .run import Run, running
-from .serde import safe_serializer
+from .run import running
 from .serve import check_budget
 from .store import FencedStore
+from .stores import base_store
 from .tenancy import DEFAULT_TENANT
 from .validate import positive_int, positive_seconds, text_id
 
@@ -195,11 +196,6 @@ class Instance:
         self.records: ExecutionRecords = (
             records if records is not None else _default_records(repository)
         )
-        # A run config is checked with what its records store it with (memory records keep
-        # objects, but a value is refused the same way on every store).
-        self._record_serde: SerializerProtocol = (
-            getattr(self.records, "serde", None) or safe_serializer()
-        )
         # Admin operations through this instance's checkpointer hold the execution's lease.
         self.checkpointer.admin = ThreadAdmin(
             repository,
@@ -207,31 +203,41 @@ class Instance:
             holder=admin_holder(self.instance_id),
             ttl=self.lease_ttl,
         )
-        self._runs: set[Run] = set()
         #: The graphs serve() serves here, by name: where a step's PARENT_INSTANCE child
         #: finds its graph when it names no other (``spawn_child(..., graph=...)``).
         self.served_graphs: dict[str, Any] = {}
-        self._events = Listeners(self.instance_id)
+        events = Listeners(self.instance_id)
         renew_through = thread_store(repository, renewer=settings.renewer, clock=clock, sleep=sleep)
-        self._keeper = Keeper(
+        keeper = Keeper(
             ttl=self.lease_ttl,
             renew_interval=self.renew_interval,
             clock=self.clock,
             sleep=self._sleep,
-            events=self._events,
+            events=events,
             holder=self.instance_id,
             max_held=settings.max_held,
             thread_store=renew_through,
         )
+        #: What this instance's runs, its takeover loop and their children use of it.
+        self.host = InstanceHost(
+            instance_id=self.instance_id,
+            lease_ttl=self.lease_ttl,
+            clock=self.clock,
+            repository=repository,
+            records=self.records,
+            checkpointer=self.checkpointer,
+            keeper=keeper,
+            events=events,
+            served_graphs=self.served_graphs,
+        )
         #: The fenced LangGraph store on the instance's database (``Instance.open``):
         #: ``compile(checkpointer=instance.checkpointer, store=instance.store)``.
         self.store: FencedStore | None = None
-        self._queue: SubmittedRuns | None = None
 
     @property
     def max_held(self) -> int:
         """The most executions this instance holds at once (``max_held``, or its default)."""
-        return self._keeper.max_held
+        return self.host.keeper.max_held
 
     def add_listener(self, listener: FenceListener) -> Callable[[], None]:
         """Call ``listener(event)`` with every :class:`~langgraph_fence.FenceEvent` of this
@@ -241,7 +247,7 @@ class Instance:
         A listener runs on the event loop and must not block; one that raises is logged and
         never breaks a run (:mod:`langgraph_fence.events`).
         """
-        return self._events.add(listener)
+        return self.host.events.add(listener)
 
     @classmethod
     @asynccontextmanager
@@ -371,7 +377,7 @@ class Instance:
 
     async def aclose(self) -> None:
         """Stop renewing the leases of every run still in flight (they then lapse)."""
-        await self._keeper.aclose()
+        await self.host.keeper.aclose()
 
     # -- running graphs
 
@@ -434,7 +440,7 @@ class Instance:
                 config value that cannot be recorded), before anything runs or is written.
         """
         async with running(
-            self, graph, input, config, tenant_id, execution_id, kwargs, graph_name=graph_name
+            self.host, graph, input, config, tenant_id, execution_id, kwargs, graph_name=graph_name
         ) as run:
             return await graph.ainvoke(input, run.config, control=run.control, **kwargs)
 
@@ -451,7 +457,7 @@ class Instance:
     ) -> AsyncIterator[Any]:
         """Stream ``graph`` under the execution's lease; see :meth:`ainvoke`."""
         async with running(
-            self, graph, input, config, tenant_id, execution_id, kwargs, graph_name=graph_name
+            self.host, graph, input, config, tenant_id, execution_id, kwargs, graph_name=graph_name
         ) as run:
             async for chunk in graph.astream(input, run.config, control=run.control, **kwargs):
                 yield chunk
@@ -476,7 +482,7 @@ class Instance:
         new_config, ...)``) or ``done``. Use it to edit state before a fork; a plain
         ``graph.aupdate_state`` writes outside any lease.
         """
-        async with running(self, graph, None, config, tenant_id, execution_id, {}) as run:
+        async with running(self.host, graph, None, config, tenant_id, execution_id, {}) as run:
             updated: RunnableConfig = await graph.aupdate_state(
                 run.config, values, as_node=as_node, task_id=task_id
             )
@@ -552,30 +558,11 @@ class Instance:
 
     def queue_or_none(self) -> SubmittedRuns | None:
         """The run queue, or ``None`` where there is none (not a SQL store)."""
-        try:
-            return self._run_queue()
-        except TypeError:
-            return None
+        return self.host.queue_or_none()
 
     def _run_queue(self) -> SubmittedRuns:
         """The run queue on the lease table's database (SQL stores only)."""
-        if self._queue is None:
-            from .stores.sql import SqlLeaseRepository
-
-            try:
-                store = _base_store(self.repository)
-            except ValueError:
-                store = None
-            if not isinstance(store, SqlLeaseRepository) or not isinstance(
-                self.records, SqlExecutionRecords
-            ):
-                raise TypeError(
-                    "submitted runs need the lease table and the execution records on one SQL "
-                    "database (every worker reads the queue there): open the instance with "
-                    "Instance.open('sqlite+aiosqlite:///...' or 'postgresql+asyncpg://...')"
-                )
-            self._queue = SubmittedRuns(store, self.records.serde)
-        return self._queue
+        return self.host.run_queue()
 
     # -- taking executions over
 
@@ -641,7 +628,7 @@ class Instance:
         from .serve import Server
 
         server = Server(
-            self,
+            self.host,
             graphs,
             concurrency=concurrency,
             poll_interval=poll_interval,
@@ -661,7 +648,7 @@ def _default_records(repository: ExecutionLeaseRepository) -> ExecutionRecords:
     from .stores.sql import SqlLeaseRepository
 
     try:
-        store = _base_store(repository)
+        store = base_store(repository)
     except ValueError:
         raise ValueError(
             f"records is required with a repository of type {type(repository).__name__}: "

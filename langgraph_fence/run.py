@@ -50,7 +50,7 @@ from .tree_activity import wake_parent
 from .validate import MAX_ID_BYTES, text_id
 
 if TYPE_CHECKING:
-    from .instance import Instance
+    from .host import InstanceHost
 
 __all__ = ["DEFAULT_GRAPH_NAME", "GraphEnd", "Run", "announce_dead_letter", "running"]
 
@@ -124,7 +124,7 @@ class Run:
 
 @asynccontextmanager
 async def running(
-    instance: Instance,
+    host: InstanceHost,
     graph: Any,
     input: Any,
     config: RunnableConfig | None,
@@ -147,20 +147,20 @@ async def running(
     """
     what = f"execution {tenant_id!r}/{execution_id or 'its thread'!r}"
     if taken is None:
-        instance._keeper.admit(what)
+        host.keeper.admit(what)
     # A new run's start (its binding, record, lease) waits its turn: a burst of starts
     # queues here, not on the connection pool (``keeper.MAX_STARTING``).
-    starting = instance._keeper.starting if taken is None else None
+    starting = host.keeper.starting if taken is None else None
     my_turn = False
     try:
         if starting is not None:
             # The leases held come first: while their renewals run late, wait (each start
             # at most one TTL, however many wait, not one after another in turn).
-            await instance._keeper.in_time(what)
+            await host.keeper.in_time(what)
             await starting.acquire()
             my_turn = True
         async with _running(
-            instance,
+            host,
             graph,
             input,
             config,
@@ -177,12 +177,12 @@ async def running(
     finally:
         if starting is not None and my_turn:
             starting.release()
-        instance._keeper.leave()
+        host.keeper.leave()
 
 
 @asynccontextmanager
 async def _running(
-    instance: Instance,
+    host: InstanceHost,
     graph: Any,
     input: Any,
     config: RunnableConfig | None,
@@ -225,16 +225,16 @@ async def _running(
                 record_run(
                     base,
                     kwargs,
-                    serde=instance._record_serde,
+                    serde=host.record_serde,
                     allow=run_allowlist(graph),
                 ),
             )
-        handle, record = await take(instance, key, thread_id, record)
-        await instance._keeper.confirm_start(handle)
+        handle, record = await take(host, key, thread_id, record)
+        await host.keeper.confirm_start(handle)
     else:
         record = None
-        handle = RunHandle(instance.repository, taken, instance.lease_ttl, clock=instance.clock)
-    handle.instance = instance
+        handle = RunHandle(host.repository, taken, host.lease_ttl, clock=host.clock)
+    handle.host = host
     control = RunControl()
     run_config: dict[str, Any] = dict(base)
     run_config["configurable"] = {
@@ -246,7 +246,7 @@ async def _running(
     end = GraphEnd()
     run_config["callbacks"] = end.attach(base.get("callbacks"))
     run = Run(run_config, handle, control, base, end)  # type: ignore[arg-type]
-    events = instance._events
+    events = host.events
 
     def drain(error: BaseException) -> None:
         control.request_drain(f"langgraph-fence: {error}")
@@ -255,34 +255,34 @@ async def _running(
         events.emit(kind, key.scope_key, handle.token, str(error))
 
     handle.on_stop(drain)
-    instance._keeper.keep(handle)
-    instance._runs.add(run)
+    host.keeper.keep(handle)
+    host.runs.add(run)
     logger.info(
         "run %s started at token %d on %s",
         key.scope_key,
         handle.token,
-        instance.instance_id,
+        host.instance_id,
         extra={"scope_key": key.scope_key, "token": handle.token},
     )
     try:
         try:
             if record is not None:
                 # The lease was held (expired) when the record was skipped; it is ours now.
-                await instance.records.record(record)
+                await host.records.record(record)
             yield run
         finally:
-            await instance._keeper.release(handle)
+            await host.keeper.release(handle)
     except BaseException as exc:
-        await _settle(instance, graph, run, exc)
+        await _settle(host, graph, run, exc)
         raise  # _settle raises what stands; this is for the type checker
     else:
-        await _settle(instance, graph, run, None)
+        await _settle(host, graph, run, None)
     finally:
         parent = parse_child_execution_id(key.execution_id)
         if parent is not None:
             # A child ended: its parent, yielded while it waits, may now be runnable.
             await wake_parent(handle, parent[0])
-        instance._runs.discard(run)
+        host.runs.discard(run)
 
 
 def prepare(
@@ -359,7 +359,7 @@ def prepare(
 
 
 async def take(
-    instance: Instance, key: LeaseKey, thread_id: str, record: ExecutionRecord | None
+    host: InstanceHost, key: LeaseKey, thread_id: str, record: ExecutionRecord | None
 ) -> tuple[RunHandle, ExecutionRecord | None]:
     """Start a new run of ``key``: bind the thread, take the lease (the next token), record
     the run's input; its handle, and the record still to write once it holds the lease
@@ -384,9 +384,9 @@ async def take(
         ExecutionEndedError: the execution is dead-lettered.
         ExecutionDeadLetteredError: this take found a non-idempotent stamp standing.
     """
-    repository = instance.repository
-    sent_at = instance.clock()
-    store = _take_store(instance)
+    repository = host.repository
+    sent_at = host.clock()
+    store = _take_store(host)
     # Every run may reopen a done or failed execution, whatever its input: new input is a
     # new turn, None or a Command resumes (or replays, or forks) from the checkpoint its
     # config names, as LangGraph does. Either is a new run at the next token; only a
@@ -395,13 +395,13 @@ async def take(
         # A resume (None, a Command) writes no record, so no statement's guard sees the
         # submitted runs waiting on the thread: one read refuses it before the take would
         # take their pending lease (a start with input pays nothing: its take's guard sees).
-        await _refuse_beside_waiting_submits(instance, key)
+        await _refuse_beside_waiting_submits(host, key)
     if store is not None:
-        assert isinstance(instance.records, SqlExecutionRecords)
-        columns = None if record is None else instance.records.columns(record)
+        assert isinstance(host.records, SqlExecutionRecords)
+        columns = None if record is None else host.records.columns(record)
         for _ in range(_TAKE_TRIES):
             taken = await store.take(
-                key, instance.instance_id, instance.lease_ttl, thread_id=thread_id, record=columns
+                key, host.instance_id, host.lease_ttl, thread_id=thread_id, record=columns
             )
             if taken.bound is not None:
                 break
@@ -413,26 +413,26 @@ async def take(
         check_thread_binding(key, thread_id, taken.bound)
         lease = taken.lease
         if lease is None and record is not None:
-            await _refuse_beside_waiting_submits(instance, key)
+            await _refuse_beside_waiting_submits(host, key)
         record = None
     else:
-        check_thread_binding(key, thread_id, await instance.records.bind(key, thread_id))
+        check_thread_binding(key, thread_id, await host.records.bind(key, thread_id))
         # Skipped while the lease is held (written again once this run holds it).
-        if record is not None and await instance.records.record(record, unless_held=True):
+        if record is not None and await host.records.record(record, unless_held=True):
             record = None
         elif record is not None:
-            await _refuse_beside_waiting_submits(instance, key)
-        lease = await repository.acquire(key, instance.instance_id, instance.lease_ttl, reopen=True)
+            await _refuse_beside_waiting_submits(host, key)
+        lease = await repository.acquire(key, host.instance_id, host.lease_ttl, reopen=True)
     if lease is None:
-        raise refusal(key, await repository.get(key), instance.instance_id)
-    instance._events.emit(EventKind.ACQUIRED, key.scope_key, lease.epoch)
+        raise refusal(key, await repository.get(key), host.instance_id)
+    host.events.emit(EventKind.ACQUIRED, key.scope_key, lease.epoch)
     if lease.status is LeaseStatus.DEAD_LETTERED:
         # A non-idempotent write stood: acquire dead-lettered the execution in its statement.
         reason = lease.reason or ""
-        announce_dead_letter(instance._events, key.scope_key, lease.epoch, reason)
+        announce_dead_letter(host.events, key.scope_key, lease.epoch, reason)
         raise ExecutionDeadLetteredError(f"execution {key.scope_key!r} was dead-lettered: {reason}")
     handle = RunHandle(
-        repository, lease, instance.lease_ttl, clock=instance.clock, confirmed_from=sent_at
+        repository, lease, host.lease_ttl, clock=host.clock, confirmed_from=sent_at
     )
     return handle, record
 
@@ -441,11 +441,11 @@ async def take(
 _TAKE_TRIES = 3
 
 
-def _take_store(instance: Instance) -> SqlLeaseRepository | None:
+def _take_store(host: InstanceHost) -> SqlLeaseRepository | None:
     """The SQL lease store when the instance's records are in its very engine (the take is
     then one statement or one transaction); else ``None`` (each part on its own)."""
-    repository = instance.repository
-    records = instance.records
+    repository = host.repository
+    records = host.records
     if (
         isinstance(repository, SqlLeaseRepository)
         and isinstance(records, SqlExecutionRecords)
@@ -455,7 +455,7 @@ def _take_store(instance: Instance) -> SqlLeaseRepository | None:
     return None
 
 
-async def _settle(instance: Instance, graph: Any, run: Run, exc: BaseException | None) -> None:
+async def _settle(host: InstanceHost, graph: Any, run: Run, exc: BaseException | None) -> None:
     """Carry out the outcome of a run that ended with ``exc`` (None: returned); raises the
     error that stands, or returns for ``exc`` to propagate as it is."""
     handle = run.handle
@@ -471,11 +471,11 @@ async def _settle(instance: Instance, graph: Any, run: Run, exc: BaseException |
         if outcome.fence_error is not None:
             handle.record(outcome.fence_error)
         if exc is not None:
-            await _classify_loss(instance, handle)
+            await _classify_loss(host, handle)
         if not isinstance(handle.error, ExecutionFencedError):
             # Lapsed, and nobody took it over: the run has stopped, so its instance hands
             # it back for a serving instance to take at once, not once it expires.
-            await _hand_back(instance, run, f"its lease lapsed: {handle.error}")
+            await _hand_back(host, run, f"its lease lapsed: {handle.error}")
         assert handle.error is not None
         raise handle.error
     if outcome.settle is Settle.DEAD_LETTER:
@@ -484,8 +484,8 @@ async def _settle(instance: Instance, graph: Any, run: Run, exc: BaseException |
         dead = outcome.dead_letter
         assert dead is not None
         assert outcome.reason is not None
-        await instance.repository.dead_letter(handle.key, outcome.reason, epoch=handle.token)
-        announce_dead_letter(instance._events, handle.scope_key, handle.token, outcome.reason)
+        await host.repository.dead_letter(handle.key, outcome.reason, epoch=handle.token)
+        announce_dead_letter(host.events, handle.scope_key, handle.token, outcome.reason)
         if outcome.raise_dead_letter:
             raise dead  # keeps its own cause: the error the write failed with
         return
@@ -493,8 +493,8 @@ async def _settle(instance: Instance, graph: Any, run: Run, exc: BaseException |
         # Drained by request, or cancelled (not by a fence): hand the execution back for any
         # instance to resume at once.
         await _release(run, LeaseStatus.PENDING, outcome.reason)
-        instance._events.emit(EventKind.HANDED_BACK, handle.scope_key, handle.token, outcome.reason)
-        await _wake_servers(instance)
+        host.events.emit(EventKind.HANDED_BACK, handle.scope_key, handle.token, outcome.reason)
+        await _wake_servers(host)
         return
     if outcome.settle is Settle.LOST_TO_STORE:
         # An infrastructure error, not the graph's: the store could not be reached while
@@ -502,9 +502,9 @@ async def _settle(instance: Instance, graph: Any, run: Run, exc: BaseException |
         # lease-lost; its lease expires and serve() takes it over. Never ``failed``.
         assert exc is not None
         handle.record(_lost_to_the_store(handle, exc))
-        await _classify_loss(instance, handle)
+        await _classify_loss(host, handle)
         if not isinstance(handle.error, ExecutionFencedError):
-            await _hand_back(instance, run, f"the store could not be reached: {outcome.reason}")
+            await _hand_back(host, run, f"the store could not be reached: {outcome.reason}")
         assert handle.error is not None
         raise handle.error from exc
     if outcome.settle is Settle.FAILED:
@@ -526,13 +526,13 @@ async def _settle(instance: Instance, graph: Any, run: Run, exc: BaseException |
     )
 
 
-async def _hand_back(instance: Instance, run: Run, reason: str) -> None:
+async def _hand_back(host: InstanceHost, run: Run, reason: str) -> None:
     """Release the run's lease as ``pending`` so serve() resumes it at once; a store
     still out of reach leaves it to expire (then it is taken over all the same)."""
     try:
         await _release(run, LeaseStatus.PENDING, bounded_reason(reason))
-        instance._events.emit(EventKind.HANDED_BACK, run.handle.scope_key, run.handle.token, reason)
-        await _wake_servers(instance)
+        host.events.emit(EventKind.HANDED_BACK, run.handle.scope_key, run.handle.token, reason)
+        await _wake_servers(host)
     except ExecutionLeaseLostError:
         pass  # recorded on the handle: it was taken over
     except Exception as exc:
@@ -543,15 +543,15 @@ async def _hand_back(instance: Instance, run: Run, reason: str) -> None:
         )
 
 
-async def _wake_servers(instance: Instance) -> None:
+async def _wake_servers(host: InstanceHost) -> None:
     """Say that an execution was handed back: on PostgreSQL a serving instance is woken
     (NOTIFY) and takes it at once, not at its next poll; elsewhere polling finds it."""
-    queue = instance.queue_or_none()
+    queue = host.queue_or_none()
     if queue is not None:
         await queue.notify(NOTIFY_CHANNEL, "")
 
 
-async def _classify_loss(instance: Instance, handle: RunHandle) -> None:
+async def _classify_loss(host: InstanceHost, handle: RunHandle) -> None:
     """After a lapse, ask the store whether the run was taken over.
 
     A run that only lost track of its lease raises ``ExecutionLeaseLostError``; if the
@@ -563,8 +563,8 @@ async def _classify_loss(instance: Instance, handle: RunHandle) -> None:
     if isinstance(handle.error, ExecutionFencedError):
         return
     try:
-        with retry_window(FixedWindow.lasting(instance.lease_ttl)):
-            await asyncio.wait_for(handle.renew(), timeout=instance.lease_ttl)
+        with retry_window(FixedWindow.lasting(host.lease_ttl)):
+            await asyncio.wait_for(handle.renew(), timeout=host.lease_ttl)
     except (ExecutionLeaseLostError, TimeoutError):
         pass
     except Exception:
@@ -592,10 +592,10 @@ def announce_dead_letter(events: Listeners, scope_key: str, token: int, reason: 
     )
 
 
-async def _refuse_beside_waiting_submits(instance: Instance, key: LeaseKey) -> None:
+async def _refuse_beside_waiting_submits(host: InstanceHost, key: LeaseKey) -> None:
     """Refuse a start while submitted runs wait on the thread (``ExecutionBusyError``,
     :mod:`langgraph_fence.queue`); nothing to refuse where there is no queue (no SQL)."""
-    queue = instance.queue_or_none()
+    queue = host.queue_or_none()
     if queue is not None:
         await queue.refuse_beside_waiting(key)
 

@@ -34,7 +34,7 @@ from .validate import positive_int, positive_seconds, text_id
 if TYPE_CHECKING:
     from langgraph.checkpoint.base import CheckpointTuple
 
-    from .instance import Instance
+    from .host import InstanceHost
 
 __all__ = ["MAX_SERVE_BACKOFF", "Server", "check_budget", "progress_mark"]
 
@@ -48,7 +48,7 @@ class Server:
     """One instance's takeover loop over ``graphs`` (see :meth:`Instance.serve`).
 
     Args:
-        instance: the instance whose runs the loop starts.
+        host: what the loop uses of the instance whose runs it starts.
         graphs: graph name -> graph compiled with the instance's checkpointer (checked).
         concurrency: how many executions the loop runs at once.
         poll_interval: seconds between looks at the store.
@@ -61,7 +61,7 @@ class Server:
 
     def __init__(
         self,
-        instance: Instance,
+        host: InstanceHost,
         graphs: Mapping[str, Any],
         *,
         concurrency: int,
@@ -101,7 +101,7 @@ class Server:
             "poll_interval", poll_interval, what="between looks at the store"
         )
         self.budget = check_budget(max_takeovers)
-        self.instance = instance
+        self.host = host
         self.graphs = graphs
         self.concurrency = concurrency
         self.kwargs = kwargs
@@ -128,7 +128,7 @@ class Server:
             self.running.pop(task)
         # No more than the instance can renew in time: at its max_held, takeovers wait
         # (other instances may take them meanwhile).
-        free = min(self.concurrency - len(self.running), self.instance._keeper.free)
+        free = min(self.concurrency - len(self.running), self.host.keeper.free)
         if free > 0:
             try:
                 await self.take_work(free)
@@ -147,12 +147,12 @@ class Server:
         """Say which graphs this loop serves (``langgraph-fence runs`` shows a pending run
         of a graph nobody serves as unserved), at most every ``ANNOUNCE_EVERY`` seconds;
         never fails the loop."""
-        queue = self.instance.queue_or_none()
+        queue = self.host.queue_or_none()
         now = time.monotonic()
         if queue is None or now < self._announced_at + ANNOUNCE_EVERY:
             return
         try:
-            await queue.announce(self.instance.instance_id, self.graphs)
+            await queue.announce(self.host.instance_id, self.graphs)
             self._announced_at = now
         except Exception as exc:
             logger.info(
@@ -160,11 +160,11 @@ class Server:
             )
 
     async def _retire(self) -> None:
-        queue = self.instance.queue_or_none()
+        queue = self.host.queue_or_none()
         if queue is None or self._announced_at == -ANNOUNCE_EVERY:
             return
         try:
-            await queue.retire(self.instance.instance_id)
+            await queue.retire(self.host.instance_id)
         except Exception as exc:
             logger.info(
                 "serve: could not remove its row of fence_workers (%s)", failure_reason(exc)
@@ -175,8 +175,8 @@ class Server:
         short; ``handle_signals``: SIGTERM and SIGINT set it); then drain the runs and wait
         for them to hand back."""
         remove_signals = on_signals(stop) if handle_signals else (lambda: None)
-        logger.info("instance %s serves %s", self.instance.instance_id, sorted(self.graphs))
-        queue = self.instance.queue_or_none()
+        logger.info("instance %s serves %s", self.host.instance_id, sorted(self.graphs))
+        queue = self.host.queue_or_none()
         # On PostgreSQL a submit or a hand-back wakes the loop at once (LISTEN/NOTIFY);
         # polling stays.
         wake = asyncio.Event()
@@ -199,7 +199,7 @@ class Server:
             remove_signals()
             await self.stop_runs()
             await self._retire()
-            logger.info("instance %s stopped serving", self.instance.instance_id)
+            logger.info("instance %s stopped serving", self.host.instance_id)
 
     async def stop_runs(self) -> None:
         """Drain every run of the loop at its next superstep boundary and wait for them."""
@@ -224,21 +224,21 @@ class Server:
         or passed over in a look are looked past in the same look, so no number of them
         delays the takeover of a healthy execution behind them.
         """
-        instance, graphs, unserved = self.instance, self.graphs, self._unserved
+        host, graphs, unserved = self.host, self.graphs, self._unserved
         if self._alone is not None and not self._alone.done():
             return  # an execution's last take of its budget runs with nothing beside it
         self._alone = None
         if self._isolating and not self._idle():
             return  # draining to idle, to run an execution's last take alone
         self._isolating = False
-        queue = instance.queue_or_none()
+        queue = host.queue_or_none()
         if queue is not None:
             # A thread whose run ended begins its next queued run (on_busy="enqueue"): it is
             # then a pending candidate like any submitted run. One read when none is queued.
             await queue.promote()
             # A yielded tree whose children all ended without waking it: woken (one
             # statement; its waiter, if alive, takes it again within the TTL).
-            await queue.wake_all_yielded(instance.lease_ttl)
+            await queue.wake_all_yielded(host.lease_ttl)
         window = free * 4
         # The candidates this look took, settled or passed over: a window full of rows that
         # cannot run here (dead-lettered now, moved on) is looked past at once, not one
@@ -250,7 +250,7 @@ class Server:
             # they would hide the ones this loop can run.
             limit = window + len(unserved) + len(seen)
             # In claim order (round-robin by tenant), from after the tenant claimed for last.
-            candidates = await instance.repository.takeover_candidates(
+            candidates = await host.repository.takeover_candidates(
                 limit=limit, after_tenant=self._claimed_for
             )
             # Forget the ones that are no longer candidates (ended, or taken by their
@@ -259,7 +259,7 @@ class Server:
             for key in [k for k, epoch in unserved.items() if current.get(k) != epoch]:
                 del unserved[key]
             fresh = [c for c in candidates if c.key not in unserved and c.key not in seen]
-            heads = await instance.records.heads_of([c.key for c in fresh]) if fresh else {}
+            heads = await host.records.heads_of([c.key for c in fresh]) if fresh else {}
             found_unserved = passed = False
             for candidate in fresh:
                 if free <= 0:
@@ -283,12 +283,12 @@ class Server:
                         graph_name,
                     )
                     continue
-                if not instance._keeper.try_admit():
+                if not host.keeper.try_admit():
                     return  # the instance is full: the rest wait for a free slot
                 try:
                     started = await self._take_one(graphs[head.graph], candidate, head)
                 except Exception:
-                    instance._keeper.leave()
+                    host.keeper.leave()
                     logger.warning("could not take %s over", candidate.scope_key, exc_info=True)
                     passed = True
                     continue
@@ -296,7 +296,7 @@ class Server:
                     free -= 1
                     self._claimed_for = candidate.key.tenant_id
                 else:
-                    instance._keeper.leave()
+                    host.keeper.leave()
                     passed = True
                 if self._alone is not None or self._isolating:
                     return  # a last take runs alone, or the loop drains to run one
@@ -315,7 +315,7 @@ class Server:
         The recorded input is read only when the run needs it (no checkpoint yet), decoded
         with the graph's own allow-list; a record that cannot be, dead-letters the execution.
         """
-        instance = self.instance
+        host = self.host
         # The tenant names the thread too (another tenant's thread of the same id is another).
         config: RunnableConfig = {
             "configurable": {"thread_id": head.thread_id, "tenant_id": candidate.key.tenant_id}
@@ -338,19 +338,19 @@ class Server:
             # until its runs have ended, then takes it alone.
             self._isolating = True
             return False
-        taken = await instance.repository.take_over(
+        taken = await host.repository.take_over(
             candidate,
-            instance.instance_id,
-            instance.lease_ttl,
+            host.instance_id,
+            host.lease_ttl,
             progress_mark=mark,
             max_takeovers=self.budget,
         )
         if taken is None:
             return False  # renewed by its holder or taken by another instance meanwhile
         if taken.status is LeaseStatus.DEAD_LETTERED:
-            announce_dead_letter(instance._events, taken.scope_key, taken.epoch, taken.reason)
+            announce_dead_letter(host.events, taken.scope_key, taken.epoch, taken.reason)
             return False
-        instance._events.emit(
+        host.events.emit(
             EventKind.TAKEN_OVER,
             taken.scope_key,
             taken.epoch,
@@ -363,7 +363,7 @@ class Server:
         now_latest = latest if latest is not None else await graph.checkpointer.aget_tuple(config)
         from_input = now_latest is None
         submitted = False
-        queue = instance.queue_or_none()
+        queue = host.queue_or_none()
         # Only a submitted run (its head says so: read with it, no statement more) pays for
         # the pin: a takeover of a run started by ainvoke reads and writes nothing for it.
         if queue is not None and head.submitted:
@@ -377,7 +377,7 @@ class Server:
                 submitted = True
                 from_input = pinned == mark_now
         try:
-            record = await instance.records.get(
+            record = await host.records.get(
                 taken.key, allow=run_allowlist(graph), with_input=from_input
             )
             if record is None:
@@ -394,13 +394,13 @@ class Server:
                     failure_reason(exc),
                 )
                 with contextlib.suppress(Exception):
-                    await instance.repository.release(taken, LeaseStatus.PENDING)
+                    await host.repository.release(taken, LeaseStatus.PENDING)
                 return False
             # Ours now (epoch + 1): left as it is, every instance would fail on it, poll
             # after poll. It cannot run anywhere: dead-letter it, saying why.
             reason = failure_reason(exc, prefix="its execution record cannot be loaded: ")
-            await instance.repository.dead_letter(taken.key, reason, epoch=taken.epoch)
-            announce_dead_letter(instance._events, taken.scope_key, taken.epoch, reason)
+            await host.repository.dead_letter(taken.key, reason, epoch=taken.epoch)
+            announce_dead_letter(host.events, taken.scope_key, taken.epoch, reason)
             return False
         # The run as it was started: its configurable keys, context, limits and options
         # (serve()'s own options are the defaults under them).
@@ -444,16 +444,16 @@ class Server:
         old holder, and only one instance ends it), then dead-lettered under the token just
         taken, with a reason naming what could not be read: two statements, once.
         """
-        instance = self.instance
+        host = self.host
         reason = failure_reason(exc, prefix="its latest checkpoint cannot be loaded: ")
-        taken = await instance.repository.take_over(
-            candidate, instance.instance_id, instance.lease_ttl, max_takeovers=self.budget
+        taken = await host.repository.take_over(
+            candidate, host.instance_id, host.lease_ttl, max_takeovers=self.budget
         )
         if taken is None:
             return  # renewed by its holder or taken by another instance meanwhile
         if taken.status is not LeaseStatus.DEAD_LETTERED:
-            taken = await instance.repository.dead_letter(taken.key, reason, epoch=taken.epoch)
-        announce_dead_letter(instance._events, taken.scope_key, taken.epoch, taken.reason)
+            taken = await host.repository.dead_letter(taken.key, reason, epoch=taken.epoch)
+        announce_dead_letter(host.events, taken.scope_key, taken.epoch, taken.reason)
 
     async def _resume(
         self,
@@ -475,7 +475,7 @@ class Server:
                 "last checkpoint" if input is None else "recorded input",
             )
             async with running(
-                self.instance,
+                self.host,
                 graph,
                 input,
                 config,
@@ -486,7 +486,7 @@ class Server:
             ) as run:
                 runs.append(run)
                 output = await graph.ainvoke(input, run.config, control=run.control, **kwargs)
-                queue = self.instance.queue_or_none()
+                queue = self.host.queue_or_none()
                 if submitted and queue is not None:
                     await queue.store_output(run.handle, output)
         except GraphDrained:
@@ -494,7 +494,7 @@ class Server:
         except Exception:
             logger.warning("resumed run %s ended with an error", taken.scope_key, exc_info=True)
         finally:
-            queue = self.instance.queue_or_none()
+            queue = self.host.queue_or_none()
             if submitted and queue is not None:
                 # Its lease is released now: a result() waiting for it looks at once.
                 await queue.notify(ENDS_CHANNEL, taken.scope_key)

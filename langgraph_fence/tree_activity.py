@@ -175,8 +175,8 @@ class TreeActivity:
         async with self._lock():
             if handle.error is not None or handle.stop_reason is not None:
                 return False
-            instance = handle.instance
-            assert instance is not None  # children are spawned under an instance only
+            host = handle.host
+            assert host is not None  # children are spawned under an instance only
             # Decided and set in one hold of the count, before the statement: a step of
             # another thread entering meanwhile either counts first (no yield) or sees it
             # set, waits for the turn and re-takes, so nothing of the tree runs under a
@@ -186,7 +186,7 @@ class TreeActivity:
                 if self.yielded or not 0 < self.running == self.waiting:
                     return False
                 self.yielded = True
-            await instance._keeper.release(handle)
+            await host.let_go(handle)
             # Should the statement fail, landed or not, ``yielded`` stays set: the re-take
             # (which accepts a lease still held) settles it before anything runs.
             try:
@@ -194,7 +194,7 @@ class TreeActivity:
             except ExecutionFencedError as exc:
                 raise handle.record(exc) from None
             handle.note_yielded(lease)
-            instance._events.emit(
+            host.emit(
                 EventKind.YIELDED, handle.scope_key, lease.epoch, "waiting for remote children"
             )
         # Its children may all have ended since the wait last looked: then it is woken at
@@ -234,8 +234,8 @@ class TreeActivity:
                 return
             if isinstance(handle.error, ExecutionFencedError):
                 raise handle.error
-            instance = handle.instance
-            assert instance is not None
+            host = handle.host
+            assert host is not None
             sent_at = handle.clock()
             try:
                 lease = await handle.repository.retake(handle.lease, handle.ttl)
@@ -243,8 +243,8 @@ class TreeActivity:
                 raise handle.record(exc) from None
             handle.replace_lease(lease, sent_at=sent_at)
             self.yielded = False
-            instance._keeper.keep(handle)
-            instance._events.emit(
+            host.keep(handle)
+            host.emit(
                 EventKind.RETAKEN, handle.scope_key, lease.epoch, "a step of the tree runs again"
             )
 
@@ -253,11 +253,10 @@ async def wake_parent(handle: RunHandle, parent: LeaseKey) -> None:
     """Wake ``parent`` if it is yielded and all its children ended: runnable by any
     ``serve()`` one lease TTL from now (store clock). Best effort: a failure is logged (the
     waiter, if alive, re-takes it all the same)."""
-    instance = handle.instance
-    queue = None if instance is None else instance.queue_or_none()
-    if queue is None:
+    host = handle.host
+    if host is None:
         return
     try:
-        await queue.wake_yielded(parent, handle.ttl)
+        await host.wake_yielded(parent, handle.ttl)
     except Exception:
         logger.warning("could not wake the yielded tree %s", parent.scope_key, exc_info=True)

@@ -380,7 +380,7 @@ async def test_a_start_whose_take_loses_its_connection_is_handed_back_to_its_cal
                 caught = exc
             assert caught is not None, "the start ran with its connection gone"
             assert any(is_database_connection_error(e) for e in linked_errors(caught)), caught
-            assert instance._keeper.free == instance._keeper.max_held  # its slot is back
+            assert instance.host.keeper.free == instance.host.keeper.max_held  # its slot is back
             proxy.heal()
             key = LeaseKey(TENANT, thread)
             assert await instance.repository.get(key) is None

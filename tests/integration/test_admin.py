@@ -500,7 +500,7 @@ async def test_deleting_a_thread_erases_its_submitted_runs_inputs_and_outputs(
         "graph", {"card": secret}, config_of(thread, tenant), tenant_id=tenant
     )
     server = Server(
-        instance, {"graph": graph}, concurrency=1, poll_interval=1, max_takeovers=3, kwargs={}
+        instance.host, {"graph": graph}, concurrency=1, poll_interval=1, max_takeovers=3, kwargs={}
     )
     await server.take_work(1)
     await asyncio.wait_for(asyncio.gather(*server.running), 20)

@@ -182,7 +182,7 @@ async def test_the_lease_is_held_through_a_sibling_step_then_yielded_and_retaken
         assert yielded.epoch == 1
         # The keeper let go of it: nothing renews or watches a yielded lease, so the wait
         # outlasts the parent's TTL (30 s) many times over unharmed.
-        assert seen.parent._keeper.held == 0
+        assert seen.parent.host.keeper.held == 0
         leases.advance(100.0)
         # Yielded, its run still goes on: listed among the runs, and busy for a submit.
         assert seen.root in [r.key for r in await seen.parent._run_queue().runs()]

@@ -252,7 +252,7 @@ async def test_a_drained_run_is_told_as_handed_back(store: Leases) -> None:
     await asyncio.wait_for(in_step.wait(), 20)
     stop.set()  # as SIGTERM: the step in flight ends, then the run is handed back
     await eventually(
-        lambda: any(run.control.drain_requested for run in b._runs),
+        lambda: any(run.control.drain_requested for run in b.host.runs),
         timeout=20,
         interval=0.01,
         what="the run to be asked to drain",

@@ -153,7 +153,7 @@ async def renewed_every_second(database: Any) -> AsyncIterator[Instance]:
     async with Instance.open(
         database.url, engine_options=options, lease_ttl=8.0, renew_interval=1.0
     ) as instance:
-        assert instance._keeper.in_thread
+        assert instance.host.keeper.in_thread
         yield instance
 
 
@@ -164,7 +164,7 @@ async def test_while_renewals_run_late_a_new_run_waits_for_them_and_none_is_lost
     the 6.2 s left) takes on no new run: the next start waits, writing nothing, while the
     leases it holds are kept; once the renewals come back in time, it starts."""
     async with renewed_every_second(database) as instance:
-        keeper = instance._keeper
+        keeper = instance.host.keeper
         assert keeper.max_held == 3000  # derived: renewed every second, 3 000 leases a second
         lost = losses(instance)
         waiting = Waiting()
@@ -198,7 +198,7 @@ async def test_the_last_run_ending_while_a_late_renewal_is_in_flight_holds_back_
     run ended does not keep new runs out (else the instance would refuse every run for
     good, with no renewal left to clear it)."""
     async with renewed_every_second(database) as instance:
-        keeper = instance._keeper
+        keeper = instance.host.keeper
         waiting = Waiting()
         graph = waiting.graph(instance)
         first = start(instance, graph, unique("first"))
@@ -236,7 +236,7 @@ async def test_renewals_keep_their_deadline_while_200_runs_start_at_once(databas
     ttl = 10.0 if database.url.startswith("sqlite") else 3.0
     async with Instance.open(database.url, engine_options=options, lease_ttl=ttl) as instance:
         lost = losses(instance)
-        keeper = instance._keeper
+        keeper = instance.host.keeper
         waiting = Waiting()
         graph = waiting.graph(instance)
         first = [start(instance, graph, unique("first")) for _ in range(20)]
@@ -297,7 +297,8 @@ async def test_renewals_go_through_while_every_pooled_connection_is_taken(
             held_from = instance.clock()
             await until(
                 lambda: (
-                    sum(b.sent_at >= held_from for b in instance._keeper.batches) >= 2 or run.done()
+                    sum(b.sent_at >= held_from for b in instance.host.keeper.batches) >= 2
+                    or run.done()
                 ),
                 within=30.0,
             )
@@ -358,9 +359,9 @@ async def test_a_burst_of_starts_whose_acquires_answer_after_their_window_loses_
     assert lost == []
     # Held from then on: two rounds of renewals keep every lease.
     for _ in range(2):
-        sent = len(instance._keeper.batches)
+        sent = len(instance.host.keeper.batches)
         leases.advance(instance.renew_interval)
-        await until(lambda sent=sent: len(instance._keeper.batches) > sent, within=30.0)
+        await until(lambda sent=sent: len(instance.host.keeper.batches) > sent, within=30.0)
     waiting.go.set()
     results = await asyncio.gather(*burst, return_exceptions=True)
     await instance.aclose()
@@ -447,7 +448,7 @@ async def test_a_loop_blocked_by_synchronous_work_loses_no_lease(database: Any) 
         serving_in_another_thread(database, elsewhere.graph),
         Instance.open(database.url, engine_options=options, lease_ttl=1.5) as instance,
     ):
-        assert instance._keeper.loop_stall_bound > blocked_for
+        assert instance.host.keeper.loop_stall_bound > blocked_for
         assert blocked_for > instance.lease_ttl - safety_margin(instance.lease_ttl)
         lost = losses(instance)
         graph = window.graph(instance)
@@ -459,7 +460,9 @@ async def test_a_loop_blocked_by_synchronous_work_loses_no_lease(database: Any) 
         blocked_until = instance.clock()
         window.go.set()
         results = await asyncio.gather(blocker, *held, return_exceptions=True)
-        during = [b for b in instance._keeper.batches if blocked_from < b.sent_at < blocked_until]
+        during = [
+            b for b in instance.host.keeper.batches if blocked_from < b.sent_at < blocked_until
+        ]
     assert [r for r in results if isinstance(r, BaseException)] == []
     assert all(r["log"] == ["done"] for r in results)
     assert lost == []
@@ -512,7 +515,7 @@ async def test_where_renewals_run_is_said_and_required(database: Any, leases: Le
     options = schema_options(database.schema or None)
     waiting = Waiting()
     async with Instance.open(database.url, engine_options=options, lease_ttl=3.0) as instance:
-        assert instance._keeper.in_thread
+        assert instance.host.keeper.in_thread
         run = start(instance, waiting.graph(instance), unique("held"))
         await until(lambda: waiting.entered == 1, within=30.0)
         name = f"langgraph-fence renewer {instance.instance_id}"
@@ -520,7 +523,7 @@ async def test_where_renewals_run_is_said_and_required(database: Any, leases: Le
         waiting.go.set()
         assert (await run)["log"] == ["done"]
     assert not [t for t in threading.enumerate() if t.name == name]  # ended with it
-    assert not leases.instance("fixture")._keeper.in_thread
+    assert not leases.instance("fixture").host.keeper.in_thread
     with pytest.raises(ValueError, match="injected clock"):
         Instance(
             leases.store,

@@ -115,7 +115,7 @@ async def test_a_handed_back_run_wakes_a_serving_instance_at_once(database: Data
             a.ainvoke(steps.graph(a), {"text": "x"}, cfg(unique("t")), tenant_id="acme")
         )
         await asyncio.wait_for(steps.entered.wait(), 20)
-        (held,) = a._runs
+        (held,) = a.host.runs
         held.control.request_drain("handed back by the test")  # as serve() does on stop
         steps.go.set()
         with pytest.raises(GraphDrained):

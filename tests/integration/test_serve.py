@@ -320,7 +320,7 @@ async def test_stop_drains_at_a_superstep_and_hands_the_execution_back(leases: L
         stop_b.set()  # SIGTERM: finish the step in flight, then hand the execution back
 
         async def drain_requested() -> bool:
-            return any(run.control.drain_requested for run in b._runs)
+            return any(run.control.drain_requested for run in b.host.runs)
 
         await eventually(drain_requested)
         release.set()
@@ -446,7 +446,7 @@ async def test_confirm_now_during_a_graceful_stop_drains_the_step(
         stop_b.set()
 
         async def stopping() -> bool:
-            return any(run.handle.stop_reason for run in b._runs)
+            return any(run.handle.stop_reason for run in b.host.runs)
 
         await eventually(stopping)
         go.set()
@@ -500,7 +500,9 @@ async def test_only_a_submitted_run_pays_for_the_pin_at_its_takeover(leases: Lea
     leases.stall(a)
     leases.advance(31.0)  # A's lease expired
     worker.set("B")
-    server = Server(b, {"shop": graph}, concurrency=1, poll_interval=1, max_takeovers=3, kwargs={})
+    server = Server(
+        b.host, {"shop": graph}, concurrency=1, poll_interval=1, max_takeovers=3, kwargs={}
+    )
     statements: list[str] = []
     reads: list[Any] = []
     real_read = graph.checkpointer.aget_tuple
@@ -518,7 +520,7 @@ async def test_only_a_submitted_run_pays_for_the_pin_at_its_takeover(leases: Lea
         statements.clear()
         reads.clear()
         event.listen(leases.engine.sync_engine, "before_cursor_execute", sent)
-        assert b._keeper.try_admit()
+        assert b.host.keeper.try_admit()
         try:
             assert await server._take_one(graph, candidate, head)
         finally:
@@ -526,7 +528,7 @@ async def test_only_a_submitted_run_pays_for_the_pin_at_its_takeover(leases: Lea
         counted = (len(reads), sum("SET input_after" in s for s in statements))
         await asyncio.wait_for(asyncio.gather(*server.running), 10)
         server.running.clear()
-        b._keeper.leave()  # the slot take_work takes for a run
+        b.host.keeper.leave()  # the slot take_work takes for a run
         return counted
 
     graph.checkpointer.aget_tuple = counted_read  # type: ignore[method-assign]

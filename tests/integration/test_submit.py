@@ -491,7 +491,7 @@ async def test_a_worker_gone_between_queued_runs_loses_and_repeats_none(
         def server(instance: Instance) -> Server:
             graphs = {"shout": build(instance, work)}
             return Server(
-                instance, graphs, concurrency=1, poll_interval=0.02, max_takeovers=3, kwargs={}
+                instance.host, graphs, concurrency=1, poll_interval=0.02, max_takeovers=3, kwargs={}
             )
 
         async def look(one: Server) -> None:
@@ -535,7 +535,9 @@ async def test_a_resume_beside_waiting_submitted_runs_is_refused(database: Datab
             "shout", {"text": "later"}, cfg(thread), tenant_id="a", on_busy="enqueue"
         )
         graphs = {"shout": build(worker, work)}
-        look = Server(worker, graphs, concurrency=1, poll_interval=0.02, max_takeovers=3, kwargs={})
+        look = Server(
+            worker.host, graphs, concurrency=1, poll_interval=0.02, max_takeovers=3, kwargs={}
+        )
         await look.take_work(1)  # the first run only: it is pending, the next still queued
         await asyncio.wait_for(asyncio.gather(*look.running), 20)
         assert (await run.state()).status is LeaseStatus.DONE

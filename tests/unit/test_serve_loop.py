@@ -66,7 +66,7 @@ async def expired(instance: Instance, clock: ManualClock, name: str) -> LeaseKey
 
 def server_of(instance: Instance, clock: ManualClock, **options: Any) -> Server:
     return Server(
-        instance,
+        instance.host,
         {"g": graph_on(instance)},
         concurrency=options.get("concurrency", 4),
         poll_interval=options.get("poll", POLL),
