@@ -148,7 +148,7 @@ def orders_and_chat_graphs(instance: Instance) -> dict[str, Any]:
     return {**orders.graphs(instance), "chat": chat}
 
 
-def test_submit_gives_the_readme_orders_graph_its_config_and_context_and_prints_json(
+def test_submit_gives_the_quickstart_orders_graph_its_config_and_context_and_prints_json(
     database: Database, tmp_path: Path
 ) -> None:
     """The quickstart's own ``orders`` graph reads ``configurable["user_id"]`` and the context:

@@ -121,7 +121,7 @@ async def until_done(repository: SqlLeaseRepository, key: LeaseKey, *, within: f
     await eventually(done, timeout=within, what=f"{key.scope_key} to end done")
 
 
-async def test_the_readme_quickstart_killed_mid_node_is_taken_over_by_the_worker(
+async def test_the_quickstart_killed_mid_node_is_taken_over_by_the_worker(
     tmp_path: Path, orders_db: str
 ) -> None:
     (tmp_path / "orders.py").write_text(quickstart())
@@ -162,7 +162,7 @@ async def test_the_readme_quickstart_killed_mid_node_is_taken_over_by_the_worker
     assert charged == CHARGED, stderr.decode()
 
 
-async def test_the_readme_quickstart_stopped_with_ctrl_c_is_handed_back_at_once(
+async def test_the_quickstart_stopped_with_ctrl_c_is_handed_back_at_once(
     tmp_path: Path, orders_db: str
 ) -> None:
     """Ctrl-C (SIGINT) mid-node: the run is handed back as it stops (``pending``, no holder),
