@@ -1,5 +1,6 @@
 """Issue 32, item 11: on SQLite a process frozen inside a write transaction holds the
-file's only write lock, and what frees it (documented in the README's limits).
+file's only write lock, and what frees it (documented in docs/guarantees.md,
+"What is not built yet").
 
 A real process opens a write transaction on the lease file and is frozen (SIGSTOP), as a
 worker paused mid-checkpoint would be. Every writer of the file then waits out the busy
@@ -60,7 +61,7 @@ async def test_a_frozen_sqlite_writer_blocks_the_takeover_until_it_is_killed(
         os.kill(holder.pid, signal.SIGSTOP)  # frozen with its write transaction open
         with pytest.raises((OperationalError, sqlite3.OperationalError), match="is locked"):
             await store.take_over(candidate, "worker-b", 30.0)
-        os.kill(holder.pid, signal.SIGKILL)  # what the README says to do
+        os.kill(holder.pid, signal.SIGKILL)  # what docs/guarantees.md says to do
         await asyncio.wait_for(holder.wait(), 30)
         taken = await store.take_over(candidate, "worker-b", 30.0)
         assert taken is not None

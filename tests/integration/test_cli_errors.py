@@ -112,7 +112,7 @@ def test_a_postgresql_schema_never_migrated_says_to_migrate(own_schema: tuple[st
 def test_a_schema_that_does_not_exist_is_listed_as_never_migrated_and_migrate_creates_it(
     pg_schema: tuple[str, str],
 ) -> None:
-    """The README's own ``migrate --schema fence``, on a schema that does not exist yet."""
+    """docs/cli.md's own ``migrate --schema fence``, on a schema that does not exist yet."""
     url, _ = pg_schema
     schema = f"lgf_fresh_{uuid.uuid4().hex[:12]}"
     try:

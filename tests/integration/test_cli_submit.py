@@ -130,10 +130,10 @@ def test_submit_runs_and_a_worker_on_the_command_line(tmp_path: Path) -> None:
 
 
 def orders_and_chat_graphs(instance: Instance) -> dict[str, Any]:
-    """A worker's ``--graphs`` factory: the README quickstart's ``orders`` (its module,
-    ``orders.py``, written by the test into the worker's folder) and ``chat``, whose state
-    is LangChain messages."""
-    import orders  # type: ignore[import-not-found]  # the README's quickstart, written by the test
+    """A worker's ``--graphs`` factory: the ``orders`` of docs/getting-started.md's quickstart
+    (its module, ``orders.py``, written by the test into the worker's folder) and ``chat``,
+    whose state is LangChain messages."""
+    import orders  # type: ignore[import-not-found]  # the quickstart, written by the test
     from langchain_core.messages import AIMessage
     from langgraph.graph import MessagesState
 
@@ -148,10 +148,10 @@ def orders_and_chat_graphs(instance: Instance) -> dict[str, Any]:
     return {**orders.graphs(instance), "chat": chat}
 
 
-def test_submit_gives_the_readme_orders_graph_its_config_and_context_and_prints_json(
+def test_submit_gives_the_quickstart_orders_graph_its_config_and_context_and_prints_json(
     database: Database, tmp_path: Path
 ) -> None:
-    """The README's own ``orders`` graph reads ``configurable["user_id"]`` and the context:
+    """The quickstart's own ``orders`` graph reads ``configurable["user_id"]`` and the context:
     submitted from the command line with them, a worker runs it as ``ainvoke`` would, and
     ``--wait`` prints JSON (messages as dicts, never Python reprs)."""
     from tests.integration.test_quickstart import quickstart

@@ -139,7 +139,8 @@ def order_graph(instance: Instance, entered: asyncio.Event, hang: asyncio.Event)
 
 @asynccontextmanager
 async def instance_from_parts(database: Database, name: str) -> AsyncIterator[Instance]:
-    """An instance as the README builds one from parts: a store and a saver, no records."""
+    """An instance as docs/instances.md builds one from parts: a store and a saver, no
+    records."""
     engine = users_engine(database)
     repository = SqlLeaseRepository(engine)
     await repository.setup()

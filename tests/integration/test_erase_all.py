@@ -1,6 +1,7 @@
 """Issue 32 items 1 and 6: a thread run the LangGraph way and erased the LangGraph way is gone.
 
-README's way: no tenant anywhere (the run is of the one default tenant), and
+The documented way (docs/erasure.md): no tenant anywhere (the run is of the one default
+tenant), and
 ``instance.checkpointer.adelete_thread(thread_id)`` with no tenant either. Everything derived
 from the thread goes: its checkpoints, blobs and writes, its record and its runs (a queued
 one too), the store items its steps wrote, and its ``ANY_INSTANCE`` child (record,

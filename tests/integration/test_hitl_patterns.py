@@ -5,9 +5,10 @@ writes nothing; the thread takes new input afterwards.
 The patterns are those of ``tests/chaos/approvals.py``: ``interrupt()`` in a node (async and
 sync), ``interrupt()`` inside a tool (async and sync, LangGraph's own example, in
 ``create_agent`` fenced with ``fence_graph(agent)``), ``interrupt_before`` and
-``interrupt_after``, and LangChain's ``HumanInTheLoopMiddleware``. Each runs the README's way:
-``graph.ainvoke`` on a graph compiled with ``instance.checkpointer``, no tenant given. On the
-first versions ``interrupt()`` inside a write step dead-lettered the thread on its first call.
+``interrupt_after``, and LangChain's ``HumanInTheLoopMiddleware``. Each runs the documented
+way (docs/langgraph.md): ``graph.ainvoke`` on a graph compiled with
+``instance.checkpointer``, no tenant given. On the first versions ``interrupt()`` inside a
+write step dead-lettered the thread on its first call.
 ``tests/chaos/test_approvals_killed.py`` kills a worker mid-write after the approval.
 """
 

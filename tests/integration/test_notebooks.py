@@ -159,10 +159,10 @@ def test_the_notebook_uses_only_the_public_api(path: Path) -> None:
                 assert not node.attr.startswith("_"), f"{path.name} uses .{node.attr}"
 
 
-def test_there_are_the_four_notebooks_and_the_readme_names_each() -> None:
+def test_there_are_the_four_notebooks_and_getting_started_names_each() -> None:
     assert [p.name for p in NOTEBOOKS] == sorted(SHOWN)
-    readme = (ROOT / "README.md").read_text()
-    assert not [p.name for p in NOTEBOOKS if p.name not in readme]
+    page = (ROOT / "docs" / "getting-started.md").read_text()
+    assert not [p.name for p in NOTEBOOKS if p.name not in page]
 
 
 def save_outputs(paths: list[Path]) -> None:

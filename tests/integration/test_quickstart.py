@@ -1,8 +1,8 @@
-"""The README's quickstart, as written: started, SIGKILLed mid-node, taken over by
+"""The quickstart of docs/getting-started.md, as written: started, SIGKILLed mid-node, taken over by
 ``langgraph-fence worker``, resumed with its configurable keys, context, recursion limit and
 tags (issue 9).
 
-The program is the README's first Python block under "Using it", extracted (not copied);
+The program is the page's first Python block under "Using it", extracted (not copied);
 on SQLite (a file) and on PostgreSQL (a database of the test's own on the shared server,
 dropped after: the quickstart takes a URL, not a schema).
 """
@@ -29,18 +29,19 @@ from tests.polling import eventually
 #: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
 pytestmark = pytest.mark.processes
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+#: The page the quickstart lives on (the README links to it).
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "getting-started.md"
 KEY = LeaseKey("acme", "order-42")
 # What the quickstart's charge step prints when it runs with the config it was started with.
 CHARGED = "charging order 42 for u-7 in EUR at token 2 (tags ['checkout'], recursion limit 10)"
 
 
 def quickstart() -> str:
-    """The README's quickstart program: the first Python block of "## Using it"."""
-    text = README.read_text()
+    """The quickstart program: the first Python block of "## Using it" in getting-started.md."""
+    text = PAGE.read_text()
     section = text[text.index("\n## Using it\n") :]
     found = re.search(r"```python\n(.*?)```\n", section, re.S)
-    assert found is not None, "the README's 'Using it' section has no python block"
+    assert found is not None, "getting-started.md's 'Using it' section has no python block"
     return found.group(1)
 
 
@@ -120,7 +121,7 @@ async def until_done(repository: SqlLeaseRepository, key: LeaseKey, *, within: f
     await eventually(done, timeout=within, what=f"{key.scope_key} to end done")
 
 
-async def test_the_readme_quickstart_killed_mid_node_is_taken_over_by_the_worker(
+async def test_the_quickstart_killed_mid_node_is_taken_over_by_the_worker(
     tmp_path: Path, orders_db: str
 ) -> None:
     (tmp_path / "orders.py").write_text(quickstart())
@@ -161,7 +162,7 @@ async def test_the_readme_quickstart_killed_mid_node_is_taken_over_by_the_worker
     assert charged == CHARGED, stderr.decode()
 
 
-async def test_the_readme_quickstart_stopped_with_ctrl_c_is_handed_back_at_once(
+async def test_the_quickstart_stopped_with_ctrl_c_is_handed_back_at_once(
     tmp_path: Path, orders_db: str
 ) -> None:
     """Ctrl-C (SIGINT) mid-node: the run is handed back as it stops (``pending``, no holder),
