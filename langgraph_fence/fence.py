@@ -68,7 +68,6 @@ def safety_margin(ttl: float) -> float:
     return min(ttl / 10.0, 2.0)
 
 
-
 class RunHost(Protocol):
     """What a run's handle needs of the instance it runs under
     (:class:`~langgraph_fence.host.InstanceHost`): keep its lease renewed or let it go, tell

@@ -72,9 +72,7 @@ class InstanceHost:
         self.served_graphs = served_graphs
         # A run config is checked with what its records store it with (memory records keep
         # objects, but a value is refused the same way on every store).
-        self.record_serde: SerializerProtocol = (
-            getattr(records, "serde", None) or safe_serializer()
-        )
+        self.record_serde: SerializerProtocol = getattr(records, "serde", None) or safe_serializer()
         self.runs: set[object] = set()
         self._queue: SubmittedRuns | None = None
 

@@ -431,9 +431,7 @@ async def take(
         reason = lease.reason or ""
         announce_dead_letter(host.events, key.scope_key, lease.epoch, reason)
         raise ExecutionDeadLetteredError(f"execution {key.scope_key!r} was dead-lettered: {reason}")
-    handle = RunHandle(
-        repository, lease, host.lease_ttl, clock=host.clock, confirmed_from=sent_at
-    )
+    handle = RunHandle(repository, lease, host.lease_ttl, clock=host.clock, confirmed_from=sent_at)
     return handle, record
 
 
