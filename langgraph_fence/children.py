@@ -57,8 +57,7 @@ from .scope import parse_scope_key, scope_key
 from .validate import positive_seconds, text_id
 
 if TYPE_CHECKING:
-    from .context import ExecutionContext
-    from .fence import RunHandle
+    from .fence import ExecutionFence, RunHandle
     from .queue import RunState, SubmittedRuns
 
 __all__ = [
@@ -168,8 +167,17 @@ def refuse_child_ids(thread_id: str, execution_id: str | None) -> None:
             )
 
 
+@dataclass(frozen=True, slots=True)
+class Step:
+    """The step that spawns children or waits for them: its run's handle and its fence
+    (:class:`~langgraph_fence.ExecutionContext` passes its own)."""
+
+    handle: RunHandle
+    fence: ExecutionFence
+
+
 async def spawn_child(
-    frame: ExecutionContext,
+    step: Step,
     graph_name: str,
     input: Any,
     *,
@@ -177,7 +185,7 @@ async def spawn_child(
     key: str,
     graph: Any = None,
 ) -> Child:
-    """Spawn a child of the step ``frame`` (see :meth:`ExecutionContext.spawn_child`).
+    """Spawn a child of ``step`` (see :meth:`ExecutionContext.spawn_child`).
 
     ``ANY_INSTANCE`` children spawned by calls of one run made in the same turn of its
     event loop (``asyncio.gather`` of ``spawn_child`` calls) are recorded together, one
@@ -185,12 +193,12 @@ async def spawn_child(
     text_id("key", key, what="the child's key, unique among this execution's children")
     if placement is not ChildPlacement.ANY_INSTANCE or graph is not None:
         (child,) = await spawn_children(
-            frame, graph_name, {key: input}, placement=placement, graph=graph
+            step, graph_name, {key: input}, placement=placement, graph=graph
         )
         return child
     text_id("graph_name", graph_name, what="the name a worker serves the child's graph under")
-    handle = frame._handle
-    await _still_held(frame)
+    handle = step.handle
+    await _still_held(step)
     (stored,) = _queue_of(handle).serialize_inputs({key: input})  # refused here, alone
     loop = asyncio.get_running_loop()
     gathered = _gathering.get(handle)
@@ -201,12 +209,12 @@ async def spawn_child(
         _recording.add(task)
         task.add_done_callback(_recording.discard)
     spawned: asyncio.Future[Child] = loop.create_future()
-    gathered.append((frame, graph_name, key, stored, spawned))
+    gathered.append((step, graph_name, key, stored, spawned))
     return await spawned
 
 
 # The spawn_child calls of a run waiting to be recorded together (see spawn_child).
-_Call = tuple["ExecutionContext", str, str, tuple[str, bytes], "asyncio.Future[Child]"]
+_Call = tuple["Step", str, str, tuple[str, bytes], "asyncio.Future[Child]"]
 _gathering: weakref.WeakKeyDictionary[RunHandle, list[_Call]] = weakref.WeakKeyDictionary()
 _recording: set[asyncio.Task[None]] = set()  # referenced until done
 
@@ -244,14 +252,14 @@ async def _spawn_gathered(handle: RunHandle, gathered: list[_Call]) -> None:
 
 
 async def spawn_children(
-    frame: ExecutionContext,
+    step: Step,
     graph_name: str,
     inputs: Mapping[str, Any],
     *,
     placement: ChildPlacement,
     graph: Any = None,
 ) -> list[Child]:
-    """Spawn children of the step ``frame``, one per key of ``inputs`` (see
+    """Spawn children of ``step``, one per key of ``inputs`` (see
     :meth:`ExecutionContext.spawn_children`)."""
     text_id("graph_name", graph_name, what="the name a worker serves the child's graph under")
     if not isinstance(inputs, Mapping):
@@ -267,24 +275,24 @@ async def spawn_children(
         )
     if placement is ChildPlacement.PARENT_INSTANCE:
         return [
-            await _spawn_here(frame, graph_name, input, key, graph) for key, input in inputs.items()
+            await _spawn_here(step, graph_name, input, key, graph) for key, input in inputs.items()
         ]
     if graph is not None:
         raise ValueError(
             "graph= is for ChildPlacement.PARENT_INSTANCE: an ANY_INSTANCE child runs on "
             "the worker that serves graph_name; leave graph out"
         )
-    await _still_held(frame)
-    stored = _queue_of(frame._handle).serialize_inputs(inputs)  # all checked before writing
-    return await _record_remote(frame, graph_name, list(inputs), stored)
+    await _still_held(step)
+    stored = _queue_of(step.handle).serialize_inputs(inputs)  # all checked before writing
+    return await _record_remote(step, graph_name, list(inputs), stored)
 
 
 async def _record_remote(
-    frame: ExecutionContext, graph_name: str, keys: list[str], stored: list[tuple[str, bytes]]
+    step: Step, graph_name: str, keys: list[str], stored: list[tuple[str, bytes]]
 ) -> list[Child]:
     """Record ANY_INSTANCE children of ``keys`` (their inputs serialized) in one batch,
     under the parent's hold; a parent no longer held spawns none of them."""
-    handle = frame._handle
+    handle = step.handle
     parent = handle.key
     executions = [LeaseKey(parent.tenant_id, child_execution_id(parent, key)) for key in keys]
     written = await _queue_of(handle).submit_children(
@@ -309,7 +317,7 @@ async def _record_remote(
 
 
 async def wait_children(
-    frame: ExecutionContext,
+    step: Step,
     children: Sequence[Child],
     *,
     timeout: float | None = None,  # noqa: ASYNC109 - gather-like API: timeout=
@@ -330,7 +338,7 @@ async def wait_children(
     pause = positive_seconds("poll_interval", poll_interval, what="between looks at children")
     from .queue import ENDS_CHANNEL
 
-    handle = frame._handle
+    handle = step.handle
     remote = [child for child in children if child._local is None]
     queue = _queue_of(handle) if remote else None
     loop = asyncio.get_running_loop()
@@ -362,7 +370,7 @@ async def wait_children(
         ) as listening:
             while True:
                 ended.clear()
-                await _still_held(frame)
+                await _still_held(step)
                 remote_left = [c for c in pending.values() if c._local is None]
                 if not listening or loop.time() - full_at >= full_every:
                     full_at = loop.time()
@@ -387,7 +395,7 @@ async def wait_children(
                     if activity is not None:
                         ending, activity = activity, None  # ended once, even if it raises
                         await ending.end_wait()
-                    await _still_held(frame)
+                    await _still_held(step)
                     return results
                 if deadline is not None and loop.time() >= deadline:
                     left = ", ".join(repr(child.scope_key) for child in pending.values())
@@ -470,10 +478,10 @@ def _remote_end(
     return True, error
 
 
-async def _still_held(frame: ExecutionContext) -> None:
+async def _still_held(step: Step) -> None:
     """Raise unless the waiting step still holds its lease; a hold that ran out is asked
     about once, so a waiter that was taken over stops with ``ExecutionFencedError``."""
-    handle = frame._handle
+    handle = step.handle
     handle.check_alive()
     if await handle.activity.check_yielded():
         # Given up on purpose: nothing to prove until the re-take, which a stop still
@@ -481,7 +489,7 @@ async def _still_held(frame: ExecutionContext) -> None:
         _stopping(handle)
         return
     try:
-        frame.fence.assert_held()
+        step.fence.assert_held()
     except ExecutionFencedError:
         raise
     except ExecutionLeaseLostError:
@@ -500,9 +508,7 @@ def _stopping(handle: RunHandle) -> None:
         raise GraphDrained(handle.stop_reason)
 
 
-async def _spawn_here(
-    frame: ExecutionContext, graph_name: str, input: Any, key: str, graph: Any
-) -> Child:
+async def _spawn_here(step: Step, graph_name: str, input: Any, key: str, graph: Any) -> Child:
     """Start a PARENT_INSTANCE child: the graph as a subgraph of the step, in a task that
     inherits the step's context (its config, hence the root's handle)."""
     from langchain_core.runnables.config import ensure_config
@@ -510,8 +516,8 @@ async def _spawn_here(
     from .checkpoint import FencedCheckpointer
     from .fail_closed import refuse_unfenced
 
-    await _still_held(frame)
-    handle = frame._handle
+    await _still_held(step)
+    handle = step.handle
     if graph is None:
         served = {} if handle.host is None else handle.host.served_graphs
         graph = served.get(graph_name)

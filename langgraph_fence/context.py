@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .effects import Effect
 from .errors import ExecutionContextUnavailableError
-from .fence import ExecutionFence, RunHandle, _current_frame
+from .fence import ExecutionFence, RunHandle, enter_step, leave_step
 
 if TYPE_CHECKING:
     from .children import Child, ChildPlacement
@@ -39,8 +39,11 @@ STAMP_AT: tuple[StampAt, ...] = ("body", "effect")
 #: Where the frame is also placed in the step's ``config["configurable"]``.
 CONTEXT_CONFIG_KEY = "execution_context"
 
-#: The running frame (kept in :mod:`langgraph_fence.fence`: a fence reads it too).
-_current = _current_frame
+#: The frame of the step running in this context: set by the node wrapper, read by
+#: ``get_execution_context()``.
+_current: ContextVar[ExecutionContext | None] = ContextVar(
+    "langgraph_fence_execution_context", default=None
+)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -144,13 +147,18 @@ class ExecutionContext:
                 frame used in a child step).
             ValueError, TypeError: a bad argument, named with the fix.
         """
-        from .children import spawn_child
+        from .children import Step, spawn_child
 
         # The spawn is a write under this step's token: beside a wait of this step for
         # remote children, the yielded lease is taken again first.
         async with self.fence._held():
             return await spawn_child(
-                self, graph_name, input, placement=placement, key=key, graph=graph
+                Step(self._handle, self.fence),
+                graph_name,
+                input,
+                placement=placement,
+                key=key,
+                graph=graph,
             )
 
     async def spawn_children(
@@ -187,9 +195,11 @@ class ExecutionContext:
             ValueError, TypeError: a bad argument or an input that cannot be recorded,
                 named with the fix; nothing spawned.
         """
-        from .children import spawn_children
+        from .children import Step, spawn_children
 
-        return await spawn_children(self, graph_name, inputs, placement=placement, graph=graph)
+        return await spawn_children(
+            Step(self._handle, self.fence), graph_name, inputs, placement=placement, graph=graph
+        )
 
     async def wait_children(
         self,
@@ -229,10 +239,10 @@ class ExecutionContext:
             TimeoutError: not all had ended within ``timeout``.
             ExecutionFencedError: this step's execution was taken over.
         """
-        from .children import wait_children
+        from .children import Step, wait_children
 
         return await wait_children(
-            self,
+            Step(self._handle, self.fence),
             children,
             timeout=timeout,
             return_exceptions=return_exceptions,
@@ -289,18 +299,23 @@ _deferred: ContextVar[_DeferredStamp | None] = ContextVar(
 )
 
 
-def _defer_stamp(stamp: Callable[[], Awaitable[Any]]) -> Any:
+def defer_stamp(stamp: Callable[[], Awaitable[Any]]) -> Any:
     """Until the returned token is reset, ``side_effect()`` in this context makes ``stamp``."""
     return _deferred.set(_DeferredStamp(stamp))
 
 
-def _reset_deferred(token: Any) -> None:
+def reset_deferred(token: Any) -> None:
     _deferred.reset(token)
 
 
-def _set_frame(frame: ExecutionContext | None) -> Any:
-    return _current.set(frame)
+def set_frame(frame: ExecutionContext | None) -> Any:
+    """Make ``frame`` (and its fence) the running step in this context until
+    :func:`reset_frame` is given the returned token."""
+    return _current.set(frame), enter_step(None if frame is None else frame.fence)
 
 
-def _reset_frame(token: Any) -> None:
-    _current.reset(token)
+def reset_frame(token: Any) -> None:
+    """Undo the :func:`set_frame` that returned ``token``."""
+    frame_token, fence_token = token
+    leave_step(fence_token)
+    _current.reset(frame_token)

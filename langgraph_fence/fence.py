@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -38,7 +38,6 @@ from .retry import retry_window
 from .tree_activity import TreeActivity
 
 if TYPE_CHECKING:
-    from .context import ExecutionContext
     from .lease import ExecutionLeaseRepository
 
 __all__ = ["FENCE_CONFIG_KEY", "ExecutionFence", "RunHandle", "safety_margin"]
@@ -51,12 +50,22 @@ FENCE_CONFIG_KEY = "__fence"
 
 StopListener = Callable[[BaseException], None]
 
-#: The frame of the step running in this context: set by the node wrapper, read by
-#: ``get_execution_context()`` (:mod:`langgraph_fence.context`) and by every fence, which
-#: refuses inside any frame but its own.
-_current_frame: ContextVar[ExecutionContext | None] = ContextVar(
-    "langgraph_fence_execution_context", default=None
+#: The fence of the step running in this context, set with its frame
+#: (:func:`langgraph_fence.context.set_frame`): every fence refuses inside any step but its
+#: own.
+_running_fence: ContextVar[ExecutionFence | None] = ContextVar(
+    "langgraph_fence_running_fence", default=None
 )
+
+
+def enter_step(fence: ExecutionFence | None) -> Token[ExecutionFence | None]:
+    """Make ``fence`` the running step's fence in this context until :func:`leave_step`."""
+    return _running_fence.set(fence)
+
+
+def leave_step(token: Token[ExecutionFence | None]) -> None:
+    """Undo the :func:`enter_step` that returned ``token``."""
+    _running_fence.reset(token)
 
 
 def safety_margin(ttl: float) -> float:
@@ -504,14 +513,14 @@ class ExecutionFence:
                 f"the fence of {self._label} of execution {self._handle.scope_key!r} was used "
                 "after its step ended; read get_execution_context().fence inside the step"
             )
-        frame = _current_frame.get()
-        if frame is not None and frame.fence is not self:
+        running = _running_fence.get()
+        if running is not None and running is not self:
             # An ancestor's fence inside a child step (a PARENT_INSTANCE child or a subgraph
             # shares the root's lease but not its frame; an ANY_INSTANCE child has a lease of
             # its own), or a sibling's: the step running here writes under its own fence.
             raise ExecutionContextUnavailableError(
                 f"the fence of {self._label} of execution {self._handle.scope_key!r} was used "
-                f"inside another step, node {frame.node!r} of execution {frame.scope_key!r}: "
+                f"inside another step, {running._label} of execution {running.scope_key!r}: "
                 "a fence covers its own step only; use the fence of the step running here "
                 "(get_execution_context().fence)"
             )

@@ -28,10 +28,10 @@ from .context import (
     STAMP_AT,
     ExecutionContext,
     StampAt,
-    _defer_stamp,
-    _reset_deferred,
-    _reset_frame,
-    _set_frame,
+    defer_stamp,
+    reset_deferred,
+    reset_frame,
+    set_frame,
 )
 from .effects import EFFECT_ATTRIBUTE, Effect, EffectLike, as_effect, standing_non_idempotent
 from .errors import (
@@ -181,7 +181,7 @@ class _Step:
         # The task's configurable dict is its own: the frame is visible to the node through
         # its config and get_config(), and does not leak into the next step or the saver.
         configurable[CONTEXT_CONFIG_KEY] = self.frame
-        self._reset = _set_frame(self.frame)
+        self._reset = set_frame(self.frame)
 
     def _standing_non_idempotent(self) -> PendingEffect | None:
         """A non-idempotent entry of this task (the node's or a tool's), if one stands."""
@@ -219,7 +219,7 @@ class _Step:
                     # Stamped where the body enters ctx.side_effect(): what runs before it
                     # (an approval, a model call) is safe to repeat.
                     handle, pending = self.handle, self._pending()
-                    self._deferred = _defer_stamp(lambda: handle.mark_pending_effect(pending))
+                    self._deferred = defer_stamp(lambda: handle.mark_pending_effect(pending))
         except BaseException:
             self._uncount()
             raise
@@ -317,7 +317,7 @@ class _Step:
     def leave(self) -> None:
         self._uncount()
         if self._deferred is not None:
-            _reset_deferred(self._deferred)
+            reset_deferred(self._deferred)
             self._deferred = None
         if self._unsubscribe is not None:
             self._unsubscribe()
@@ -328,7 +328,7 @@ class _Step:
         if self.frame is not None:
             self.frame.fence._close()
         if self._reset is not None:
-            _reset_frame(self._reset)
+            reset_frame(self._reset)
             self._reset = None
 
     def failure(self, exc: BaseException) -> BaseException:

@@ -40,9 +40,9 @@ from ._compat import paused_at_first_interrupt
 from .context import (
     ExecutionContext,
     StampAt,
-    _defer_stamp,
-    _reset_deferred,
     current_frame,
+    defer_stamp,
+    reset_deferred,
 )
 from .effects import EFFECT_ATTRIBUTE, Effect, EffectLike, as_effect, standing_non_idempotent
 from .errors import (
@@ -253,7 +253,7 @@ async def _run_async(
             async def stamp_at_effect() -> None:
                 made.append(await _stamp(frame, tool, effect))
 
-            deferred = _defer_stamp(stamp_at_effect)
+            deferred = defer_stamp(stamp_at_effect)
     reset = _fenced_call.set(tool)
     try:
         return await body()
@@ -273,7 +273,7 @@ async def _run_async(
     finally:
         _fenced_call.reset(reset)
         if deferred is not None:
-            _reset_deferred(deferred)
+            reset_deferred(deferred)
 
 
 _classes: dict[tuple[type[BaseTool], Effect, StampAt], type[BaseTool]] = {}

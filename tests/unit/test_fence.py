@@ -19,7 +19,7 @@ from langgraph_fence import (
     MemoryLeaseRepository,
     PendingEffect,
 )
-from langgraph_fence.context import ExecutionContext, _reset_frame, _set_frame
+from langgraph_fence.context import ExecutionContext, reset_frame, set_frame
 from langgraph_fence.fence import RunHandle, safety_margin
 from langgraph_fence.from_thread import run_on_loop
 from langgraph_fence.retry import retry_connection_errors, retry_window
@@ -324,7 +324,7 @@ async def test_a_fence_refuses_inside_another_steps_frame_and_works_where_none_r
         Effect.READ_ONLY,
         handle,
     )
-    reset = _set_frame(other)  # a child step of the fence's step runs here
+    reset = set_frame(other)  # a child step of the fence's step runs here
     try:
         for use in (fence.assert_held, lambda: fence.fenced(9), fence.confirm_now):
             with pytest.raises(ExecutionContextUnavailableError) as caught:
@@ -334,7 +334,7 @@ async def test_a_fence_refuses_inside_another_steps_frame_and_works_where_none_r
             assert "inside another step, node 'other'" in said
         other.fence.assert_held()  # that step's own fence
     finally:
-        _reset_frame(reset)
+        reset_frame(reset)
     # Where no frame runs (a plain thread of the fence's own step), it works as before.
     fence.assert_held()
     assert run.wire.calls == []  # refused before any I/O
