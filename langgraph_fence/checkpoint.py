@@ -35,7 +35,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
@@ -76,9 +76,8 @@ from .tenancy import (
 
 if TYPE_CHECKING:
     from .admin import ThreadAdmin
-    from .instance import Instance
 
-__all__ = ["FencedCheckpointer"]
+__all__ = ["FencedCheckpointer", "GraphRunner"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +101,23 @@ _LOOP_THREAD_ERROR = (
     "Synchronous calls to {name} are only allowed from a thread other than its event loop's; "
     "on the loop use the async methods (await checkpointer.aput(...), graph.ainvoke(...))"
 )
+
+
+class GraphRunner(Protocol):
+    """What owns a :class:`FencedCheckpointer` and runs the graphs compiled with it the
+    LangGraph way (the :class:`~langgraph_fence.Instance`): its id, its default tenant, its
+    event loop, and its fenced calls."""
+
+    instance_id: str
+    tenant_id: str
+    loop: asyncio.AbstractEventLoop | None
+
+    def astream(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        """Stream a graph under its execution's lease."""
+        ...
+
+    async def aupdate_state(self, *args: Any, **kwargs: Any) -> Any:
+        """Update a thread's state under its execution's lease."""
 
 
 class FencedCheckpointer(BaseCheckpointSaver[Any]):
@@ -179,7 +195,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     #: with this checkpointer and called the LangGraph way runs through it
     #: (:mod:`langgraph_fence.graph_calls`), and a read that names no tenant reads the
     #: instance's default tenant (the one such a run wrote under).
-    instance: Instance | None = None
+    instance: GraphRunner | None = None
     #: Every read and write of this saver sees the tenant's own threads only.
     scopes_tenants: ClassVar[bool] = True
 

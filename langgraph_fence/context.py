@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .effects import Effect
 from .errors import ExecutionContextUnavailableError
-from .fence import ExecutionFence, RunHandle, enter_step, leave_step
+from .fence import ExecutionFence, RunHandle, enter_step, held, leave_step
 
 if TYPE_CHECKING:
     from .children import Child, ChildPlacement
@@ -100,7 +100,7 @@ class ExecutionContext:
         """
         # Counted among the tree's running parts for the whole block: a wait of this step
         # for remote children (another task of it) yields nothing while the write runs.
-        async with self.fence._held():
+        async with held(self.fence):
             self.fence.assert_held()
             self._began.append(True)
             deferred = _deferred.get()
@@ -151,7 +151,7 @@ class ExecutionContext:
 
         # The spawn is a write under this step's token: beside a wait of this step for
         # remote children, the yielded lease is taken again first.
-        async with self.fence._held():
+        async with held(self.fence):
             return await spawn_child(
                 Step(self._handle, self.fence),
                 graph_name,
@@ -277,6 +277,21 @@ def get_execution_context() -> ExecutionContext:
             "langgraph_fence.testing.run_node()"
         )
     return frame
+
+
+def handle_of(frame: ExecutionContext) -> RunHandle:
+    """The run handle ``frame`` runs under (for the wrappers and stores of this package)."""
+    return frame._handle
+
+
+def superstep_of(frame: ExecutionContext) -> str:
+    """The root checkpoint whose superstep ``frame``'s step belongs to."""
+    return frame._superstep
+
+
+def effect_began(frame: ExecutionContext) -> bool:
+    """Whether ``frame``'s body entered ``side_effect()``: its write began."""
+    return bool(frame._began)
 
 
 def current_frame() -> ExecutionContext | None:

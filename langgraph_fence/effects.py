@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Literal, TypeAlias
-
-if TYPE_CHECKING:
-    from .fence import RunHandle
-    from .lease import PendingEffect
+from collections.abc import Iterable
+from typing import Literal, Protocol, TypeAlias, TypeVar
 
 __all__ = ["EFFECT_ATTRIBUTE", "Effect", "EffectLike", "as_effect", "standing_non_idempotent"]
 
@@ -53,11 +50,26 @@ def as_effect(value: object, *, name: str = "effect") -> Effect:
     raise ValueError(f"{name} must be an Effect: one of {valid}; got {value!r}")
 
 
-def standing_non_idempotent(handle: RunHandle, task_id: str) -> PendingEffect | None:
-    """The refuse-to-repeat rule: a non-idempotent entry ``task_id`` stamped in this run and
-    not yet cleared, if one stands. A step (or tool call) of that task must not run again:
-    the write may have happened."""
-    for effect in handle.pending_effects.values():
-        if effect.task_id == task_id and effect.effect is Effect.NON_IDEMPOTENT_WRITE:
-            return effect
+class Stamped(Protocol):
+    """What the rule reads of a stamp entry (:class:`~langgraph_fence.lease.PendingEffect`)."""
+
+    @property
+    def task_id(self) -> str:
+        """The task (or tool call) that made it."""
+
+    @property
+    def effect(self) -> Effect:
+        """What the stamped write does."""
+
+
+S = TypeVar("S", bound=Stamped)
+
+
+def standing_non_idempotent(stamps: Iterable[S], task_id: str) -> S | None:
+    """The refuse-to-repeat rule: of the entries a run stamped and has not seen cleared
+    (``stamps``), a non-idempotent one of ``task_id``, if one stands. A step (or tool call)
+    of that task must not run again: the write may have happened."""
+    for stamp in stamps:
+        if stamp.task_id == task_id and stamp.effect is Effect.NON_IDEMPOTENT_WRITE:
+            return stamp
     return None

@@ -16,10 +16,15 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import (
+    AbstractAsyncContextManager,
+    AbstractContextManager,
+    asynccontextmanager,
+    contextmanager,
+)
 from contextvars import ContextVar, Token
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from langgraph.errors import GraphDrained
 
@@ -29,13 +34,12 @@ from .errors import (
     ExecutionFencedError,
     ExecutionLeaseLostError,
 )
-from .events import EventKind
 from .faults import fault_point
 from .from_thread import caller_discards_result, run_on_loop, running_loop
 from .lease import Lease, LeaseKey, PendingEffect, validate_ttl
 from .proofs import WriteProofs
 from .retry import retry_window
-from .tree_activity import TreeActivity
+from .tree_activity import RunHost, TreeActivity
 
 if TYPE_CHECKING:
     from .lease import ExecutionLeaseRepository
@@ -75,26 +79,6 @@ def safety_margin(ttl: float) -> float:
     and the store, and for the time a renewal's answer takes to come back.
     """
     return min(ttl / 10.0, 2.0)
-
-
-class RunHost(Protocol):
-    """What a run's handle needs of the instance it runs under
-    (:class:`~langgraph_fence.host.InstanceHost`): keep its lease renewed or let it go, tell
-    the instance's listeners, wake a yielded parent, and the graphs served there."""
-
-    served_graphs: dict[str, Any]
-
-    def keep(self, handle: RunHandle) -> None:
-        """Renew ``handle``'s lease with every other lease the instance holds."""
-
-    async def let_go(self, handle: RunHandle) -> None:
-        """Stop renewing ``handle``'s lease (it is being released or yielded)."""
-
-    def emit(self, kind: EventKind, scope_key: str, token: int, reason: str | None = None) -> None:
-        """Tell the instance's listeners."""
-
-    async def wake_yielded(self, parent: LeaseKey, ttl: float) -> None:
-        """Make the yielded ``parent`` runnable if all its children ended."""
 
 
 class RunHandle:
@@ -684,3 +668,28 @@ class ExecutionFence:
     def __repr__(self) -> str:
         state = "active" if self._active else "ended"
         return f"<ExecutionFence {self.scope_key} token={self.token} {state}>"
+
+
+def close_fence(fence: ExecutionFence) -> None:
+    """End ``fence`` with its step (the node wrapper calls this)."""
+    fence._close()
+
+
+def held(fence: ExecutionFence) -> AbstractAsyncContextManager[RunHandle]:
+    """For a write made under ``fence`` (a side effect, a spawn): refused outside the
+    fence's own step; the block runs with the tree's lease held (re-taken first if a wait
+    for remote children yielded it)."""
+    return fence._held()
+
+
+def held_as_is(fence: ExecutionFence, what: str) -> AbstractContextManager[RunHandle]:
+    """For a write that cannot take a yielded lease again first (the sink's block):
+    refused outside the fence's own step and while the lease is yielded."""
+    return fence._held_as_is(what)
+
+
+def running_handle() -> RunHandle | None:
+    """The run handle of the fenced step running in this context, or ``None`` outside any
+    (a store write finds the step that makes it this way)."""
+    fence = _running_fence.get()
+    return None if fence is None else fence._handle

@@ -42,12 +42,12 @@ from .from_thread import run_on_loop, running_loop
 if TYPE_CHECKING:
     from langchain_core.runnables import RunnableConfig
 
-    from .instance import Instance
+    from .checkpoint import GraphRunner
 
 __all__ = ["install", "instance_of"]
 
 
-def instance_of(graph: Any, config: Mapping[str, Any] | None) -> Instance | None:
+def instance_of(graph: Any, config: Mapping[str, Any] | None) -> GraphRunner | None:
     """The instance a call of ``graph`` with ``config`` must run through, or ``None`` (a
     graph with another checkpointer, or a call already inside a run: LangGraph's own)."""
     from .checkpoint import FencedCheckpointer
@@ -79,7 +79,7 @@ def _refuse_unfenced_inside(graph: Any, config: Mapping[str, Any] | None) -> Non
 
 
 def _call(
-    instance: Instance, graph: Any, config: Mapping[str, Any] | None
+    instance: GraphRunner, graph: Any, config: Mapping[str, Any] | None
 ) -> tuple[RunnableConfig, dict[str, Any]]:
     """The config the instance runs the call with, and its tenant and execution id.
 
@@ -132,7 +132,7 @@ def _aupdate_state(original: Callable[..., Any]) -> Callable[..., Any]:
     return aupdate_state
 
 
-def _loop_of(instance: Instance, what: str) -> asyncio.AbstractEventLoop:
+def _loop_of(instance: GraphRunner, what: str) -> asyncio.AbstractEventLoop:
     loop = instance.loop
     if loop is not None and running_loop() is loop:
         raise ExecutionContextUnavailableError(

@@ -14,17 +14,30 @@ statement to the same table of lease states.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from langgraph_fence.lease import Lease
-
-__all__ = ["guard_sql", "holds"]
+__all__ = ["Hold", "guard_sql", "holds"]
 
 _RUNNING = "running"
 
 
-def holds(lease: Lease, current: Lease | None) -> bool:
+class Hold(Protocol):
+    """What the guard compares of a lease (:class:`~langgraph_fence.lease.Lease` is one)."""
+
+    @property
+    def epoch(self) -> int:
+        """The token."""
+
+    @property
+    def holder(self) -> str | None:
+        """Who holds it."""
+
+    @property
+    def status(self) -> str:
+        """Where the execution stands."""
+
+
+def holds(lease: Hold, current: Hold | None) -> bool:
     """Whether ``current`` (the lease as stored now) is still the hold ``lease`` describes."""
     return (
         current is not None

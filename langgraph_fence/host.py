@@ -5,7 +5,8 @@ loop (:mod:`langgraph_fence.serve`) and a step's children (:mod:`langgraph_fence
 are given by their :class:`~langgraph_fence.Instance`: its id, lease TTL and clock, the lease
 store and records, the fenced checkpointer, the keeper that renews what it holds, its
 listeners, the graphs it serves and the run queue. They never hold the instance itself.
-A run's handle sees it through the narrower :class:`~langgraph_fence.fence.RunHost`.
+A run's handle sees it through the narrower
+:class:`~langgraph_fence.tree_activity.RunHost`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from .events import EventKind, Listeners
+from .fence import RunHandle
 from .keeper import Keeper
 from .lease import ExecutionLeaseRepository, LeaseKey
 from .queue import SubmittedRuns
@@ -25,7 +27,7 @@ from .stores import base_store
 
 if TYPE_CHECKING:
     from .checkpoint import FencedCheckpointer
-    from .fence import RunHandle
+    from .tree_activity import Tree
 
 __all__ = ["InstanceHost"]
 
@@ -76,14 +78,16 @@ class InstanceHost:
         self.runs: set[object] = set()
         self._queue: SubmittedRuns | None = None
 
-    # -- what a run's handle needs (langgraph_fence.fence.RunHost)
+    # -- what a run's handle needs (langgraph_fence.tree_activity.RunHost)
 
-    def keep(self, handle: RunHandle) -> None:
+    def keep(self, handle: Tree) -> None:
         """Renew ``handle``'s lease with every other lease the instance holds."""
+        assert isinstance(handle, RunHandle)  # the one Tree there is
         self.keeper.keep(handle)
 
-    async def let_go(self, handle: RunHandle) -> None:
+    async def let_go(self, handle: Tree) -> None:
         """Stop renewing ``handle``'s lease (it is being released or yielded)."""
+        assert isinstance(handle, RunHandle)
         await self.keeper.release(handle)
 
     def emit(self, kind: EventKind, scope_key: str, token: int, reason: str | None = None) -> None:

@@ -180,7 +180,7 @@ class Instance:
         self.max_takeovers = settings.max_takeovers
         #: The tenant of a graph called the LangGraph way whose config names none.
         self.tenant_id = tenant_id
-        self.repository = repository
+        self._repository = repository
         self.checkpointer: FencedCheckpointer = (
             saver if isinstance(saver, FencedCheckpointer) else FencedCheckpointer(saver)
         )
@@ -233,6 +233,18 @@ class Instance:
         #: The fenced LangGraph store on the instance's database (``Instance.open``):
         #: ``compile(checkpointer=instance.checkpointer, store=instance.store)``.
         self.store: FencedStore | None = None
+
+    @property
+    def repository(self) -> ExecutionLeaseRepository:
+        """The lease store every run of this instance takes and renews its lease in."""
+        return self._repository
+
+    @repository.setter
+    def repository(self, repository: ExecutionLeaseRepository) -> None:
+        # Replaced (a wrapper around the store, in tests): its runs use the new one too.
+        self._repository = repository
+        if hasattr(self, "host"):
+            self.host.repository = repository
 
     @property
     def max_held(self) -> int:

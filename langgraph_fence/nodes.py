@@ -29,6 +29,7 @@ from .context import (
     ExecutionContext,
     StampAt,
     defer_stamp,
+    effect_began,
     reset_deferred,
     reset_frame,
     set_frame,
@@ -42,7 +43,7 @@ from .errors import (
     find_fence_error,
 )
 from .faults import fault_point
-from .fence import FENCE_CONFIG_KEY, ExecutionFence, RunHandle
+from .fence import FENCE_CONFIG_KEY, ExecutionFence, RunHandle, close_fence
 from .from_thread import run_on_loop
 from .lease import PendingEffect
 
@@ -185,7 +186,7 @@ class _Step:
 
     def _standing_non_idempotent(self) -> PendingEffect | None:
         """A non-idempotent entry of this task (the node's or a tool's), if one stands."""
-        return standing_non_idempotent(self.handle, self.task_id)
+        return standing_non_idempotent(self.handle.pending_effects.values(), self.task_id)
 
     def _refuse_repeat(self) -> None:
         """In-process recovery: never run a non-idempotent write again in the same run.
@@ -275,7 +276,7 @@ class _Step:
         if entry is None or entry.call:
             return ()
         frame = self.frame
-        if frame is None or frame._began:
+        if frame is None or effect_began(frame):
             return ()
         if not paused_at_first_interrupt(self.configurable, interrupt):
             return ()
@@ -326,7 +327,7 @@ class _Step:
             self._unsubscribe = None
         self._task = None
         if self.frame is not None:
-            self.frame.fence._close()
+            close_fence(self.frame.fence)
         if self._reset is not None:
             reset_frame(self._reset)
             self._reset = None

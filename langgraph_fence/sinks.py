@@ -33,7 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from ._compat import sqlalchemy_told_autocommit
 from .database import Dialect, dialect_of, transaction
 from .errors import ExecutionFencedError
-from .fence import ExecutionFence
+from .fence import ExecutionFence, held_as_is
 from .migrations import Migration, migrate
 from .validate import text_id
 
@@ -319,7 +319,7 @@ async def fenced_write(
     # this step for remote children (another task of it) lands while the write is made. A
     # lease yielded already is refused, not taken again: the caller's transaction is open,
     # and on SQLite a re-take would wait for its write lock.
-    with fence._held_as_is("fenced_write()"):
+    with held_as_is(fence, "fenced_write()"):
         async with _fenced_block(conn, fence, idempotency_key) as write:
             yield write
 
@@ -551,7 +551,7 @@ def fenced_write_sync(
     """
     _check_sync_arguments(conn, fence, idempotency_key)
     with (
-        fence._held_as_is("fenced_write_sync()"),
+        held_as_is(fence, "fenced_write_sync()"),
         _fenced_block_sync(conn, fence, idempotency_key) as write,
     ):
         yield write

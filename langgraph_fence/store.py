@@ -3,7 +3,7 @@
 :class:`FencedStore` wraps any LangGraph ``BaseStore`` (``InMemoryStore``, the official
 ``PostgresStore``, :class:`checkpointers.store.SqlStore`). A node or tool finds the store
 through LangGraph (``compile(store=...)``, then ``runtime.store`` / ``get_store()``); the step
-making the call is found by its frame (:func:`~langgraph_fence.context.current_frame`), so
+making the call is found by its fence (:func:`~langgraph_fence.fence.running_handle`), so
 no config has to travel with the op.
 """
 
@@ -27,8 +27,7 @@ from langgraph.store.base import (
 )
 
 from .admission import check_held, step_config
-from .context import current_frame
-from .fence import RunHandle
+from .fence import RunHandle, running_handle
 from .from_thread import run_on_loop
 from .tenancy import DEFAULT_TENANT
 from .validate import storable_text, store_key, store_namespace
@@ -129,14 +128,14 @@ class FencedStore(BaseStore):
     def _writer(self, ops: list[Op]) -> RunHandle | None:
         """The run handle of the fenced step writing in this batch, or ``None`` (no write,
         or no fenced step)."""
-        frame = current_frame()
-        if frame is None or not any(isinstance(op, PutOp) for op in ops):
+        handle = running_handle()
+        if handle is None or not any(isinstance(op, PutOp) for op in ops):
             return None
-        return frame._handle
+        return handle
 
     def _tenant(self) -> str:
-        frame = current_frame()
-        return self.tenant_id if frame is None else frame._handle.key.tenant_id
+        handle = running_handle()
+        return self.tenant_id if handle is None else handle.key.tenant_id
 
     def _scoped(self, ops: list[Op]) -> tuple[list[Op], str | None]:
         """``ops`` as the inner store gets them: under the tenant's label unless it keys

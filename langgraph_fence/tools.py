@@ -42,7 +42,10 @@ from .context import (
     StampAt,
     current_frame,
     defer_stamp,
+    effect_began,
+    handle_of,
     reset_deferred,
+    superstep_of,
 )
 from .effects import EFFECT_ATTRIBUTE, Effect, EffectLike, as_effect, standing_non_idempotent
 from .errors import (
@@ -91,8 +94,8 @@ def _refuse_repeat(frame: ExecutionContext, tool: BaseTool) -> None:
     again. If a non-idempotent tool of an earlier attempt of this task stamped the lease and
     the stamp still stands, nothing of this attempt runs.
     """
-    handle = frame._handle
-    standing = standing_non_idempotent(handle, frame.task_id)
+    handle = handle_of(frame)
+    standing = standing_non_idempotent(handle.pending_effects.values(), frame.task_id)
     if standing is None:
         return
     stamped_in = handle.tool_stamp_attempts.get(frame.task_id)
@@ -110,13 +113,13 @@ def _refuse_repeat(frame: ExecutionContext, tool: BaseTool) -> None:
 
 async def _stamp(frame: ExecutionContext, tool: BaseTool, effect: Effect) -> PendingEffect:
     """Add this call's entry to the stamp set and renew, in one guarded write; the entry."""
-    handle = frame._handle
+    handle = handle_of(frame)
     stamp = PendingEffect(
         effect,
         f"{frame.node}:{tool.name}",
         frame.task_id,
         handle.token,
-        frame._superstep,
+        superstep_of(frame),
         call=f"{tool.name}/{uuid.uuid4().hex[:12]}",
     )
     await handle.mark_pending_effect(stamp)
@@ -128,7 +131,7 @@ async def _stamp(frame: ExecutionContext, tool: BaseTool, effect: Effect) -> Pen
 def _stamp_from_thread(frame: ExecutionContext, tool: BaseTool, effect: Effect) -> PendingEffect:
     """Stamp from a worker thread (a sync tool): the guarded write runs on the run's loop."""
     return run_on_loop(
-        frame._handle.loop,
+        handle_of(frame).loop,
         lambda: _stamp(frame, tool, effect),
         what=f"tool {tool.name!r} ({effect.value}) stamping its call",
         on_loop="call `await tool.ainvoke(...)` from async code instead of a blocking "
@@ -138,7 +141,7 @@ def _stamp_from_thread(frame: ExecutionContext, tool: BaseTool, effect: Effect) 
 
 def _stands(frame: ExecutionContext, made: list[PendingEffect]) -> bool:
     """Whether the entry this call made (if it made one) still stands in the stamp set."""
-    return any(entry.key in frame._handle.pending_effects for entry in made)
+    return any(entry.key in handle_of(frame).pending_effects for entry in made)
 
 
 def _paused_before_its_write(
@@ -148,7 +151,7 @@ def _paused_before_its_write(
     entered ``side_effect()``, and the call paused at its task's own first ``interrupt()``
     with no answer consumed in this attempt (as a node's pause). Anything else
     keeps the stamp: the resume is then dead-lettered, never repeated."""
-    if not _stands(frame, made) or frame._began:
+    if not _stands(frame, made) or effect_began(frame):
         return False
     try:
         configurable = get_config().get("configurable") or {}
@@ -173,7 +176,7 @@ def _dead_letter(
         return None
     if isinstance(exc, (WriteDeadLetteredError, GraphBubbleUp)):
         return None
-    handle = frame._handle
+    handle = handle_of(frame)
     if find_fence_error(exc) is not None or handle.error is not None:
         return None
     dead = WriteDeadLetteredError(
@@ -195,7 +198,7 @@ def _call_sync(tool: BaseTool, body: Callable[[], Any]) -> Any:
     # The whole call (stamp and body) is counted among the tree's running parts: a wait of
     # this step for remote children (another task of it) yields nothing until it ends, and
     # a lease yielded already is taken again before the stamp.
-    with frame._handle.activity.held_from_thread(
+    with handle_of(frame).activity.held_from_thread(
         what=f"tool {tool.name!r} taking its step's yielded lease again",
         on_loop="call `await tool.ainvoke(...)` from async code instead of a blocking "
         "tool.invoke()",
@@ -206,7 +209,7 @@ def _call_sync(tool: BaseTool, body: Callable[[], Any]) -> Any:
 def _run_sync(frame: ExecutionContext, tool: BaseTool, body: Callable[[], Any]) -> Any:
     effect = _effect_of(tool)
     frame.fence.assert_held()
-    frame._handle.check_alive()  # a dead-lettered run runs no tool body, whoever retries
+    handle_of(frame).check_alive()  # a dead-lettered run runs no tool body, whoever retries
     _refuse_repeat(frame, tool)
     made = [_stamp_from_thread(frame, tool, effect)] if effect.is_write else []
     try:
@@ -214,7 +217,7 @@ def _run_sync(frame: ExecutionContext, tool: BaseTool, body: Callable[[], Any]) 
     except GraphInterrupt as paused:
         if _paused_before_its_write(frame, made, paused):
             # As in _run_async, released from this thread.
-            handle, keys = frame._handle, [entry.key for entry in made]
+            handle, keys = handle_of(frame), [entry.key for entry in made]
             run_on_loop(
                 handle.loop,
                 lambda: handle.clear_pending_effects(keys),
@@ -232,7 +235,7 @@ def _run_sync(frame: ExecutionContext, tool: BaseTool, body: Callable[[], Any]) 
 async def _call_async(tool: BaseTool, body: Callable[[], Awaitable[Any]]) -> Any:
     frame = _frame(tool)
     # As in _call_sync: the call keeps the lease held (re-taken first if yielded).
-    async with frame._handle.activity.held():
+    async with handle_of(frame).activity.held():
         return await _run_async(frame, tool, body)
 
 
@@ -241,7 +244,7 @@ async def _run_async(
 ) -> Any:
     effect = _effect_of(tool)
     frame.fence.assert_held()
-    frame._handle.check_alive()  # a dead-lettered run runs no tool body, whoever retries
+    handle_of(frame).check_alive()  # a dead-lettered run runs no tool body, whoever retries
     _refuse_repeat(frame, tool)
     deferred = None
     made: list[PendingEffect] = []  # this call's entry, once stamped
@@ -263,7 +266,7 @@ async def _run_async(
             # it again from its start on resume, and its write comes after the interrupt().
             # The stamp made before its body is released; the resumed call stamps anew. A
             # stamp_at_effect tool's entry (side_effect() entered) stands: its write began.
-            await frame._handle.clear_pending_effects([entry.key for entry in made])
+            await handle_of(frame).clear_pending_effects([entry.key for entry in made])
         raise
     except Exception as exc:
         dead = _dead_letter(frame, tool, effect, exc, _stands(frame, made))

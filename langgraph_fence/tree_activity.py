@@ -31,9 +31,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import ExecutionFencedError
 from .events import EventKind
@@ -41,12 +41,90 @@ from .from_thread import run_on_loop
 from .lease import fenced_error
 
 if TYPE_CHECKING:
-    from .fence import RunHandle
-    from .lease import LeaseKey
+    from .errors import ExecutionLeaseLostError
+    from .lease import ExecutionLeaseRepository, Lease, LeaseKey
 
-__all__ = ["TreeActivity", "wake_parent"]
+__all__ = ["RunHost", "Tree", "TreeActivity", "wake_parent"]
 
 logger = logging.getLogger(__name__)
+
+
+class RunHost(Protocol):
+    """What a run's handle needs of the instance it runs under
+    (:class:`~langgraph_fence.host.InstanceHost`): keep its lease renewed or let it go, tell
+    the instance's listeners, wake a yielded parent, and the graphs served there."""
+
+    served_graphs: dict[str, Any]
+
+    def keep(self, handle: Tree) -> None:
+        """Renew ``handle``'s lease with every other lease the instance holds."""
+
+    async def let_go(self, handle: Tree) -> None:
+        """Stop renewing ``handle``'s lease (it is being released or yielded)."""
+
+    def emit(self, kind: EventKind, scope_key: str, token: int, reason: str | None = None) -> None:
+        """Tell the instance's listeners."""
+
+    async def wake_yielded(self, parent: LeaseKey, ttl: float) -> None:
+        """Make the yielded ``parent`` runnable if all its children ended."""
+
+
+class Tree(Protocol):
+    """What the yield reads and changes of the run's handle
+    (:class:`~langgraph_fence.fence.RunHandle` is the one)."""
+
+    @property
+    def key(self) -> LeaseKey:
+        """The execution."""
+
+    @property
+    def scope_key(self) -> str:
+        """The execution's scope key."""
+
+    @property
+    def token(self) -> int:
+        """The token held now."""
+
+    @property
+    def lease(self) -> Lease:
+        """The lease held now."""
+
+    @property
+    def ttl(self) -> float:
+        """The lease TTL."""
+
+    @property
+    def repository(self) -> ExecutionLeaseRepository:
+        """The lease store."""
+
+    @property
+    def error(self) -> ExecutionLeaseLostError | None:
+        """The run's first fencing error, if any."""
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the run is asked to stop, if it is."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop the run's store calls belong to."""
+
+    @property
+    def host(self) -> RunHost | None:
+        """The instance's side, if the run has one."""
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The instance's monotonic clock."""
+
+    def record(self, error: ExecutionLeaseLostError) -> ExecutionLeaseLostError:
+        """Record ``error`` as the run's fencing error; the one to raise."""
+
+    def note_yielded(self, lease: Lease) -> None:
+        """The lease was yielded: ``lease`` is the row as the yield left it."""
+
+    def replace_lease(self, lease: Lease, *, sent_at: float) -> None:
+        """The lease was taken again: hold ``lease``, confirmed from ``sent_at``."""
 
 
 class TreeActivity:
@@ -60,7 +138,7 @@ class TreeActivity:
 
     __slots__ = ("_count", "_handle", "_turn", "running", "waiting", "yielded")
 
-    def __init__(self, handle: RunHandle) -> None:
+    def __init__(self, handle: Tree) -> None:
         self._handle = handle
         self._count = threading.Lock()  # sync steps enter from worker threads
         self._turn: asyncio.Lock | None = None  # one yield or re-take at a time
@@ -249,7 +327,7 @@ class TreeActivity:
             )
 
 
-async def wake_parent(handle: RunHandle, parent: LeaseKey) -> None:
+async def wake_parent(handle: Tree, parent: LeaseKey) -> None:
     """Wake ``parent`` if it is yielded and all its children ended: runnable by any
     ``serve()`` one lease TTL from now (store clock). Best effort: a failure is logged (the
     waiter, if alive, re-takes it all the same)."""

@@ -43,7 +43,6 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from ..admission import refuse_write, step_config
-from ..context import ExecutionContext, current_frame
 from ..database import (
     Dialect,
     check_engine,
@@ -52,7 +51,7 @@ from ..database import (
     transaction,
 )
 from ..errors import ExecutionLeaseLostError
-from ..fence import RunHandle
+from ..fence import RunHandle, running_handle
 from ..from_thread import run_on_loop
 from ..guard import guard_sql, holds
 from ..lease import fenced_error
@@ -257,11 +256,11 @@ class SqlStore(BaseStore):
     def batch(self, ops: Iterable[Op]) -> list[Result]:
         """Sync twin of :meth:`abatch`: runs it on the store's loop, from another thread."""
         listed = checked_ops(ops)
-        # The step's frame is this thread's: the loop runs the batch in a context of its own.
-        frame = current_frame()
+        # The step is this thread's: the loop runs the batch in a context of its own.
+        handle = running_handle()
         return run_on_loop(
             self.loop,
-            lambda: self._run(listed, frame),
+            lambda: self._run(listed, handle),
             what="SqlStore.batch",
             on_loop="use the async methods there (await store.aput(...), store.aget(...))",
         )
@@ -276,11 +275,10 @@ class SqlStore(BaseStore):
                 whose lease lives in another database, or a namespace or key no store can
                 keep (NUL, lone surrogate, too long: the message names it and the limit).
         """
-        return await self._run(checked_ops(ops), current_frame())
+        return await self._run(checked_ops(ops), running_handle())
 
-    async def _run(self, listed: list[Op], frame: ExecutionContext | None) -> list[Result]:
+    async def _run(self, listed: list[Op], handle: RunHandle | None) -> list[Result]:
         now = self._now_params()
-        handle = None if frame is None else frame._handle
         tenant = self.tenant_id if handle is None else handle.key.tenant_id
         results: list[Result] = [None] * len(listed)
         puts: dict[tuple[tuple[str, ...], str], PutOp] = {}

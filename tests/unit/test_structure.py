@@ -1,0 +1,160 @@
+"""The package's structure, counted with every import (module level, inside functions and
+under ``TYPE_CHECKING``): no import circle, the per-run code never reaches the
+``Instance``, the saver side never reaches the wrapper it sits under, and no module takes
+another module's private names. A new circle or back-import fails here, naming it.
+
+The import graph is grimp's (import-linter's engine), which reads every import statement
+of the package's source, wherever it stands.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import grimp
+import pytest
+
+import langgraph_fence
+
+PACKAGE = "langgraph_fence"
+ROOT = Path(langgraph_fence.__file__).parent
+
+
+@pytest.fixture(scope="module")
+def graph() -> grimp.ImportGraph:
+    return grimp.build_graph(PACKAGE, include_external_packages=False)
+
+
+def _circles(graph: grimp.ImportGraph) -> list[list[str]]:
+    """The import circles: strongly connected sets of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for imported in sorted(graph.find_modules_directly_imported_by(module)):
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in on_stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            circle = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                circle.append(member)
+                if member == module:
+                    break
+            if len(circle) > 1:
+                found.append(sorted(circle))
+
+    for module in sorted(graph.modules):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def _edges(graph: grimp.ImportGraph, circle: list[str]) -> list[str]:
+    members = set(circle)
+    return [
+        f"{importer} -> {imported} (line {', '.join(str(d['line_number']) for d in details)})"
+        for importer in circle
+        for imported in sorted(graph.find_modules_directly_imported_by(importer) & members)
+        for details in [graph.get_import_details(importer=importer, imported=imported)]
+    ]
+
+
+def test_no_module_imports_itself_back_through_others(graph: grimp.ImportGraph) -> None:
+    circles = _circles(graph)
+    said = "\n".join("\n  ".join(["circle:", *_edges(graph, c)]) for c in circles)
+    assert circles == [], f"import circles (cut the import that points up):\n{said}"
+
+
+#: Code below the Instance: a run, its steps, its writes and its instance's services reach
+#: the instance through ``host.InstanceHost`` or the protocols beside the handle, never the
+#: ``Instance`` itself.
+BELOW_THE_INSTANCE = [
+    "admission",
+    "checkpoint",
+    "checkpointers",
+    "children",
+    "context",
+    "fence",
+    "graph_calls",
+    "host",
+    "keeper",
+    "nodes",
+    "queue",
+    "run",
+    "serve",
+    "store",
+    "tools",
+    "tree_activity",
+]
+
+
+@pytest.mark.parametrize("module", BELOW_THE_INSTANCE)
+def test_the_per_run_code_never_reaches_the_instance(graph: grimp.ImportGraph, module: str) -> None:
+    chain = graph.find_shortest_chain(
+        importer=f"{PACKAGE}.{module}", imported=f"{PACKAGE}.instance", as_packages=True
+    )
+    assert chain is None, " -> ".join(chain or ())
+
+
+def test_the_saver_side_never_reaches_the_wrapper_above_it(graph: grimp.ImportGraph) -> None:
+    """``checkpointers`` (the fence-aware savers) and ``checkpoint`` (the wrapper over any
+    saver) both sit on write admission; the savers never import the wrapper."""
+    chain = graph.find_shortest_chain(
+        importer=f"{PACKAGE}.checkpointers",
+        imported=f"{PACKAGE}.checkpoint",
+        as_packages=True,
+    )
+    assert chain is None, " -> ".join(chain or ())
+
+
+def _imports(path: Path) -> list[tuple[int, str | None, int, list[str]]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[tuple[int, str | None, int, list[str]]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            found.append((node.lineno, node.module, node.level, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            found.extend((node.lineno, a.name, 0, []) for a in node.names)
+    return found
+
+
+SOURCES = sorted(ROOT.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_module_takes_another_modules_private_names(path: Path) -> None:
+    """A name with a leading underscore is its module's own: another module that needs it
+    gets a public name (private modules, ``_compat`` and the saver's ``_rows``, are the
+    package's own and imported by name)."""
+    taken = [
+        f"line {line}: {name} from {module or '.'}"
+        for line, module, level, names in _imports(path)
+        if level > 0
+        for name in names
+        if name.startswith("_") and not name.startswith("__")
+    ]
+    assert taken == []
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_nothing_imports_a_name_a_users_module_can_shadow(path: Path) -> None:
+    """``checkpointers`` is also the earlier top-level name of the saver package: a user's
+    own ``checkpointers.py`` would shadow it, so the package never imports it."""
+    shadowable = [
+        f"line {line}: {module}"
+        for line, module, level, _ in _imports(path)
+        if level == 0 and (module or "").split(".")[0] == "checkpointers"
+    ]
+    assert shadowable == []
