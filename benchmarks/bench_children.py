@@ -46,7 +46,7 @@ sys.path.insert(0, os.environ.get("BENCH_TREE") or str(Path(__file__).resolve().
 from langgraph_fence import ChildPlacement, Instance, LeaseKey, fence_graph, get_execution_context
 from langgraph_fence.children import child_execution_id
 from langgraph_fence.database import schema_options
-from langgraph_fence.queue import ENDS_CHANNEL
+from langgraph_fence.notifications import ENDS_CHANNEL
 
 DEFAULT_PG = os.environ.get("LANGGRAPH_FENCE_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 POLL = 0.05

@@ -336,7 +336,7 @@ async def wait_children(
     if timeout is not None:
         timeout = positive_seconds("timeout", timeout, what="how long wait_children() waits")
     pause = positive_seconds("poll_interval", poll_interval, what="between looks at children")
-    from .queue import ENDS_CHANNEL
+    from .notifications import ENDS_CHANNEL
 
     handle = step.handle
     remote = [child for child in children if child._local is None]

@@ -57,6 +57,13 @@ from .driver import DriverStatement, fetch
 from .errors import ExecutionBusyError, ExecutionEndedError, RunFailedError
 from .guard import guard_sql
 from .lease import Lease, LeaseKey, LeaseStatus, is_yielded
+from .notifications import (
+    ENDS_CHANNEL,
+    NOTIFY_CHANNEL,
+    NOTIFY_SQL,
+    OF_SCHEMA,
+    Notifications,
+)
 from .retry import is_connection_error, retry_connection_errors
 from .schema import in_flight_sql, yielded_sql
 from .validate import MAX_ID_BYTES, positive_seconds, text_id
@@ -76,10 +83,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "ANNOUNCED_FOR",
     "ANNOUNCE_EVERY",
-    "ENDS_CHANNEL",
-    "NOTIFY_CHANNEL",
     "ON_BUSY",
-    "Notifications",
     "OnBusy",
     "RunState",
     "SubmittedRun",
@@ -193,7 +197,7 @@ class _LeaseWrites:
             "FROM created JOIN spawned s USING (execution_id)" + _RECORD_UPSERT + ") "
             "SELECT EXISTS (SELECT 1 FROM parent) AS held, (SELECT CAST(json_agg(execution_id) "
             "AS text) FROM created) AS created, "
-            f"(SELECT count(pg_notify({_OF_SCHEMA}, :graph)) FROM (SELECT 1 FROM created "
+            f"(SELECT count(pg_notify({OF_SCHEMA}, :graph)) FROM (SELECT 1 FROM created "
             "LIMIT 1) AS any_created) AS told"
         )  # told: serve() is notified (on commit) once if any child is new
         # SQLite (inside BEGIN IMMEDIATE, after the guard's read): the leases; the records
@@ -410,20 +414,6 @@ _WAITING = text(
     "WHERE l.tenant_id = :tenant_id AND l.execution_id = :execution_id"
 )
 
-#: The PostgreSQL channel that says an execution became runnable: a submit, a child
-#: recorded, a run handed back (the payload: the graph name, where known). Sent and
-#: listened to per schema: as ``<channel>_<12 hex digits of md5(current_schema())>``.
-NOTIFY_CHANNEL = "langgraph_fence_runs"
-#: The PostgreSQL channel that says a submitted run ended (the payload: its scope key).
-ENDS_CHANNEL = "langgraph_fence_ends"
-_CHANNELS = (NOTIFY_CHANNEL, ENDS_CHANNEL)
-# Each channel is of the schema the tables are in (the connection's ``current_schema()``):
-# instances on another schema of the same database are not woken by this one's runs.
-_OF_SCHEMA = ":channel || '_' || left(md5(current_schema()), 12)"
-_NOTIFY = text(f"SELECT pg_notify({_OF_SCHEMA}, :payload)")
-_CHANNEL_NAME = text(f"SELECT {_OF_SCHEMA}")
-#: The longest pause before the LISTEN connection is opened again after it was dropped.
-MAX_LISTEN_BACKOFF = 5.0
 _ANNOUNCE = text(
     "INSERT INTO fence_workers (instance_id, graphs, seen_at) VALUES (:instance_id, :graphs, "
     ":at) ON CONFLICT (instance_id) DO UPDATE SET graphs = excluded.graphs, "
@@ -646,7 +636,9 @@ class SubmittedRuns:
                 await conn.execute(_ADD_RUN, {**row, "status": "current"})
                 if self._pg:
                     # Delivered on commit: a waiting serve() looks at once.
-                    await conn.execute(_NOTIFY, {"channel": NOTIFY_CHANNEL, "payload": graph_name})
+                    await conn.execute(
+                        NOTIFY_SQL, {"channel": NOTIFY_CHANNEL, "payload": graph_name}
+                    )
                 await conn.execute(_SUBMIT_RECORD, {**params, **record, "at": at})
                 return run_id
 
@@ -1095,7 +1087,7 @@ class SubmittedRuns:
                     await conn.execute(self._leases.cancel_children, {**children, **now})
                     if self._pg:  # delivered on commit: its result() returns at once
                         ended = {"channel": ENDS_CHANNEL, "payload": key.scope_key}
-                        await conn.execute(_NOTIFY, ended)
+                        await conn.execute(NOTIFY_SQL, ended)
                 return cancelled
 
         return await retry_connection_errors(once, what="cancel")
@@ -1113,7 +1105,7 @@ class SubmittedRuns:
                 woken = (await conn.execute(self._leases.wake, {**params, **now})).first()
                 if woken is not None and self._pg:
                     runnable = {"channel": NOTIFY_CHANNEL, "payload": ""}
-                    await conn.execute(_NOTIFY, runnable)
+                    await conn.execute(NOTIFY_SQL, runnable)
                 return woken is not None
 
         return await retry_connection_errors(once, what="wake a yielded tree")
@@ -1130,7 +1122,7 @@ class SubmittedRuns:
                 now = self._store.now_params()
                 woken = len(list(await conn.execute(self._leases.wake_all, {"ttl": ttl, **now})))
                 if woken and self._pg:
-                    await conn.execute(_NOTIFY, {"channel": NOTIFY_CHANNEL, "payload": ""})
+                    await conn.execute(NOTIFY_SQL, {"channel": NOTIFY_CHANNEL, "payload": ""})
                 return woken
 
         return await retry_connection_errors(once, what="wake yielded trees")
@@ -1143,8 +1135,9 @@ class SubmittedRuns:
     async def wakeups(self, wake: asyncio.Event) -> AsyncIterator[bool]:
         """Set ``wake`` whenever an execution becomes runnable (a submit, a child recorded,
         a run handed back), while the block runs; yields whether it will (PostgreSQL:
-        LISTEN on :data:`NOTIFY_CHANNEL`, re-opened if the database drops it; SQLite, or a
-        database that cannot be listened to: never, and the caller polls)."""
+        LISTEN on :data:`~langgraph_fence.notifications.NOTIFY_CHANNEL`, re-opened if the
+        database drops it; SQLite, or a database that cannot be listened to: never, and the
+        caller polls)."""
         if self.notifications is None:
             yield False
             return
@@ -1159,7 +1152,7 @@ class SubmittedRuns:
             return
         try:
             async with self._writer.begin() as conn:
-                await conn.execute(_NOTIFY, {"channel": channel, "payload": payload})
+                await conn.execute(NOTIFY_SQL, {"channel": channel, "payload": payload})
         except Exception as exc:
             logger.info("NOTIFY %s failed (%s): waiters poll", channel, exc)
 
@@ -1272,122 +1265,6 @@ async def served_graphs(engine: AsyncEngine) -> dict[str, list[str]]:
     return served
 
 
-class Notifications:
-    """PostgreSQL LISTEN for every waiter of one queue, on ONE pooled connection.
-
-    The connection is opened when the first waiter subscribes and closed when the last
-    leaves. One the database drops (a restart, ``pg_terminate_backend``) is opened again
-    (backing off up to :data:`MAX_LISTEN_BACKOFF`), and every waiter is woken once then:
-    a notification sent while it was down is lost, so each looks again.
-
-    Attributes:
-        backend_pid: the server process of the LISTEN connection, while it is open.
-    """
-
-    def __init__(self, engine: AsyncEngine) -> None:
-        self._engine = engine
-        # (channel, payload(s) wanted or None for any, the event to set, the set the
-        # payloads heard are added to or None).
-        self._waiters: list[
-            tuple[str, str | Collection[str] | None, asyncio.Event, set[str] | None]
-        ] = []
-        self._task: asyncio.Task[None] | None = None
-        self._open = asyncio.Event()
-        self._names: dict[str, str] = {}  # the schema's channel name -> the channel
-        self.backend_pid: int | None = None
-
-    @asynccontextmanager
-    async def subscribe(
-        self,
-        channel: str,
-        wake: asyncio.Event,
-        payload: str | Collection[str] | None = None,
-        *,
-        within: float = 5.0,
-        heard: set[str] | None = None,
-    ) -> AsyncIterator[bool]:
-        """Set ``wake`` on each notification on ``channel`` (with ``payload``, or one of
-        the payloads of a collection, if given), and add its payload to ``heard`` if given,
-        while the block runs; yields whether the connection was listening within
-        ``within`` seconds (from then on nothing sent is missed; ``False``: poll)."""
-        entry = (channel, payload, wake, heard)
-        self._waiters.append(entry)
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._listen(), name="langgraph-fence LISTEN")
-        try:
-            try:
-                await asyncio.wait_for(self._open.wait(), within)
-                listening = True
-            except TimeoutError:
-                listening = False
-            yield listening
-        finally:
-            self._waiters.remove(entry)
-            if not self._waiters and self._task is not None:
-                task, self._task = self._task, None
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-
-    def _notified(self, _conn: Any, _pid: int, name: str, payload: str) -> None:
-        channel = self._names.get(name)
-        for wanted_channel, wanted, wake, heard in self._waiters:
-            if wanted_channel != channel:
-                continue
-            if (
-                wanted is None
-                or wanted == payload
-                or (not isinstance(wanted, str) and payload in wanted)
-            ):
-                if heard is not None:
-                    heard.add(payload)
-                wake.set()
-
-    async def _listen(self) -> None:
-        pause, opened_before = 0.1, False
-        while self._waiters:
-            dropped = asyncio.Event()
-            try:
-                conn = await self._engine.connect()
-            except Exception as exc:
-                logger.info("cannot LISTEN (%s); polling until it can, in %.1fs", exc, pause)
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, MAX_LISTEN_BACKOFF)
-                continue
-            try:
-                driver: Any = (await conn.get_raw_connection()).driver_connection
-                driver.add_termination_listener(lambda _c, gone=dropped: gone.set())
-                self._names = {}
-                for channel in _CHANNELS:
-                    name = str((await conn.execute(_CHANNEL_NAME, {"channel": channel})).scalar())
-                    self._names[name] = channel
-                    await driver.add_listener(name, self._notified)
-                self.backend_pid = driver.get_server_pid()
-                self._open.set()
-                pause = 0.1
-                if opened_before:
-                    for _, _, wake, _ in self._waiters:
-                        wake.set()  # what was sent while it was down is lost: look again
-                opened_before = True
-                await dropped.wait()
-                logger.info("the LISTEN connection was dropped; opening it again")
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                logger.info("LISTEN failed (%s); trying again in %.1fs", exc, pause)
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, MAX_LISTEN_BACKOFF)
-            finally:
-                self._open.clear()
-                self.backend_pid = None
-                # Never given back to the pool: a connection that still LISTENs must not
-                # serve other work; one the database dropped is gone anyway.
-                with contextlib.suppress(Exception):
-                    await conn.invalidate()
-                with contextlib.suppress(Exception):
-                    await conn.close()
-
-
 class SubmittedRun:
     """A handle on a submitted run, from the process that submitted it or any other
     (:meth:`Instance.get_run <langgraph_fence.Instance.get_run>`).
@@ -1441,8 +1318,9 @@ class SubmittedRun:
             timeout: seconds to wait (``None``: as long as it takes).
             poll_interval: the longest pause between looks (they start faster). On
                 PostgreSQL the run's end wakes the wait at once (LISTEN on
-                :data:`ENDS_CHANNEL`), and it looks every ``poll_interval`` (at least a
-                second) only in case that notification was lost.
+                :data:`~langgraph_fence.notifications.ENDS_CHANNEL`), and it looks every
+                ``poll_interval`` (at least a second) only in case that notification was
+                lost.
             allow: ``(module, name)`` pairs the output may construct besides what the
                 serializer allows (your state types).
 

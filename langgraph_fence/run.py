@@ -39,8 +39,8 @@ from .lease import (
     LeaseKey,
     LeaseStatus,
 )
+from .notifications import NOTIFY_CHANNEL
 from .outcome import Settle, decide_outcome
-from .queue import NOTIFY_CHANNEL
 from .records import ExecutionRecord, SqlExecutionRecords, check_thread_binding
 from .redact import bounded_reason, failure_reason
 from .retry import FixedWindow, retry_window

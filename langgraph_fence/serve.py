@@ -23,7 +23,8 @@ from langgraph.errors import GraphDrained
 from .events import EventKind
 from .keeper import Sleep
 from .lease import Lease, LeaseKey, LeaseStatus, validate_max_takeovers
-from .queue import ANNOUNCE_EVERY, ENDS_CHANNEL
+from .notifications import ENDS_CHANNEL
+from .queue import ANNOUNCE_EVERY
 from .records import ExecutionHead
 from .redact import failure_reason
 from .retry import is_connection_error
