@@ -46,9 +46,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .database import transaction
 from .errors import ExecutionLeaseHeldError
-from .lease import Lease, LeaseKey, LeaseStatus, fenced_error, validate_holder, validate_ttl
+from .lease import Lease, LeaseKey, LeaseStatus, validate_holder, validate_ttl
 from .schema import LEASES
 from .stores import base_store
+from .transitions import fenced_error
 
 if TYPE_CHECKING:
     from .lease import ExecutionLeaseRepository

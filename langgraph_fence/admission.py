@@ -19,8 +19,8 @@ from ._compat import pregel_runtime
 from .errors import ExecutionFencedError, ExecutionLeaseLostError
 from .fence import FENCE_CONFIG_KEY, RunHandle
 from .guard import holds
-from .lease import fenced_error
 from .proofs import CheckpointAt
+from .transitions import fenced_error
 
 __all__ = [
     "admit_write",

@@ -17,7 +17,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from .lease import DEFAULT_MAX_TAKEOVERS, LeaseKey, LeaseStatus
+from .lease import LeaseKey, LeaseStatus
+from .transitions import DEFAULT_MAX_TAKEOVERS
 
 if TYPE_CHECKING:
     import asyncio

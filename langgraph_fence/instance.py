@@ -29,7 +29,7 @@ from .events import FenceListener, Listeners
 from .fence import FENCE_CONFIG_KEY, safety_margin
 from .host import InstanceHost
 from .keeper import Keeper, Renewer, Sleep, thread_store
-from .lease import DEFAULT_MAX_TAKEOVERS, ExecutionLeaseRepository, LeaseKey
+from .lease import ExecutionLeaseRepository, LeaseKey
 from .queue import OnBusy, SubmittedRun, SubmittedRuns
 from .records import (
     ExecutionRecords,
@@ -42,6 +42,7 @@ from .serve import check_budget
 from .store import FencedStore
 from .stores import base_store
 from .tenancy import DEFAULT_TENANT
+from .transitions import DEFAULT_MAX_TAKEOVERS
 from .validate import positive_int, positive_seconds, text_id
 
 if TYPE_CHECKING:

@@ -56,7 +56,7 @@ from .database import dialect_of, discard, single_statement, transaction
 from .driver import DriverStatement, fetch
 from .errors import ExecutionBusyError, ExecutionEndedError, RunFailedError
 from .guard import guard_sql
-from .lease import Lease, LeaseKey, LeaseStatus, is_yielded
+from .lease import Lease, LeaseKey, LeaseStatus
 from .notifications import (
     ENDS_CHANNEL,
     NOTIFY_CHANNEL,
@@ -66,6 +66,7 @@ from .notifications import (
 )
 from .retry import is_connection_error, retry_connection_errors
 from .schema import in_flight_sql, yielded_sql
+from .transitions import is_yielded
 from .validate import MAX_ID_BYTES, positive_seconds, text_id
 
 if TYPE_CHECKING:

@@ -374,7 +374,7 @@ async def take(
     statement on PostgreSQL, one transaction on SQLite (``SqlLeaseRepository.take``).
 
     A standing non-idempotent stamp dead-letters the execution instead, inside the
-    acquire's statement (``lease.decide_acquire``, the same decision as ``serve()``'s
+    acquire's statement (``transitions.decide_acquire``, the same decision as ``serve()``'s
     take-over); standing idempotent entries are cleared by that statement too.
 
     Raises:

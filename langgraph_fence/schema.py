@@ -94,9 +94,10 @@ LEASES = Table(
 
 
 def yielded_sql(alias: str = "") -> str:
-    """SQL true for a yielded ``fence_leases`` row, as :func:`~langgraph_fence.lease.is_yielded`
-    tells one: waiting with its holder kept, its run still going on. ``alias`` qualifies the
-    columns. Every statement that tells a yielded tree from an ended one says it this way."""
+    """SQL true for a yielded ``fence_leases`` row, as
+    :func:`~langgraph_fence.transitions.is_yielded` tells one: waiting with its holder kept,
+    its run still going on. ``alias`` qualifies the columns. Every statement that tells a
+    yielded tree from an ended one says it this way."""
     at = f"{alias}." if alias else ""
     return f"({at}status = '{LeaseStatus.WAITING.value}' AND {at}holder IS NOT NULL)"
 
@@ -349,7 +350,7 @@ LEASE_MIGRATIONS.append(
 #: The stamp-set SQL per dialect, on ``fence_leases.pending_effects``: ``patch`` applies a
 #: merge patch given as JSON text in ``{param}``; ``non_idempotent`` is true when any entry
 #: is a ``NON_IDEMPOTENT_WRITE``; ``standing_writes`` names those entries in order of key,
-#: as :func:`langgraph_fence.lease.standing_writes` does.
+#: as :func:`langgraph_fence.transitions.standing_writes` does.
 STAMP_SQL: Mapping[str, Mapping[str, str]] = {
     "postgresql": {
         "patch": (

@@ -22,7 +22,7 @@ from langgraph.errors import GraphDrained
 
 from .events import EventKind
 from .keeper import Sleep
-from .lease import Lease, LeaseKey, LeaseStatus, validate_max_takeovers
+from .lease import Lease, LeaseKey, LeaseStatus
 from .notifications import ENDS_CHANNEL
 from .queue import ANNOUNCE_EVERY
 from .records import ExecutionHead
@@ -30,6 +30,7 @@ from .redact import failure_reason
 from .retry import is_connection_error
 from .run import DEFAULT_GRAPH_NAME, Run, announce_dead_letter, running
 from .run_config import restore_run, run_allowlist
+from .transitions import validate_max_takeovers
 from .validate import positive_int, positive_seconds, text_id
 
 if TYPE_CHECKING:
@@ -114,7 +115,7 @@ class Server:
         self._unserved: dict[LeaseKey, int] = {}
         self.failures = 0  # looks in a row that the store refused: the loop backs off
         # The tenant this loop claimed for last: the next claims start after it (the store's
-        # claim order, lease.fair_order).
+        # claim order, transitions.fair_order).
         self._claimed_for: str | None = None
         self._announced_at = -ANNOUNCE_EVERY  # monotonic; never yet
         # The takeover budget's last take runs alone: while such a run goes on, or while the

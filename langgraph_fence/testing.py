@@ -35,7 +35,8 @@ from ._compat import CONFIG_KEY_TASK_ID
 from .effects import EFFECT_ATTRIBUTE, EffectLike, as_effect
 from .faults import StallableRepository, StallGate
 from .fence import FENCE_CONFIG_KEY, RunHandle
-from .lease import DEFAULT_MAX_TAKEOVERS, Lease, LeaseKey, fenced_error
+from .lease import Lease, LeaseKey
+from .transitions import DEFAULT_MAX_TAKEOVERS, fenced_error
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .errors import ExecutionFencedError
 from .events import EventKind
 from .from_thread import run_on_loop
-from .lease import fenced_error
+from .transitions import fenced_error
 
 if TYPE_CHECKING:
     from .errors import ExecutionLeaseLostError

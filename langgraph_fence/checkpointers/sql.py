@@ -57,12 +57,13 @@ from ..database import Dialect, check_engine, create_engine, transaction
 from ..errors import ExecutionLeaseLostError
 from ..faults import fault_point
 from ..fence import RunHandle
-from ..lease import Lease, fenced_error
+from ..lease import Lease
 from ..migrations import migrate
 from ..retry import retry_window
 from ..schema import LEASE_MIGRATIONS
 from ..serde import safe_serializer
 from ..tenancy import DEFAULT_TENANT, thread_tenant
+from ..transitions import fenced_error
 from ..validate import storable_text
 from ._postgres import PostgresDriver
 from ._rows import CheckpointQuery, CheckpointRow, Driver, Guard, StoredCheckpoint

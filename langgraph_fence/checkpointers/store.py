@@ -54,11 +54,11 @@ from ..errors import ExecutionLeaseLostError
 from ..fence import RunHandle, running_handle
 from ..from_thread import run_on_loop
 from ..guard import guard_sql, holds
-from ..lease import fenced_error
 from ..migrations import Migration, migrate
 from ..schema import LEASE_MIGRATIONS
 from ..store import checked_ops
 from ..tenancy import DEFAULT_TENANT
+from ..transitions import fenced_error
 from ._rows import Guard
 
 __all__ = ["STORE_COMPONENT", "STORE_MIGRATIONS", "SqlStore"]

@@ -8,11 +8,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from ..errors import ExecutionFencedError
-from ..lease import (
-    Lease,
-    LeaseKey,
-    LeaseStatus,
-    PendingEffect,
+from ..lease import Lease, LeaseKey, LeaseStatus, PendingEffect, validate_ttl
+from ..transitions import (
     decide_abandon,
     decide_acquire,
     decide_clear_pending_effects,
@@ -26,7 +23,6 @@ from ..lease import (
     decide_yield,
     fair_order,
     is_takeover_candidate,
-    validate_ttl,
 )
 from .common import check_key, check_lease, check_leases, check_limit
 
@@ -151,7 +147,7 @@ class MemoryLeaseRepository:
     ) -> Sequence[Lease]:
         """Leases any instance may take now, in claim order from ``after_tenant``: the
         window the SQL store's query picks (each tenant's oldest first), in
-        :func:`~langgraph_fence.lease.fair_order`."""
+        :func:`~langgraph_fence.transitions.fair_order`."""
         check_limit(limit)
         now = self._clock()
         found = [lease for lease in self._rows.values() if is_takeover_candidate(lease, now)]
@@ -209,7 +205,7 @@ class MemoryLeaseRepository:
 
     async def retry(self, key: LeaseKey) -> Lease:
         """Make a dead-lettered execution ``pending`` again, its takeover budget reset
-        (:func:`~langgraph_fence.lease.decide_retry`)."""
+        (:func:`~langgraph_fence.transitions.decide_retry`)."""
         check_key(key)
         async with self._lock:
             retried = decide_retry(self._rows.get(key), key)
@@ -218,7 +214,7 @@ class MemoryLeaseRepository:
 
     async def abandon(self, key: LeaseKey, reason: str) -> Lease:
         """End a dead-lettered execution ``failed``, its reason the operator's
-        (:func:`~langgraph_fence.lease.decide_abandon`)."""
+        (:func:`~langgraph_fence.transitions.decide_abandon`)."""
         check_key(key)
         async with self._lock:
             abandoned = decide_abandon(self._rows.get(key), key, reason)

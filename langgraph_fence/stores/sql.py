@@ -68,20 +68,9 @@ from ..lease import (
     LeaseKey,
     LeaseStatus,
     PendingEffect,
-    abandon_reason,
     clean_reason,
-    decide_abandon,
-    decide_dead_letter,
-    decide_retry,
-    fair_order,
-    fenced_error,
-    is_yielded,
-    release_status,
-    validate_effect_keys,
     validate_holder,
-    validate_max_takeovers,
     validate_pending_effect,
-    validate_progress_mark,
     validate_ttl,
 )
 from ..migrations import migrate
@@ -93,6 +82,19 @@ from ..schema import (
     effects_from_json,
     not_yielded,
     stamp_patch,
+)
+from ..transitions import (
+    abandon_reason,
+    decide_abandon,
+    decide_dead_letter,
+    decide_retry,
+    fair_order,
+    fenced_error,
+    is_yielded,
+    release_status,
+    validate_effect_keys,
+    validate_max_takeovers,
+    validate_progress_mark,
 )
 from ..validate import text_id
 from .common import check_key, check_lease, check_leases, check_limit
@@ -273,7 +275,7 @@ class SqlLeaseRepository:
         now = self._now()
         ttl = bindparam("p_ttl", type_=Double)
         insert = pg_dialect.insert if self._dialect == "postgresql" else sqlite_dialect.insert
-        # lease._is_held: running and not expired, yielded (waiting, its holder kept), or
+        # transitions._is_held: running and not expired, yielded (waiting, its holder kept), or
         # woken and before its not-before time (pending, no holder, expires_at ahead).
         not_held = and_(
             or_(
@@ -293,7 +295,7 @@ class SqlLeaseRepository:
         terminal = [s.value for s in TERMINAL_STATUSES]
         reopenable = [s.value for s in REOPENABLE_STATUSES]
         # The take and its verdict on the stamp set are one statement, as in take_over: a
-        # non-idempotent entry standing dead-letters the execution (lease.decide_acquire).
+        # non-idempotent entry standing dead-letters the execution (transitions.decide_acquire).
         # In ON CONFLICT DO UPDATE, fence_leases.* is the row as it stands.
         standing = literal_column(STAMP_SQL[self._dialect]["non_idempotent"], Boolean)
         takeable: ColumnElement[bool] = _C.status.not_in(terminal)
@@ -347,7 +349,7 @@ class SqlLeaseRepository:
             .returning(*_RETURNING)
         )
         # Still the waiter's at its epoch: held or yielded by it, or woken for it (pending
-        # with a not-before time); lease.decide_retake.
+        # with a not-before time); transitions.decide_retake.
         retakeable = and_(
             _KEY,
             _C.epoch == bindparam("p_epoch"),
@@ -481,7 +483,7 @@ class SqlLeaseRepository:
 
     def _standing_reason(self, how: str, holder: Any) -> ColumnElement[str]:
         """The dead letter's reason for the stamps standing on the row, built in SQL as
-        :func:`~langgraph_fence.lease.dead_letter_reason` builds it (``how``: "taken over",
+        :func:`~langgraph_fence.transitions.dead_letter_reason` builds it (``how``: "taken over",
         "resumed"), at the token the statement moves the row to."""
         reason: ColumnElement[str] = (
             literal(f"{how} at token ", Text)
@@ -503,7 +505,7 @@ class SqlLeaseRepository:
         holder = bindparam("p_holder", type_=Text)
         reason = self._standing_reason("taken over", holder)
         takeable = _takeable(now)
-        # The takeover budget, as lease.decide_take_over counts it: a mark other than the
+        # The takeover budget, as transitions.decide_take_over counts it: a mark other than the
         # stored one is progress; a take from an expired holder (status still running)
         # counts 1. p_max is a huge number when there is no budget.
         mark = bindparam("p_progress_mark", type_=Text)
@@ -664,7 +666,7 @@ class SqlLeaseRepository:
     ) -> Lease | None:
         """Take the lease (absent: epoch 1; free or expired: epoch + 1), or ``None``: one
         statement, which dead-letters instead while a non-idempotent stamp stands
-        (:func:`~langgraph_fence.lease.decide_acquire`)."""
+        (:func:`~langgraph_fence.transitions.decide_acquire`)."""
         params = self._acquire_params(key, holder, ttl)
         # Not repeated (see _one): the caller gets the error; nothing runs.
         row = await self._one(self._acquire[bool(reopen)], params)
@@ -966,7 +968,7 @@ class SqlLeaseRepository:
         self, limit: int = 100, *, after_tenant: str | None = None
     ) -> Sequence[Lease]:
         """Leases any instance may take now, in claim order from ``after_tenant`` (one read:
-        the window; the order within it is :func:`~langgraph_fence.lease.fair_order`)."""
+        the window; the order within it is :func:`~langgraph_fence.transitions.fair_order`)."""
         check_limit(limit)
         rows = await self._read(self._candidates, self._params(limit=limit), what="candidates")
         return fair_order([self._lease(row) for row in rows], after_tenant)
@@ -1008,7 +1010,7 @@ class SqlLeaseRepository:
 
     async def retake(self, lease: Lease, ttl: float) -> Lease:
         """Take ``lease`` again at epoch + 1 for its holder: one statement, refused once
-        anyone else took it (:func:`~langgraph_fence.lease.decide_retake`)."""
+        anyone else took it (:func:`~langgraph_fence.transitions.decide_retake`)."""
         check_lease(self, lease)
 
         def landed(current: Lease) -> bool:
@@ -1024,7 +1026,7 @@ class SqlLeaseRepository:
 
     async def retry(self, key: LeaseKey) -> Lease:
         """Make a dead-lettered or cancelled execution ``pending`` again, its takeover
-        budget reset (:func:`~langgraph_fence.lease.decide_retry`): one guarded statement."""
+        budget reset (:func:`~langgraph_fence.transitions.decide_retry`): one guarded statement."""
         check_key(key)
         params = self._params(tenant_id=key.tenant_id, execution_id=key.execution_id)
         row = await self._one(self._retry, params)
@@ -1038,7 +1040,7 @@ class SqlLeaseRepository:
 
     async def abandon(self, key: LeaseKey, reason: str) -> Lease:
         """End a dead-lettered or cancelled execution ``failed``, its reason the operator's
-        (:func:`~langgraph_fence.lease.decide_abandon`): one guarded statement."""
+        (:func:`~langgraph_fence.transitions.decide_abandon`): one guarded statement."""
         check_key(key)
         params = self._params(
             tenant_id=key.tenant_id, execution_id=key.execution_id, reason=abandon_reason(reason)
@@ -1054,7 +1056,7 @@ class SqlLeaseRepository:
 
 
 def _takeable(now: ColumnElement[float]) -> ColumnElement[bool]:
-    """:func:`~langgraph_fence.lease.is_takeover_candidate` in SQL: running and expired, or
+    """:func:`~langgraph_fence.transitions.is_takeover_candidate` in SQL: running and expired, or
     pending, free, and past its not-before time when it has one (a woken yielded tree)."""
     return or_(
         and_(

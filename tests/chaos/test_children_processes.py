@@ -26,7 +26,7 @@ from sqlalchemy import text
 from langgraph_fence import LeaseKey, LeaseStatus
 from langgraph_fence.children import child_execution_id
 from langgraph_fence.instance import Instance
-from langgraph_fence.lease import is_yielded
+from langgraph_fence.transitions import is_yielded
 from tests.chaos.children_graphs import CREATE_TABLES, FAN
 from tests.conftest import pg_engine_options, unique
 from tests.polling import eventually

@@ -23,8 +23,9 @@ import pytest
 
 from langgraph_fence import LeaseKey, LeaseStatus
 from langgraph_fence.instance import Instance
-from langgraph_fence.lease import DEFAULT_MAX_TAKEOVERS, Lease
+from langgraph_fence.lease import Lease
 from langgraph_fence.records import ExecutionRecord
+from langgraph_fence.transitions import DEFAULT_MAX_TAKEOVERS
 from tests.chaos.chaos_graphs import MARK_DIR_ENV, POISON_GRAPH, pill_runs
 from tests.chaos.write_steps import Database, engine_options
 from tests.polling import eventually

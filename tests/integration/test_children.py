@@ -40,9 +40,9 @@ from langgraph_fence.children import (
     parse_child_execution_id,
 )
 from langgraph_fence.database import transaction
-from langgraph_fence.lease import is_yielded
 from langgraph_fence.sinks import fenced_write, setup_sink
 from langgraph_fence.testing import Leases
+from langgraph_fence.transitions import is_yielded
 from tests.chaos.write_steps import Database
 from tests.conftest import unique
 from tests.integration.test_serve import eventually, until_status

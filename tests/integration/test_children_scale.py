@@ -28,8 +28,8 @@ from langgraph_fence import (
 )
 from langgraph_fence.children import Child, child_execution_id
 from langgraph_fence.events import EventKind
-from langgraph_fence.lease import is_yielded
 from langgraph_fence.queue import SubmittedRuns
+from langgraph_fence.transitions import is_yielded
 from tests.chaos.write_steps import Database
 from tests.conftest import unique
 from tests.integration.test_children import Work, child_graph, lease_rows

@@ -32,8 +32,8 @@ from langgraph_fence import (
 )
 from langgraph_fence.children import child_execution_id
 from langgraph_fence.events import EventKind, FenceEvent
-from langgraph_fence.lease import is_yielded
 from langgraph_fence.testing import Leases
+from langgraph_fence.transitions import is_yielded
 from tests.conftest import unique
 from tests.integration.test_children import Job, Work, child_graph
 from tests.integration.test_submit import cfg, serving

@@ -51,9 +51,9 @@ from langgraph_fence import (
 from langgraph_fence.children import child_execution_id
 from langgraph_fence.database import transaction
 from langgraph_fence.events import EventKind, FenceEvent
-from langgraph_fence.lease import is_yielded
 from langgraph_fence.sinks import fenced_write, setup_sink
 from langgraph_fence.testing import Leases, open_leases
+from langgraph_fence.transitions import is_yielded
 from tests.chaos.write_steps import Database
 from tests.conftest import pg_engine_options, unique
 from tests.integration.test_children import Fan, Job, Work, child_graph

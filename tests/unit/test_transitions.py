@@ -28,7 +28,8 @@ from langgraph_fence import (
     PendingEffect,
 )
 from langgraph_fence.guard import holds
-from langgraph_fence.lease import (
+from langgraph_fence.lease import non_idempotent_standing
+from langgraph_fence.transitions import (
     decide_acquire,
     decide_clear_pending_effects,
     decide_dead_letter,
@@ -37,7 +38,6 @@ from langgraph_fence.lease import (
     decide_renew,
     decide_retry,
     decide_take_over,
-    non_idempotent_standing,
 )
 
 KEY = LeaseKey("tenant", "execution")
