@@ -1,5 +1,5 @@
 """docs/cli.md has a section for every command of ``langgraph-fence`` (issue 34): a command
-added to langgraph_fence/cli.py without one fails here."""
+added to langgraph_fence/cli/_parser.py without one fails here."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 from tests.docs.pages import DOCS, ROOT
 
-CLI = ROOT / "langgraph_fence" / "cli.py"
+CLI = ROOT / "langgraph_fence" / "cli" / "_parser.py"
 PAGE = DOCS / "cli.md"
 
 

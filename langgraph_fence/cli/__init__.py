@@ -1,0 +1,91 @@
+"""The ``langgraph-fence`` command: demo, worker, submit, runs, migrate, executions,
+dead-letters, resolve, erase.
+
+The only module that prints; it prints through rich. It imports what a command needs when
+the command runs: ``--help`` and the listings never load LangGraph (see benchmarks/README.md).
+Every error an operator can fix is one line on stderr naming the fix, exit status 2; the
+traceback only with ``--debug``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+
+from ._commands import demo, erase, migrate, resolve, submit, worker
+from ._common import EXIT_FAILED, EXIT_INPUT, EXIT_REFUSED, PrintableFormatter, db_target, stderr
+from ._listings import executions, runs
+from ._parser import log_level, parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``langgraph-fence`` console script; returns the exit code."""
+    args = parser().parse_args(argv)
+    handler = logging.StreamHandler()
+    handler.setFormatter(PrintableFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    logging.getLogger("langgraph_fence").setLevel(log_level(args))
+    try:
+        return _run(args)
+    except Exception as exc:  # every error becomes one line (and its exit status)
+        code, line = _explain(exc, args)
+        if args.debug:
+            import traceback
+
+            traceback.print_exception(exc)
+        stderr().print(line, markup=False, highlight=False)
+        return code
+
+
+def _explain(exc: Exception, args: argparse.Namespace) -> tuple[int, str]:
+    """The exit status and the one line printed for ``exc``."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from ..diagnosis import explain_database_error
+    from ..errors import ExecutionBusyError, ExecutionEndedError, ExecutionLeaseHeldError
+    from ..redact import failure_reason, mask_password
+
+    if isinstance(exc, ExecutionLeaseHeldError | ExecutionEndedError | ExecutionBusyError):
+        return EXIT_REFUSED, f"refused: {exc}"
+    if isinstance(exc, ValueError):
+        # One line: a message quoting several lines of input keeps them all, joined.
+        return EXIT_INPUT, f"error: {mask_password(' '.join(str(exc).splitlines()))}"
+    target = db_target(args)
+    known = None if target is None else explain_database_error(exc, target)
+    if known is not None:
+        return EXIT_INPUT, f"error: {known}"
+    hint = "" if args.debug else " (--debug prints the traceback)"
+    if isinstance(exc, SQLAlchemyError | OSError):
+        # A database that cannot be reached or read: say so, without the driver's quoted
+        # statement and parameters, and without the URL's password.
+        return EXIT_INPUT, f"error: the database failed: {failure_reason(exc)}{hint}"
+    return EXIT_FAILED, f"error: {failure_reason(exc)}{hint}"
+
+
+def _run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    if args.command == "demo":
+        from rich.console import Console
+
+        return asyncio.run(demo(Console(), args.db, args.schema))
+    if args.command == "worker":
+        return asyncio.run(worker(args))
+    if args.command == "migrate":
+        return asyncio.run(migrate(args))
+    if args.command == "erase":
+        return asyncio.run(erase(args))
+    if args.command in ("executions", "dead-letters"):
+        status = "dead_lettered" if args.command == "dead-letters" else args.status
+        return asyncio.run(executions(args, status))
+    if args.command == "resolve":
+        return asyncio.run(resolve(args))
+    if args.command == "submit":
+        return asyncio.run(submit(args))
+    if args.command == "runs":
+        return asyncio.run(runs(args))
+    raise AssertionError(f"unknown command {args.command!r}")
+
+
+__all__ = ["main"]
