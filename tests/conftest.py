@@ -25,8 +25,8 @@ from langgraph_fence.database import create_engine, normalize_url
 from langgraph_fence.lease import ExecutionLeaseRepository
 from langgraph_fence.stores import MemoryLeaseRepository, SqlLeaseRepository
 from langgraph_fence.testing import Leases, ManualClock
-from tests.chaos.write_steps import Database
-from tests.pg_cluster import PgCluster, find_bindir
+from tests.support.pg_cluster import PgCluster, find_bindir
+from tests.support.write_steps import Database
 
 DEFAULT_PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
 BACKENDS = ["memory", "sqlite", "postgresql"]
@@ -110,7 +110,7 @@ def own_schema(pg_schema: tuple[str, str]) -> Iterator[tuple[str, str]]:
 
 @pytest.fixture(scope="session")
 def pg_cluster() -> Iterator[PgCluster]:
-    """A private PostgreSQL cluster of this session's own (see ``tests/pg_cluster.py``):
+    """A private PostgreSQL cluster of this session's own (see ``tests/support/pg_cluster.py``):
     tests restart, stop and kill it, never the shared server. Started once per session;
     each test uses a schema of its own in it. Removed at the end, even after a failure.
     Without the server binaries it skips with the reason (fails under

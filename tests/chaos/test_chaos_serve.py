@@ -55,7 +55,8 @@ from langgraph_fence import (
 from langgraph_fence.database import create_engine
 from langgraph_fence.instance import Instance
 from langgraph_fence.records import ExecutionRecord, SqlExecutionRecords
-from tests.chaos.chaos_graphs import (
+from tests.conftest import pg_engine_options, setup_all, unique
+from tests.support.chaos_graphs import (
     AIM_WHILE_ENV,
     CREATE_EFFECTS,
     HOLD_GRAPH,
@@ -66,9 +67,8 @@ from tests.chaos.chaos_graphs import (
     build_hold_graph,
     spawn_hold,
 )
-from tests.conftest import pg_engine_options, setup_all, unique
-from tests.polling import eventually
-from tests.processes import Started, start_process, start_worker, stop_process, wait_ready
+from tests.support.polling import eventually
+from tests.support.processes import Started, start_process, start_worker, stop_process, wait_ready
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
 
@@ -125,7 +125,7 @@ class Chaos:
             name,
             self.url,
             self.schema,
-            f"tests.chaos.chaos_graphs:{self.graphs}",
+            f"tests.support.chaos_graphs:{self.graphs}",
             ttl=TTL,
             poll=POLL,
             extra=["--concurrency", str(CONCURRENCY)],
@@ -141,7 +141,7 @@ class Chaos:
         """A client process that starts ``jobs`` with ``Instance.ainvoke``, 4 at a time."""
         ids = self.root / "starter.ids"
         ids.write_text("".join(f"{graph} {key.execution_id}\n" for key, graph in jobs))
-        args = ["-m", "tests.chaos.chaos_graphs", "start", self.url, self.schema, tenant]
+        args = ["-m", "tests.support.chaos_graphs", "start", self.url, self.schema, tenant]
         started = await start_process(
             [*args, str(TTL), str(ids), "4"], self.root, "starter", env=self.env
         )

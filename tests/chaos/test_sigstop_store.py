@@ -28,11 +28,9 @@ from sqlalchemy import text
 from checkpointers import SqlStore
 from langgraph_fence import Lease, LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.database import create_engine, schema_options
-from tests.chaos.chaos_graphs import EXIT_FENCED
-from tests.chaos.store_worker import MEMORY_GRAPH, memory_namespace
-from tests.chaos.write_steps import Database
 from tests.conftest import unique
-from tests.processes import (
+from tests.support.chaos_graphs import EXIT_FENCED
+from tests.support.processes import (
     Started,
     read_json,
     start_process,
@@ -41,6 +39,8 @@ from tests.processes import (
     tail,
     wait_ready,
 )
+from tests.support.store_worker import MEMORY_GRAPH, memory_namespace
+from tests.support.write_steps import Database
 
 pytestmark = [pytest.mark.chaos]
 
@@ -83,7 +83,7 @@ async def test_a_sigstopped_worker_s_memory_write_is_refused_and_b_s_stands(
     try:
         args = [database.url, database.schema, tenant, thread, str(TTL), str(RENEW), str(inside)]
         worker_a = await start_process(
-            ["-m", "tests.chaos.store_worker", *args, renewals], tmp_path, "a", stdin=True
+            ["-m", "tests.support.store_worker", *args, renewals], tmp_path, "a", stdin=True
         )
         procs.append(worker_a)
         entered = await wait_ready(
@@ -98,7 +98,7 @@ async def test_a_sigstopped_worker_s_memory_write_is_refused_and_b_s_stands(
             "b",
             database.url,
             database.schema,
-            "tests.chaos.store_worker:memory_graphs",
+            "tests.support.store_worker:memory_graphs",
             ttl=TTL,
             poll=POLL,
             instance_id="worker-B",

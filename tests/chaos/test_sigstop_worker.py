@@ -28,9 +28,9 @@ from checkpointers import SqlCheckpointer
 from langgraph_fence import Lease, LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.database import create_engine
 from langgraph_fence.records import SqlExecutionRecords
-from tests.chaos.chaos_graphs import EXIT_FENCED, HOLD_GRAPH, spawn_hold
 from tests.conftest import pg_engine_options, setup_all, unique
-from tests.processes import Started, read_json, start_worker, stop_process, tail, wait_ready
+from tests.support.chaos_graphs import EXIT_FENCED, HOLD_GRAPH, spawn_hold
+from tests.support.processes import Started, read_json, start_worker, stop_process, tail, wait_ready
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
 
@@ -92,7 +92,7 @@ async def test_a_sigstopped_worker_is_fenced_within_one_renew_interval(
             "b",
             url,
             schema,
-            "tests.chaos.chaos_graphs:hold_graphs",
+            "tests.support.chaos_graphs:hold_graphs",
             ttl=TTL,
             poll=POLL,
             instance_id="worker-B",

@@ -40,7 +40,7 @@ from langgraph_fence.sinks import (
 )
 from langgraph_fence.testing import ManualClock
 from tests.conftest import SQL_BACKENDS, pg_engine_options, unique
-from tests.polling import eventually
+from tests.support.polling import eventually
 
 RUNS_ON = SQL_BACKENDS
 LEASE_TTL = 10.0  # on the lease store's manual clock

@@ -46,9 +46,9 @@ from langgraph_fence import (
 from langgraph_fence.database import create_engine
 from langgraph_fence.faults import StallableRepository, StallGate
 from langgraph_fence.records import SqlExecutionRecords
-from tests.chaos.write_steps import Database, engine_options
 from tests.conftest import setup_all, unique
-from tests.polling import eventually
+from tests.support.polling import eventually
+from tests.support.write_steps import Database, engine_options
 
 TENANT = "acme"
 # A woken worker asks the store once whether it was taken over, within one renew interval

@@ -24,7 +24,7 @@ from langgraph_fence.serve import Server
 from langgraph_fence.testing import Leases
 from tests.conftest import SQL_BACKENDS, unique
 from tests.integration.test_serve import serving, until_status
-from tests.polling import eventually
+from tests.support.polling import eventually
 
 RUNS_ON = SQL_BACKENDS
 

@@ -37,7 +37,7 @@ from langgraph_fence.testing import Leases
 from tests.conftest import unique
 from tests.integration.test_children import Job, Work, child_graph
 from tests.integration.test_submit import cfg, serving
-from tests.polling import eventually
+from tests.support.polling import eventually
 
 TENANT = "acme"
 ITEMS = ["a", "b", "c"]

@@ -19,8 +19,8 @@ import pytest
 
 from langgraph_fence import Instance, LeaseKey
 from langgraph_fence.database import schema_options
-from tests.chaos.write_steps import Database
 from tests.conftest import unique
+from tests.support.write_steps import Database
 
 #: The CLI runs in processes of its own.
 pytestmark = pytest.mark.processes

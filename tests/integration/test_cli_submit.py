@@ -16,8 +16,8 @@ from langgraph.graph import END, START, StateGraph
 
 from langgraph_fence import Instance, fence_graph
 from tests.conftest import Database
-from tests.polling import eventually_sync
-from tests.processes import worker_args
+from tests.support.polling import eventually_sync
+from tests.support.processes import worker_args
 
 #: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
 pytestmark = pytest.mark.processes

@@ -32,7 +32,8 @@ from langgraph_fence import (
     LeaseStatus,
 )
 from langgraph_fence.faults import FAULT_POINTS, arm_fault
-from tests.chaos.write_steps import (
+from tests.conftest import unique
+from tests.support.write_steps import (
     TENANT,
     Database,
     assert_charged_at_most_once,
@@ -42,7 +43,6 @@ from tests.chaos.write_steps import (
     engine_options,
     take_over_all,
 )
-from tests.conftest import unique
 
 # A's lease lapses this long after its connection is lost. Long enough that a loaded box
 # never lapses it before the fault point (0.6, then 1.2 did: renewals answered late).

@@ -40,7 +40,7 @@ from langgraph_fence.keeper import MAX_STARTING, Keeper
 from langgraph_fence.stores.sql import SqlLeaseRepository
 from langgraph_fence.testing import Leases
 from tests.conftest import unique
-from tests.polling import eventually
+from tests.support.polling import eventually
 
 TENANT = "acme"
 

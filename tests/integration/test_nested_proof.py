@@ -1,7 +1,7 @@
 """A child's write is never repeated: its stamp stands until a resume from the ROOT would
 not run it again.
 
-The graphs of ``tests.chaos.write_steps`` (``nested-*``): START -> hold -> parent ->
+The graphs of ``tests.support.write_steps`` (``nested-*``): START -> hold -> parent ->
 receipt, where ``parent`` runs a child graph, START -> charge -> child_done, as a subgraph
 under the root's lease (a ``PARENT_INSTANCE`` child, the compiled child added as the node,
 or a grandchild two levels down). ``charge`` is the one non-idempotent write.
@@ -42,7 +42,9 @@ from langgraph_fence.faults import arm_fault
 from langgraph_fence.lease import Lease
 from langgraph_fence.records import SqlExecutionRecords
 from langgraph_fence.stores.sql import SqlLeaseRepository
-from tests.chaos.write_steps import (
+from tests.conftest import unique
+from tests.support.polling import eventually
+from tests.support.write_steps import (
     NESTED_VARIANTS,
     TENANT,
     Database,
@@ -51,8 +53,6 @@ from tests.chaos.write_steps import (
     engine_options,
     graph_name,
 )
-from tests.conftest import unique
-from tests.polling import eventually
 
 # A's lease lapses this long after its connection is lost; long enough that a loaded box
 # never lapses it first (1.2 did in test_fault_points.py, renewals answered late).

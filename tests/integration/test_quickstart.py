@@ -24,7 +24,7 @@ from langgraph_fence import LeaseKey, LeaseStatus
 from langgraph_fence.database import create_engine, normalize_url
 from langgraph_fence.stores import SqlLeaseRepository
 from tests.conftest import SQL_BACKENDS, _pg_admin
-from tests.polling import eventually
+from tests.support.polling import eventually
 
 #: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
 pytestmark = pytest.mark.processes

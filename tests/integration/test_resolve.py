@@ -18,8 +18,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from langgraph_fence import Effect, LeaseKey, LeaseStatus, PendingEffect, SqlLeaseRepository
 from langgraph_fence.database import create_engine
 from langgraph_fence.testing import ManualClock
-from tests.chaos.write_steps import Database
 from tests.conftest import pg_engine_options, unique
+from tests.support.write_steps import Database
 
 #: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
 pytestmark = pytest.mark.processes
@@ -197,7 +197,7 @@ def test_a_worker_refuses_a_budget_below_one(tmp_path: Path, bad: str) -> None:
         "--db",
         f"sqlite+aiosqlite:///{tmp_path}/w.db",
         "--graphs",
-        "tests.chaos.chaos_graphs:poison_graphs",
+        "tests.support.chaos_graphs:poison_graphs",
         "--max-takeovers",
         bad,
     )

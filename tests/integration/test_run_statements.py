@@ -25,7 +25,7 @@ from langgraph_fence import Instance, LeaseKey, LeaseStatus, fence_graph
 from langgraph_fence.records import SqlExecutionRecords
 from langgraph_fence.stores.sql import SqlLeaseRepository
 from tests.conftest import SQL_BACKENDS, setup_all, unique
-from tests.statements import Statements
+from tests.support.statements import Statements
 
 RUNS_ON = SQL_BACKENDS
 

@@ -21,7 +21,7 @@ from langgraph_fence.records import ExecutionRecord
 from langgraph_fence.testing import Leases
 from tests.conftest import unique
 from tests.integration.test_serve import serving, until_status
-from tests.polling import eventually
+from tests.support.polling import eventually
 
 TTL = 30.0
 

@@ -18,7 +18,7 @@ from langgraph_fence.testing import Leases
 from tests.conftest import SQL_BACKENDS, unique
 from tests.integration.test_hardening import expired, log_graph
 from tests.integration.test_serve import serving, until_status
-from tests.polling import eventually
+from tests.support.polling import eventually
 
 RUNS_ON = SQL_BACKENDS
 

@@ -25,7 +25,7 @@ from langgraph_fence.from_thread import run_on_loop
 from langgraph_fence.retry import retry_connection_errors, retry_window
 from langgraph_fence.testing import ManualClock
 from tests.conftest import unique
-from tests.polling import eventually
+from tests.support.polling import eventually
 
 TTL = 10.0
 MARGIN = safety_margin(TTL)

@@ -20,7 +20,7 @@ from langgraph_fence.fence import RunHandle
 from langgraph_fence.keeper import Keeper, default_max_held
 from langgraph_fence.testing import ManualClock
 from tests.conftest import unique
-from tests.polling import eventually
+from tests.support.polling import eventually
 
 TTL = 9.0
 

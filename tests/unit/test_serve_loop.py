@@ -23,7 +23,7 @@ from langgraph_fence.instance import Instance
 from langgraph_fence.records import ExecutionRecord
 from langgraph_fence.serve import MAX_SERVE_BACKOFF, Server
 from langgraph_fence.testing import ManualClock
-from tests.polling import eventually
+from tests.support.polling import eventually
 
 TTL = 30.0
 POLL = 60.0  # far longer than any deadline here: a wall-clock pause would show

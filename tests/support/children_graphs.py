@@ -1,6 +1,6 @@
 """Graphs for the children chaos test (``tests/chaos/test_children_processes.py``).
 
-Factories for ``langgraph-fence worker --graphs tests.chaos.children_graphs:FUNCTION``:
+Factories for ``langgraph-fence worker --graphs tests.support.children_graphs:FUNCTION``:
 
 * :func:`fan_graphs`: ``fan`` = fan_out -> END. ``fan_out`` spawns one ``ANY_INSTANCE``
   child per item (keys ``c0``, ``c1``, ...) and waits for their outputs.

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tests.polling import DEFAULT_INTERVAL, eventually
+from tests.support.polling import DEFAULT_INTERVAL, eventually
 
 T = TypeVar("T")
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 #: Where the chaos scripts leave their marks, when set: a test's processes start without it.
 MARK_DIR_ENV = "LGF_CHAOS_MARK_DIR"
 STARTUP_TIMEOUT = 60.0  # imports take seconds on a busy 2-core machine

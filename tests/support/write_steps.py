@@ -34,7 +34,7 @@ per lease lost the slow write (the fast writes had cleared the only stamp). Anyw
 
 The script::
 
-    python -m tests.chaos.write_steps URL SCHEMA TENANT VARIANT DURABILITY TTL DIR FAULT IDS...
+    python -m tests.support.write_steps URL SCHEMA TENANT VARIANT DURABILITY TTL DIR FAULT IDS...
 
 runs one execution per id (thread = execution id) through ``Instance.ainvoke``, doomed.
 FAULT is ``-`` or a fault point (``langgraph_fence.faults.FAULT_POINTS``): the process then
@@ -71,7 +71,7 @@ from langgraph_fence import (
 )
 from langgraph_fence.faults import arm_fault
 from langgraph_fence.lease import Lease
-from tests.polling import eventually, eventually_sync
+from tests.support.polling import eventually, eventually_sync
 
 AGENTS = ("react-v1", "react-v2", "toolnode", "create-agent")
 #: The agents with sync tools: two of the above, and a sync node calling the tools itself.
@@ -315,7 +315,7 @@ def _build_agent(instance: Instance, variant: str, directory: Path, *, doomed: b
     from langchain_core.messages import AIMessage
     from langchain_core.tools import tool
 
-    from tests.agents import ScriptedModel
+    from tests.support.agents import ScriptedModel
 
     kind, first = variant.removeprefix("agent-").rsplit("-", 1)
     sync_tools = kind in SYNC_TOOL_AGENTS
@@ -479,7 +479,7 @@ async def spawn(
         return await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "tests.chaos.write_steps",
+            "tests.support.write_steps",
             database.url,
             database.schema or "-",
             TENANT,

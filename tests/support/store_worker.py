@@ -1,7 +1,7 @@
 """Worker A of the store's langgraph#8796-style chaos test, run as its own process; and the
 ``--graphs`` factory worker B (``langgraph-fence worker``) serves.
 
-    python -m tests.chaos.store_worker URL SCHEMA TENANT THREAD TTL RENEW SIGNAL_FILE RENEWALS
+    python -m tests.support.store_worker URL SCHEMA TENANT THREAD TTL RENEW SIGNAL_FILE RENEWALS
 
 The graph ``memory``: ``recall`` -> ``remember``; ``remember`` writes the thread's summary to
 the store under ``("memories", THREAD)`` with the token it runs under. In A, ``remember``
@@ -37,7 +37,7 @@ from langgraph_fence import (
 )
 from langgraph_fence.database import schema_options
 from langgraph_fence.instance import Instance
-from tests.chaos.chaos_graphs import EXIT_FENCED, EXIT_FINISHED, write_json_atomically
+from tests.support.chaos_graphs import EXIT_FENCED, EXIT_FINISHED, write_json_atomically
 
 MEMORY_GRAPH = "memory"
 
