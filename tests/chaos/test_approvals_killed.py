@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from langgraph_fence import Instance, LeaseKey, LeaseStatus
-from tests.conftest import unique
 from tests.support.approvals import (
     AGENTS,
     PATTERNS,
@@ -28,6 +27,7 @@ from tests.support.approvals import (
     first_input,
     graph_name,
 )
+from tests.support.databases import unique
 from tests.support.polling import eventually
 from tests.support.write_steps import ROOT, Database, engine_options
 

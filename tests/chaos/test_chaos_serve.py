@@ -55,7 +55,6 @@ from langgraph_fence import (
 from langgraph_fence.database import create_engine
 from langgraph_fence.instance import Instance
 from langgraph_fence.records import ExecutionRecord, SqlExecutionRecords
-from tests.conftest import pg_engine_options, setup_all, unique
 from tests.support.chaos_graphs import (
     AIM_WHILE_ENV,
     CREATE_EFFECTS,
@@ -67,6 +66,7 @@ from tests.support.chaos_graphs import (
     build_hold_graph,
     spawn_hold,
 )
+from tests.support.databases import pg_engine_options, setup_all, unique
 from tests.support.polling import eventually
 from tests.support.processes import Started, start_process, start_worker, stop_process, wait_ready
 

@@ -27,8 +27,8 @@ from langgraph_fence import LeaseKey, LeaseStatus
 from langgraph_fence.children import child_execution_id
 from langgraph_fence.instance import Instance
 from langgraph_fence.lease import is_yielded
-from tests.conftest import pg_engine_options, unique
 from tests.support.children_graphs import CREATE_TABLES, FAN
+from tests.support.databases import pg_engine_options, unique
 from tests.support.polling import eventually
 from tests.support.processes import Started, start_worker
 

@@ -36,7 +36,7 @@ from langgraph_fence import (
     SqlLeaseRepository,
 )
 from langgraph_fence.fence import RunHandle
-from tests.conftest import unique
+from tests.support.databases import unique
 from tests.support.fork_worker import EXIT_FENCED, build_graph, engine_for
 from tests.support.polling import eventually
 from tests.support.processes import start_process, stop_process, wait_ready

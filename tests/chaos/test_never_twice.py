@@ -26,7 +26,7 @@ import pytest
 
 from langgraph_fence import LeaseStatus
 from langgraph_fence.lease import Lease
-from tests.conftest import unique
+from tests.support.databases import unique
 from tests.support.polling import eventually
 from tests.support.write_steps import (
     AGENTS,

@@ -26,8 +26,8 @@ from langgraph_fence.instance import Instance
 from langgraph_fence.lease import DEFAULT_MAX_TAKEOVERS, Lease
 from langgraph_fence.records import ExecutionRecord
 from tests.support.chaos_graphs import MARK_DIR_ENV, POISON_GRAPH, pill_runs
+from tests.support.databases import Database, engine_options
 from tests.support.polling import eventually
-from tests.support.write_steps import Database, engine_options
 
 pytestmark = pytest.mark.chaos
 

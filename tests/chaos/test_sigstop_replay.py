@@ -24,8 +24,8 @@ import pytest
 
 from langgraph_fence import Instance, LeaseKey, LeaseStatus
 from tests.chaos.test_sigstop_worker import rows_of
-from tests.conftest import pg_engine_options, unique
 from tests.support.chaos_graphs import EXIT_FENCED, build_hold_graph, spawn_hold
+from tests.support.databases import pg_engine_options, unique
 from tests.support.polling import eventually
 from tests.support.processes import read_json, stop_process, tail, wait_ready
 

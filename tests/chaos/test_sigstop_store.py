@@ -28,8 +28,8 @@ from sqlalchemy import text
 from checkpointers import SqlStore
 from langgraph_fence import Lease, LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.database import create_engine, schema_options
-from tests.conftest import unique
 from tests.support.chaos_graphs import EXIT_FENCED
+from tests.support.databases import Database, unique
 from tests.support.processes import (
     Started,
     read_json,
@@ -40,7 +40,6 @@ from tests.support.processes import (
     wait_ready,
 )
 from tests.support.store_worker import MEMORY_GRAPH, memory_namespace
-from tests.support.write_steps import Database
 
 pytestmark = [pytest.mark.chaos]
 

@@ -28,8 +28,8 @@ from checkpointers import SqlCheckpointer
 from langgraph_fence import Lease, LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.database import create_engine
 from langgraph_fence.records import SqlExecutionRecords
-from tests.conftest import pg_engine_options, setup_all, unique
 from tests.support.chaos_graphs import EXIT_FENCED, HOLD_GRAPH, spawn_hold
+from tests.support.databases import pg_engine_options, setup_all, unique
 from tests.support.processes import Started, read_json, start_worker, stop_process, tail, wait_ready
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]

@@ -25,8 +25,8 @@ from sqlalchemy import text
 
 from langgraph_fence import LeaseStatus
 from langgraph_fence.instance import Instance
-from tests.conftest import pg_engine_options, unique
 from tests.support.chaos_graphs import CREATE_EFFECTS, PLAIN_GRAPH, build_chaos_graph
+from tests.support.databases import pg_engine_options, unique
 from tests.support.polling import eventually
 from tests.support.processes import start_worker, stop_process
 

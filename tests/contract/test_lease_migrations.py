@@ -22,7 +22,7 @@ from langgraph_fence.database import create_engine
 from langgraph_fence.migrations import migrate
 from langgraph_fence.schema import LEASE_MIGRATIONS, LEASES
 from langgraph_fence.testing import ManualClock
-from tests.conftest import SQL_BACKENDS, _pg_admin, pg_engine_options
+from tests.support.databases import SQL_BACKENDS, pg_admin, pg_engine_options
 
 RUNS_ON = SQL_BACKENDS
 TTL = 10.0
@@ -40,13 +40,13 @@ async def fresh_engine(
         return
     url, _ = request.getfixturevalue("pg_schema")
     schema = f"lgf_migrate_{uuid.uuid4().hex[:12]}"
-    _pg_admin(url, f'CREATE SCHEMA "{schema}"')
+    pg_admin(url, f'CREATE SCHEMA "{schema}"')
     engine = create_engine(url, **pg_engine_options(schema))
     try:
         yield engine
     finally:
         await engine.dispose()
-        _pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 async def old_stamped_lease(engine: AsyncEngine, key: LeaseKey, clock: Callable[[], float]) -> None:

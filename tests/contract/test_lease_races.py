@@ -23,7 +23,7 @@ from langgraph_fence.database import create_engine
 from langgraph_fence.records import EXECUTION_MIGRATIONS
 from langgraph_fence.schema import LEASE_MIGRATIONS
 from langgraph_fence.testing import ManualClock
-from tests.conftest import SQL_BACKENDS, _pg_admin_async, pg_engine_options, unique
+from tests.support.databases import SQL_BACKENDS, pg_admin_async, pg_engine_options, unique
 
 T = TypeVar("T")
 TTL = 10.0
@@ -192,7 +192,7 @@ async def fresh_database(
         url, _ = request.getfixturevalue("pg_schema")
         schema = f"lgf_mig_{uuid.uuid4().hex[:12]}"
         options = pg_engine_options(schema)
-        await _pg_admin_async(url, f'CREATE SCHEMA "{schema}"')
+        await pg_admin_async(url, f'CREATE SCHEMA "{schema}"')
 
     def make() -> AsyncEngine:
         engine = create_engine(url, **options)
@@ -202,7 +202,7 @@ async def fresh_database(
     yield make
     await asyncio.gather(*(engine.dispose() for engine in engines))
     if schema is not None:
-        await _pg_admin_async(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await pg_admin_async(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 async def test_concurrent_setup_migrates_once(

@@ -39,7 +39,7 @@ from langgraph_fence.sinks import (
     setup_sink,
 )
 from langgraph_fence.testing import ManualClock
-from tests.conftest import SQL_BACKENDS, pg_engine_options, unique
+from tests.support.databases import SQL_BACKENDS, pg_engine_options, unique
 from tests.support.polling import eventually
 
 RUNS_ON = SQL_BACKENDS

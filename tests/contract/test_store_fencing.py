@@ -30,7 +30,7 @@ from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
 from langgraph_fence.store import tenant_label
 from langgraph_fence.stores import SqlLeaseRepository
 from langgraph_fence.testing import ManualClock
-from tests.conftest import unique
+from tests.support.databases import unique
 
 TTL = 30.0
 KINDS = ["sql-sqlite", "sql-postgresql", "fenced-memory", "fenced-postgres-official"]

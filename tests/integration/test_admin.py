@@ -42,7 +42,7 @@ from langgraph_fence.instance import Instance
 from langgraph_fence.records import SqlExecutionRecords
 from langgraph_fence.sinks import fenced_write
 from langgraph_fence.testing import ManualClock
-from tests.conftest import SQL_BACKENDS, setup_all, unique
+from tests.support.databases import SQL_BACKENDS, setup_all, unique
 from tests.support.polling import eventually
 
 RUNS_ON = SQL_BACKENDS

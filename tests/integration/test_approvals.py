@@ -46,9 +46,8 @@ from langgraph_fence import (
 from langgraph_fence.database import create_engine
 from langgraph_fence.faults import StallableRepository, StallGate
 from langgraph_fence.records import SqlExecutionRecords
-from tests.conftest import setup_all, unique
+from tests.support.databases import Database, engine_options, setup_all, unique
 from tests.support.polling import eventually
-from tests.support.write_steps import Database, engine_options
 
 TENANT = "acme"
 # A woken worker asks the store once whether it was taken over, within one renew interval

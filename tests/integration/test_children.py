@@ -43,10 +43,9 @@ from langgraph_fence.database import transaction
 from langgraph_fence.lease import is_yielded
 from langgraph_fence.sinks import fenced_write, setup_sink
 from langgraph_fence.testing import Leases
-from tests.conftest import unique
 from tests.integration.test_serve import eventually, until_status
 from tests.integration.test_submit import cfg, opened, serving
-from tests.support.write_steps import Database
+from tests.support.databases import Database, unique
 
 TENANT = "acme"
 

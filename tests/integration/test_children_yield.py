@@ -34,9 +34,9 @@ from langgraph_fence.children import child_execution_id
 from langgraph_fence.events import EventKind, FenceEvent
 from langgraph_fence.lease import is_yielded
 from langgraph_fence.testing import Leases
-from tests.conftest import unique
 from tests.integration.test_children import Job, Work, child_graph
 from tests.integration.test_submit import cfg, serving
+from tests.support.databases import unique
 from tests.support.polling import eventually
 
 TENANT = "acme"

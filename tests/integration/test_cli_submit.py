@@ -15,7 +15,7 @@ import pytest
 from langgraph.graph import END, START, StateGraph
 
 from langgraph_fence import Instance, fence_graph
-from tests.conftest import Database
+from tests.support.databases import Database
 from tests.support.polling import eventually_sync
 from tests.support.processes import worker_args
 

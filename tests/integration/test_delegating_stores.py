@@ -19,7 +19,7 @@ from langgraph_fence.context import get_execution_context
 from langgraph_fence.contracts import missing_members
 from langgraph_fence.instance import Instance
 from langgraph_fence.records import ExecutionRecords, MemoryExecutionRecords
-from tests.conftest import unique
+from tests.support.databases import unique
 
 
 class State(TypedDict, total=False):

@@ -38,8 +38,8 @@ from langgraph_fence import (
 )
 from langgraph_fence.otel import instrument
 from langgraph_fence.testing import Leases, open_leases
-from tests.conftest import SQL_BACKENDS, pg_engine_options, unique
 from tests.integration.test_serve import until_status
+from tests.support.databases import SQL_BACKENDS, pg_engine_options, unique
 from tests.support.polling import eventually
 
 RUNS_ON = SQL_BACKENDS

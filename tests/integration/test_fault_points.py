@@ -32,7 +32,7 @@ from langgraph_fence import (
     LeaseStatus,
 )
 from langgraph_fence.faults import FAULT_POINTS, arm_fault
-from tests.conftest import unique
+from tests.support.databases import unique
 from tests.support.write_steps import (
     TENANT,
     Database,

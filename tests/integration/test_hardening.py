@@ -30,8 +30,8 @@ from langgraph_fence.records import ExecutionRecord, SqlExecutionRecords
 from langgraph_fence.serde import safe_serializer
 from langgraph_fence.serve import Server
 from langgraph_fence.testing import Leases
-from tests.conftest import SQL_BACKENDS, unique
 from tests.integration.test_serve import serving, until_status
+from tests.support.databases import SQL_BACKENDS, unique
 from tests.support.polling import eventually
 
 RUNS_ON = SQL_BACKENDS

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from langgraph_fence import Instance, LeaseKey, LeaseStatus
-from tests.conftest import unique
 from tests.support.approvals import (
     AGENTS,
     PATTERNS,
@@ -29,7 +28,7 @@ from tests.support.approvals import (
     first_input,
     reject,
 )
-from tests.support.write_steps import Database, engine_options
+from tests.support.databases import Database, engine_options, unique
 
 
 def _config(thread: str) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from langgraph_fence.faults import arm_fault
 from langgraph_fence.lease import Lease
 from langgraph_fence.records import SqlExecutionRecords
 from langgraph_fence.stores.sql import SqlLeaseRepository
-from tests.conftest import unique
+from tests.support.databases import unique
 from tests.support.polling import eventually
 from tests.support.write_steps import (
     NESTED_VARIANTS,

@@ -23,7 +23,7 @@ import pytest
 from langgraph_fence import LeaseKey, LeaseStatus
 from langgraph_fence.database import create_engine, normalize_url
 from langgraph_fence.stores import SqlLeaseRepository
-from tests.conftest import SQL_BACKENDS, _pg_admin
+from tests.support.databases import SQL_BACKENDS, pg_admin
 from tests.support.polling import eventually
 
 #: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
@@ -52,11 +52,11 @@ def orders_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         return
     url, _ = request.getfixturevalue("pg_schema")  # skips (or fails) without PostgreSQL
     name = f"lgf_quickstart_{uuid.uuid4().hex[:12]}"
-    _pg_admin(url, f'CREATE DATABASE "{name}"')
+    pg_admin(url, f'CREATE DATABASE "{name}"')
     try:
         yield normalize_url(url).set(database=name).render_as_string(hide_password=False)
     finally:
-        _pg_admin(url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        pg_admin(url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 async def line_with(stream: asyncio.StreamReader, wanted: str, *, within: float) -> str:

@@ -18,8 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from langgraph_fence import Effect, LeaseKey, LeaseStatus, PendingEffect, SqlLeaseRepository
 from langgraph_fence.database import create_engine
 from langgraph_fence.testing import ManualClock
-from tests.conftest import pg_engine_options, unique
-from tests.support.write_steps import Database
+from tests.support.databases import Database, pg_engine_options, unique
 
 #: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
 pytestmark = pytest.mark.processes

@@ -27,11 +27,10 @@ from langgraph_fence.database import schema_options
 from langgraph_fence.instance import Instance
 from langgraph_fence.records import ExecutionRecord
 from langgraph_fence.testing import Leases
-from tests.conftest import unique
 from tests.integration import test_hardening
 from tests.integration.test_quickstart import env_importing, start_worker, until_done
 from tests.integration.test_serve import serving, until_status
-from tests.support.write_steps import Database
+from tests.support.databases import Database, unique
 
 TENANT = "acme"
 

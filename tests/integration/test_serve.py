@@ -33,7 +33,7 @@ from langgraph_fence.context import get_execution_context
 from langgraph_fence.instance import Instance
 from langgraph_fence.records import ExecutionRecord
 from langgraph_fence.testing import Leases
-from tests.conftest import unique
+from tests.support.databases import unique
 from tests.support.polling import eventually
 
 worker: contextvars.ContextVar[str] = contextvars.ContextVar("worker", default="?")

@@ -29,9 +29,8 @@ from langgraph_fence import (
     fence_graph,
 )
 from langgraph_fence.testing import Leases
-from tests.conftest import pg_engine_options, unique
+from tests.support.databases import Database, pg_engine_options, unique
 from tests.support.polling import eventually
-from tests.support.write_steps import Database
 
 TABLES = ("fence_leases", "fence_executions", "fence_thread_bindings", "fence_checkpoints")
 #: What a start or a submit writes; beside a run in flight, whose checkpoints land meanwhile

@@ -37,7 +37,7 @@ from langgraph_fence.migrations import migrate
 from langgraph_fence.records import EXECUTION_MIGRATIONS, SqlExecutionRecords
 from langgraph_fence.run_config import RecordedRun
 from langgraph_fence.schema import LEASE_MIGRATIONS
-from tests.conftest import SQL_BACKENDS, pg_engine_options, setup_all, unique
+from tests.support.databases import SQL_BACKENDS, pg_engine_options, setup_all, unique
 
 TABLES = ("fence_checkpoints", "fence_checkpoint_blobs", "fence_checkpoint_writes")
 

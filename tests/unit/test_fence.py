@@ -24,7 +24,7 @@ from langgraph_fence.fence import RunHandle, safety_margin
 from langgraph_fence.from_thread import run_on_loop
 from langgraph_fence.retry import retry_connection_errors, retry_window
 from langgraph_fence.testing import ManualClock
-from tests.conftest import unique
+from tests.support.databases import unique
 from tests.support.polling import eventually
 
 TTL = 10.0

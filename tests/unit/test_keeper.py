@@ -19,7 +19,7 @@ from langgraph_fence.events import Listeners
 from langgraph_fence.fence import RunHandle
 from langgraph_fence.keeper import Keeper, default_max_held
 from langgraph_fence.testing import ManualClock
-from tests.conftest import unique
+from tests.support.databases import unique
 from tests.support.polling import eventually
 
 TTL = 9.0
