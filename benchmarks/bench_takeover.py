@@ -44,8 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from langgraph_fence.database import create_engine  # noqa: E402
-from tests.conftest import setup_all  # noqa: E402
 from tests.support.chaos_graphs import spawn_hold  # noqa: E402
+from tests.support.databases import setup_all  # noqa: E402
 from tests.support.processes import (  # noqa: E402
     MARK_DIR_ENV,
     Started,
