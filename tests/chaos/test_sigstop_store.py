@@ -2,14 +2,15 @@
 holder's, with real processes on SQLite and PostgreSQL.
 
 Worker A (``store_worker.py``, a process of its own) runs the ``memory`` graph through
-``Instance.ainvoke`` with a 2 s lease, compiled with ``store=instance.store``. Inside
+``Instance.ainvoke`` with a 3 s lease, compiled with ``store=instance.store``. Inside
 ``remember``, just before its store write, it blocks and the test SIGSTOPs it. Worker B, the
 product's ``langgraph-fence worker``, takes the expired execution over (token + 1), runs
 ``remember`` and writes its own summary. Then A is continued and makes its write at once:
 A's run ends fenced and B's summary stands, its row carrying B's token. With A's renewals
-held (its timer never fires: the pause came right after a renewal) the write itself is what
-meets the take-over, and the store's guard refuses it (the error names the store put); with
-them running, A's overdue renewal races the write, and whichever is first fences the run.
+held (they run until ``remember`` blocks, and never after: a timer overdue after the pause
+does not fire) the write itself is what meets the take-over, and the store's guard refuses
+it (the error names the store put); with them running, A's overdue renewal races the write,
+and whichever is first fences the run.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ from tests.support.store_worker import MEMORY_GRAPH, memory_namespace
 
 pytestmark = [pytest.mark.chaos]
 
-TTL = 2.0
+#: 3 s: A's renewals, on a loop two busy cores slow, must keep its lease on the way to
+#: ``remember`` (held, they stop there).
+TTL = 3.0
 RENEW = 0.5
 POLL = 0.2
 DEADLINE = 60.0
