@@ -59,13 +59,19 @@ async def dispose(all_stores: list[SqlLeaseRepository]) -> None:
 async def race(calls: list[Callable[[], Awaitable[T]]]) -> list[T | BaseException]:
     """Start every call at the same moment (after one shared event) and gather them all."""
     go = asyncio.Event()
+    waiting = 0
+    all_waiting = asyncio.Event()
 
     async def contender(call: Callable[[], Awaitable[T]]) -> T:
+        nonlocal waiting
+        waiting += 1
+        if waiting == len(calls):
+            all_waiting.set()
         await go.wait()
         return await call()
 
     tasks = [asyncio.ensure_future(contender(call)) for call in calls]
-    await asyncio.sleep(0)  # let every contender reach the event (a yield, not a wait)
+    await all_waiting.wait()  # every contender is at the event: none has a head start
     go.set()
     return await asyncio.gather(*tasks, return_exceptions=True)
 

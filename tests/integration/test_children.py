@@ -273,10 +273,7 @@ async def test_a_dead_lettered_child_is_returned_in_its_place(database: Database
                 lease = await worker.repository.get(child)
                 return lease is not None and lease.status is LeaseStatus.RUNNING
 
-            deadline = asyncio.get_running_loop().time() + 20
-            while not await child_held():
-                assert asyncio.get_running_loop().time() < deadline
-                await asyncio.sleep(0.01)
+            await eventually(child_held, timeout=20, what="the child's lease to be running")
             lease = await worker.repository.get(child)
             assert lease is not None
             await worker.repository.dead_letter(child, "an operator gave up", epoch=lease.epoch)
