@@ -44,8 +44,8 @@ from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
 from langgraph_fence.instance import Instance
 from langgraph_fence.retry import is_database_connection_error
 from langgraph_fence.sinks import fenced_write, setup_sink
-from tests.chaos.test_chaos_serve import STARTUP_DEADLINE, Chaos, effects, statuses
 from tests.support.chaos_graphs import CREATE_EFFECTS, State
+from tests.support.chaos_serve import STARTUP_DEADLINE, Chaos, effects, statuses
 from tests.support.databases import unique
 from tests.support.pg_cluster import CuttableProxy, PgCluster
 from tests.support.polling import eventually

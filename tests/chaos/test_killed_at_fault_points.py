@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from langgraph_fence import LeaseStatus
-from tests.integration.test_fault_points import reachable
 from tests.support.databases import unique
+from tests.support.fault_points import reachable
 from tests.support.write_steps import (
     Database,
     assert_charged_at_most_once,

@@ -15,8 +15,6 @@ and whichever is first fences the run.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import signal
 import time
@@ -33,6 +31,7 @@ from tests.support.chaos_graphs import EXIT_FENCED
 from tests.support.databases import Database, unique
 from tests.support.processes import (
     Started,
+    continued_report,
     read_json,
     start_process,
     start_worker,
@@ -125,14 +124,7 @@ async def test_a_sigstopped_worker_s_memory_write_is_refused_and_b_s_stands(
         assert worker_a.proc.stdin is not None
         worker_a.proc.stdin.write(b"go\n")
         await worker_a.proc.stdin.drain()
-        os.kill(worker_a.pid, signal.SIGCONT)
-        try:
-            await asyncio.wait_for(worker_a.wait(), 30.0)
-        except TimeoutError:
-            pytest.fail(f"worker A did not stop after SIGCONT: {worker_a.said()[-3000:]}")
-        lines = worker_a.out.read_text().strip().splitlines()
-        assert lines, f"worker A printed nothing: {tail(worker_a.err)}"
-        report = json.loads(lines[-1])
+        report = await continued_report(worker_a, 30.0)
         assert worker_a.returncode == EXIT_FENCED, (report, tail(worker_a.err))
         assert report["raised"] == "ExecutionFencedError", report
         assert report["token_held"] == token_a, report

@@ -30,10 +30,10 @@ from langgraph_fence.children import Child, child_execution_id
 from langgraph_fence.events import EventKind
 from langgraph_fence.lease import is_yielded
 from langgraph_fence.queue import SubmittedRuns
-from tests.integration.test_children import Work, child_graph, lease_rows
-from tests.integration.test_submit import cfg, opened, serving
+from tests.support.children import Work, child_graph, lease_rows
 from tests.support.databases import Database, unique
 from tests.support.polling import eventually
+from tests.support.serving import cfg, opened, serving
 from tests.support.statements import Statements
 
 TENANT = "acme"

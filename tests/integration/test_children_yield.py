@@ -34,10 +34,10 @@ from langgraph_fence.children import child_execution_id
 from langgraph_fence.events import EventKind, FenceEvent
 from langgraph_fence.lease import is_yielded
 from langgraph_fence.testing import Leases
-from tests.integration.test_children import Job, Work, child_graph
-from tests.integration.test_submit import cfg, serving
+from tests.support.children import Job, Work, child_graph
 from tests.support.databases import unique
 from tests.support.polling import eventually
+from tests.support.serving import cfg, serving
 
 TENANT = "acme"
 ITEMS = ["a", "b", "c"]

@@ -154,7 +154,7 @@ def test_submit_gives_the_readme_orders_graph_its_config_and_context_and_prints_
     """The README's own ``orders`` graph reads ``configurable["user_id"]`` and the context:
     submitted from the command line with them, a worker runs it as ``ainvoke`` would, and
     ``--wait`` prints JSON (messages as dicts, never Python reprs)."""
-    from tests.integration.test_quickstart import quickstart
+    from tests.support.quickstart import quickstart
 
     (tmp_path / "orders.py").write_text(quickstart())
     db, schema = database.url, database.schema

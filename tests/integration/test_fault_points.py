@@ -31,8 +31,9 @@ from langgraph_fence import (
     LeaseKey,
     LeaseStatus,
 )
-from langgraph_fence.faults import FAULT_POINTS, arm_fault
+from langgraph_fence.faults import arm_fault
 from tests.support.databases import unique
+from tests.support.fault_points import reachable
 from tests.support.write_steps import (
     TENANT,
     Database,
@@ -48,11 +49,6 @@ from tests.support.write_steps import (
 # never lapses it before the fault point (0.6, then 1.2 did: renewals answered late).
 TTL = 3.0
 DEADLINE = 30.0
-
-
-def reachable(durability: str) -> list[str]:
-    # durability="exit" saves no task writes: the writes.* points are not on its path.
-    return [p for p in FAULT_POINTS if not (durability == "exit" and p.startswith("writes."))]
 
 
 CASES = [(d, p) for d in ("sync", "async", "exit") for p in reachable(d)]

@@ -10,8 +10,6 @@ import asyncio
 import contextvars
 import logging
 import operator
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypedDict
 
 import pytest
@@ -35,6 +33,7 @@ from langgraph_fence.records import ExecutionRecord
 from langgraph_fence.testing import Leases
 from tests.support.databases import unique
 from tests.support.polling import eventually
+from tests.support.serving import serving, until_status
 
 worker: contextvars.ContextVar[str] = contextvars.ContextVar("worker", default="?")
 
@@ -42,40 +41,6 @@ worker: contextvars.ContextVar[str] = contextvars.ContextVar("worker", default="
 class Order(TypedDict, total=False):
     order: str
     log: Annotated[list[str], operator.add]
-
-
-async def until_status(
-    leases: Leases,
-    key: LeaseKey,
-    *statuses: LeaseStatus,
-    timeout: float = 10.0,  # noqa: ASYNC109 (eventually's deadline, checked between reads)
-) -> None:
-    """Wait (with a deadline) until the lease of ``key`` is in one of ``statuses``."""
-
-    async def reached() -> bool:
-        lease = await leases.store.get(key)
-        return lease is not None and lease.status in statuses
-
-    await eventually(reached, timeout=timeout, what=f"{key.scope_key} to reach {statuses}")
-
-
-@asynccontextmanager
-async def serving(
-    instance: Instance, graphs: dict[str, Any], **options: Any
-) -> AsyncIterator[asyncio.Event]:
-    """``instance.serve(graphs)``, polling fast, for the block; yields its stop event.
-
-    Leaving the block stops the loop (if the block did not) and waits for it to end.
-    """
-    stop = asyncio.Event()
-    task = asyncio.create_task(
-        instance.serve(graphs, poll_interval=0.02, stop=stop, handle_signals=False, **options)
-    )
-    try:
-        yield stop
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
 
 
 class Shop:

@@ -19,9 +19,9 @@ from langgraph_fence import LeaseKey, LeaseStatus, fence_graph
 from langgraph_fence.instance import Instance
 from langgraph_fence.records import ExecutionRecord
 from langgraph_fence.testing import Leases
-from tests.integration.test_serve import serving, until_status
 from tests.support.databases import unique
 from tests.support.polling import eventually
+from tests.support.serving import serving, until_status
 
 TTL = 30.0
 

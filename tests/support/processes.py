@@ -103,6 +103,22 @@ async def start_process(
     return Started(name, proc, out, err)
 
 
+async def continued_report(worker: Started, within: float) -> dict[str, Any]:
+    """SIGCONT a SIGSTOPped ``worker`` and wait up to ``within`` seconds for it to exit; the
+    last line it printed: the JSON report of how its run ended."""
+    os.kill(worker.pid, signal.SIGCONT)
+    try:
+        await asyncio.wait_for(worker.wait(), within)
+    except TimeoutError:
+        raise AssertionError(
+            f"worker {worker.name} did not stop after SIGCONT: {worker.said()[-3000:]}"
+        ) from None
+    lines = worker.out.read_text().strip().splitlines()
+    assert lines, f"worker {worker.name} printed nothing: {tail(worker.err)}"
+    report: dict[str, Any] = json.loads(lines[-1])
+    return report
+
+
 async def wait_ready(
     started: Started,
     ready: Callable[[], Awaitable[T | None] | T | None] | str,
