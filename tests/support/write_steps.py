@@ -51,6 +51,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, TypedDict
@@ -558,6 +559,17 @@ def _kill_after_charge(point: str, charge_began: list[bool]) -> Any:
     return action
 
 
+def open_doomed(url: str, schema: str, ttl: float) -> AbstractAsyncContextManager[Instance]:
+    """The instance of a doomed process (killed mid-write by the test's fault): on the
+    test's database, named by its pid, holding its leases ``ttl`` seconds."""
+    return Instance.open(
+        url,
+        engine_options=engine_options(url, schema),
+        instance_id=f"doomed-{os.getpid()}",
+        lease_ttl=ttl,
+    )
+
+
 async def doomed(
     url: str,
     schema: str,
@@ -569,12 +581,7 @@ async def doomed(
     fault: str,
     ids: list[str],
 ) -> int:
-    async with Instance.open(
-        url,
-        engine_options=engine_options(url, schema),
-        instance_id=f"doomed-{os.getpid()}",
-        lease_ttl=ttl,
-    ) as instance:
+    async with open_doomed(url, schema, ttl) as instance:
         charge_began: list[bool] = []
         graph = build_graph(
             instance,
