@@ -42,6 +42,7 @@ from langgraph_fence.sinks import setup_sink
 from langgraph_fence.testing import Leases
 from tests.support.children import Fan, Job, Work, child_graph, lease_rows
 from tests.support.databases import Database, unique
+from tests.support.graphs import one_step
 from tests.support.polling import eventually
 from tests.support.serving import cfg, opened, serving, until_status
 
@@ -63,11 +64,7 @@ def parent_graph(instance: Instance, work: Work, *, return_exceptions: bool = Fa
         results = await ctx.wait_children(children, timeout=30, return_exceptions=return_exceptions)
         return {"results": [r["out"] if isinstance(r, dict) else type(r).__name__ for r in results]}
 
-    builder = StateGraph(Fan)
-    builder.add_node("fan_out", fan_out)
-    builder.add_edge(START, "fan_out")
-    builder.add_edge("fan_out", END)
-    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="fan")
+    return one_step(instance, Fan, "fan_out", fan_out, name="fan")
 
 
 async def is_yielded_by(leases: Leases, key: LeaseKey, holder: str) -> bool:
@@ -346,11 +343,7 @@ def local_parent_graph(instance: Instance, child: Any, items: list[str]) -> Any:
         results = await ctx.wait_children(children, timeout=30, return_exceptions=True)
         return {"results": [r["out"] if isinstance(r, dict) else type(r).__name__ for r in results]}
 
-    builder = StateGraph(Fan)
-    builder.add_node("fan_here", fan_here)
-    builder.add_edge(START, "fan_here")
-    builder.add_edge("fan_here", END)
-    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="fan_here")
+    return one_step(instance, Fan, "fan_here", fan_here, name="fan_here")
 
 
 async def test_parent_instance_children_run_here_under_the_roots_token(tmp_path: Any) -> None:

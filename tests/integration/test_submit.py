@@ -28,6 +28,7 @@ from langgraph_fence import (
 )
 from langgraph_fence.testing import Leases
 from tests.support.databases import Database, unique
+from tests.support.graphs import one_step
 from tests.support.polling import eventually
 from tests.support.serving import cfg, opened, serving
 
@@ -62,11 +63,7 @@ def build(instance: Instance, work: Work) -> Any:
             await gate.wait()
         return {"out": state["text"].upper()}
 
-    builder = StateGraph(State)
-    builder.add_node("shout", shout)
-    builder.add_edge(START, "shout")
-    builder.add_edge("shout", END)
-    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="shout")
+    return one_step(instance, State, "shout", shout, name="shout")
 
 
 async def within(event: asyncio.Event, seconds: float = 10.0) -> None:

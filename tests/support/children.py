@@ -7,17 +7,16 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from langgraph.graph import END, START, StateGraph
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence import (
     Instance,
-    fence_graph,
     get_execution_context,
 )
 from langgraph_fence.database import transaction
 from langgraph_fence.sinks import fenced_write
+from tests.support.graphs import one_step
 
 
 class Job(TypedDict, total=False):
@@ -66,11 +65,7 @@ def child_graph(instance: Instance, work: Work) -> Any:
             raise ValueError("the child cannot shout 'boom'")
         return {"out": state["text"].upper()}
 
-    builder = StateGraph(Job)
-    builder.add_node("shout", shout)
-    builder.add_edge(START, "shout")
-    builder.add_edge("shout", END)
-    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="shout")
+    return one_step(instance, Job, "shout", shout, name="shout")
 
 
 async def lease_rows(instance: Instance, prefix: str) -> list[tuple[str, str, int]]:

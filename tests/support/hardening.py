@@ -7,14 +7,14 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 import ormsgpack
-from langgraph.graph import END, START, StateGraph
 from sqlalchemy import text
 
-from langgraph_fence import LeaseKey, fence_graph
+from langgraph_fence import LeaseKey
 from langgraph_fence.instance import Instance
 from langgraph_fence.records import ExecutionRecord
 from langgraph_fence.testing import Leases
 from tests.support.databases import unique
+from tests.support.graphs import one_step
 
 TENANT = "acme"
 
@@ -30,11 +30,7 @@ def log_graph(instance: Instance, name: str = "served") -> Any:
     async def step(state: Log) -> dict[str, Any]:
         return {"log": [*state.get("log", []), "step"]}
 
-    builder = StateGraph(Log)
-    builder.add_node("step", step)
-    builder.add_edge(START, "step")
-    builder.add_edge("step", END)
-    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name=name)
+    return one_step(instance, Log, "step", step, name=name)
 
 
 async def expired(
