@@ -43,6 +43,19 @@ class Order(TypedDict, total=False):
     log: Annotated[list[str], operator.add]
 
 
+async def died_holding(
+    leases: Leases, b: Instance, key: LeaseKey, graph: str, given: dict[str, Any]
+) -> Lease:
+    """Instance A took ``key`` (a 30 s lease; returned) and died before its first
+    checkpoint: its record (of ``graph``, with input ``given``) is there, its lease has run
+    out."""
+    held = await leases.store.acquire(key, "A", 30.0)
+    assert held is not None
+    await b.records.record(ExecutionRecord(key, graph, key.execution_id, given))
+    leases.advance(31.0)
+    return held
+
+
 class Shop:
     """An order graph whose charge step can hold instance A inside it."""
 
@@ -143,10 +156,7 @@ async def test_a_run_renewed_between_the_candidate_query_and_the_take_is_skipped
     shop = Shop(Effect.IDEMPOTENT_WRITE)
     b = leases.instance("B")
     key = LeaseKey("acme", unique("order"))
-    holder = await leases.store.acquire(key, "A", 30.0)
-    assert holder is not None
-    await b.records.record(ExecutionRecord(key, "shop", key.execution_id, {"log": []}))
-    leases.advance(31.0)
+    holder = await died_holding(leases, b, key, "shop", {"log": []})
 
     class RenewsRightAfterTheQuery:
         """Fault point: the holder wakes up between B's candidate query and B's take."""
@@ -185,9 +195,7 @@ async def test_an_execution_of_an_unknown_graph_is_left_untouched(
 ) -> None:
     b = leases.instance("B")
     key = LeaseKey("acme", unique("order"))
-    assert await leases.store.acquire(key, "A", 30.0) is not None
-    await b.records.record(ExecutionRecord(key, "payroll", key.execution_id, {"log": []}))
-    leases.advance(31.0)
+    await died_holding(leases, b, key, "payroll", {"log": []})
     with caplog.at_level(logging.WARNING, logger="langgraph_fence"):
         async with serving(b, {"shop": Shop(Effect.READ_ONLY).graph(b)}):
             await eventually(lambda: "not served here" in caplog.text)
@@ -204,11 +212,7 @@ async def test_a_run_that_died_before_its_first_checkpoint_starts_from_its_input
     shop = Shop(Effect.IDEMPOTENT_WRITE)
     b = leases.instance("B")
     key = LeaseKey("acme", unique("order"))
-    assert await leases.store.acquire(key, "A", 30.0) is not None
-    await b.records.record(
-        ExecutionRecord(key, "shop", key.execution_id, {"order": "o", "log": ["input"]})
-    )
-    leases.advance(31.0)
+    await died_holding(leases, b, key, "shop", {"order": "o", "log": ["input"]})
     worker.set("B")
     async with serving(b, {"shop": shop.graph(b)}):
         await until_status(leases, key, LeaseStatus.DONE)
@@ -227,11 +231,7 @@ async def test_a_record_the_store_cannot_read_for_a_moment_is_no_dead_letter(
     shop = Shop(Effect.IDEMPOTENT_WRITE)
     b = leases.instance("B")
     key = LeaseKey("acme", unique("order"))
-    assert await leases.store.acquire(key, "A", 30.0) is not None
-    await b.records.record(
-        ExecutionRecord(key, "shop", key.execution_id, {"order": "o", "log": ["input"]})
-    )
-    leases.advance(31.0)
+    await died_holding(leases, b, key, "shop", {"order": "o", "log": ["input"]})
     read = b.records.get
     failures: list[str] = []
 
