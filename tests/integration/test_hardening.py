@@ -30,7 +30,7 @@ from langgraph_fence.serde import safe_serializer
 from langgraph_fence.serve import Server
 from langgraph_fence.testing import Leases
 from tests.support.databases import SQL_BACKENDS, unique
-from tests.support.hardening import TENANT, Log, crafted, expired, log_graph
+from tests.support.hardening import TENANT, Log, crafted, expired, leave_marker, log_graph
 from tests.support.polling import eventually
 from tests.support.serving import serving, until_status
 
@@ -52,7 +52,7 @@ async def test_crafted_record_runs_no_code_and_is_dead_lettered(db: Leases, tmp_
     lease = await db.store.get(poisoned)
     assert lease is not None
     assert lease.reason is not None
-    assert f"{__name__}.leave_marker" in lease.reason
+    assert f"{leave_marker.__module__}.leave_marker" in lease.reason
     assert "allow-list" in lease.reason
     untouched = await db.store.get(elsewhere)
     assert untouched is not None
