@@ -9,9 +9,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, TypedDict
@@ -29,6 +26,7 @@ from langgraph_fence.records import ExecutionRecord, SqlExecutionRecords
 from langgraph_fence.serde import safe_serializer
 from langgraph_fence.serve import Server
 from langgraph_fence.testing import Leases
+from tests.support.cli import cli
 from tests.support.databases import SQL_BACKENDS, unique
 from tests.support.hardening import TENANT, Log, crafted, expired, leave_marker, log_graph
 from tests.support.polling import eventually
@@ -334,16 +332,6 @@ async def test_failure_reasons_are_bounded_and_hold_no_driver_parameters(db: Lea
     assert len(shouted) <= 500
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "langgraph_fence.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "COLUMNS": "250"},
-    )
-
-
 async def test_cli_listings_filter_by_tenant(db: Leases, request: pytest.FixtureRequest) -> None:
     mine, theirs = unique("mine"), unique("theirs")
     for tenant in (mine, theirs):
@@ -365,7 +353,7 @@ async def test_cli_listings_filter_by_tenant(db: Leases, request: pytest.Fixture
 
 def test_a_mistyped_url_is_never_echoed_with_its_password() -> None:
     for url in ("postgresql//app:hunter2@db/prod", "postgresql://app:hunter2@db:port/prod"):
-        done = cli("executions", "--db", url)
+        done = cli("executions", "--db", url, columns=250)
         assert done.returncode == 2, done.stdout + done.stderr
         assert "hunter2" not in done.stdout + done.stderr
         assert "app:***@db" in done.stderr

@@ -8,14 +8,16 @@ import sys
 from pathlib import Path
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, columns: int = 200) -> subprocess.CompletedProcess[str]:
+    """``langgraph-fence ARGS`` run to its end (60 s at most), its output captured, on a
+    terminal ``columns`` wide."""
     return subprocess.run(
         [sys.executable, "-m", "langgraph_fence.cli", *args],
         capture_output=True,
         text=True,
         timeout=60,
         cwd=ROOT,
-        env={**os.environ, "COLUMNS": "200"},
+        env={**os.environ, "COLUMNS": str(columns)},
     )
 
 
