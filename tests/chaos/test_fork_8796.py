@@ -43,7 +43,7 @@ from tests.support.processes import start_process, stop_process, wait_ready
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
 
-WORKER = Path(__file__).with_name("fork_worker.py")
+WORKER = Path(__file__).parents[1] / "support" / "fork_worker.py"
 TTL_A = 1.5
 DEADLINE = 25.0
 
