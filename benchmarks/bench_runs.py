@@ -15,7 +15,7 @@ thread's, user + system; the database server's is not in it), median, for ``sql`
 less than the wall-clock rates.
 
 Also counts the SQL statements one fenced run sends beyond the saver's, at the driver
-(``tests/statements.py``: the lease store's and the records', whether SQLAlchemy sends
+(``tests/support/statements.py``: the lease store's and the records', whether SQLAlchemy sends
 them or the lease store runs them on the driver; the saver's, the same in both runs, are
 left out).
 """
@@ -58,7 +58,7 @@ from langgraph_fence import SqlLeaseRepository, fence_graph
 from langgraph_fence.checkpointers import SqlCheckpointer
 from langgraph_fence.instance import Instance
 from langgraph_fence.records import SqlExecutionRecords
-from tests.statements import Statements
+from tests.support.statements import Statements
 
 
 def linear(builder: StateGraph[State]) -> None:

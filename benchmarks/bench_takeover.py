@@ -8,7 +8,7 @@ Measured, not asserted. On PostgreSQL (``--db``, default ``$LANGGRAPH_FENCE_PG_U
 
 * worker B is the product's ``langgraph-fence worker`` (``serve()``), polling every
   ``--poll-interval`` seconds, serving ``fence_hold`` (start -> work -> end, from
-  ``tests/chaos/chaos_graphs.py``); it writes when it enters ``work``;
+  ``tests/support/chaos_graphs.py``); it writes when it enters ``work``;
 * for each TTL and repetition, worker A (``chaos_graphs.py hold``, its own process) starts
   an execution through ``Instance.ainvoke`` with that lease TTL (renewed every TTL / 3) and
   stops inside ``work``; after a random part of one renew interval the benchmark reads how
@@ -44,9 +44,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from langgraph_fence.database import create_engine  # noqa: E402
-from tests.chaos.chaos_graphs import spawn_hold  # noqa: E402
-from tests.conftest import setup_all  # noqa: E402
-from tests.processes import (  # noqa: E402
+from tests.support.chaos_graphs import spawn_hold  # noqa: E402
+from tests.support.databases import setup_all  # noqa: E402
+from tests.support.processes import (  # noqa: E402
     MARK_DIR_ENV,
     Started,
     read_json,
@@ -88,7 +88,7 @@ async def measure(
                 "b",
                 url,
                 schema,
-                "tests.chaos.chaos_graphs:hold_graphs",
+                "tests.support.chaos_graphs:hold_graphs",
                 ttl=30,
                 poll=poll,
                 instance_id="worker-B",

@@ -1,7 +1,8 @@
 """Fixtures shared by every test: real SQLite files, a real PostgreSQL schema per session.
 
 PostgreSQL is found at ``LANGGRAPH_FENCE_PG_URL`` (default
-``postgresql://postgres@127.0.0.1:5432/test``). Where none is reachable the PostgreSQL tests
+``postgresql://postgres@127.0.0.1:5432/test``); what the fixtures are built on, and test
+modules import, is in ``tests/support/databases.py``. Where none is reachable the PostgreSQL tests
 skip with the reason, unless ``LANGGRAPH_FENCE_REQUIRE_PG=1`` (CI) makes that a failure.
 Each test session works in a schema of its own and drops it at the end: the database may
 hold anything else.
@@ -9,31 +10,29 @@ hold anything else.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from langgraph_fence.database import create_engine, normalize_url
+from langgraph_fence.database import create_engine
 from langgraph_fence.lease import ExecutionLeaseRepository
 from langgraph_fence.stores import MemoryLeaseRepository, SqlLeaseRepository
 from langgraph_fence.testing import Leases, ManualClock
-from tests.chaos.write_steps import Database
-from tests.pg_cluster import PgCluster, find_bindir
-
-DEFAULT_PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
-BACKENDS = ["memory", "sqlite", "postgresql"]
-SQL_BACKENDS = ["sqlite", "postgresql"]
-#: For one test that runs on the SQL backends only: ``@SQL_ONLY``. A module whose tests all
-#: do says ``RUNS_ON = SQL_BACKENDS``.
-SQL_ONLY = pytest.mark.parametrize("backend", SQL_BACKENDS, indirect=True)
+from tests.support.databases import (
+    BACKENDS,
+    SQL_BACKENDS,
+    Database,
+    pg_admin,
+    pg_engine_options,
+    pg_required,
+    pg_url_from_env,
+    sync_engine_for,
+)
+from tests.support.pg_cluster import PgCluster, find_bindir
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -51,45 +50,20 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     )
 
 
-def pg_url_from_env() -> str:
-    return os.environ.get("LANGGRAPH_FENCE_PG_URL", DEFAULT_PG_URL)
-
-
-def pg_required() -> bool:
-    return os.environ.get("LANGGRAPH_FENCE_REQUIRE_PG", "") not in ("", "0", "false", "no")
-
-
-def _pg_admin(url: str, sql: str) -> None:
-    """Run one statement on a connection of its own, off any running event loop."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pool.submit(asyncio.run, _pg_admin_async(url, sql)).result()
-
-
-async def _pg_admin_async(url: str, sql: str) -> None:
-    import asyncpg
-
-    dsn = normalize_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-    conn = await asyncpg.connect(dsn, timeout=5)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
-
-
 @pytest.fixture(scope="session")
 def pg_schema() -> Iterator[tuple[str, str]]:
     """``(url, schema)``: a schema of this test session's own on the reachable PostgreSQL."""
     url = pg_url_from_env()
     schema = f"lgf_test_{uuid.uuid4().hex[:12]}"
     try:
-        _pg_admin(url, f'CREATE SCHEMA "{schema}"')
+        pg_admin(url, f'CREATE SCHEMA "{schema}"')
     except Exception as exc:  # unreachable, refused, no such database...
         reason = f"PostgreSQL not reachable at {url} ({type(exc).__name__}: {exc})"
         if pg_required():
             pytest.fail(f"{reason}; LANGGRAPH_FENCE_REQUIRE_PG forbids skipping", pytrace=False)
         pytest.skip(f"{reason}; set LANGGRAPH_FENCE_PG_URL to run the PostgreSQL tests")
     yield url, schema
-    _pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 @pytest.fixture
@@ -101,16 +75,16 @@ def own_schema(pg_schema: tuple[str, str]) -> Iterator[tuple[str, str]]:
     """
     url, _ = pg_schema
     schema = f"lgf_chaos_{uuid.uuid4().hex[:12]}"
-    _pg_admin(url, f'CREATE SCHEMA "{schema}"')
+    pg_admin(url, f'CREATE SCHEMA "{schema}"')
     try:
         yield url, schema
     finally:
-        _pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 @pytest.fixture(scope="session")
 def pg_cluster() -> Iterator[PgCluster]:
-    """A private PostgreSQL cluster of this session's own (see ``tests/pg_cluster.py``):
+    """A private PostgreSQL cluster of this session's own (see ``tests/support/pg_cluster.py``):
     tests restart, stop and kill it, never the shared server. Started once per session;
     each test uses a schema of its own in it. Removed at the end, even after a failure.
     Without the server binaries it skips with the reason (fails under
@@ -138,13 +112,13 @@ def cluster_schema(pg_cluster: PgCluster) -> Iterator[tuple[PgCluster, str]]:
     """``(cluster, schema)``: a schema of this test's own on the private cluster, whose
     server is up again (and the schema dropped) after the test."""
     schema = f"lgf_blink_{uuid.uuid4().hex[:12]}"
-    _pg_admin(pg_cluster.url, f'CREATE SCHEMA "{schema}"')
+    pg_admin(pg_cluster.url, f'CREATE SCHEMA "{schema}"')
     try:
         yield pg_cluster, schema
     finally:
         if not (pg_cluster.data / "postmaster.pid").exists():
             pg_cluster.start()
-        _pg_admin(pg_cluster.url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        pg_admin(pg_cluster.url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 @pytest.fixture
@@ -160,20 +134,6 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-async def setup_all(engine: AsyncEngine) -> None:
-    """Create every table of langgraph-fence on ``engine``'s database, as its users do: the
-    leases (and the execution records beside them), the checkpoints, the store, the sink."""
-    from checkpointers import SqlCheckpointer, SqlStore
-    from langgraph_fence.sinks import setup_sink
-
-    await SqlLeaseRepository(engine).setup()
-    saver = SqlCheckpointer(engine)
-    await saver.setup()
-    await saver.aclose()
-    await SqlStore(engine).setup()
-    await setup_sink(engine)
-
-
 @pytest.fixture(params=SQL_BACKENDS)
 def database(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
     """Where the instances and worker processes of one test meet: a SQLite file, or a
@@ -182,11 +142,6 @@ def database(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
         return Database(f"sqlite+aiosqlite:///{tmp_path / 'fence.db'}", "")
     url, schema = request.getfixturevalue("own_schema")
     return Database(url, schema)
-
-
-def pg_engine_options(schema: str) -> dict[str, Any]:
-    """Engine options that put every connection in ``schema``."""
-    return {"connect_args": {"server_settings": {"search_path": schema}}}
 
 
 @pytest.fixture
@@ -216,19 +171,6 @@ def make_engine(
         # Engines are disposed by the loop that made them (pytest-asyncio closes it after);
         # dropping the pool here only releases file handles.
         engine.sync_engine.dispose(close=False)
-
-
-def sync_engine_for(backend: str, database: str | Path, schema: str = "") -> sa.Engine:
-    """A sync engine (stdlib sqlite3, or psycopg) on the database an async engine uses.
-
-    ``database`` is the SQLite file, or the PostgreSQL URL (any driver); ``schema`` the
-    PostgreSQL schema every connection is put in.
-    """
-    if backend == "sqlite":
-        return sa.create_engine(f"sqlite:///{database}")
-    url = normalize_url(str(database)).set(drivername="postgresql+psycopg")
-    options = {"options": f"-csearch_path={schema}"} if schema else {}
-    return sa.create_engine(url, connect_args=options)
 
 
 @pytest.fixture
@@ -283,8 +225,3 @@ async def db(backend: str, make_engine: Callable[[str], AsyncEngine]) -> AsyncIt
         yield fixture
     finally:
         await engine.dispose()
-
-
-def unique(prefix: str = "x") -> str:
-    """A key part no other test (or earlier run on the same database) uses."""
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"

@@ -1,6 +1,6 @@
 """A worker SIGKILLed mid-write after a human's approval never repeats the write.
 
-Each of LangGraph's human-in-the-loop patterns (``tests/chaos/approvals.py``) runs here up to
+Each of LangGraph's human-in-the-loop patterns (``tests/support/approvals.py``) runs here up to
 its approval; a worker process then resumes it approved and dies by SIGKILL right after its
 write (the line is on disk, the step has not returned). An instance in this process takes
 the execution over once the dead worker's lease lapses: the write's stamp stands, so the
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from langgraph_fence import Instance, LeaseKey, LeaseStatus
-from tests.chaos.approvals import (
+from tests.support.approvals import (
     AGENTS,
     PATTERNS,
     build,
@@ -27,9 +27,9 @@ from tests.chaos.approvals import (
     first_input,
     graph_name,
 )
-from tests.chaos.write_steps import ROOT, Database, engine_options
-from tests.conftest import unique
-from tests.polling import eventually
+from tests.support.databases import unique
+from tests.support.polling import eventually
+from tests.support.write_steps import ROOT, Database, engine_options
 
 pytestmark = pytest.mark.chaos
 
@@ -46,7 +46,7 @@ async def _doomed(database: Database, pattern: str, thread: str, directory: Path
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "tests.chaos.approvals",
+            "tests.support.approvals",
             database.url,
             database.schema or "-",
             TENANT,

@@ -27,14 +27,14 @@ from langgraph_fence import LeaseKey, LeaseStatus
 from langgraph_fence.children import child_execution_id
 from langgraph_fence.instance import Instance
 from langgraph_fence.transitions import is_yielded
-from tests.chaos.children_graphs import CREATE_TABLES, FAN
-from tests.conftest import pg_engine_options, unique
-from tests.polling import eventually
-from tests.processes import Started, start_worker
+from tests.support.children_graphs import CREATE_TABLES, FAN
+from tests.support.databases import pg_engine_options, unique
+from tests.support.polling import eventually
+from tests.support.processes import Started, start_worker
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
 
-GRAPHS = "tests.chaos.children_graphs"
+GRAPHS = "tests.support.children_graphs"
 DEADLINE = 60.0
 TTL = 1.5
 ITEMS = ["a", "b", "c"]

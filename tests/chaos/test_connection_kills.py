@@ -35,10 +35,10 @@ from sqlalchemy import text
 from langgraph_fence import LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.database import create_engine
 from langgraph_fence.records import SqlExecutionRecords
-from tests.chaos.chaos_graphs import CREATE_EFFECTS, PLAIN_GRAPH, SINK_GRAPH
-from tests.chaos.test_chaos_serve import effects, record_pending, statuses
-from tests.conftest import pg_engine_options, setup_all, unique
-from tests.polling import eventually
+from tests.support.chaos_graphs import CREATE_EFFECTS, PLAIN_GRAPH, SINK_GRAPH
+from tests.support.chaos_serve import effects, record_pending, statuses
+from tests.support.databases import pg_engine_options, setup_all, unique
+from tests.support.polling import eventually
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
 
@@ -78,7 +78,7 @@ async def one_round(
                 return await asyncio.create_subprocess_exec(
                     sys.executable,
                     "-m",
-                    "tests.chaos.chaos_graphs",
+                    "tests.support.chaos_graphs",
                     "serve",
                     url,
                     schema,

@@ -44,11 +44,11 @@ from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
 from langgraph_fence.instance import Instance
 from langgraph_fence.retry import is_database_connection_error
 from langgraph_fence.sinks import fenced_write, setup_sink
-from tests.chaos.chaos_graphs import CREATE_EFFECTS, State
-from tests.chaos.test_chaos_serve import STARTUP_DEADLINE, Chaos, effects, statuses
-from tests.conftest import unique
-from tests.pg_cluster import CuttableProxy, PgCluster
-from tests.polling import eventually
+from tests.support.chaos_graphs import CREATE_EFFECTS, State
+from tests.support.chaos_serve import STARTUP_DEADLINE, Chaos, effects, statuses
+from tests.support.databases import unique
+from tests.support.pg_cluster import CuttableProxy, PgCluster
+from tests.support.polling import eventually
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
 

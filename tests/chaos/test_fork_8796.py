@@ -36,14 +36,14 @@ from langgraph_fence import (
     SqlLeaseRepository,
 )
 from langgraph_fence.fence import RunHandle
-from tests.chaos.fork_worker import EXIT_FENCED, build_graph, engine_for
-from tests.conftest import unique
-from tests.polling import eventually
-from tests.processes import start_process, stop_process, wait_ready
+from tests.support.databases import unique
+from tests.support.fork_worker import EXIT_FENCED, build_graph, engine_for
+from tests.support.polling import eventually
+from tests.support.processes import start_process, stop_process, wait_ready
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
 
-WORKER = Path(__file__).with_name("fork_worker.py")
+WORKER = Path(__file__).parents[1] / "support" / "fork_worker.py"
 TTL_A = 1.5
 DEADLINE = 25.0
 

@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 
 from langgraph_fence import LeaseStatus
-from tests.chaos.write_steps import (
+from tests.support.databases import unique
+from tests.support.fault_points import reachable
+from tests.support.write_steps import (
     Database,
     assert_charged_at_most_once,
     effects_of,
     spawn,
     take_over_all,
 )
-from tests.conftest import unique
-from tests.integration.test_fault_points import reachable
 
 pytestmark = pytest.mark.chaos
 

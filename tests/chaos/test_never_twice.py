@@ -26,7 +26,9 @@ import pytest
 
 from langgraph_fence import LeaseStatus
 from langgraph_fence.lease import Lease
-from tests.chaos.write_steps import (
+from tests.support.databases import unique
+from tests.support.polling import eventually
+from tests.support.write_steps import (
     AGENTS,
     SYNC_TOOL_AGENTS,
     Database,
@@ -34,8 +36,6 @@ from tests.chaos.write_steps import (
     spawn,
     take_over_all,
 )
-from tests.conftest import unique
-from tests.polling import eventually
 
 pytestmark = pytest.mark.chaos
 

@@ -26,9 +26,9 @@ from langgraph_fence.instance import Instance
 from langgraph_fence.lease import Lease
 from langgraph_fence.records import ExecutionRecord
 from langgraph_fence.transitions import DEFAULT_MAX_TAKEOVERS
-from tests.chaos.chaos_graphs import MARK_DIR_ENV, POISON_GRAPH, pill_runs
-from tests.chaos.write_steps import Database, engine_options
-from tests.polling import eventually
+from tests.support.chaos_graphs import MARK_DIR_ENV, POISON_GRAPH, pill_runs
+from tests.support.databases import Database, engine_options
+from tests.support.polling import eventually
 
 pytestmark = pytest.mark.chaos
 
@@ -66,7 +66,7 @@ async def spawn(database: Database, directory: Path, name: str) -> Worker:
             database.url,
             *(["--schema", database.schema] if database.schema else []),
             "--graphs",
-            "tests.chaos.chaos_graphs:poison_graphs",
+            "tests.support.chaos_graphs:poison_graphs",
             "--lease-ttl",
             str(TTL),
             "--poll-interval",

@@ -12,8 +12,6 @@ replay's token, and no row of A's token came after the replay began.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import signal
 import time
@@ -23,11 +21,11 @@ from typing import Any
 import pytest
 
 from langgraph_fence import Instance, LeaseKey, LeaseStatus
-from tests.chaos.chaos_graphs import EXIT_FENCED, build_hold_graph, spawn_hold
-from tests.chaos.test_sigstop_worker import rows_of
-from tests.conftest import pg_engine_options, unique
-from tests.polling import eventually
-from tests.processes import read_json, stop_process, tail, wait_ready
+from tests.support.chaos_graphs import EXIT_FENCED, build_hold_graph, spawn_hold
+from tests.support.chaos_serve import rows_of
+from tests.support.databases import pg_engine_options, unique
+from tests.support.polling import eventually
+from tests.support.processes import continued_report, read_json, stop_process, tail, wait_ready
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
 
@@ -79,14 +77,7 @@ async def test_a_replay_is_never_resumed_by_the_stale_worker_of_the_first_run(
             checkpoints_before, writes_before = await rows_of(engine, thread)
 
             continued_at = time.monotonic()
-            os.kill(worker_a.pid, signal.SIGCONT)
-            try:
-                await asyncio.wait_for(worker_a.wait(), RENEW + 10.0)
-            except TimeoutError:
-                pytest.fail(f"worker A did not stop after SIGCONT: {worker_a.said()[-3000:]}")
-            lines = worker_a.out.read_text().strip().splitlines()
-            assert lines, f"worker A printed nothing: {tail(worker_a.err)}"
-            report = json.loads(lines[-1])
+            report = await continued_report(worker_a, RENEW + 10.0)
             assert worker_a.returncode == EXIT_FENCED, (report, tail(worker_a.err))
             assert report["token_held"] == token_a, report
             assert report["token_seen"] == token_b, report

@@ -12,25 +12,29 @@ same after A's exit as they were when B finished, and no row carries A's token o
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from checkpointers import SqlCheckpointer
 from langgraph_fence import Lease, LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.database import create_engine
 from langgraph_fence.records import SqlExecutionRecords
-from tests.chaos.chaos_graphs import EXIT_FENCED, HOLD_GRAPH, spawn_hold
-from tests.conftest import pg_engine_options, setup_all, unique
-from tests.processes import Started, read_json, start_worker, stop_process, tail, wait_ready
+from tests.support.chaos_graphs import EXIT_FENCED, HOLD_GRAPH, spawn_hold
+from tests.support.chaos_serve import rows_of
+from tests.support.databases import pg_engine_options, setup_all, unique
+from tests.support.processes import (
+    Started,
+    continued_report,
+    read_json,
+    start_worker,
+    stop_process,
+    tail,
+    wait_ready,
+)
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
 
@@ -40,32 +44,6 @@ POLL = 0.2
 #: Room for the event loop to wake and one round trip to PostgreSQL, on a busy 2-core box.
 SLACK = 0.75
 DEADLINE = 40.0
-
-
-async def rows_of(engine: AsyncEngine, thread: str) -> tuple[list[Any], list[Any]]:
-    """Every checkpoint and write row of ``thread``, with the token each was written under."""
-    async with engine.connect() as conn:
-        checkpoints = (
-            await conn.execute(
-                text(
-                    "SELECT checkpoint_ns, checkpoint_id, parent_checkpoint_id, fence_token"
-                    " FROM fence_checkpoints WHERE thread_id = :t"
-                    " ORDER BY checkpoint_ns, checkpoint_id"
-                ),
-                {"t": thread},
-            )
-        ).all()
-        writes = (
-            await conn.execute(
-                text(
-                    "SELECT checkpoint_ns, checkpoint_id, task_id, idx, channel, fence_token"
-                    " FROM fence_checkpoint_writes WHERE thread_id = :t"
-                    " ORDER BY checkpoint_ns, checkpoint_id, task_id, idx"
-                ),
-                {"t": thread},
-            )
-        ).all()
-    return [tuple(r) for r in checkpoints], [tuple(r) for r in writes]
 
 
 async def test_a_sigstopped_worker_is_fenced_within_one_renew_interval(
@@ -92,7 +70,7 @@ async def test_a_sigstopped_worker_is_fenced_within_one_renew_interval(
             "b",
             url,
             schema,
-            "tests.chaos.chaos_graphs:hold_graphs",
+            "tests.support.chaos_graphs:hold_graphs",
             ttl=TTL,
             poll=POLL,
             instance_id="worker-B",
@@ -129,15 +107,8 @@ async def test_a_sigstopped_worker_is_fenced_within_one_renew_interval(
         assert any(row[-1] == token_b for row in checkpoints_before)  # B's, after the take
 
         continued_at = time.monotonic()
-        os.kill(worker_a.pid, signal.SIGCONT)
-        try:
-            await asyncio.wait_for(worker_a.wait(), RENEW + SLACK + 5.0)
-        except TimeoutError:
-            pytest.fail(f"worker A did not stop after SIGCONT: {worker_a.said()[-3000:]}")
+        report = await continued_report(worker_a, RENEW + SLACK + 5.0)
         exited_after = time.monotonic() - continued_at
-        lines = worker_a.out.read_text().strip().splitlines()
-        assert lines, f"worker A printed nothing: {tail(worker_a.err)}"
-        report = json.loads(lines[-1])
         assert worker_a.returncode == EXIT_FENCED, (report, tail(worker_a.err))
         assert report["raised"] == "ExecutionFencedError", report
         assert report["token_held"] == token_a, report

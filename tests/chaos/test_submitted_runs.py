@@ -25,14 +25,14 @@ from sqlalchemy import text
 
 from langgraph_fence import LeaseStatus
 from langgraph_fence.instance import Instance
-from tests.chaos.chaos_graphs import CREATE_EFFECTS, PLAIN_GRAPH, build_chaos_graph
-from tests.conftest import pg_engine_options, unique
-from tests.polling import eventually
-from tests.processes import start_worker, stop_process
+from tests.support.chaos_graphs import CREATE_EFFECTS, PLAIN_GRAPH, build_chaos_graph
+from tests.support.databases import pg_engine_options, unique
+from tests.support.polling import eventually
+from tests.support.processes import start_worker, stop_process
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres]
 
-GRAPHS = "tests.chaos.chaos_graphs:chaos_graphs"
+GRAPHS = "tests.support.chaos_graphs:chaos_graphs"
 COUNT = 40
 TTL = 1.5
 STARTUP_DEADLINE = 45.0

@@ -47,8 +47,8 @@ from langgraph_fence import (
 from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
 from langgraph_fence.guard import holds
 from langgraph_fence.testing import ManualClock
-from tests.conftest import unique
-from tests.contract.test_store_fencing import run_step
+from tests.support.databases import unique
+from tests.support.leases import run_step
 
 TTL = 10.0
 

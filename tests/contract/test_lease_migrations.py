@@ -8,9 +8,7 @@ node and token named.
 from __future__ import annotations
 
 import re
-import uuid
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,35 +16,13 @@ from sqlalchemy import CheckConstraint, inspect, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence import Effect, LeaseKey, LeaseStatus, PendingEffect, SqlLeaseRepository
-from langgraph_fence.database import create_engine
 from langgraph_fence.migrations import migrate
 from langgraph_fence.schema import LEASE_MIGRATIONS, LEASES
 from langgraph_fence.testing import ManualClock
-from tests.conftest import SQL_BACKENDS, _pg_admin, pg_engine_options
+from tests.support.databases import SQL_BACKENDS
 
 RUNS_ON = SQL_BACKENDS
 TTL = 10.0
-
-
-@pytest.fixture
-async def fresh_engine(
-    backend: str, request: pytest.FixtureRequest, tmp_path: Path
-) -> AsyncIterator[AsyncEngine]:
-    """An engine on an empty database: a new SQLite file, or a PostgreSQL schema of its own."""
-    if backend == "sqlite":
-        engine = create_engine(f"sqlite+aiosqlite:///{tmp_path / 'old.db'}")
-        yield engine
-        await engine.dispose()
-        return
-    url, _ = request.getfixturevalue("pg_schema")
-    schema = f"lgf_migrate_{uuid.uuid4().hex[:12]}"
-    _pg_admin(url, f'CREATE SCHEMA "{schema}"')
-    engine = create_engine(url, **pg_engine_options(schema))
-    try:
-        yield engine
-    finally:
-        await engine.dispose()
-        _pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 async def old_stamped_lease(engine: AsyncEngine, key: LeaseKey, clock: Callable[[], float]) -> None:

@@ -23,7 +23,7 @@ from langgraph_fence.database import create_engine
 from langgraph_fence.records import EXECUTION_MIGRATIONS
 from langgraph_fence.schema import LEASE_MIGRATIONS
 from langgraph_fence.testing import ManualClock
-from tests.conftest import SQL_BACKENDS, _pg_admin_async, pg_engine_options, unique
+from tests.support.databases import SQL_BACKENDS, pg_admin_async, pg_engine_options, unique
 
 T = TypeVar("T")
 TTL = 10.0
@@ -59,13 +59,19 @@ async def dispose(all_stores: list[SqlLeaseRepository]) -> None:
 async def race(calls: list[Callable[[], Awaitable[T]]]) -> list[T | BaseException]:
     """Start every call at the same moment (after one shared event) and gather them all."""
     go = asyncio.Event()
+    waiting = 0
+    all_waiting = asyncio.Event()
 
     async def contender(call: Callable[[], Awaitable[T]]) -> T:
+        nonlocal waiting
+        waiting += 1
+        if waiting == len(calls):
+            all_waiting.set()
         await go.wait()
         return await call()
 
     tasks = [asyncio.ensure_future(contender(call)) for call in calls]
-    await asyncio.sleep(0)  # let every contender reach the event (a yield, not a wait)
+    await all_waiting.wait()  # every contender is at the event: none has a head start
     go.set()
     return await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -192,7 +198,7 @@ async def fresh_database(
         url, _ = request.getfixturevalue("pg_schema")
         schema = f"lgf_mig_{uuid.uuid4().hex[:12]}"
         options = pg_engine_options(schema)
-        await _pg_admin_async(url, f'CREATE SCHEMA "{schema}"')
+        await pg_admin_async(url, f'CREATE SCHEMA "{schema}"')
 
     def make() -> AsyncEngine:
         engine = create_engine(url, **options)
@@ -202,7 +208,7 @@ async def fresh_database(
     yield make
     await asyncio.gather(*(engine.dispose() for engine in engines))
     if schema is not None:
-        await _pg_admin_async(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await pg_admin_async(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 async def test_concurrent_setup_migrates_once(

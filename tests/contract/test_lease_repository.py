@@ -18,7 +18,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from langgraph_fence import (
     Effect,
     ExecutionFencedError,
-    ExecutionLeaseRepository,
     Lease,
     LeaseKey,
     LeaseStatus,
@@ -28,25 +27,9 @@ from langgraph_fence import (
 from langgraph_fence.database import create_engine, normalize_url
 from langgraph_fence.stores import sql as sql_store
 from langgraph_fence.testing import ManualClock
-from tests.conftest import pg_engine_options, unique
-from tests.polling import eventually
-
-TTL = 10.0
-Store = ExecutionLeaseRepository
-
-
-def new_key() -> LeaseKey:
-    return LeaseKey(unique("tenant"), unique("exec"))
-
-
-def stamp(token: int, effect: Effect = Effect.NON_IDEMPOTENT_WRITE) -> PendingEffect:
-    return PendingEffect(effect=effect, node="charge", task_id=unique("task"), token=token)
-
-
-async def held(store: Store, holder: str = "A", ttl: float = TTL) -> Lease:
-    lease = await store.acquire(new_key(), holder, ttl)
-    assert lease is not None
-    return lease
+from tests.support.databases import pg_engine_options, unique
+from tests.support.leases import TTL, Store, held, new_key, refused_unchanged, stamp
+from tests.support.polling import eventually
 
 
 async def taken_over(store: Store, clock: ManualClock, lease: Lease, holder: str = "B") -> Lease:
@@ -56,17 +39,6 @@ async def taken_over(store: Store, clock: ManualClock, lease: Lease, holder: str
     assert newer is not None
     assert newer.epoch == lease.epoch + 1
     return newer
-
-
-async def refused_unchanged(store: Store, key: LeaseKey, op: Callable[[], object]) -> None:
-    """``op()`` raises ``ExecutionFencedError`` and leaves the row of ``key`` as it was."""
-    before = await store.get(key)
-    with pytest.raises(ExecutionFencedError) as caught:
-        await op()  # type: ignore[misc]
-    assert await store.get(key) == before
-    error = caught.value
-    assert error.scope_key is not None
-    assert error.token_seen == (None if before is None else before.epoch)
 
 
 # -- acquire

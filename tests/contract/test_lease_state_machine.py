@@ -42,7 +42,7 @@ from langgraph_fence import (
 )
 from langgraph_fence.database import create_engine
 from langgraph_fence.testing import ManualClock
-from tests.conftest import SQL_BACKENDS, pg_engine_options
+from tests.support.databases import SQL_BACKENDS, pg_engine_options
 
 T = TypeVar("T")
 Outcome = tuple[Any, ...]

@@ -26,7 +26,7 @@ from langgraph_fence import (
 )
 from langgraph_fence.database import create_engine, normalize_url
 from langgraph_fence.testing import ManualClock
-from tests.conftest import pg_engine_options, unique
+from tests.support.databases import pg_engine_options, unique
 
 TTL = 10.0
 

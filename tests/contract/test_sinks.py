@@ -8,8 +8,7 @@ does: a lease taken from a lease store, a :class:`RunHandle`, an :class:`Executi
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,175 +38,28 @@ from langgraph_fence.sinks import (
     setup_sink,
 )
 from langgraph_fence.testing import ManualClock
-from tests.conftest import SQL_BACKENDS, pg_engine_options, unique
-from tests.polling import eventually
+from tests.support.databases import SQL_BACKENDS, pg_engine_options, unique
+from tests.support.polling import eventually
+from tests.support.sinks import (
+    HOLD_TTL,
+    LEASE_TTL,
+    USER_TABLE,
+    Abandon,
+    Outcome,
+    applied_rows,
+    insert_user_row,
+    mark_of,
+    takeovers,
+    user_rows,
+    write_once,
+    write_with_retry,
+)
 
 RUNS_ON = SQL_BACKENDS
-LEASE_TTL = 10.0  # on the lease store's manual clock
-HOLD_TTL = 3600.0  # on the handle's real clock: local checks never expire inside a test
 DEADLINE = 10.0  # seconds any polling loop may take before the test fails
-
-_USER_TABLE = {
-    "sqlite": (
-        "CREATE TABLE IF NOT EXISTS sink_user_rows ("
-        " seq INTEGER PRIMARY KEY AUTOINCREMENT, scope_key TEXT NOT NULL,"
-        " idem TEXT NOT NULL, token BIGINT NOT NULL, writer TEXT NOT NULL)"
-    ),
-    "postgresql": (
-        "CREATE TABLE IF NOT EXISTS sink_user_rows ("
-        " seq BIGSERIAL PRIMARY KEY, scope_key TEXT NOT NULL,"
-        " idem TEXT NOT NULL, token BIGINT NOT NULL, writer TEXT NOT NULL)"
-    ),
-}
-
-
-class Abandon(Exception):
-    """Raised inside a block to roll its transaction back."""
 
 
 # -- fixtures and helpers
-
-
-@pytest.fixture
-async def engines(
-    backend: str, make_engine: Callable[[str], AsyncEngine]
-) -> AsyncIterator[tuple[AsyncEngine, AsyncEngine]]:
-    """Two engines on one database (two instances), the sink set up, a user table beside it."""
-    first, second = make_engine(backend), make_engine(backend)
-    assert await setup_sink(first) == 1
-    assert await setup_sink(second) == 1  # a second instance migrating is a no-op
-    async with transaction(first) as conn:
-        await conn.execute(text(_USER_TABLE[backend]))
-    yield first, second
-    await first.dispose()
-    await second.dispose()
-
-
-@pytest.fixture
-def engine(engines: tuple[AsyncEngine, AsyncEngine]) -> AsyncEngine:
-    return engines[0]
-
-
-async def takeovers(count: int, *, tenant: str | None = None) -> list[RunHandle]:
-    """Handles of ``count`` successive holders of one execution: tokens 1..count."""
-    clock = ManualClock()
-    repo = MemoryLeaseRepository(clock=clock)
-    key = LeaseKey(tenant or unique("tenant"), unique("exec"))
-    handles = []
-    for n in range(1, count + 1):
-        lease = await repo.acquire(key, f"instance-{n}", LEASE_TTL)
-        assert lease is not None
-        assert lease.epoch == n
-        handles.append(RunHandle(repo, lease, HOLD_TTL))
-        clock.advance(LEASE_TTL + 1)
-    return handles
-
-
-async def mark_of(engine: AsyncEngine, scope: str) -> int | None:
-    async with engine.connect() as conn:
-        row = await conn.execute(
-            text("SELECT token FROM fence_high_water WHERE scope_key = :s"), {"s": scope}
-        )
-        value = row.scalar_one_or_none()
-        return None if value is None else int(value)
-
-
-async def applied_rows(engine: AsyncEngine, scope: str) -> dict[str, tuple[int, Any]]:
-    """``{idempotency_key: (token, result)}`` as committed for ``scope``."""
-    async with engine.connect() as conn:
-        rows = await conn.execute(
-            text("SELECT idempotency_key, token, result FROM fence_applied WHERE scope_key = :s"),
-            {"s": scope},
-        )
-        return {
-            r.idempotency_key: (int(r.token), None if r.result is None else json.loads(r.result))
-            for r in rows
-        }
-
-
-async def user_rows(engine: AsyncEngine, scope: str) -> list[tuple[str, int, str]]:
-    """``(idem, token, writer)`` of the user's own committed rows for ``scope``, in seq order."""
-    async with engine.connect() as conn:
-        rows = await conn.execute(
-            text(
-                "SELECT idem, token, writer FROM sink_user_rows WHERE scope_key = :s ORDER BY seq"
-            ),
-            {"s": scope},
-        )
-        return [(r.idem, int(r.token), r.writer) for r in rows]
-
-
-async def insert_user_row(
-    conn: AsyncConnection, scope: str, idem: str, token: int, who: str
-) -> None:
-    await conn.execute(
-        text("INSERT INTO sink_user_rows (scope_key, idem, token, writer) VALUES (:s, :i, :t, :w)"),
-        {"s": scope, "i": idem, "t": token, "w": who},
-    )
-
-
-@dataclass
-class Outcome:
-    """What one writer saw: refused, skipped an applied key, or applied the write."""
-
-    who: str
-    token: int
-    key: str
-    refused: ExecutionFencedError | None = None
-    applied_before: bool = False
-    result: Any = None
-    retries: int = 0
-    errors: list[BaseException] = field(default_factory=list)
-
-
-async def write_once(
-    conn: AsyncConnection, fence: ExecutionFence, key: str, who: str, outcome: Outcome
-) -> None:
-    """The user's code: skip an applied key, else write a row of its own and record."""
-    async with fenced_write(conn, fence, key) as write:
-        if write.applied:
-            outcome.applied_before = True
-            outcome.result = write.result
-        else:
-            await insert_user_row(conn, fence.scope_key, key, fence.token, who)
-            outcome.result = {"by": who, "token": fence.token}
-            write.record(outcome.result)
-
-
-async def write_with_retry(
-    engine: AsyncEngine,
-    handle: RunHandle,
-    key: str,
-    who: str,
-    *,
-    isolation: str | None = None,
-    begun: Callable[[AsyncConnection], Awaitable[None]] | None = None,
-) -> Outcome:
-    """How a user runs a fenced write: one transaction, retried whole on a conflict."""
-    fence = ExecutionFence(handle)
-    outcome = Outcome(who, handle.token, key)
-    for _attempt in range(20):
-        try:
-            async with engine.connect() as conn:
-                if conn.dialect.name == "postgresql":
-                    conn = await conn.execution_options(
-                        isolation_level=isolation or "READ COMMITTED"
-                    )
-                async with conn.begin():
-                    if begun is not None:
-                        await begun(conn)
-                        begun = None  # only the first attempt is orchestrated
-                    await write_once(conn, fence, key, who, outcome)
-            return outcome
-        except ExecutionFencedError as exc:
-            outcome.refused = exc
-            return outcome
-        except DBAPIError as exc:
-            if not is_serialization_failure(exc):
-                raise
-            outcome.errors.append(exc)
-            outcome.retries += 1
-    raise AssertionError(f"{who} kept failing on conflicts: {outcome.errors}")
 
 
 async def backend_pid(conn: AsyncConnection) -> int:
@@ -560,7 +412,7 @@ async def test_postgresql_race_on_one_key_at_each_isolation_level(
     first_engine, second_engine = make_engine("postgresql"), make_engine("postgresql")
     await setup_sink(first_engine)
     async with transaction(first_engine) as conn:
-        await conn.execute(text(_USER_TABLE["postgresql"]))
+        await conn.execute(text(USER_TABLE["postgresql"]))
     try:
         (holder,) = await takeovers(1)
         scope = holder.scope_key

@@ -19,8 +19,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from langgraph_fence import ExecutionContextUnavailableError, ExecutionFence, ExecutionFencedError
 from langgraph_fence.fence import RunHandle
 from langgraph_fence.sinks import FencedWrite, fenced_write_sync, is_serialization_failure
-from tests.contract import test_sinks as async_suite
-from tests.contract.test_sinks import (
+from tests.support.databases import SQL_BACKENDS
+from tests.support.sinks import (
     Abandon,
     Outcome,
     applied_rows,
@@ -31,9 +31,8 @@ from tests.contract.test_sinks import (
 )
 
 # The async suite's fixtures: both backends, the sink set up, the user table beside it.
-RUNS_ON = async_suite.RUNS_ON
-engines = async_suite.engines
-engine = async_suite.engine
+RUNS_ON = SQL_BACKENDS
+
 
 DEADLINE = 10.0
 

@@ -36,7 +36,7 @@ from langgraph_fence import Effect, LeaseKey, LeaseStatus, PendingEffect, SqlLea
 from langgraph_fence.database import create_engine
 from langgraph_fence.fence import RunHandle
 from langgraph_fence.testing import ManualClock
-from tests.conftest import SQL_BACKENDS, pg_engine_options
+from tests.support.databases import SQL_BACKENDS, pg_engine_options
 
 RUNS_ON = SQL_BACKENDS
 

@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence import Lease, LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.testing import ManualClock
-from tests.conftest import SQL_BACKENDS, unique
+from tests.support.databases import SQL_BACKENDS, unique
 
 pytestmark = pytest.mark.parametrize("backend", SQL_BACKENDS)
 

@@ -21,7 +21,7 @@ from checkpointers import SqlStore
 from langgraph_fence import FencedStore
 from langgraph_fence.store import tenant_label
 from langgraph_fence.tenancy import DEFAULT_TENANT
-from tests.conftest import unique
+from tests.support.databases import unique
 
 STORES = ["memory", "sqlite", "postgresql"]
 

@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from checkpointers import SqlStore
-from tests.conftest import SQL_BACKENDS, unique
+from tests.support.databases import SQL_BACKENDS, unique
 
 RUNS_ON = SQL_BACKENDS
 

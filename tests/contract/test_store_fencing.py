@@ -11,26 +11,25 @@ delegates (and the window that leaves is shown, as documented).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from langchain_core.runnables.config import var_child_runnable_config
 from langgraph.store.base import BaseStore, Op, PutOp, Result
 from langgraph.store.memory import InMemoryStore
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from checkpointers import SqlStore
-from langgraph_fence import Effect, ExecutionFencedError, FencedStore, LeaseKey, fenced
-from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
+from langgraph_fence import ExecutionFencedError, FencedStore, LeaseKey
+from langgraph_fence.fence import RunHandle
 from langgraph_fence.store import tenant_label
 from langgraph_fence.stores import SqlLeaseRepository
 from langgraph_fence.testing import ManualClock
-from tests.conftest import unique
+from tests.support.databases import unique
+from tests.support.leases import run_step
 
 TTL = 30.0
 KINDS = ["sql-sqlite", "sql-postgresql", "fenced-memory", "fenced-postgres-official"]
@@ -70,32 +69,6 @@ async def setup(
             await official.setup()
             yield Setup(FencedStore(official), repo, clock, engine, guarded=False)
     await engine.dispose()
-
-
-async def run_step(node: Callable[..., Any], handle: RunHandle, thread: str) -> Any:
-    """Run ``node`` as a fenced step of ``handle``'s run, as LangGraph
-    would: async on the loop, sync in a worker thread with the context copied."""
-    # READ_ONLY (fence_graph's default): no stamp renews the lease before the body, so
-    # the store write itself meets the take-over.
-    step = fenced(effect=Effect.READ_ONLY)(node)
-    config = {
-        "configurable": {
-            "thread_id": thread,
-            "checkpoint_ns": "",
-            "__pregel_task_id": f"task-{unique()}",
-            FENCE_CONFIG_KEY: handle,
-            "tenant_id": handle.key.tenant_id,
-            "execution_id": thread,
-        }
-    }
-    reset = var_child_runnable_config.set(config)  # type: ignore[arg-type]
-    try:
-        # A task of its own, as LangGraph runs each step: a fenced run cancels its steps.
-        if inspect.iscoroutinefunction(step):
-            return await asyncio.create_task(step({}))
-        return await asyncio.create_task(asyncio.to_thread(step, {}))
-    finally:
-        var_child_runnable_config.reset(reset)
 
 
 async def take_over(s: Setup, key: LeaseKey) -> tuple[RunHandle, RunHandle]:

@@ -17,11 +17,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from checkpointers.schema import CHECKPOINT_MIGRATIONS, COMPONENT
 from langgraph_fence.migrations import migrate
 from langgraph_fence.records import EXECUTION_MIGRATIONS
-from tests.conftest import SQL_BACKENDS, setup_all
-from tests.contract import test_lease_migrations
+from tests.support.databases import SQL_BACKENDS, setup_all
 
 RUNS_ON = SQL_BACKENDS
-fresh_engine = test_lease_migrations.fresh_engine
+
 
 #: table -> ({column: nullable}, primary key): what the statements read and write.
 PRESENT: dict[str, tuple[dict[str, bool], list[str]]] = {

@@ -21,7 +21,7 @@ from langgraph_fence import (
 )
 from langgraph_fence.testing import ManualClock
 from langgraph_fence.transitions import dead_letter_reason
-from tests.conftest import SQL_BACKENDS, unique
+from tests.support.databases import SQL_BACKENDS, unique
 
 TTL = 10.0
 

@@ -14,7 +14,7 @@ import pytest
 
 from langgraph_fence import Effect, Lease, LeaseKey, LeaseStatus, PendingEffect
 from langgraph_fence.testing import ManualClock
-from tests.conftest import unique
+from tests.support.databases import unique
 
 TTL = 10.0
 BUDGET = 3

@@ -41,7 +41,7 @@ from langgraph_fence import (
 )
 from langgraph_fence.fence import RunHandle
 from langgraph_fence.testing import ManualClock
-from tests.conftest import SQL_BACKENDS, unique
+from tests.support.databases import SQL_BACKENDS, unique
 
 RUNS_ON = SQL_BACKENDS
 MODES = ["sql", "wrapped", "outside"]

@@ -13,7 +13,7 @@ import pytest
 from langgraph_fence import Effect, ExecutionFencedError, LeaseStatus
 from langgraph_fence.testing import ManualClock
 from langgraph_fence.transitions import is_takeover_candidate, is_yielded
-from tests.contract.test_lease_repository import TTL, Store, held, refused_unchanged, stamp
+from tests.support.leases import TTL, Store, held, refused_unchanged, stamp
 
 
 async def test_a_yield_keeps_holder_epoch_and_stamps_and_gives_the_hold_up(

@@ -42,8 +42,9 @@ from langgraph_fence.instance import Instance
 from langgraph_fence.records import SqlExecutionRecords
 from langgraph_fence.sinks import fenced_write
 from langgraph_fence.testing import ManualClock
-from tests.conftest import SQL_BACKENDS, setup_all, unique
-from tests.polling import eventually
+from tests.support.databases import SQL_BACKENDS, setup_all, unique
+from tests.support.polling import eventually
+from tests.support.tables import stored_anywhere
 
 RUNS_ON = SQL_BACKENDS
 CARD = "4111111111111111"
@@ -219,37 +220,6 @@ async def test_an_admin_call_on_an_idle_thread_runs_and_keeps_its_status(
     assert after.epoch > before.epoch
     assert (await graph.aget_state(config_of(copy, tenant))).values["second"] == "second"
     assert len([s async for s in graph.aget_state_history(config_of(thread, tenant))]) == 1
-
-
-#: The tables of langgraph-fence that may hold what a run was given.
-TABLES = (
-    "fence_checkpoints",
-    "fence_checkpoint_blobs",
-    "fence_checkpoint_writes",
-    "fence_executions",
-    "fence_runs",
-    "fence_thread_bindings",
-    "fence_leases",
-    "fence_applied",
-    "fence_high_water",
-)
-
-
-async def stored_anywhere(
-    engine: AsyncEngine, needle: str, tables: tuple[str, ...] = TABLES
-) -> list[str]:
-    """Every ``table.column`` of ``tables`` whose text holds ``needle``."""
-    found = []
-    async with engine.connect() as conn:
-        for table in tables:
-            result = await conn.execute(text(f"SELECT * FROM {table}"))
-            for row in result.mappings():
-                for column, value in row.items():
-                    raw = value if isinstance(value, bytes | bytearray | memoryview) else None
-                    shown = bytes(raw).decode("latin-1") if raw is not None else str(value)
-                    if needle in shown:
-                        found.append(f"{table}.{column}")
-    return found
 
 
 async def assert_erased(instance: Instance, engine: AsyncEngine, key: LeaseKey, mark: int) -> None:

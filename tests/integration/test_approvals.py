@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import operator
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypedDict
 
@@ -29,32 +27,20 @@ from langgraph.graph.message import add_messages
 from langgraph.prebuilt import ToolNode
 from langgraph.types import Command, RetryPolicy, interrupt
 
-from checkpointers import SqlCheckpointer
 from langgraph_fence import (
     Effect,
     ExecutionDeadLetteredError,
     ExecutionFencedError,
     Instance,
-    LeaseKey,
     LeaseStatus,
-    SqlLeaseRepository,
     fence_graph,
     fence_tools,
     fenced,
     get_execution_context,
 )
-from langgraph_fence.database import create_engine
-from langgraph_fence.faults import StallableRepository, StallGate
-from langgraph_fence.records import SqlExecutionRecords
-from tests.chaos.write_steps import Database, engine_options
-from tests.conftest import setup_all, unique
-from tests.polling import eventually
-
-TENANT = "acme"
-# A woken worker asks the store once whether it was taken over, within one renew interval
-# (TTL / 3): long enough for that round trip on a busy box.
-TTL = 1.5
-WAIT = 20.0
+from tests.support.databases import Database, unique
+from tests.support.polling import eventually
+from tests.support.stalls import WAIT, invoke, lease_of, stallable
 
 
 @dataclass
@@ -120,55 +106,6 @@ def first_input(kind: str) -> Any:
         return {"log": []}
     call = {"name": "refund_order", "args": {"order": "o1"}, "id": "call-1"}
     return {"messages": [AIMessage("", tool_calls=[call])]}
-
-
-@asynccontextmanager
-async def stallable(
-    database: Database,
-    name: str,
-    *,
-    ttl: float = TTL,
-    clock: Callable[[], float] | None = None,
-) -> AsyncIterator[tuple[Instance, StallGate]]:
-    """An instance on ``database`` whose lease store and timers a test can freeze.
-
-    ``clock`` (default ``time.monotonic``) is the instance's own: a clock that never moves
-    freezes its sense of time too, so its local checks still trust a lapsed hold.
-    """
-    engine = create_engine(database.url, **engine_options(database.url, database.schema))
-    try:
-        await setup_all(engine)
-        store = SqlLeaseRepository(engine)
-        saver = SqlCheckpointer(engine)
-        await saver.setup()  # on this loop
-        records = SqlExecutionRecords(engine)
-        gate = StallGate()
-        instance = Instance(
-            StallableRepository(store, gate),
-            saver,
-            records=records,
-            instance_id=name,
-            lease_ttl=ttl,
-            clock=clock,
-            sleep=gate.gated_sleep(asyncio.sleep),
-        )
-        try:
-            yield instance, gate
-        finally:
-            gate.resume()
-            await instance.aclose()
-            await saver.aclose()
-    finally:
-        await engine.dispose()
-
-
-async def invoke(instance: Instance, graph: Any, value: Any, thread: str) -> Any:
-    config: Any = {"configurable": {"thread_id": thread}}
-    return await instance.ainvoke(graph, value, config, tenant_id=TENANT)
-
-
-async def lease_of(instance: Instance, thread: str) -> Any:
-    return await instance.repository.get(LeaseKey(TENANT, thread))
 
 
 @pytest.mark.parametrize("kind", ["node", "tool"])

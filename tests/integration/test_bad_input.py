@@ -22,8 +22,7 @@ from checkpointers import SqlCheckpointer
 from langgraph_fence import Instance, SqlLeaseRepository, fence_graph
 from langgraph_fence.database import create_engine
 from langgraph_fence.records import SqlExecutionRecords
-from tests.chaos.write_steps import Database
-from tests.conftest import pg_engine_options, setup_all, unique
+from tests.support.databases import Database, pg_engine_options, setup_all, unique
 
 #: A refusal comes before any I/O; an accepted serve() would run until this bound.
 REFUSED_WITHIN = 30.0

@@ -22,9 +22,9 @@ from langgraph_fence import LeaseKey, LeaseStatus, fence_graph
 from langgraph_fence.instance import Instance
 from langgraph_fence.serve import Server
 from langgraph_fence.testing import Leases
-from tests.conftest import SQL_BACKENDS, unique
-from tests.integration.test_serve import serving, until_status
-from tests.polling import eventually
+from tests.support.databases import SQL_BACKENDS, unique
+from tests.support.polling import eventually
+from tests.support.serving import serving, until_status
 
 RUNS_ON = SQL_BACKENDS
 

@@ -13,13 +13,11 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any
 
 import pytest
 from langgraph.graph import END, START, StateGraph
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence import (
     ChildFailedError,
@@ -39,69 +37,16 @@ from langgraph_fence.children import (
     child_execution_id,
     parse_child_execution_id,
 )
-from langgraph_fence.database import transaction
-from langgraph_fence.sinks import fenced_write, setup_sink
+from langgraph_fence.sinks import setup_sink
 from langgraph_fence.testing import Leases
 from langgraph_fence.transitions import is_yielded
-from tests.chaos.write_steps import Database
-from tests.conftest import unique
-from tests.integration.test_serve import eventually, until_status
-from tests.integration.test_submit import cfg, opened, serving
+from tests.support.children import Fan, Job, Work, child_graph, lease_rows
+from tests.support.databases import Database, unique
+from tests.support.graphs import one_step
+from tests.support.polling import eventually
+from tests.support.serving import cfg, opened, serving, until_status
 
 TENANT = "acme"
-
-
-class Job(TypedDict, total=False):
-    text: str
-    out: str
-
-
-class Fan(TypedDict, total=False):
-    items: list[str]
-    results: list[Any]
-    errors: list[str]
-
-
-@dataclass
-class Work:
-    """What the child node saw, and gates that hold a child in its node."""
-
-    ran: list[str] = field(default_factory=list)
-    gates: dict[str, asyncio.Event] = field(default_factory=dict)
-    spawned: list[bool] = field(default_factory=list)
-    tokens: list[tuple[str, int]] = field(default_factory=list)  # (scope key, token)
-    sink: AsyncEngine | None = None  # steps write through the exactly-once sink there
-
-    async def write_through_sink(self, name: str) -> None:
-        if self.sink is None:
-            return
-        fence = get_execution_context().fence
-        async with (
-            transaction(self.sink) as conn,
-            fenced_write(conn, fence, f"{name}-{fence.token}") as write,
-        ):
-            if not write.applied:
-                write.record(fence.token)
-
-
-def child_graph(instance: Instance, work: Work) -> Any:
-    async def shout(state: Job) -> dict[str, Any]:
-        ctx = get_execution_context()
-        work.ran.append(state["text"])
-        work.tokens.append((ctx.fence.scope_key, ctx.fence.token))
-        await work.write_through_sink("child")
-        gate = work.gates.get(state["text"])
-        if gate is not None:
-            await gate.wait()
-        if state["text"] == "boom":
-            raise ValueError("the child cannot shout 'boom'")
-        return {"out": state["text"].upper()}
-
-    builder = StateGraph(Job)
-    builder.add_node("shout", shout)
-    builder.add_edge(START, "shout")
-    builder.add_edge("shout", END)
-    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="shout")
 
 
 def parent_graph(instance: Instance, work: Work, *, return_exceptions: bool = False) -> Any:
@@ -119,30 +64,13 @@ def parent_graph(instance: Instance, work: Work, *, return_exceptions: bool = Fa
         results = await ctx.wait_children(children, timeout=30, return_exceptions=return_exceptions)
         return {"results": [r["out"] if isinstance(r, dict) else type(r).__name__ for r in results]}
 
-    builder = StateGraph(Fan)
-    builder.add_node("fan_out", fan_out)
-    builder.add_edge(START, "fan_out")
-    builder.add_edge("fan_out", END)
-    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="fan")
+    return one_step(instance, Fan, "fan_out", fan_out, name="fan")
 
 
 async def is_yielded_by(leases: Leases, key: LeaseKey, holder: str) -> bool:
     """Whether ``holder`` has yielded the lease of ``key`` (waiting, its holder kept)."""
     lease = await leases.store.get(key)
     return lease is not None and lease.holder == holder and is_yielded(lease.status, lease.holder)
-
-
-async def lease_rows(instance: Instance, prefix: str) -> list[tuple[str, str, int]]:
-    engine = instance._run_queue()._engine
-    async with engine.connect() as conn:
-        rows = await conn.execute(
-            text(
-                "SELECT execution_id, status, epoch FROM fence_leases WHERE execution_id "
-                "LIKE :p ORDER BY execution_id"
-            ),
-            {"p": prefix + "%"},
-        )
-        return [(r.execution_id, r.status, int(r.epoch)) for r in rows]
 
 
 def test_child_ids_are_decodable_and_collision_free() -> None:
@@ -274,10 +202,7 @@ async def test_a_dead_lettered_child_is_returned_in_its_place(database: Database
                 lease = await worker.repository.get(child)
                 return lease is not None and lease.status is LeaseStatus.RUNNING
 
-            deadline = asyncio.get_running_loop().time() + 20
-            while not await child_held():
-                assert asyncio.get_running_loop().time() < deadline
-                await asyncio.sleep(0.01)
+            await eventually(child_held, timeout=20, what="the child's lease to be running")
             lease = await worker.repository.get(child)
             assert lease is not None
             await worker.repository.dead_letter(child, "an operator gave up", epoch=lease.epoch)
@@ -418,11 +343,7 @@ def local_parent_graph(instance: Instance, child: Any, items: list[str]) -> Any:
         results = await ctx.wait_children(children, timeout=30, return_exceptions=True)
         return {"results": [r["out"] if isinstance(r, dict) else type(r).__name__ for r in results]}
 
-    builder = StateGraph(Fan)
-    builder.add_node("fan_here", fan_here)
-    builder.add_edge(START, "fan_here")
-    builder.add_edge("fan_here", END)
-    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="fan_here")
+    return one_step(instance, Fan, "fan_here", fan_here, name="fan_here")
 
 
 async def test_parent_instance_children_run_here_under_the_roots_token(tmp_path: Any) -> None:

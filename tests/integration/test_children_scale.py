@@ -2,7 +2,7 @@
 wait that reads every pending child in one read per look, on SQLite and PostgreSQL.
 
 Counted, never timed: the statements are traced at the driver on the parent instance's
-engine (:class:`tests.statements.Statements`), and the wait's looks are seen by a spy on
+engine (:class:`tests.support.statements.Statements`), and the wait's looks are seen by a spy on
 :meth:`SubmittedRuns.child_ends` that calls the real read. The timings (1 000 and 10 000
 children) are in ``benchmarks/bench_children.py``.
 """
@@ -30,12 +30,11 @@ from langgraph_fence.children import Child, child_execution_id
 from langgraph_fence.events import EventKind
 from langgraph_fence.queue import SubmittedRuns
 from langgraph_fence.transitions import is_yielded
-from tests.chaos.write_steps import Database
-from tests.conftest import unique
-from tests.integration.test_children import Work, child_graph, lease_rows
-from tests.integration.test_submit import cfg, opened, serving
-from tests.polling import eventually
-from tests.statements import Statements
+from tests.support.children import Work, child_graph, lease_rows
+from tests.support.databases import Database, unique
+from tests.support.polling import eventually
+from tests.support.serving import cfg, opened, serving
+from tests.support.statements import Statements
 
 TENANT = "acme"
 #: What a batch of children costs on the wire, whatever its size: the statements' first words.

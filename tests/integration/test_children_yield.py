@@ -34,10 +34,11 @@ from langgraph_fence.children import child_execution_id
 from langgraph_fence.events import EventKind, FenceEvent
 from langgraph_fence.testing import Leases
 from langgraph_fence.transitions import is_yielded
-from tests.conftest import unique
-from tests.integration.test_children import Job, Work, child_graph
-from tests.integration.test_submit import cfg, serving
-from tests.polling import eventually
+from tests.support.children import Job, Work, child_graph
+from tests.support.databases import unique
+from tests.support.graphs import one_step
+from tests.support.polling import eventually
+from tests.support.serving import cfg, serving
 
 TENANT = "acme"
 ITEMS = ["a", "b", "c"]
@@ -269,11 +270,7 @@ def late_local_step(instance: Instance, timeline: Timeline, b_go: asyncio.Event)
         timeline.mark("a-continues")
         return {"results": [r["out"] for r in results], "local": [here["out"]]}
 
-    builder = StateGraph(Tree)
-    builder.add_node("a", a)
-    builder.add_edge(START, "a")
-    builder.add_edge("a", END)
-    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="late")
+    return one_step(instance, Tree, "a", a, name="late")
 
 
 async def test_a_step_that_starts_while_yielded_runs_after_the_retake(leases: Leases) -> None:

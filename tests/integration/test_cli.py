@@ -11,6 +11,7 @@ import pytest
 
 from langgraph_fence import LeaseKey, SqlLeaseRepository
 from langgraph_fence.database import create_engine
+from tests.support.cli import cli
 
 #: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
 pytestmark = pytest.mark.processes
@@ -70,16 +71,6 @@ def test_executions_filter_by_tenant_and_show_it(tmp_path: object) -> None:
     assert "globex" not in only_acme
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "langgraph_fence.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "COLUMNS": "200"},
-    )
-
-
 async def _run_and_hold(db: str, tenant: str, thread: str) -> None:
     """A finished run of ``thread`` (its input recorded), and a live lease of another."""
     from langgraph.graph import END, START, StateGraph
@@ -106,12 +97,12 @@ def test_erase_removes_a_thread_and_refuses_a_running_one(tmp_path: object) -> N
     db = f"sqlite+aiosqlite:///{tmp_path}/cli.db"
     asyncio.run(_run_and_hold(db, "acme", "order-1"))
 
-    refused = _cli("erase", "--db", db, "--tenant", "acme", "--thread", "busy")
+    refused = cli("erase", "--db", db, "--tenant", "acme", "--thread", "busy")
     assert refused.returncode == 3, refused.stdout + refused.stderr
     assert "worker-1" in refused.stderr
     assert "busy" in refused.stderr
 
-    erased = _cli("erase", "--db", db, "--tenant", "acme", "--thread", "order-1")
+    erased = cli("erase", "--db", db, "--tenant", "acme", "--thread", "order-1")
     assert erased.returncode == 0, erased.stdout + erased.stderr
     # What it erased, rows per table: the run's checkpoints, its record, its binding.
     said = {
@@ -134,13 +125,13 @@ def test_erase_removes_a_thread_and_refuses_a_running_one(tmp_path: object) -> N
         ).fetchone()
     assert status == ("done", None)
 
-    missing = _cli("erase", "--db", db, "--tenant", "", "--thread", "order-1")
+    missing = cli("erase", "--db", db, "--tenant", "", "--thread", "order-1")
     assert missing.returncode == 2
     assert "--tenant" in missing.stderr
 
     # Nothing there (another tenant's thread, a thread that never was): said, exit 1.
     for tenant, thread in (("globex", "order-1"), ("acme", "never-was")):
-        nothing = _cli("erase", "--db", db, "--tenant", tenant, "--thread", thread)
+        nothing = cli("erase", "--db", db, "--tenant", tenant, "--thread", thread)
         assert nothing.returncode == 1, nothing.stdout + nothing.stderr
         assert "nothing erased" in nothing.stderr
         assert f"tenant {tenant!r} has no thread {thread!r}" in nothing.stderr

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import make_url
 
-from tests.conftest import _pg_admin, pg_url_from_env
+from tests.support.databases import pg_admin, pg_url_from_env
 
 #: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
 pytestmark = pytest.mark.processes
@@ -128,7 +128,7 @@ def test_a_schema_that_does_not_exist_is_listed_as_never_migrated_and_migrate_cr
         again = run("migrate", "--db", url, "--schema", schema)  # a no-op the second time
         assert again.returncode == 0, again.stdout + again.stderr
     finally:
-        _pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 @pytest.mark.parametrize(

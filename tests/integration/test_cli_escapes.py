@@ -19,8 +19,7 @@ import pytest
 
 from langgraph_fence import Instance, LeaseKey
 from langgraph_fence.database import schema_options
-from tests.chaos.write_steps import Database
-from tests.conftest import unique
+from tests.support.databases import Database, unique
 
 #: The CLI runs in processes of its own.
 pytestmark = pytest.mark.processes

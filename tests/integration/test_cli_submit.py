@@ -15,9 +15,9 @@ import pytest
 from langgraph.graph import END, START, StateGraph
 
 from langgraph_fence import Instance, fence_graph
-from tests.conftest import Database
-from tests.polling import eventually_sync
-from tests.processes import worker_args
+from tests.support.databases import Database
+from tests.support.polling import eventually_sync
+from tests.support.processes import worker_args
 
 #: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
 pytestmark = pytest.mark.processes
@@ -154,7 +154,7 @@ def test_submit_gives_the_quickstart_orders_graph_its_config_and_context_and_pri
     """The quickstart's own ``orders`` graph reads ``configurable["user_id"]`` and the context:
     submitted from the command line with them, a worker runs it as ``ainvoke`` would, and
     ``--wait`` prints JSON (messages as dicts, never Python reprs)."""
-    from tests.integration.test_quickstart import quickstart
+    from tests.support.quickstart import quickstart
 
     (tmp_path / "orders.py").write_text(quickstart())
     db, schema = database.url, database.schema

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.write_steps import Database
-from tests.polling import eventually_sync
+from tests.support.databases import Database
+from tests.support.polling import eventually_sync
 
 #: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
 pytestmark = pytest.mark.processes

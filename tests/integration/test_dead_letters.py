@@ -30,9 +30,8 @@ from langgraph_fence import (
     fence_graph,
     fence_tools,
 )
-from tests.agents import ScriptedModel
-from tests.chaos.write_steps import Database, engine_options
-from tests.conftest import unique
+from tests.support.agents import ScriptedModel
+from tests.support.databases import Database, engine_options, unique
 
 TENANT = "acme"
 

@@ -12,14 +12,14 @@ from typing import Any, TypedDict
 
 import pytest
 from langgraph.checkpoint.memory import InMemorySaver
-from langgraph.graph import END, START, StateGraph
 
-from langgraph_fence import ExecutionLeaseRepository, LeaseKey, LeaseStatus, fence_graph
+from langgraph_fence import ExecutionLeaseRepository, LeaseKey, LeaseStatus
 from langgraph_fence.context import get_execution_context
 from langgraph_fence.contracts import missing_members
 from langgraph_fence.instance import Instance
 from langgraph_fence.records import ExecutionRecords, MemoryExecutionRecords
-from tests.conftest import unique
+from tests.support.databases import unique
+from tests.support.graphs import one_step
 
 
 class State(TypedDict, total=False):
@@ -54,11 +54,7 @@ def _graph(instance: Instance) -> Any:
         await frame.fence.confirm_now()
         return {"token": frame.fence.token}
 
-    builder = StateGraph(State)
-    builder.add_node("step", step)
-    builder.add_edge(START, "step")
-    builder.add_edge("step", END)
-    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="graph")
+    return one_step(instance, State, "step", step, name="graph")
 
 
 async def test_a_getattr_wrapper_around_a_store_runs_fenced(

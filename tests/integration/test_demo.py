@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import make_url
 
-from tests.conftest import _pg_admin, pg_url_from_env
+from tests.support.databases import pg_admin, pg_url_from_env
 
 #: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
 pytestmark = pytest.mark.processes
@@ -152,14 +152,14 @@ def test_the_demo_on_postgresql_makes_a_schema_of_its_own_when_given_none(
     # A database of the test's own: the demo's default schema outlives the demo, by design.
     url, _ = pg_schema
     database = f"lgf_demo_{uuid.uuid4().hex[:10]}"
-    _pg_admin(url, f'CREATE DATABASE "{database}"')
+    pg_admin(url, f'CREATE DATABASE "{database}"')
     try:
         own = make_url(url).set(database=database).render_as_string(hide_password=False)
         order, command = _run_demo(tmp_path, "--db", own)
         assert command[-2:] == ["--schema", "langgraph_fence_demo"]
         _assert_listed_done(tmp_path, command, order)
     finally:
-        _pg_admin(url, f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        pg_admin(url, f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
 
 
 def test_a_schema_on_sqlite_is_refused(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence import LeaseKey, LeaseStatus, fence_graph
 from langgraph_fence.testing import Leases, ManualClock
-from tests.conftest import SQL_BACKENDS, unique
+from tests.support.databases import SQL_BACKENDS, unique
 
 RUNS_ON = SQL_BACKENDS
 

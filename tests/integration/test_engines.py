@@ -31,9 +31,8 @@ from langgraph_fence import (
 )
 from langgraph_fence.database import create_engine, normalize_url
 from langgraph_fence.records import SqlExecutionRecords
-from tests.chaos.write_steps import Database
-from tests.conftest import pg_engine_options, unique
-from tests.polling import eventually
+from tests.support.databases import Database, pg_engine_options, unique
+from tests.support.polling import eventually
 
 ENGINES = 8
 ACQUIRES = 40

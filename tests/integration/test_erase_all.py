@@ -37,10 +37,9 @@ from langgraph_fence.instance import DEFAULT_TENANT_ID
 from langgraph_fence.migrations import migrate
 from langgraph_fence.schema import LEASE_MIGRATIONS
 from langgraph_fence.tenancy import DEFAULT_TENANT, LEGACY_TENANT
-from tests.chaos.write_steps import Database
-from tests.conftest import unique
-from tests.integration.test_admin import TABLES, stored_anywhere
-from tests.integration.test_submit import cfg, opened, serving
+from tests.support.databases import Database, unique
+from tests.support.serving import cfg, opened, serving
+from tests.support.tables import TABLES, stored_anywhere
 
 SINK = ("fence_applied", "fence_high_water")
 

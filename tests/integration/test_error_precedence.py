@@ -14,7 +14,7 @@ from langgraph.types import RetryPolicy
 from langgraph_fence import ExecutionFencedError, MemoryLeaseRepository, fence_graph
 from langgraph_fence.context import get_execution_context
 from langgraph_fence.instance import Instance
-from tests.conftest import unique
+from tests.support.databases import unique
 
 
 class State(TypedDict, total=False):

@@ -38,9 +38,9 @@ from langgraph_fence import (
 )
 from langgraph_fence.otel import instrument
 from langgraph_fence.testing import Leases, open_leases
-from tests.conftest import SQL_BACKENDS, pg_engine_options, unique
-from tests.integration.test_serve import until_status
-from tests.polling import eventually
+from tests.support.databases import SQL_BACKENDS, pg_engine_options, unique
+from tests.support.polling import eventually
+from tests.support.serving import until_status
 
 RUNS_ON = SQL_BACKENDS
 

@@ -25,9 +25,8 @@ from langgraph_fence import (
     fence_graph,
     get_execution_context,
 )
-from tests.agents import ScriptedModel
-from tests.chaos.write_steps import Database
-from tests.conftest import pg_engine_options
+from tests.support.agents import ScriptedModel
+from tests.support.databases import Database, pg_engine_options
 
 
 class State(TypedDict, total=False):

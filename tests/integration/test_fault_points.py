@@ -31,8 +31,10 @@ from langgraph_fence import (
     LeaseKey,
     LeaseStatus,
 )
-from langgraph_fence.faults import FAULT_POINTS, arm_fault
-from tests.chaos.write_steps import (
+from langgraph_fence.faults import arm_fault
+from tests.support.databases import unique
+from tests.support.fault_points import reachable
+from tests.support.write_steps import (
     TENANT,
     Database,
     assert_charged_at_most_once,
@@ -42,17 +44,11 @@ from tests.chaos.write_steps import (
     engine_options,
     take_over_all,
 )
-from tests.conftest import unique
 
 # A's lease lapses this long after its connection is lost. Long enough that a loaded box
 # never lapses it before the fault point (0.6, then 1.2 did: renewals answered late).
 TTL = 3.0
 DEADLINE = 30.0
-
-
-def reachable(durability: str) -> list[str]:
-    # durability="exit" saves no task writes: the writes.* points are not on its path.
-    return [p for p in FAULT_POINTS if not (durability == "exit" and p.startswith("writes."))]
 
 
 CASES = [(d, p) for d in ("sync", "async", "exit") for p in reachable(d)]

@@ -54,11 +54,10 @@ from langgraph_fence.events import EventKind, FenceEvent
 from langgraph_fence.sinks import fenced_write, setup_sink
 from langgraph_fence.testing import Leases, open_leases
 from langgraph_fence.transitions import is_yielded
-from tests.chaos.write_steps import Database
-from tests.conftest import pg_engine_options, unique
-from tests.integration.test_children import Fan, Job, Work, child_graph
-from tests.integration.test_submit import cfg, serving
-from tests.polling import eventually
+from tests.support.children import Fan, Job, Work, child_graph
+from tests.support.databases import Database, pg_engine_options, unique
+from tests.support.polling import eventually
+from tests.support.serving import cfg, serving
 
 TENANT = "acme"
 

@@ -40,8 +40,7 @@ from langgraph_fence import (
     fence_graph,
     get_execution_context,
 )
-from tests.chaos.write_steps import Database, engine_options
-from tests.conftest import unique
+from tests.support.databases import Database, engine_options, unique
 
 TENANT = "acme"
 

@@ -27,8 +27,7 @@ from langgraph_fence import (
     get_execution_context,
 )
 from langgraph_fence.testing import Leases, open_leases
-from tests.chaos.write_steps import Database
-from tests.conftest import pg_engine_options
+from tests.support.databases import Database, pg_engine_options
 
 
 @pytest.fixture

@@ -9,14 +9,10 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, TypedDict
 
-import ormsgpack
 import pytest
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 from langgraph.graph import END, START, StateGraph
@@ -30,64 +26,13 @@ from langgraph_fence.records import ExecutionRecord, SqlExecutionRecords
 from langgraph_fence.serde import safe_serializer
 from langgraph_fence.serve import Server
 from langgraph_fence.testing import Leases
-from tests.conftest import SQL_BACKENDS, unique
-from tests.integration.test_serve import serving, until_status
-from tests.polling import eventually
+from tests.support.cli import cli
+from tests.support.databases import SQL_BACKENDS, unique
+from tests.support.hardening import TENANT, Log, crafted, expired, leave_marker, log_graph
+from tests.support.polling import eventually
+from tests.support.serving import serving, until_status
 
 RUNS_ON = SQL_BACKENDS
-
-TENANT = "acme"
-
-
-def leave_marker(path: str) -> str:
-    """The harmless stand-in for ``os.system``: proves code ran by leaving a file."""
-    Path(path).write_text("ran")
-    return path
-
-
-def crafted(path: Path) -> bytes:
-    """msgpack that, decoded permissively, calls ``leave_marker(path)`` (ext 0: module, name,
-    single argument): what an attacker with write access to the database would store."""
-    call = ormsgpack.packb((__name__, leave_marker.__name__, str(path)))
-    return ormsgpack.packb({"log": ormsgpack.Ext(0, call)})
-
-
-class Log(TypedDict, total=False):
-    log: list[str]
-
-
-def log_graph(instance: Instance, name: str = "served") -> Any:
-    async def step(state: Log) -> dict[str, Any]:
-        return {"log": [*state.get("log", []), "step"]}
-
-    builder = StateGraph(Log)
-    builder.add_node("step", step)
-    builder.add_edge(START, "step")
-    builder.add_edge("step", END)
-    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name=name)
-
-
-async def expired(
-    db: Leases, graph: str, *, raw: tuple[str, bytes] | None = None, tenant: str = TENANT
-) -> LeaseKey:
-    """An execution of ``graph`` whose instance died before its first checkpoint.
-
-    With ``raw`` its recorded input is replaced by those ``(input_type, bytes)``, as a row
-    written straight into ``fence_executions`` would be.
-    """
-    key = LeaseKey(tenant, unique("job"))
-    await db.records.record(ExecutionRecord(key, graph, key.execution_id, {"log": []}))
-    if raw is not None:
-        async with db.engine.begin() as conn:
-            await conn.execute(
-                text(
-                    "UPDATE fence_executions SET input_type = :t, input = :b "
-                    "WHERE tenant_id = :tenant AND execution_id = :e"
-                ),
-                {"t": raw[0], "b": raw[1], "tenant": key.tenant_id, "e": key.execution_id},
-            )
-    assert await db.store.acquire(key, "died", 30.0) is not None
-    return key
 
 
 async def test_crafted_record_runs_no_code_and_is_dead_lettered(db: Leases, tmp_path: Path) -> None:
@@ -105,7 +50,7 @@ async def test_crafted_record_runs_no_code_and_is_dead_lettered(db: Leases, tmp_
     lease = await db.store.get(poisoned)
     assert lease is not None
     assert lease.reason is not None
-    assert f"{__name__}.leave_marker" in lease.reason
+    assert f"{leave_marker.__module__}.leave_marker" in lease.reason
     assert "allow-list" in lease.reason
     untouched = await db.store.get(elsewhere)
     assert untouched is not None
@@ -387,16 +332,6 @@ async def test_failure_reasons_are_bounded_and_hold_no_driver_parameters(db: Lea
     assert len(shouted) <= 500
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "langgraph_fence.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "COLUMNS": "250"},
-    )
-
-
 async def test_cli_listings_filter_by_tenant(db: Leases, request: pytest.FixtureRequest) -> None:
     mine, theirs = unique("mine"), unique("theirs")
     for tenant in (mine, theirs):
@@ -418,7 +353,7 @@ async def test_cli_listings_filter_by_tenant(db: Leases, request: pytest.Fixture
 
 def test_a_mistyped_url_is_never_echoed_with_its_password() -> None:
     for url in ("postgresql//app:hunter2@db/prod", "postgresql://app:hunter2@db:port/prod"):
-        done = cli("executions", "--db", url)
+        done = cli("executions", "--db", url, columns=250)
         assert done.returncode == 2, done.stdout + done.stderr
         assert "hunter2" not in done.stdout + done.stderr
         assert "app:***@db" in done.stderr

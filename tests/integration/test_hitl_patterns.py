@@ -2,7 +2,7 @@
 write behind the approval: the run pauses; an approved resume writes once; a rejected one
 writes nothing; the thread takes new input afterwards.
 
-The patterns are those of ``tests/chaos/approvals.py``: ``interrupt()`` in a node (async and
+The patterns are those of ``tests/support/approvals.py``: ``interrupt()`` in a node (async and
 sync), ``interrupt()`` inside a tool (async and sync, LangGraph's own example, in
 ``create_agent`` fenced with ``fence_graph(agent)``), ``interrupt_before`` and
 ``interrupt_after``, and LangChain's ``HumanInTheLoopMiddleware``. Each runs the documented
@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from langgraph_fence import Instance, LeaseKey, LeaseStatus
-from tests.chaos.approvals import (
+from tests.support.approvals import (
     AGENTS,
     PATTERNS,
     approval,
@@ -29,8 +29,7 @@ from tests.chaos.approvals import (
     first_input,
     reject,
 )
-from tests.chaos.write_steps import Database, engine_options
-from tests.conftest import unique
+from tests.support.databases import Database, engine_options, unique
 
 
 def _config(thread: str) -> dict[str, Any]:
@@ -88,7 +87,7 @@ def _unsafe_shapes(charges: list[str]) -> dict[str, Any]:
     from langgraph.types import interrupt
 
     from langgraph_fence import fence_graph, get_execution_context
-    from tests.chaos.approvals import State
+    from tests.support.approvals import State
 
     async def two_interrupts(state: State) -> dict[str, Any]:
         interrupt("charge?")
@@ -135,7 +134,7 @@ async def test_a_pause_that_may_follow_the_write_keeps_its_stamp(
     from langgraph.types import Command
 
     from langgraph_fence import Effect, ExecutionDeadLetteredError, fence_graph
-    from tests.chaos.approvals import State
+    from tests.support.approvals import State
 
     charges: list[str] = []
     node = _unsafe_shapes(charges)[shape]

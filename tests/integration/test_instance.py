@@ -26,7 +26,7 @@ from langgraph_fence import (
 from langgraph_fence.context import get_execution_context
 from langgraph_fence.instance import Instance
 from langgraph_fence.records import SqlExecutionRecords
-from tests.conftest import SQL_BACKENDS, setup_all, unique
+from tests.support.databases import SQL_BACKENDS, setup_all, unique
 
 RUNS_ON = SQL_BACKENDS
 

@@ -10,8 +10,7 @@ from langgraph.graph import END, START, StateGraph
 
 from langgraph_fence import FencedStore, Instance, fence_graph, get_execution_context
 from langgraph_fence.database import schema_options
-from tests.chaos.write_steps import Database
-from tests.conftest import unique
+from tests.support.databases import Database, unique
 
 
 class State(TypedDict, total=False):

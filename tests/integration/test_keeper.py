@@ -39,8 +39,8 @@ from langgraph_fence.instance import Instance
 from langgraph_fence.keeper import MAX_STARTING, Keeper
 from langgraph_fence.stores.sql import SqlLeaseRepository
 from langgraph_fence.testing import Leases
-from tests.conftest import unique
-from tests.polling import eventually
+from tests.support.databases import unique
+from tests.support.polling import eventually
 
 TENANT = "acme"
 

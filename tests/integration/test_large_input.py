@@ -15,7 +15,7 @@ from sqlalchemy import text
 
 from langgraph_fence import fence_graph
 from langgraph_fence.testing import Leases
-from tests.conftest import SQL_BACKENDS, unique
+from tests.support.databases import SQL_BACKENDS, unique
 
 RUNS_ON = SQL_BACKENDS
 

@@ -1,7 +1,7 @@
 """A child's write is never repeated: its stamp stands until a resume from the ROOT would
 not run it again.
 
-The graphs of ``tests.chaos.write_steps`` (``nested-*``): START -> hold -> parent ->
+The graphs of ``tests.support.write_steps`` (``nested-*``): START -> hold -> parent ->
 receipt, where ``parent`` runs a child graph, START -> charge -> child_done, as a subgraph
 under the root's lease (a ``PARENT_INSTANCE`` child, the compiled child added as the node,
 or a grandchild two levels down). ``charge`` is the one non-idempotent write.
@@ -42,7 +42,9 @@ from langgraph_fence.faults import arm_fault
 from langgraph_fence.lease import Lease
 from langgraph_fence.records import SqlExecutionRecords
 from langgraph_fence.stores.sql import SqlLeaseRepository
-from tests.chaos.write_steps import (
+from tests.support.databases import unique
+from tests.support.polling import eventually
+from tests.support.write_steps import (
     NESTED_VARIANTS,
     TENANT,
     Database,
@@ -51,8 +53,6 @@ from tests.chaos.write_steps import (
     engine_options,
     graph_name,
 )
-from tests.conftest import unique
-from tests.polling import eventually
 
 # A's lease lapses this long after its connection is lost; long enough that a loaded box
 # never lapses it first (1.2 did in test_fault_points.py, renewals answered late).
@@ -226,6 +226,24 @@ def _parents_superstep(context: Mapping[str, Any]) -> bool:
     return not _ns(context) and context["metadata"].get("step") == 1
 
 
+def _hold_the_roots_checkpoint(
+    faults: ExitStack, lost: Lost, a: Instance, charge_stored: asyncio.Event, *, lost_in_it: bool
+) -> None:
+    """The arm both races share: charge's writes go before the root checkpoint of parent's
+    superstep, which waits until they are stored; ``lost_in_it``: the connection is lost
+    right then, so that checkpoint never lands."""
+    _child_writes_before_the_roots_checkpoint(faults, lost, a, charge_stored)
+
+    async def hold_parents_checkpoint(context: Mapping[str, Any]) -> None:
+        lost.after(context)
+        if _parents_superstep(context):
+            await asyncio.wait_for(charge_stored.wait(), DEADLINE)
+            if lost_in_it:
+                lost.now("the root checkpoint of parent's superstep")
+
+    faults.enter_context(arm_fault("checkpoint.before", hold_parents_checkpoint))
+
+
 @pytest.mark.parametrize("variant", NESTED_VARIANTS)
 async def test_a_childs_writes_clear_nothing_while_the_roots_checkpoint_is_missing(
     open_instance: OpenInstance, variant: str, tmp_path: Path
@@ -237,15 +255,7 @@ async def test_a_childs_writes_clear_nothing_while_the_roots_checkpoint_is_missi
     charge_stored = asyncio.Event()
 
     def arm(faults: ExitStack, lost: Lost, a: Instance) -> None:
-        _child_writes_before_the_roots_checkpoint(faults, lost, a, charge_stored)
-
-        async def hold_parents_checkpoint(context: Mapping[str, Any]) -> None:
-            lost.after(context)
-            if _parents_superstep(context):
-                await asyncio.wait_for(charge_stored.wait(), DEADLINE)
-                lost.now("the root checkpoint of parent's superstep")
-
-        faults.enter_context(arm_fault("checkpoint.before", hold_parents_checkpoint))
+        _hold_the_roots_checkpoint(faults, lost, a, charge_stored, lost_in_it=True)
 
     execution_id = await _run_a(open_instance, variant, tmp_path, "async", arm)
     lease = await _take_over(open_instance, variant, tmp_path, execution_id)
@@ -265,19 +275,13 @@ async def test_the_roots_late_checkpoint_proves_the_childs_writes(
     charge_stored = asyncio.Event()
 
     def arm(faults: ExitStack, lost: Lost, a: Instance) -> None:
-        _child_writes_before_the_roots_checkpoint(faults, lost, a, charge_stored)
-
-        async def hold_parents_checkpoint(context: Mapping[str, Any]) -> None:
-            lost.after(context)
-            if _parents_superstep(context):
-                await asyncio.wait_for(charge_stored.wait(), DEADLINE)
+        _hold_the_roots_checkpoint(faults, lost, a, charge_stored, lost_in_it=False)
 
         def lose_after_it(context: Mapping[str, Any]) -> None:
             lost.after(context)
             if _parents_superstep(context):
                 lost.now("right after the root checkpoint of parent's superstep")
 
-        faults.enter_context(arm_fault("checkpoint.before", hold_parents_checkpoint))
         faults.enter_context(arm_fault("checkpoint.after", lose_after_it))
 
     execution_id = await _run_a(open_instance, variant, tmp_path, "async", arm)

@@ -21,9 +21,8 @@ from sqlalchemy import text
 
 from langgraph_fence import ExecutionLeaseLostError, Instance, fence_graph
 from langgraph_fence.testing import ManualClock
-from tests.chaos.write_steps import Database
-from tests.conftest import pg_engine_options, unique
-from tests.polling import eventually
+from tests.support.databases import Database, pg_engine_options, unique
+from tests.support.polling import eventually
 
 pytestmark = pytest.mark.parametrize("database", ["postgresql"], indirect=True)
 

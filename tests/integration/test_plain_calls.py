@@ -28,8 +28,7 @@ from langgraph_fence import (
     fence_graph,
     get_execution_context,
 )
-from tests.chaos.write_steps import Database
-from tests.conftest import pg_engine_options
+from tests.support.databases import Database, pg_engine_options
 
 
 class State(TypedDict, total=False):

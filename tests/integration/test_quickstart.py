@@ -10,8 +10,6 @@ dropped after: the quickstart takes a URL, not a schema).
 from __future__ import annotations
 
 import asyncio
-import os
-import re
 import signal
 import sys
 import uuid
@@ -23,26 +21,15 @@ import pytest
 from langgraph_fence import LeaseKey, LeaseStatus
 from langgraph_fence.database import create_engine, normalize_url
 from langgraph_fence.stores import SqlLeaseRepository
-from tests.conftest import SQL_BACKENDS, _pg_admin
-from tests.polling import eventually
+from tests.support.databases import SQL_BACKENDS, pg_admin
+from tests.support.quickstart import env_importing, quickstart, start_worker, until_done
 
 #: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
 pytestmark = pytest.mark.processes
 
-#: The page the quickstart lives on (the README links to it).
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "getting-started.md"
 KEY = LeaseKey("acme", "order-42")
 # What the quickstart's charge step prints when it runs with the config it was started with.
 CHARGED = "charging order 42 for u-7 in EUR at token 2 (tags ['checkout'], recursion limit 10)"
-
-
-def quickstart() -> str:
-    """The quickstart program: the first Python block of "## Using it" in getting-started.md."""
-    text = PAGE.read_text()
-    section = text[text.index("\n## Using it\n") :]
-    found = re.search(r"```python\n(.*?)```\n", section, re.S)
-    assert found is not None, "getting-started.md's 'Using it' section has no python block"
-    return found.group(1)
 
 
 @pytest.fixture(params=SQL_BACKENDS)
@@ -53,11 +40,11 @@ def orders_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         return
     url, _ = request.getfixturevalue("pg_schema")  # skips (or fails) without PostgreSQL
     name = f"lgf_quickstart_{uuid.uuid4().hex[:12]}"
-    _pg_admin(url, f'CREATE DATABASE "{name}"')
+    pg_admin(url, f'CREATE DATABASE "{name}"')
     try:
         yield normalize_url(url).set(database=name).render_as_string(hide_password=False)
     finally:
-        _pg_admin(url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        pg_admin(url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 async def line_with(stream: asyncio.StreamReader, wanted: str, *, within: float) -> str:
@@ -80,66 +67,38 @@ async def line_with(stream: asyncio.StreamReader, wanted: str, *, within: float)
         raise AssertionError(f"{wanted!r} did not come in {within} s: {seen}") from None
 
 
-def env_importing(directory: Path) -> dict[str, str]:
-    """This process's environment, with modules in ``directory`` importable (and the ones
-    this test imports, first)."""
-    path = [str(directory), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-
-
-async def start_worker(
-    db: str, graphs: str, *options: str, cwd: Path, env: dict[str, str]
-) -> asyncio.subprocess.Process:
-    """``langgraph-fence worker --db DB --graphs GRAPHS`` polling every 0.2 s, without ``-v``;
-    its stdout and stderr are piped."""
-    return await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "langgraph_fence.cli",
-        "worker",
-        "--db",
-        db,
-        "--graphs",
-        graphs,
-        "--poll-interval",
-        "0.2",
-        *options,
-        cwd=cwd,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-
-
-async def until_done(repository: SqlLeaseRepository, key: LeaseKey, *, within: float) -> None:
-    """Wait (with a deadline) until the execution of ``key`` has ended ``done``."""
-
-    async def done() -> bool:
-        lease = await repository.get(key)
-        return lease is not None and lease.status is LeaseStatus.DONE
-
-    await eventually(done, timeout=within, what=f"{key.scope_key} to end done")
-
-
-async def test_the_quickstart_killed_mid_node_is_taken_over_by_the_worker(
+async def planning(
     tmp_path: Path, orders_db: str
-) -> None:
+) -> tuple[asyncio.subprocess.Process, dict[str, str]]:
+    """The README's quickstart, saved as ``orders.py`` and run as a program whose model
+    call in plan is slow: returned (with the environment it runs in) once it is planning
+    order 42, for the test to stop it there; killed if it never gets there."""
     (tmp_path / "orders.py").write_text(quickstart())
     env = {**env_importing(tmp_path), "ORDERS_DB": orders_db}
-    # A slow model call in plan: the program is killed in it.
     program = await asyncio.create_subprocess_exec(
         sys.executable,
         "orders.py",
         cwd=tmp_path,
         env={**env, "PLAN_SECONDS": "600"},
         stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     assert program.stdout is not None
     try:
         await line_with(program.stdout, "planning order 42", within=120)
-    finally:
-        program.send_signal(signal.SIGKILL)
-        killed_output, _ = await program.communicate()
+    except BaseException:
+        program.kill()
+        await program.communicate()
+        raise
+    return program, env
+
+
+async def test_the_quickstart_killed_mid_node_is_taken_over_by_the_worker(
+    tmp_path: Path, orders_db: str
+) -> None:
+    program, env = await planning(tmp_path, orders_db)  # the program is killed in plan
+    program.send_signal(signal.SIGKILL)
+    killed_output, _ = await program.communicate()
     assert "charging" not in killed_output.decode()
 
     worker = await start_worker(
@@ -169,22 +128,9 @@ async def test_the_quickstart_stopped_with_ctrl_c_is_handed_back_at_once(
     so a worker takes it at its next poll, not once the 10 s lease has run out; the order
     is charged once, by the worker. (It used to end ``failed``, "cancelled", and nothing
     resumed it.)"""
-    (tmp_path / "orders.py").write_text(quickstart())
-    env = {**env_importing(tmp_path), "ORDERS_DB": orders_db}
-    program = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "orders.py",
-        cwd=tmp_path,
-        env={**env, "PLAN_SECONDS": "600"},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    assert program.stdout is not None
-    try:
-        await line_with(program.stdout, "planning order 42", within=120)
-    finally:
-        program.send_signal(signal.SIGINT)
-        stopped_output, stopped_err = await asyncio.wait_for(program.communicate(), 60)
+    program, env = await planning(tmp_path, orders_db)  # Ctrl-C in plan
+    program.send_signal(signal.SIGINT)
+    stopped_output, stopped_err = await asyncio.wait_for(program.communicate(), 60)
     assert "charging" not in stopped_output.decode()
     assert "KeyboardInterrupt" in stopped_err.decode()
 

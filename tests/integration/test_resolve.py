@@ -5,9 +5,6 @@ PostgreSQL."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,13 +15,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from langgraph_fence import Effect, LeaseKey, LeaseStatus, PendingEffect, SqlLeaseRepository
 from langgraph_fence.database import create_engine
 from langgraph_fence.testing import ManualClock
-from tests.chaos.write_steps import Database
-from tests.conftest import pg_engine_options, unique
+from tests.support.cli import cli, schema_args
+from tests.support.databases import Database, pg_engine_options, unique
 
 #: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
 pytestmark = pytest.mark.processes
 
-ROOT = Path(__file__).parents[2]
 TTL = 10.0
 
 
@@ -34,21 +30,6 @@ async def engine(database: Database) -> AsyncIterator[AsyncEngine]:
     made = create_engine(database.url, **options)
     yield made
     await made.dispose()
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "langgraph_fence.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        env={**os.environ, "COLUMNS": "200"},
-    )
-
-
-def schema_args(schema: str) -> list[str]:
-    return ["--schema", schema] if schema else []
 
 
 async def test_resolve_retry_makes_a_dead_letter_pending_with_its_budget_reset(
@@ -197,7 +178,7 @@ def test_a_worker_refuses_a_budget_below_one(tmp_path: Path, bad: str) -> None:
         "--db",
         f"sqlite+aiosqlite:///{tmp_path}/w.db",
         "--graphs",
-        "tests.chaos.chaos_graphs:poison_graphs",
+        "tests.support.chaos_graphs:poison_graphs",
         "--max-takeovers",
         bad,
     )

@@ -27,11 +27,9 @@ from langgraph_fence.database import schema_options
 from langgraph_fence.instance import Instance
 from langgraph_fence.records import ExecutionRecord
 from langgraph_fence.testing import Leases
-from tests.chaos.write_steps import Database
-from tests.conftest import unique
-from tests.integration import test_hardening
-from tests.integration.test_quickstart import env_importing, start_worker, until_done
-from tests.integration.test_serve import serving, until_status
+from tests.support.databases import SQL_BACKENDS, Database, unique
+from tests.support.quickstart import env_importing, start_worker, until_done
+from tests.support.serving import serving, until_status
 
 TENANT = "acme"
 
@@ -42,7 +40,7 @@ class Context:
 
 
 #: The ``db`` fixture's instances (tests/conftest.py), on SQLite and on PostgreSQL.
-RUNS_ON = test_hardening.RUNS_ON
+RUNS_ON = SQL_BACKENDS
 CONTEXT_TYPE = {(Context.__module__, Context.__qualname__)}
 
 

@@ -24,8 +24,8 @@ from checkpointers import SqlCheckpointer
 from langgraph_fence import Instance, LeaseKey, LeaseStatus, fence_graph
 from langgraph_fence.records import SqlExecutionRecords
 from langgraph_fence.stores.sql import SqlLeaseRepository
-from tests.conftest import SQL_BACKENDS, setup_all, unique
-from tests.statements import Statements
+from tests.support.databases import SQL_BACKENDS, setup_all, unique
+from tests.support.statements import Statements
 
 RUNS_ON = SQL_BACKENDS
 

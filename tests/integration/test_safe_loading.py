@@ -19,8 +19,8 @@ from langgraph.checkpoint.serde.encrypted import EncryptedSerializer
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 
 from langgraph_fence import FencedCheckpointer
-from tests.conftest import unique
-from tests.integration.test_hardening import crafted
+from tests.support.databases import unique
+from tests.support.hardening import crafted
 
 SAVERS = ["memory", "postgres"]
 

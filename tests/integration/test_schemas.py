@@ -19,7 +19,7 @@ from sqlalchemy import text
 from checkpointers import SqlCheckpointer
 from langgraph_fence import Instance, LeaseKey, SqlLeaseRepository, fence_graph
 from langgraph_fence.database import create_engine, normalize_url
-from tests.conftest import _pg_admin
+from tests.support.databases import pg_admin
 
 
 def _dsn(url: str) -> str:
@@ -43,7 +43,7 @@ def fresh_schema(pg_schema: tuple[str, str]) -> Iterator[tuple[str, str]]:
     try:
         yield url, name
     finally:
-        _pg_admin(url, f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+        pg_admin(url, f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
 
 
 class State(TypedDict):
@@ -113,7 +113,7 @@ async def test_a_role_that_may_not_create_the_schema_is_told_in_one_line(
 ) -> None:
     url, schema = fresh_schema
     role = f"lgf_role_{uuid.uuid4().hex[:10]}"
-    _pg_admin(url, f'CREATE ROLE "{role}" LOGIN')
+    pg_admin(url, f'CREATE ROLE "{role}" LOGIN')
     try:
         as_role = normalize_url(url).set(username=role, password=None)
         with pytest.raises(ValueError, match="may not create it") as refused:
@@ -125,7 +125,7 @@ async def test_a_role_that_may_not_create_the_schema_is_told_in_one_line(
         assert f'CREATE SCHEMA "{schema}"' in message
         assert refused.value.__suppress_context__  # one line, not the driver's chain
     finally:
-        _pg_admin(url, f'DROP ROLE IF EXISTS "{role}"')
+        pg_admin(url, f'DROP ROLE IF EXISTS "{role}"')
     assert await _tables(url, schema) == set()
 
 

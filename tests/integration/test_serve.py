@@ -10,8 +10,6 @@ import asyncio
 import contextvars
 import logging
 import operator
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypedDict
 
 import pytest
@@ -33,8 +31,9 @@ from langgraph_fence.context import get_execution_context
 from langgraph_fence.instance import Instance
 from langgraph_fence.records import ExecutionRecord
 from langgraph_fence.testing import Leases
-from tests.conftest import unique
-from tests.polling import eventually
+from tests.support.databases import unique
+from tests.support.polling import eventually
+from tests.support.serving import serving, until_status
 
 worker: contextvars.ContextVar[str] = contextvars.ContextVar("worker", default="?")
 
@@ -44,38 +43,17 @@ class Order(TypedDict, total=False):
     log: Annotated[list[str], operator.add]
 
 
-async def until_status(
-    leases: Leases,
-    key: LeaseKey,
-    *statuses: LeaseStatus,
-    timeout: float = 10.0,  # noqa: ASYNC109 (eventually's deadline, checked between reads)
-) -> None:
-    """Wait (with a deadline) until the lease of ``key`` is in one of ``statuses``."""
-
-    async def reached() -> bool:
-        lease = await leases.store.get(key)
-        return lease is not None and lease.status in statuses
-
-    await eventually(reached, timeout=timeout, what=f"{key.scope_key} to reach {statuses}")
-
-
-@asynccontextmanager
-async def serving(
-    instance: Instance, graphs: dict[str, Any], **options: Any
-) -> AsyncIterator[asyncio.Event]:
-    """``instance.serve(graphs)``, polling fast, for the block; yields its stop event.
-
-    Leaving the block stops the loop (if the block did not) and waits for it to end.
-    """
-    stop = asyncio.Event()
-    task = asyncio.create_task(
-        instance.serve(graphs, poll_interval=0.02, stop=stop, handle_signals=False, **options)
-    )
-    try:
-        yield stop
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
+async def died_holding(
+    leases: Leases, b: Instance, key: LeaseKey, graph: str, given: dict[str, Any]
+) -> Lease:
+    """Instance A took ``key`` (a 30 s lease; returned) and died before its first
+    checkpoint: its record (of ``graph``, with input ``given``) is there, its lease has run
+    out."""
+    held = await leases.store.acquire(key, "A", 30.0)
+    assert held is not None
+    await b.records.record(ExecutionRecord(key, graph, key.execution_id, given))
+    leases.advance(31.0)
+    return held
 
 
 class Shop:
@@ -178,10 +156,7 @@ async def test_a_run_renewed_between_the_candidate_query_and_the_take_is_skipped
     shop = Shop(Effect.IDEMPOTENT_WRITE)
     b = leases.instance("B")
     key = LeaseKey("acme", unique("order"))
-    holder = await leases.store.acquire(key, "A", 30.0)
-    assert holder is not None
-    await b.records.record(ExecutionRecord(key, "shop", key.execution_id, {"log": []}))
-    leases.advance(31.0)
+    holder = await died_holding(leases, b, key, "shop", {"log": []})
 
     class RenewsRightAfterTheQuery:
         """Fault point: the holder wakes up between B's candidate query and B's take."""
@@ -220,9 +195,7 @@ async def test_an_execution_of_an_unknown_graph_is_left_untouched(
 ) -> None:
     b = leases.instance("B")
     key = LeaseKey("acme", unique("order"))
-    assert await leases.store.acquire(key, "A", 30.0) is not None
-    await b.records.record(ExecutionRecord(key, "payroll", key.execution_id, {"log": []}))
-    leases.advance(31.0)
+    await died_holding(leases, b, key, "payroll", {"log": []})
     with caplog.at_level(logging.WARNING, logger="langgraph_fence"):
         async with serving(b, {"shop": Shop(Effect.READ_ONLY).graph(b)}):
             await eventually(lambda: "not served here" in caplog.text)
@@ -239,11 +212,7 @@ async def test_a_run_that_died_before_its_first_checkpoint_starts_from_its_input
     shop = Shop(Effect.IDEMPOTENT_WRITE)
     b = leases.instance("B")
     key = LeaseKey("acme", unique("order"))
-    assert await leases.store.acquire(key, "A", 30.0) is not None
-    await b.records.record(
-        ExecutionRecord(key, "shop", key.execution_id, {"order": "o", "log": ["input"]})
-    )
-    leases.advance(31.0)
+    await died_holding(leases, b, key, "shop", {"order": "o", "log": ["input"]})
     worker.set("B")
     async with serving(b, {"shop": shop.graph(b)}):
         await until_status(leases, key, LeaseStatus.DONE)
@@ -262,11 +231,7 @@ async def test_a_record_the_store_cannot_read_for_a_moment_is_no_dead_letter(
     shop = Shop(Effect.IDEMPOTENT_WRITE)
     b = leases.instance("B")
     key = LeaseKey("acme", unique("order"))
-    assert await leases.store.acquire(key, "A", 30.0) is not None
-    await b.records.record(
-        ExecutionRecord(key, "shop", key.execution_id, {"order": "o", "log": ["input"]})
-    )
-    leases.advance(31.0)
+    await died_holding(leases, b, key, "shop", {"order": "o", "log": ["input"]})
     read = b.records.get
     failures: list[str] = []
 

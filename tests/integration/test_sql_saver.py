@@ -29,7 +29,7 @@ from langgraph_fence import (
 )
 from langgraph_fence.fence import RunHandle
 from langgraph_fence.testing import ManualClock
-from tests.conftest import SQL_BACKENDS, pg_engine_options, unique
+from tests.support.databases import SQL_BACKENDS, pg_engine_options, unique
 
 RUNS_ON = SQL_BACKENDS
 

@@ -9,8 +9,6 @@ a submit leaves must be all another process needs.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -29,9 +27,10 @@ from langgraph_fence import (
     fence_graph,
 )
 from langgraph_fence.testing import Leases
-from tests.chaos.write_steps import Database
-from tests.conftest import pg_engine_options, unique
-from tests.polling import eventually
+from tests.support.databases import Database, unique
+from tests.support.graphs import one_step
+from tests.support.polling import eventually
+from tests.support.serving import cfg, opened, serving
 
 TABLES = ("fence_leases", "fence_executions", "fence_thread_bindings", "fence_checkpoints")
 #: What a start or a submit writes; beside a run in flight, whose checkpoints land meanwhile
@@ -64,43 +63,11 @@ def build(instance: Instance, work: Work) -> Any:
             await gate.wait()
         return {"out": state["text"].upper()}
 
-    builder = StateGraph(State)
-    builder.add_node("shout", shout)
-    builder.add_edge(START, "shout")
-    builder.add_edge("shout", END)
-    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="shout")
-
-
-@asynccontextmanager
-async def opened(database: Database, name: str, **options: Any) -> AsyncIterator[Instance]:
-    extra = pg_engine_options(database.schema) if database.schema else {}
-    async with Instance.open(
-        database.url, engine_options=extra, instance_id=unique(name), **options
-    ) as instance:
-        yield instance
-
-
-@asynccontextmanager
-async def serving(
-    instance: Instance, graphs: dict[str, Any], **options: Any
-) -> AsyncIterator[None]:
-    stop = asyncio.Event()
-    task = asyncio.create_task(
-        instance.serve(graphs, poll_interval=0.02, stop=stop, handle_signals=False, **options)
-    )
-    try:
-        yield
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 20)
+    return one_step(instance, State, "shout", shout, name="shout")
 
 
 async def within(event: asyncio.Event, seconds: float = 10.0) -> None:
     await asyncio.wait_for(event.wait(), seconds)
-
-
-def cfg(thread: str) -> dict[str, Any]:
-    return {"configurable": {"thread_id": thread}}
 
 
 async def rows(instance: Instance, tables: tuple[str, ...] = TABLES) -> dict[str, int]:
@@ -250,7 +217,7 @@ async def test_a_cancelled_run_is_its_own_end_and_resumes_from_its_last_checkpoi
             assert work.started.count(("second", "x+1")) == 1
 
             if resume == "cli":
-                from tests.integration.test_resolve import cli, schema_args
+                from tests.support.cli import cli, schema_args
 
                 key = ["--db", database.url, *schema_args(database.schema), f"a:{thread}"]
                 # In a thread: the worker in this loop goes on (a SQLite writer mid-statement

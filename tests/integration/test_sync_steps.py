@@ -48,10 +48,9 @@ from langgraph_fence.faults import StallableRepository
 from langgraph_fence.from_thread import run_on_loop
 from langgraph_fence.sinks import fenced_write_sync, setup_sink
 from langgraph_fence.testing import ManualClock
-from tests.chaos.write_steps import Database, engine_options
-from tests.conftest import sync_engine_for, unique
-from tests.integration.test_approvals import TENANT, WAIT, invoke, lease_of, stallable
-from tests.polling import eventually
+from tests.support.databases import Database, engine_options, sync_engine_for, unique
+from tests.support.polling import eventually
+from tests.support.stalls import TENANT, WAIT, invoke, lease_of, stallable
 
 
 class Log(TypedDict):

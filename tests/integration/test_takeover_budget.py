@@ -19,9 +19,10 @@ from langgraph_fence import LeaseKey, LeaseStatus, fence_graph
 from langgraph_fence.instance import Instance
 from langgraph_fence.records import ExecutionRecord
 from langgraph_fence.testing import Leases
-from tests.conftest import unique
-from tests.integration.test_serve import serving, until_status
-from tests.polling import eventually
+from tests.support.databases import unique
+from tests.support.graphs import one_step
+from tests.support.polling import eventually
+from tests.support.serving import serving, until_status
 
 TTL = 30.0
 
@@ -181,11 +182,7 @@ async def test_a_taker_that_wrote_only_the_input_checkpoint_made_no_progress(
                 await asyncio.Event().wait()  # D dies here
             return {"log": [f"summarized by {instance.instance_id}"]}
 
-        builder = StateGraph(Order)
-        builder.add_node("summarize", summarize)
-        builder.add_edge(START, "summarize")
-        builder.add_edge("summarize", END)
-        return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="report")
+        return one_step(instance, Order, "summarize", summarize, name="report")
 
     # The first holder: recorded and holding the lease, it died before its first checkpoint.
     first = await leases.store.acquire(key, "C", TTL)

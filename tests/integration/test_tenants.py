@@ -22,13 +22,12 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.checkpoint.conformance.test_utils import generate_checkpoint
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
-from langgraph.graph import END, START, StateGraph
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from checkpointers import SqlCheckpointer
 from checkpointers.schema import CHECKPOINT_MIGRATIONS
-from langgraph_fence import LeaseKey, SqlLeaseRepository, fence_graph
+from langgraph_fence import LeaseKey, SqlLeaseRepository
 from langgraph_fence.database import create_engine, transaction
 from langgraph_fence.errors import ExecutionThreadBoundError
 from langgraph_fence.instance import Instance
@@ -37,7 +36,8 @@ from langgraph_fence.records import EXECUTION_MIGRATIONS, SqlExecutionRecords
 from langgraph_fence.run_config import RecordedRun
 from langgraph_fence.schema import LEASE_MIGRATIONS
 from langgraph_fence.tenancy import DEFAULT_TENANT, inner_thread_id, outer_thread_id
-from tests.conftest import SQL_BACKENDS, pg_engine_options, setup_all, unique
+from tests.support.databases import SQL_BACKENDS, pg_engine_options, setup_all, unique
+from tests.support.graphs import one_step
 
 TABLES = ("fence_checkpoints", "fence_checkpoint_blobs", "fence_checkpoint_writes")
 
@@ -76,11 +76,7 @@ def chat_graph(instance: Instance, step: Callable[[Chat], Any] | None = None) ->
             await step(state)
         return {"log": [f"answer:{state.get('secret', '')}"]}
 
-    builder = StateGraph(Chat)
-    builder.add_node("answer", answer)
-    builder.add_edge(START, "answer")
-    builder.add_edge("answer", END)
-    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="graph")
+    return one_step(instance, Chat, "answer", answer, name="graph")
 
 
 def thread_config(thread_id: str, tenant_id: str | None = None) -> RunnableConfig:

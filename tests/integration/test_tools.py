@@ -47,8 +47,8 @@ from langgraph_fence.errors import WriteDeadLetteredError
 from langgraph_fence.fence import FENCE_CONFIG_KEY
 from langgraph_fence.lease import Lease
 from langgraph_fence.testing import ManualClock, run_node
-from tests.agents import ScriptedModel
-from tests.conftest import SQL_BACKENDS, unique
+from tests.support.agents import ScriptedModel
+from tests.support.databases import SQL_BACKENDS, unique
 
 RUNS_ON = SQL_BACKENDS
 

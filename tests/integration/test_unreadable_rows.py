@@ -15,10 +15,10 @@ from sqlalchemy import text
 from langgraph_fence import LeaseKey, LeaseStatus
 from langgraph_fence.serve import Server
 from langgraph_fence.testing import Leases
-from tests.conftest import SQL_BACKENDS, unique
-from tests.integration.test_hardening import expired, log_graph
-from tests.integration.test_serve import serving, until_status
-from tests.polling import eventually
+from tests.support.databases import SQL_BACKENDS, unique
+from tests.support.hardening import expired, log_graph
+from tests.support.polling import eventually
+from tests.support.serving import serving, until_status
 
 RUNS_ON = SQL_BACKENDS
 

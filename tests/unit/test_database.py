@@ -23,7 +23,7 @@ from langgraph_fence.database import create_engine, normalize_url
 from langgraph_fence.fence import RunHandle
 from langgraph_fence.lease import validate_ttl
 from langgraph_fence.testing import ManualClock
-from tests.conftest import unique
+from tests.support.databases import unique
 
 BOTH = ("sqlite+aiosqlite", "postgresql+asyncpg")
 

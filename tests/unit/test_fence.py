@@ -24,8 +24,8 @@ from langgraph_fence.fence import RunHandle, safety_margin
 from langgraph_fence.from_thread import run_on_loop
 from langgraph_fence.retry import retry_connection_errors, retry_window
 from langgraph_fence.testing import ManualClock
-from tests.conftest import unique
-from tests.polling import eventually
+from tests.support.databases import unique
+from tests.support.polling import eventually
 
 TTL = 10.0
 MARGIN = safety_margin(TTL)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import pytest
 
@@ -19,8 +19,9 @@ from langgraph_fence.events import Listeners
 from langgraph_fence.fence import RunHandle
 from langgraph_fence.keeper import Keeper, default_max_held
 from langgraph_fence.testing import ManualClock
-from tests.conftest import unique
-from tests.polling import eventually
+from tests.support.clocks import SteppedClock
+from tests.support.databases import unique
+from tests.support.polling import eventually
 
 TTL = 9.0
 
@@ -90,24 +91,13 @@ class LateRenewals(MemoryLeaseRepository):
         return await super().renew_many(leases, ttl)
 
 
-async def step_until(clock: ManualClock, check: Callable[[], bool], *, within: float) -> None:
-    """Move the controlled clock on a tenth of a second at a time, letting the keeper run
-    after each step, until ``check()`` holds; fail after ``within`` seconds of it."""
-    until = clock() + within
-    while not check():
-        assert clock() < until, f"not within {within} s of the controlled clock"
-        clock.advance(0.1)
-        for _ in range(20):  # the renewal's chain of awaits: sleep, statement, answer
-            await asyncio.sleep(0)
-
-
 async def test_a_start_waits_while_renewals_run_late_and_is_refused_after_a_ttl() -> None:
     """Renewals answered with less than half a lease's on-time margin left (here 3 s late
     of 5.1 s) turn the keeper ``behind``: ``serve()``'s admission takes nothing, a new run
     waits (``in_time``) and, if they stay late for a whole TTL, is refused with
     ``InstanceFullError`` before anything of it is written. Once a renewal comes back in
     time the next start goes at once; the lease held was never lost."""
-    clock = ManualClock()
+    clock = SteppedClock()
     store = LateRenewals(clock)
     lease = await store.acquire(LeaseKey(unique("t"), unique("e")), "A", TTL)
     assert lease is not None
@@ -117,13 +107,13 @@ async def test_a_start_waits_while_renewals_run_late_and_is_refused_after_a_ttl(
     store.delay = 3.0
     keeper.keep(handle)
     try:
-        await step_until(clock, lambda: keeper.behind, within=TTL)
+        await clock.step_until(lambda: keeper.behind, within=TTL)
         assert not keeper.try_admit()  # serve() takes nothing over meanwhile
         waiting = asyncio.create_task(keeper.in_time("run B"))
         asked_at = clock()
-        await step_until(clock, lambda: clock() >= asked_at + TTL / 2, within=TTL)
+        await clock.step_until(lambda: clock() >= asked_at + TTL / 2, within=TTL)
         assert not waiting.done()  # it waits
-        await step_until(clock, waiting.done, within=TTL)
+        await clock.step_until(waiting.done, within=TTL)
         assert clock() >= asked_at + TTL  # for a whole TTL
         with pytest.raises(InstanceFullError, match="run late") as refused:
             await waiting
@@ -131,7 +121,7 @@ async def test_a_start_waits_while_renewals_run_late_and_is_refused_after_a_ttl(
         assert "was not started (nothing was written)" in str(refused.value)
         assert handle.error is None  # the lease held came first, and is held
         store.delay = 0.0
-        await step_until(clock, lambda: not keeper.behind, within=TTL)
+        await clock.step_until(lambda: not keeper.behind, within=TTL)
         await asyncio.wait_for(keeper.in_time("run C"), 1)  # at once, no clock moved
         assert keeper.try_admit()
         assert handle.error is None
@@ -143,7 +133,7 @@ async def test_a_lapsed_lease_renewed_to_tell_its_fate_does_not_hold_back_new_ru
     """A lease whose window ran out (its run is stopped) is renewed once more only to tell
     a takeover from a slow store: its negative window left says nothing of the pace of the
     renewals, so it does not turn the keeper ``behind``."""
-    clock = ManualClock()
+    clock = SteppedClock()
     store = MemoryLeaseRepository(clock=clock)
     lease = await store.acquire(LeaseKey(unique("t"), unique("e")), "A", TTL)
     assert lease is not None
@@ -152,7 +142,7 @@ async def test_a_lapsed_lease_renewed_to_tell_its_fate_does_not_hold_back_new_ru
     clock.advance(TTL)  # the window ran out before the first renewal went out
     keeper.keep(handle)
     try:
-        await step_until(clock, lambda: len(keeper.batches) >= 1, within=TTL)
+        await clock.step_until(lambda: len(keeper.batches) >= 1, within=TTL)
         assert keeper.batches[0].slack < 0
         assert isinstance(handle.error, ExecutionLeaseLostError)
         assert not keeper.behind

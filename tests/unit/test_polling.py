@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.polling import eventually, eventually_sync
+from tests.support.polling import eventually, eventually_sync
 
 
 async def test_eventually_returns_the_first_answer_that_is_not_none_or_false() -> None:

@@ -23,7 +23,7 @@ from langgraph_fence.instance import Instance
 from langgraph_fence.records import ExecutionRecord
 from langgraph_fence.serve import MAX_SERVE_BACKOFF, Server
 from langgraph_fence.testing import ManualClock
-from tests.polling import eventually
+from tests.support.polling import eventually
 
 TTL = 30.0
 POLL = 60.0  # far longer than any deadline here: a wall-clock pause would show
@@ -72,7 +72,7 @@ def server_of(instance: Instance, clock: ManualClock, **options: Any) -> Server:
         poll_interval=options.get("poll", POLL),
         max_takeovers=3,
         kwargs={},
-        sleep=clock.sleep,
+        sleep=options.get("sleep", clock.sleep),
     )
 
 
@@ -115,28 +115,40 @@ async def test_a_full_loop_takes_no_more_than_its_concurrency_per_look(
 async def test_the_loop_looks_again_only_when_its_clock_has_moved_by_the_poll_interval(
     instance: Instance, clock: ManualClock
 ) -> None:
-    server = server_of(instance, clock)
-    looks = 0
+    # What the loop does, in order: each look (with the number of pauses ended before it),
+    # each pause it begins (on the clock, for how long) and each that ends.
+    looks: list[int] = []
+    pauses: list[tuple[float, float]] = []
+    ended: list[float] = []
+    paused = asyncio.Event()
+
+    async def pause(seconds: float) -> None:
+        pauses.append((clock(), seconds))
+        paused.set()
+        await clock.sleep(seconds)
+        ended.append(clock())
+
+    server = server_of(instance, clock, sleep=pause)
     take_work = server.take_work
 
     async def counted(free: int) -> None:
-        nonlocal looks
-        looks += 1
+        looks.append(len(ended))
         await take_work(free)
 
     server.take_work = counted  # type: ignore[method-assign]
     stop = asyncio.Event()
     loop = asyncio.create_task(server.run(stop))
-    await eventually(lambda: looks == 1)
-    for _ in range(20):
-        await asyncio.sleep(0)  # the loop had every chance to look again: it waits
-    assert looks == 1
+    await paused.wait()  # after its first look the loop pauses, on the clock, for POLL
+    assert looks == [0]
+    ((began, seconds),) = pauses
+    assert seconds == POLL
     clock.advance(POLL - 0.1)
-    for _ in range(20):
-        await asyncio.sleep(0)
-    assert looks == 1
     key = await expired(instance, clock, "late")  # advances past the pause as well
-    await eventually(lambda: looks >= 2, timeout=5.0)
+    await eventually(lambda: len(looks) >= 2, timeout=5.0)
+    # The second look came of the pause's end, never before it, and the pause lasted the
+    # poll interval on the loop's clock: no wall clock, no other wake-up.
+    assert looks[1] == 1
+    assert ended[0] >= began + POLL
 
     async def done() -> bool:
         lease = await instance.repository.get(key)

@@ -1,6 +1,6 @@
 """Graphs and worker scripts for the real-process chaos tests and the takeover benchmark.
 
-Graph factories, for ``langgraph-fence worker --graphs tests.chaos.chaos_graphs:FUNCTION``
+Graph factories, for ``langgraph-fence worker --graphs tests.support.chaos_graphs:FUNCTION``
 (each takes the :class:`~langgraph_fence.instance.Instance` and returns ``{name: graph}``):
 
 * :func:`hold_graphs`: ``fence_hold`` = start -> work -> end. A worker started with the
@@ -28,7 +28,7 @@ Graph factories, for ``langgraph-fence worker --graphs tests.chaos.chaos_graphs:
 
 The ``hold`` script (one run through ``Instance.ainvoke``, held inside ``work``)::
 
-    python -m tests.chaos.chaos_graphs hold URL SCHEMA TENANT THREAD TTL RENEW SIGNAL_FILE
+    python -m tests.support.chaos_graphs hold URL SCHEMA TENANT THREAD TTL RENEW SIGNAL_FILE
 
 writes SIGNAL_FILE (JSON: token, pid) once inside ``work``, then waits until its run is
 stopped. It prints one JSON line saying how ``ainvoke`` ended, with ``time.monotonic()`` at
@@ -37,13 +37,13 @@ run finished, 1 on anything else.
 
 The ``start`` script (a client that starts executions through ``Instance.ainvoke``)::
 
-    python -m tests.chaos.chaos_graphs start URL SCHEMA TENANT TTL IDS_FILE CONCURRENCY
+    python -m tests.support.chaos_graphs start URL SCHEMA TENANT TTL IDS_FILE CONCURRENCY
 
 IDS_FILE holds one ``GRAPH EXECUTION_ID`` line per execution.
 
 The ``serve`` script (``serve()`` with every connection tagged, so a test can kill them)::
 
-    python -m tests.chaos.chaos_graphs serve URL SCHEMA APPLICATION_NAME TTL POLL
+    python -m tests.support.chaos_graphs serve URL SCHEMA APPLICATION_NAME TTL POLL
 """
 
 from __future__ import annotations
@@ -75,9 +75,9 @@ from langgraph_fence.database import transaction
 from langgraph_fence.faults import arm_fault
 from langgraph_fence.instance import Instance
 from langgraph_fence.sinks import fenced_write
-from tests.chaos.write_steps import line, spawning
-from tests.polling import eventually
-from tests.processes import MARK_DIR_ENV, Started, start_process
+from tests.support.polling import eventually
+from tests.support.processes import MARK_DIR_ENV, Started, start_process
+from tests.support.write_steps import line, spawning
 
 EXIT_FINISHED = 0
 EXIT_FENCED = 3
@@ -418,7 +418,7 @@ async def spawn_hold(
     name: str = "a",
 ) -> Started:
     """Start the ``hold`` script in a process of its own, its output in ``directory``."""
-    args = ["-m", "tests.chaos.chaos_graphs", "hold", url, schema, tenant, thread]
+    args = ["-m", "tests.support.chaos_graphs", "hold", url, schema, tenant, thread]
     return await start_process([*args, str(ttl), str(renew), str(signal_file)], directory, name)
 
 

@@ -62,9 +62,12 @@ class Statements:
             await_(driver.set_trace_callback(seen))
 
     async def take(self) -> list[str]:
-        # asyncpg hands each record to its loggers with loop.call_soon: one turn of the
-        # loop delivers the records of every query that has finished.
-        await asyncio.sleep(0)
+        # asyncpg hands each record to its loggers with loop.call_soon; the loop runs its
+        # callbacks in the order they were scheduled, so once a callback scheduled now has
+        # run, the records of every query that has finished have been delivered.
+        delivered = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_soon(delivered.set_result, None)
+        await delivered
         seen, self._seen = self._seen, []
         saver = {owner for owner, sql in seen if "fence_checkpoint" in sql.lower()}
         return [" ".join(sql.split()[:3]).upper() for owner, sql in seen if owner not in saver]

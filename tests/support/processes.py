@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tests.polling import DEFAULT_INTERVAL, eventually
+from tests.support.polling import DEFAULT_INTERVAL, eventually
 
 T = TypeVar("T")
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 #: Where the chaos scripts leave their marks, when set: a test's processes start without it.
 MARK_DIR_ENV = "LGF_CHAOS_MARK_DIR"
 STARTUP_TIMEOUT = 60.0  # imports take seconds on a busy 2-core machine
@@ -101,6 +101,22 @@ async def start_process(
             env=process_env(env),
         )
     return Started(name, proc, out, err)
+
+
+async def continued_report(worker: Started, within: float) -> dict[str, Any]:
+    """SIGCONT a SIGSTOPped ``worker`` and wait up to ``within`` seconds for it to exit; the
+    last line it printed: the JSON report of how its run ended."""
+    os.kill(worker.pid, signal.SIGCONT)
+    try:
+        await asyncio.wait_for(worker.wait(), within)
+    except TimeoutError:
+        raise AssertionError(
+            f"worker {worker.name} did not stop after SIGCONT: {worker.said()[-3000:]}"
+        ) from None
+    lines = worker.out.read_text().strip().splitlines()
+    assert lines, f"worker {worker.name} printed nothing: {tail(worker.err)}"
+    report: dict[str, Any] = json.loads(lines[-1])
+    return report
 
 
 async def wait_ready(

@@ -1,6 +1,6 @@
 """Graphs for the children chaos test (``tests/chaos/test_children_processes.py``).
 
-Factories for ``langgraph-fence worker --graphs tests.chaos.children_graphs:FUNCTION``:
+Factories for ``langgraph-fence worker --graphs tests.support.children_graphs:FUNCTION``:
 
 * :func:`fan_graphs`: ``fan`` = fan_out -> END. ``fan_out`` spawns one ``ANY_INSTANCE``
   child per item (keys ``c0``, ``c1``, ...) and waits for their outputs.
@@ -11,15 +11,14 @@ Factories for ``langgraph-fence worker --graphs tests.chaos.children_graphs:FUNC
 
 from __future__ import annotations
 
-import asyncio
 import os
-import time
 from typing import Any, TypedDict
 
 from langgraph.graph import END, START, StateGraph
 from sqlalchemy import text
 
 from langgraph_fence import ChildPlacement, Instance, fence_graph, get_execution_context
+from tests.support.polling import eventually
 
 FAN = "fan"
 TALLY = "tally"
@@ -71,14 +70,14 @@ def child_graphs(instance: Instance) -> dict[str, Any]:
                 text("INSERT INTO chaos_children VALUES (:e, :t, :p)"),
                 {"e": fence.lease_execution_id, "t": fence.token, "p": os.getpid()},
             )
-        deadline = time.monotonic() + HOLD_DEADLINE
-        while True:
+
+        async def released() -> bool:
             async with engine.connect() as conn:
-                if (await conn.execute(text("SELECT 1 FROM chaos_release"))).first():
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError("the test never released the children")
-            await asyncio.sleep(0.05)
+                return (await conn.execute(text("SELECT 1 FROM chaos_release"))).first() is not None
+
+        await eventually(
+            released, timeout=HOLD_DEADLINE, interval=0.05, what="the test to release the children"
+        )
         fence.assert_held()
         return {"out": state["text"].upper()}
 

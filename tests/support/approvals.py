@@ -21,7 +21,7 @@ worker died mid-write, after the approval.
 
 The script::
 
-    python -m tests.chaos.approvals URL SCHEMA TENANT PATTERN THREAD DIRECTORY TTL
+    python -m tests.support.approvals URL SCHEMA TENANT PATTERN THREAD DIRECTORY TTL
 
 resumes THREAD (paused at its approval) with the pattern's approval, doomed.
 """
@@ -43,7 +43,7 @@ from langgraph.graph.message import add_messages
 from langgraph.types import Command, interrupt
 
 from langgraph_fence import Effect, Instance, fence_graph, get_execution_context
-from tests.chaos.write_steps import engine_options
+from tests.support.write_steps import open_doomed
 
 PATTERNS = ("node-async", "node-sync", "tool-async", "tool-sync", "before", "after", "middleware")
 AGENTS = ("tool-async", "tool-sync", "middleware")
@@ -166,7 +166,7 @@ def _agent(instance: Instance, pattern: str, directory: Path, *, doomed: bool) -
     from langchain.agents import create_agent
     from langchain.agents.middleware import HumanInTheLoopMiddleware
 
-    from tests.agents import ScriptedModel
+    from tests.support.agents import ScriptedModel
 
     def send(to: str) -> str:
         _effect(directory, "send_email", doomed=doomed)
@@ -226,12 +226,7 @@ def graph_name(pattern: str) -> str:
 async def doomed(
     url: str, schema: str, tenant: str, pattern: str, thread: str, directory: Path, ttl: float
 ) -> int:
-    async with Instance.open(
-        url,
-        engine_options=engine_options(url, schema),
-        instance_id=f"doomed-{os.getpid()}",
-        lease_ttl=ttl,
-    ) as instance:
+    async with open_doomed(url, schema, ttl) as instance:
         graph = build(instance, pattern, directory, doomed=True)
         await instance.ainvoke(
             graph, approval(pattern), {"configurable": {"thread_id": thread}}, tenant_id=tenant

@@ -1,16 +1,17 @@
 """Worker A of the store's langgraph#8796-style chaos test, run as its own process; and the
 ``--graphs`` factory worker B (``langgraph-fence worker``) serves.
 
-    python -m tests.chaos.store_worker URL SCHEMA TENANT THREAD TTL RENEW SIGNAL_FILE RENEWALS
+    python -m tests.support.store_worker URL SCHEMA TENANT THREAD TTL RENEW SIGNAL_FILE RENEWALS
 
 The graph ``memory``: ``recall`` -> ``remember``; ``remember`` writes the thread's summary to
 the store under ``("memories", THREAD)`` with the token it runs under. In A, ``remember``
 first creates SIGNAL_FILE and blocks its whole process reading a line from stdin (a GC pause
 holding the event loop: no renewal runs); the test SIGSTOPs it there, lets B take over and
 write its own summary, writes ``go`` and SIGCONTs it. A then writes its stale summary at
-once. With RENEWALS ``held`` A's renew timer never fires (its sleep never returns), so the
-write itself, not a renewal, meets the take-over: the store's own guard must refuse it. With
-``running`` the timer, overdue after the pause, races the write. A prints one JSON line
+once. With RENEWALS ``held`` A renews as usual up to ``remember`` and never again from the
+moment it blocks (:class:`HeldAtPause`: a timer overdue after the pause does not fire), so
+the write itself, not a renewal, meets the take-over: the store's own guard must refuse it.
+With ``running`` the timer, overdue after the pause, races the write. A prints one JSON line
 saying how its run ended; exits 3 when its run was fenced, 0 when it finished, 1 on
 anything else.
 """
@@ -37,7 +38,7 @@ from langgraph_fence import (
 )
 from langgraph_fence.database import schema_options
 from langgraph_fence.instance import Instance
-from tests.chaos.chaos_graphs import EXIT_FENCED, EXIT_FINISHED, write_json_atomically
+from tests.support.chaos_graphs import EXIT_FENCED, EXIT_FINISHED, write_json_atomically
 
 MEMORY_GRAPH = "memory"
 
@@ -84,8 +85,27 @@ def memory_graphs(instance: Instance) -> dict[str, Any]:
     return {MEMORY_GRAPH: build_memory_graph(instance)}
 
 
-async def _never(seconds: float) -> None:
-    await asyncio.Event().wait()
+class HeldAtPause:
+    """The keeper's sleep in A with RENEWALS ``held``: a real sleep until :meth:`hold`, then
+    one that never returns, also for a sleep begun before (it wakes overdue after the pause,
+    and goes back to sleep for good instead of renewing).
+
+    Held from the pause only, not from the start: a run whose renewals never run loses its
+    lease (its node-entry check) TTL seconds after taking it, and on a busy machine getting
+    from the take to ``remember`` can last that long: A then exited before the pause.
+    """
+
+    def __init__(self) -> None:
+        self.held = False
+
+    def hold(self) -> None:
+        self.held = True
+
+    async def __call__(self, seconds: float) -> None:
+        if not self.held:
+            await asyncio.sleep(seconds)
+        if self.held:
+            await asyncio.Event().wait()
 
 
 async def main(
@@ -98,7 +118,10 @@ async def main(
     signal: Path,
     renewals: str,
 ) -> int:
-    options: dict[str, Any] = {"sleep": _never} if renewals == "held" else {}
+    # An injected sleep also keeps the renewals on this loop (no renewer thread), so the
+    # blocked loop is all that stops them.
+    sleep = HeldAtPause()
+    options: dict[str, Any] = {"sleep": sleep} if renewals == "held" else {}
     async with Instance.open(
         url,
         engine_options=schema_options(schema),
@@ -109,6 +132,7 @@ async def main(
     ) as instance:
 
         def before_write(token: int) -> None:
+            sleep.hold()  # from here on no renewal: the write meets the take-over alone
             write_json_atomically(signal, {"token": token, "pid": os.getpid()})
             # Blocks the event loop itself, as a GC pause would: no renewal runs meanwhile.
             line = sys.stdin.readline()

@@ -34,7 +34,7 @@ per lease lost the slow write (the fast writes had cleared the only stamp). Anyw
 
 The script::
 
-    python -m tests.chaos.write_steps URL SCHEMA TENANT VARIANT DURABILITY TTL DIR FAULT IDS...
+    python -m tests.support.write_steps URL SCHEMA TENANT VARIANT DURABILITY TTL DIR FAULT IDS...
 
 runs one execution per id (thread = execution id) through ``Instance.ainvoke``, doomed.
 FAULT is ``-`` or a fault point (``langgraph_fence.faults.FAULT_POINTS``): the process then
@@ -51,6 +51,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, TypedDict
@@ -71,7 +72,7 @@ from langgraph_fence import (
 )
 from langgraph_fence.faults import arm_fault
 from langgraph_fence.lease import Lease
-from tests.polling import eventually, eventually_sync
+from tests.support.polling import eventually, eventually_sync
 
 AGENTS = ("react-v1", "react-v2", "toolnode", "create-agent")
 #: The agents with sync tools: two of the above, and a sync node calling the tools itself.
@@ -315,7 +316,7 @@ def _build_agent(instance: Instance, variant: str, directory: Path, *, doomed: b
     from langchain_core.messages import AIMessage
     from langchain_core.tools import tool
 
-    from tests.agents import ScriptedModel
+    from tests.support.agents import ScriptedModel
 
     kind, first = variant.removeprefix("agent-").rsplit("-", 1)
     sync_tools = kind in SYNC_TOOL_AGENTS
@@ -479,7 +480,7 @@ async def spawn(
         return await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "tests.chaos.write_steps",
+            "tests.support.write_steps",
             database.url,
             database.schema or "-",
             TENANT,
@@ -558,6 +559,17 @@ def _kill_after_charge(point: str, charge_began: list[bool]) -> Any:
     return action
 
 
+def open_doomed(url: str, schema: str, ttl: float) -> AbstractAsyncContextManager[Instance]:
+    """The instance of a doomed process (killed mid-write by the test's fault): on the
+    test's database, named by its pid, holding its leases ``ttl`` seconds."""
+    return Instance.open(
+        url,
+        engine_options=engine_options(url, schema),
+        instance_id=f"doomed-{os.getpid()}",
+        lease_ttl=ttl,
+    )
+
+
 async def doomed(
     url: str,
     schema: str,
@@ -569,12 +581,7 @@ async def doomed(
     fault: str,
     ids: list[str],
 ) -> int:
-    async with Instance.open(
-        url,
-        engine_options=engine_options(url, schema),
-        instance_id=f"doomed-{os.getpid()}",
-        lease_ttl=ttl,
-    ) as instance:
+    async with open_doomed(url, schema, ttl) as instance:
         charge_began: list[bool] = []
         graph = build_graph(
             instance,
