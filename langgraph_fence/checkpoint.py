@@ -62,6 +62,7 @@ from .errors import (
 )
 from .faults import fault_point
 from .fence import FENCE_CONFIG_KEY, RunHandle
+from .from_thread import hop
 from .proofs import CheckpointAt
 from .serde import strict_serde
 from .tenancy import (
@@ -670,7 +671,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         if running is not None and (loop is None or running is loop):
             raise asyncio.InvalidStateError(_LOOP_THREAD_ERROR.format(name="FencedCheckpointer"))
         if isinstance(loop, asyncio.AbstractEventLoop) and loop.is_running():
-            return asyncio.run_coroutine_threadsafe(coro_fn(), loop).result()
+            return hop(loop, coro_fn)
         # No loop serves this saver (a plain sync program): run the check on a loop of our own.
         return asyncio.run(coro_fn())
 

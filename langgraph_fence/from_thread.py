@@ -18,7 +18,14 @@ from typing import Any, TypeVar
 
 from .errors import ExecutionContextUnavailableError
 
-__all__ = ["LoopThread", "caller_discards_result", "loop_thread", "run_on_loop", "running_loop"]
+__all__ = [
+    "LoopThread",
+    "caller_discards_result",
+    "hop",
+    "loop_thread",
+    "run_on_loop",
+    "running_loop",
+]
 
 T = TypeVar("T")
 
@@ -91,6 +98,16 @@ def run_on_loop(
             f"{what} was called as a blocking call on the event loop's own thread, where "
             f"waiting for the loop would deadlock: {on_loop}"
         )
+    return hop(loop, make)
+
+
+def hop(loop: asyncio.AbstractEventLoop, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """The one hop from a thread to ``loop``: run ``make()`` there and block this thread
+    until it returns; its exception is raised here as the same object.
+
+    The caller has checked that ``loop`` runs and is not this thread's own (waiting for it
+    here would deadlock): :func:`run_on_loop` does, and names the fix when it is not so.
+    """
     return asyncio.run_coroutine_threadsafe(make(), loop).result()
 
 

@@ -57,6 +57,7 @@ from ..database import Dialect, check_engine, create_engine, transaction
 from ..errors import ExecutionLeaseLostError
 from ..faults import fault_point
 from ..fence import RunHandle
+from ..from_thread import hop
 from ..lease import Lease
 from ..migrations import migrate
 from ..retry import retry_window
@@ -858,7 +859,7 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
                 "threads). On the loop, use the async methods: await saver.aget_tuple(...), "
                 "await graph.ainvoke(...)"
             )
-        return asyncio.run_coroutine_threadsafe(make(), loop).result()
+        return hop(loop, make)
 
     async def _alist_all(
         self,
