@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from tests.docs.pages import DOCS, ROOT
+from tests.support.pages import DOCS, ROOT
 
 CLI = ROOT / "langgraph_fence" / "cli" / "_parser.py"
 PAGE = DOCS / "cli.md"

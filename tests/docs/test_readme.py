@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs.pages import PAGES, README, ROOT
+from tests.support.pages import PAGES, README, ROOT
 
 LIMIT = 10 * 1024
 #: A markdown link's target: [text](target), not an image's, not inside inline code.

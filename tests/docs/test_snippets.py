@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs.pages import Block, all_blocks
+from tests.support.pages import Block, all_blocks
 
 BLOCKS = all_blocks()
 PROGRAMS = [block for block in BLOCKS if not block.fragment]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from tests.docs.pages import DOCS, ROOT
+from tests.support.pages import DOCS, ROOT
 
 PAGE = DOCS / "troubleshooting.md"
 _CODE = re.compile(r"""\bcode\s*(?::\s*ClassVar\[str\])?\s*=\s*["']([\w.-]+)["']""")
