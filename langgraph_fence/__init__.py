@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     __version__: str
-    from .checkpoint import FencedCheckpointer
-    from .checkpointers import SqlCheckpointer, SqlStore
-    from .children import Child, ChildPlacement
-    from .context import ExecutionContext, get_execution_context
-    from .effects import Effect
-    from .errors import (
+    from langgraph_fence.checkpoint import FencedCheckpointer
+    from langgraph_fence.checkpointers import SqlCheckpointer, SqlStore
+    from langgraph_fence.children import Child, ChildPlacement
+    from langgraph_fence.context import ExecutionContext, get_execution_context
+    from langgraph_fence.effects import Effect
+    from langgraph_fence.errors import (
         ChildFailedError,
         ExecutionBusyError,
         ExecutionContextUnavailableError,
@@ -29,60 +29,66 @@ if TYPE_CHECKING:
         RunFailedError,
         find_fence_error,
     )
-    from .events import EventKind, FenceEvent
-    from .fence import ExecutionFence
-    from .graph import fence_graph
-    from .instance import Instance
-    from .lease import ExecutionLeaseRepository, Lease, LeaseKey, LeaseStatus, PendingEffect
-    from .nodes import fenced
-    from .queue import RunState, SubmittedRun
-    from .scope import parse_scope_key, scope_key
-    from .store import FencedStore
-    from .stores import MemoryLeaseRepository, SqlLeaseRepository
-    from .tools import fence_tools
+    from langgraph_fence.events import EventKind, FenceEvent
+    from langgraph_fence.fence import ExecutionFence
+    from langgraph_fence.graph import fence_graph
+    from langgraph_fence.instance import Instance
+    from langgraph_fence.lease import (
+        ExecutionLeaseRepository,
+        Lease,
+        LeaseKey,
+        LeaseStatus,
+        PendingEffect,
+    )
+    from langgraph_fence.nodes import fenced
+    from langgraph_fence.queue import RunState, SubmittedRun
+    from langgraph_fence.scope import parse_scope_key, scope_key
+    from langgraph_fence.store import FencedStore
+    from langgraph_fence.stores import MemoryLeaseRepository, SqlLeaseRepository
+    from langgraph_fence.tools import fence_tools
 
 # Each public name is imported from its module on first use (PEP 562): `import
 # langgraph_fence` (and the CLI's `--help` and listings) must not load LangGraph.
 _WHERE = {
-    "Child": ".children",
-    "ChildFailedError": ".errors",
-    "ChildPlacement": ".children",
-    "Effect": ".effects",
-    "ExecutionBusyError": ".errors",
-    "ExecutionContext": ".context",
-    "ExecutionContextUnavailableError": ".errors",
-    "EventKind": ".events",
-    "ExecutionDeadLetteredError": ".errors",
-    "ExecutionEndedError": ".errors",
-    "ExecutionFence": ".fence",
-    "ExecutionFencedError": ".errors",
-    "ExecutionLeaseHeldError": ".errors",
-    "ExecutionLeaseLostError": ".errors",
-    "ExecutionLeaseRepository": ".lease",
-    "FenceEvent": ".events",
-    "FencedCheckpointer": ".checkpoint",
-    "FencedStore": ".store",
-    "Instance": ".instance",
-    "InstanceFullError": ".errors",
-    "LangGraphFenceError": ".errors",
-    "Lease": ".lease",
-    "LeaseKey": ".lease",
-    "LeaseStatus": ".lease",
-    "MemoryLeaseRepository": ".stores",
-    "PendingEffect": ".lease",
-    "RunFailedError": ".errors",
-    "RunState": ".queue",
-    "SqlCheckpointer": ".checkpointers",
-    "SqlLeaseRepository": ".stores",
-    "SqlStore": ".checkpointers",
-    "SubmittedRun": ".queue",
-    "fence_graph": ".graph",
-    "fence_tools": ".tools",
-    "fenced": ".nodes",
-    "find_fence_error": ".errors",
-    "get_execution_context": ".context",
-    "parse_scope_key": ".scope",
-    "scope_key": ".scope",
+    "Child": "langgraph_fence.children",
+    "ChildFailedError": "langgraph_fence.errors",
+    "ChildPlacement": "langgraph_fence.children",
+    "Effect": "langgraph_fence.effects",
+    "ExecutionBusyError": "langgraph_fence.errors",
+    "ExecutionContext": "langgraph_fence.context",
+    "ExecutionContextUnavailableError": "langgraph_fence.errors",
+    "EventKind": "langgraph_fence.events",
+    "ExecutionDeadLetteredError": "langgraph_fence.errors",
+    "ExecutionEndedError": "langgraph_fence.errors",
+    "ExecutionFence": "langgraph_fence.fence",
+    "ExecutionFencedError": "langgraph_fence.errors",
+    "ExecutionLeaseHeldError": "langgraph_fence.errors",
+    "ExecutionLeaseLostError": "langgraph_fence.errors",
+    "ExecutionLeaseRepository": "langgraph_fence.lease",
+    "FenceEvent": "langgraph_fence.events",
+    "FencedCheckpointer": "langgraph_fence.checkpoint",
+    "FencedStore": "langgraph_fence.store",
+    "Instance": "langgraph_fence.instance",
+    "InstanceFullError": "langgraph_fence.errors",
+    "LangGraphFenceError": "langgraph_fence.errors",
+    "Lease": "langgraph_fence.lease",
+    "LeaseKey": "langgraph_fence.lease",
+    "LeaseStatus": "langgraph_fence.lease",
+    "MemoryLeaseRepository": "langgraph_fence.stores",
+    "PendingEffect": "langgraph_fence.lease",
+    "RunFailedError": "langgraph_fence.errors",
+    "RunState": "langgraph_fence.queue",
+    "SqlCheckpointer": "langgraph_fence.checkpointers",
+    "SqlLeaseRepository": "langgraph_fence.stores",
+    "SqlStore": "langgraph_fence.checkpointers",
+    "SubmittedRun": "langgraph_fence.queue",
+    "fence_graph": "langgraph_fence.graph",
+    "fence_tools": "langgraph_fence.tools",
+    "fenced": "langgraph_fence.nodes",
+    "find_fence_error": "langgraph_fence.errors",
+    "get_execution_context": "langgraph_fence.context",
+    "parse_scope_key": "langgraph_fence.scope",
+    "scope_key": "langgraph_fence.scope",
 }
 
 
@@ -103,7 +109,7 @@ def __getattr__(name: str) -> Any:
     elif module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     else:
-        value = getattr(import_module(module, __name__), name)
+        value = getattr(import_module(module), name)
     globals()[name] = value
     return value
 

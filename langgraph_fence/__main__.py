@@ -3,6 +3,6 @@
 
 import sys
 
-from .cli import main
+from langgraph_fence.cli import main
 
 sys.exit(main())

@@ -44,16 +44,16 @@ from sqlalchemy import and_, delete, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from .database import transaction
-from .errors import ExecutionLeaseHeldError
-from .lease import Lease, LeaseKey, LeaseStatus, validate_holder, validate_ttl
-from .schema import LEASES
-from .stores import base_store
-from .transitions import fenced_error
+from langgraph_fence.database import transaction
+from langgraph_fence.errors import ExecutionLeaseHeldError
+from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus, validate_holder, validate_ttl
+from langgraph_fence.schema import LEASES
+from langgraph_fence.stores import base_store
+from langgraph_fence.transitions import fenced_error
 
 if TYPE_CHECKING:
-    from .lease import ExecutionLeaseRepository
-    from .records import ExecutionRecords
+    from langgraph_fence.lease import ExecutionLeaseRepository
+    from langgraph_fence.records import ExecutionRecords
 
 __all__ = [
     "AdminHold",
@@ -138,7 +138,7 @@ def decide_admin_give_back(found: Lease | None, held: Lease, *, erased: bool) ->
 
 async def _take(store: Any, key: LeaseKey, holder: str, ttl: float) -> AdminHold | Lease:
     """Take ``key`` for the admin; the hold, or the lease that refused it."""
-    from .stores.sql import SqlLeaseRepository
+    from langgraph_fence.stores.sql import SqlLeaseRepository
 
     if not isinstance(store, SqlLeaseRepository):
         now = await store.now()
@@ -191,7 +191,7 @@ async def _take_row(store: Any, key: LeaseKey, holder: str, ttl: float) -> Admin
 
 async def _give_back(store: Any, hold: AdminHold, *, erased: bool) -> None:
     """Give the admin's hold back (see :func:`decide_admin_give_back`); guarded by it."""
-    from .stores.sql import SqlLeaseRepository
+    from langgraph_fence.stores.sql import SqlLeaseRepository
 
     held, key = hold.held, hold.key
     after = decide_admin_give_back(hold.found, held, erased=erased)
@@ -386,7 +386,7 @@ class ThreadAdmin:
         if self.store is not None:
             await self.store.erase_written_by(hold.key.tenant_id, hold.key.execution_id)
         if self.sink_engine is not None:
-            from .sinks import erase_results
+            from langgraph_fence.sinks import erase_results
 
             await erase_results(self.sink_engine, hold.key.scope_key)
 

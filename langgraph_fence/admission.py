@@ -15,12 +15,12 @@ from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.serde.types import ERROR, INTERRUPT
 from langgraph.config import get_config
 
-from ._compat import pregel_runtime
-from .errors import ExecutionFencedError, ExecutionLeaseLostError
-from .fence import FENCE_CONFIG_KEY, RunHandle
-from .guard import holds
-from .proofs import CheckpointAt
-from .transitions import fenced_error
+from langgraph_fence._compat import pregel_runtime
+from langgraph_fence.errors import ExecutionFencedError, ExecutionLeaseLostError
+from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
+from langgraph_fence.guard import holds
+from langgraph_fence.proofs import CheckpointAt
+from langgraph_fence.transitions import fenced_error
 
 __all__ = [
     "admit_write",

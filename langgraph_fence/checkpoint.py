@@ -47,7 +47,7 @@ from langgraph.checkpoint.base import (
     DeltaChannelHistory,
 )
 
-from .admission import (
+from langgraph_fence.admission import (
     admit_write,
     check_held,
     checkpoint_clear_keys,
@@ -56,16 +56,13 @@ from .admission import (
     writes_clear_keys,
     writes_proof,
 )
-from .errors import (
-    ExecutionContextUnavailableError,
-    ExecutionLeaseLostError,
-)
-from .faults import fault_point
-from .fence import FENCE_CONFIG_KEY, RunHandle
-from .from_thread import hop
-from .proofs import CheckpointAt
-from .serde import strict_serde
-from .tenancy import (
+from langgraph_fence.errors import ExecutionContextUnavailableError, ExecutionLeaseLostError
+from langgraph_fence.faults import fault_point
+from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
+from langgraph_fence.from_thread import hop
+from langgraph_fence.proofs import CheckpointAt
+from langgraph_fence.serde import strict_serde
+from langgraph_fence.tenancy import (
     DEFAULT_TENANT,
     LEGACY_TENANT,
     inner_thread_id,
@@ -76,7 +73,7 @@ from .tenancy import (
 )
 
 if TYPE_CHECKING:
-    from .admin import ThreadAdmin
+    from langgraph_fence.admin import ThreadAdmin
 
 __all__ = ["FencedCheckpointer", "GraphRunner"]
 

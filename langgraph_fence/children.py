@@ -46,19 +46,19 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from langgraph_fence.errors import (
     ChildFailedError,
     ExecutionFencedError,
     ExecutionLeaseLostError,
     find_fence_error,
 )
-from .lease import LeaseKey, LeaseStatus
-from .scope import parse_scope_key, scope_key
-from .validate import positive_seconds, text_id
+from langgraph_fence.lease import LeaseKey, LeaseStatus
+from langgraph_fence.scope import parse_scope_key, scope_key
+from langgraph_fence.validate import positive_seconds, text_id
 
 if TYPE_CHECKING:
-    from .fence import ExecutionFence, RunHandle
-    from .queue import RunState, SubmittedRuns
+    from langgraph_fence.fence import ExecutionFence, RunHandle
+    from langgraph_fence.queue import RunState, SubmittedRuns
 
 __all__ = [
     "CHILD_ID_PREFIX",
@@ -336,7 +336,7 @@ async def wait_children(
     if timeout is not None:
         timeout = positive_seconds("timeout", timeout, what="how long wait_children() waits")
     pause = positive_seconds("poll_interval", poll_interval, what="between looks at children")
-    from .notifications import ENDS_CHANNEL
+    from langgraph_fence.notifications import ENDS_CHANNEL
 
     handle = step.handle
     remote = [child for child in children if child._local is None]
@@ -513,8 +513,8 @@ async def _spawn_here(step: Step, graph_name: str, input: Any, key: str, graph: 
     inherits the step's context (its config, hence the root's handle)."""
     from langchain_core.runnables.config import ensure_config
 
-    from .checkpoint import FencedCheckpointer
-    from .fail_closed import refuse_unfenced
+    from langgraph_fence.checkpoint import FencedCheckpointer
+    from langgraph_fence.fail_closed import refuse_unfenced
 
     await _still_held(step)
     handle = step.handle
@@ -539,7 +539,7 @@ async def _spawn_here(step: Step, graph_name: str, input: Any, key: str, graph: 
 
 
 def _queue_of(handle: RunHandle) -> SubmittedRuns:
-    from .host import InstanceHost
+    from langgraph_fence.host import InstanceHost
 
     host = handle.host
     if not isinstance(host, InstanceHost):

@@ -15,12 +15,12 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from .effects import Effect
-from .errors import ExecutionContextUnavailableError
-from .fence import ExecutionFence, RunHandle, enter_step, held, leave_step
+from langgraph_fence.effects import Effect
+from langgraph_fence.errors import ExecutionContextUnavailableError
+from langgraph_fence.fence import ExecutionFence, RunHandle, enter_step, held, leave_step
 
 if TYPE_CHECKING:
-    from .children import Child, ChildPlacement
+    from langgraph_fence.children import Child, ChildPlacement
 
 __all__ = [
     "CONTEXT_CONFIG_KEY",
@@ -147,7 +147,7 @@ class ExecutionContext:
                 frame used in a child step).
             ValueError, TypeError: a bad argument, named with the fix.
         """
-        from .children import Step, spawn_child
+        from langgraph_fence.children import Step, spawn_child
 
         # The spawn is a write under this step's token: beside a wait of this step for
         # remote children, the yielded lease is taken again first.
@@ -195,7 +195,7 @@ class ExecutionContext:
             ValueError, TypeError: a bad argument or an input that cannot be recorded,
                 named with the fix; nothing spawned.
         """
-        from .children import Step, spawn_children
+        from langgraph_fence.children import Step, spawn_children
 
         return await spawn_children(
             Step(self._handle, self.fence), graph_name, inputs, placement=placement, graph=graph
@@ -239,7 +239,7 @@ class ExecutionContext:
             TimeoutError: not all had ended within ``timeout``.
             ExecutionFencedError: this step's execution was taken over.
         """
-        from .children import Step, wait_children
+        from langgraph_fence.children import Step, wait_children
 
         return await wait_children(
             Step(self._handle, self.fence),

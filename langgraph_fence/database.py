@@ -27,8 +27,8 @@ from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import StaticPool
 
-from .redact import mask_password
-from .validate import text_id
+from langgraph_fence.redact import mask_password
+from langgraph_fence.validate import text_id
 
 __all__ = [
     "READ_ONLY",
@@ -254,7 +254,7 @@ def autocommit(engine: AsyncEngine) -> AsyncEngine:
     A statement sent without BEGIN/COMMIT on a connection not in autocommit would be rolled
     back when the connection goes home.
     """
-    from ._compat import sqlalchemy_engine_autocommit
+    from langgraph_fence._compat import sqlalchemy_engine_autocommit
 
     if engine.dialect.name != "postgresql" or sqlalchemy_engine_autocommit(engine):
         return engine

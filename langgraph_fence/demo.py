@@ -32,19 +32,19 @@ from langchain_core.runnables import RunnableConfig
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-from .context import get_execution_context
-from .database import create_engine, normalize_url
-from .effects import Effect
-from .errors import ExecutionLeaseLostError, find_fence_error
-from .events import FenceEvent
-from .faults import StallableRepository, StallGate
-from .graph import fence_graph
-from .instance import Instance
-from .lease import LeaseKey
-from .records import SqlExecutionRecords
-from .redact import mask_password
-from .sinks import fenced_write, setup_sink
-from .stores.sql import SqlLeaseRepository
+from langgraph_fence.context import get_execution_context
+from langgraph_fence.database import create_engine, normalize_url
+from langgraph_fence.effects import Effect
+from langgraph_fence.errors import ExecutionLeaseLostError, find_fence_error
+from langgraph_fence.events import FenceEvent
+from langgraph_fence.faults import StallableRepository, StallGate
+from langgraph_fence.graph import fence_graph
+from langgraph_fence.instance import Instance
+from langgraph_fence.lease import LeaseKey
+from langgraph_fence.records import SqlExecutionRecords
+from langgraph_fence.redact import mask_password
+from langgraph_fence.sinks import fenced_write, setup_sink
+from langgraph_fence.stores.sql import SqlLeaseRepository
 
 __all__ = ["DEFAULT_DEMO_FILE", "DEFAULT_DEMO_SCHEMA", "DemoResult", "TimelineEvent", "run_demo"]
 
@@ -249,7 +249,7 @@ async def run_demo(db: str | None = None, *, schema: str | None = None) -> DemoR
     Raises:
         ValueError: an unsupported URL, or a schema given for SQLite.
     """
-    from .checkpointers import SqlCheckpointer
+    from langgraph_fence.checkpointers import SqlCheckpointer
 
     url = db or f"sqlite+aiosqlite:///{Path.cwd() / DEFAULT_DEMO_FILE}"
     postgres = normalize_url(url).get_backend_name() == "postgresql"

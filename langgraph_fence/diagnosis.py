@@ -15,9 +15,9 @@ import os
 import socket
 from dataclasses import dataclass
 
-from .database import check_sqlite_folder, normalize_url
-from .errors import linked_errors
-from .redact import mask_password
+from langgraph_fence.database import check_sqlite_folder, normalize_url
+from langgraph_fence.errors import linked_errors
+from langgraph_fence.redact import mask_password
 
 __all__ = ["Target", "check_sqlite_file", "explain_database_error"]
 

@@ -18,8 +18,8 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from ._compat import runnable_callable_type, tool_node_tools
-from .effects import EFFECT_ATTRIBUTE
+from langgraph_fence._compat import runnable_callable_type, tool_node_tools
+from langgraph_fence.effects import EFFECT_ATTRIBUTE
 
 __all__ = ["refuse_unfenced", "refuse_unfenced_task", "unfenced_parts"]
 

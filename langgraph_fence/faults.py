@@ -33,8 +33,14 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Se
 from contextlib import contextmanager
 from typing import Any
 
-from .errors import ExecutionFencedError
-from .lease import ExecutionLeaseRepository, Lease, LeaseKey, LeaseStatus, PendingEffect
+from langgraph_fence.errors import ExecutionFencedError
+from langgraph_fence.lease import (
+    ExecutionLeaseRepository,
+    Lease,
+    LeaseKey,
+    LeaseStatus,
+    PendingEffect,
+)
 
 __all__ = ["FAULT_POINTS", "StallGate", "StallableRepository", "arm_fault", "fault_point"]
 

@@ -28,21 +28,21 @@ from typing import TYPE_CHECKING, Any
 
 from langgraph.errors import GraphDrained
 
-from .errors import (
+from langgraph_fence.errors import (
     ExecutionContextUnavailableError,
     ExecutionDeadLetteredError,
     ExecutionFencedError,
     ExecutionLeaseLostError,
 )
-from .faults import fault_point
-from .from_thread import caller_discards_result, run_on_loop, running_loop
-from .lease import Lease, LeaseKey, PendingEffect, validate_ttl
-from .proofs import WriteProofs
-from .retry import retry_window
-from .tree_activity import RunHost, TreeActivity
+from langgraph_fence.faults import fault_point
+from langgraph_fence.from_thread import caller_discards_result, run_on_loop, running_loop
+from langgraph_fence.lease import Lease, LeaseKey, PendingEffect, validate_ttl
+from langgraph_fence.proofs import WriteProofs
+from langgraph_fence.retry import retry_window
+from langgraph_fence.tree_activity import RunHost, TreeActivity
 
 if TYPE_CHECKING:
-    from .lease import ExecutionLeaseRepository
+    from langgraph_fence.lease import ExecutionLeaseRepository
 
 __all__ = ["FENCE_CONFIG_KEY", "ExecutionFence", "RunHandle", "safety_margin"]
 

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from .errors import ExecutionContextUnavailableError
+from langgraph_fence.errors import ExecutionContextUnavailableError
 
 __all__ = [
     "LoopThread",

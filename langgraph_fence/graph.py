@@ -11,11 +11,11 @@ from typing import Any, cast
 
 from langchain_core.runnables import RunnableConfig
 
-from ._compat import runnable_callable_type, tool_node_tools
-from .context import StampAt
-from .effects import EFFECT_ATTRIBUTE, Effect, EffectLike, as_effect
-from .nodes import check_stamp_at, guard_retry_policy, wrap_step
-from .tools import fence_tools
+from langgraph_fence._compat import runnable_callable_type, tool_node_tools
+from langgraph_fence.context import StampAt
+from langgraph_fence.effects import EFFECT_ATTRIBUTE, Effect, EffectLike, as_effect
+from langgraph_fence.nodes import check_stamp_at, guard_retry_policy, wrap_step
+from langgraph_fence.tools import fence_tools
 
 __all__ = ["fence_graph"]
 

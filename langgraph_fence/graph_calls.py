@@ -32,17 +32,17 @@ from typing import TYPE_CHECKING, Any
 
 from langchain_core.runnables.config import ensure_config
 
-from ._compat import hook_pregel, hook_task_call
-from .context import current_frame
-from .errors import ExecutionContextUnavailableError
-from .fail_closed import refuse_unfenced, refuse_unfenced_task
-from .fence import FENCE_CONFIG_KEY
-from .from_thread import run_on_loop, running_loop
+from langgraph_fence._compat import hook_pregel, hook_task_call
+from langgraph_fence.context import current_frame
+from langgraph_fence.errors import ExecutionContextUnavailableError
+from langgraph_fence.fail_closed import refuse_unfenced, refuse_unfenced_task
+from langgraph_fence.fence import FENCE_CONFIG_KEY
+from langgraph_fence.from_thread import run_on_loop, running_loop
 
 if TYPE_CHECKING:
     from langchain_core.runnables import RunnableConfig
 
-    from .checkpoint import GraphRunner
+    from langgraph_fence.checkpoint import GraphRunner
 
 __all__ = ["install", "instance_of"]
 
@@ -50,7 +50,7 @@ __all__ = ["install", "instance_of"]
 def instance_of(graph: Any, config: Mapping[str, Any] | None) -> GraphRunner | None:
     """The instance a call of ``graph`` with ``config`` must run through, or ``None`` (a
     graph with another checkpointer, or a call already inside a run: LangGraph's own)."""
-    from .checkpoint import FencedCheckpointer
+    from langgraph_fence.checkpoint import FencedCheckpointer
 
     saver = getattr(graph, "checkpointer", None)
     if not isinstance(saver, FencedCheckpointer) or saver.instance is None:

@@ -16,18 +16,18 @@ from typing import TYPE_CHECKING, Any
 
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
-from .events import EventKind, Listeners
-from .fence import RunHandle
-from .keeper import Keeper
-from .lease import ExecutionLeaseRepository, LeaseKey
-from .queue import SubmittedRuns
-from .records import ExecutionRecords, SqlExecutionRecords
-from .serde import safe_serializer
-from .stores import base_store
+from langgraph_fence.events import EventKind, Listeners
+from langgraph_fence.fence import RunHandle
+from langgraph_fence.keeper import Keeper
+from langgraph_fence.lease import ExecutionLeaseRepository, LeaseKey
+from langgraph_fence.queue import SubmittedRuns
+from langgraph_fence.records import ExecutionRecords, SqlExecutionRecords
+from langgraph_fence.serde import safe_serializer
+from langgraph_fence.stores import base_store
 
 if TYPE_CHECKING:
-    from .checkpoint import FencedCheckpointer
-    from .tree_activity import Tree
+    from langgraph_fence.checkpoint import FencedCheckpointer
+    from langgraph_fence.tree_activity import Tree
 
 __all__ = ["InstanceHost"]
 
@@ -117,7 +117,7 @@ class InstanceHost:
             TypeError: the lease store and the records are not on one SQL database.
         """
         if self._queue is None:
-            from .stores.sql import SqlLeaseRepository
+            from langgraph_fence.stores.sql import SqlLeaseRepository
 
             try:
                 store = base_store(self.repository)

@@ -22,28 +22,28 @@ from typing import TYPE_CHECKING, Any
 
 from langchain_core.runnables import RunnableConfig
 
-from .admin import ThreadAdmin, admin_holder
-from .children import refuse_child_ids
-from .contracts import require_implements
-from .events import FenceListener, Listeners
-from .fence import FENCE_CONFIG_KEY, safety_margin
-from .host import InstanceHost
-from .keeper import Keeper, Renewer, Sleep, thread_store
-from .lease import ExecutionLeaseRepository, LeaseKey
-from .queue import OnBusy, SubmittedRun, SubmittedRuns
-from .records import (
+from langgraph_fence.admin import ThreadAdmin, admin_holder
+from langgraph_fence.children import refuse_child_ids
+from langgraph_fence.contracts import require_implements
+from langgraph_fence.events import FenceListener, Listeners
+from langgraph_fence.fence import FENCE_CONFIG_KEY, safety_margin
+from langgraph_fence.host import InstanceHost
+from langgraph_fence.keeper import Keeper, Renewer, Sleep, thread_store
+from langgraph_fence.lease import ExecutionLeaseRepository, LeaseKey
+from langgraph_fence.queue import OnBusy, SubmittedRun, SubmittedRuns
+from langgraph_fence.records import (
     ExecutionRecords,
     MemoryExecutionRecords,
     SqlExecutionRecords,
     check_thread_binding,
 )
-from .run import running
-from .serve import check_budget
-from .store import FencedStore
-from .stores import base_store
-from .tenancy import DEFAULT_TENANT
-from .transitions import DEFAULT_MAX_TAKEOVERS
-from .validate import positive_int, positive_seconds, text_id
+from langgraph_fence.run import running
+from langgraph_fence.serve import check_budget
+from langgraph_fence.store import FencedStore
+from langgraph_fence.stores import base_store
+from langgraph_fence.tenancy import DEFAULT_TENANT
+from langgraph_fence.transitions import DEFAULT_MAX_TAKEOVERS
+from langgraph_fence.validate import positive_int, positive_seconds, text_id
 
 if TYPE_CHECKING:
     from langgraph.checkpoint.base import BaseCheckpointSaver
@@ -168,9 +168,9 @@ class Instance:
         tenant_id: str = DEFAULT_TENANT_ID,
     ) -> None:
         """The instance on checked ``settings`` (``__init__`` and ``open`` check them once)."""
-        from . import graph_calls
-        from .checkpoint import FencedCheckpointer
-        from .from_thread import running_loop
+        from langgraph_fence import graph_calls
+        from langgraph_fence.checkpoint import FencedCheckpointer
+        from langgraph_fence.from_thread import running_loop
 
         require_implements(repository, ExecutionLeaseRepository, argument="repository")
         if records is not None:
@@ -295,10 +295,10 @@ class Instance:
                 ``renew_interval``, ``clock``, ``sleep``, ``max_takeovers``, ``tenant_id``,
                 ``max_held``, ``renewer``).
         """
-        from .checkpointers import SqlCheckpointer
-        from .checkpointers.store import SqlStore
-        from .database import create_engine
-        from .stores.sql import SqlLeaseRepository
+        from langgraph_fence.checkpointers import SqlCheckpointer
+        from langgraph_fence.checkpointers.store import SqlStore
+        from langgraph_fence.database import create_engine
+        from langgraph_fence.stores.sql import SqlLeaseRepository
 
         # Refused before the engine exists: bad input creates no table and writes no row.
         accepted = set(inspect.signature(cls.__init__).parameters) - {
@@ -372,7 +372,7 @@ class Instance:
         ``graph.ainvoke`` does on an async instance (:mod:`langgraph_fence.graph_calls`).
         Takes the arguments of :meth:`open`.
         """
-        from .from_thread import loop_thread
+        from langgraph_fence.from_thread import loop_thread
 
         with loop_thread("langgraph-fence instance") as portal:
             context = cls.open(url, **options)
@@ -638,7 +638,7 @@ class Instance:
             **kwargs: passed to each ``graph.ainvoke`` (``durability``, ...); an option the
                 run recorded (e.g. its ``durability``) wins over these.
         """
-        from .serve import Server
+        from langgraph_fence.serve import Server
 
         server = Server(
             self.host,
@@ -658,7 +658,7 @@ class Instance:
 def _default_records(repository: ExecutionLeaseRepository) -> ExecutionRecords:
     """The records every instance on ``repository``'s store finds: in its database, or in
     memory for the memory store; refused for a store of another kind."""
-    from .stores.sql import SqlLeaseRepository
+    from langgraph_fence.stores.sql import SqlLeaseRepository
 
     try:
         store = base_store(repository)

@@ -48,14 +48,14 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from .errors import ExecutionFencedError, ExecutionLeaseLostError, InstanceFullError
-from .events import EventKind, Listeners
-from .fence import RunHandle, safety_margin
-from .lease import ExecutionLeaseRepository, LeaseKey
-from .retry import FixedWindow, retry_window
+from langgraph_fence.errors import ExecutionFencedError, ExecutionLeaseLostError, InstanceFullError
+from langgraph_fence.events import EventKind, Listeners
+from langgraph_fence.fence import RunHandle, safety_margin
+from langgraph_fence.lease import ExecutionLeaseRepository, LeaseKey
+from langgraph_fence.retry import FixedWindow, retry_window
 
 if TYPE_CHECKING:
-    from .stores.sql import SqlLeaseRepository
+    from langgraph_fence.stores.sql import SqlLeaseRepository
 
 __all__ = [
     "LOOP_STALL_FLOOR",
@@ -155,9 +155,9 @@ def thread_store(
         ValueError: ``renewer`` is ``"thread"`` where a thread cannot renew (the message
             says why).
     """
-    from .database import in_memory
-    from .stores.memory import MemoryLeaseRepository
-    from .stores.sql import SqlLeaseRepository
+    from langgraph_fence.database import in_memory
+    from langgraph_fence.stores.memory import MemoryLeaseRepository
+    from langgraph_fence.stores.sql import SqlLeaseRepository
 
     if renewer == "loop":
         return None
@@ -737,7 +737,7 @@ class _RenewerThread:
             self._ended.set_result(None)
 
     async def _serve(self) -> None:
-        from .database import twin_engine
+        from langgraph_fence.database import twin_engine
 
         self._main = asyncio.current_task()
         if self.stopping:

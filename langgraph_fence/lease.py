@@ -16,10 +16,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol, overload, runtime_checkable
 
-from .effects import Effect
-from .errors import ExecutionFencedError
-from .scope import scope_key
-from .validate import positive_seconds, text_id
+from langgraph_fence.effects import Effect
+from langgraph_fence.errors import ExecutionFencedError
+from langgraph_fence.scope import scope_key
+from langgraph_fence.validate import positive_seconds, text_id
 
 __all__ = [
     "TERMINAL_STATUSES",

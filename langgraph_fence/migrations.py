@@ -21,8 +21,8 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from .database import Dialect, dialect_of, transaction
-from .errors import linked_errors
+from langgraph_fence.database import Dialect, dialect_of, transaction
+from langgraph_fence.errors import linked_errors
 
 __all__ = ["Migration", "ensure_schema", "migrate", "search_path_schema"]
 

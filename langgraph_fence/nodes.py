@@ -22,8 +22,8 @@ from langgraph.config import get_config
 from langgraph.errors import GraphBubbleUp, GraphInterrupt
 from langgraph.types import RetryPolicy
 
-from ._compat import paused_at_first_interrupt, pregel_runtime, pregel_task_id
-from .context import (
+from langgraph_fence._compat import paused_at_first_interrupt, pregel_runtime, pregel_task_id
+from langgraph_fence.context import (
     CONTEXT_CONFIG_KEY,
     STAMP_AT,
     ExecutionContext,
@@ -34,18 +34,24 @@ from .context import (
     reset_frame,
     set_frame,
 )
-from .effects import EFFECT_ATTRIBUTE, Effect, EffectLike, as_effect, standing_non_idempotent
-from .errors import (
+from langgraph_fence.effects import (
+    EFFECT_ATTRIBUTE,
+    Effect,
+    EffectLike,
+    as_effect,
+    standing_non_idempotent,
+)
+from langgraph_fence.errors import (
     ExecutionContextUnavailableError,
     ExecutionDeadLetteredError,
     WriteDeadLetteredError,
     find_error,
     find_fence_error,
 )
-from .faults import fault_point
-from .fence import FENCE_CONFIG_KEY, ExecutionFence, RunHandle, close_fence
-from .from_thread import run_on_loop
-from .lease import PendingEffect
+from langgraph_fence.faults import fault_point
+from langgraph_fence.fence import FENCE_CONFIG_KEY, ExecutionFence, RunHandle, close_fence
+from langgraph_fence.from_thread import run_on_loop
+from langgraph_fence.lease import PendingEffect
 
 __all__ = ["check_stamp_at", "fenced", "guard_retry_policy", "wrap_step"]
 

@@ -30,10 +30,10 @@ except ImportError as exc:
         "langgraph_fence.otel needs OpenTelemetry: pip install 'langgraph-fence[otel]'"
     ) from exc
 
-from .events import EventKind, FenceEvent
+from langgraph_fence.events import EventKind, FenceEvent
 
 if TYPE_CHECKING:
-    from .instance import Instance
+    from langgraph_fence.instance import Instance
 
 __all__ = ["OtelListener", "instrument"]
 

@@ -27,15 +27,15 @@ from dataclasses import dataclass
 
 from langgraph.errors import GraphDrained
 
-from .errors import (
+from langgraph_fence.errors import (
     ExecutionDeadLetteredError,
     ExecutionLeaseLostError,
     find_error,
     find_fence_error,
     linked_errors,
 )
-from .redact import bounded_reason, failure_reason
-from .retry import is_database_connection_error
+from langgraph_fence.redact import bounded_reason, failure_reason
+from langgraph_fence.retry import is_database_connection_error
 
 __all__ = ["Outcome", "Settle", "decide_outcome"]
 

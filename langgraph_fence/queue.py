@@ -52,29 +52,29 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from .database import dialect_of, discard, single_statement, transaction
-from .driver import DriverStatement, fetch
-from .errors import ExecutionBusyError, ExecutionEndedError, RunFailedError
-from .guard import guard_sql
-from .lease import Lease, LeaseKey, LeaseStatus
-from .notifications import (
+from langgraph_fence.database import dialect_of, discard, single_statement, transaction
+from langgraph_fence.driver import DriverStatement, fetch
+from langgraph_fence.errors import ExecutionBusyError, ExecutionEndedError, RunFailedError
+from langgraph_fence.guard import guard_sql
+from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus
+from langgraph_fence.notifications import (
     ENDS_CHANNEL,
     NOTIFY_CHANNEL,
     NOTIFY_SQL,
     OF_SCHEMA,
     Notifications,
 )
-from .retry import is_connection_error, retry_connection_errors
-from .schema import in_flight_sql, yielded_sql
-from .transitions import is_yielded
-from .validate import MAX_ID_BYTES, positive_seconds, text_id
+from langgraph_fence.retry import is_connection_error, retry_connection_errors
+from langgraph_fence.schema import in_flight_sql, yielded_sql
+from langgraph_fence.transitions import is_yielded
+from langgraph_fence.validate import MAX_ID_BYTES, positive_seconds, text_id
 
 if TYPE_CHECKING:
     from langgraph.checkpoint.serde.base import SerializerProtocol
 
-    from .fence import RunHandle
-    from .run_config import RecordedRun
-    from .stores.sql import SqlLeaseRepository
+    from langgraph_fence.fence import RunHandle
+    from langgraph_fence.run_config import RecordedRun
+    from langgraph_fence.stores.sql import SqlLeaseRepository
 
 logger = logging.getLogger(__name__)
 
@@ -504,7 +504,7 @@ class SubmittedRuns:
             ValueError: a bad argument, named with the fix (a non-serialisable input too).
             TypeError: ``config`` is not a mapping.
         """
-        from .run_config import RECORDED_OPTIONS, record_run
+        from langgraph_fence.run_config import RECORDED_OPTIONS, record_run
 
         text_id("graph_name", graph_name, what="the name a worker serves the graph under")
         text_id(
@@ -554,7 +554,7 @@ class SubmittedRuns:
         return LeaseKey(str(tenant_id), str(execution_id)), thread_id, run
 
     def _check_storable(self, input: Any) -> None:
-        from .serde import loads_checked
+        from langgraph_fence.serde import loads_checked
 
         try:
             loads_checked(self.serde, self.serde.dumps_typed(input), what="the input")
@@ -700,7 +700,7 @@ class SubmittedRuns:
         Raises:
             ValueError: an input cannot be recorded (its key named); nothing was written.
         """
-        from .serde import loads_checked
+        from langgraph_fence.serde import loads_checked
 
         stored = []
         for key, input in inputs.items():
@@ -741,7 +741,7 @@ class SubmittedRuns:
         Raises:
             ValueError: two children of the same key.
         """
-        from .run_config import record_run
+        from langgraph_fence.run_config import record_run
 
         ids = [key.execution_id for key, _ in children]
         if len(set(ids)) != len(ids):
@@ -1036,7 +1036,7 @@ class SubmittedRuns:
         self, key: LeaseKey, stored: tuple[Any, Any], allow: Collection[tuple[str, ...]]
     ) -> Any:
         """The output :meth:`store_output` kept, decoded with the serializer (and ``allow``)."""
-        from .serde import loads_checked, with_allowlist
+        from langgraph_fence.serde import loads_checked, with_allowlist
 
         output_type, blob = stored
         if output_type is None:

@@ -26,14 +26,14 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 from sqlalchemy import Double, LargeBinary, Text, bindparam, column, table, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from .database import check_engine, single_statement, transaction
-from .errors import ExecutionThreadBoundError
-from .lease import LeaseKey
-from .migrations import Migration, migrate
-from .retry import retry_connection_errors
-from .run_config import RecordedRun
-from .schema import yielded_sql
-from .serde import loads_checked, safe_serializer, with_allowlist
+from langgraph_fence.database import check_engine, single_statement, transaction
+from langgraph_fence.errors import ExecutionThreadBoundError
+from langgraph_fence.lease import LeaseKey
+from langgraph_fence.migrations import Migration, migrate
+from langgraph_fence.retry import retry_connection_errors
+from langgraph_fence.run_config import RecordedRun
+from langgraph_fence.schema import yielded_sql
+from langgraph_fence.serde import loads_checked, safe_serializer, with_allowlist
 
 __all__ = [
     "ExecutionHead",

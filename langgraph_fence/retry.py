@@ -162,7 +162,7 @@ def is_connection_error(exc: BaseException) -> bool:
 
     A fencing error, an integrity or a programming error is never one.
     """
-    from .errors import ExecutionLeaseLostError
+    from langgraph_fence.errors import ExecutionLeaseLostError
 
     seen: set[int] = set()
     stack: list[BaseException] = [exc]

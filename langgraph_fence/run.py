@@ -23,34 +23,30 @@ from langgraph.callbacks import GraphCallbackHandler, GraphInterruptEvent
 from langgraph.runtime import RunControl
 from langgraph.types import Command
 
-from .children import parse_child_execution_id, refuse_child_ids
-from .errors import (
+from langgraph_fence.children import parse_child_execution_id, refuse_child_ids
+from langgraph_fence.errors import (
     ExecutionDeadLetteredError,
     ExecutionEndedError,
     ExecutionFencedError,
     ExecutionLeaseHeldError,
     ExecutionLeaseLostError,
 )
-from .events import EventKind, Listeners
-from .faults import fault_point
-from .fence import FENCE_CONFIG_KEY, RunHandle
-from .lease import (
-    Lease,
-    LeaseKey,
-    LeaseStatus,
-)
-from .notifications import NOTIFY_CHANNEL
-from .outcome import Settle, decide_outcome
-from .records import ExecutionRecord, SqlExecutionRecords, check_thread_binding
-from .redact import bounded_reason, failure_reason
-from .retry import FixedWindow, retry_window
-from .run_config import record_run, run_allowlist
-from .stores.sql import SqlLeaseRepository
-from .tree_activity import wake_parent
-from .validate import MAX_ID_BYTES, text_id
+from langgraph_fence.events import EventKind, Listeners
+from langgraph_fence.faults import fault_point
+from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
+from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus
+from langgraph_fence.notifications import NOTIFY_CHANNEL
+from langgraph_fence.outcome import Settle, decide_outcome
+from langgraph_fence.records import ExecutionRecord, SqlExecutionRecords, check_thread_binding
+from langgraph_fence.redact import bounded_reason, failure_reason
+from langgraph_fence.retry import FixedWindow, retry_window
+from langgraph_fence.run_config import record_run, run_allowlist
+from langgraph_fence.stores.sql import SqlLeaseRepository
+from langgraph_fence.tree_activity import wake_parent
+from langgraph_fence.validate import MAX_ID_BYTES, text_id
 
 if TYPE_CHECKING:
-    from .host import InstanceHost
+    from langgraph_fence.host import InstanceHost
 
 __all__ = ["DEFAULT_GRAPH_NAME", "GraphEnd", "Run", "announce_dead_letter", "running"]
 
@@ -304,8 +300,8 @@ def prepare(
     (``False``) has the ids it was recorded with (a child's are derived from its parent's).
     """
     limit = MAX_ID_BYTES if from_caller else None
-    from .checkpoint import FencedCheckpointer
-    from .fail_closed import refuse_unfenced
+    from langgraph_fence.checkpoint import FencedCheckpointer
+    from langgraph_fence.fail_closed import refuse_unfenced
 
     if not isinstance(getattr(graph, "checkpointer", None), FencedCheckpointer):
         raise ValueError(

@@ -26,8 +26,8 @@ from typing import Any
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
-from .fence import FENCE_CONFIG_KEY
-from .serde import graph_allowlist, loads_checked, with_allowlist
+from langgraph_fence.fence import FENCE_CONFIG_KEY
+from langgraph_fence.serde import graph_allowlist, loads_checked, with_allowlist
 
 __all__ = ["RECORDED_CONFIG_KEYS", "RECORDED_OPTIONS", "RecordedRun", "record_run", "restore_run"]
 

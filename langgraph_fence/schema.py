@@ -38,10 +38,10 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from .database import Dialect
-from .effects import Effect
-from .lease import LeaseStatus, PendingEffect
-from .migrations import Migration
+from langgraph_fence.database import Dialect
+from langgraph_fence.effects import Effect
+from langgraph_fence.lease import LeaseStatus, PendingEffect
+from langgraph_fence.migrations import Migration
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ async def _link_earlier_children(conn: AsyncConnection, dialect: Dialect) -> Non
     Their ids stay as they are (they key checkpoints, records and sink marks too). A parent
     still in flight whose waiting step runs again after the upgrade looks its children up
     by their new ids and spawns them again: such parents are named in a warning."""
-    from .scope import parse_scope_key
+    from langgraph_fence.scope import parse_scope_key
 
     rows = await conn.execute(
         text("SELECT tenant_id, execution_id FROM fence_leases WHERE execution_id LIKE '%:%:%'")

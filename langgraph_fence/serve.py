@@ -20,23 +20,23 @@ from typing import TYPE_CHECKING, Any
 from langchain_core.runnables import RunnableConfig
 from langgraph.errors import GraphDrained
 
-from .events import EventKind
-from .keeper import Sleep
-from .lease import Lease, LeaseKey, LeaseStatus
-from .notifications import ENDS_CHANNEL
-from .queue import ANNOUNCE_EVERY
-from .records import ExecutionHead
-from .redact import failure_reason
-from .retry import is_connection_error
-from .run import DEFAULT_GRAPH_NAME, Run, announce_dead_letter, running
-from .run_config import restore_run, run_allowlist
-from .transitions import validate_max_takeovers
-from .validate import positive_int, positive_seconds, text_id
+from langgraph_fence.events import EventKind
+from langgraph_fence.keeper import Sleep
+from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus
+from langgraph_fence.notifications import ENDS_CHANNEL
+from langgraph_fence.queue import ANNOUNCE_EVERY
+from langgraph_fence.records import ExecutionHead
+from langgraph_fence.redact import failure_reason
+from langgraph_fence.retry import is_connection_error
+from langgraph_fence.run import DEFAULT_GRAPH_NAME, Run, announce_dead_letter, running
+from langgraph_fence.run_config import restore_run, run_allowlist
+from langgraph_fence.transitions import validate_max_takeovers
+from langgraph_fence.validate import positive_int, positive_seconds, text_id
 
 if TYPE_CHECKING:
     from langgraph.checkpoint.base import CheckpointTuple
 
-    from .host import InstanceHost
+    from langgraph_fence.host import InstanceHost
 
 __all__ = ["MAX_SERVE_BACKOFF", "Server", "check_budget", "progress_mark"]
 
@@ -73,7 +73,7 @@ class Server:
         sleep: Sleep | None = None,
         listen: bool = True,
     ) -> None:
-        from .checkpoint import FencedCheckpointer
+        from langgraph_fence.checkpoint import FencedCheckpointer
 
         if not isinstance(graphs, Mapping) or not graphs:
             raise ValueError("graphs must be a non-empty mapping of graph name -> graph")

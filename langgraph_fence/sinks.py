@@ -30,12 +30,12 @@ from typing import Any
 from sqlalchemy import Connection, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from ._compat import sqlalchemy_told_autocommit
-from .database import Dialect, dialect_of, transaction
-from .errors import ExecutionFencedError
-from .fence import ExecutionFence, held_as_is
-from .migrations import Migration, migrate
-from .validate import text_id
+from langgraph_fence._compat import sqlalchemy_told_autocommit
+from langgraph_fence.database import Dialect, dialect_of, transaction
+from langgraph_fence.errors import ExecutionFencedError
+from langgraph_fence.fence import ExecutionFence, held_as_is
+from langgraph_fence.migrations import Migration, migrate
+from langgraph_fence.validate import text_id
 
 __all__ = [
     "CHECK_AND_RAISE_MARK_SQL",

@@ -26,11 +26,11 @@ from langgraph.store.base import (
     SearchOp,
 )
 
-from .admission import check_held, step_config
-from .fence import RunHandle, running_handle
-from .from_thread import run_on_loop
-from .tenancy import DEFAULT_TENANT
-from .validate import storable_text, store_key, store_namespace
+from langgraph_fence.admission import check_held, step_config
+from langgraph_fence.fence import RunHandle, running_handle
+from langgraph_fence.from_thread import run_on_loop
+from langgraph_fence.tenancy import DEFAULT_TENANT
+from langgraph_fence.validate import storable_text, store_key, store_namespace
 
 __all__ = ["FencedStore", "checked_ops", "tenant_label"]
 

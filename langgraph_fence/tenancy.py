@@ -13,8 +13,8 @@ from urllib.parse import unquote
 
 from langchain_core.runnables import RunnableConfig
 
-from .fence import FENCE_CONFIG_KEY, RunHandle
-from .scope import encode_part
+from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
+from langgraph_fence.scope import encode_part
 
 __all__ = [
     "DEFAULT_TENANT",

@@ -31,17 +31,17 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from ._compat import CONFIG_KEY_TASK_ID
-from .effects import EFFECT_ATTRIBUTE, EffectLike, as_effect
-from .faults import StallableRepository, StallGate
-from .fence import FENCE_CONFIG_KEY, RunHandle
-from .lease import Lease, LeaseKey
-from .transitions import DEFAULT_MAX_TAKEOVERS, fenced_error
+from langgraph_fence._compat import CONFIG_KEY_TASK_ID
+from langgraph_fence.effects import EFFECT_ATTRIBUTE, EffectLike, as_effect
+from langgraph_fence.faults import StallableRepository, StallGate
+from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
+from langgraph_fence.lease import Lease, LeaseKey
+from langgraph_fence.transitions import DEFAULT_MAX_TAKEOVERS, fenced_error
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-    from .instance import Instance
+    from langgraph_fence.instance import Instance
 
 __all__ = ["Leases", "ManualClock", "open_leases", "run_node"]
 
@@ -92,9 +92,9 @@ class Leases:
     instances on them that a test can stall and resume. See the module docstring."""
 
     def __init__(self, engine: AsyncEngine, clock: ManualClock) -> None:
-        from .checkpointers import SqlCheckpointer
-        from .records import SqlExecutionRecords
-        from .stores.sql import SqlLeaseRepository
+        from langgraph_fence.checkpointers import SqlCheckpointer
+        from langgraph_fence.records import SqlExecutionRecords
+        from langgraph_fence.stores.sql import SqlLeaseRepository
 
         self.clock = clock
         self.engine = engine
@@ -118,7 +118,7 @@ class Leases:
         max_takeovers: int = DEFAULT_MAX_TAKEOVERS,
     ) -> Instance:
         """A new instance called ``name`` on the shared store, saver and clock."""
-        from .instance import Instance
+        from langgraph_fence.instance import Instance
 
         if name in self._gates:
             raise ValueError(f"an instance called {name!r} exists already in this test")
@@ -184,7 +184,7 @@ async def open_leases(url: str, **engine_options: Any) -> AsyncIterator[Leases]:
         url: ``sqlite+aiosqlite:///path.db`` or ``postgresql+asyncpg://...``.
         **engine_options: passed to :func:`langgraph_fence.database.create_engine`.
     """
-    from .database import create_engine
+    from langgraph_fence.database import create_engine
 
     engine = create_engine(url, **engine_options)
     fixture = Leases(engine, ManualClock())
@@ -247,11 +247,11 @@ async def run_node(
     """
     from langchain_core.runnables.config import var_child_runnable_config
 
-    from .stores.memory import MemoryLeaseRepository
+    from langgraph_fence.stores.memory import MemoryLeaseRepository
 
     declared = getattr(node, EFFECT_ATTRIBUTE, None)
     if declared is None:
-        from .nodes import fenced
+        from langgraph_fence.nodes import fenced
 
         node = fenced(effect=as_effect(effect if effect is not None else "read_only"))(node)
     elif effect is not None and as_effect(effect) is not declared:

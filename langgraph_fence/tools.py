@@ -36,8 +36,8 @@ from langchain_core.tools import tool as create_tool
 from langgraph.config import get_config
 from langgraph.errors import GraphBubbleUp, GraphInterrupt
 
-from ._compat import paused_at_first_interrupt
-from .context import (
+from langgraph_fence._compat import paused_at_first_interrupt
+from langgraph_fence.context import (
     ExecutionContext,
     StampAt,
     current_frame,
@@ -47,15 +47,21 @@ from .context import (
     reset_deferred,
     superstep_of,
 )
-from .effects import EFFECT_ATTRIBUTE, Effect, EffectLike, as_effect, standing_non_idempotent
-from .errors import (
+from langgraph_fence.effects import (
+    EFFECT_ATTRIBUTE,
+    Effect,
+    EffectLike,
+    as_effect,
+    standing_non_idempotent,
+)
+from langgraph_fence.errors import (
     ExecutionContextUnavailableError,
     WriteDeadLetteredError,
     find_fence_error,
 )
-from .from_thread import run_on_loop
-from .lease import PendingEffect
-from .nodes import check_stamp_at
+from langgraph_fence.from_thread import run_on_loop
+from langgraph_fence.lease import PendingEffect
+from langgraph_fence.nodes import check_stamp_at
 
 __all__ = ["fence_tools"]
 

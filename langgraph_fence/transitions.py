@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from .errors import ExecutionFencedError
-from .guard import holds
-from .lease import (
+from langgraph_fence.errors import ExecutionFencedError
+from langgraph_fence.guard import holds
+from langgraph_fence.lease import (
     RELEASE_STATUSES,
     REOPENABLE_STATUSES,
     RESOLVABLE_STATUSES,
@@ -31,7 +31,7 @@ from .lease import (
     validate_ttl,
     with_effects,
 )
-from .validate import positive_int
+from langgraph_fence.validate import positive_int
 
 __all__ = [
     "DEFAULT_MAX_TAKEOVERS",

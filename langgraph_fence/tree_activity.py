@@ -35,14 +35,14 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .errors import ExecutionFencedError
-from .events import EventKind
-from .from_thread import run_on_loop
-from .transitions import fenced_error
+from langgraph_fence.errors import ExecutionFencedError
+from langgraph_fence.events import EventKind
+from langgraph_fence.from_thread import run_on_loop
+from langgraph_fence.transitions import fenced_error
 
 if TYPE_CHECKING:
-    from .errors import ExecutionLeaseLostError
-    from .lease import ExecutionLeaseRepository, Lease, LeaseKey
+    from langgraph_fence.errors import ExecutionLeaseLostError
+    from langgraph_fence.lease import ExecutionLeaseRepository, Lease, LeaseKey
 
 __all__ = ["RunHost", "Tree", "TreeActivity", "wake_parent"]
 

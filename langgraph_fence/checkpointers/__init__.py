@@ -1,7 +1,7 @@
 """Checkpoint savers and stores for LangGraph that check the fencing token inside their own
 writes."""
 
-from .sql import SqlCheckpointer
-from .store import SqlStore
+from langgraph_fence.checkpointers.sql import SqlCheckpointer
+from langgraph_fence.checkpointers.store import SqlStore
 
 __all__ = ["SqlCheckpointer", "SqlStore"]

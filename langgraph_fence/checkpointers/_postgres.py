@@ -22,11 +22,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ..driver import Connections
-from ..guard import guard_sql
-from ..retry import retry_connection_errors
-from ..schema import STAMP_SQL, stamp_patch
-from ._rows import (
+from langgraph_fence.checkpointers._rows import (
     BlobRow,
     CheckpointQuery,
     CheckpointRow,
@@ -34,6 +30,10 @@ from ._rows import (
     StoredCheckpoint,
     WriteRow,
 )
+from langgraph_fence.driver import Connections
+from langgraph_fence.guard import guard_sql
+from langgraph_fence.retry import retry_connection_errors
+from langgraph_fence.schema import STAMP_SQL, stamp_patch
 
 __all__ = ["PostgresDriver"]
 

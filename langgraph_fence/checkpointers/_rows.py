@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from ..lease import Lease
+    from langgraph_fence.lease import Lease
 
 __all__ = [
     "CheckpointQuery",

@@ -24,11 +24,8 @@ from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from .._compat import aiosqlite_call
-from ..driver import Connections
-from ..guard import guard_sql
-from ..schema import STAMP_SQL, stamp_patch
-from ._rows import (
+from langgraph_fence._compat import aiosqlite_call
+from langgraph_fence.checkpointers._rows import (
     BlobRow,
     CheckpointQuery,
     CheckpointRow,
@@ -36,6 +33,9 @@ from ._rows import (
     StoredCheckpoint,
     WriteRow,
 )
+from langgraph_fence.driver import Connections
+from langgraph_fence.guard import guard_sql
+from langgraph_fence.schema import STAMP_SQL, stamp_patch
 
 __all__ = ["SqliteDriver"]
 

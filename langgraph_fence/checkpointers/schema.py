@@ -44,8 +44,8 @@ from __future__ import annotations
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from ..database import Dialect
-from ..migrations import Migration, MigrationStep
+from langgraph_fence.database import Dialect
+from langgraph_fence.migrations import Migration, MigrationStep
 
 __all__ = ["CHECKPOINT_MIGRATIONS", "COMPONENT"]
 

@@ -45,7 +45,7 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from ..admission import (
+from langgraph_fence.admission import (
     admit_write,
     checkpoint_clear_keys,
     fence_handle,
@@ -53,23 +53,29 @@ from ..admission import (
     writes_clear_keys,
     writes_proof,
 )
-from ..database import Dialect, check_engine, create_engine, transaction
-from ..errors import ExecutionLeaseLostError
-from ..faults import fault_point
-from ..fence import RunHandle
-from ..from_thread import hop
-from ..lease import Lease
-from ..migrations import migrate
-from ..retry import retry_window
-from ..schema import LEASE_MIGRATIONS
-from ..serde import safe_serializer
-from ..tenancy import DEFAULT_TENANT, thread_tenant
-from ..transitions import fenced_error
-from ..validate import storable_text
-from ._postgres import PostgresDriver
-from ._rows import CheckpointQuery, CheckpointRow, Driver, Guard, StoredCheckpoint
-from ._sqlite import SqliteDriver
-from .schema import CHECKPOINT_MIGRATIONS, COMPONENT
+from langgraph_fence.checkpointers._postgres import PostgresDriver
+from langgraph_fence.checkpointers._rows import (
+    CheckpointQuery,
+    CheckpointRow,
+    Driver,
+    Guard,
+    StoredCheckpoint,
+)
+from langgraph_fence.checkpointers._sqlite import SqliteDriver
+from langgraph_fence.checkpointers.schema import CHECKPOINT_MIGRATIONS, COMPONENT
+from langgraph_fence.database import Dialect, check_engine, create_engine, transaction
+from langgraph_fence.errors import ExecutionLeaseLostError
+from langgraph_fence.faults import fault_point
+from langgraph_fence.fence import RunHandle
+from langgraph_fence.from_thread import hop
+from langgraph_fence.lease import Lease
+from langgraph_fence.migrations import migrate
+from langgraph_fence.retry import retry_window
+from langgraph_fence.schema import LEASE_MIGRATIONS
+from langgraph_fence.serde import safe_serializer
+from langgraph_fence.tenancy import DEFAULT_TENANT, thread_tenant
+from langgraph_fence.transitions import fenced_error
+from langgraph_fence.validate import storable_text
 
 __all__ = ["SqlCheckpointer"]
 

@@ -42,24 +42,18 @@ from langgraph.store.memory import _compare_values, _does_match
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from ..admission import refuse_write, step_config
-from ..database import (
-    Dialect,
-    check_engine,
-    read_only,
-    single_statement,
-    transaction,
-)
-from ..errors import ExecutionLeaseLostError
-from ..fence import RunHandle, running_handle
-from ..from_thread import run_on_loop
-from ..guard import guard_sql, holds
-from ..migrations import Migration, migrate
-from ..schema import LEASE_MIGRATIONS
-from ..store import checked_ops
-from ..tenancy import DEFAULT_TENANT
-from ..transitions import fenced_error
-from ._rows import Guard
+from langgraph_fence.admission import refuse_write, step_config
+from langgraph_fence.checkpointers._rows import Guard
+from langgraph_fence.database import Dialect, check_engine, read_only, single_statement, transaction
+from langgraph_fence.errors import ExecutionLeaseLostError
+from langgraph_fence.fence import RunHandle, running_handle
+from langgraph_fence.from_thread import run_on_loop
+from langgraph_fence.guard import guard_sql, holds
+from langgraph_fence.migrations import Migration, migrate
+from langgraph_fence.schema import LEASE_MIGRATIONS
+from langgraph_fence.store import checked_ops
+from langgraph_fence.tenancy import DEFAULT_TENANT
+from langgraph_fence.transitions import fenced_error
 
 __all__ = ["STORE_COMPONENT", "STORE_MIGRATIONS", "SqlStore"]
 

@@ -13,10 +13,17 @@ import argparse
 import logging
 from collections.abc import Sequence
 
-from ._commands import demo, erase, migrate, resolve, submit, worker
-from ._common import EXIT_FAILED, EXIT_INPUT, EXIT_REFUSED, PrintableFormatter, db_target, stderr
-from ._listings import executions, runs
-from ._parser import log_level, parser
+from langgraph_fence.cli._commands import demo, erase, migrate, resolve, submit, worker
+from langgraph_fence.cli._common import (
+    EXIT_FAILED,
+    EXIT_INPUT,
+    EXIT_REFUSED,
+    PrintableFormatter,
+    db_target,
+    stderr,
+)
+from langgraph_fence.cli._listings import executions, runs
+from langgraph_fence.cli._parser import log_level, parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -42,9 +49,13 @@ def _explain(exc: Exception, args: argparse.Namespace) -> tuple[int, str]:
     """The exit status and the one line printed for ``exc``."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from ..diagnosis import explain_database_error
-    from ..errors import ExecutionBusyError, ExecutionEndedError, ExecutionLeaseHeldError
-    from ..redact import failure_reason, mask_password
+    from langgraph_fence.diagnosis import explain_database_error
+    from langgraph_fence.errors import (
+        ExecutionBusyError,
+        ExecutionEndedError,
+        ExecutionLeaseHeldError,
+    )
+    from langgraph_fence.redact import failure_reason, mask_password
 
     if isinstance(exc, ExecutionLeaseHeldError | ExecutionEndedError | ExecutionBusyError):
         return EXIT_REFUSED, f"refused: {exc}"

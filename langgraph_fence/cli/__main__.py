@@ -2,6 +2,6 @@
 
 import sys
 
-from . import main
+from langgraph_fence.cli import main
 
 sys.exit(main())

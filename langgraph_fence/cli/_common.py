@@ -8,12 +8,12 @@ import logging
 import re
 from typing import TYPE_CHECKING, Any
 
-from ..lease import LeaseStatus
+from langgraph_fence.lease import LeaseStatus
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from ..diagnosis import Target
+    from langgraph_fence.diagnosis import Target
 
 
 #: The longest pause of a worker waiting for its database at the start, in seconds.
@@ -120,7 +120,7 @@ def stderr() -> Console:
 
 
 def db_target(args: argparse.Namespace) -> Target | None:
-    from ..diagnosis import Target
+    from langgraph_fence.diagnosis import Target
 
     db = getattr(args, "db", None)
     return None if db is None else Target(db, getattr(args, "schema", None))
@@ -129,13 +129,13 @@ def db_target(args: argparse.Namespace) -> Target | None:
 def checked_target(args: argparse.Namespace, *, must_exist: bool) -> Target:
     """``--db`` and ``--schema``, the URL parsed, a SQLite path checked and a schema with a
     SQLite URL refused before use."""
-    from ..diagnosis import check_sqlite_file
+    from langgraph_fence.diagnosis import check_sqlite_file
 
     target = db_target(args)
     assert target is not None
     check_sqlite_file(target, must_exist=must_exist)
     if target.schema is not None:
-        from ..database import normalize_url
+        from langgraph_fence.database import normalize_url
 
         if not target.schema:
             raise ValueError("--schema must name a schema, or be left out")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     pass
-from ._common import checked_target, expires, printable
+from langgraph_fence.cli._common import checked_target, expires, printable
 
 
 async def executions(args: argparse.Namespace, status: str | None) -> int:
@@ -16,9 +16,9 @@ async def executions(args: argparse.Namespace, status: str | None) -> int:
 
     from sqlalchemy import select
 
-    from ..database import create_engine, read_only
-    from ..schema import LEASES, effects_from_json
-    from ..stores.sql import SqlLeaseRepository
+    from langgraph_fence.database import create_engine, read_only
+    from langgraph_fence.schema import LEASES, effects_from_json
+    from langgraph_fence.stores.sql import SqlLeaseRepository
 
     if args.tenant is not None and not args.tenant:
         raise ValueError("--tenant must be a non-empty tenant id (or left out for every tenant)")
@@ -68,7 +68,7 @@ async def executions(args: argparse.Namespace, status: str | None) -> int:
 
 def _parent_scope_key(execution_id: str) -> str | None:
     """The scope key of the parent of a child execution (``None``: not a child)."""
-    from ..children import parse_child_execution_id
+    from langgraph_fence.children import parse_child_execution_id
 
     parsed = parse_child_execution_id(execution_id)
     return None if parsed is None else parsed[0].scope_key
@@ -103,8 +103,8 @@ def as_tree(listed: list[dict[str, Any]]) -> list[dict[str, Any]]:
 async def runs(args: argparse.Namespace) -> int:
     import json
 
-    from ..database import create_engine, read_only
-    from ..queue import list_runs, served_graphs
+    from langgraph_fence.database import create_engine, read_only
+    from langgraph_fence.queue import list_runs, served_graphs
 
     if args.tenant is not None and not args.tenant:
         raise ValueError("--tenant must be a non-empty tenant id (or left out for every tenant)")

@@ -8,11 +8,11 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ..transitions import DEFAULT_MAX_TAKEOVERS
+from langgraph_fence.transitions import DEFAULT_MAX_TAKEOVERS
 
 if TYPE_CHECKING:
     pass
-from ._common import (
+from langgraph_fence.cli._common import (
     DB_HELP,
     EPILOG,
     EXIT_INPUT,
@@ -46,7 +46,7 @@ class _Version(argparse.Action):
         )
 
     def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
-        from .. import __version__
+        from langgraph_fence import __version__
 
         sys.stdout.write(f"{parser.prog} {__version__}\n")
         parser.exit(EXIT_OK)

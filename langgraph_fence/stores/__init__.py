@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..lease import ExecutionLeaseRepository
-from .memory import MemoryLeaseRepository
-from .sql import SqlLeaseRepository
+from langgraph_fence.lease import ExecutionLeaseRepository
+from langgraph_fence.stores.memory import MemoryLeaseRepository
+from langgraph_fence.stores.sql import SqlLeaseRepository
 
 __all__ = ["MemoryLeaseRepository", "SqlLeaseRepository", "base_store"]
 

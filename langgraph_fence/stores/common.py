@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..lease import Lease, LeaseKey
+from langgraph_fence.lease import Lease, LeaseKey
 
 if TYPE_CHECKING:
-    from ..lease import ExecutionLeaseRepository
+    from langgraph_fence.lease import ExecutionLeaseRepository
 
 
 def check_key(key: LeaseKey) -> None:

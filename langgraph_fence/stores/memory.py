@@ -7,9 +7,10 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from ..errors import ExecutionFencedError
-from ..lease import Lease, LeaseKey, LeaseStatus, PendingEffect, validate_ttl
-from ..transitions import (
+from langgraph_fence.errors import ExecutionFencedError
+from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus, PendingEffect, validate_ttl
+from langgraph_fence.stores.common import check_key, check_lease, check_leases, check_limit
+from langgraph_fence.transitions import (
     decide_abandon,
     decide_acquire,
     decide_clear_pending_effects,
@@ -24,7 +25,6 @@ from ..transitions import (
     fair_order,
     is_takeover_candidate,
 )
-from .common import check_key, check_lease, check_leases, check_limit
 
 __all__ = ["MemoryLeaseRepository"]
 

@@ -48,8 +48,8 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from .._compat import aiosqlite_call
-from ..database import (
+from langgraph_fence._compat import aiosqlite_call
+from langgraph_fence.database import (
     autocommit,
     check_engine,
     create_engine,
@@ -57,10 +57,10 @@ from ..database import (
     read_only,
     single_statement,
 )
-from ..driver import Connections, DriverStatement, fetch, sqlite_fetch
-from ..errors import ExecutionFencedError
-from ..guard import guard_sql
-from ..lease import (
+from langgraph_fence.driver import Connections, DriverStatement, fetch, sqlite_fetch
+from langgraph_fence.errors import ExecutionFencedError
+from langgraph_fence.guard import guard_sql
+from langgraph_fence.lease import (
     REOPENABLE_STATUSES,
     RESOLVABLE_STATUSES,
     TERMINAL_STATUSES,
@@ -73,9 +73,9 @@ from ..lease import (
     validate_pending_effect,
     validate_ttl,
 )
-from ..migrations import migrate
-from ..retry import retry_connection_errors
-from ..schema import (
+from langgraph_fence.migrations import migrate
+from langgraph_fence.retry import retry_connection_errors
+from langgraph_fence.schema import (
     LEASE_MIGRATIONS,
     LEASES,
     STAMP_SQL,
@@ -83,7 +83,8 @@ from ..schema import (
     not_yielded,
     stamp_patch,
 )
-from ..transitions import (
+from langgraph_fence.stores.common import check_key, check_lease, check_leases, check_limit
+from langgraph_fence.transitions import (
     abandon_reason,
     decide_abandon,
     decide_dead_letter,
@@ -96,8 +97,7 @@ from ..transitions import (
     validate_max_takeovers,
     validate_progress_mark,
 )
-from ..validate import text_id
-from .common import check_key, check_lease, check_leases, check_limit
+from langgraph_fence.validate import text_id
 
 __all__ = ["SqlLeaseRepository", "Taken"]
 
@@ -241,7 +241,7 @@ class SqlLeaseRepository:
         await migrate(self._engine, "leases", LEASE_MIGRATIONS)
         # Imported here: the records' module needs LangGraph's serializer, which the CLI's
         # listings (a lease store, no records) must not load.
-        from ..records import EXECUTION_MIGRATIONS
+        from langgraph_fence.records import EXECUTION_MIGRATIONS
 
         await migrate(self._engine, "executions", EXECUTION_MIGRATIONS)
 
@@ -707,7 +707,7 @@ class SqlLeaseRepository:
             row = await self._one(stmt, params)
             assert row is not None  # the statement returns one row, taken or not
             return Taken(None if row["epoch"] is None else self._lease(row), row["bound"])
-        from ..records import BIND_THREAD, BOUND_TO, UPSERT_RECORD
+        from langgraph_fence.records import BIND_THREAD, BOUND_TO, UPSERT_RECORD
 
         bind, take, bound_to, upsert = (
             self._driver_statement(s) for s in (BIND_THREAD, stmt, BOUND_TO, UPSERT_RECORD)
@@ -752,7 +752,7 @@ class SqlLeaseRepository:
         bound to the key), or the whole take as one statement of CTEs (PostgreSQL)."""
         # Imported here: the records' module loads LangGraph's serializer, which the CLI's
         # listings (a lease store, no runs) must not.
-        from ..records import BINDINGS, CLEARED, EXECUTIONS, RECORDED, SUBMIT_WAITING
+        from langgraph_fence.records import BINDINGS, CLEARED, EXECUTIONS, RECORDED, SUBMIT_WAITING
 
         tenant = bindparam("p_tenant_id", type_=Text)
         thread = bindparam("p_thread_id", type_=Text)
