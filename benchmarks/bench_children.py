@@ -44,9 +44,9 @@ from sqlalchemy import text
 sys.path.insert(0, os.environ.get("BENCH_TREE") or str(Path(__file__).resolve().parent.parent))
 
 from langgraph_fence import ChildPlacement, Instance, LeaseKey, fence_graph, get_execution_context
-from langgraph_fence.children import child_execution_id
 from langgraph_fence.database import schema_options
-from langgraph_fence.notifications import ENDS_CHANNEL
+from langgraph_fence.execution.children import child_execution_id
+from langgraph_fence.queue.notifications import ENDS_CHANNEL
 
 DEFAULT_PG = os.environ.get("LANGGRAPH_FENCE_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 POLL = 0.05

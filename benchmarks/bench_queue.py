@@ -43,8 +43,8 @@ sys.path.insert(0, str(ROOT))
 from langgraph.graph import END, START, StateGraph  # noqa: E402
 
 from langgraph_fence import Effect, Instance, fence_graph  # noqa: E402
-from langgraph_fence.context import get_execution_context  # noqa: E402
 from langgraph_fence.database import create_engine  # noqa: E402
+from langgraph_fence.steps.context import get_execution_context  # noqa: E402
 
 DEFAULT_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
 GRAPH = "bench_count"

@@ -57,7 +57,7 @@ from bench_savers import (
 from langgraph_fence import SqlLeaseRepository, fence_graph
 from langgraph_fence.checkpointers import SqlCheckpointer
 from langgraph_fence.instance import Instance
-from langgraph_fence.records import SqlExecutionRecords
+from langgraph_fence.lease.records import SqlExecutionRecords
 from tests.support.statements import Statements
 
 

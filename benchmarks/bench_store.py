@@ -41,9 +41,9 @@ from sqlalchemy import text
 
 from langgraph_fence import Effect, FencedStore, LeaseKey, SqlLeaseRepository
 from langgraph_fence.checkpointers import SqlStore
-from langgraph_fence.context import ExecutionContext, _reset_frame, _set_frame
 from langgraph_fence.database import create_engine, schema_options
 from langgraph_fence.fence import ExecutionFence, RunHandle
+from langgraph_fence.steps.context import ExecutionContext, _reset_frame, _set_frame
 
 DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432/test"
 TTL = 600.0

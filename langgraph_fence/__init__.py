@@ -10,10 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     __version__: str
-    from langgraph_fence.checkpoint import FencedCheckpointer
     from langgraph_fence.checkpointers import SqlCheckpointer, SqlStore
-    from langgraph_fence.children import Child, ChildPlacement
-    from langgraph_fence.context import ExecutionContext, get_execution_context
     from langgraph_fence.effects import Effect
     from langgraph_fence.errors import (
         ChildFailedError,
@@ -30,8 +27,8 @@ if TYPE_CHECKING:
         find_fence_error,
     )
     from langgraph_fence.events import EventKind, FenceEvent
+    from langgraph_fence.execution.children import Child, ChildPlacement
     from langgraph_fence.fence import ExecutionFence
-    from langgraph_fence.graph import fence_graph
     from langgraph_fence.instance import Instance
     from langgraph_fence.lease import (
         ExecutionLeaseRepository,
@@ -40,22 +37,25 @@ if TYPE_CHECKING:
         LeaseStatus,
         PendingEffect,
     )
-    from langgraph_fence.nodes import fenced
+    from langgraph_fence.lease.scope import parse_scope_key, scope_key
+    from langgraph_fence.lease.stores import MemoryLeaseRepository, SqlLeaseRepository
     from langgraph_fence.queue import RunState, SubmittedRun
-    from langgraph_fence.scope import parse_scope_key, scope_key
-    from langgraph_fence.store import FencedStore
-    from langgraph_fence.stores import MemoryLeaseRepository, SqlLeaseRepository
-    from langgraph_fence.tools import fence_tools
+    from langgraph_fence.saver.checkpoint import FencedCheckpointer
+    from langgraph_fence.saver.store import FencedStore
+    from langgraph_fence.steps.context import ExecutionContext, get_execution_context
+    from langgraph_fence.steps.graph import fence_graph
+    from langgraph_fence.steps.nodes import fenced
+    from langgraph_fence.steps.tools import fence_tools
 
 # Each public name is imported from its module on first use (PEP 562): `import
 # langgraph_fence` (and the CLI's `--help` and listings) must not load LangGraph.
 _WHERE = {
-    "Child": "langgraph_fence.children",
+    "Child": "langgraph_fence.execution.children",
     "ChildFailedError": "langgraph_fence.errors",
-    "ChildPlacement": "langgraph_fence.children",
+    "ChildPlacement": "langgraph_fence.execution.children",
     "Effect": "langgraph_fence.effects",
     "ExecutionBusyError": "langgraph_fence.errors",
-    "ExecutionContext": "langgraph_fence.context",
+    "ExecutionContext": "langgraph_fence.steps.context",
     "ExecutionContextUnavailableError": "langgraph_fence.errors",
     "EventKind": "langgraph_fence.events",
     "ExecutionDeadLetteredError": "langgraph_fence.errors",
@@ -66,29 +66,29 @@ _WHERE = {
     "ExecutionLeaseLostError": "langgraph_fence.errors",
     "ExecutionLeaseRepository": "langgraph_fence.lease",
     "FenceEvent": "langgraph_fence.events",
-    "FencedCheckpointer": "langgraph_fence.checkpoint",
-    "FencedStore": "langgraph_fence.store",
+    "FencedCheckpointer": "langgraph_fence.saver.checkpoint",
+    "FencedStore": "langgraph_fence.saver.store",
     "Instance": "langgraph_fence.instance",
     "InstanceFullError": "langgraph_fence.errors",
     "LangGraphFenceError": "langgraph_fence.errors",
     "Lease": "langgraph_fence.lease",
     "LeaseKey": "langgraph_fence.lease",
     "LeaseStatus": "langgraph_fence.lease",
-    "MemoryLeaseRepository": "langgraph_fence.stores",
+    "MemoryLeaseRepository": "langgraph_fence.lease.stores",
     "PendingEffect": "langgraph_fence.lease",
     "RunFailedError": "langgraph_fence.errors",
     "RunState": "langgraph_fence.queue",
     "SqlCheckpointer": "langgraph_fence.checkpointers",
-    "SqlLeaseRepository": "langgraph_fence.stores",
+    "SqlLeaseRepository": "langgraph_fence.lease.stores",
     "SqlStore": "langgraph_fence.checkpointers",
     "SubmittedRun": "langgraph_fence.queue",
-    "fence_graph": "langgraph_fence.graph",
-    "fence_tools": "langgraph_fence.tools",
-    "fenced": "langgraph_fence.nodes",
+    "fence_graph": "langgraph_fence.steps.graph",
+    "fence_tools": "langgraph_fence.steps.tools",
+    "fenced": "langgraph_fence.steps.nodes",
     "find_fence_error": "langgraph_fence.errors",
-    "get_execution_context": "langgraph_fence.context",
-    "parse_scope_key": "langgraph_fence.scope",
-    "scope_key": "langgraph_fence.scope",
+    "get_execution_context": "langgraph_fence.steps.context",
+    "parse_scope_key": "langgraph_fence.lease.scope",
+    "scope_key": "langgraph_fence.lease.scope",
 }
 
 

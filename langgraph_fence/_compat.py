@@ -128,7 +128,7 @@ def hook_pregel(hooks: Mapping[str, Callable[[Callable[..., Any]], Callable[...,
     graph goes through one of them (``ainvoke``, ``abatch`` and ``astream_events`` through
     ``astream``; ``invoke`` and ``batch`` through ``stream``), so a graph compiled with an
     instance's checkpointer and called the LangGraph way runs under its execution's lease
-    (:mod:`langgraph_fence.graph_calls`); every other graph gets LangGraph's original,
+    (:mod:`langgraph_fence.steps.graph_calls`); every other graph gets LangGraph's original,
     unchanged. ``tests/unit/test_compat.py`` checks that those four exist and that
     ``ainvoke``/``invoke`` still reach them. If LangGraph adds a path that bypasses them, a
     graph called that way runs with no handle and the fenced checkpointer refuses its first
@@ -151,7 +151,8 @@ def hook_task_call(make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> 
 
     ``_TaskFunction`` is private: a ``@task`` is an instance of it and its ``func`` is the
     decorated function. The package checks, when a task is called inside a fenced step, that
-    ``func`` went through ``@fenced`` (:func:`langgraph_fence.fail_closed.refuse_unfenced_task`).
+    ``func`` went through ``@fenced``
+    (:func:`langgraph_fence.execution.fail_closed.refuse_unfenced_task`).
     ``tests/unit/test_compat.py`` checks the class, its ``func`` and that calling a task goes
     through ``__call__``. If a release renames it, that test fails in CI, not a user's run.
     """
@@ -172,7 +173,7 @@ def tool_node_tools(node: Any) -> dict[str, Any] | None:
     ``ToolNode.tools_by_name`` is public, but that it returns the dict the node calls from
     (so that replacing a tool in it changes what the node runs) is not documented:
     ``fence_graph`` on a compiled agent fences the tools in place through it. If it ever
-    returns a copy, the check before a run (:mod:`langgraph_fence.fail_closed`) still sees
+    returns a copy, the check before a run (:mod:`langgraph_fence.execution.fail_closed`) still sees
     the unfenced tools and refuses the run: loud, never unfenced.
     """
     try:

@@ -22,27 +22,28 @@ from typing import TYPE_CHECKING, Any
 
 from langchain_core.runnables import RunnableConfig
 
-from langgraph_fence.admin import ThreadAdmin, admin_holder
-from langgraph_fence.children import refuse_child_ids
 from langgraph_fence.contracts import require_implements
 from langgraph_fence.events import FenceListener, Listeners
-from langgraph_fence.fence import FENCE_CONFIG_KEY, safety_margin
-from langgraph_fence.host import InstanceHost
-from langgraph_fence.keeper import Keeper, Renewer, Sleep, thread_store
+from langgraph_fence.execution.children import refuse_child_ids
+from langgraph_fence.execution.host import InstanceHost
+from langgraph_fence.execution.keeper import Keeper, Renewer, Sleep, thread_store
+from langgraph_fence.execution.run import running
+from langgraph_fence.execution.serve import check_budget
+from langgraph_fence.fence import safety_margin
+from langgraph_fence.fence.tenancy import DEFAULT_TENANT
+from langgraph_fence.keys import FENCE_CONFIG_KEY
 from langgraph_fence.lease import ExecutionLeaseRepository, LeaseKey
-from langgraph_fence.queue import OnBusy, SubmittedRun, SubmittedRuns
-from langgraph_fence.records import (
+from langgraph_fence.lease.records import (
     ExecutionRecords,
     MemoryExecutionRecords,
     SqlExecutionRecords,
     check_thread_binding,
 )
-from langgraph_fence.run import running
-from langgraph_fence.serve import check_budget
-from langgraph_fence.store import FencedStore
-from langgraph_fence.stores import base_store
-from langgraph_fence.tenancy import DEFAULT_TENANT
-from langgraph_fence.transitions import DEFAULT_MAX_TAKEOVERS
+from langgraph_fence.lease.stores import base_store
+from langgraph_fence.lease.transitions import DEFAULT_MAX_TAKEOVERS
+from langgraph_fence.queue import OnBusy, SubmittedRun, SubmittedRuns
+from langgraph_fence.saver.admin import ThreadAdmin, admin_holder
+from langgraph_fence.saver.store import FencedStore
 from langgraph_fence.validate import positive_int, positive_seconds, text_id
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ __all__ = ["Instance"]
 
 
 #: The tenant of a graph called the LangGraph way whose config names none (``tenant_id=``):
-#: the one default tenant, :data:`langgraph_fence.tenancy.DEFAULT_TENANT`.
+#: the one default tenant, :data:`langgraph_fence.fence.tenancy.DEFAULT_TENANT`.
 DEFAULT_TENANT_ID = DEFAULT_TENANT
 
 
@@ -113,7 +114,8 @@ class Instance:
             checkpoint of its thread since the take before; the next take dead-letters it
             ("crashed N workers") instead of handing it to one more worker.
         max_held: how many executions the instance holds at once. Default: as many as it
-            renews at 3 000 leases a second (:func:`~langgraph_fence.keeper.default_max_held`),
+            renews at 3 000 leases a second
+            (:func:`~langgraph_fence.execution.keeper.default_max_held`),
             at most 10 000 where the renewals run in their thread (10 000 at the default TTL,
             3 000 at TTL 3 s) and 1 000 where they run on the loop. Every lease it holds is
             renewed by its one keeper, batched; past the limit :meth:`ainvoke` raises
@@ -122,7 +124,7 @@ class Instance:
             Below it too, while the renewals of the leases it holds run late, a new run
             waits for them to catch up (at most a TTL, then the same error) and
             :meth:`serve` takes nothing over.
-        renewer: where the renewals run (:mod:`langgraph_fence.keeper`). ``"auto"`` (the
+        renewer: where the renewals run (:mod:`langgraph_fence.execution.keeper`). ``"auto"`` (the
             default): in a thread with an event loop and database connections of its own
             when the repository is a :class:`~langgraph_fence.SqlLeaseRepository` (not in
             memory) and neither ``clock`` nor ``sleep`` is injected, so a busy or blocked
@@ -168,9 +170,9 @@ class Instance:
         tenant_id: str = DEFAULT_TENANT_ID,
     ) -> None:
         """The instance on checked ``settings`` (``__init__`` and ``open`` check them once)."""
-        from langgraph_fence import graph_calls
-        from langgraph_fence.checkpoint import FencedCheckpointer
+        import langgraph_fence.steps.graph_calls as graph_calls
         from langgraph_fence.from_thread import running_loop
+        from langgraph_fence.saver.checkpoint import FencedCheckpointer
 
         require_implements(repository, ExecutionLeaseRepository, argument="repository")
         if records is not None:
@@ -298,7 +300,7 @@ class Instance:
         from langgraph_fence.checkpointers import SqlCheckpointer
         from langgraph_fence.checkpointers.store import SqlStore
         from langgraph_fence.database import create_engine
-        from langgraph_fence.stores.sql import SqlLeaseRepository
+        from langgraph_fence.lease.sql import SqlLeaseRepository
 
         # Refused before the engine exists: bad input creates no table and writes no row.
         accepted = set(inspect.signature(cls.__init__).parameters) - {
@@ -369,7 +371,7 @@ class Instance:
 
         ``graph.invoke`` / ``stream`` / ``batch`` / ``update_state`` of a graph compiled
         with ``instance.checkpointer`` then run fenced from any thread, as
-        ``graph.ainvoke`` does on an async instance (:mod:`langgraph_fence.graph_calls`).
+        ``graph.ainvoke`` does on an async instance (:mod:`langgraph_fence.steps.graph_calls`).
         Takes the arguments of :meth:`open`.
         """
         from langgraph_fence.from_thread import loop_thread
@@ -431,7 +433,7 @@ class Instance:
         A run started with input records, with its execution, what a takeover runs it with
         again: its ``configurable`` keys, ``context``, ``recursion_limit``, ``tags``,
         ``metadata``, ``run_name``, ``max_concurrency``, ``durability``,
-        ``interrupt_before`` and ``interrupt_after`` (:mod:`langgraph_fence.run_config`).
+        ``interrupt_before`` and ``interrupt_after`` (:mod:`langgraph_fence.lease.run_config`).
         Callbacks and other live objects are not carried over to a takeover; a value that
         cannot be recorded is refused with a ``ValueError`` naming it, before anything is
         written.
@@ -638,7 +640,7 @@ class Instance:
             **kwargs: passed to each ``graph.ainvoke`` (``durability``, ...); an option the
                 run recorded (e.g. its ``durability``) wins over these.
         """
-        from langgraph_fence.serve import Server
+        from langgraph_fence.execution.serve import Server
 
         server = Server(
             self.host,
@@ -658,7 +660,7 @@ class Instance:
 def _default_records(repository: ExecutionLeaseRepository) -> ExecutionRecords:
     """The records every instance on ``repository``'s store finds: in its database, or in
     memory for the memory store; refused for a store of another kind."""
-    from langgraph_fence.stores.sql import SqlLeaseRepository
+    from langgraph_fence.lease.sql import SqlLeaseRepository
 
     try:
         store = base_store(repository)

@@ -32,9 +32,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from langgraph_fence._compat import sqlalchemy_told_autocommit
 from langgraph_fence.database import Dialect, dialect_of, transaction
+from langgraph_fence.database.migrations import Migration, migrate
 from langgraph_fence.errors import ExecutionFencedError
 from langgraph_fence.fence import ExecutionFence, held_as_is
-from langgraph_fence.migrations import Migration, migrate
 from langgraph_fence.validate import text_id
 
 __all__ = [
@@ -132,7 +132,7 @@ async def setup_sink(engine_or_conn: AsyncEngine | AsyncConnection) -> int:
     """Create or upgrade the sink's tables on the user's database; return the schema version.
 
     Runs the ``"sink"`` component's migrations through
-    :func:`langgraph_fence.migrations.migrate`: safe from several processes at once and a
+    :func:`langgraph_fence.database.migrations.migrate`: safe from several processes at once and a
     no-op when up to date. SQLite and PostgreSQL (SQLAlchemy async) are supported.
 
     Args:

@@ -33,10 +33,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from langgraph_fence._compat import CONFIG_KEY_TASK_ID
 from langgraph_fence.effects import EFFECT_ATTRIBUTE, EffectLike, as_effect
-from langgraph_fence.faults import StallableRepository, StallGate
-from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
+from langgraph_fence.fence import RunHandle
+from langgraph_fence.keys import FENCE_CONFIG_KEY
 from langgraph_fence.lease import Lease, LeaseKey
-from langgraph_fence.transitions import DEFAULT_MAX_TAKEOVERS, fenced_error
+from langgraph_fence.lease.faults import StallableRepository, StallGate
+from langgraph_fence.lease.transitions import DEFAULT_MAX_TAKEOVERS, fenced_error
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -93,8 +94,8 @@ class Leases:
 
     def __init__(self, engine: AsyncEngine, clock: ManualClock) -> None:
         from langgraph_fence.checkpointers import SqlCheckpointer
-        from langgraph_fence.records import SqlExecutionRecords
-        from langgraph_fence.stores.sql import SqlLeaseRepository
+        from langgraph_fence.lease.records import SqlExecutionRecords
+        from langgraph_fence.lease.sql import SqlLeaseRepository
 
         self.clock = clock
         self.engine = engine
@@ -247,11 +248,11 @@ async def run_node(
     """
     from langchain_core.runnables.config import var_child_runnable_config
 
-    from langgraph_fence.stores.memory import MemoryLeaseRepository
+    from langgraph_fence.lease.memory import MemoryLeaseRepository
 
     declared = getattr(node, EFFECT_ATTRIBUTE, None)
     if declared is None:
-        from langgraph_fence.nodes import fenced
+        from langgraph_fence.steps.nodes import fenced
 
         node = fenced(effect=as_effect(effect if effect is not None else "read_only"))(node)
     elif effect is not None and as_effect(effect) is not declared:

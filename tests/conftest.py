@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence.database import create_engine
 from langgraph_fence.lease import ExecutionLeaseRepository
-from langgraph_fence.stores import MemoryLeaseRepository, SqlLeaseRepository
+from langgraph_fence.lease.stores import MemoryLeaseRepository, SqlLeaseRepository
 from langgraph_fence.testing import Leases, ManualClock
 from tests.support.databases import (
     BACKENDS,

@@ -29,7 +29,7 @@ class Guard:
     transaction: a checkpoint always (it lands with them), a task's writes only when every
     checkpoint of ``proof`` is stored (orphan writes prove nothing to a resume).
     ``proof``: for a task's writes, ``(checkpoint_ns, checkpoint_id)`` of the checkpoint they
-    belong to and of every ancestor's (``langgraph_fence.admission.writes_proof``).
+    belong to and of every ancestor's (``langgraph_fence.fence.admission.writes_proof``).
     """
 
     tenant_id: str

@@ -33,9 +33,9 @@ from langgraph_fence.checkpointers._rows import (
     StoredCheckpoint,
     WriteRow,
 )
-from langgraph_fence.driver import Connections
-from langgraph_fence.guard import guard_sql
-from langgraph_fence.schema import STAMP_SQL, stamp_patch
+from langgraph_fence.database.driver import Connections
+from langgraph_fence.lease.guard import guard_sql
+from langgraph_fence.lease.schema import STAMP_SQL, stamp_patch
 
 __all__ = ["SqliteDriver"]
 

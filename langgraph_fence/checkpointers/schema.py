@@ -22,7 +22,7 @@ Table names carry the ``fence_`` prefix: they can live beside the official saver
 Tenants (version 2): every row carries ``tenant_id``, first in each primary key. A thread is
 ``(tenant_id, thread_id)``: a tenant's ``chat-1`` and another's ``chat-1`` are two threads
 that never meet. Rows written with no tenant given (plain LangGraph use) belong to the
-default tenant, ``"default"`` (:data:`langgraph_fence.tenancy.DEFAULT_TENANT`), the
+default tenant, ``"default"`` (:data:`langgraph_fence.fence.tenancy.DEFAULT_TENANT`), the
 tenant an instance runs a graph under when its config names none. Rows that existed before
 version 2 get the tenant of the thread's lease:
 the tenant of the execution records naming the thread, or of the lease whose execution id
@@ -36,7 +36,7 @@ One default tenant (version 3): the default tenant was ``''`` for a bare saver a
 call naming no tenant under ``''`` (nothing). The rows of ``''`` move to ``"default"``,
 except a thread that has rows of ``"default"`` too (two threads are never merged) or that a
 lease or record of another tenant names (left as version 2 left it): those stay under
-``''`` (:data:`langgraph_fence.checkpoint.LEGACY_TENANT`), read with ``tenant_id=""``.
+``''`` (:data:`langgraph_fence.saver.checkpoint.LEGACY_TENANT`), read with ``tenant_id=""``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from langgraph_fence.database import Dialect
-from langgraph_fence.migrations import Migration, MigrationStep
+from langgraph_fence.database.migrations import Migration, MigrationStep
 
 __all__ = ["CHECKPOINT_MIGRATIONS", "COMPONENT"]
 

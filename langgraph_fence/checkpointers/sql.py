@@ -45,14 +45,6 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from langgraph_fence.admission import (
-    admit_write,
-    checkpoint_clear_keys,
-    fence_handle,
-    refuse_write,
-    writes_clear_keys,
-    writes_proof,
-)
 from langgraph_fence.checkpointers._postgres import PostgresDriver
 from langgraph_fence.checkpointers._rows import (
     CheckpointQuery,
@@ -64,17 +56,25 @@ from langgraph_fence.checkpointers._rows import (
 from langgraph_fence.checkpointers._sqlite import SqliteDriver
 from langgraph_fence.checkpointers.schema import CHECKPOINT_MIGRATIONS, COMPONENT
 from langgraph_fence.database import Dialect, check_engine, create_engine, transaction
+from langgraph_fence.database.migrations import migrate
+from langgraph_fence.database.retry import retry_window
 from langgraph_fence.errors import ExecutionLeaseLostError
-from langgraph_fence.faults import fault_point
 from langgraph_fence.fence import RunHandle
+from langgraph_fence.fence.admission import (
+    admit_write,
+    checkpoint_clear_keys,
+    fence_handle,
+    refuse_write,
+    writes_clear_keys,
+    writes_proof,
+)
+from langgraph_fence.fence.tenancy import DEFAULT_TENANT, thread_tenant
 from langgraph_fence.from_thread import hop
 from langgraph_fence.lease import Lease
-from langgraph_fence.migrations import migrate
-from langgraph_fence.retry import retry_window
-from langgraph_fence.schema import LEASE_MIGRATIONS
+from langgraph_fence.lease.faults import fault_point
+from langgraph_fence.lease.schema import LEASE_MIGRATIONS
+from langgraph_fence.lease.transitions import fenced_error
 from langgraph_fence.serde import safe_serializer
-from langgraph_fence.tenancy import DEFAULT_TENANT, thread_tenant
-from langgraph_fence.transitions import fenced_error
 from langgraph_fence.validate import storable_text
 
 __all__ = ["SqlCheckpointer"]
@@ -200,7 +200,7 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
     ``delete_thread``, ``delete_for_runs``, ``copy_thread`` and ``prune`` are maintenance:
     not fenced here, and not meant to run on a thread while a run writes to it. Through an
     instance's checkpointer they hold the thread's execution lease instead, and
-    ``delete_thread`` erases the execution's other rows too (:mod:`langgraph_fence.admin`).
+    ``delete_thread`` erases the execution's other rows too (:mod:`langgraph_fence.saver.admin`).
     """
 
     #: Every row is keyed by tenant: a wrapper passes tenant configs through as they are.
@@ -567,7 +567,7 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         """The checkpoint at ``checkpoint_id``, or the thread's latest in its namespace.
 
         Only the tenant's own thread is read (the tenant: see
-        :func:`langgraph_fence.tenancy.thread_tenant`).
+        :func:`langgraph_fence.fence.tenancy.thread_tenant`).
         """
         self._ready()
         thread_id, checkpoint_ns = _thread_of(config, "aget_tuple")

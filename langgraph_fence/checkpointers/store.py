@@ -3,10 +3,10 @@ fencing token checked inside every write.
 
 Inside a fenced step whose lease lives in this database's ``fence_leases`` table, every put
 and delete is ONE statement whose ``WHERE`` holds the lease guard
-(:func:`langgraph_fence.guard.guard_sql`; on PostgreSQL the lease row is read ``FOR SHARE``,
+(:func:`langgraph_fence.lease.guard.guard_sql`; on PostgreSQL the lease row is read ``FOR SHARE``,
 so a take-over committing meanwhile is waited for and seen): a write under a superseded
 token leaves nothing, is recorded on the run like a refused checkpoint write
-(:func:`langgraph_fence.admission.refuse_write`) and raises
+(:func:`langgraph_fence.fence.admission.refuse_write`) and raises
 :class:`~langgraph_fence.ExecutionFencedError`. Every item row records the token it was
 written under (``fence_token``; ``NULL`` for a write from outside any fenced step, an admin
 script, which is allowed). Reads, searches and ``list_namespaces`` are never fenced.
@@ -42,18 +42,18 @@ from langgraph.store.memory import _compare_values, _does_match
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from langgraph_fence.admission import refuse_write, step_config
 from langgraph_fence.checkpointers._rows import Guard
 from langgraph_fence.database import Dialect, check_engine, read_only, single_statement, transaction
+from langgraph_fence.database.migrations import Migration, migrate
 from langgraph_fence.errors import ExecutionLeaseLostError
 from langgraph_fence.fence import RunHandle, running_handle
+from langgraph_fence.fence.admission import refuse_write, step_config
+from langgraph_fence.fence.tenancy import DEFAULT_TENANT
 from langgraph_fence.from_thread import run_on_loop
-from langgraph_fence.guard import guard_sql, holds
-from langgraph_fence.migrations import Migration, migrate
-from langgraph_fence.schema import LEASE_MIGRATIONS
-from langgraph_fence.store import checked_ops
-from langgraph_fence.tenancy import DEFAULT_TENANT
-from langgraph_fence.transitions import fenced_error
+from langgraph_fence.lease.guard import guard_sql, holds
+from langgraph_fence.lease.schema import LEASE_MIGRATIONS
+from langgraph_fence.lease.transitions import fenced_error
+from langgraph_fence.saver.store import checked_ops
 
 __all__ = ["STORE_COMPONENT", "STORE_MIGRATIONS", "SqlStore"]
 
@@ -240,7 +240,7 @@ class SqlStore(BaseStore):
     async def erase_written_by(self, tenant_id: str, execution_id: str) -> int:
         """Delete the tenant's items whose last write was made by a fenced step of
         ``execution_id`` (an item another execution, or an admin, wrote over since is its
-        writer's: kept); how many. Part of erasing a thread (:mod:`langgraph_fence.admin`)."""
+        writer's: kept); how many. Part of erasing a thread (:mod:`langgraph_fence.saver.admin`)."""
         async with transaction(self._engine) as conn:
             params = {"tenant": tenant_id, "execution": execution_id}
             return int((await conn.execute(_ERASE_WRITTEN, params)).rowcount)

@@ -49,7 +49,7 @@ def _explain(exc: Exception, args: argparse.Namespace) -> tuple[int, str]:
     """The exit status and the one line printed for ``exc``."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from langgraph_fence.diagnosis import explain_database_error
+    from langgraph_fence.database.diagnosis import explain_database_error
     from langgraph_fence.errors import (
         ExecutionBusyError,
         ExecutionEndedError,

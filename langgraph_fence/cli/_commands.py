@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from rich.console import Console
 
-    from langgraph_fence.diagnosis import Target
+    from langgraph_fence.database.diagnosis import Target
 from langgraph_fence.cli._common import (
     WORKER_MAX_BACKOFF,
     as_json,
@@ -31,8 +31,8 @@ async def demo(console: Console, db: str | None, schema: str | None) -> int:
     from rich.table import Table
     from rich.text import Text
 
+    from langgraph_fence.cli.demo import run_demo
     from langgraph_fence.database import normalize_url
-    from langgraph_fence.demo import run_demo
 
     if db is not None:
         normalize_url(db)
@@ -97,7 +97,7 @@ def _load_graphs_factory(spec: str) -> Any:
 async def worker(args: argparse.Namespace) -> int:
     import asyncio
 
-    from langgraph_fence.serve import on_signals
+    from langgraph_fence.execution.serve import on_signals
 
     target = checked_target(args, must_exist=False)
     factory = _load_graphs_factory(args.graphs)
@@ -121,9 +121,9 @@ async def _work(
 
     from rich.console import Console
 
+    from langgraph_fence.database.retry import is_database_connection_error
     from langgraph_fence.instance import Instance
     from langgraph_fence.redact import failure_reason
-    from langgraph_fence.retry import is_database_connection_error
 
     failures = 0
     while not stop.is_set():
@@ -182,9 +182,9 @@ async def migrate(args: argparse.Namespace) -> int:
 
     from langgraph_fence.checkpointers import SqlCheckpointer, SqlStore
     from langgraph_fence.database import create_engine
-    from langgraph_fence.records import SqlExecutionRecords
+    from langgraph_fence.lease.records import SqlExecutionRecords
+    from langgraph_fence.lease.sql import SqlLeaseRepository
     from langgraph_fence.sinks import setup_sink
-    from langgraph_fence.stores.sql import SqlLeaseRepository
 
     checked_target(args, must_exist=False)
     engine = create_engine(args.db, schema=args.schema)
@@ -204,9 +204,9 @@ async def erase(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from langgraph_fence.admin import ThreadAdmin, count_erasable
     from langgraph_fence.database import create_engine, schema_options
     from langgraph_fence.instance import Instance
+    from langgraph_fence.saver.admin import ThreadAdmin, count_erasable
 
     if not args.tenant:
         raise ValueError("--tenant must be the thread's tenant id (non-empty)")
@@ -344,7 +344,7 @@ async def submit(args: argparse.Namespace) -> int:
 
 
 def _resolve_key(args: argparse.Namespace) -> LeaseKey:
-    from langgraph_fence.scope import parse_scope_key
+    from langgraph_fence.lease.scope import parse_scope_key
 
     if args.key is not None:
         if args.tenant is not None or args.execution is not None:
@@ -370,8 +370,8 @@ async def resolve(args: argparse.Namespace) -> int:
     from sqlalchemy import select
 
     from langgraph_fence.database import create_engine
-    from langgraph_fence.schema import LEASES
-    from langgraph_fence.stores.sql import SqlLeaseRepository
+    from langgraph_fence.lease.schema import LEASES
+    from langgraph_fence.lease.sql import SqlLeaseRepository
 
     key = _resolve_key(args)
     if args.abandon and (args.reason is None or not args.reason.strip()):

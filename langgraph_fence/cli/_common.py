@@ -13,7 +13,7 @@ from langgraph_fence.lease import LeaseStatus
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from langgraph_fence.diagnosis import Target
+    from langgraph_fence.database.diagnosis import Target
 
 
 #: The longest pause of a worker waiting for its database at the start, in seconds.
@@ -120,7 +120,7 @@ def stderr() -> Console:
 
 
 def db_target(args: argparse.Namespace) -> Target | None:
-    from langgraph_fence.diagnosis import Target
+    from langgraph_fence.database.diagnosis import Target
 
     db = getattr(args, "db", None)
     return None if db is None else Target(db, getattr(args, "schema", None))
@@ -129,7 +129,7 @@ def db_target(args: argparse.Namespace) -> Target | None:
 def checked_target(args: argparse.Namespace, *, must_exist: bool) -> Target:
     """``--db`` and ``--schema``, the URL parsed, a SQLite path checked and a schema with a
     SQLite URL refused before use."""
-    from langgraph_fence.diagnosis import check_sqlite_file
+    from langgraph_fence.database.diagnosis import check_sqlite_file
 
     target = db_target(args)
     assert target is not None

@@ -17,8 +17,8 @@ async def executions(args: argparse.Namespace, status: str | None) -> int:
     from sqlalchemy import select
 
     from langgraph_fence.database import create_engine, read_only
-    from langgraph_fence.schema import LEASES, effects_from_json
-    from langgraph_fence.stores.sql import SqlLeaseRepository
+    from langgraph_fence.lease.schema import LEASES, effects_from_json
+    from langgraph_fence.lease.sql import SqlLeaseRepository
 
     if args.tenant is not None and not args.tenant:
         raise ValueError("--tenant must be a non-empty tenant id (or left out for every tenant)")
@@ -68,7 +68,7 @@ async def executions(args: argparse.Namespace, status: str | None) -> int:
 
 def _parent_scope_key(execution_id: str) -> str | None:
     """The scope key of the parent of a child execution (``None``: not a child)."""
-    from langgraph_fence.children import parse_child_execution_id
+    from langgraph_fence.execution.children import parse_child_execution_id
 
     parsed = parse_child_execution_id(execution_id)
     return None if parsed is None else parsed[0].scope_key

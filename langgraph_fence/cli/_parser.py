@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from langgraph_fence.transitions import DEFAULT_MAX_TAKEOVERS
+from langgraph_fence.lease.transitions import DEFAULT_MAX_TAKEOVERS
 
 if TYPE_CHECKING:
     pass

@@ -51,7 +51,7 @@ from langgraph_fence import (
 )
 from langgraph_fence.database import create_engine
 from langgraph_fence.instance import Instance
-from langgraph_fence.records import SqlExecutionRecords
+from langgraph_fence.lease.records import SqlExecutionRecords
 from tests.support.chaos_graphs import (
     AIM_WHILE_ENV,
     CREATE_EFFECTS,

@@ -24,9 +24,9 @@ import pytest
 from sqlalchemy import text
 
 from langgraph_fence import LeaseKey, LeaseStatus
-from langgraph_fence.children import child_execution_id
+from langgraph_fence.execution.children import child_execution_id
 from langgraph_fence.instance import Instance
-from langgraph_fence.transitions import is_yielded
+from langgraph_fence.lease.transitions import is_yielded
 from tests.support.children_graphs import CREATE_TABLES, FAN
 from tests.support.databases import pg_engine_options, unique
 from tests.support.polling import eventually

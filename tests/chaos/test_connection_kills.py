@@ -34,7 +34,7 @@ from sqlalchemy import text
 
 from langgraph_fence import LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.database import create_engine
-from langgraph_fence.records import SqlExecutionRecords
+from langgraph_fence.lease.records import SqlExecutionRecords
 from tests.support.chaos_graphs import CREATE_EFFECTS, PLAIN_GRAPH, SINK_GRAPH
 from tests.support.chaos_serve import effects, record_pending, statuses
 from tests.support.databases import pg_engine_options, setup_all, unique

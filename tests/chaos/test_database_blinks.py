@@ -39,10 +39,11 @@ from langgraph_fence import (
     get_execution_context,
 )
 from langgraph_fence.database import create_engine, schema_options, transaction
+from langgraph_fence.database.retry import is_database_connection_error
 from langgraph_fence.errors import linked_errors
-from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
+from langgraph_fence.fence import RunHandle
 from langgraph_fence.instance import Instance
-from langgraph_fence.retry import is_database_connection_error
+from langgraph_fence.keys import FENCE_CONFIG_KEY
 from langgraph_fence.sinks import fenced_write, setup_sink
 from tests.support.chaos_graphs import CREATE_EFFECTS, State
 from tests.support.chaos_serve import STARTUP_DEADLINE, Chaos, effects, statuses
@@ -264,7 +265,7 @@ async def test_a_run_cut_off_past_its_lease_is_handed_back_and_serve_rides_out_t
     through_proxy = target.set(port=proxy.port).render_as_string(hide_password=False)
     entered, go_on = asyncio.Event(), asyncio.Event()
     execution = unique("outage")
-    caplog.set_level(logging.WARNING, logger="langgraph_fence.serve")
+    caplog.set_level(logging.WARNING, logger="langgraph_fence.execution.serve")
     options = {"engine_options": schema_options(schema), "lease_ttl": 2.0}
     try:
         async with (

@@ -24,8 +24,8 @@ import pytest
 from langgraph_fence import LeaseKey, LeaseStatus
 from langgraph_fence.instance import Instance
 from langgraph_fence.lease import Lease
-from langgraph_fence.records import ExecutionRecord
-from langgraph_fence.transitions import DEFAULT_MAX_TAKEOVERS
+from langgraph_fence.lease.records import ExecutionRecord
+from langgraph_fence.lease.transitions import DEFAULT_MAX_TAKEOVERS
 from tests.support.chaos_graphs import MARK_DIR_ENV, POISON_GRAPH, pill_runs
 from tests.support.databases import Database, engine_options
 from tests.support.polling import eventually

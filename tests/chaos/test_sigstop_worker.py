@@ -22,7 +22,7 @@ import pytest
 from checkpointers import SqlCheckpointer
 from langgraph_fence import Lease, LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.database import create_engine
-from langgraph_fence.records import SqlExecutionRecords
+from langgraph_fence.lease.records import SqlExecutionRecords
 from tests.support.chaos_graphs import EXIT_FENCED, HOLD_GRAPH, spawn_hold
 from tests.support.chaos_serve import rows_of
 from tests.support.databases import pg_engine_options, setup_all, unique

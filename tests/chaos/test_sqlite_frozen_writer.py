@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy.exc import OperationalError
 
+import langgraph_fence.database as database_module
 from langgraph_fence import LeaseKey, LeaseStatus, SqlLeaseRepository
-from langgraph_fence import database as database_module
 from langgraph_fence.database import create_engine
 from langgraph_fence.testing import ManualClock
 

@@ -2,13 +2,13 @@
 
 A write made under a hold lands only while the stored lease is still that hold (same key,
 holder, epoch, status ``running``; expiry is not part of it). The rule is written once
-(:mod:`langgraph_fence.guard`), but it runs in many statements: the lease store's renew,
+(:mod:`langgraph_fence.lease.guard`), but it runs in many statements: the lease store's renew,
 release, stamp and clear (memory, SQLite, PostgreSQL), :class:`SqlCheckpointer`'s checkpoint
 and writes statements on both drivers, and :class:`FencedCheckpointer`'s check before it
 delegates to a saver that cannot guard; the same for the store: :class:`SqlStore`'s put
 and delete statements, and :class:`FencedStore`'s check before it delegates to
 ``InMemoryStore``. Each is run here against the same table of stored lease states, and each
-must land exactly where :func:`~langgraph_fence.guard.holds` says, and leave nothing behind
+must land exactly where :func:`~langgraph_fence.lease.guard.holds` says, and leave nothing behind
 where it is refused.
 
 The sinks are not in the table: they fence by the token against their own high-water mark
@@ -44,8 +44,9 @@ from langgraph_fence import (
     PendingEffect,
     SqlLeaseRepository,
 )
-from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
-from langgraph_fence.guard import holds
+from langgraph_fence.fence import RunHandle
+from langgraph_fence.keys import FENCE_CONFIG_KEY
+from langgraph_fence.lease.guard import holds
 from langgraph_fence.testing import ManualClock
 from tests.support.databases import unique
 from tests.support.leases import run_step

@@ -16,8 +16,8 @@ from sqlalchemy import CheckConstraint, inspect, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence import Effect, LeaseKey, LeaseStatus, PendingEffect, SqlLeaseRepository
-from langgraph_fence.migrations import migrate
-from langgraph_fence.schema import LEASE_MIGRATIONS, LEASES
+from langgraph_fence.database.migrations import migrate
+from langgraph_fence.lease.schema import LEASE_MIGRATIONS, LEASES
 from langgraph_fence.testing import ManualClock
 from tests.support.databases import SQL_BACKENDS
 
@@ -177,7 +177,9 @@ async def test_children_spawned_before_version_5_keep_their_parent(
             text("SELECT execution_id, parent_execution_id FROM fence_leases")
         )
         assert {row.execution_id: row.parent_execution_id for row in found} == rows
-    (warning,) = [r.getMessage() for r in caplog.records if r.name == "langgraph_fence.schema"]
+    (warning,) = [
+        r.getMessage() for r in caplog.records if r.name == "langgraph_fence.lease.schema"
+    ]
     assert "1 execution(s) in flight" in warning
     assert "(acme:order-42)" in warning
 

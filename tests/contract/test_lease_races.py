@@ -20,8 +20,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence import ExecutionFencedError, Lease, LeaseKey, SqlLeaseRepository
 from langgraph_fence.database import create_engine
-from langgraph_fence.records import EXECUTION_MIGRATIONS
-from langgraph_fence.schema import LEASE_MIGRATIONS
+from langgraph_fence.lease.records import EXECUTION_MIGRATIONS
+from langgraph_fence.lease.schema import LEASE_MIGRATIONS
 from langgraph_fence.testing import ManualClock
 from tests.support.databases import SQL_BACKENDS, pg_admin_async, pg_engine_options, unique
 
@@ -215,7 +215,7 @@ async def test_concurrent_setup_migrates_once(
     backend: str, fresh_database: Callable[[], AsyncEngine], caplog: pytest.LogCaptureFixture
 ) -> None:
     repos = [SqlLeaseRepository(fresh_database(), clock=ManualClock()) for _ in range(8)]
-    caplog.set_level(logging.INFO, logger="langgraph_fence.migrations")
+    caplog.set_level(logging.INFO, logger="langgraph_fence.database.migrations")
     results = await bounded(race([repo.setup for repo in repos]))
     assert [r for r in results if isinstance(r, BaseException)] == []
     migrations = [r for r in caplog.records if r.getMessage().startswith("migrating leases")]

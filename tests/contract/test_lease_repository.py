@@ -15,6 +15,7 @@ from typing import Any, TypedDict
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+import langgraph_fence.lease.sql as sql_store
 from langgraph_fence import (
     Effect,
     ExecutionFencedError,
@@ -25,7 +26,6 @@ from langgraph_fence import (
     SqlLeaseRepository,
 )
 from langgraph_fence.database import create_engine, normalize_url
-from langgraph_fence.stores import sql as sql_store
 from langgraph_fence.testing import ManualClock
 from tests.support.databases import pg_engine_options, unique
 from tests.support.leases import TTL, Store, held, new_key, refused_unchanged, stamp
@@ -835,7 +835,7 @@ async def test_a_write_step_costs_one_round_trip_more_than_a_read(
 
     from checkpointers import SqlCheckpointer
     from langgraph_fence import Instance, fence_graph
-    from langgraph_fence.records import SqlExecutionRecords
+    from langgraph_fence.lease.records import SqlExecutionRecords
 
     url, schema = pg_schema
     wire: list[str] = []

@@ -1,6 +1,6 @@
 """``renew_many``: one statement renews many holds and tells which were refused.
 
-The keeper renews every lease an instance holds with it (``langgraph_fence.keeper``), so
+The keeper renews every lease an instance holds with it (``langgraph_fence.execution.keeper``), so
 its answer must be, lease by lease, the one ``renew`` gives: renewed to store-now + TTL
 while the hold is current, an ``ExecutionFencedError`` naming the epoch seen (and nothing
 changed) once it is not. Run on every store (memory, SQLite, PostgreSQL); the guard itself

@@ -19,8 +19,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from checkpointers import SqlStore
 from langgraph_fence import FencedStore
-from langgraph_fence.store import tenant_label
-from langgraph_fence.tenancy import DEFAULT_TENANT
+from langgraph_fence.fence.tenancy import DEFAULT_TENANT
+from langgraph_fence.saver.store import tenant_label
 from tests.support.databases import unique
 
 STORES = ["memory", "sqlite", "postgresql"]

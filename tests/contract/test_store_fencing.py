@@ -25,8 +25,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from checkpointers import SqlStore
 from langgraph_fence import ExecutionFencedError, FencedStore, LeaseKey
 from langgraph_fence.fence import RunHandle
-from langgraph_fence.store import tenant_label
-from langgraph_fence.stores import SqlLeaseRepository
+from langgraph_fence.lease.stores import SqlLeaseRepository
+from langgraph_fence.saver.store import tenant_label
 from langgraph_fence.testing import ManualClock
 from tests.support.databases import unique
 from tests.support.leases import run_step

@@ -15,8 +15,8 @@ from sqlalchemy import inspect, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from checkpointers.schema import CHECKPOINT_MIGRATIONS, COMPONENT
-from langgraph_fence.migrations import migrate
-from langgraph_fence.records import EXECUTION_MIGRATIONS
+from langgraph_fence.database.migrations import migrate
+from langgraph_fence.lease.records import EXECUTION_MIGRATIONS
 from tests.support.databases import SQL_BACKENDS, setup_all
 
 RUNS_ON = SQL_BACKENDS

@@ -19,8 +19,8 @@ from langgraph_fence import (
     PendingEffect,
     SqlLeaseRepository,
 )
+from langgraph_fence.lease.transitions import dead_letter_reason
 from langgraph_fence.testing import ManualClock
-from langgraph_fence.transitions import dead_letter_reason
 from tests.support.databases import SQL_BACKENDS, unique
 
 TTL = 10.0

@@ -11,8 +11,8 @@ from dataclasses import replace
 import pytest
 
 from langgraph_fence import Effect, ExecutionFencedError, LeaseStatus
+from langgraph_fence.lease.transitions import is_takeover_candidate, is_yielded
 from langgraph_fence.testing import ManualClock
-from langgraph_fence.transitions import is_takeover_candidate, is_yielded
 from tests.support.leases import TTL, Store, held, refused_unchanged, stamp
 
 
@@ -115,7 +115,7 @@ def test_a_woken_tree_is_a_candidate_only_from_its_not_before_time() -> None:
 
 def test_a_woken_tree_is_held_for_a_new_run_until_its_not_before_time() -> None:
     from langgraph_fence import Lease, LeaseKey
-    from langgraph_fence.transitions import decide_acquire
+    from langgraph_fence.lease.transitions import decide_acquire
 
     woken = Lease(LeaseKey("t", "e"), None, 3, 100.0, (), LeaseStatus.PENDING)
     assert decide_acquire(woken, woken.key, "B", TTL, 99.0, reopen=True) is None

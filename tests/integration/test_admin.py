@@ -39,7 +39,7 @@ from langgraph_fence import (
 from langgraph_fence.database import transaction
 from langgraph_fence.errors import ExecutionLeaseHeldError
 from langgraph_fence.instance import Instance
-from langgraph_fence.records import SqlExecutionRecords
+from langgraph_fence.lease.records import SqlExecutionRecords
 from langgraph_fence.sinks import fenced_write
 from langgraph_fence.testing import ManualClock
 from tests.support.databases import SQL_BACKENDS, setup_all, unique
@@ -461,7 +461,7 @@ async def test_deleting_a_thread_erases_its_submitted_runs_inputs_and_outputs(
 ) -> None:
     """Each submitted run keeps its input and output in ``fence_runs``: erased with the
     thread, with its record."""
-    from langgraph_fence.serve import Server
+    from langgraph_fence.execution.serve import Server
 
     tenant, thread = unique("acme"), unique("order")
     secret = f"{CARD}-{uuid.uuid4().hex[:8]}"

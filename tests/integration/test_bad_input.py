@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from checkpointers import SqlCheckpointer
 from langgraph_fence import Instance, SqlLeaseRepository, fence_graph
 from langgraph_fence.database import create_engine
-from langgraph_fence.records import SqlExecutionRecords
+from langgraph_fence.lease.records import SqlExecutionRecords
 from tests.support.databases import Database, pg_engine_options, setup_all, unique
 
 #: A refusal comes before any I/O; an accepted serve() would run until this bound.

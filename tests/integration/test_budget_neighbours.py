@@ -19,8 +19,8 @@ import pytest
 from langgraph.graph import END, START, StateGraph
 
 from langgraph_fence import LeaseKey, LeaseStatus, fence_graph
+from langgraph_fence.execution.serve import Server
 from langgraph_fence.instance import Instance
-from langgraph_fence.serve import Server
 from langgraph_fence.testing import Leases
 from tests.support.databases import SQL_BACKENDS, unique
 from tests.support.polling import eventually

@@ -32,14 +32,14 @@ from langgraph_fence import (
     parse_scope_key,
     scope_key,
 )
-from langgraph_fence.children import (
+from langgraph_fence.execution.children import (
     CHILD_ID_PREFIX,
     child_execution_id,
     parse_child_execution_id,
 )
+from langgraph_fence.lease.transitions import is_yielded
 from langgraph_fence.sinks import setup_sink
 from langgraph_fence.testing import Leases
-from langgraph_fence.transitions import is_yielded
 from tests.support.children import Fan, Job, Work, child_graph, lease_rows
 from tests.support.databases import Database, unique
 from tests.support.graphs import one_step

@@ -26,10 +26,10 @@ from langgraph_fence import (
     fence_graph,
     get_execution_context,
 )
-from langgraph_fence.children import Child, child_execution_id
 from langgraph_fence.events import EventKind
+from langgraph_fence.execution.children import Child, child_execution_id
+from langgraph_fence.lease.transitions import is_yielded
 from langgraph_fence.queue import SubmittedRuns
-from langgraph_fence.transitions import is_yielded
 from tests.support.children import Work, child_graph, lease_rows
 from tests.support.databases import Database, unique
 from tests.support.polling import eventually

@@ -30,10 +30,10 @@ from langgraph_fence import (
     fence_graph,
     get_execution_context,
 )
-from langgraph_fence.children import child_execution_id
 from langgraph_fence.events import EventKind, FenceEvent
+from langgraph_fence.execution.children import child_execution_id
+from langgraph_fence.lease.transitions import is_yielded
 from langgraph_fence.testing import Leases
-from langgraph_fence.transitions import is_yielded
 from tests.support.children import Job, Work, child_graph
 from tests.support.databases import unique
 from tests.support.graphs import one_step

@@ -14,10 +14,10 @@ import pytest
 from langgraph.checkpoint.memory import InMemorySaver
 
 from langgraph_fence import ExecutionLeaseRepository, LeaseKey, LeaseStatus
-from langgraph_fence.context import get_execution_context
 from langgraph_fence.contracts import missing_members
 from langgraph_fence.instance import Instance
-from langgraph_fence.records import ExecutionRecords, MemoryExecutionRecords
+from langgraph_fence.lease.records import ExecutionRecords, MemoryExecutionRecords
+from langgraph_fence.steps.context import get_execution_context
 from tests.support.databases import unique
 from tests.support.graphs import one_step
 
@@ -93,7 +93,7 @@ async def test_a_store_without_methods_is_refused_naming_them(
 
 
 def test_records_without_a_method_are_refused_naming_it() -> None:
-    from langgraph_fence.stores.memory import MemoryLeaseRepository
+    from langgraph_fence.lease.memory import MemoryLeaseRepository
 
     records = Delegating(MemoryExecutionRecords(), hide=frozenset({"bind"}))
     with pytest.raises(ValueError, match=r"records must implement ExecutionRecords, .* bind"):
@@ -101,7 +101,7 @@ def test_records_without_a_method_are_refused_naming_it() -> None:
 
 
 def test_a_member_that_is_not_callable_is_missing() -> None:
-    from langgraph_fence.stores.memory import MemoryLeaseRepository
+    from langgraph_fence.lease.memory import MemoryLeaseRepository
 
     class Broken(MemoryLeaseRepository):
         acquire = None  # type: ignore[assignment]

@@ -30,7 +30,7 @@ from langgraph_fence import (
     fence_graph,
 )
 from langgraph_fence.database import create_engine, normalize_url
-from langgraph_fence.records import SqlExecutionRecords
+from langgraph_fence.lease.records import SqlExecutionRecords
 from tests.support.databases import Database, pg_engine_options, unique
 from tests.support.polling import eventually
 

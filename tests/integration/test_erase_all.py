@@ -31,12 +31,12 @@ from langgraph_fence import (
     fence_graph,
     get_execution_context,
 )
-from langgraph_fence.children import child_execution_id
 from langgraph_fence.database import create_engine, schema_options, transaction
+from langgraph_fence.database.migrations import migrate
+from langgraph_fence.execution.children import child_execution_id
+from langgraph_fence.fence.tenancy import DEFAULT_TENANT, LEGACY_TENANT
 from langgraph_fence.instance import DEFAULT_TENANT_ID
-from langgraph_fence.migrations import migrate
-from langgraph_fence.schema import LEASE_MIGRATIONS
-from langgraph_fence.tenancy import DEFAULT_TENANT, LEGACY_TENANT
+from langgraph_fence.lease.schema import LEASE_MIGRATIONS
 from tests.support.databases import Database, unique
 from tests.support.serving import cfg, opened, serving
 from tests.support.tables import TABLES, stored_anywhere

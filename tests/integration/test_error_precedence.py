@@ -12,8 +12,8 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.types import RetryPolicy
 
 from langgraph_fence import ExecutionFencedError, MemoryLeaseRepository, fence_graph
-from langgraph_fence.context import get_execution_context
 from langgraph_fence.instance import Instance
+from langgraph_fence.steps.context import get_execution_context
 from tests.support.databases import unique
 
 

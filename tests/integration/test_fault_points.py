@@ -31,7 +31,7 @@ from langgraph_fence import (
     LeaseKey,
     LeaseStatus,
 )
-from langgraph_fence.faults import arm_fault
+from langgraph_fence.lease.faults import arm_fault
 from tests.support.databases import unique
 from tests.support.fault_points import reachable
 from tests.support.write_steps import (

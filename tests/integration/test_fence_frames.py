@@ -48,12 +48,12 @@ from langgraph_fence import (
     get_execution_context,
     scope_key,
 )
-from langgraph_fence.children import child_execution_id
 from langgraph_fence.database import transaction
 from langgraph_fence.events import EventKind, FenceEvent
+from langgraph_fence.execution.children import child_execution_id
+from langgraph_fence.lease.transitions import is_yielded
 from langgraph_fence.sinks import fenced_write, setup_sink
 from langgraph_fence.testing import Leases, open_leases
-from langgraph_fence.transitions import is_yielded
 from tests.support.children import Fan, Job, Work, child_graph
 from tests.support.databases import Database, pg_engine_options, unique
 from tests.support.polling import eventually

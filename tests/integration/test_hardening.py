@@ -21,10 +21,10 @@ from sqlalchemy.exc import IntegrityError
 
 from checkpointers import SqlCheckpointer
 from langgraph_fence import FencedCheckpointer, LeaseKey, LeaseStatus, fence_graph
+from langgraph_fence.execution.serve import Server
 from langgraph_fence.instance import Instance
-from langgraph_fence.records import ExecutionRecord, SqlExecutionRecords
+from langgraph_fence.lease.records import ExecutionRecord, SqlExecutionRecords
 from langgraph_fence.serde import safe_serializer
-from langgraph_fence.serve import Server
 from langgraph_fence.testing import Leases
 from tests.support.cli import cli
 from tests.support.databases import SQL_BACKENDS, unique

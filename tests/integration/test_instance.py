@@ -23,9 +23,9 @@ from langgraph_fence import (
     SqlLeaseRepository,
     fence_graph,
 )
-from langgraph_fence.context import get_execution_context
 from langgraph_fence.instance import Instance
-from langgraph_fence.records import SqlExecutionRecords
+from langgraph_fence.lease.records import SqlExecutionRecords
+from langgraph_fence.steps.context import get_execution_context
 from tests.support.databases import SQL_BACKENDS, setup_all, unique
 
 RUNS_ON = SQL_BACKENDS
@@ -326,7 +326,7 @@ async def test_a_renewal_refused_mid_run_stops_it_with_the_fencing_error(
 
 
 async def test_a_refused_start_leaves_the_record_of_the_run_in_flight(instance: Instance) -> None:
-    from langgraph_fence.records import ExecutionRecord
+    from langgraph_fence.lease.records import ExecutionRecord
 
     graph = _graph(instance, [])
     thread = unique("thread")

@@ -33,11 +33,11 @@ from langgraph_fence import (
 )
 from langgraph_fence.database import create_engine, schema_options
 from langgraph_fence.events import Listeners
-from langgraph_fence.faults import StallableRepository, StallGate
+from langgraph_fence.execution.keeper import MAX_STARTING, Keeper
 from langgraph_fence.fence import RunHandle, safety_margin
 from langgraph_fence.instance import Instance
-from langgraph_fence.keeper import MAX_STARTING, Keeper
-from langgraph_fence.stores.sql import SqlLeaseRepository
+from langgraph_fence.lease.faults import StallableRepository, StallGate
+from langgraph_fence.lease.sql import SqlLeaseRepository
 from langgraph_fence.testing import Leases
 from tests.support.databases import unique
 from tests.support.polling import eventually

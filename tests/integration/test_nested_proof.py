@@ -38,10 +38,10 @@ from langgraph_fence import (
     LeaseStatus,
 )
 from langgraph_fence.database import create_engine
-from langgraph_fence.faults import arm_fault
 from langgraph_fence.lease import Lease
-from langgraph_fence.records import SqlExecutionRecords
-from langgraph_fence.stores.sql import SqlLeaseRepository
+from langgraph_fence.lease.faults import arm_fault
+from langgraph_fence.lease.records import SqlExecutionRecords
+from langgraph_fence.lease.sql import SqlLeaseRepository
 from tests.support.databases import unique
 from tests.support.polling import eventually
 from tests.support.write_steps import (

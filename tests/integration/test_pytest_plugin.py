@@ -24,7 +24,7 @@ USER_TESTS = '''
 import pytest
 
 from langgraph_fence import Effect, ExecutionFencedError, LeaseKey
-from langgraph_fence.context import get_execution_context
+from langgraph_fence.steps.context import get_execution_context
 from langgraph_fence.testing import run_node
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from langgraph_fence import LeaseKey, LeaseStatus
 from langgraph_fence.database import create_engine, normalize_url
-from langgraph_fence.stores import SqlLeaseRepository
+from langgraph_fence.lease.stores import SqlLeaseRepository
 from tests.support.databases import SQL_BACKENDS, pg_admin
 from tests.support.quickstart import env_importing, quickstart, start_worker, until_done
 

@@ -22,10 +22,10 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.runtime import Runtime
 
 from langgraph_fence import Effect, ExecutionFencedError, LeaseKey, LeaseStatus, fence_graph
-from langgraph_fence.context import get_execution_context
 from langgraph_fence.database import schema_options
 from langgraph_fence.instance import Instance
-from langgraph_fence.records import ExecutionRecord
+from langgraph_fence.lease.records import ExecutionRecord
+from langgraph_fence.steps.context import get_execution_context
 from langgraph_fence.testing import Leases
 from tests.support.databases import SQL_BACKENDS, Database, unique
 from tests.support.quickstart import env_importing, start_worker, until_done

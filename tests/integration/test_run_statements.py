@@ -22,8 +22,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from checkpointers import SqlCheckpointer
 from langgraph_fence import Instance, LeaseKey, LeaseStatus, fence_graph
-from langgraph_fence.records import SqlExecutionRecords
-from langgraph_fence.stores.sql import SqlLeaseRepository
+from langgraph_fence.lease.records import SqlExecutionRecords
+from langgraph_fence.lease.sql import SqlLeaseRepository
 from tests.support.databases import SQL_BACKENDS, setup_all, unique
 from tests.support.statements import Statements
 

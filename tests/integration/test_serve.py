@@ -27,9 +27,9 @@ from langgraph_fence import (
     MemoryLeaseRepository,
     fence_graph,
 )
-from langgraph_fence.context import get_execution_context
 from langgraph_fence.instance import Instance
-from langgraph_fence.records import ExecutionRecord
+from langgraph_fence.lease.records import ExecutionRecord
+from langgraph_fence.steps.context import get_execution_context
 from langgraph_fence.testing import Leases
 from tests.support.databases import unique
 from tests.support.polling import eventually
@@ -442,7 +442,7 @@ async def test_only_a_submitted_run_pays_for_the_pin_at_its_takeover(leases: Lea
     (checkpoint reads and pin statements counted)."""
     from sqlalchemy import event
 
-    from langgraph_fence.serve import Server
+    from langgraph_fence.execution.serve import Server
 
     shop = Shop(Effect.IDEMPOTENT_WRITE)
     a, b = leases.instance("A"), leases.instance("B")

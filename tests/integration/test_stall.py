@@ -24,7 +24,7 @@ from langgraph_fence import (
     LeaseStatus,
     fence_graph,
 )
-from langgraph_fence.context import get_execution_context
+from langgraph_fence.steps.context import get_execution_context
 from langgraph_fence.testing import Leases
 
 worker: contextvars.ContextVar[str] = contextvars.ContextVar("worker", default="?")

@@ -437,7 +437,7 @@ async def test_a_worker_gone_between_queued_runs_loses_and_repeats_none(
     """Worker A runs the first run and is gone before it begins the next; worker B begins
     the next (promotes it) and is gone before it claims it; worker C runs the rest. Each
     queued run runs once, in order, with its own output."""
-    from langgraph_fence.serve import Server
+    from langgraph_fence.execution.serve import Server
 
     async with (
         opened(database, "client") as client,
@@ -484,7 +484,7 @@ async def test_a_resume_beside_waiting_submitted_runs_is_refused(database: Datab
     start is refused while submitted runs are queued on the thread, its last run ended."""
     from langgraph.types import Command
 
-    from langgraph_fence.serve import Server
+    from langgraph_fence.execution.serve import Server
 
     async with opened(database, "client") as client, opened(database, "worker") as worker:
         work = Work()

@@ -44,8 +44,8 @@ from langgraph_fence import (
     get_execution_context,
 )
 from langgraph_fence.database import create_engine
-from langgraph_fence.faults import StallableRepository
 from langgraph_fence.from_thread import run_on_loop
+from langgraph_fence.lease.faults import StallableRepository
 from langgraph_fence.sinks import fenced_write_sync, setup_sink
 from langgraph_fence.testing import ManualClock
 from tests.support.databases import Database, engine_options, sync_engine_for, unique

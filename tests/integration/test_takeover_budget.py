@@ -17,7 +17,7 @@ from langgraph.graph import END, START, StateGraph
 
 from langgraph_fence import LeaseKey, LeaseStatus, fence_graph
 from langgraph_fence.instance import Instance
-from langgraph_fence.records import ExecutionRecord
+from langgraph_fence.lease.records import ExecutionRecord
 from langgraph_fence.testing import Leases
 from tests.support.databases import unique
 from tests.support.graphs import one_step

@@ -29,13 +29,13 @@ from checkpointers import SqlCheckpointer
 from checkpointers.schema import CHECKPOINT_MIGRATIONS
 from langgraph_fence import LeaseKey, SqlLeaseRepository
 from langgraph_fence.database import create_engine, transaction
+from langgraph_fence.database.migrations import migrate
 from langgraph_fence.errors import ExecutionThreadBoundError
+from langgraph_fence.fence.tenancy import DEFAULT_TENANT, inner_thread_id, outer_thread_id
 from langgraph_fence.instance import Instance
-from langgraph_fence.migrations import migrate
-from langgraph_fence.records import EXECUTION_MIGRATIONS, SqlExecutionRecords
-from langgraph_fence.run_config import RecordedRun
-from langgraph_fence.schema import LEASE_MIGRATIONS
-from langgraph_fence.tenancy import DEFAULT_TENANT, inner_thread_id, outer_thread_id
+from langgraph_fence.lease.records import EXECUTION_MIGRATIONS, SqlExecutionRecords
+from langgraph_fence.lease.run_config import RecordedRun
+from langgraph_fence.lease.schema import LEASE_MIGRATIONS
 from tests.support.databases import SQL_BACKENDS, pg_engine_options, setup_all, unique
 from tests.support.graphs import one_step
 

@@ -44,7 +44,7 @@ from langgraph_fence import (
 )
 from langgraph_fence.effects import EFFECT_ATTRIBUTE
 from langgraph_fence.errors import WriteDeadLetteredError
-from langgraph_fence.fence import FENCE_CONFIG_KEY
+from langgraph_fence.keys import FENCE_CONFIG_KEY
 from langgraph_fence.lease import Lease
 from langgraph_fence.testing import ManualClock, run_node
 from tests.support.agents import ScriptedModel

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import text
 
 from langgraph_fence import LeaseKey, LeaseStatus
-from langgraph_fence.serve import Server
+from langgraph_fence.execution.serve import Server
 from langgraph_fence.testing import Leases
 from tests.support.databases import SQL_BACKENDS, unique
 from tests.support.hardening import expired, log_graph

@@ -70,11 +70,11 @@ from langgraph_fence import (
     ExecutionLeaseLostError,
     fence_graph,
 )
-from langgraph_fence.context import get_execution_context
 from langgraph_fence.database import transaction
-from langgraph_fence.faults import arm_fault
 from langgraph_fence.instance import Instance
+from langgraph_fence.lease.faults import arm_fault
 from langgraph_fence.sinks import fenced_write
+from langgraph_fence.steps.context import get_execution_context
 from tests.support.polling import eventually
 from tests.support.processes import MARK_DIR_ENV, Started, start_process
 from tests.support.write_steps import line, spawning

@@ -22,7 +22,7 @@ from langgraph_fence import (
     LeaseStatus,
     SqlLeaseRepository,
 )
-from langgraph_fence.records import ExecutionRecord, SqlExecutionRecords
+from langgraph_fence.lease.records import ExecutionRecord, SqlExecutionRecords
 from tests.support.polling import eventually
 from tests.support.processes import start_process, start_worker
 

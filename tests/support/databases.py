@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence.database import normalize_url
-from langgraph_fence.stores import SqlLeaseRepository
+from langgraph_fence.lease.stores import SqlLeaseRepository
 from tests.support.write_steps import Database, engine_options
 
 __all__ = [

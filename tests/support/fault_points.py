@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from langgraph_fence.faults import FAULT_POINTS
+from langgraph_fence.lease.faults import FAULT_POINTS
 
 
 def reachable(durability: str) -> list[str]:

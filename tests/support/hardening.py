@@ -11,7 +11,7 @@ from sqlalchemy import text
 
 from langgraph_fence import LeaseKey
 from langgraph_fence.instance import Instance
-from langgraph_fence.records import ExecutionRecord
+from langgraph_fence.lease.records import ExecutionRecord
 from langgraph_fence.testing import Leases
 from tests.support.databases import unique
 from tests.support.graphs import one_step

@@ -20,7 +20,8 @@ from langgraph_fence import (
     PendingEffect,
     fenced,
 )
-from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
+from langgraph_fence.fence import RunHandle
+from langgraph_fence.keys import FENCE_CONFIG_KEY
 from tests.support.databases import unique
 
 TTL = 10.0

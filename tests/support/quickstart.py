@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from langgraph_fence import LeaseKey, LeaseStatus
-from langgraph_fence.stores import SqlLeaseRepository
+from langgraph_fence.lease.stores import SqlLeaseRepository
 from tests.support.polling import eventually
 
 

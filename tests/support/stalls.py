@@ -15,8 +15,8 @@ from langgraph_fence import (
     SqlLeaseRepository,
 )
 from langgraph_fence.database import create_engine
-from langgraph_fence.faults import StallableRepository, StallGate
-from langgraph_fence.records import SqlExecutionRecords
+from langgraph_fence.lease.faults import StallableRepository, StallGate
+from langgraph_fence.lease.records import SqlExecutionRecords
 from tests.support.databases import Database, engine_options, setup_all
 
 # A woken worker asks the store once whether it was taken over, within one renew interval

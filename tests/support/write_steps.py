@@ -37,7 +37,7 @@ The script::
     python -m tests.support.write_steps URL SCHEMA TENANT VARIANT DURABILITY TTL DIR FAULT IDS...
 
 runs one execution per id (thread = execution id) through ``Instance.ainvoke``, doomed.
-FAULT is ``-`` or a fault point (``langgraph_fence.faults.FAULT_POINTS``): the process then
+FAULT is ``-`` or a fault point (``langgraph_fence.lease.faults.FAULT_POINTS``): the process then
 SIGKILLs itself the first time it reaches that point after the ``charge`` step began
 (``linear`` only).
 """
@@ -70,8 +70,8 @@ from langgraph_fence import (
     fence_tools,
     get_execution_context,
 )
-from langgraph_fence.faults import arm_fault
 from langgraph_fence.lease import Lease
+from langgraph_fence.lease.faults import arm_fault
 from tests.support.polling import eventually, eventually_sync
 
 AGENTS = ("react-v1", "react-v2", "toolnode", "create-agent")

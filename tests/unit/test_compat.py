@@ -134,10 +134,10 @@ async def test_aiosqlite_runs_a_function_on_its_thread_with_the_sqlite3_connecti
 
 def test_every_graph_call_goes_through_the_four_hooked_methods() -> None:
     """``ainvoke``/``abatch``/``astream_events`` reach ``astream``, ``invoke``/``batch``
-    reach ``stream``: the hook of ``langgraph_fence.graph_calls`` sees every call."""
+    reach ``stream``: the hook of ``langgraph_fence.steps.graph_calls`` sees every call."""
     from langgraph.pregel import Pregel
 
-    from langgraph_fence import graph_calls
+    import langgraph_fence.steps.graph_calls as graph_calls
 
     graph_calls.install()
     for name in ("astream", "stream", "aupdate_state", "update_state"):

@@ -9,7 +9,7 @@ from sqlalchemy import bindparam, column, select, table
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql.asyncpg import dialect as asyncpg_dialect
 
-from langgraph_fence.driver import DriverStatement
+from langgraph_fence.database.driver import DriverStatement
 
 T = table("t", column("a"), column("b"))
 STMT = select(T.c.a).where(

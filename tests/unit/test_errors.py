@@ -19,9 +19,9 @@ from langgraph_fence.errors import (
 )
 from langgraph_fence.fence import RunHandle
 from langgraph_fence.lease import LeaseKey
-from langgraph_fence.stores import MemoryLeaseRepository
+from langgraph_fence.lease.stores import MemoryLeaseRepository
+from langgraph_fence.lease.transitions import fenced_error
 from langgraph_fence.testing import ManualClock
-from langgraph_fence.transitions import fenced_error
 
 
 def fenced(held: int = 1, seen: int = 2) -> ExecutionFencedError:

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from langgraph_fence import Lease, LeaseKey, LeaseStatus
-from langgraph_fence.transitions import fair_order
+from langgraph_fence.lease.transitions import fair_order
 
 
 def pending(tenant: str, n: int) -> Lease:

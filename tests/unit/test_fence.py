@@ -19,10 +19,10 @@ from langgraph_fence import (
     MemoryLeaseRepository,
     PendingEffect,
 )
-from langgraph_fence.context import ExecutionContext, reset_frame, set_frame
+from langgraph_fence.database.retry import retry_connection_errors, retry_window
 from langgraph_fence.fence import RunHandle, safety_margin
 from langgraph_fence.from_thread import run_on_loop
-from langgraph_fence.retry import retry_connection_errors, retry_window
+from langgraph_fence.steps.context import ExecutionContext, reset_frame, set_frame
 from langgraph_fence.testing import ManualClock
 from tests.support.databases import unique
 from tests.support.polling import eventually

@@ -19,8 +19,8 @@ from langgraph.prebuilt import ToolNode
 
 from langgraph_fence import Effect, fence_graph, fence_tools, fenced
 from langgraph_fence.effects import EFFECT_ATTRIBUTE
-from langgraph_fence.fail_closed import refuse_unfenced, unfenced_parts
-from langgraph_fence.tools import STAMP_ATTRIBUTE
+from langgraph_fence.execution.fail_closed import refuse_unfenced, unfenced_parts
+from langgraph_fence.steps.tools import STAMP_ATTRIBUTE
 
 
 class Messages(TypedDict):

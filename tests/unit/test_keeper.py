@@ -16,8 +16,8 @@ from langgraph_fence import (
     MemoryLeaseRepository,
 )
 from langgraph_fence.events import Listeners
+from langgraph_fence.execution.keeper import Keeper, default_max_held
 from langgraph_fence.fence import RunHandle
-from langgraph_fence.keeper import Keeper, default_max_held
 from langgraph_fence.testing import ManualClock
 from tests.support.clocks import SteppedClock
 from tests.support.databases import unique

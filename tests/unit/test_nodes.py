@@ -23,10 +23,11 @@ from langgraph_fence import (
     fence_graph,
     fenced,
 )
-from langgraph_fence.context import ExecutionContext, get_execution_context
 from langgraph_fence.effects import EFFECT_ATTRIBUTE
-from langgraph_fence.fail_closed import unfenced_parts
-from langgraph_fence.fence import FENCE_CONFIG_KEY, RunHandle
+from langgraph_fence.execution.fail_closed import unfenced_parts
+from langgraph_fence.fence import RunHandle
+from langgraph_fence.keys import FENCE_CONFIG_KEY
+from langgraph_fence.steps.context import ExecutionContext, get_execution_context
 from langgraph_fence.testing import ManualClock, run_node
 
 

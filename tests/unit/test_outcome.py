@@ -20,7 +20,7 @@ from sqlalchemy.exc import InterfaceError
 
 from langgraph_fence import ExecutionFencedError, ExecutionLeaseLostError
 from langgraph_fence.errors import ExecutionDeadLetteredError, linked_errors
-from langgraph_fence.outcome import Settle, decide_outcome
+from langgraph_fence.execution.outcome import Settle, decide_outcome
 
 
 def lost() -> ExecutionLeaseLostError:

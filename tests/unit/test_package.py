@@ -57,7 +57,7 @@ def test_a_users_own_checkpointers_module_cannot_break_the_package(tmp_path: Pat
 
     import checkpointers
     import checkpointers.sql
-    from langgraph_fence.checkpointers import sql
+    import langgraph_fence.checkpointers.sql as sql
 
     assert checkpointers.SqlCheckpointer is langgraph_fence.SqlCheckpointer
     assert checkpointers.sql is sql

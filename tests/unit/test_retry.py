@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence import ExecutionFencedError
 from langgraph_fence.database import create_engine
-from langgraph_fence.retry import (
+from langgraph_fence.database.retry import (
     FixedWindow,
     backoff,
     is_connection_error,

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from langgraph_fence import parse_scope_key, scope_key
-from langgraph_fence.scope import encode_part
+from langgraph_fence.lease.scope import encode_part
 
 # Surrogate-free text, with the characters that matter drawn often.
 TRICKY = ["\x00", ":", "%", "%25", "%3A", "/", " ", "😀", "é", "\U0010ffff", "\ufeff"]

@@ -19,9 +19,9 @@ from langgraph.graph import END, START, StateGraph
 from sqlalchemy.exc import InterfaceError
 
 from langgraph_fence import LeaseKey, LeaseStatus, MemoryLeaseRepository, fence_graph
+from langgraph_fence.execution.serve import MAX_SERVE_BACKOFF, Server
 from langgraph_fence.instance import Instance
-from langgraph_fence.records import ExecutionRecord
-from langgraph_fence.serve import MAX_SERVE_BACKOFF, Server
+from langgraph_fence.lease.records import ExecutionRecord
 from langgraph_fence.testing import ManualClock
 from tests.support.polling import eventually
 

@@ -77,43 +77,97 @@ def test_no_module_imports_itself_back_through_others(graph: grimp.ImportGraph) 
     assert circles == [], f"import circles (cut the import that points up):\n{said}"
 
 
-#: Code below the Instance: a run, its steps, its writes and its instance's services reach
-#: the instance through ``host.InstanceHost`` or the protocols beside the handle, never the
-#: ``Instance`` itself.
-BELOW_THE_INSTANCE = [
-    "admission",
-    "checkpoint",
-    "checkpointers",
-    "children",
-    "context",
-    "fence",
-    "graph_calls",
-    "host",
-    "keeper",
-    "nodes",
+#: The package's layers, highest first: a module may import from its own layer's package
+#: and from the layers below it, never from one above. The packages are the concepts of
+#: docs/architecture.md; the bottom layer is the vocabulary every package shares.
+LAYERS: tuple[grimp.Layer | str, ...] = (
+    # The edges a user or operator touches: the command line, the OpenTelemetry listener,
+    # the pytest plugin. None of them imports another.
+    grimp.Layer("cli", "otel", "testing", independent=True),
+    # The process-level runtime that composes everything below.
+    "instance",
+    # Steps: the node and tool wrappers, fence_graph, the running step's frame.
+    "steps",
+    # A run's life, its keeper, its children and the takeover loop.
+    "execution",
+    # The run queue: submitted runs any worker can take.
     "queue",
-    "run",
-    "serve",
-    "store",
-    "tools",
-    "tree_activity",
-]
+    # The fence-aware SQL saver and store.
+    "checkpointers",
+    # The wrappers over any saver and store, and admin operations on a thread.
+    "saver",
+    # The exactly-once sink.
+    "sinks",
+    # The fence a step runs under, its run's handle, and the admission every write passes.
+    "fence",
+    # The lease: its contract, its transitions, its stores, its tables and records.
+    "lease",
+    # Engines, driver statements, migrations, and what a connection error is.
+    "database",
+    # The vocabulary: errors, events, effects, validation, redaction, serde, config keys.
+    grimp.Layer(
+        "_compat",
+        "contracts",
+        "effects",
+        "errors",
+        "events",
+        "from_thread",
+        "keys",
+        "redact",
+        "serde",
+        "validate",
+        independent=False,
+    ),
+)
 
 
-@pytest.mark.parametrize("module", BELOW_THE_INSTANCE)
-def test_the_per_run_code_never_reaches_the_instance(graph: grimp.ImportGraph, module: str) -> None:
+def test_every_import_points_down_the_layers(graph: grimp.ImportGraph) -> None:
+    illegal = graph.find_illegal_dependencies_for_layers(layers=LAYERS, containers={PACKAGE})
+    said = [
+        f"{d.importer} -> {d.imported}: "
+        + "; ".join(" -> ".join((*r.heads, *r.middle, *r.tails)) for r in d.routes)
+        for d in sorted(illegal, key=lambda d: (d.importer, d.imported))
+    ]
+    assert said == [], "imports pointing up the layers:\n" + "\n".join(said)
+
+
+def test_every_module_has_its_layer() -> None:
+    """A new module or package is placed in a layer on purpose (add it to LAYERS)."""
+    named = {
+        part
+        for layer in LAYERS
+        for part in (layer.module_tails if isinstance(layer, grimp.Layer) else {layer})
+    }
+    tops = {
+        path.stem if path.suffix == ".py" else path.name
+        for path in ROOT.iterdir()
+        if (path.suffix == ".py" or (path / "__init__.py").exists())
+    }
+    assert tops - named - {"__init__", "__main__"} == set()
+
+
+#: Code below the Instance: a run, its steps, its writes and its instance's services reach
+#: the instance through ``execution.host.InstanceHost`` or the protocols beside the handle,
+#: never the ``Instance`` itself.
+BELOW_THE_INSTANCE = ["checkpointers", "execution", "fence", "lease", "queue", "saver", "steps"]
+
+
+@pytest.mark.parametrize("package", BELOW_THE_INSTANCE)
+def test_the_per_run_code_never_reaches_the_instance(
+    graph: grimp.ImportGraph, package: str
+) -> None:
     chain = graph.find_shortest_chain(
-        importer=f"{PACKAGE}.{module}", imported=f"{PACKAGE}.instance", as_packages=True
+        importer=f"{PACKAGE}.{package}", imported=f"{PACKAGE}.instance", as_packages=True
     )
     assert chain is None, " -> ".join(chain or ())
 
 
 def test_the_saver_side_never_reaches_the_wrapper_above_it(graph: grimp.ImportGraph) -> None:
-    """``checkpointers`` (the fence-aware savers) and ``checkpoint`` (the wrapper over any
-    saver) both sit on write admission; the savers never import the wrapper."""
+    """``checkpointers`` (the fence-aware savers) and ``saver.checkpoint`` (the wrapper over
+    any saver) both sit on write admission; the savers never import the wrapper."""
     chain = graph.find_shortest_chain(
         importer=f"{PACKAGE}.checkpointers",
-        imported=f"{PACKAGE}.checkpoint",
+        imported=f"{PACKAGE}.saver.checkpoint",
         as_packages=True,
     )
     assert chain is None, " -> ".join(chain or ())
@@ -141,7 +195,7 @@ def test_no_module_takes_another_modules_private_names(path: Path) -> None:
     taken = [
         f"line {line}: {name} from {module or '.'}"
         for line, module, level, names in _imports(path)
-        if level > 0
+        if level > 0 or (module or "").split(".")[0] == PACKAGE
         for name in names
         if name.startswith("_") and not name.startswith("__")
     ]

@@ -27,9 +27,9 @@ from langgraph_fence import (
     LeaseStatus,
     PendingEffect,
 )
-from langgraph_fence.guard import holds
 from langgraph_fence.lease import non_idempotent_standing
-from langgraph_fence.transitions import (
+from langgraph_fence.lease.guard import holds
+from langgraph_fence.lease.transitions import (
     decide_acquire,
     decide_clear_pending_effects,
     decide_dead_letter,

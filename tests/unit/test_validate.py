@@ -11,7 +11,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 
 from langgraph_fence import Instance, LeaseKey, MemoryLeaseRepository
 from langgraph_fence.database import schema_options
-from langgraph_fence.records import MemoryExecutionRecords
+from langgraph_fence.lease.records import MemoryExecutionRecords
 from langgraph_fence.validate import (
     MAX_COUNT,
     MAX_SECONDS,

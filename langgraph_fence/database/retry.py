@@ -1,0 +1,294 @@
+"""The one retry policy for a database that blinks: what a connection error is, the backoff,
+and how long a store call may keep trying.
+
+A statement that fails because its connection died (a server restart, an admin shutdown, a
+killed backend, a refused connect) is retried on a fresh connection, with backoff, while
+the *window* lasts: for a call made by a run, the run's confirmed lease window
+(:class:`~langgraph_fence.fence.RunHandle` sets it with :func:`retry_window`), so a guarded
+write is repeated only while the run can still prove it holds the lease; the guard decides
+again on every attempt (same checkpoint id, same token), so a repeat is safe. Outside a
+run the window is :data:`DEFAULT_WINDOW` seconds. When the window runs out the last
+connection error is raised: the run then stops as lease-lost and is handed back for
+takeover, never ``failed``.
+
+Any other error (an integrity or programming error, a refused guard) is raised at once: a
+retry could not change its answer. The happy path costs nothing: the window is looked at
+only after a connection error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar, Token
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+__all__ = [
+    "DEFAULT_WINDOW",
+    "FixedWindow",
+    "RetryWindow",
+    "backoff",
+    "is_connection_error",
+    "is_database_connection_error",
+    "retry_connection_errors",
+    "retry_window",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Seconds a store call made outside any run keeps retrying a connection error.
+DEFAULT_WINDOW = 5.0
+#: The first pause after a connection error, and the longest one.
+FIRST_BACKOFF = 0.05
+MAX_BACKOFF = 1.0
+
+#: What the drivers say when the connection itself is gone (lower case).
+_DISCONNECT_MESSAGES = (
+    "connection is closed",
+    "connection was closed",
+    "connection has been closed",
+    # asyncpg, on a connection the server shut down while it was idle: nothing else uses
+    # it, its protocol is stuck consuming the server's last error.
+    "another operation",
+    "terminating connection",
+    "server closed the connection",
+    "the database system is starting up",
+    "the database system is shutting down",
+    "the database system is in recovery mode",
+    "cannot connect now",
+    "connection refused",
+    "connection reset",
+    "connect call failed",
+)
+#: SQLSTATE classes and codes of a lost or refused connection: 08 (connection exception),
+#: 57P01..57P03 (admin shutdown, crash shutdown, cannot connect now).
+_DISCONNECT_SQLSTATES = ("57P01", "57P02", "57P03")
+
+
+class RetryWindow(Protocol):
+    """Until when a call may retry: ``confirmed_until`` on ``clock``; never longer than
+    ``ttl`` seconds of real time (a controlled test clock may stand still)."""
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+    @property
+    def confirmed_until(self) -> float: ...
+
+    @property
+    def ttl(self) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FixedWindow:
+    """A window of ``ttl`` seconds from its creation, on ``time.monotonic``."""
+
+    confirmed_until: float
+    ttl: float
+    clock: Callable[[], float] = time.monotonic
+
+    @classmethod
+    def lasting(cls, seconds: float) -> FixedWindow:
+        """The window from now to ``seconds`` from now."""
+        return cls(time.monotonic() + seconds, seconds)
+
+
+_window: ContextVar[RetryWindow | None] = ContextVar("langgraph_fence_retry_window", default=None)
+
+
+class retry_window:  # a function by use: ``with retry_window(handle):``
+    """Store calls in the block retry connection errors while ``window`` lasts (``None``:
+    the default window, unless one encloses the block).
+
+    An enclosing window stands (the outermost caller knows best how long it may wait): a
+    run's renewal made inside a wider classification window keeps the wider one. A class,
+    not a generator: it is entered on every guarded write.
+    """
+
+    __slots__ = ("_token", "_window")
+
+    def __init__(self, window: RetryWindow | None) -> None:
+        self._window = window
+        self._token: Token[RetryWindow | None] | None = None
+
+    def __enter__(self) -> None:
+        if self._window is not None and _window.get() is None:
+            self._token = _window.set(self._window)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._token is not None:
+            _window.reset(self._token)
+            self._token = None
+
+
+def _sqlstate(exc: BaseException) -> str:
+    code = getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None)
+    return code if isinstance(code, str) else ""
+
+
+def _is_disconnect(exc: BaseException) -> bool:
+    # Imported here: the library runs without SQLAlchemy's asyncpg or aiosqlite extras.
+    from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, ProgrammingError
+
+    if isinstance(exc, (IntegrityError, ProgrammingError)):
+        return False
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    if isinstance(exc, InterfaceError):
+        return True  # the DB-API's "error related to the interface": the connection
+    if isinstance(exc, OSError) and not isinstance(
+        exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+    ):
+        return True  # refused, reset, unreachable
+    kind = type(exc).__name__
+    if kind in ("ConnectionDoesNotExistError", "InterfaceError", "CannotConnectNowError"):
+        return True  # asyncpg's own, unwrapped (the checkpointer's raw connections)
+    state = _sqlstate(exc)
+    if state.startswith("08") or state in _DISCONNECT_SQLSTATES:
+        return True
+    message = str(exc).lower()
+    return any(part in message for part in _DISCONNECT_MESSAGES)
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or the driver error it wraps, or its cause) says the connection is
+    gone or cannot be made: a retry on a fresh connection may succeed.
+
+    A fencing error, an integrity or a programming error is never one.
+    """
+    from langgraph_fence.errors import ExecutionLeaseLostError
+
+    seen: set[int] = set()
+    stack: list[BaseException] = [exc]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen or len(seen) > 16:
+            continue
+        seen.add(id(current))
+        if isinstance(current, ExecutionLeaseLostError):
+            return False
+        if _is_disconnect(current):
+            return True
+        for inner in (getattr(current, "orig", None), current.__cause__, current.__context__):
+            if isinstance(inner, BaseException):
+                stack.append(inner)
+    return False
+
+
+#: The modules of the database drivers and of the stores: an error raised in them (or
+#: passing through them) comes from a database connection, not from a node's own HTTP
+#: client. (``faults``: its points stand for the store's connection in tests.)
+_DATABASE_MODULES = (
+    "sqlalchemy",
+    "asyncpg",
+    "aiosqlite",
+    "sqlite3",
+    # The other common drivers, and LangGraph's official savers and stores on them: a
+    # node's own database client (a psycopg pool, PostgresStore) losing its connection is
+    # infrastructure as much as ours.
+    "psycopg",
+    "psycopg2",
+    "psycopg_pool",
+    "pymysql",
+    "aiomysql",
+    "langgraph.checkpoint.postgres",
+    "langgraph.checkpoint.sqlite",
+    "langgraph.store.postgres",
+    "langgraph.store.sqlite",
+    "langgraph_fence.checkpointers",
+    "langgraph_fence.database",
+    "langgraph_fence.lease.sql",
+    "langgraph_fence.lease.memory",
+    "langgraph_fence.lease.records",
+    "langgraph_fence.lease.faults",
+    "langgraph_fence.sinks",
+)
+
+
+def _in_database_module(module: str) -> bool:
+    return any(module == m or module.startswith(m + ".") for m in _DATABASE_MODULES)
+
+
+def _from_database(exc: BaseException) -> bool:
+    if _in_database_module(type(exc).__module__):
+        return True
+    tb = exc.__traceback__
+    while tb is not None:
+        if _in_database_module(str(tb.tb_frame.f_globals.get("__name__", ""))):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def is_database_connection_error(exc: BaseException) -> bool:
+    """Whether ``exc``'s chain holds a connection error of a *database* connection (raised
+    by, or inside, a database driver or a store): an infrastructure error. A node's
+    ``ConnectionError`` from an HTTP client is the graph's own error, and is not one."""
+    seen: set[int] = set()
+    stack: list[BaseException] = [exc]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen or len(seen) > 16:
+            continue
+        seen.add(id(current))
+        if is_connection_error(current) and _from_database(current):
+            return True
+        for inner in (current.__cause__, current.__context__):
+            if isinstance(inner, BaseException):
+                stack.append(inner)
+    return False
+
+
+def backoff(attempt: int) -> float:
+    """The pause before retry ``attempt`` (0 first): doubling from FIRST_BACKOFF to
+    MAX_BACKOFF, with jitter so that many workers do not reconnect in step."""
+    base = min(MAX_BACKOFF, FIRST_BACKOFF * float(1 << min(attempt, 16)))
+    return base * random.uniform(0.5, 1.0)
+
+
+async def retry_connection_errors(operation: Callable[[], Awaitable[T]], *, what: str) -> T:
+    """``await operation()``, repeated on a connection error while the window lasts.
+
+    ``operation`` must take a fresh connection each time and be safe to repeat (a guarded
+    write, a read). Raises the last connection error when the window runs out, and any
+    other error at once.
+    """
+    attempt = 0
+    started = 0.0
+    window: RetryWindow | None = None
+    while True:
+        try:
+            return await operation()
+        except Exception as exc:
+            if not is_connection_error(exc):
+                raise
+            now = time.monotonic()
+            if window is None:
+                window = _window.get() or FixedWindow.lasting(DEFAULT_WINDOW)
+                started = now
+            # A run's window (its handle) keeps the error: the cause of the lease loss its
+            # watchdog records if the window runs out before the store answers again.
+            saw = getattr(window, "saw_store_error", None)
+            if saw is not None:
+                saw(exc)
+            pause = backoff(attempt)
+            if (
+                window.clock() + pause >= window.confirmed_until
+                or now + pause - started >= window.ttl
+            ):
+                raise
+            logger.info(
+                "%s failed on a connection error, retry %d in %.2fs: %s",
+                what,
+                attempt + 1,
+                pause,
+                exc,
+            )
+            await asyncio.sleep(pause)
+            attempt += 1

@@ -1,0 +1,787 @@
+"""The keeper: renewal and the watchdog of every run an instance holds.
+
+One keeper per instance, not two tasks per run. Its renewer wakes when the earliest
+renewal is due and renews every lease that is due (or nearly: within a quarter of the
+renew interval, so that renewals fall into step and go out together) with ONE statement per
+batch (:meth:`~langgraph_fence.ExecutionLeaseRepository.renew_many`), which tells lease by
+lease which were refused. Per lease the meaning is that of one renewal of its own:
+
+* renewed: the run's confirmed window moves on (``RunHandle.renewed``); a renewal
+  sent with less than one renew interval of the window left is told as ``renewed_late``;
+* refused: the run's handle records the ``ExecutionFencedError`` and the run drains;
+* the store out of reach: logged; the watchdog decides when that has lasted too long;
+* after a lapse, one more renewal tells a takeover (fenced) from a slow store (lost).
+
+The watchdog wakes when the earliest confirmed window of a held run runs out and records a
+lease loss on that run's handle (the run drains), on the instance's clock, even while a
+renewal statement hangs. It runs on the instance's event loop while the instance holds runs:
+it only turns a window that ran out into a recorded loss and a drain, which act on that
+loop, and reads the windows as the renewer leaves them.
+
+Where the renewals run:
+
+* **in a thread of their own** (the default for a real deployment: a
+  :class:`~langgraph_fence.SqlLeaseRepository` on a database file or server, the real clock,
+  no injected ``sleep``): the renewer thread has an event loop and database connections of
+  its own (:func:`~langgraph_fence.database.twin_engine`), so a renewal goes out on time and
+  its answer moves the run's window on while the instance's loop is kept busy (thousands of
+  runs starting or ending at once, a node doing synchronous work). It renews only while the
+  instance's loop runs: once that loop has not run for :func:`loop_stall_bound` seconds (a
+  deadlocked process), the thread stops renewing, the leases lapse and another instance
+  takes them over. It shares the process's interpreter lock: a garbage-collection pass
+  (or a C call that holds the lock) delays it as it delays the loop.
+* **on the instance's event loop**, as tasks, where the instance has an injected clock or
+  ``sleep`` (the ``leases`` fixture's controlled clock drives that loop only) or a store no
+  other thread can reach (the memory store, a wrapped store, an in-memory SQLite database).
+  A loop kept busy for longer than a lease's slack then delays its renewals and loses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import math
+import os
+import threading
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+
+from langgraph_fence.database.retry import FixedWindow, retry_window
+from langgraph_fence.errors import ExecutionFencedError, ExecutionLeaseLostError, InstanceFullError
+from langgraph_fence.events import EventKind, Listeners
+from langgraph_fence.fence import RunHandle, safety_margin
+from langgraph_fence.lease import ExecutionLeaseRepository, LeaseKey
+
+if TYPE_CHECKING:
+    from langgraph_fence.lease.sql import SqlLeaseRepository
+
+__all__ = [
+    "LOOP_STALL_FLOOR",
+    "MAX_HELD_CEILING",
+    "MAX_HELD_CEILING_ON_LOOP",
+    "MAX_STARTING",
+    "RENEWALS_PER_SECOND",
+    "RENEW_BATCH",
+    "Batch",
+    "Keeper",
+    "Renewer",
+    "Sleep",
+    "default_max_held",
+    "loop_stall_bound",
+    "thread_store",
+]
+
+logger = logging.getLogger(__name__)
+
+Sleep = Callable[[float], Awaitable[Any]]
+
+#: The most leases one renewal statement carries; more go out as several statements.
+RENEW_BATCH = 1000
+
+#: How many new runs of one instance take their lease at once; more wait their turn. A
+#: burst of thousands of starts then queues here, not on the connection pool, where its
+#: waits would run out the pool's timeout (measured: 5 000 at once on a pool of 16).
+MAX_STARTING = 8
+
+#: Where an instance's renewals run: ``"auto"`` (in the renewer thread where the store and
+#: the clock allow it, else on the loop), ``"thread"`` (required: refused where impossible)
+#: or ``"loop"``.
+Renewer = Literal["auto", "thread", "loop"]
+
+#: The renewer thread keeps renewing while the instance's event loop has not run for up to
+#: this many seconds (or the lease TTL, if longer): :func:`loop_stall_bound`.
+LOOP_STALL_FLOOR = 10.0
+
+
+#: How many lease renewals a second one instance plans for when it derives its ``max_held``
+#: (:func:`default_max_held`). Measured on a 2-core box with PostgreSQL on it
+#: (``benchmarks/bench_scale.py``): 3 000 leases at TTL 3 s (3 000 renewals a second)
+#: held with none lost, the renewals' p99 lateness at 18 to 55 ms; 5 000 held on a quiet
+#: box, some lost on a loaded one (to garbage-collection pauses that grow with the heap);
+#: 10 000 lost. A renewal costs about 20 µs of this process's CPU per lease.
+RENEWALS_PER_SECOND = 3000
+
+#: The most executions an instance holds by default, whatever its TTL: the most measured
+#: held, with every step ending at once, on one instance (10 000 at TTL 30 s, renewals in
+#: the renewer thread).
+MAX_HELD_CEILING = 10_000
+
+#: The same where the renewals run on the instance's loop, whose measured limit is lower (a
+#: loop kept busy by runs ending at once delays them).
+MAX_HELD_CEILING_ON_LOOP = 1_000
+
+
+def default_max_held(renew_interval: float, *, in_thread: bool) -> int:
+    """How many executions an instance holds at most unless told (``max_held``): as many
+    as :data:`RENEWALS_PER_SECOND` renews every ``renew_interval``, at most
+    :data:`MAX_HELD_CEILING` (:data:`MAX_HELD_CEILING_ON_LOOP` unless ``in_thread``: the
+    renewals run in the renewer thread), at least one. TTL 30 s (renewed every 10 s):
+    10 000 in the thread; TTL 3 s: 3 000; TTL 1 s: 1 000.
+
+    Only the bound on the count: past it, or sooner wherever renewals are seen running late
+    (:attr:`Keeper.behind`), an instance defers new runs rather than lose a lease.
+    """
+    ceiling = MAX_HELD_CEILING if in_thread else MAX_HELD_CEILING_ON_LOOP
+    return max(1, min(ceiling, int(RENEWALS_PER_SECOND * renew_interval)))
+
+
+def loop_stall_bound(ttl: float) -> float:
+    """How long the instance's loop may go without running before the renewer thread stops
+    renewing its leases: the lease TTL, at least :data:`LOOP_STALL_FLOOR` seconds.
+
+    Long enough to ride out the busy stretches measured at scale at a short TTL (a 0.1 s
+    sleep woke up to 3.6 s late while 10 000 runs ended at once on the on-loop keeper, and
+    5.2 s late while 5 000 ended at once with this thread keeping all their leases, so all
+    of them wrote their ends); short enough that a deadlocked process is taken over within
+    the bound, a renew interval or two to notice (the loop is asked for a sign of life at
+    each renewal), and one TTL: about twice the TTL, or the TTL and 10 s where the TTL is
+    below 10 s.
+    """
+    return max(ttl, LOOP_STALL_FLOOR)
+
+
+def thread_store(
+    repository: ExecutionLeaseRepository,
+    *,
+    renewer: Renewer,
+    clock: Callable[[], float] | None,
+    sleep: Sleep | None,
+) -> SqlLeaseRepository | None:
+    """The store the renewer thread renews through, or ``None``: renew on the loop.
+
+    Raises:
+        ValueError: ``renewer`` is ``"thread"`` where a thread cannot renew (the message
+            says why).
+    """
+    from langgraph_fence.database import in_memory
+    from langgraph_fence.lease.memory import MemoryLeaseRepository
+    from langgraph_fence.lease.sql import SqlLeaseRepository
+
+    if renewer == "loop":
+        return None
+    injected = [name for name, given in (("clock", clock), ("sleep", sleep)) if given]
+    why = None
+    if injected:
+        why = f"the instance has an injected {' and '.join(injected)}, which drive its own loop"
+    elif not isinstance(repository, SqlLeaseRepository):
+        why = (
+            f"its repository is a {type(repository).__name__}: a thread renews through a "
+            "SqlLeaseRepository only (a store of another kind, or a wrapper, lives on the loop)"
+        )
+    elif in_memory(repository.engine):
+        why = "its SQLite database is in memory, where no other connection reaches it"
+    if why is None:
+        assert isinstance(repository, SqlLeaseRepository)
+        return repository
+    if renewer == "thread":
+        raise ValueError(f"renewer='thread' is impossible here: {why}")
+    if not injected and not isinstance(repository, SqlLeaseRepository | MemoryLeaseRepository):
+        logger.warning(
+            "this instance renews its leases on its own event loop (%s): a loop kept busy "
+            "for longer than a lease's slack loses the lease; pass renewer='loop' to say "
+            "that is meant",
+            why,
+        )
+    return None
+
+
+class Batch(NamedTuple):
+    """One renewal statement the keeper sent and had answered."""
+
+    sent_at: float  # on the instance's clock
+    size: int  # leases it carried
+    slack: float  # the least confirmed window left among them when it was sent, in seconds
+    took: float  # seconds until its answer
+
+
+class Keeper:
+    """Keeps the leases of an instance's runs: :meth:`keep` a handle while its run lasts,
+    :meth:`release` it when the run ends (before its lease is released).
+
+    Admission: a run takes a slot (:meth:`admit`, or :meth:`try_admit` for ``serve()``)
+    before anything of it is written and gives it back (:meth:`leave`) when it has ended;
+    no more than ``max_held`` runs hold slots at once. And no run is taken on while the
+    renewals of those held run late (:attr:`behind`): a new run waits for them to catch up
+    (:meth:`in_time`), ``serve()`` takes nothing over; the leases already held come first.
+
+    Args:
+        max_held: the most runs held at once; ``None``: :func:`default_max_held`.
+        thread_store: renew in a thread of its own through this store
+            (:func:`thread_store`; the store of every handle kept); ``None``: on the loop.
+
+    Attributes:
+        renew_interval: seconds between renewals of one lease.
+        loop_stall_bound: with a renewer thread, how long the instance's loop may go
+            without running before the thread stops renewing (:func:`loop_stall_bound`).
+        batches: for tests and benchmarks, the renewal statements that were answered (the
+            last 4096), on the instance's clock.
+    """
+
+    def __init__(
+        self,
+        *,
+        ttl: float,
+        renew_interval: float,
+        clock: Callable[[], float],
+        sleep: Sleep,
+        events: Listeners,
+        holder: str,
+        max_held: int | None = None,
+        thread_store: SqlLeaseRepository | None = None,
+    ) -> None:
+        self.ttl = ttl
+        self.holder = holder
+        self.max_held = (
+            default_max_held(renew_interval, in_thread=thread_store is not None)
+            if max_held is None
+            else max_held
+        )
+        self._slots = 0
+        #: Paces starts: held by a new run from its thread binding to its confirmed lease.
+        self.starting = asyncio.Semaphore(MAX_STARTING)
+        self.renew_interval = renew_interval
+        #: The window a lease has left when its renewal goes out on time, in seconds.
+        self.margin = ttl - safety_margin(ttl) - renew_interval
+        # When a renewal statement was last answered late (see ``behind``), on the
+        # instance's clock; and the statements in flight, by when each was sent. Both
+        # under ``_lock``: the renewer thread writes them, the loop reads them.
+        self._late_at: float | None = None
+        self._sent: dict[object, float] = {}
+        self.loop_stall_bound = loop_stall_bound(ttl)
+        self._clock = clock
+        self._sleep = sleep
+        self._events = events
+        # The schedule, shared by the instance's loop (keep, release, the watchdog) and the
+        # renewer thread: read and changed under this lock only.
+        self._lock = threading.Lock()
+        # Handle -> when its next renewal is due, on the instance's clock.
+        self._due: dict[RunHandle, float] = {}
+        self._in_flight: set[RunHandle] = set()  # renewals sent, not yet answered
+        self._sending: set[asyncio.Task[None]] = set()  # on the loop that renews
+        self._renewer: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._thread_store = thread_store
+        self._thread: _RenewerThread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the instance's
+        # When the renewer thread asked the instance's loop for a sign of life that has not
+        # come yet (None: it came): how long the loop has not run, at least.
+        self._beat_asked: float | None = None
+        self._stall_told = False
+        self.batches: list[Batch] = []
+
+    @property
+    def in_thread(self) -> bool:
+        """Whether the renewals run in the renewer thread (else on the instance's loop)."""
+        return self._thread_store is not None
+
+    @property
+    def held(self) -> int:
+        """How many runs the keeper keeps now."""
+        return len(self._due)
+
+    @property
+    def behind(self) -> bool:
+        """Whether the renewals of the runs held run late, so that the instance takes on
+        no new run: a renewal statement came back less than a renew interval ago with
+        less than half of :attr:`margin` left for one of the leases it still holds (or
+        after one of their windows ran out), or one has been in flight for longer than
+        half of :attr:`margin`. Never while nothing is held."""
+        now = self._clock()
+        with self._lock:
+            if not self._due:
+                return False
+            if self._answered_late(now):
+                return True
+            return any(now - sent_at > self.margin / 2 for sent_at in self._sent.values())
+
+    def _answered_late(self, now: float) -> bool:
+        """Whether a renewal statement was answered late less than a renew interval
+        before ``now`` (under ``_lock``)."""
+        return self._late_at is not None and now - self._late_at < self.renew_interval
+
+    @property
+    def free(self) -> int:
+        """How many more runs may take a slot now."""
+        return max(self.max_held - self._slots, 0)
+
+    def try_admit(self) -> bool:
+        """Take a slot if one is free and the renewals run in time; whether it was taken."""
+        return not self.behind and self._take_slot()
+
+    def _take_slot(self) -> bool:
+        if self._slots >= self.max_held:
+            return False
+        self._slots += 1
+        return True
+
+    def admit(self, what: str) -> None:
+        """Take a slot for ``what``, else raise :class:`InstanceFullError` (nothing written).
+        Whether the renewals run in time is asked later, in the start's turn (:meth:`in_time`)."""
+        if not self._take_slot():
+            raise InstanceFullError(
+                f"instance {self.holder!r} holds {self._slots} executions, its max_held: "
+                f"{what} was not started (nothing was written). Every lease an instance holds "
+                "must be renewed in time, so it takes no more until one of its runs ends: start "
+                "it on another instance or again later, or open the instance with a higher "
+                "max_held"
+            )
+
+    def leave(self) -> None:
+        """Give a slot back: its run has ended."""
+        self._slots = max(self._slots - 1, 0)
+
+    async def in_time(self, what: str) -> None:
+        """Return once the renewals of the runs held run in time (:attr:`behind` is
+        false): at once, as a rule. While they run late, wait for them to catch up (a new
+        run would only add to their load), at most one lease TTL on the instance's clock,
+        then raise :class:`InstanceFullError` for ``what`` (nothing of it written)."""
+        if not self.behind:
+            return
+        deadline = self._clock() + self.ttl
+        while self.behind and self._clock() < deadline:
+            await self._sleep(self.renew_interval / 4)
+        if self.behind:
+            raise InstanceFullError(
+                f"instance {self.holder!r}: the renewals of the {self.held} executions it "
+                f"holds run late, so {what} waited {self.ttl:g} s (one lease TTL) for them to "
+                "catch up and was not started (nothing was written): the leases it holds come "
+                "first. Start it on another instance or again later; if this lasts, hold "
+                "fewer executions here (a lower max_held) or give the leases a longer "
+                "lease_ttl"
+            )
+
+    async def confirm_start(self, handle: RunHandle) -> None:
+        """Renew a new run's lease at once if its acquire was answered with less than one
+        renew interval of its window left (a burst of starts queued on the pool), before
+        anything runs under it: the late answer leaves it held, not lost.
+
+        Nothing ran under the token yet, so confirming the hold again is enough: the
+        renewal is guarded (holder and epoch), and one that finds the execution taken over
+        meanwhile raises that :class:`ExecutionFencedError`. One more round trip, on the
+        keeper's own connections, and only on the slow path.
+        """
+        sent_at = self._clock()
+        if handle.confirmed_until - sent_at >= self.renew_interval:
+            return
+        with retry_window(FixedWindow.lasting(self.renew_interval)):
+            (answer,) = await handle.repository.renew_many([handle.lease], self.ttl)
+        if isinstance(answer, ExecutionFencedError):
+            raise answer
+        handle.replace_lease(answer, sent_at=sent_at)
+
+    def keep(self, handle: RunHandle) -> None:
+        """Renew ``handle``'s lease every ``renew_interval`` and watch its window."""
+        due = self._next_due(handle)
+        if self._thread_store is not None and handle.repository is not self._thread_store:
+            raise ValueError(
+                f"the run of {handle.scope_key!r} holds its lease from another store than "
+                "the one this keeper's renewer thread renews through"
+            )
+        with self._lock:
+            self._due[handle] = due
+        self._loop = asyncio.get_running_loop()
+        if self._thread_store is not None:
+            thread = self._thread
+            if thread is None or not thread.alive:
+                self._thread = thread = _RenewerThread(self, self._thread_store)
+            thread.wake_by(due)
+        elif self._renewer is None or self._renewer.done():
+            self._renewer = asyncio.create_task(self._renew_loop(None), name="keeper renewals")
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.create_task(self._watch_loop(), name="keeper watchdog")
+
+    async def release(self, handle: RunHandle) -> None:
+        """Stop keeping ``handle`` (an answer still in flight for it is dropped); the last
+        one stops the keeper's tasks (the renewer thread waits for the next run)."""
+        with self._lock:
+            self._due.pop(handle, None)
+            idle = not self._due
+        if not idle:
+            return
+        if self._thread_store is None:
+            await self.aclose()
+            return
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            await _cancelled([watchdog])
+
+    async def aclose(self) -> None:
+        """Stop renewing and watching (the leases still held then lapse)."""
+        tasks = [t for t in (self._renewer, self._watchdog) if t is not None]
+        if self._thread_store is None:  # the thread's own end with it
+            tasks.extend(self._sending)
+        self._renewer = self._watchdog = None
+        thread, self._thread = self._thread, None
+        await _cancelled(tasks)
+        if thread is not None:
+            await thread.stop()
+
+    # -- renewals
+
+    def _next_due(self, handle: RunHandle) -> float:
+        """One renew interval after the confirmation the handle's window counts from (its
+        acquire or last renewal was SENT then): a start that waited long for its statement
+        is renewed at once, not one interval after it finally got its answer."""
+        window = handle.ttl - safety_margin(handle.ttl)
+        return handle.confirmed_until - window + self.renew_interval
+
+    async def _renew_loop(self, thread: _RenewerThread | None) -> None:
+        """Send the renewals as they fall due: on the instance's loop while it holds runs
+        (``thread`` None), or in the renewer thread until it is stopped."""
+        while thread is None or not thread.stopping:
+            now = self._clock()
+            with self._lock:
+                if thread is None and not self._due:
+                    return
+                idle = not self._due
+                waiting = {h: at for h, at in self._due.items() if h not in self._in_flight}
+            if thread is not None and idle:
+                if self._loop is None or self._loop.is_closed():
+                    return  # the instance is gone without closing its keeper
+                await thread.wait(self.renew_interval)  # until keep() wakes it
+                continue
+            earliest = min(waiting.values(), default=now + self.renew_interval / 4)
+            if earliest > now:
+                if thread is None:
+                    await self._sleep(earliest - now)
+                else:
+                    await thread.wait(earliest - now)
+                continue
+            if thread is not None and self._loop_stalled(thread):
+                await thread.wait(self.renew_interval / 4)
+                continue
+            # Renew with those due soon: renewals fall into step and share statements.
+            horizon = now + self.renew_interval / 4
+            with self._lock:
+                due = [h for h, at in waiting.items() if at <= horizon]
+                for handle in [h for h in due if isinstance(h.error, ExecutionFencedError)]:
+                    self._due.pop(handle, None)  # fenced: nothing to renew, ever
+                due = _one_per_key([h for h in due if h in self._due])
+                self._in_flight.update(due)
+            for start in range(0, len(due), RENEW_BATCH):
+                # Each statement on its own task: a slow answer does not hold back the
+                # renewals that fall due meanwhile (a lease in flight is not sent twice).
+                batch = due[start : start + RENEW_BATCH]
+                task = asyncio.create_task(self._renew(batch, thread), name="keeper renewal")
+                self._sending.add(task)
+                task.add_done_callback(self._sending.discard)
+
+    async def _renew(self, handles: list[RunHandle], thread: _RenewerThread | None) -> None:
+        """One renewal statement per store for ``handles``; each answer applied to its run."""
+        try:
+            await self._renew_batch(handles, None if thread is None else thread.store)
+        finally:
+            with self._lock:
+                self._in_flight.difference_update(handles)
+            if thread is not None:
+                thread.poke()  # their next renewal may be due already: a slow answer
+
+    async def _renew_batch(
+        self, handles: list[RunHandle], store: SqlLeaseRepository | None
+    ) -> None:
+        by_store: dict[int, tuple[ExecutionLeaseRepository, list[RunHandle]]] = {}
+        for handle in handles:
+            repository = handle.repository if store is None else store
+            by_store.setdefault(id(repository), (repository, []))[1].append(handle)
+        for repository, batch in by_store.values():
+            sent_at = self._clock()
+            left = {h: h.confirmed_until - sent_at for h in batch}
+            # The token each lease was renewed at: an answer about an older one (the run
+            # yielded and re-took its lease meanwhile) tells nothing about the run now.
+            epochs = {h: h.token for h in batch}
+            # A lease that had lapsed before it was sent (renewed once more only to tell a
+            # takeover from a slow store) says nothing about the pace; one that lapses in
+            # flight does.
+            live = [h for h in batch if h.error is None]
+            # A connection error is retried while the earliest window of the batch lasts.
+            earliest = min(batch, key=lambda h: h.confirmed_until)
+            ticket = object()
+            with self._lock:
+                self._sent[ticket] = sent_at
+            try:
+                with retry_window(earliest):
+                    answers = await repository.renew_many([h.lease for h in batch], self.ttl)
+            except Exception as exc:
+                # The store may be down for a moment: the watchdog decides when that has
+                # lasted too long; until then the next renewal may get through.
+                logger.warning("renewal of %d leases failed", len(batch), exc_info=True)
+                with self._lock:
+                    for handle in batch:
+                        handle.saw_store_error(exc)
+                        if handle in self._due:
+                            self._due[handle] = self._clock() + self.renew_interval
+                continue
+            finally:
+                with self._lock:
+                    del self._sent[ticket]
+            took = self._clock() - sent_at
+            self.batches.append(Batch(sent_at, len(batch), min(left.values()), took))
+            del self.batches[:-4096]
+            fenced: list[tuple[RunHandle, ExecutionFencedError]] = []
+            late: list[tuple[RunHandle, float]] = []
+            with self._lock:  # a handle released meanwhile is not kept any more
+                # Nor is it anybody's to fall behind with: the pace counts those still held.
+                held = [left[h] - took for h in live if h in self._due]
+                for handle, answer in zip(batch, answers, strict=True):
+                    if handle not in self._due:
+                        continue
+                    if isinstance(answer, ExecutionFencedError):
+                        if handle.token != epochs[handle]:
+                            continue  # re-taken at a new token since: kept anew, not fenced
+                        self._due.pop(handle)
+                        fenced.append((handle, answer))
+                    elif handle.renewed(answer, sent_at=sent_at):
+                        self._due[handle] = self._next_due(handle)
+                        if left[handle] < self.renew_interval:
+                            late.append((handle, left[handle]))
+                    elif handle.error is not None:
+                        # The run had lost its lease (its window ran out): it stays stopped;
+                        # this renewal only told that nobody took the execution over.
+                        self._due.pop(handle)
+                    # else: yielded and re-taken meanwhile (a new token): kept anew.
+            self._note_pace(held, len(batch))
+            for handle, error in fenced:  # the run drains
+                if store is None:
+                    handle.record(error)
+                else:
+                    handle.record_from_thread(error)
+            for handle, slack in late:
+                why = f"renewed with {max(slack, 0.0):.1f} s of its proven hold left"
+                self._on_loop(
+                    self._events.emit, EventKind.RENEWED_LATE, handle.scope_key, handle.token, why
+                )
+
+    def _note_pace(self, left: list[float], size: int) -> None:
+        """Note a renewal statement of ``size`` leases answered with ``left`` seconds of
+        their windows left, for each lease live when it was sent and still held: late
+        (see :attr:`behind`) if the least is under half of :attr:`margin`."""
+        if not left:
+            return
+        least = min(left)
+        if least >= self.margin / 2:
+            return
+        now = self._clock()
+        with self._lock:
+            was_late = self._answered_late(now)
+            self._late_at = now
+        if not was_late:
+            logger.warning(
+                "instance %s: its renewals run late (a statement of %d leases was answered "
+                "with %.2f s of a lease's window left, against %.2f s when on time): it takes "
+                "on no new run until they have come back in time for %.1f s",
+                self.holder,
+                size,
+                least,
+                self.margin,
+                self.renew_interval,
+            )
+
+    def _on_loop(self, call: Callable[..., object], *args: Any) -> None:
+        """``call(*args)`` on the instance's loop: at once if this is it, else when it runs."""
+        loop = self._loop
+        if self._thread_store is None or loop is None:
+            call(*args)
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
+            loop.call_soon_threadsafe(call, *args)
+
+    # -- the instance's loop, seen from the renewer thread
+
+    def _loop_stalled(self, thread: _RenewerThread) -> bool:
+        """Whether the instance's loop has not run for longer than the bound (asking it
+        for a sign of life if none is pending); a closed loop stops the thread."""
+        now = self._clock()
+        asked = self._beat_asked
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            # The instance is gone without closing its keeper: its runs are over, and their
+            # leases must lapse now, not one stall bound later.
+            thread.stopping = True
+            return True
+        if asked is None:
+            self._beat_asked = now
+            try:
+                loop.call_soon_threadsafe(self._beat)
+            except RuntimeError:  # closed meanwhile
+                thread.stopping = True
+                return True
+            return False
+        stalled = now - asked
+        if stalled <= self.loop_stall_bound:
+            return False
+        if not self._stall_told:
+            self._stall_told = True
+            logger.warning(
+                "instance %s: its event loop has not run for %.1f s (more than %.1f s): its "
+                "%d leases are no longer renewed, so they lapse and another instance takes "
+                "them over",
+                self.holder,
+                stalled,
+                self.loop_stall_bound,
+                len(self._due),
+            )
+        return True
+
+    def _beat(self) -> None:
+        """The instance's loop runs (called on it)."""
+        self._beat_asked = None
+        if self._stall_told:
+            self._stall_told = False
+            logger.warning("instance %s: its event loop runs again", self.holder)
+
+    # -- the watchdog
+
+    async def _watch_loop(self) -> None:
+        while True:
+            with self._lock:
+                if not self._due:
+                    return
+                live = [h for h in self._due if h.error is None]
+            if not live:
+                await self._sleep(self.renew_interval)
+                continue
+            now = self._clock()
+            for handle in live:
+                if handle.confirmed_until <= now:
+                    # Recorded on the handle; the run drains.
+                    with contextlib.suppress(ExecutionLeaseLostError):
+                        handle.check()
+            live = [h for h in live if h.error is None]
+            if live:
+                remaining = min(h.confirmed_until for h in live) - self._clock()
+                await self._sleep(max(remaining, 0.0) + 1e-3)
+
+
+class _RenewerThread:
+    """The renewer thread: an event loop and connections of its own
+    (:func:`~langgraph_fence.database.twin_engine`), running the keeper's renewals."""
+
+    def __init__(self, keeper: Keeper, source: SqlLeaseRepository) -> None:
+        self._keeper = keeper
+        self._source = source
+        self.loop = asyncio.new_event_loop()
+        self.store: SqlLeaseRepository = source  # its twin, once the thread runs
+        #: Set (from either thread) to end the thread.
+        self.stopping = False
+        self._main: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._wake_at = math.inf  # when it wakes by itself, on the keeper's clock
+        self._ended: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._pid = os.getpid()
+        self._thread = threading.Thread(
+            target=self._run, name=f"langgraph-fence renewer {keeper.holder}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """Whether it renews (it has not ended and is not ending, and it runs in this
+        process: a forked child has the object, not the thread)."""
+        return (
+            not self.stopping
+            and not self._ended.done()
+            and self._pid == os.getpid()
+            and self._thread.is_alive()
+        )
+
+    def wake_by(self, due: float) -> None:
+        """Make sure it wakes by ``due`` (called from the instance's loop)."""
+        if due < self._wake_at:
+            with contextlib.suppress(RuntimeError):  # ended meanwhile: keep() starts another
+                self.loop.call_soon_threadsafe(self._wake.set)
+
+    def poke(self) -> None:
+        """Wake it now (on the thread's loop)."""
+        self._wake.set()
+
+    async def wait(self, seconds: float) -> None:
+        """Wait ``seconds``, or until woken (on the thread's loop)."""
+        self._wake_at = self._keeper._clock() + seconds
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._wake.wait()
+        self._wake.clear()
+        self._wake_at = math.inf
+
+    async def stop(self) -> None:
+        """End the thread, its renewals and its connections (from the instance's loop)."""
+        self.stopping = True
+
+        def cancel() -> None:
+            if self._main is not None:
+                self._main.cancel()
+
+        with contextlib.suppress(RuntimeError):  # its loop is closed: it has ended
+            self.loop.call_soon_threadsafe(cancel)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self._ended), 30.0)
+        except TimeoutError:
+            logger.warning("the renewer thread of %s did not end in 30 s", self._keeper.holder)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._serve())
+        except BaseException:
+            logger.exception(
+                "the renewer thread of %s failed: its leases are no longer renewed",
+                self._keeper.holder,
+            )
+        finally:
+            self.stopping = True
+            with contextlib.suppress(Exception):
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+            self._ended.set_result(None)
+
+    async def _serve(self) -> None:
+        from langgraph_fence.database import twin_engine
+
+        self._main = asyncio.current_task()
+        if self.stopping:
+            return
+        engine = twin_engine(self._source.engine)
+        self.store = self._source.on_engine(engine)
+        try:
+            await self._keeper._renew_loop(self)
+        except asyncio.CancelledError:
+            if not self.stopping:
+                raise
+        finally:
+            sending = list(self._keeper._sending)
+            await _cancelled(sending)
+            await engine.dispose()
+
+
+async def _cancelled(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel ``tasks`` and wait for them to end (a failure is logged)."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            logger.exception("keeper task failed")
+
+
+def _one_per_key(handles: list[RunHandle]) -> list[RunHandle]:
+    """``handles`` with each execution key once, the first of each key kept.
+
+    A store refuses a renewal statement that names a key twice, and the refusal would fail
+    every lease of the batch, pass after pass. Two handles of one key are two runs of one
+    execution in this instance: one that was fenced but has not heard of it yet (its step
+    still running: an interrupt, or its own expired lease taken back by ``serve()``) and the
+    new one. The one left out stays due and goes out in the next pass, in a statement of its
+    own.
+    """
+    seen: set[LeaseKey] = set()
+    kept: list[RunHandle] = []
+    for handle in handles:
+        if handle.key not in seen:
+            seen.add(handle.key)
+            kept.append(handle)
+    return kept

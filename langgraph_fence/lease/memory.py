@@ -1,0 +1,222 @@
+"""The in-memory lease store: the pure transitions over a dict, for tests and one process."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from langgraph_fence.errors import ExecutionFencedError
+from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus, PendingEffect, validate_ttl
+from langgraph_fence.lease.checks import check_key, check_lease, check_leases, check_limit
+from langgraph_fence.lease.transitions import (
+    decide_abandon,
+    decide_acquire,
+    decide_clear_pending_effects,
+    decide_dead_letter,
+    decide_mark_pending_effect,
+    decide_release,
+    decide_renew,
+    decide_retake,
+    decide_retry,
+    decide_take_over,
+    decide_yield,
+    fair_order,
+    is_takeover_candidate,
+)
+
+__all__ = ["MemoryLeaseRepository"]
+
+_ids = itertools.count(1)
+
+
+class MemoryLeaseRepository:
+    """An :class:`~langgraph_fence.ExecutionLeaseRepository` held in this process's memory.
+
+    Same contract as the SQL stores, with the same decisions (it calls the pure transitions
+    of :mod:`langgraph_fence.lease` directly). Leases die with the process: use it for tests
+    and single-process tools, never to fence several processes.
+
+    Args:
+        clock: the store's clock in seconds; ``time.time`` by default.
+    """
+
+    def __init__(self, *, clock: Callable[[], float] | None = None) -> None:
+        self._clock = clock or time.time
+        self._rows: dict[LeaseKey, Lease] = {}
+        self._lock = asyncio.Lock()
+        self._store_id = f"memory:{next(_ids)}"
+
+    @property
+    def store_id(self) -> str:
+        """Identifies this store; leases carry it and other stores refuse them."""
+        return self._store_id
+
+    async def now(self) -> float:
+        """The store's clock, in seconds."""
+        return self._clock()
+
+    async def acquire(
+        self, key: LeaseKey, holder: str, ttl: float, *, reopen: bool = False
+    ) -> Lease | None:
+        """Take the lease (absent: epoch 1; free or expired: epoch + 1), or ``None``."""
+        check_key(key)
+        async with self._lock:
+            taken = decide_acquire(
+                self._rows.get(key),
+                key,
+                holder,
+                ttl,
+                self._clock(),
+                reopen=reopen,
+                store_id=self._store_id,
+            )
+            if taken is not None:
+                self._rows[key] = taken
+            return taken
+
+    async def renew(self, lease: Lease, ttl: float) -> Lease:
+        """Extend the hold to now + ``ttl``; guarded."""
+        check_lease(self, lease)
+        async with self._lock:
+            renewed = decide_renew(self._rows.get(lease.key), lease, ttl, self._clock())
+            self._rows[lease.key] = renewed
+            return renewed
+
+    async def renew_many(
+        self, leases: Sequence[Lease], ttl: float
+    ) -> list[Lease | ExecutionFencedError]:
+        """Renew each of ``leases`` (guarded, each on its own) at one store time."""
+        leases = check_leases(self, leases)
+        ttl = validate_ttl(ttl)
+        answers: list[Lease | ExecutionFencedError] = []
+        async with self._lock:
+            now = self._clock()
+            for lease in leases:
+                try:
+                    renewed = decide_renew(self._rows.get(lease.key), lease, ttl, now)
+                except ExecutionFencedError as refused:
+                    answers.append(refused)
+                    continue
+                self._rows[lease.key] = renewed
+                answers.append(renewed)
+        return answers
+
+    async def release(self, lease: Lease, status: LeaseStatus, reason: str | None = None) -> Lease:
+        """Give the lease up with ``status``; guarded."""
+        check_lease(self, lease)
+        async with self._lock:
+            released = decide_release(self._rows.get(lease.key), lease, status, reason)
+            self._rows[lease.key] = released
+            return released
+
+    async def get(self, key: LeaseKey) -> Lease | None:
+        """The lease of ``key`` as stored now, or ``None``."""
+        check_key(key)
+        return self._rows.get(key)
+
+    async def mark_pending_effect(self, lease: Lease, effect: PendingEffect, ttl: float) -> Lease:
+        """Add ``effect`` to the stamp set and renew, in one guarded write."""
+        check_lease(self, lease)
+        async with self._lock:
+            marked = decide_mark_pending_effect(
+                self._rows.get(lease.key), lease, effect, ttl, self._clock()
+            )
+            self._rows[lease.key] = marked
+            return marked
+
+    async def clear_pending_effects(self, lease: Lease, keys: Iterable[str] | None = None) -> Lease:
+        """Remove the entries ``keys`` (all with ``None``) from the stamp set; guarded."""
+        check_lease(self, lease)
+        async with self._lock:
+            cleared = decide_clear_pending_effects(self._rows.get(lease.key), lease, keys)
+            self._rows[lease.key] = cleared
+            return cleared
+
+    async def dead_letter(self, key: LeaseKey, reason: str, *, epoch: int | None = None) -> Lease:
+        """End the execution as ``dead_lettered``; guarded by ``epoch`` when given."""
+        check_key(key)
+        async with self._lock:
+            ended = decide_dead_letter(self._rows.get(key), key, reason, epoch=epoch)
+            self._rows[key] = ended
+            return ended
+
+    async def takeover_candidates(
+        self, limit: int = 100, *, after_tenant: str | None = None
+    ) -> Sequence[Lease]:
+        """Leases any instance may take now, in claim order from ``after_tenant``: the
+        window the SQL store's query picks (each tenant's oldest first), in
+        :func:`~langgraph_fence.lease.transitions.fair_order`."""
+        check_limit(limit)
+        now = self._clock()
+        found = [lease for lease in self._rows.values() if is_takeover_candidate(lease, now)]
+        found.sort(key=lambda lease: (lease.expires_at or 0.0, lease.scope_key))
+        # The window, as the SQL store's query picks it: by rank within the tenant, then age.
+        rank: dict[str, int] = {}
+        ranked = []
+        for lease in found:
+            tenant = lease.key.tenant_id
+            rank[tenant] = rank.get(tenant, 0) + 1
+            ranked.append((rank[tenant], lease))
+        ranked.sort(key=lambda pair: (pair[0], pair[1].expires_at or 0.0, pair[1].scope_key))
+        return fair_order([lease for _, lease in ranked[:limit]], after_tenant)
+
+    async def take_over(
+        self,
+        candidate: Lease,
+        holder: str,
+        ttl: float,
+        *,
+        progress_mark: str | None = None,
+        max_takeovers: int | None = None,
+    ) -> Lease | None:
+        """Take a candidate over and decide its fate (resume or dead-letter), guarded."""
+        check_lease(self, candidate)
+        async with self._lock:
+            taken = decide_take_over(
+                self._rows.get(candidate.key),
+                candidate,
+                holder,
+                ttl,
+                self._clock(),
+                progress_mark=progress_mark,
+                max_takeovers=max_takeovers,
+            )
+            if taken is not None:
+                self._rows[candidate.key] = taken
+            return taken
+
+    async def yield_lease(self, lease: Lease) -> Lease:
+        """Give the hold up while the tree waits for remote children; guarded."""
+        check_lease(self, lease)
+        async with self._lock:
+            yielded = decide_yield(self._rows.get(lease.key), lease)
+            self._rows[lease.key] = yielded
+            return yielded
+
+    async def retake(self, lease: Lease, ttl: float) -> Lease:
+        """Take ``lease`` again at epoch + 1 for its holder, unless anyone else took it."""
+        check_lease(self, lease)
+        async with self._lock:
+            taken = decide_retake(self._rows.get(lease.key), lease, ttl, self._clock())
+            self._rows[lease.key] = taken
+            return taken
+
+    async def retry(self, key: LeaseKey) -> Lease:
+        """Make a dead-lettered execution ``pending`` again, its takeover budget reset
+        (:func:`~langgraph_fence.lease.transitions.decide_retry`)."""
+        check_key(key)
+        async with self._lock:
+            retried = decide_retry(self._rows.get(key), key)
+            self._rows[key] = retried
+            return retried
+
+    async def abandon(self, key: LeaseKey, reason: str) -> Lease:
+        """End a dead-lettered execution ``failed``, its reason the operator's
+        (:func:`~langgraph_fence.lease.transitions.decide_abandon`)."""
+        check_key(key)
+        async with self._lock:
+            abandoned = decide_abandon(self._rows.get(key), key, reason)
+            self._rows[key] = abandoned
+            return abandoned

@@ -1,0 +1,560 @@
+"""What an instance needs to resume an execution it did not start, and which execution owns
+each thread.
+
+A run started with input records ``(graph name, thread id, input, run config)`` for its
+execution key once, before the graph runs (the run config: what of its config and options a
+takeover runs with again, :mod:`langgraph_fence.lease.run_config`). Any instance's
+:meth:`~langgraph_fence.Instance.serve` loop that takes the execution over reads it back and
+runs it with that config again: it resumes from the last checkpoint, or, if the
+first run died before its first checkpoint landed, starts again from the recorded input.
+
+One thread, one execution: a tenant's thread is bound to the first execution key that runs
+it (:meth:`ExecutionRecords.bind`). A run of that thread under another execution id would
+hold another lease, pass every guard and fork the thread; the instance refuses it before it
+takes a lease. The binding is keyed by ``(tenant_id, thread_id)``: another tenant's thread
+of the same id is another thread, with a binding of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from langgraph.checkpoint.serde.base import SerializerProtocol
+from sqlalchemy import Double, LargeBinary, Text, bindparam, column, table, text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from langgraph_fence.database import check_engine, single_statement, transaction
+from langgraph_fence.database.migrations import Migration, migrate
+from langgraph_fence.database.retry import retry_connection_errors
+from langgraph_fence.errors import ExecutionThreadBoundError
+from langgraph_fence.lease import LeaseKey
+from langgraph_fence.lease.run_config import RecordedRun
+from langgraph_fence.lease.schema import yielded_sql
+from langgraph_fence.serde import loads_checked, safe_serializer, with_allowlist
+
+__all__ = [
+    "ExecutionHead",
+    "ExecutionRecord",
+    "ExecutionRecords",
+    "MemoryExecutionRecords",
+    "SqlExecutionRecords",
+    "check_thread_binding",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionRecord:
+    """How to resume an execution: the graph it runs, its thread, its first input, and the
+    recorded part of the config and options it was started with."""
+
+    key: LeaseKey
+    graph: str
+    thread_id: str
+    input: Any
+    run: RecordedRun = field(default_factory=RecordedRun)
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionHead:
+    """What a worker reads of a record before it takes the execution: graph, thread, and
+    whether it is a submitted run (whose claim pins the checkpoint its input follows).
+
+    Never the input: that is decoded only when a run needs it, by an instance serving
+    ``graph``.
+    """
+
+    graph: str
+    thread_id: str
+    submitted: bool = False
+
+
+class ExecutionRecords(Protocol):
+    """Where execution records are kept (next to the leases)."""
+
+    async def record(self, record: ExecutionRecord, *, unless_held: bool = False) -> bool:
+        """Keep ``record`` (the latest run with input of a key replaces the one before).
+
+        With ``unless_held``, nothing is written while the execution's lease is held (or
+        the execution was dead-lettered): a start that will be refused must not rewrite the
+        record of the run in flight. Returns whether the record was written.
+        """
+        ...
+
+    async def get(
+        self, key: LeaseKey, *, allow: Collection[tuple[str, ...]] = (), with_input: bool = True
+    ) -> ExecutionRecord | None:
+        """The record of ``key``, or ``None``.
+
+        Args:
+            key: the execution.
+            allow: ``(module, name)`` pairs the input and run config may construct besides
+                what the serializer allows (the served graph's schema and context types).
+            with_input: decode the input (else the record's ``input`` is ``None``: a run
+                resumed from a checkpoint needs only its run config).
+
+        Raises:
+            ValueError: the stored input or run config cannot be decoded, or names a type
+                outside the serializer's allow-list (nothing of it was imported or called).
+        """
+        ...
+
+    async def heads_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, ExecutionHead]:
+        """Graph and thread of each of ``keys`` that has a record; no input is decoded."""
+        ...
+
+    async def bind(self, key: LeaseKey, thread_id: str) -> str:
+        """Bind the tenant's ``thread_id`` to ``key`` unless it is bound already; return the
+        execution id it is bound to (``key.execution_id`` when this call bound it).
+
+        Two first runs racing with different execution ids: exactly one binds.
+        """
+        ...
+
+    async def forget(self, key: LeaseKey, thread_id: str) -> None:
+        """Delete the record of ``key`` and the binding of the tenant's ``thread_id`` (an
+        erasure: the input is gone, and the thread id can be bound again)."""
+        ...
+
+
+def check_thread_binding(key: LeaseKey, thread_id: str, bound: str) -> None:
+    """Refuse a run of ``thread_id`` under ``key`` when the thread is bound to ``bound``.
+
+    Raises:
+        ExecutionThreadBoundError: ``bound`` is not ``key.execution_id``. The message names
+            the bound execution: the caller is of the same tenant (the binding is per
+            tenant), so it is that tenant's own thread.
+    """
+    if bound == key.execution_id:
+        return
+    bound_key = LeaseKey(key.tenant_id, bound)
+    raise ExecutionThreadBoundError(
+        f"thread {thread_id!r} of tenant {key.tenant_id!r} belongs to execution {bound!r} "
+        f"(scope key {bound_key.scope_key!r}), and this run asked for execution "
+        f"{key.execution_id!r}: refused before anything ran (no lease taken, nothing "
+        f"written). A thread is run by one execution only, or two leases would fork it: pass "
+        f"execution_id={bound!r}, or use another thread id for a new execution",
+        bound_execution_id=bound,
+    )
+
+
+class MemoryExecutionRecords:
+    """Execution records in this process's memory (for tests and one process)."""
+
+    def __init__(self) -> None:
+        self._rows: dict[LeaseKey, ExecutionRecord] = {}
+        self._bindings: dict[tuple[str, str], str] = {}
+
+    async def record(self, record: ExecutionRecord, *, unless_held: bool = False) -> bool:
+        """Keep ``record``; in memory nothing knows the lease, so ``unless_held`` is moot."""
+        self._rows[record.key] = record
+        return True
+
+    async def get(
+        self, key: LeaseKey, *, allow: Collection[tuple[str, ...]] = (), with_input: bool = True
+    ) -> ExecutionRecord | None:
+        """The record of ``key``, or ``None`` (kept as objects: nothing to decode)."""
+        return self._rows.get(key)
+
+    async def bind(self, key: LeaseKey, thread_id: str) -> str:
+        """Bind ``thread_id`` of ``key``'s tenant to ``key`` unless bound; the bound id."""
+        return self._bindings.setdefault((key.tenant_id, thread_id), key.execution_id)
+
+    async def forget(self, key: LeaseKey, thread_id: str) -> None:
+        """Delete the record of ``key`` and the binding of ``thread_id`` of its tenant."""
+        self._rows.pop(key, None)
+        self._bindings.pop((key.tenant_id, thread_id), None)
+
+    async def heads_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, ExecutionHead]:
+        """Graph and thread of each of ``keys`` that has a record."""
+        rows = self._rows
+        return {k: ExecutionHead(rows[k].graph, rows[k].thread_id) for k in keys if k in rows}
+
+
+_CREATE = """
+CREATE TABLE IF NOT EXISTS fence_executions (
+    tenant_id TEXT NOT NULL,
+    execution_id TEXT NOT NULL,
+    graph TEXT NOT NULL,
+    thread_id TEXT NOT NULL,
+    input_type TEXT NOT NULL,
+    input {binary} NOT NULL,
+    recorded_at {double} NOT NULL,
+    PRIMARY KEY (tenant_id, execution_id)
+)
+"""
+
+_CREATE_BINDINGS = """
+CREATE TABLE IF NOT EXISTS fence_thread_bindings (
+    tenant_id TEXT NOT NULL,
+    thread_id TEXT NOT NULL,
+    execution_id TEXT NOT NULL,
+    bound_at {double} NOT NULL,
+    PRIMARY KEY (tenant_id, thread_id)
+)
+"""
+# Each serving instance says which graphs it serves, now and then (seen_at, wall clock):
+# what tells a pending run of a graph nobody serves from one waiting for a free worker.
+_CREATE_WORKERS = """
+CREATE TABLE IF NOT EXISTS fence_workers (
+    instance_id TEXT NOT NULL PRIMARY KEY,
+    graphs TEXT NOT NULL,
+    seen_at {double} NOT NULL
+)
+"""
+# Threads recorded before version 2 are bound to the execution that recorded them last (the
+# one a takeover would resume); two recorded at the same moment: the greater id, so the
+# choice does not depend on the order rows come back in.
+_BIND_RECORDED = """
+INSERT INTO fence_thread_bindings (tenant_id, thread_id, execution_id, bound_at)
+SELECT e.tenant_id, e.thread_id, e.execution_id, e.recorded_at FROM fence_executions e
+WHERE NOT EXISTS (SELECT 1 FROM fence_executions n WHERE n.tenant_id = e.tenant_id
+    AND n.thread_id = e.thread_id AND (n.recorded_at > e.recorded_at
+        OR (n.recorded_at = e.recorded_at AND n.execution_id > e.execution_id)))
+"""
+
+# Each submitted run of an execution, in submit order: its own identity (run_id, what a
+# handle names) and its own outcome. ``status`` is ``queued`` (behind the thread's run, its
+# input kept here until a worker promotes it), ``current`` (the execution's run: its state is
+# the lease's, its output the record's), or the end it was retired with (the lease's status
+# and reason, the record's output, copied when the next run of the thread begins).
+_CREATE_RUNS = """
+CREATE TABLE IF NOT EXISTS fence_runs (
+    run_id TEXT NOT NULL PRIMARY KEY,
+    tenant_id TEXT NOT NULL,
+    execution_id TEXT NOT NULL,
+    seq BIGINT NOT NULL,
+    status TEXT NOT NULL,
+    graph TEXT NOT NULL,
+    thread_id TEXT NOT NULL,
+    input_type TEXT NOT NULL,
+    input {binary} NOT NULL,
+    run_type TEXT NOT NULL,
+    run {binary} NOT NULL,
+    submitted_at {double} NOT NULL,
+    epoch BIGINT,
+    reason TEXT,
+    output_type TEXT,
+    output {binary},
+    UNIQUE (tenant_id, execution_id, seq)
+)
+"""
+_RUNS_QUEUED_INDEX = "CREATE INDEX IF NOT EXISTS fence_runs_status ON fence_runs (status)"
+
+EXECUTION_MIGRATIONS = [
+    Migration(
+        version=1,
+        description="execution records: graph, thread and input of each execution",
+        sqlite=[_CREATE.format(binary="BLOB", double="REAL")],
+        postgresql=[_CREATE.format(binary="BYTEA", double="DOUBLE PRECISION")],
+    ),
+    Migration(
+        version=2,
+        description="each tenant's thread bound to one execution key",
+        sqlite=[_CREATE_BINDINGS.format(double="REAL"), _BIND_RECORDED],
+        postgresql=[_CREATE_BINDINGS.format(double="DOUBLE PRECISION"), _BIND_RECORDED],
+    ),
+    Migration(
+        version=3,
+        description="execution records: the run config a takeover runs with again",
+        # Records written before it have none (NULL): their takeover runs with the thread only.
+        sqlite=[
+            "ALTER TABLE fence_executions ADD COLUMN run_type TEXT",
+            "ALTER TABLE fence_executions ADD COLUMN run BLOB",
+        ],
+        postgresql=[
+            "ALTER TABLE fence_executions ADD COLUMN IF NOT EXISTS run_type TEXT",
+            "ALTER TABLE fence_executions ADD COLUMN IF NOT EXISTS run BYTEA",
+        ],
+    ),
+    Migration(
+        version=4,
+        description="submitted runs: when submitted, the checkpoint the input follows, the output",
+        # NULL on every record written before it, and on every run started by ainvoke: a
+        # submitted run is one with submitted_at set (langgraph_fence.queue).
+        sqlite=[
+            "ALTER TABLE fence_executions ADD COLUMN submitted_at REAL",
+            "ALTER TABLE fence_executions ADD COLUMN input_after TEXT",
+            "ALTER TABLE fence_executions ADD COLUMN output_type TEXT",
+            "ALTER TABLE fence_executions ADD COLUMN output BLOB",
+        ],
+        postgresql=[
+            "ALTER TABLE fence_executions ADD COLUMN IF NOT EXISTS submitted_at DOUBLE PRECISION",
+            "ALTER TABLE fence_executions ADD COLUMN IF NOT EXISTS input_after TEXT",
+            "ALTER TABLE fence_executions ADD COLUMN IF NOT EXISTS output_type TEXT",
+            "ALTER TABLE fence_executions ADD COLUMN IF NOT EXISTS output BYTEA",
+        ],
+    ),
+    Migration(
+        version=5,
+        description="the serving workers and their graphs (langgraph-fence runs)",
+        sqlite=[_CREATE_WORKERS.format(double="REAL")],
+        postgresql=[_CREATE_WORKERS.format(double="DOUBLE PRECISION")],
+    ),
+    Migration(
+        version=6,
+        description="submitted runs, each with its identity and outcome (on_busy='enqueue')",
+        sqlite=[_CREATE_RUNS.format(binary="BLOB", double="REAL"), _RUNS_QUEUED_INDEX],
+        postgresql=[
+            _CREATE_RUNS.format(binary="BYTEA", double="DOUBLE PRECISION"),
+            _RUNS_QUEUED_INDEX,
+        ],
+    ),
+]
+
+#: The columns a run's record writes (and a later record of the key replaces), beside its
+#: key; and those a new record clears (what a submitted run before it left).
+RECORDED = ("graph", "thread_id", "input_type", "input", "run_type", "run", "recorded_at")
+CLEARED = ("submitted_at", "input_after", "output_type", "output")
+#: ``fence_executions`` and ``fence_thread_bindings`` for statements built with SQLAlchemy
+#: Core (the take of a run, ``stores/sql.py``); their tables are created by the DDL above.
+EXECUTIONS = table(
+    "fence_executions",
+    column("tenant_id", Text),
+    column("execution_id", Text),
+    *(column(name, Text) for name in ("graph", "thread_id", "input_type", "run_type")),
+    column("input", LargeBinary),
+    column("run", LargeBinary),
+    column("recorded_at", Double),
+    *(column(name, Text) for name in CLEARED),
+)
+BINDINGS = table(
+    "fence_thread_bindings",
+    column("tenant_id", Text),
+    column("thread_id", Text),
+    column("execution_id", Text),
+    column("bound_at", Double),
+)
+
+_COLUMNS = f"(tenant_id, execution_id, {', '.join(RECORDED)}) "
+_VALUES = ":tenant_id, :execution_id, :graph, :thread_id, :input_type, :input, :run_type, :run, :at"
+_ON_CONFLICT = "ON CONFLICT (tenant_id, execution_id) DO UPDATE SET " + ", ".join(
+    [f"{name} = excluded.{name}" for name in RECORDED] + [f"{name} = NULL" for name in CLEARED]
+)
+#: Write a run's record (binds: :meth:`SqlExecutionRecords.columns`).
+UPSERT_RECORD = text(f"INSERT INTO fence_executions {_COLUMNS}VALUES ({_VALUES}) {_ON_CONFLICT}")
+#: Submitted runs of the execution wait: one for a worker (pending, its record submitted),
+#: or runs queued on the thread (``on_busy="enqueue"``: they run next). New input is refused
+#: while they do (``run.py``). On ``l``, a lease row of the same key.
+SUBMIT_WAITING = (
+    "((l.status = 'pending' AND EXISTS (SELECT 1 FROM fence_executions s "
+    "WHERE s.tenant_id = l.tenant_id AND s.execution_id = l.execution_id "
+    "AND s.submitted_at IS NOT NULL)) OR EXISTS (SELECT 1 FROM fence_runs q "
+    "WHERE q.tenant_id = l.tenant_id AND q.execution_id = l.execution_id "
+    "AND q.status = 'queued'))"
+)
+# The same upsert, skipped while the lease is held by anyone (expired or not, yielded, or a
+# woken tree: a start that takes such a lease writes its record again once it holds it),
+# dead-lettered, or pending with a submitted run (waiting for a worker: run.py refuses the
+# start), or with submitted runs queued on the thread (on_busy="enqueue": they run next).
+_NOT_HELD = (
+    "NOT EXISTS (SELECT 1 FROM fence_leases l WHERE l.tenant_id = :tenant_id "
+    "AND l.execution_id = :execution_id AND "
+    "((l.status = 'running' AND l.holder IS NOT NULL) OR " + yielded_sql("l") + " "
+    "OR (l.status = 'pending' AND l.holder IS NULL AND l.expires_at IS NOT NULL) "
+    f"OR l.status = 'dead_lettered' OR {SUBMIT_WAITING}))"
+)
+_UPSERT_UNLESS_HELD = text(
+    f"INSERT INTO fence_executions {_COLUMNS}SELECT {_VALUES} WHERE {_NOT_HELD} "
+    f"{_ON_CONFLICT} WHERE {_NOT_HELD}"
+)
+_SELECT = text(
+    "SELECT graph, thread_id, input_type, input, run_type, run FROM fence_executions "
+    "WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
+)
+# By execution id only (one expanding parameter on both dialects); the tenant is matched
+# on the rows that come back.
+_SELECT_HEADS = text(
+    "SELECT tenant_id, execution_id, graph, thread_id, submitted_at FROM fence_executions "
+    "WHERE execution_id IN :ids"
+).bindparams(bindparam("ids", expanding=True))
+_HEADS_CHUNK = 500
+# A parent's children: each child's lease row records its parent (lease schema version 5;
+# children of earlier versions were linked by that migration).
+_CHILDREN_OF = text(
+    "SELECT e.execution_id, e.thread_id FROM fence_executions e JOIN fence_leases l "
+    "ON l.tenant_id = e.tenant_id AND l.execution_id = e.execution_id "
+    "WHERE e.tenant_id = :tenant_id AND l.parent_execution_id = :parent_execution_id "
+    "ORDER BY e.execution_id"
+)
+_FORGET_RECORD = text(
+    "DELETE FROM fence_executions WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
+)
+_FORGET_RUNS = text(
+    "DELETE FROM fence_runs WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
+)
+_FORGET_BINDING = text(
+    "DELETE FROM fence_thread_bindings WHERE tenant_id = :tenant_id AND thread_id = :thread_id"
+)
+
+
+#: The execution id the tenant's thread is bound to, and the binding of a first run.
+BOUND_TO = text(
+    "SELECT execution_id FROM fence_thread_bindings "
+    "WHERE tenant_id = :tenant_id AND thread_id = :thread_id"
+)
+BIND_THREAD = text(
+    "INSERT INTO fence_thread_bindings (tenant_id, thread_id, execution_id, bound_at) "
+    "VALUES (:tenant_id, :thread_id, :execution_id, :at) "
+    "ON CONFLICT (tenant_id, thread_id) DO NOTHING"
+)
+
+
+class SqlExecutionRecords:
+    """Execution records in ``fence_executions`` (SQLite or PostgreSQL), one statement each.
+
+    Args:
+        engine: the engine of the lease table's database.
+        serde: the serializer of the recorded inputs (default: LangGraph's in strict msgpack
+            mode, :func:`langgraph_fence.serde.safe_serializer`). A stored input that names a
+            type outside its allow-list is never constructed: :meth:`get` refuses it.
+    """
+
+    def __init__(self, engine: AsyncEngine, *, serde: SerializerProtocol | None = None) -> None:
+        check_engine(engine)
+        if serde is not None and not callable(getattr(serde, "loads_typed", None)):
+            raise ValueError(
+                "serde must be a LangGraph serializer (dumps_typed/loads_typed), got "
+                f"{type(serde).__name__}: pass e.g. JsonPlusSerializer(allowed_msgpack_modules=...)"
+            )
+        self._engine = engine
+        self._writer = single_statement(engine)
+        self.serde: SerializerProtocol = serde if serde is not None else safe_serializer()
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The engine the records are kept through."""
+        return self._engine
+
+    async def setup(self) -> None:
+        """Create or upgrade the table; safe from several processes at once."""
+        await migrate(self._engine, "executions", EXECUTION_MIGRATIONS)
+
+    async def record(self, record: ExecutionRecord, *, unless_held: bool = False) -> bool:
+        """Keep ``record`` (one upsert); with ``unless_held``, not while the lease is held.
+
+        The lease table must be on the same database (as :meth:`Instance.open` puts it).
+        """
+        async with self._writer.begin() as conn:
+            result = await conn.execute(
+                _UPSERT_UNLESS_HELD if unless_held else UPSERT_RECORD, self.columns(record)
+            )
+            return bool(result.rowcount)
+
+    def columns(self, record: ExecutionRecord) -> dict[str, Any]:
+        """The row of ``record`` (input and run config serialised), keyed by the bind names
+        of the record's upsert: ``tenant_id``, ``execution_id``, each of :data:`RECORDED`
+        (``recorded_at`` as ``at``)."""
+        input_type, blob = self.serde.dumps_typed(record.input)
+        run_type, run = self.serde.dumps_typed(record.run.as_payload())
+        return {
+            "tenant_id": record.key.tenant_id,
+            "execution_id": record.key.execution_id,
+            "graph": record.graph,
+            "thread_id": record.thread_id,
+            "input_type": input_type,
+            "input": blob,
+            "run_type": run_type,
+            "run": run,
+            "at": time.time(),
+        }
+
+    async def get(
+        self, key: LeaseKey, *, allow: Collection[tuple[str, ...]] = (), with_input: bool = True
+    ) -> ExecutionRecord | None:
+        """The record of ``key``, or ``None`` (one read).
+
+        Args:
+            key: the execution.
+            allow: ``(module, name)`` pairs the input and run config may construct besides
+                what :attr:`serde` allows (the served graph's schema and context types).
+            with_input: decode the input (else the record's ``input`` is ``None``).
+
+        Raises:
+            ValueError: the stored input or run config cannot be decoded, or names a type
+                outside the serializer's allow-list (nothing of it was imported or called).
+        """
+
+        async def read() -> Any:
+            async with self._engine.connect() as conn:
+                params = {"tenant_id": key.tenant_id, "execution_id": key.execution_id}
+                return (await conn.execute(_SELECT, params)).first()
+
+        row = await retry_connection_errors(read, what="execution record read")
+        if row is None:
+            return None
+        serde = with_allowlist(self.serde, allow)
+        run = RecordedRun()
+        if row.run is not None:
+            what = f"the recorded run config of execution {key.scope_key!r}"
+            payload = loads_checked(serde, (row.run_type, bytes(row.run)), what=what)
+            run = RecordedRun.from_payload(payload)
+        return ExecutionRecord(
+            key=key,
+            graph=row.graph,
+            thread_id=row.thread_id,
+            input=loads_checked(
+                serde,
+                (row.input_type, bytes(row.input)),
+                what=f"the recorded input of execution {key.scope_key!r}",
+            )
+            if with_input
+            else None,
+            run=run,
+        )
+
+    async def bind(self, key: LeaseKey, thread_id: str) -> str:
+        """Bind the tenant's ``thread_id`` to ``key`` unless bound; the execution id it is
+        bound to. One read when bound already; else one insert and one read, in one
+        transaction (a racing first run's insert conflicts and reads the winner's id)."""
+        params = {"tenant_id": key.tenant_id, "thread_id": thread_id}
+        async with self._engine.connect() as conn:
+            bound = (await conn.execute(BOUND_TO, params)).scalar_one_or_none()
+        if bound is not None:
+            return str(bound)
+        async with transaction(self._engine) as conn:
+            await conn.execute(
+                BIND_THREAD, {**params, "execution_id": key.execution_id, "at": time.time()}
+            )
+            bound = (await conn.execute(BOUND_TO, params)).scalar_one()
+        return str(bound)
+
+    async def forget(self, key: LeaseKey, thread_id: str) -> None:
+        """Delete the record of ``key``, its submitted runs (their inputs and outputs) and
+        the binding of ``thread_id`` of its tenant, in one transaction."""
+        async with transaction(self._engine) as conn:
+            params = {"tenant_id": key.tenant_id}
+            await conn.execute(_FORGET_RECORD, {**params, "execution_id": key.execution_id})
+            await conn.execute(_FORGET_RUNS, {**params, "execution_id": key.execution_id})
+            await conn.execute(_FORGET_BINDING, {**params, "thread_id": thread_id})
+
+    async def children_of(self, key: LeaseKey) -> list[tuple[LeaseKey, str]]:
+        """``(key, thread id)`` of each ``ANY_INSTANCE`` child ``key`` spawned that has a
+        record, in order of id: the children whose lease row names ``key`` as their exact
+        parent, never an id prefix. One indexed read."""
+        params = {"tenant_id": key.tenant_id, "parent_execution_id": key.execution_id}
+        async with self._engine.connect() as conn:
+            rows = await conn.execute(_CHILDREN_OF, params)
+            return [(LeaseKey(key.tenant_id, row.execution_id), row.thread_id) for row in rows]
+
+    async def heads_of(self, keys: Sequence[LeaseKey]) -> Mapping[LeaseKey, ExecutionHead]:
+        """Graph and thread of each of ``keys`` that has a record: one read per 500 keys, no
+        input decoded (a worker learns which graph an execution runs before it loads it)."""
+        wanted = set(keys)
+        ids = sorted({key.execution_id for key in wanted})
+
+        async def read() -> dict[LeaseKey, ExecutionHead]:
+            found: dict[LeaseKey, ExecutionHead] = {}
+            async with self._engine.connect() as conn:
+                for start in range(0, len(ids), _HEADS_CHUNK):
+                    chunk = ids[start : start + _HEADS_CHUNK]
+                    for row in await conn.execute(_SELECT_HEADS, {"ids": chunk}):
+                        key = LeaseKey(row.tenant_id, row.execution_id)
+                        if key in wanted:
+                            submitted = row.submitted_at is not None
+                            found[key] = ExecutionHead(row.graph, row.thread_id, submitted)
+            return found
+
+        return await retry_connection_errors(read, what="execution heads read")

@@ -1,0 +1,278 @@
+"""The LangGraph way: a graph compiled with an instance's checkpointer runs fenced when it is
+called as LangGraph graphs are called.
+
+``graph.ainvoke`` / ``astream`` (every ``stream_mode``, ``subgraphs=True``) /
+``astream_events`` / ``abatch`` / ``aupdate_state``, and the sync ``invoke`` / ``stream`` /
+``batch`` / ``update_state``, of a graph whose checkpointer is an instance's
+``instance.checkpointer`` are the instance's explicit form (``instance.astream(graph, ...)``,
+``instance.aupdate_state(graph, ...)``): the execution's lease is taken first, every step and
+checkpoint of the run carries its token, and the lease is released with the outcome. The
+tenant is ``configurable["tenant_id"]``, else the instance's default tenant; the execution id
+is ``configurable["execution_id"]``, else the thread id.
+
+How: one hook on ``Pregel.astream``, ``stream``, ``aupdate_state`` and ``update_state``,
+installed once when the first :class:`~langgraph_fence.Instance` is made
+(:func:`langgraph_fence._compat.hook_pregel`). A call whose config carries a run handle
+already (the instance's own call, a subgraph inside a fenced run) and every graph with
+another checkpointer get LangGraph's original, unchanged. What the hook cannot see (a write
+by another path) the fenced checkpointer refuses, naming the fix.
+
+Sync calls run the graph on the instance's event loop (``Instance.open_sync`` gives a sync
+program one on a thread of its own) and hand each chunk back to the calling thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from langchain_core.runnables.config import ensure_config
+
+from langgraph_fence._compat import hook_pregel, hook_task_call
+from langgraph_fence.errors import ExecutionContextUnavailableError
+from langgraph_fence.execution.fail_closed import refuse_unfenced, refuse_unfenced_task
+from langgraph_fence.from_thread import run_on_loop, running_loop
+from langgraph_fence.keys import FENCE_CONFIG_KEY
+from langgraph_fence.steps.context import current_frame
+
+if TYPE_CHECKING:
+    from langchain_core.runnables import RunnableConfig
+
+    from langgraph_fence.saver.checkpoint import GraphRunner
+
+__all__ = ["install", "instance_of"]
+
+
+def instance_of(graph: Any, config: Mapping[str, Any] | None) -> GraphRunner | None:
+    """The instance a call of ``graph`` with ``config`` must run through, or ``None`` (a
+    graph with another checkpointer, or a call already inside a run: LangGraph's own)."""
+    from langgraph_fence.saver.checkpoint import FencedCheckpointer
+
+    saver = getattr(graph, "checkpointer", None)
+    if not isinstance(saver, FencedCheckpointer) or saver.instance is None:
+        return None
+    # ensure_config: a graph called inside a node with no config (``sub.ainvoke(x)``) runs
+    # with the node's config, which LangChain keeps in a context variable.
+    for source in (ensure_config(config), getattr(graph, "config", None)):  # type: ignore[arg-type]
+        configurable = source.get("configurable") if isinstance(source, Mapping) else None
+        if isinstance(configurable, Mapping) and FENCE_CONFIG_KEY in configurable:
+            return None
+    return saver.instance
+
+
+def _refuse_unfenced_inside(graph: Any, config: Mapping[str, Any] | None) -> None:
+    """A graph called inside a fenced step (a subgraph a node calls, a ``PARENT_INSTANCE``
+    child) runs under the run's token: refused if any of its nodes or tools is not fenced,
+    before its first step, as the run's own graph was (checked once per compiled graph).
+
+    Only inside a step: the run's own graph, called by the instance with the run's config,
+    was checked when the run was prepared."""
+    if current_frame() is None:
+        return
+    configurable = ensure_config(config).get("configurable")  # type: ignore[arg-type]
+    if isinstance(configurable, Mapping) and FENCE_CONFIG_KEY in configurable:
+        refuse_unfenced(graph)
+
+
+def _call(
+    instance: GraphRunner, graph: Any, config: Mapping[str, Any] | None
+) -> tuple[RunnableConfig, dict[str, Any]]:
+    """The config the instance runs the call with, and its tenant and execution id.
+
+    The graph's own config (``graph.with_config(...)``) is LangGraph's to merge; only its
+    ``configurable`` keys are read here, so the thread it names is the run's.
+    """
+    own = getattr(graph, "config", None) or {}
+    base: dict[str, Any] = dict(config or {})
+    configurable = {**dict(own.get("configurable") or {}), **dict(base.get("configurable") or {})}
+    base["configurable"] = configurable
+    tenant_id = configurable.get("tenant_id") or instance.tenant_id
+    ids: dict[str, Any] = {"tenant_id": tenant_id}
+    if configurable.get("execution_id") is not None:
+        ids["execution_id"] = configurable["execution_id"]
+    return base, ids  # type: ignore[return-value]
+
+
+def _options(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """LangGraph's options as the instance takes them: the ones left at ``None`` dropped
+    (``ainvoke`` passes ``control=None``; the instance sets the run's control itself)."""
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _astream(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def astream(self: Any, input: Any, config: Any = None, **kwargs: Any) -> Any:
+        instance = instance_of(self, config)
+        if instance is None:
+            _refuse_unfenced_inside(self, config)
+            return original(self, input, config, **kwargs)
+        run_config, ids = _call(instance, self, config)
+        return instance.astream(self, input, run_config, **ids, **_options(kwargs))
+
+    return astream
+
+
+def _aupdate_state(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    async def aupdate_state(
+        self: Any, config: Any, values: Any, as_node: str | None = None, task_id: Any = None
+    ) -> Any:
+        instance = instance_of(self, config)
+        if instance is None:
+            return await original(self, config, values, as_node, task_id)
+        run_config, ids = _call(instance, self, config)
+        return await instance.aupdate_state(
+            self, run_config, values, as_node, task_id=task_id, **ids
+        )
+
+    return aupdate_state
+
+
+def _loop_of(instance: GraphRunner, what: str) -> asyncio.AbstractEventLoop:
+    loop = instance.loop
+    if loop is not None and running_loop() is loop:
+        raise ExecutionContextUnavailableError(
+            f"{what} was called on the event loop of instance {instance.instance_id!r}, where "
+            "waiting for the run would deadlock: await graph.ainvoke()/astream()/"
+            "aupdate_state() there, or call graph.invoke() from a worker thread"
+        )
+    if loop is None or not loop.is_running():
+        raise ExecutionContextUnavailableError(
+            f"{what} of a graph compiled with an instance's checkpointer needs that "
+            "instance's event loop, and it is not running: open the instance for a sync "
+            "program with `with Instance.open_sync(url) as instance:` and call the graph "
+            "inside that block"
+        )
+    return loop
+
+
+def _stream(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def stream(self: Any, input: Any, config: Any = None, **kwargs: Any) -> Any:
+        instance = instance_of(self, config)
+        if instance is None:
+            _refuse_unfenced_inside(self, config)
+            return original(self, input, config, **kwargs)
+        loop = _loop_of(instance, "graph.invoke()/stream()")
+        run_config, ids = _call(instance, self, config)
+        options = _options(kwargs)
+        return _chunks_from(
+            loop, lambda: instance.astream(self, input, run_config, **ids, **options)
+        )
+
+    return stream
+
+
+def _update_state(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def update_state(
+        self: Any, config: Any, values: Any, as_node: str | None = None, task_id: Any = None
+    ) -> Any:
+        instance = instance_of(self, config)
+        if instance is None:
+            return original(self, config, values, as_node, task_id)
+        loop = _loop_of(instance, "graph.update_state()")
+        run_config, ids = _call(instance, self, config)
+        return run_on_loop(
+            loop,
+            lambda: instance.aupdate_state(
+                self, run_config, values, as_node, task_id=task_id, **ids
+            ),
+            what="graph.update_state()",
+            on_loop="await graph.aupdate_state() there",
+        )
+
+    return update_state
+
+
+_DONE = object()
+
+
+def _chunks_from(
+    loop: asyncio.AbstractEventLoop, make: Callable[[], AsyncIterator[Any]]
+) -> Iterator[Any]:
+    """The chunks of ``make()``, run as ONE task on ``loop``, handed to this thread.
+
+    One task for the whole stream (not one per chunk): the run's timers, context variables
+    and cancel scopes live in it. Closing the iterator early cancels the run (as breaking
+    out of ``graph.stream`` does), and waits for it to settle its lease.
+    """
+    chunks: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+    lock = threading.Lock()
+    settled = threading.Event()
+    started: list[asyncio.Task[Any] | None] = []
+
+    async def pump() -> None:
+        with lock:
+            if started:  # closed before it began: nothing ran
+                settled.set()
+                return
+            started.append(asyncio.current_task())
+        try:
+            async for chunk in make():
+                chunks.put((True, chunk))
+        except BaseException as exc:
+            chunks.put((False, exc))
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            chunks.put((False, _DONE))
+        finally:
+            settled.set()
+
+    asyncio.run_coroutine_threadsafe(pump(), loop)
+    try:
+        while True:
+            ok, item = chunks.get()
+            if ok:
+                yield item
+            elif item is _DONE:
+                return
+            else:
+                raise item
+    finally:
+        with lock:
+            task = started[0] if started else None
+            if not started:
+                started.append(None)
+        if task is not None and not settled.is_set():
+            loop.call_soon_threadsafe(task.cancel)
+        # The run settles its lease on the loop before this thread goes on.
+        while not settled.wait(0.1) and loop.is_running():
+            pass
+
+
+_installed = False
+
+
+def _task_call(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A ``@task`` called inside a fenced step is refused unless it is fenced."""
+
+    @functools.wraps(original)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if current_frame() is not None:
+            refuse_unfenced_task(self)
+        return original(self, *args, **kwargs)
+
+    return call
+
+
+def install() -> None:
+    """Hook LangGraph's graph calls (once per process; idempotent)."""
+    global _installed
+    if _installed:
+        return
+    hook_pregel(
+        {
+            "astream": _astream,
+            "stream": _stream,
+            "aupdate_state": _aupdate_state,
+            "update_state": _update_state,
+        }
+    )
+    hook_task_call(_task_call)
+    _installed = True
