@@ -43,7 +43,7 @@ from langgraph_fence import Effect, FencedStore, LeaseKey, SqlLeaseRepository
 from langgraph_fence.checkpointers import SqlStore
 from langgraph_fence.database import create_engine, schema_options
 from langgraph_fence.fence import ExecutionFence, RunHandle
-from langgraph_fence.steps.context import ExecutionContext, _reset_frame, _set_frame
+from langgraph_fence.steps.context import ExecutionContext, reset_frame, set_frame
 
 DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432/test"
 TTL = 600.0
@@ -94,11 +94,11 @@ def in_step(handle: RunHandle) -> Iterator[None]:
         effect=Effect.READ_ONLY,
         _handle=handle,
     )
-    token = _set_frame(frame)
+    token = set_frame(frame)
     try:
         yield
     finally:
-        _reset_frame(token)
+        reset_frame(token)
 
 
 async def one_round(store: BaseStore, handle: RunHandle | None, ops: int) -> dict[str, float]:
