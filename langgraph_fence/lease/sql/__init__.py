@@ -161,16 +161,6 @@ class SqlLeaseRepository:
         the engine closes them too)."""
         await self._connections.aclose()
 
-    @property
-    def engine(self) -> AsyncEngine:
-        """The engine this store writes through."""
-        return self._engine
-
-    @property
-    def store_id(self) -> str:
-        """Identifies this store (its database); leases carry it and other stores refuse them."""
-        return self._store_id
-
     async def setup(self) -> None:
         """Create or upgrade the lease table and, beside it, the execution records' tables
         (an :class:`~langgraph_fence.Instance` built on this store keeps its records there,
@@ -181,6 +171,13 @@ class SqlLeaseRepository:
         from langgraph_fence.lease.records import EXECUTION_MIGRATIONS
 
         await migrate(self._engine, "executions", EXECUTION_MIGRATIONS)
+
+    # -- the database it is on, and its clock
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The engine this store writes through."""
+        return self._engine
 
     @property
     def now_sql(self) -> str:
@@ -241,6 +238,13 @@ class SqlLeaseRepository:
             takeovers=found["takeovers"],
             progress_mark=found["progress_mark"],
         )
+
+    # -- the lease contract (ExecutionLeaseRepository)
+
+    @property
+    def store_id(self) -> str:
+        """Identifies this store (its database); leases carry it and other stores refuse them."""
+        return self._store_id
 
     async def now(self) -> float:
         """The store's clock, in seconds."""
