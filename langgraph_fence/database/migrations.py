@@ -44,6 +44,25 @@ class Migration:
         """The steps of this migration for ``dialect``."""
         return self.sqlite if dialect == "sqlite" else self.postgresql
 
+    @classmethod
+    def typed(cls, version: int, description: str, *statements: str) -> Migration:
+        """A step of the same ``statements`` on both dialects, with ``{double}`` and
+        ``{binary}`` in them as each dialect's column type (``REAL`` and ``BLOB`` on SQLite,
+        ``DOUBLE PRECISION`` and ``BYTEA`` on PostgreSQL). ``str.format`` fills them in: a
+        literal brace is written twice."""
+
+        def of(dialect: Dialect) -> list[MigrationStep]:
+            return [statement.format(**_COLUMN_TYPES[dialect]) for statement in statements]
+
+        return cls(version, description, of("sqlite"), of("postgresql"))
+
+
+#: The column types a statement of :meth:`Migration.typed` names, per dialect.
+_COLUMN_TYPES: dict[Dialect, dict[str, str]] = {
+    "sqlite": {"double": "REAL", "binary": "BLOB"},
+    "postgresql": {"double": "DOUBLE PRECISION", "binary": "BYTEA"},
+}
+
 
 #: The advisory lock every migration (and schema creation) of a database waits for.
 _LOCK_ID = zlib.crc32(b"langgraph_fence.database.migrations")

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 from langgraph_fence.errors import ExecutionFencedError
 from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus, PendingEffect, validate_ttl
@@ -29,6 +30,8 @@ from langgraph_fence.lease.transitions import (
 __all__ = ["MemoryLeaseRepository"]
 
 _ids = itertools.count(1)
+#: What a decision makes of a row: a lease, or ``None`` for a take that did not happen.
+_Row = TypeVar("_Row", Lease, Lease | None)
 
 
 class MemoryLeaseRepository:
@@ -57,32 +60,34 @@ class MemoryLeaseRepository:
         """The store's clock, in seconds."""
         return self._clock()
 
+    async def _write(self, key: LeaseKey, decide: Callable[[Lease | None], _Row]) -> _Row:
+        """Keep what ``decide`` makes of the row of ``key`` (``None``: keep the row as it
+        is), under the store's lock: one atomic step, as each SQL statement is. A refusal
+        ``decide`` raises changes nothing."""
+        async with self._lock:
+            written = decide(self._rows.get(key))
+            if written is not None:
+                self._rows[key] = written
+            return written
+
     async def acquire(
         self, key: LeaseKey, holder: str, ttl: float, *, reopen: bool = False
     ) -> Lease | None:
         """Take the lease (absent: epoch 1; free or expired: epoch + 1), or ``None``."""
         check_key(key)
-        async with self._lock:
-            taken = decide_acquire(
-                self._rows.get(key),
-                key,
-                holder,
-                ttl,
-                self._clock(),
-                reopen=reopen,
-                store_id=self._store_id,
-            )
-            if taken is not None:
-                self._rows[key] = taken
-            return taken
+        return await self._write(
+            key,
+            lambda row: decide_acquire(
+                row, key, holder, ttl, self._clock(), reopen=reopen, store_id=self._store_id
+            ),
+        )
 
     async def renew(self, lease: Lease, ttl: float) -> Lease:
         """Extend the hold to now + ``ttl``; guarded."""
         check_lease(self, lease)
-        async with self._lock:
-            renewed = decide_renew(self._rows.get(lease.key), lease, ttl, self._clock())
-            self._rows[lease.key] = renewed
-            return renewed
+        return await self._write(
+            lease.key, lambda row: decide_renew(row, lease, ttl, self._clock())
+        )
 
     async def renew_many(
         self, leases: Sequence[Lease], ttl: float
@@ -106,10 +111,7 @@ class MemoryLeaseRepository:
     async def release(self, lease: Lease, status: LeaseStatus, reason: str | None = None) -> Lease:
         """Give the lease up with ``status``; guarded."""
         check_lease(self, lease)
-        async with self._lock:
-            released = decide_release(self._rows.get(lease.key), lease, status, reason)
-            self._rows[lease.key] = released
-            return released
+        return await self._write(lease.key, lambda row: decide_release(row, lease, status, reason))
 
     async def get(self, key: LeaseKey) -> Lease | None:
         """The lease of ``key`` as stored now, or ``None``."""
@@ -119,28 +121,22 @@ class MemoryLeaseRepository:
     async def mark_pending_effect(self, lease: Lease, effect: PendingEffect, ttl: float) -> Lease:
         """Add ``effect`` to the stamp set and renew, in one guarded write."""
         check_lease(self, lease)
-        async with self._lock:
-            marked = decide_mark_pending_effect(
-                self._rows.get(lease.key), lease, effect, ttl, self._clock()
-            )
-            self._rows[lease.key] = marked
-            return marked
+        return await self._write(
+            lease.key,
+            lambda row: decide_mark_pending_effect(row, lease, effect, ttl, self._clock()),
+        )
 
     async def clear_pending_effects(self, lease: Lease, keys: Iterable[str] | None = None) -> Lease:
         """Remove the entries ``keys`` (all with ``None``) from the stamp set; guarded."""
         check_lease(self, lease)
-        async with self._lock:
-            cleared = decide_clear_pending_effects(self._rows.get(lease.key), lease, keys)
-            self._rows[lease.key] = cleared
-            return cleared
+        return await self._write(
+            lease.key, lambda row: decide_clear_pending_effects(row, lease, keys)
+        )
 
     async def dead_letter(self, key: LeaseKey, reason: str, *, epoch: int | None = None) -> Lease:
         """End the execution as ``dead_lettered``; guarded by ``epoch`` when given."""
         check_key(key)
-        async with self._lock:
-            ended = decide_dead_letter(self._rows.get(key), key, reason, epoch=epoch)
-            self._rows[key] = ended
-            return ended
+        return await self._write(key, lambda row: decide_dead_letter(row, key, reason, epoch=epoch))
 
     async def takeover_candidates(
         self, limit: int = 100, *, after_tenant: str | None = None
@@ -173,50 +169,39 @@ class MemoryLeaseRepository:
     ) -> Lease | None:
         """Take a candidate over and decide its fate (resume or dead-letter), guarded."""
         check_lease(self, candidate)
-        async with self._lock:
-            taken = decide_take_over(
-                self._rows.get(candidate.key),
+        return await self._write(
+            candidate.key,
+            lambda row: decide_take_over(
+                row,
                 candidate,
                 holder,
                 ttl,
                 self._clock(),
                 progress_mark=progress_mark,
                 max_takeovers=max_takeovers,
-            )
-            if taken is not None:
-                self._rows[candidate.key] = taken
-            return taken
+            ),
+        )
 
     async def yield_lease(self, lease: Lease) -> Lease:
         """Give the hold up while the tree waits for remote children; guarded."""
         check_lease(self, lease)
-        async with self._lock:
-            yielded = decide_yield(self._rows.get(lease.key), lease)
-            self._rows[lease.key] = yielded
-            return yielded
+        return await self._write(lease.key, lambda row: decide_yield(row, lease))
 
     async def retake(self, lease: Lease, ttl: float) -> Lease:
         """Take ``lease`` again at epoch + 1 for its holder, unless anyone else took it."""
         check_lease(self, lease)
-        async with self._lock:
-            taken = decide_retake(self._rows.get(lease.key), lease, ttl, self._clock())
-            self._rows[lease.key] = taken
-            return taken
+        return await self._write(
+            lease.key, lambda row: decide_retake(row, lease, ttl, self._clock())
+        )
 
     async def retry(self, key: LeaseKey) -> Lease:
         """Make a dead-lettered execution ``pending`` again, its takeover budget reset
         (:func:`~langgraph_fence.lease.transitions.decide_retry`)."""
         check_key(key)
-        async with self._lock:
-            retried = decide_retry(self._rows.get(key), key)
-            self._rows[key] = retried
-            return retried
+        return await self._write(key, lambda row: decide_retry(row, key))
 
     async def abandon(self, key: LeaseKey, reason: str) -> Lease:
         """End a dead-lettered execution ``failed``, its reason the operator's
         (:func:`~langgraph_fence.lease.transitions.decide_abandon`)."""
         check_key(key)
-        async with self._lock:
-            abandoned = decide_abandon(self._rows.get(key), key, reason)
-            self._rows[key] = abandoned
-            return abandoned
+        return await self._write(key, lambda row: decide_abandon(row, key, reason))

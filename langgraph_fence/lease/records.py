@@ -244,17 +244,9 @@ CREATE TABLE IF NOT EXISTS fence_runs (
 _RUNS_QUEUED_INDEX = "CREATE INDEX IF NOT EXISTS fence_runs_status ON fence_runs (status)"
 
 EXECUTION_MIGRATIONS = [
-    Migration(
-        version=1,
-        description="execution records: graph, thread and input of each execution",
-        sqlite=[_CREATE.format(binary="BLOB", double="REAL")],
-        postgresql=[_CREATE.format(binary="BYTEA", double="DOUBLE PRECISION")],
-    ),
-    Migration(
-        version=2,
-        description="each tenant's thread bound to one execution key",
-        sqlite=[_CREATE_BINDINGS.format(double="REAL"), _BIND_RECORDED],
-        postgresql=[_CREATE_BINDINGS.format(double="DOUBLE PRECISION"), _BIND_RECORDED],
+    Migration.typed(1, "execution records: graph, thread and input of each execution", _CREATE),
+    Migration.typed(
+        2, "each tenant's thread bound to one execution key", _CREATE_BINDINGS, _BIND_RECORDED
     ),
     Migration(
         version=3,
@@ -287,20 +279,14 @@ EXECUTION_MIGRATIONS = [
             "ALTER TABLE fence_executions ADD COLUMN IF NOT EXISTS output BYTEA",
         ],
     ),
-    Migration(
-        version=5,
-        description="the serving workers and their graphs (langgraph-fence runs)",
-        sqlite=[_CREATE_WORKERS.format(double="REAL")],
-        postgresql=[_CREATE_WORKERS.format(double="DOUBLE PRECISION")],
+    Migration.typed(
+        5, "the serving workers and their graphs (langgraph-fence runs)", _CREATE_WORKERS
     ),
-    Migration(
-        version=6,
-        description="submitted runs, each with its identity and outcome (on_busy='enqueue')",
-        sqlite=[_CREATE_RUNS.format(binary="BLOB", double="REAL"), _RUNS_QUEUED_INDEX],
-        postgresql=[
-            _CREATE_RUNS.format(binary="BYTEA", double="DOUBLE PRECISION"),
-            _RUNS_QUEUED_INDEX,
-        ],
+    Migration.typed(
+        6,
+        "submitted runs, each with its identity and outcome (on_busy='enqueue')",
+        _CREATE_RUNS,
+        _RUNS_QUEUED_INDEX,
     ),
 ]
 
@@ -464,18 +450,8 @@ class SqlExecutionRecords:
     async def get(
         self, key: LeaseKey, *, allow: Collection[tuple[str, ...]] = (), with_input: bool = True
     ) -> ExecutionRecord | None:
-        """The record of ``key``, or ``None`` (one read).
-
-        Args:
-            key: the execution.
-            allow: ``(module, name)`` pairs the input and run config may construct besides
-                what :attr:`serde` allows (the served graph's schema and context types).
-            with_input: decode the input (else the record's ``input`` is ``None``).
-
-        Raises:
-            ValueError: the stored input or run config cannot be decoded, or names a type
-                outside the serializer's allow-list (nothing of it was imported or called).
-        """
+        """The record of ``key``, or ``None``, in one read: decoded as
+        :meth:`ExecutionRecords.get` says, ``allow`` beside what :attr:`serde` allows."""
 
         async def read() -> Any:
             async with self._engine.connect() as conn:

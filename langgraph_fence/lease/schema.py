@@ -149,12 +149,7 @@ _SCOPE_KEY_NOT_UNIQUE = [
 ]
 
 LEASE_MIGRATIONS = [
-    Migration(
-        version=1,
-        description="the lease table",
-        sqlite=[_CREATE_LEASES.format(double="REAL"), _CANDIDATES_INDEX],
-        postgresql=[_CREATE_LEASES.format(double="DOUBLE PRECISION"), _CANDIDATES_INDEX],
-    ),
+    Migration.typed(1, "the lease table", _CREATE_LEASES, _CANDIDATES_INDEX),
     Migration(
         version=2,
         description="scope_key indexed but not a second unique constraint (upsert races)",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from typing import Any
 
 from langgraph_fence.errors import ExecutionFencedError
 from langgraph_fence.lease import (
@@ -54,6 +55,7 @@ __all__ = [
     "is_yielded",
     "release_status",
     "standing_writes",
+    "unheld",
     "validate_effect_keys",
     "validate_max_takeovers",
     "validate_progress_mark",
@@ -192,14 +194,7 @@ def _taken(
     """``current`` taken at ``epoch``: dead-lettered with ``reason`` (the stamp set kept for
     inspection), or else running for ``holder`` until ``expires_at``, the set cleared."""
     if reason is not None:
-        return replace(
-            current,
-            holder=None,
-            epoch=epoch,
-            expires_at=None,
-            status=LeaseStatus.DEAD_LETTERED,
-            reason=reason,
-        )
+        return unheld(current, LeaseStatus.DEAD_LETTERED, reason, epoch=epoch)
     return replace(
         current,
         holder=holder,
@@ -209,6 +204,13 @@ def _taken(
         pending_effects=(),
         reason=None,
     )
+
+
+def unheld(lease: Lease, status: LeaseStatus, reason: str | None, **changes: Any) -> Lease:
+    """``lease`` as nobody holds it (no holder, no expiry) with ``status`` and ``reason``,
+    and ``changes`` to its other fields: how a release, a dead letter and an operator's
+    retry or abandon leave the row."""
+    return replace(lease, holder=None, expires_at=None, status=status, reason=reason, **changes)
 
 
 def _guard(current: Lease | None, lease: Lease, *, action: str) -> Lease:
@@ -276,17 +278,10 @@ def decide_release(
     reason = clean_reason(reason)
     held = _guard(current, lease, action="release")
     effects = () if status is LeaseStatus.DONE else held.pending_effects
-    return replace(
-        held,
-        holder=None,
-        expires_at=None,
-        status=status,
-        reason=reason,
-        pending_effects=effects,
-        # A run that ended done or reached an interrupt got somewhere: its earlier crashes
-        # no longer count against the takeover budget.
-        takeovers=0 if status in _PROGRESS_STATUSES else held.takeovers,
-    )
+    # A run that ended done or reached an interrupt got somewhere: its earlier crashes no
+    # longer count against the takeover budget.
+    takeovers = 0 if status in _PROGRESS_STATUSES else held.takeovers
+    return unheld(held, status, reason, pending_effects=effects, takeovers=takeovers)
 
 
 #: Release statuses that prove the run progressed (the takeover budget starts again).
@@ -347,13 +342,7 @@ def decide_dead_letter(
     if epoch is not None and current.epoch != epoch:
         probe = replace(current, epoch=epoch)
         raise fenced_error(probe, current, action="dead_letter")
-    return replace(
-        current,
-        holder=None,
-        expires_at=None,
-        status=LeaseStatus.DEAD_LETTERED,
-        reason=reason,
-    )
+    return unheld(current, LeaseStatus.DEAD_LETTERED, reason)
 
 
 def standing_writes(effects: Iterable[PendingEffect]) -> str:
@@ -493,14 +482,7 @@ def decide_retry(current: Lease | None, key: LeaseKey) -> Lease:
             "stamped a non-idempotent write that may have happened, and a retry would repeat "
             "it; settle it by hand and leave the execution dead-lettered"
         )
-    return replace(
-        current,
-        holder=None,
-        expires_at=None,
-        status=LeaseStatus.PENDING,
-        reason=None,
-        takeovers=0,
-    )
+    return unheld(current, LeaseStatus.PENDING, None, takeovers=0)
 
 
 def abandon_reason(text: str) -> str:
@@ -529,14 +511,7 @@ def decide_abandon(current: Lease | None, key: LeaseKey, reason: str) -> Lease:
     """
     stored = abandon_reason(reason)
     current = _resolvable(current, key, "abandoned")
-    return replace(
-        current,
-        holder=None,
-        expires_at=None,
-        status=LeaseStatus.FAILED,
-        reason=stored,
-        pending_effects=(),
-    )
+    return unheld(current, LeaseStatus.FAILED, stored, pending_effects=())
 
 
 def fair_order(candidates: Sequence[Lease], after_tenant: str | None) -> list[Lease]:

@@ -1,0 +1,570 @@
+"""The SQL lease store: SQLAlchemy 2 async Core on SQLite (aiosqlite) and PostgreSQL (asyncpg).
+
+Every operation is ONE statement (an upsert guarded by expiry, or an update guarded by key +
+holder + epoch, each with ``RETURNING``); on PostgreSQL it runs in autocommit, so it costs
+one round trip. Only a refused operation pays a second read, to report the epoch it saw.
+
+The statements are SQLAlchemy constructs, written once for both databases
+(:mod:`langgraph_fence.lease.sql._statements`, the take of a run in
+:mod:`langgraph_fence.lease.sql._take`). The writes (a run's take and release among them)
+run on the driver, each construct compiled once for the engine's dialect, on connections
+kept checked out (:mod:`langgraph_fence.database.driver`): a run pays the round trip, not
+SQLAlchemy's per-statement CPU. The reads and the batched renewals (on a pool of their own)
+go through SQLAlchemy.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any, NamedTuple
+
+from sqlalchemy.engine import Row
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from langgraph_fence._compat import aiosqlite_call
+from langgraph_fence.database import (
+    autocommit,
+    check_engine,
+    create_engine,
+    own_pool,
+    read_only,
+    single_statement,
+)
+from langgraph_fence.database.driver import Connections, DriverStatement, fetch
+from langgraph_fence.database.migrations import migrate
+from langgraph_fence.database.retry import retry_connection_errors
+from langgraph_fence.errors import ExecutionFencedError
+from langgraph_fence.lease import (
+    Lease,
+    LeaseKey,
+    LeaseStatus,
+    PendingEffect,
+    clean_reason,
+    validate_holder,
+    validate_pending_effect,
+    validate_ttl,
+)
+from langgraph_fence.lease.checks import check_key, check_lease, check_leases, check_limit
+from langgraph_fence.lease.schema import LEASE_MIGRATIONS, effects_from_json, stamp_patch
+from langgraph_fence.lease.sql._statements import NO_BUDGET, LeaseStatements
+from langgraph_fence.lease.sql._take import SqliteTake, build_take, record_params
+from langgraph_fence.lease.transitions import (
+    abandon_reason,
+    decide_abandon,
+    decide_dead_letter,
+    decide_retry,
+    fair_order,
+    fenced_error,
+    is_yielded,
+    release_status,
+    validate_effect_keys,
+    validate_max_takeovers,
+    validate_progress_mark,
+)
+from langgraph_fence.validate import text_id
+
+__all__ = ["SqlLeaseRepository", "Taken"]
+
+
+class Taken(NamedTuple):
+    """What :meth:`SqlLeaseRepository.take` did: the lease taken (or ``None``) and the
+    execution id the thread is bound to (``None``: take again)."""
+
+    lease: Lease | None
+    bound: str | None
+
+
+class SqlLeaseRepository:
+    """An :class:`~langgraph_fence.ExecutionLeaseRepository` on SQLite or PostgreSQL.
+
+    Build it as ``SqlLeaseRepository(engine)`` then ``await repo.setup()``, or as
+    ``async with SqlLeaseRepository.from_conn_string(url) as repo:``.
+
+    Args:
+        engine: an engine from :func:`langgraph_fence.database.create_engine` (PostgreSQL in
+            autocommit, SQLite with ``BEGIN IMMEDIATE``); any PostgreSQL engine works, a
+            SQLite one made otherwise is refused (:func:`~langgraph_fence.database.check_engine`).
+        clock: the store's clock. ``None`` (the default) means the database's own clock on
+            PostgreSQL (``now()``) and this process's ``time.time`` on SQLite. Tests pass a
+            controlled clock.
+
+    From its first write the store keeps up to a quarter of the engine's pool checked out
+    (at least one connection) for its next writes, until :meth:`aclose` or the engine is
+    disposed of: build one store per engine and share it, not one per call.
+    """
+
+    def __init__(self, engine: AsyncEngine, *, clock: Callable[[], float] | None = None) -> None:
+        self._dialect = check_engine(engine)
+        self._engine = engine
+        # Reads (get, takeover_candidates) never take SQLite's write lock.
+        self._reader = read_only(engine)
+        # Every write is one statement, on a held driver connection in autocommit (SQLite's
+        # are, asyncpg's are outside a transaction): no BEGIN/COMMIT around it. A burst of
+        # starts spills over to the pool rather than queue behind the held few.
+        self._connections = Connections(engine, share=4, spill=True)
+        self._compiled: dict[int, tuple[Any, DriverStatement]] = {}
+        # Renewals on a pool of their own (PostgreSQL): a burst of starts or checkpoint
+        # writes holding every pooled connection must not make them wait.
+        self._renewals = (
+            own_pool(engine)
+            if self._dialect == "postgresql"
+            else single_statement(autocommit(engine))
+        )
+        if self._dialect == "sqlite" and clock is None:
+            clock = time.time
+        self._clock = clock
+        url = engine.url.render_as_string(hide_password=True)
+        self._store_id = f"sql:{url}"
+        self._statements = LeaseStatements(self._dialect, clocked=clock is not None)
+        self._takes: dict[bool, Any] = {}
+
+    def on_engine(self, engine: AsyncEngine) -> SqlLeaseRepository:
+        """This store (same table, same clock, same statements) through ``engine``, an
+        engine on the same database (:func:`~langgraph_fence.database.twin_engine`): for
+        calls from another event loop, whose connections must be its own. Leases pass
+        between the two."""
+        twin = copy.copy(self)
+        twin._dialect = check_engine(engine)
+        twin._engine = engine
+        twin._reader = read_only(engine)
+        # Driver connections of its own: held ones belong to the loop that opened them.
+        twin._connections = Connections(engine, share=4, spill=True)
+        twin._compiled = {}
+        twin._renewals = single_statement(autocommit(engine))  # a pool of its own already
+        twin._takes = {}
+        return twin
+
+    @classmethod
+    @asynccontextmanager
+    async def from_conn_string(
+        cls, url: str, *, clock: Callable[[], float] | None = None, schema: str | None = None
+    ) -> AsyncIterator[SqlLeaseRepository]:
+        """Open an engine on ``url`` (in ``schema`` on PostgreSQL, created if missing: see
+        :func:`langgraph_fence.database.create_engine`), migrate, yield the store, and
+        dispose of the engine."""
+        engine = create_engine(url, schema=schema)
+        try:
+            repo = cls(engine, clock=clock)
+            await repo.setup()
+            yield repo
+            await repo.aclose()
+        finally:
+            await engine.dispose()
+
+    async def aclose(self) -> None:
+        """Give the connections this store holds back to the engine's pool (disposing of
+        the engine closes them too)."""
+        await self._connections.aclose()
+
+    async def setup(self) -> None:
+        """Create or upgrade the lease table and, beside it, the execution records' tables
+        (an :class:`~langgraph_fence.Instance` built on this store keeps its records there,
+        where every other instance looks); safe from several processes at once."""
+        await migrate(self._engine, "leases", LEASE_MIGRATIONS)
+        # Imported here: the records' module needs LangGraph's serializer, which the CLI's
+        # listings (a lease store, no records) must not load.
+        from langgraph_fence.lease.records import EXECUTION_MIGRATIONS
+
+        await migrate(self._engine, "executions", EXECUTION_MIGRATIONS)
+
+    # -- the database it is on, and its clock
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The engine this store writes through."""
+        return self._engine
+
+    @property
+    def now_sql(self) -> str:
+        """The store's clock as SQL text, for a textual statement on ``fence_leases`` (this
+        store's renewals, the run queue's lease writes); bind :meth:`now_params` with it."""
+        return self._statements.now_sql
+
+    def now_params(self) -> dict[str, float]:
+        """The parameters :attr:`now_sql` needs now (none for the database's own clock)."""
+        return {} if self._clock is None else {"p_now": self._clock()}
+
+    # -- I/O
+
+    def _params(self, **values: Any) -> dict[str, Any]:
+        # Bound names carry a p_ prefix: SQLAlchemy reserves the bare column names.
+        params = {f"p_{name}": value for name, value in values.items()}
+        if self._clock is not None:
+            params["p_now"] = self._clock()
+        return params
+
+    def _driver_statement(self, stmt: Any) -> DriverStatement:
+        # Keyed by identity: the constructs live as long as the store, built once.
+        found = self._compiled.get(id(stmt))
+        if found is None:
+            found = self._compiled[id(stmt)] = (stmt, DriverStatement(stmt, self._engine.dialect))
+        return found[1]
+
+    async def _one(self, stmt: Any, params: dict[str, Any]) -> Any:
+        """Run one write statement, once: acquire, take_over, dead_letter and retry are not
+        repeated after a connection error (a repeat of one that landed would be refused).
+        Its first row (by column name), or ``None``."""
+        compiled = self._driver_statement(stmt)
+        async with self._connections() as driver:
+            rows = await fetch(driver, compiled, params)
+        return rows[0] if rows else None
+
+    async def _read(self, stmt: Any, params: dict[str, Any], *, what: str) -> list[Row[Any]]:
+        """Run one read statement, retried on a connection error."""
+
+        async def once() -> list[Row[Any]]:
+            async with self._reader.connect() as conn:
+                return list((await conn.execute(stmt, params)).all())
+
+        return await retry_connection_errors(once, what=what)
+
+    def _lease(self, row: Row[Any] | Mapping[str, Any]) -> Lease:
+        """The lease of a row: SQLAlchemy's, or a driver's (asyncpg's, sqlite3's)."""
+        found: Any = row._mapping if isinstance(row, Row) else row
+        return Lease(
+            key=LeaseKey(found["tenant_id"], found["execution_id"]),
+            holder=found["holder"],
+            epoch=found["epoch"],
+            expires_at=found["expires_at"],
+            pending_effects=effects_from_json(found["pending_effects"]),
+            status=LeaseStatus(found["status"]),
+            reason=found["reason"],
+            store_id=self._store_id,
+            takeovers=found["takeovers"],
+            progress_mark=found["progress_mark"],
+        )
+
+    # -- the lease contract (ExecutionLeaseRepository)
+
+    @property
+    def store_id(self) -> str:
+        """Identifies this store (its database); leases carry it and other stores refuse them."""
+        return self._store_id
+
+    async def now(self) -> float:
+        """The store's clock, in seconds."""
+        if self._clock is not None:
+            return self._clock()
+        rows = await self._read(self._statements.read_now, {}, what="now")
+        return float(rows[0][0])
+
+    def _acquire_params(
+        self, key: LeaseKey, holder: str, ttl: float, **extra: Any
+    ) -> dict[str, Any]:
+        check_key(key)
+        validate_holder(holder)
+        return self._params(
+            tenant_id=key.tenant_id,
+            execution_id=key.execution_id,
+            scope_key=key.scope_key,
+            holder=holder,
+            ttl=validate_ttl(ttl),
+            **extra,
+        )
+
+    async def acquire(
+        self, key: LeaseKey, holder: str, ttl: float, *, reopen: bool = False
+    ) -> Lease | None:
+        """Take the lease (absent: epoch 1; free or expired: epoch + 1), or ``None``: one
+        statement, which dead-letters instead while a non-idempotent stamp stands
+        (:func:`~langgraph_fence.lease.transitions.decide_acquire`)."""
+        params = self._acquire_params(key, holder, ttl)
+        # Not repeated (see _one): the caller gets the error; nothing runs.
+        row = await self._one(self._statements.acquire[bool(reopen)], params)
+        return None if row is None else self._lease(row)
+
+    async def take(
+        self,
+        key: LeaseKey,
+        holder: str,
+        ttl: float,
+        *,
+        thread_id: str,
+        record: Mapping[str, Any] | None = None,
+    ) -> Taken:
+        """Start a run of ``key`` on the tenant's ``thread_id``: one statement on
+        PostgreSQL, one transaction on SQLite.
+
+        Binds the thread to ``key`` unless it is bound; takes the lease (as :meth:`acquire`
+        with ``reopen``) only if the thread is bound to ``key`` and, for a run with a
+        ``record``, no submitted run of the execution waits for a worker; writes ``record``
+        (the columns of :meth:`~langgraph_fence.lease.records.SqlExecutionRecords.columns`) only
+        if the lease was taken, so a refused start never rewrites the record of the run in
+        flight. Not repeated after a connection error (as :meth:`acquire`): the caller gets
+        the error, and a take that landed unheard expires and is taken over with its record.
+
+        Returns:
+            The lease taken (``None``: refused; the caller asks why), and the execution id
+            the thread is bound to (``None`` on PostgreSQL when a racing first run of the
+            thread bound it after this statement began: nothing was written; take again).
+        """
+        text_id("thread_id", thread_id, what="the thread the run is of")
+        params = self._acquire_params(key, holder, ttl, thread_id=thread_id, at=time.time())
+        if record is not None:
+            params.update(record_params(record))
+        stmt = self._take_statement(with_record=record is not None)
+        if self._dialect == "postgresql":
+            row = await self._one(stmt, params)
+            assert row is not None  # the statement returns one row, taken or not
+            return Taken(None if row["epoch"] is None else self._lease(row), row["bound"])
+        from langgraph_fence.lease.records import BIND_THREAD, BOUND_TO, UPSERT_RECORD
+
+        sqlite = SqliteTake(
+            *(self._driver_statement(s) for s in (BIND_THREAD, stmt, BOUND_TO, UPSERT_RECORD))
+        )
+        body = partial(sqlite.run, key=key, thread_id=thread_id, params=params, record=record)
+        async with self._connections() as driver:
+            row, bound = await aiosqlite_call(driver, body)
+        return Taken(None if row is None else self._lease(row), bound)
+
+    def _take_statement(self, *, with_record: bool) -> Any:
+        stmt = self._takes.get(with_record)
+        if stmt is None:
+            stmt = self._takes[with_record] = build_take(self._statements, with_record=with_record)
+        return stmt
+
+    async def _guarded(
+        self,
+        stmt: Any,
+        lease: Lease,
+        action: str,
+        *,
+        landed: Callable[[Lease], bool] | None = None,
+        **extra: Any,
+    ) -> Lease:
+        """One statement guarded by holder + epoch, repeated on a connection error (the
+        guard decides again). ``landed(current)`` tells, for an operation whose repeat the
+        guard refuses, that an earlier attempt landed before its connection died."""
+        params = self._params(
+            tenant_id=lease.key.tenant_id,
+            execution_id=lease.key.execution_id,
+            holder=lease.holder,
+            epoch=lease.epoch,
+            **extra,
+        )
+        tries = 0
+
+        async def once() -> Any:
+            nonlocal tries
+            tries += 1
+            return await self._one(stmt, params)
+
+        row = await retry_connection_errors(once, what=action)
+        if row is None:
+            current = await self.get(lease.key)
+            if tries > 1 and landed is not None and current is not None and landed(current):
+                return current
+            raise fenced_error(lease, current, action=action)
+        return self._lease(row)
+
+    async def renew(self, lease: Lease, ttl: float) -> Lease:
+        """Extend the hold to store-now + ``ttl``; guarded."""
+        check_lease(self, lease)
+        return await self._guarded(self._statements.renew, lease, "renew", ttl=validate_ttl(ttl))
+
+    async def renew_many(
+        self, leases: Sequence[Lease], ttl: float
+    ) -> list[Lease | ExecutionFencedError]:
+        """Renew each of ``leases`` (guarded, each on its own) in one statement, repeated on
+        a connection error (renewing again is harmless); a refused lease costs one read, for
+        the epoch its refusal names."""
+        leases = check_leases(self, leases)
+        if not leases:
+            return []
+        params = self._params(
+            ttl=validate_ttl(ttl),
+            leases=json.dumps(
+                [
+                    {
+                        "t": lease.key.tenant_id,
+                        "e": lease.key.execution_id,
+                        "h": lease.holder,
+                        "ep": lease.epoch,
+                    }
+                    for lease in leases
+                ]
+            ),
+        )
+
+        async def once() -> list[Row[Any]]:
+            async with self._renewals.connect() as conn:
+                return list((await conn.execute(self._statements.renew_many, params)).all())
+
+        rows = await retry_connection_errors(once, what="renew_many")
+        renewed = {(row.tenant_id, row.execution_id): self._lease(row) for row in rows}
+        answers: list[Lease | ExecutionFencedError] = []
+        for lease in leases:
+            got = renewed.get((lease.key.tenant_id, lease.key.execution_id))
+            if got is None:
+                answers.append(fenced_error(lease, await self.get(lease.key), action="renew"))
+            else:
+                answers.append(got)
+        return answers
+
+    async def release(self, lease: Lease, status: LeaseStatus, reason: str | None = None) -> Lease:
+        """Give the lease up with ``status`` (pending, waiting, done, failed); guarded."""
+        check_lease(self, lease)
+        status = release_status(status)
+
+        def landed(current: Lease) -> bool:
+            return current.epoch == lease.epoch and current.status is status
+
+        return await self._guarded(
+            self._statements.release,
+            lease,
+            "release",
+            landed=landed,
+            status=status.value,
+            reason=clean_reason(reason),
+        )
+
+    async def get(self, key: LeaseKey) -> Lease | None:
+        """The lease of ``key`` as stored now, or ``None``."""
+        check_key(key)
+        rows = await self._read(
+            self._statements.get,
+            {"p_tenant_id": key.tenant_id, "p_execution_id": key.execution_id},
+            what="get",
+        )
+        return self._lease(rows[0]) if rows else None
+
+    async def mark_pending_effect(self, lease: Lease, effect: PendingEffect, ttl: float) -> Lease:
+        """Add ``effect`` to the stamp set and renew, in one guarded write."""
+        check_lease(self, lease)
+        ttl = validate_ttl(ttl)
+        effect = validate_pending_effect(effect)
+        return await self._guarded(
+            self._statements.patch_renew,
+            lease,
+            "mark_pending_effect",
+            ttl=ttl,
+            patch=stamp_patch([effect]),
+        )
+
+    async def clear_pending_effects(self, lease: Lease, keys: Iterable[str] | None = None) -> Lease:
+        """Remove the entries ``keys`` (all with ``None``) from the stamp set; guarded."""
+        check_lease(self, lease)
+        wanted = validate_effect_keys(keys)
+        if wanted is None:
+            return await self._guarded(self._statements.clear_all, lease, "clear_pending_effects")
+        return await self._guarded(
+            self._statements.patch, lease, "clear_pending_effects", patch=stamp_patch(remove=wanted)
+        )
+
+    async def dead_letter(self, key: LeaseKey, reason: str, *, epoch: int | None = None) -> Lease:
+        """End the execution as ``dead_lettered``; guarded by ``epoch`` when given."""
+        check_key(key)
+        reason = clean_reason(reason, required=True)
+        params = self._params(tenant_id=key.tenant_id, execution_id=key.execution_id, reason=reason)
+        if epoch is None:
+            row = await self._one(self._statements.dead_letter, params)
+        else:
+            params["p_epoch"] = epoch
+            row = await self._one(self._statements.dead_letter_at_epoch, params)
+        if row is None:
+            # Refused: let the pure decision say why (no row, or the epoch moved).
+            current = await self.get(key)
+            decide_dead_letter(current, key, reason, epoch=epoch)
+            # The row appeared at that very epoch between the two statements (a first take
+            # racing this call): the statement still saw it absent, so report that.
+            raise KeyError(f"no lease for execution {key.scope_key!r}")
+        return self._lease(row)
+
+    async def takeover_candidates(
+        self, limit: int = 100, *, after_tenant: str | None = None
+    ) -> Sequence[Lease]:
+        """Leases any instance may take now, in claim order from ``after_tenant`` (one read:
+        the window; the order within it is
+        :func:`~langgraph_fence.lease.transitions.fair_order`)."""
+        check_limit(limit)
+        rows = await self._read(
+            self._statements.candidates, self._params(limit=limit), what="candidates"
+        )
+        return fair_order([self._lease(row) for row in rows], after_tenant)
+
+    async def take_over(
+        self,
+        candidate: Lease,
+        holder: str,
+        ttl: float,
+        *,
+        progress_mark: str | None = None,
+        max_takeovers: int | None = None,
+    ) -> Lease | None:
+        """Take a candidate over and decide its fate (resume or dead-letter): one statement."""
+        check_lease(self, candidate)
+        budget = validate_max_takeovers(max_takeovers)
+        params = self._params(
+            tenant_id=candidate.key.tenant_id,
+            execution_id=candidate.key.execution_id,
+            epoch=candidate.epoch,
+            holder=validate_holder(holder),
+            ttl=validate_ttl(ttl),
+            progress_mark=validate_progress_mark(progress_mark),
+            max_takeovers=NO_BUDGET if budget is None else budget,
+        )
+        # Not repeated (see _one): a take that landed and was not heard of leaves the lease
+        # to expire; it is then taken again.
+        row = await self._one(self._statements.take_over, params)
+        return None if row is None else self._lease(row)
+
+    async def yield_lease(self, lease: Lease) -> Lease:
+        """Give the hold up while the tree waits for remote children: one guarded statement."""
+        check_lease(self, lease)
+
+        def landed(current: Lease) -> bool:
+            return current.epoch == lease.epoch and is_yielded(current.status, current.holder)
+
+        return await self._guarded(self._statements.yield_lease, lease, "yield", landed=landed)
+
+    async def retake(self, lease: Lease, ttl: float) -> Lease:
+        """Take ``lease`` again at epoch + 1 for its holder: one statement, refused once
+        anyone else took it (:func:`~langgraph_fence.lease.transitions.decide_retake`)."""
+        check_lease(self, lease)
+
+        def landed(current: Lease) -> bool:
+            return (
+                current.epoch == lease.epoch + 1
+                and current.holder == lease.holder
+                and current.status is LeaseStatus.RUNNING
+            )
+
+        return await self._guarded(
+            self._statements.retake, lease, "retake", landed=landed, ttl=validate_ttl(ttl)
+        )
+
+    async def retry(self, key: LeaseKey) -> Lease:
+        """Make a dead-lettered or cancelled execution ``pending`` again, its takeover
+        budget reset (:func:`~langgraph_fence.lease.transitions.decide_retry`): one guarded
+        statement."""
+        check_key(key)
+        params = self._params(tenant_id=key.tenant_id, execution_id=key.execution_id)
+        row = await self._one(self._statements.retry, params)
+        if row is None:
+            # Refused: let the pure decision say why (no row, not resolvable, stamps).
+            decide_retry(await self.get(key), key)
+            raise ValueError(
+                f"execution {key.scope_key!r} changed while it was retried; look again"
+            )
+        return self._lease(row)
+
+    async def abandon(self, key: LeaseKey, reason: str) -> Lease:
+        """End a dead-lettered or cancelled execution ``failed``, its reason the operator's
+        (:func:`~langgraph_fence.lease.transitions.decide_abandon`): one guarded statement."""
+        check_key(key)
+        params = self._params(
+            tenant_id=key.tenant_id, execution_id=key.execution_id, reason=abandon_reason(reason)
+        )
+        row = await self._one(self._statements.abandon, params)
+        if row is None:
+            # Refused: let the pure decision say why (no row, not resolvable).
+            decide_abandon(await self.get(key), key, reason)
+            raise ValueError(
+                f"execution {key.scope_key!r} changed while it was abandoned; look again"
+            )
+        return self._lease(row)

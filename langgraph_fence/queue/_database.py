@@ -1,0 +1,66 @@
+"""The database the run queue is on: the lease store's, read and written the same way by
+every part of the queue."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from langgraph_fence.database import dialect_of, single_statement
+from langgraph_fence.database.retry import retry_connection_errors
+from langgraph_fence.queue._statements import LEASE, LeaseWrites
+from langgraph_fence.queue.notifications import NOTIFY_SQL
+
+if TYPE_CHECKING:
+    from sqlalchemy.sql.elements import TextClause
+
+    from langgraph_fence.lease.sql import SqlLeaseRepository
+
+__all__ = ["QueueDatabase"]
+
+
+class QueueDatabase:
+    """The run queue's side of the SQL lease store's database.
+
+    Attributes:
+        store: the lease store; its clock stamps every lease row the queue writes.
+        engine: the engine of the lease table (and the execution records).
+        writer: ``engine`` for one statement in autocommit (a read takes no write lock).
+        pg: whether the database is PostgreSQL (NOTIFY, one round trip on the driver).
+        leases: the queue's writes of lease rows, on the store's clock.
+        lease_row: the read of a lease row (status, holder, epoch, reason) that locks it
+            for the rest of the transaction.
+    """
+
+    def __init__(self, store: SqlLeaseRepository) -> None:
+        self.store = store
+        self.engine = store.engine
+        self.writer = single_statement(self.engine)
+        self.pg = dialect_of(self.engine) == "postgresql"
+        self.leases = LeaseWrites(store.now_sql)
+        # PostgreSQL: two writers of one key wait for each other; SQLite's BEGIN IMMEDIATE
+        # serialises every writer already.
+        self.lease_row: TextClause = text(LEASE + (" FOR UPDATE" if self.pg else ""))
+
+    def now(self) -> dict[str, float]:
+        """The parameters the lease writes' clock needs now."""
+        return self.store.now_params()
+
+    async def first(self, statement: Any, params: Mapping[str, Any], *, what: str) -> Any:
+        """The first row ``statement`` reads (``None``: none), in one read retried on a
+        connection error."""
+
+        async def once() -> Any:
+            async with self.engine.connect() as conn:
+                return (await conn.execute(statement, dict(params))).first()
+
+        return await retry_connection_errors(once, what=what)
+
+    async def notify(self, conn: AsyncConnection, channel: str, payload: str) -> None:
+        """Say on ``channel`` what ``conn``'s transaction changed, delivered on its commit
+        (PostgreSQL; nothing elsewhere, where waiters poll)."""
+        if self.pg:
+            await conn.execute(NOTIFY_SQL, {"channel": channel, "payload": payload})
