@@ -18,6 +18,8 @@ import pytest
 
 from tests.support.pages import Block, all_blocks
 
+pytestmark = pytest.mark.processes
+
 BLOCKS = all_blocks()
 PROGRAMS = [block for block in BLOCKS if not block.fragment]
 TIMEOUT = 120  # imports take seconds on a busy 2-core machine
