@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from langgraph_fence.database.retry import retry_window
+from langgraph_fence.effects import standing_non_idempotent
 from langgraph_fence.errors import (
     ExecutionDeadLetteredError,
     ExecutionFencedError,
@@ -344,6 +345,12 @@ class RunHandle:
         self.replace_lease(lease, sent_at=sent_at)
         await fault_point("stamp.after", handle=self, effect=effect)
         return lease
+
+    def standing_non_idempotent(self, task_id: str) -> PendingEffect | None:
+        """The non-idempotent entry of ``task_id`` that this run stamped and has not seen
+        cleared, if one stands: a step or tool call of that task must not run again (the
+        refuse-to-repeat rule, :func:`~langgraph_fence.effects.standing_non_idempotent`)."""
+        return standing_non_idempotent(self.pending_effects.values(), task_id)
 
     def forget_pending_effects(self, keys: Iterable[str]) -> dict[str, PendingEffect]:
         """Take note that the store cleared (or is clearing) the entries ``keys``; returns
