@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 from langgraph_fence.cli._commands import demo, erase, migrate, resolve, submit, worker
 from langgraph_fence.cli._common import (
@@ -81,22 +82,24 @@ def _run(args: argparse.Namespace) -> int:
         from rich.console import Console
 
         return asyncio.run(demo(Console(), args.db, args.schema))
-    if args.command == "worker":
-        return asyncio.run(worker(args))
-    if args.command == "migrate":
-        return asyncio.run(migrate(args))
-    if args.command == "erase":
-        return asyncio.run(erase(args))
     if args.command in ("executions", "dead-letters"):
         status = "dead_lettered" if args.command == "dead-letters" else args.status
         return asyncio.run(executions(args, status))
-    if args.command == "resolve":
-        return asyncio.run(resolve(args))
-    if args.command == "submit":
-        return asyncio.run(submit(args))
-    if args.command == "runs":
-        return asyncio.run(runs(args))
-    raise AssertionError(f"unknown command {args.command!r}")
+    command = _COMMANDS.get(args.command)
+    if command is None:
+        raise AssertionError(f"unknown command {args.command!r}")
+    return asyncio.run(command(args))
+
+
+#: The commands that take their arguments only, by name.
+_COMMANDS: dict[str, Callable[[argparse.Namespace], Coroutine[Any, Any, int]]] = {
+    "worker": worker,
+    "migrate": migrate,
+    "erase": erase,
+    "resolve": resolve,
+    "submit": submit,
+    "runs": runs,
+}
 
 
 __all__ = ["main"]

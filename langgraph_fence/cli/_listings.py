@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -136,17 +137,7 @@ async def runs(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(listed, indent=2) + "\n")
         return 0
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
-    title = "pending and running executions, and the runs queued behind them"
-    if args.tenant is not None:
-        title += f" of tenant {args.tenant}"
-    table = Table(title=printable(title))
-    table.add_column("scope key", overflow="fold")
-    for column in ("graph", "thread", "status", "worker", "token", "served by"):
-        table.add_column(column, overflow="fold")
+    rows = []
     for entry in listed:
         serving = "UNSERVED" if entry["unserved"] else ", ".join(entry["served_by"])
         cells = (
@@ -158,26 +149,20 @@ async def runs(args: argparse.Namespace) -> int:
             str(entry["epoch"]),
             serving,
         )
-        table.add_row(*(Text(printable(cell)) for cell in cells))
-    Console().print(table)
+        rows.append([printable(cell) for cell in cells])
+    _print_table(
+        args,
+        "pending and running executions, and the runs queued behind them",
+        ("graph", "thread", "status", "worker", "token", "served by"),
+        rows,
+    )
     return 0
 
 
 def _print_executions(
     args: argparse.Namespace, status: str | None, listed: list[dict[str, Any]], now: float
 ) -> None:
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
-    title = "dead-lettered executions" if status == "dead_lettered" else "executions"
-    if args.tenant is not None:
-        title += f" of tenant {args.tenant}"
-    table = Table(title=printable(title))
-    # The scope key in full: the KEY that `resolve` takes.
-    table.add_column("scope key", overflow="fold")
-    for column in ("status", "holder", "token", "expires", "pending effects", "reason"):
-        table.add_column(column, overflow="fold")
+    rows = []
     for entry in listed:
         pending = "\n".join(
             printable(f"{e['effect']} @ {e['node']} (token {e['token']})")
@@ -194,6 +179,28 @@ def _print_executions(
             pending,
             printable(entry["reason"] or ""),
         )
+        rows.append(cells)
+    title = "dead-lettered executions" if status == "dead_lettered" else "executions"
+    columns = ("status", "holder", "token", "expires", "pending effects", "reason")
+    _print_table(args, title, columns, rows)
+
+
+def _print_table(
+    args: argparse.Namespace, title: str, columns: Sequence[str], rows: Iterable[Sequence[str]]
+) -> None:
+    """Print ``rows`` as a table titled ``title`` (of the tenant ``--tenant`` names), each
+    a scope key (in full: the KEY that ``resolve`` takes) and its ``columns``."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    if args.tenant is not None:
+        title += f" of tenant {args.tenant}"
+    table = Table(title=printable(title))
+    table.add_column("scope key", overflow="fold")
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for cells in rows:
         # Text, not markup: a stored reason or id is data ("[/b]" in a reason must not
         # break the listing or restyle it), and printable: no escape sequence of a tenant's
         # reaches the terminal.

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -164,6 +164,17 @@ def is_connection_error(exc: BaseException) -> bool:
     """
     from langgraph_fence.errors import ExecutionLeaseLostError
 
+    for current in _chain(exc, wrapped=True):
+        if isinstance(current, ExecutionLeaseLostError):
+            return False
+        if _is_disconnect(current):
+            return True
+    return False
+
+
+def _chain(exc: BaseException, *, wrapped: bool) -> Iterator[BaseException]:
+    """``exc`` and the errors it links to, depth first, each once, 17 at most: its cause
+    and context, and with ``wrapped`` the driver error it wraps (``orig``)."""
     seen: set[int] = set()
     stack: list[BaseException] = [exc]
     while stack:
@@ -171,14 +182,13 @@ def is_connection_error(exc: BaseException) -> bool:
         if id(current) in seen or len(seen) > 16:
             continue
         seen.add(id(current))
-        if isinstance(current, ExecutionLeaseLostError):
-            return False
-        if _is_disconnect(current):
-            return True
-        for inner in (getattr(current, "orig", None), current.__cause__, current.__context__):
+        yield current
+        links: tuple[object, ...] = (current.__cause__, current.__context__)
+        if wrapped:
+            links = (getattr(current, "orig", None), *links)
+        for inner in links:
             if isinstance(inner, BaseException):
                 stack.append(inner)
-    return False
 
 
 #: The modules of the database drivers and of the stores: an error raised in them (or
@@ -230,19 +240,10 @@ def is_database_connection_error(exc: BaseException) -> bool:
     """Whether ``exc``'s chain holds a connection error of a *database* connection (raised
     by, or inside, a database driver or a store): an infrastructure error. A node's
     ``ConnectionError`` from an HTTP client is the graph's own error, and is not one."""
-    seen: set[int] = set()
-    stack: list[BaseException] = [exc]
-    while stack:
-        current = stack.pop()
-        if id(current) in seen or len(seen) > 16:
-            continue
-        seen.add(id(current))
-        if is_connection_error(current) and _from_database(current):
-            return True
-        for inner in (current.__cause__, current.__context__):
-            if isinstance(inner, BaseException):
-                stack.append(inner)
-    return False
+    return any(
+        is_connection_error(current) and _from_database(current)
+        for current in _chain(exc, wrapped=False)
+    )
 
 
 def backoff(attempt: int) -> float:

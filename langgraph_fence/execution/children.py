@@ -177,24 +177,16 @@ class Step:
 
 
 async def spawn_child(
-    step: Step,
-    graph_name: str,
-    input: Any,
-    *,
-    placement: ChildPlacement,
-    key: str,
-    graph: Any = None,
+    step: Step, placement: ChildPlacement, graph_name: str, key: str, input: Any, graph: Any
 ) -> Child:
-    """Spawn a child of ``step`` (see :meth:`ExecutionContext.spawn_child`).
+    """Spawn the child ``key`` of ``step`` (see :meth:`ExecutionContext.spawn_child`).
 
     ``ANY_INSTANCE`` children spawned by calls of one run made in the same turn of its
     event loop (``asyncio.gather`` of ``spawn_child`` calls) are recorded together, one
     statement per graph name, as :func:`spawn_children` records a batch."""
     text_id("key", key, what="the child's key, unique among this execution's children")
     if placement is not ChildPlacement.ANY_INSTANCE or graph is not None:
-        (child,) = await spawn_children(
-            step, graph_name, {key: input}, placement=placement, graph=graph
-        )
+        (child,) = await spawn_children(step, placement, graph_name, {key: input}, graph)
         return child
     text_id("graph_name", graph_name, what="the name a worker serves the child's graph under")
     handle = step.handle
@@ -252,12 +244,7 @@ async def _spawn_gathered(handle: RunHandle, gathered: list[_Call]) -> None:
 
 
 async def spawn_children(
-    step: Step,
-    graph_name: str,
-    inputs: Mapping[str, Any],
-    *,
-    placement: ChildPlacement,
-    graph: Any = None,
+    step: Step, placement: ChildPlacement, graph_name: str, inputs: Mapping[str, Any], graph: Any
 ) -> list[Child]:
     """Spawn children of ``step``, one per key of ``inputs`` (see
     :meth:`ExecutionContext.spawn_children`)."""
@@ -319,13 +306,13 @@ async def _record_remote(
 async def wait_children(
     step: Step,
     children: Sequence[Child],
-    *,
-    timeout: float | None = None,  # noqa: ASYNC109 - gather-like API: timeout=
-    return_exceptions: bool = False,
-    poll_interval: float = 0.05,
-    allow: Collection[tuple[str, ...]] = (),
+    timeout: float | None,  # noqa: ASYNC109 - gather-like API: timeout=
+    return_exceptions: bool,
+    poll_interval: float,
+    allow: Collection[tuple[str, ...]],
 ) -> list[Any]:
-    """Wait for ``children`` (see :meth:`ExecutionContext.wait_children`)."""
+    """Wait for ``children`` (see :meth:`ExecutionContext.wait_children`, whose arguments
+    these are)."""
     if isinstance(children, Child) or not isinstance(children, Sequence):
         raise TypeError(
             f"children must be a list of the Child values spawn_child returned, got {children!r}"

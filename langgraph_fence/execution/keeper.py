@@ -39,18 +39,29 @@ Where the renewals run:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
-import math
-import os
 import threading
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from langgraph_fence.database.retry import FixedWindow, retry_window
 from langgraph_fence.errors import ExecutionFencedError, ExecutionLeaseLostError, InstanceFullError
 from langgraph_fence.events import EventKind, Listeners
+from langgraph_fence.execution._keeper_settings import (
+    LOOP_STALL_FLOOR,
+    MAX_HELD_CEILING,
+    MAX_HELD_CEILING_ON_LOOP,
+    MAX_STARTING,
+    RENEW_BATCH,
+    RENEWALS_PER_SECOND,
+    Renewer,
+    Sleep,
+    default_max_held,
+    loop_stall_bound,
+    thread_store,
+)
+from langgraph_fence.execution._renewer_thread import RenewerThread, cancel_and_wait
 from langgraph_fence.fence import RunHandle, safety_margin
 from langgraph_fence.lease import ExecutionLeaseRepository, LeaseKey
 
@@ -74,117 +85,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-Sleep = Callable[[float], Awaitable[Any]]
-
-#: The most leases one renewal statement carries; more go out as several statements.
-RENEW_BATCH = 1000
-
-#: How many new runs of one instance take their lease at once; more wait their turn. A
-#: burst of thousands of starts then queues here, not on the connection pool, where its
-#: waits would run out the pool's timeout (measured: 5 000 at once on a pool of 16).
-MAX_STARTING = 8
-
-#: Where an instance's renewals run: ``"auto"`` (in the renewer thread where the store and
-#: the clock allow it, else on the loop), ``"thread"`` (required: refused where impossible)
-#: or ``"loop"``.
-Renewer = Literal["auto", "thread", "loop"]
-
-#: The renewer thread keeps renewing while the instance's event loop has not run for up to
-#: this many seconds (or the lease TTL, if longer): :func:`loop_stall_bound`.
-LOOP_STALL_FLOOR = 10.0
-
-
-#: How many lease renewals a second one instance plans for when it derives its ``max_held``
-#: (:func:`default_max_held`). Measured on a 2-core box with PostgreSQL on it
-#: (``benchmarks/bench_scale.py``): 3 000 leases at TTL 3 s (3 000 renewals a second)
-#: held with none lost, the renewals' p99 lateness at 18 to 55 ms; 5 000 held on a quiet
-#: box, some lost on a loaded one (to garbage-collection pauses that grow with the heap);
-#: 10 000 lost. A renewal costs about 20 µs of this process's CPU per lease.
-RENEWALS_PER_SECOND = 3000
-
-#: The most executions an instance holds by default, whatever its TTL: the most measured
-#: held, with every step ending at once, on one instance (10 000 at TTL 30 s, renewals in
-#: the renewer thread).
-MAX_HELD_CEILING = 10_000
-
-#: The same where the renewals run on the instance's loop, whose measured limit is lower (a
-#: loop kept busy by runs ending at once delays them).
-MAX_HELD_CEILING_ON_LOOP = 1_000
-
-
-def default_max_held(renew_interval: float, *, in_thread: bool) -> int:
-    """How many executions an instance holds at most unless told (``max_held``): as many
-    as :data:`RENEWALS_PER_SECOND` renews every ``renew_interval``, at most
-    :data:`MAX_HELD_CEILING` (:data:`MAX_HELD_CEILING_ON_LOOP` unless ``in_thread``: the
-    renewals run in the renewer thread), at least one. TTL 30 s (renewed every 10 s):
-    10 000 in the thread; TTL 3 s: 3 000; TTL 1 s: 1 000.
-
-    Only the bound on the count: past it, or sooner wherever renewals are seen running late
-    (:attr:`Keeper.behind`), an instance defers new runs rather than lose a lease.
-    """
-    ceiling = MAX_HELD_CEILING if in_thread else MAX_HELD_CEILING_ON_LOOP
-    return max(1, min(ceiling, int(RENEWALS_PER_SECOND * renew_interval)))
-
-
-def loop_stall_bound(ttl: float) -> float:
-    """How long the instance's loop may go without running before the renewer thread stops
-    renewing its leases: the lease TTL, at least :data:`LOOP_STALL_FLOOR` seconds.
-
-    Long enough to ride out the busy stretches measured at scale at a short TTL (a 0.1 s
-    sleep woke up to 3.6 s late while 10 000 runs ended at once on the on-loop keeper, and
-    5.2 s late while 5 000 ended at once with this thread keeping all their leases, so all
-    of them wrote their ends); short enough that a deadlocked process is taken over within
-    the bound, a renew interval or two to notice (the loop is asked for a sign of life at
-    each renewal), and one TTL: about twice the TTL, or the TTL and 10 s where the TTL is
-    below 10 s.
-    """
-    return max(ttl, LOOP_STALL_FLOOR)
-
-
-def thread_store(
-    repository: ExecutionLeaseRepository,
-    *,
-    renewer: Renewer,
-    clock: Callable[[], float] | None,
-    sleep: Sleep | None,
-) -> SqlLeaseRepository | None:
-    """The store the renewer thread renews through, or ``None``: renew on the loop.
-
-    Raises:
-        ValueError: ``renewer`` is ``"thread"`` where a thread cannot renew (the message
-            says why).
-    """
-    from langgraph_fence.database import in_memory
-    from langgraph_fence.lease.memory import MemoryLeaseRepository
-    from langgraph_fence.lease.sql import SqlLeaseRepository
-
-    if renewer == "loop":
-        return None
-    injected = [name for name, given in (("clock", clock), ("sleep", sleep)) if given]
-    why = None
-    if injected:
-        why = f"the instance has an injected {' and '.join(injected)}, which drive its own loop"
-    elif not isinstance(repository, SqlLeaseRepository):
-        why = (
-            f"its repository is a {type(repository).__name__}: a thread renews through a "
-            "SqlLeaseRepository only (a store of another kind, or a wrapper, lives on the loop)"
-        )
-    elif in_memory(repository.engine):
-        why = "its SQLite database is in memory, where no other connection reaches it"
-    if why is None:
-        assert isinstance(repository, SqlLeaseRepository)
-        return repository
-    if renewer == "thread":
-        raise ValueError(f"renewer='thread' is impossible here: {why}")
-    if not injected and not isinstance(repository, SqlLeaseRepository | MemoryLeaseRepository):
-        logger.warning(
-            "this instance renews its leases on its own event loop (%s): a loop kept busy "
-            "for longer than a lease's slack loses the lease; pass renewer='loop' to say "
-            "that is meant",
-            why,
-        )
-    return None
 
 
 class Batch(NamedTuple):
@@ -263,7 +163,7 @@ class Keeper:
         self._renewer: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._thread_store = thread_store
-        self._thread: _RenewerThread | None = None
+        self._thread: RenewerThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the instance's
         # When the renewer thread asked the instance's loop for a sign of life that has not
         # come yet (None: it came): how long the loop has not run, at least.
@@ -385,7 +285,13 @@ class Keeper:
         if self._thread_store is not None:
             thread = self._thread
             if thread is None or not thread.alive:
-                self._thread = thread = _RenewerThread(self, self._thread_store)
+                self._thread = thread = RenewerThread(
+                    self._thread_store,
+                    holder=self.holder,
+                    clock=self._clock,
+                    renew=self._renew_loop,
+                    sending=self._sending,
+                )
             thread.wake_by(due)
         elif self._renewer is None or self._renewer.done():
             self._renewer = asyncio.create_task(self._renew_loop(None), name="keeper renewals")
@@ -405,7 +311,7 @@ class Keeper:
             return
         watchdog, self._watchdog = self._watchdog, None
         if watchdog is not None:
-            await _cancelled([watchdog])
+            await cancel_and_wait([watchdog])
 
     async def aclose(self) -> None:
         """Stop renewing and watching (the leases still held then lapse)."""
@@ -414,7 +320,7 @@ class Keeper:
             tasks.extend(self._sending)
         self._renewer = self._watchdog = None
         thread, self._thread = self._thread, None
-        await _cancelled(tasks)
+        await cancel_and_wait(tasks)
         if thread is not None:
             await thread.stop()
 
@@ -427,7 +333,7 @@ class Keeper:
         window = handle.ttl - safety_margin(handle.ttl)
         return handle.confirmed_until - window + self.renew_interval
 
-    async def _renew_loop(self, thread: _RenewerThread | None) -> None:
+    async def _renew_loop(self, thread: RenewerThread | None) -> None:
         """Send the renewals as they fall due: on the instance's loop while it holds runs
         (``thread`` None), or in the renewer thread until it is stopped."""
         while thread is None or not thread.stopping:
@@ -468,7 +374,7 @@ class Keeper:
                 self._sending.add(task)
                 task.add_done_callback(self._sending.discard)
 
-    async def _renew(self, handles: list[RunHandle], thread: _RenewerThread | None) -> None:
+    async def _renew(self, handles: list[RunHandle], thread: RenewerThread | None) -> None:
         """One renewal statement per store for ``handles``; each answer applied to its run."""
         try:
             await self._renew_batch(handles, None if thread is None else thread.store)
@@ -589,7 +495,7 @@ class Keeper:
 
     # -- the instance's loop, seen from the renewer thread
 
-    def _loop_stalled(self, thread: _RenewerThread) -> bool:
+    def _loop_stalled(self, thread: RenewerThread) -> bool:
         """Whether the instance's loop has not run for longer than the bound (asking it
         for a sign of life if none is pending); a closed loop stops the thread."""
         now = self._clock()
@@ -652,120 +558,6 @@ class Keeper:
             if live:
                 remaining = min(h.confirmed_until for h in live) - self._clock()
                 await self._sleep(max(remaining, 0.0) + 1e-3)
-
-
-class _RenewerThread:
-    """The renewer thread: an event loop and connections of its own
-    (:func:`~langgraph_fence.database.twin_engine`), running the keeper's renewals."""
-
-    def __init__(self, keeper: Keeper, source: SqlLeaseRepository) -> None:
-        self._keeper = keeper
-        self._source = source
-        self.loop = asyncio.new_event_loop()
-        self.store: SqlLeaseRepository = source  # its twin, once the thread runs
-        #: Set (from either thread) to end the thread.
-        self.stopping = False
-        self._main: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
-        self._wake_at = math.inf  # when it wakes by itself, on the keeper's clock
-        self._ended: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._pid = os.getpid()
-        self._thread = threading.Thread(
-            target=self._run, name=f"langgraph-fence renewer {keeper.holder}", daemon=True
-        )
-        self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        """Whether it renews (it has not ended and is not ending, and it runs in this
-        process: a forked child has the object, not the thread)."""
-        return (
-            not self.stopping
-            and not self._ended.done()
-            and self._pid == os.getpid()
-            and self._thread.is_alive()
-        )
-
-    def wake_by(self, due: float) -> None:
-        """Make sure it wakes by ``due`` (called from the instance's loop)."""
-        if due < self._wake_at:
-            with contextlib.suppress(RuntimeError):  # ended meanwhile: keep() starts another
-                self.loop.call_soon_threadsafe(self._wake.set)
-
-    def poke(self) -> None:
-        """Wake it now (on the thread's loop)."""
-        self._wake.set()
-
-    async def wait(self, seconds: float) -> None:
-        """Wait ``seconds``, or until woken (on the thread's loop)."""
-        self._wake_at = self._keeper._clock() + seconds
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(seconds):
-                await self._wake.wait()
-        self._wake.clear()
-        self._wake_at = math.inf
-
-    async def stop(self) -> None:
-        """End the thread, its renewals and its connections (from the instance's loop)."""
-        self.stopping = True
-
-        def cancel() -> None:
-            if self._main is not None:
-                self._main.cancel()
-
-        with contextlib.suppress(RuntimeError):  # its loop is closed: it has ended
-            self.loop.call_soon_threadsafe(cancel)
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(self._ended), 30.0)
-        except TimeoutError:
-            logger.warning("the renewer thread of %s did not end in 30 s", self._keeper.holder)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_until_complete(self._serve())
-        except BaseException:
-            logger.exception(
-                "the renewer thread of %s failed: its leases are no longer renewed",
-                self._keeper.holder,
-            )
-        finally:
-            self.stopping = True
-            with contextlib.suppress(Exception):
-                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            self.loop.close()
-            self._ended.set_result(None)
-
-    async def _serve(self) -> None:
-        from langgraph_fence.database import twin_engine
-
-        self._main = asyncio.current_task()
-        if self.stopping:
-            return
-        engine = twin_engine(self._source.engine)
-        self.store = self._source.on_engine(engine)
-        try:
-            await self._keeper._renew_loop(self)
-        except asyncio.CancelledError:
-            if not self.stopping:
-                raise
-        finally:
-            sending = list(self._keeper._sending)
-            await _cancelled(sending)
-            await engine.dispose()
-
-
-async def _cancelled(tasks: list[asyncio.Task[None]]) -> None:
-    """Cancel ``tasks`` and wait for them to end (a failure is logged)."""
-    for task in tasks:
-        task.cancel()
-    for task in tasks:
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-        except Exception:
-            logger.exception("keeper task failed")
 
 
 def _one_per_key(handles: list[RunHandle]) -> list[RunHandle]:

@@ -153,12 +153,7 @@ class ExecutionContext:
         # remote children, the yielded lease is taken again first.
         async with held(self.fence):
             return await spawn_child(
-                Step(self._handle, self.fence),
-                graph_name,
-                input,
-                placement=placement,
-                key=key,
-                graph=graph,
+                Step(self._handle, self.fence), placement, graph_name, key, input, graph
             )
 
     async def spawn_children(
@@ -198,7 +193,7 @@ class ExecutionContext:
         from langgraph_fence.execution.children import Step, spawn_children
 
         return await spawn_children(
-            Step(self._handle, self.fence), graph_name, inputs, placement=placement, graph=graph
+            Step(self._handle, self.fence), placement, graph_name, inputs, graph
         )
 
     async def wait_children(
@@ -244,10 +239,10 @@ class ExecutionContext:
         return await wait_children(
             Step(self._handle, self.fence),
             children,
-            timeout=timeout,
-            return_exceptions=return_exceptions,
-            poll_interval=poll_interval,
-            allow=allow,
+            timeout,
+            return_exceptions,
+            poll_interval,
+            allow,
         )
 
     @property

@@ -23,13 +23,7 @@ from langgraph.errors import GraphBubbleUp, GraphInterrupt
 from langgraph.types import RetryPolicy
 
 from langgraph_fence._compat import paused_at_first_interrupt, pregel_runtime, pregel_task_id
-from langgraph_fence.effects import (
-    EFFECT_ATTRIBUTE,
-    Effect,
-    EffectLike,
-    as_effect,
-    standing_non_idempotent,
-)
+from langgraph_fence.effects import EFFECT_ATTRIBUTE, Effect, EffectLike, as_effect
 from langgraph_fence.errors import (
     ExecutionContextUnavailableError,
     ExecutionDeadLetteredError,
@@ -191,17 +185,13 @@ class _Step:
         configurable[CONTEXT_CONFIG_KEY] = self.frame
         self._reset = set_frame(self.frame)
 
-    def _standing_non_idempotent(self) -> PendingEffect | None:
-        """A non-idempotent entry of this task (the node's or a tool's), if one stands."""
-        return standing_non_idempotent(self.handle.pending_effects.values(), self.task_id)
-
     def _refuse_repeat(self) -> None:
         """In-process recovery: never run a non-idempotent write again in the same run.
 
         Checked for every step, not only write steps: a read-only node may call a fenced
         tool that stamped a non-idempotent write in an earlier attempt of this task.
         """
-        standing = self._standing_non_idempotent()
+        standing = self.handle.standing_non_idempotent(self.task_id)
         if standing is not None:
             raise self.handle.record_dead_letter(
                 WriteDeadLetteredError(
@@ -272,11 +262,13 @@ class _Step:
         if handle.pending_effects:  # nothing stamped in this run: nothing to repeat
             self._refuse_repeat()
 
-    def _released_at_pause(self, interrupt: BaseException) -> tuple[str, ...]:
-        """The key of the entry stamped before this step's body, if the step's pause
+    def _released_at_pause(self, exc: BaseException) -> tuple[str, ...]:
+        """The key of the entry stamped before this step's body, if ``exc`` is a pause that
         proves its write has not begun: it paused at its own first ``interrupt()`` with no
         answer consumed yet in this attempt, and its body never entered ``side_effect()``.
-        Else nothing: the entry stands, and the pause dead-letters the run."""
+        Else nothing: the entry stands (and a pause dead-letters the run)."""
+        if not isinstance(exc, GraphInterrupt):
+            return ()
         if self.stamp_at != "body" or not self.effect.is_write:
             return ()
         entry = self.handle.pending_effects.get(self.task_id)
@@ -285,13 +277,14 @@ class _Step:
         frame = self.frame
         if frame is None or effect_began(frame):
             return ()
-        if not paused_at_first_interrupt(self.configurable, interrupt):
+        if not paused_at_first_interrupt(self.configurable, exc):
             return ()
         return (self.task_id,)
 
-    async def pause(self, interrupt: BaseException) -> None:
-        """The body paused at ``interrupt()``: release the stamp made before it, when that
-        proves the write has not begun.
+    async def failed(self, exc: BaseException) -> BaseException:
+        """What the step raises for ``exc`` (:meth:`failure`). If the body paused at
+        ``interrupt()``, the stamp made before it is released first, when that proves the
+        write has not begun.
 
         LangGraph runs a step that paused at ``interrupt()`` again from its start when the
         thread is resumed, and (its docs say) a step's write comes after its
@@ -301,13 +294,14 @@ class _Step:
         answer, one raised in a subgraph the step called, one after ``side_effect()``) may
         follow a write: the entry stands.
         """
-        keys = self._released_at_pause(interrupt)
+        keys = self._released_at_pause(exc)
         if keys:
             await self.handle.clear_pending_effects(keys)
+        return self.failure(exc)
 
-    def pause_sync(self, interrupt: BaseException) -> None:
-        """:meth:`pause` from a worker thread (a sync node)."""
-        keys = self._released_at_pause(interrupt)
+    def failed_sync(self, exc: BaseException) -> BaseException:
+        """:meth:`failed` from a worker thread (a sync node)."""
+        keys = self._released_at_pause(exc)
         if keys:
             handle = self.handle
             run_on_loop(
@@ -316,6 +310,7 @@ class _Step:
                 what=f"node {self.node!r} releasing its stamp at interrupt()",
                 on_loop="make the node an `async def`",
             )
+        return self.failure(exc)
 
     def _uncount(self) -> None:
         if self._counted:
@@ -350,7 +345,8 @@ class _Step:
             return self.handle.dead_letter  # whatever the step raised after it
         if not isinstance(exc, Exception) or isinstance(exc, ExecutionDeadLetteredError):
             return exc
-        standing = self._standing_non_idempotent() if isinstance(exc, GraphInterrupt) else None
+        paused = isinstance(exc, GraphInterrupt)
+        standing = self.handle.standing_non_idempotent(self.task_id) if paused else None
         if standing is not None:
             # interrupt() after a write of this step began: side_effect() was entered, or a
             # tool call of the step wrote, before the pause (a body's own stamp, and a tool
@@ -372,7 +368,7 @@ class _Step:
         # Decided by the stamp that stands, not by the declaration: a stamp="effect" step
         # that failed before side_effect() stamped nothing and wrote nothing, so its error
         # goes on as it is (a RetryPolicy may retry it; a resume runs it again).
-        if self._standing_non_idempotent() is not None:
+        if self.handle.standing_non_idempotent(self.task_id) is not None:
             # The stamp stands (this node's, or a tool's it called): the write may have
             # happened. Never retried, never repeated; a GraphBubbleUp, so LangGraph saves no
             # error write that would clear the stamp before the execution is dead-lettered.
@@ -386,10 +382,15 @@ class _Step:
             return self.handle.record_dead_letter(dead)
         return exc
 
-    def success(self) -> None:
+    def ended(self, failure: BaseException | None, result: Any) -> Any:
+        """The step's ``result``, or ``failure`` raised: outside the except block that found
+        it, so the recorded error object is raised as it is."""
+        if failure is not None:
+            raise failure
         # A dead letter caught inside the step (a try/except around a fenced call) still
         # ends it: the run is dead.
         self.handle.check_alive()
+        return result
 
 
 async def _run_async(
@@ -397,6 +398,7 @@ async def _run_async(
 ) -> Any:
     await step.enter_async()
     failure: BaseException | None = None
+    result: Any = None
     try:
         result = await fn(*args, **kwargs)
         await fault_point("effect.after", node=step.node, handle=step.handle, config=step.config)
@@ -410,37 +412,27 @@ async def _run_async(
             task.uncancel()
         failure = step.handle.error
     except BaseException as exc:
-        if isinstance(exc, GraphInterrupt):
-            await step.pause(exc)
-        failure = step.failure(exc)
+        failure = await step.failed(exc)
         if failure is exc:
             raise
     finally:
         step.leave()
-    if failure is not None:
-        # Raised outside the except block: the recorded error object is raised as it is.
-        raise failure
-    step.success()
-    return result
+    return step.ended(failure, result)
 
 
 def _run_sync(step: _Step, call: Callable[[], Any]) -> Any:
     step.enter_sync()
     failure: BaseException | None = None
+    result: Any = None
     try:
         result = call()
     except BaseException as exc:
-        if isinstance(exc, GraphInterrupt):
-            step.pause_sync(exc)
-        failure = step.failure(exc)
+        failure = step.failed_sync(exc)
         if failure is exc:
             raise
     finally:
         step.leave()
-    if failure is not None:
-        raise failure
-    step.success()
-    return result
+    return step.ended(failure, result)
 
 
 def _wrap_async(

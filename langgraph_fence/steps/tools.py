@@ -37,13 +37,7 @@ from langgraph.config import get_config
 from langgraph.errors import GraphBubbleUp, GraphInterrupt
 
 from langgraph_fence._compat import paused_at_first_interrupt
-from langgraph_fence.effects import (
-    EFFECT_ATTRIBUTE,
-    Effect,
-    EffectLike,
-    as_effect,
-    standing_non_idempotent,
-)
+from langgraph_fence.effects import EFFECT_ATTRIBUTE, Effect, EffectLike, as_effect
 from langgraph_fence.errors import (
     ExecutionContextUnavailableError,
     WriteDeadLetteredError,
@@ -101,7 +95,7 @@ def _refuse_repeat(frame: ExecutionContext, tool: BaseTool) -> None:
     the stamp still stands, nothing of this attempt runs.
     """
     handle = handle_of(frame)
-    standing = standing_non_idempotent(handle.pending_effects.values(), frame.task_id)
+    standing = handle.standing_non_idempotent(frame.task_id)
     if standing is None:
         return
     stamped_in = handle.tool_stamp_attempts.get(frame.task_id)
@@ -166,32 +160,38 @@ def _paused_before_its_write(
     return paused_at_first_interrupt(configurable, paused)
 
 
-def _dead_letter(
-    frame: ExecutionContext, tool: BaseTool, effect: Effect, exc: Exception, stamped: bool
-) -> WriteDeadLetteredError | None:
-    """The error a failed call raises instead of ``exc``, or ``None`` to raise ``exc``.
+def _refuse_after_write(
+    frame: ExecutionContext,
+    tool: BaseTool,
+    effect: Effect,
+    exc: Exception,
+    made: list[PendingEffect],
+) -> None:
+    """Raise the error a failed call raises instead of ``exc`` (from it), if there is one;
+    else return, for ``exc`` to go on as it is.
 
     A fencing error (anywhere in ``exc``), an error already recorded on the run, and an
     interrupt (``GraphBubbleUp``) go on as they are; the node wrapper and the instance put
-    the fencing error first. Any other failure of a non-idempotent call whose entry stands
-    (``stamped``) is dead-lettered. One that failed before its stamp (a ``stamp_at_effect``
+    the fencing error first. Any other failure of a non-idempotent call whose entry (in
+    ``made``) stands is dead-lettered. One that failed before its stamp (a ``stamp_at_effect``
     tool that never entered ``side_effect()``) wrote nothing: its error goes on as it is,
     and the call is safe to repeat.
     """
+    stamped = _stands(frame, made)
     if effect is not Effect.NON_IDEMPOTENT_WRITE or not stamped:
-        return None
+        return
     if isinstance(exc, (WriteDeadLetteredError, GraphBubbleUp)):
-        return None
+        return
     handle = handle_of(frame)
     if find_fence_error(exc) is not None or handle.error is not None:
-        return None
+        return
     dead = WriteDeadLetteredError(
         f"tool {tool.name!r} of node {frame.node!r} of execution {handle.scope_key!r} failed "
         f"during a non-idempotent write (token {handle.token}): {type(exc).__name__}: {exc}. "
         "The write may have happened, so it is neither retried nor reported to the model as "
         "a tool error; the execution is dead-lettered"
     )
-    return cast(WriteDeadLetteredError, handle.record_dead_letter(dead))
+    raise handle.record_dead_letter(dead) from exc
 
 
 def _call_sync(tool: BaseTool, body: Callable[[], Any]) -> Any:
@@ -232,10 +232,8 @@ def _run_sync(frame: ExecutionContext, tool: BaseTool, body: Callable[[], Any]) 
             )
         raise
     except Exception as exc:
-        dead = _dead_letter(frame, tool, effect, exc, _stands(frame, made))
-        if dead is None:
-            raise
-        raise dead from exc
+        _refuse_after_write(frame, tool, effect, exc, made)
+        raise
 
 
 async def _call_async(tool: BaseTool, body: Callable[[], Awaitable[Any]]) -> Any:
@@ -275,10 +273,8 @@ async def _run_async(
             await handle_of(frame).clear_pending_effects([entry.key for entry in made])
         raise
     except Exception as exc:
-        dead = _dead_letter(frame, tool, effect, exc, _stands(frame, made))
-        if dead is None:
-            raise
-        raise dead from exc
+        _refuse_after_write(frame, tool, effect, exc, made)
+        raise
     finally:
         _fenced_call.reset(reset)
         if deferred is not None:

@@ -10,14 +10,9 @@ flight, and raises the recorded fencing error, whatever LangGraph surfaced inste
 from __future__ import annotations
 
 import asyncio
-import inspect
-import os
-import socket
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from langchain_core.runnables import RunnableConfig
@@ -28,57 +23,28 @@ from langgraph_fence.execution.children import refuse_child_ids
 from langgraph_fence.execution.host import InstanceHost
 from langgraph_fence.execution.keeper import Keeper, Renewer, Sleep, thread_store
 from langgraph_fence.execution.run import running
-from langgraph_fence.execution.serve import check_budget
-from langgraph_fence.fence import safety_margin
-from langgraph_fence.fence.tenancy import DEFAULT_TENANT
+from langgraph_fence.instance._database import open_database
+from langgraph_fence.instance._settings import (
+    DEFAULT_TENANT_ID,
+    Settings,
+    check_open_options,
+    check_settings,
+    check_tenant,
+    default_records,
+)
 from langgraph_fence.keys import FENCE_CONFIG_KEY
 from langgraph_fence.lease import ExecutionLeaseRepository, LeaseKey
-from langgraph_fence.lease.records import (
-    ExecutionRecords,
-    MemoryExecutionRecords,
-    SqlExecutionRecords,
-    check_thread_binding,
-)
-from langgraph_fence.lease.stores import base_store
+from langgraph_fence.lease.records import ExecutionRecords, check_thread_binding
 from langgraph_fence.lease.transitions import DEFAULT_MAX_TAKEOVERS
 from langgraph_fence.queue import OnBusy, SubmittedRun, SubmittedRuns
 from langgraph_fence.saver.admin import ThreadAdmin, admin_holder
 from langgraph_fence.saver.store import FencedStore
-from langgraph_fence.validate import positive_int, positive_seconds, text_id
 
 if TYPE_CHECKING:
     from langgraph.checkpoint.base import BaseCheckpointSaver
     from langgraph.checkpoint.serde.base import SerializerProtocol
 
 __all__ = ["Instance"]
-
-
-#: The tenant of a graph called the LangGraph way whose config names none (``tenant_id=``):
-#: the one default tenant, :data:`langgraph_fence.fence.tenancy.DEFAULT_TENANT`.
-DEFAULT_TENANT_ID = DEFAULT_TENANT
-
-
-def _tenant(tenant_id: object) -> str:
-    """The default tenant, checked (``ValueError`` naming it and the fix)."""
-    return text_id(
-        "tenant_id", tenant_id, what="the default tenant of graphs called the LangGraph way"
-    )
-
-
-def _default_instance_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-
-
-@dataclass(frozen=True, slots=True)
-class _Settings:
-    """An instance's id, lease TTL, renew interval and takeover budget, checked."""
-
-    instance_id: str
-    lease_ttl: float
-    renew_interval: float
-    max_takeovers: int
-    max_held: int | None
-    renewer: Renewer
 
 
 class Instance:
@@ -154,17 +120,17 @@ class Instance:
         max_held: int | None = None,
         renewer: Renewer = "auto",
     ) -> None:
-        settings = _settings(
+        settings = check_settings(
             instance_id, lease_ttl, renew_interval, max_takeovers, max_held, renewer
         )
-        self._setup(repository, saver, records, settings, clock, sleep, _tenant(tenant_id))
+        self._setup(repository, saver, records, settings, clock, sleep, check_tenant(tenant_id))
 
     def _setup(
         self,
         repository: ExecutionLeaseRepository,
         saver: BaseCheckpointSaver[Any],
         records: ExecutionRecords | None,
-        settings: _Settings,
+        settings: Settings,
         clock: Callable[[], float] | None,
         sleep: Sleep | None,
         tenant_id: str = DEFAULT_TENANT_ID,
@@ -197,7 +163,7 @@ class Instance:
         self.clock = clock or time.monotonic
         self._sleep: Sleep = sleep or asyncio.sleep
         self.records: ExecutionRecords = (
-            records if records is not None else _default_records(repository)
+            records if records is not None else default_records(repository)
         )
         # Admin operations through this instance's checkpointer hold the execution's lease.
         self.checkpointer.admin = ThreadAdmin(
@@ -297,60 +263,22 @@ class Instance:
                 ``renew_interval``, ``clock``, ``sleep``, ``max_takeovers``, ``tenant_id``,
                 ``max_held``, ``renewer``).
         """
-        from langgraph_fence.checkpointers import SqlCheckpointer
-        from langgraph_fence.checkpointers.store import SqlStore
-        from langgraph_fence.database import create_engine
-        from langgraph_fence.lease.sql import SqlLeaseRepository
-
         # Refused before the engine exists: bad input creates no table and writes no row.
-        accepted = set(inspect.signature(cls.__init__).parameters) - {
-            "self",
-            "repository",
-            "saver",
-            "records",
-        }
-        unknown = sorted(set(options) - accepted)
-        if unknown:
-            raise ValueError(
-                f"Instance.open got unknown options {unknown}: it takes url, schema, "
-                f"engine_options, serde and the Instance options {sorted(accepted)}"
-            )
-        settings = _settings(
-            options.pop("instance_id", None),
-            options.pop("lease_ttl", 30.0),
-            options.pop("renew_interval", None),
-            options.pop("max_takeovers", DEFAULT_MAX_TAKEOVERS),
-            options.pop("max_held", None),
-            options.pop("renewer", "auto"),
-        )
-        tenant_id = _tenant(options.pop("tenant_id", DEFAULT_TENANT_ID))
-        engine_kwargs = dict(engine_options or {})
-        if schema is not None:
-            if engine_kwargs.get("schema", schema) != schema:
-                raise ValueError(
-                    f"schema={schema!r} and engine_options['schema']="
-                    f"{engine_kwargs['schema']!r} disagree: pass the schema once, as schema="
-                )
-            engine_kwargs["schema"] = schema
-        engine = create_engine(url, **engine_kwargs)
-        try:
-            repository = SqlLeaseRepository(engine)
-            await repository.setup()
-            saver = SqlCheckpointer(engine, serde=serde)
-            await saver.setup()
-            records = SqlExecutionRecords(engine, serde=serde)  # set up with the repository
+        settings, tenant_id = check_open_options(cls.__init__, options)
+        async with open_database(
+            url, schema=schema, engine_options=engine_options, serde=serde
+        ) as database:
             instance = cls.__new__(cls)
             instance._setup(
-                repository,
-                saver,
-                records,
+                database.repository,
+                database.saver,
+                database.records,
                 settings,
                 options.get("clock"),
                 options.get("sleep"),
                 tenant_id,
             )
-            store = SqlStore(engine, tenant_id=tenant_id)  # outside a step: its tenant
-            await store.setup()
+            store = await database.open_store(tenant_id)  # outside a step: its tenant
             instance.store = FencedStore(store)
             # An erased thread's runs' items go with it.
             instance.checkpointer.admin.store = store  # type: ignore[union-attr]
@@ -358,10 +286,7 @@ class Instance:
                 yield instance
             finally:
                 await instance.aclose()
-                await saver.aclose()
-                await repository.aclose()
-        finally:
-            await engine.dispose()
+                await database.aclose()
 
     @classmethod
     @contextmanager
@@ -655,58 +580,3 @@ class Instance:
         await server.run(
             stop if stop is not None else asyncio.Event(), handle_signals=handle_signals
         )
-
-
-def _default_records(repository: ExecutionLeaseRepository) -> ExecutionRecords:
-    """The records every instance on ``repository``'s store finds: in its database, or in
-    memory for the memory store; refused for a store of another kind."""
-    from langgraph_fence.lease.sql import SqlLeaseRepository
-
-    try:
-        store = base_store(repository)
-    except ValueError:
-        raise ValueError(
-            f"records is required with a repository of type {type(repository).__name__}: "
-            "pass records=SqlExecutionRecords(engine) on the lease table's database, so an "
-            "instance that takes an execution over finds how to resume it"
-        ) from None
-    if isinstance(store, SqlLeaseRepository):
-        return SqlExecutionRecords(store.engine)
-    return MemoryExecutionRecords()
-
-
-def _settings(
-    instance_id: object,
-    lease_ttl: object,
-    renew_interval: object,
-    max_takeovers: object,
-    max_held: object,
-    renewer: object = "auto",
-) -> _Settings:
-    """The instance's id, TTL, renew interval and takeover budget, checked; else
-    ``ValueError`` naming the argument and the fix."""
-    ttl = positive_seconds("lease_ttl", lease_ttl, what="how long a hold lasts unrenewed")
-    renew = positive_seconds(
-        "renew_interval", ttl / 3 if renew_interval is None else renew_interval
-    )
-    if renew >= ttl - safety_margin(ttl):
-        raise ValueError(
-            f"renew_interval ({renew_interval}) must be below lease_ttl ({lease_ttl}) minus "
-            f"its safety margin ({safety_margin(ttl):g} s), or the lease "
-            "lapses between renewals: use lease_ttl / 3 (the default)"
-        )
-    if instance_id is None:
-        instance_id = _default_instance_id()
-    else:
-        text_id("instance_id", instance_id, what="this instance's holder id in the lease table")
-    held = None
-    if max_held is not None:
-        held = positive_int(
-            "max_held", max_held, what="how many executions this instance holds (renews) at once"
-        )
-    if renewer not in ("auto", "thread", "loop"):
-        raise ValueError(
-            f"renewer must be 'auto', 'thread' or 'loop', got {renewer!r}: 'auto' (the "
-            "default) renews in a thread of its own wherever the store and the clock allow"
-        )
-    return _Settings(str(instance_id), ttl, renew, check_budget(max_takeovers), held, renewer)
