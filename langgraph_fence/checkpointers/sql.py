@@ -52,6 +52,7 @@ from langgraph_fence.checkpointers._rows import (
     Driver,
     Guard,
     StoredCheckpoint,
+    TaskWrites,
 )
 from langgraph_fence.checkpointers._sqlite import SqliteDriver
 from langgraph_fence.checkpointers.schema import CHECKPOINT_MIGRATIONS, COMPONENT
@@ -439,12 +440,13 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
             ),
             metadata=json.dumps(meta),
             run_id=None if run_id is None else str(run_id),
+            blobs=blobs,
         )
         await fault_point(
             "checkpoint.before", config=config, checkpoint=checkpoint, metadata=metadata
         )
         with retry_window(handle):  # connection errors retried while the run's hold lasts
-            landed = await self._driver.put(row, blobs, guard)
+            landed = await self._driver.put(row, guard)
         if not landed:
             assert handle is not None
             raise await self._refused(handle, config, "aput")
@@ -502,14 +504,16 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         await fault_point("writes.before", config=config, task_id=task_id, writes=writes)
         with retry_window(handle):
             landed, cleared = await self._driver.put_writes(
-                _tenant_of(config),
-                thread_id,
-                checkpoint_ns,
-                _text_arg(checkpoint_id, "checkpoint_id"),
-                _text_arg(task_id, "task_id"),
-                task_path,
-                rows,
-                upsert,
+                TaskWrites(
+                    tenant_id=_tenant_of(config),
+                    thread_id=thread_id,
+                    checkpoint_ns=checkpoint_ns,
+                    checkpoint_id=_text_arg(checkpoint_id, "checkpoint_id"),
+                    task_id=_text_arg(task_id, "task_id"),
+                    task_path=task_path,
+                    writes=rows,
+                    upsert=upsert,
+                ),
                 guard,
             )
         if not landed:
