@@ -63,6 +63,7 @@ from langgraph_fence.checkpointers._maintenance import (
 from langgraph_fence.checkpointers._postgres import PostgresDriver
 from langgraph_fence.checkpointers._rows import CheckpointQuery, Driver, TaskWrites
 from langgraph_fence.checkpointers._sqlite import SqliteDriver
+from langgraph_fence.checkpointers._twins import sync_iter_twin, sync_twin
 from langgraph_fence.checkpointers.schema import CHECKPOINT_MIGRATIONS, COMPONENT
 from langgraph_fence.database import Dialect, check_engine, create_engine, transaction
 from langgraph_fence.database.migrations import migrate
@@ -77,7 +78,6 @@ from langgraph_fence.fence.admission import (
 from langgraph_fence.fence.tenancy import DEFAULT_TENANT
 from langgraph_fence.lease.faults import fault_point
 from langgraph_fence.lease.schema import LEASE_MIGRATIONS
-from langgraph_fence.saver.twins import sync_iter_twin, sync_twin
 from langgraph_fence.serde import safe_serializer
 
 __all__ = ["SqlCheckpointer"]
@@ -136,6 +136,7 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         # Shared by the copies LangGraph makes (with_allowlist under strict msgpack): a copy
         # is set up, and closed, with the saver it was made from.
         self._lifecycle = Lifecycle()
+        # Which guard each fenced write carries: answers of this one store, shared alike.
         self._guards = WriteGuards(self._store_id, self.guards)
         event.listen(engine.sync_engine, "engine_disposed", self._on_engine_disposed)
 
