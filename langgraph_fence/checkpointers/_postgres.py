@@ -23,12 +23,11 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence.checkpointers._rows import (
-    BlobRow,
     CheckpointQuery,
     CheckpointRow,
     Guard,
     StoredCheckpoint,
-    WriteRow,
+    TaskWrites,
 )
 from langgraph_fence.database.driver import Connections
 from langgraph_fence.database.retry import retry_connection_errors
@@ -55,7 +54,7 @@ _GUARD_CLEAR_IF_STORED = f"""UPDATE fence_leases SET
     updated_at = extract(epoch from now())
 FROM (SELECT (SELECT count(*) FROM fence_checkpoints c,
         unnest($f::text[], $g::text[]) AS p(ns, id)
-    WHERE c.tenant_id = $10 AND c.thread_id = $1 AND c.checkpoint_ns = p.ns
+    WHERE c.tenant_id = $1 AND c.thread_id = $2 AND c.checkpoint_ns = p.ns
         AND c.checkpoint_id = p.id) = cardinality($g::text[]) AS yes) AS stored
 WHERE {_LEASE_WHERE}
 RETURNING epoch, stored.yes AS cleared"""
@@ -64,14 +63,14 @@ _PUT = """WITH guard AS ({guard}),
 blobs AS (
     INSERT INTO fence_checkpoint_blobs (tenant_id, thread_id, checkpoint_ns, channel, version,
         type, blob)
-    SELECT $14, $1, $2, b.channel, b.version, b.type, b.blob
-    FROM guard, unnest($10::text[], $11::text[], $12::text[], $13::bytea[])
+    SELECT $1, $2, $3, b.channel, b.version, b.type, b.blob
+    FROM guard, unnest($11::text[], $12::text[], $13::text[], $14::bytea[])
         AS b(channel, version, type, blob)
     ON CONFLICT (tenant_id, thread_id, checkpoint_ns, channel, version) DO NOTHING
 )
 INSERT INTO fence_checkpoints (tenant_id, thread_id, checkpoint_ns, checkpoint_id,
     parent_checkpoint_id, type, checkpoint, channel_versions, metadata, run_id, fence_token)
-SELECT $14, $1, $2, $3, $4, $5, $6, $7::jsonb, $8::jsonb, $9, guard.epoch FROM guard
+SELECT $1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9::jsonb, $10, guard.epoch FROM guard
 ON CONFLICT (tenant_id, thread_id, checkpoint_ns, checkpoint_id) DO UPDATE SET
     type = excluded.type, checkpoint = excluded.checkpoint,
     channel_versions = excluded.channel_versions, metadata = excluded.metadata,
@@ -82,8 +81,8 @@ _PUT_WRITES = """WITH guard AS ({guard}),
 ins AS (
     INSERT INTO fence_checkpoint_writes (tenant_id, thread_id, checkpoint_ns, checkpoint_id,
         task_id, task_path, idx, channel, type, blob, fence_token)
-    SELECT $10, $1, $2, $3, $4, $5, w.idx, w.channel, w.type, w.blob, guard.epoch
-    FROM guard, unnest($6::int[], $7::text[], $8::text[], $9::bytea[])
+    SELECT $1, $2, $3, $4, $5, $6, w.idx, w.channel, w.type, w.blob, guard.epoch
+    FROM guard, unnest($7::int[], $8::text[], $9::text[], $10::bytea[])
         AS w(idx, channel, type, blob)
     ON CONFLICT (tenant_id, thread_id, checkpoint_ns, checkpoint_id, task_id, idx) {conflict}
 )
@@ -155,6 +154,11 @@ def _guard_args(
     return "clear", args
 
 
+def _arrays(rows: Sequence[Sequence[Any]]) -> list[list[Any]]:
+    """Rows of four columns (blobs, writes) as four arrays, for ``unnest``."""
+    return [[r[i] for r in rows] for i in range(4)]
+
+
 class PostgresDriver:
     """Hot paths on PostgreSQL through asyncpg (see the module docstring)."""
 
@@ -172,56 +176,18 @@ class PostgresDriver:
 
         return await retry_connection_errors(once, what=what)
 
-    async def put(self, row: CheckpointRow, blobs: Sequence[BlobRow], guard: Guard | None) -> bool:
+    async def put(self, row: CheckpointRow, guard: Guard | None) -> bool:
         kind, guard_args = _guard_args(guard)
-        args = [
-            row.thread_id,
-            row.checkpoint_ns,
-            row.checkpoint_id,
-            row.parent_checkpoint_id,
-            row.type,
-            row.checkpoint,
-            row.channel_versions,
-            row.metadata,
-            row.run_id,
-            [b[0] for b in blobs],
-            [b[1] for b in blobs],
-            [b[2] for b in blobs],
-            [b[3] for b in blobs],
-            row.tenant_id,
-            *guard_args,
-        ]
+        args = [*row.columns(), *_arrays(row.blobs), *guard_args]
         landed = await self._fetchrow(_PUT_SQL[kind], args, what="checkpoint put")
         return landed is not None
 
-    async def put_writes(
-        self,
-        tenant_id: str,
-        thread_id: str,
-        checkpoint_ns: str,
-        checkpoint_id: str,
-        task_id: str,
-        task_path: str,
-        writes: Sequence[WriteRow],
-        upsert: bool,
-        guard: Guard | None,
-    ) -> tuple[bool, bool]:
+    async def put_writes(self, task: TaskWrites, guard: Guard | None) -> tuple[bool, bool]:
         proof = guard.proof if guard is not None and guard.proof else None
-        kind, guard_args = _guard_args(guard, proof or ((checkpoint_ns, checkpoint_id),))
-        args = [
-            thread_id,
-            checkpoint_ns,
-            checkpoint_id,
-            task_id,
-            task_path,
-            [w[0] for w in writes],
-            [w[1] for w in writes],
-            [w[2] for w in writes],
-            [w[3] for w in writes],
-            tenant_id,
-            *guard_args,
-        ]
-        landed = await self._fetchrow(_PUT_WRITES_SQL[upsert][kind], args, what="put_writes")
+        kind, guard_args = _guard_args(guard, proof or ((task.checkpoint_ns, task.checkpoint_id),))
+        args = [*task.key(), *_arrays(task.writes), *guard_args]
+        sql = _PUT_WRITES_SQL[task.upsert][kind]
+        landed = await self._fetchrow(sql, args, what="put_writes")
         return (False, False) if landed is None else (True, bool(landed[1]))
 
     async def select(self, query: CheckpointQuery) -> list[StoredCheckpoint]:
@@ -254,17 +220,8 @@ class PostgresDriver:
 
         rows = await retry_connection_errors(fetch, what="checkpoint read")
         return [
-            StoredCheckpoint(
-                tenant_id=query.tenant_id,
-                thread_id=r[0],
-                checkpoint_ns=r[1],
-                checkpoint_id=r[2],
-                parent_checkpoint_id=r[3],
-                type=r[4],
-                checkpoint=r[5],
-                metadata=r[6],
-                blobs=[tuple(b) for b in r[7]],
-                writes=[tuple(w) for w in r[8]],
+            StoredCheckpoint.selected(
+                query.tenant_id, r, [tuple(b) for b in r[7]], [tuple(w) for w in r[8]]
             )
             for r in rows
         ]

@@ -13,11 +13,15 @@ if TYPE_CHECKING:
     from langgraph_fence.lease import Lease
 
 __all__ = [
+    "BlobRow",
+    "CheckpointFields",
     "CheckpointQuery",
     "CheckpointRow",
     "Driver",
     "Guard",
     "StoredCheckpoint",
+    "TaskWrites",
+    "WriteRow",
 ]
 
 
@@ -57,9 +61,16 @@ class Guard:
         )
 
 
+#: ``(channel, version, type, blob)``
+BlobRow = tuple[str, str, str, bytes | None]
+#: ``(idx, channel, type, blob)``
+WriteRow = tuple[int, str, str, bytes]
+
+
 @dataclass(frozen=True, slots=True)
-class CheckpointRow:
-    """One checkpoint, serialized, ready to insert."""
+class CheckpointFields:
+    """What a checkpoint row holds written and read alike: its key, its parent, and the
+    checkpoint serialized (``type``, ``checkpoint``)."""
 
     tenant_id: str
     thread_id: str
@@ -68,15 +79,57 @@ class CheckpointRow:
     parent_checkpoint_id: str | None
     type: str
     checkpoint: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRow(CheckpointFields):
+    """One checkpoint, serialized, ready to insert, with the blobs it writes."""
+
     channel_versions: str
     metadata: str
     run_id: str | None
+    blobs: Sequence[BlobRow] = ()
+
+    def columns(self) -> tuple[Any, ...]:
+        """The row's values in the table's column order, up to ``run_id``."""
+        return (
+            self.tenant_id,
+            self.thread_id,
+            self.checkpoint_ns,
+            self.checkpoint_id,
+            self.parent_checkpoint_id,
+            self.type,
+            self.checkpoint,
+            self.channel_versions,
+            self.metadata,
+            self.run_id,
+        )
 
 
-#: ``(channel, version, type, blob)``
-BlobRow = tuple[str, str, str, bytes | None]
-#: ``(idx, channel, type, blob)``
-WriteRow = tuple[int, str, str, bytes]
+@dataclass(frozen=True, slots=True)
+class TaskWrites:
+    """A task's writes for one checkpoint, serialized, ready to insert."""
+
+    tenant_id: str
+    thread_id: str
+    checkpoint_ns: str
+    checkpoint_id: str
+    task_id: str
+    task_path: str
+    writes: Sequence[WriteRow]
+    #: Every channel is one of LangGraph's special ones: a write again replaces the row.
+    upsert: bool
+
+    def key(self) -> tuple[str, str, str, str, str, str]:
+        """The columns every row of the task's writes shares, in the table's order."""
+        return (
+            self.tenant_id,
+            self.thread_id,
+            self.checkpoint_ns,
+            self.checkpoint_id,
+            self.task_id,
+            self.task_path,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,44 +146,50 @@ class CheckpointQuery:
 
 
 @dataclass(frozen=True, slots=True)
-class StoredCheckpoint:
+class StoredCheckpoint(CheckpointFields):
     """One checkpoint as read back, with its channel blobs and pending writes."""
 
-    tenant_id: str
-    thread_id: str
-    checkpoint_ns: str
-    checkpoint_id: str
-    parent_checkpoint_id: str | None
-    type: str
-    checkpoint: bytes
     metadata: str
     #: ``(channel, type, blob)`` for every channel version the checkpoint references
     blobs: Sequence[tuple[str, str, bytes | None]]
     #: ``(task_id, channel, type, blob, task_path, idx)``
     writes: Sequence[tuple[str, str, str, bytes, str, int]]
 
+    @classmethod
+    def selected(
+        cls,
+        tenant_id: str,
+        row: Sequence[Any],
+        blobs: Sequence[tuple[str, str, bytes | None]],
+        writes: Sequence[tuple[str, str, str, bytes, str, int]],
+    ) -> StoredCheckpoint:
+        """From a row of a driver's select, whose first columns are ``thread_id,
+        checkpoint_ns, checkpoint_id, parent_checkpoint_id, type, checkpoint, metadata``."""
+        thread_id, checkpoint_ns, checkpoint_id, parent_id, type_, checkpoint, metadata = row[:7]
+        return cls(
+            tenant_id,
+            thread_id,
+            checkpoint_ns,
+            checkpoint_id,
+            parent_id,
+            type_,
+            checkpoint,
+            metadata,
+            blobs,
+            writes,
+        )
+
 
 class Driver(Protocol):
     """The hot paths of one dialect, each one statement (PostgreSQL) or one transaction run
     in one hop to the connection's thread (SQLite)."""
 
-    async def put(self, row: CheckpointRow, blobs: Sequence[BlobRow], guard: Guard | None) -> bool:
+    async def put(self, row: CheckpointRow, guard: Guard | None) -> bool:
         """Insert the blobs and the checkpoint; ``False`` (and nothing written) when the
         guard found no current lease."""
         ...
 
-    async def put_writes(
-        self,
-        tenant_id: str,
-        thread_id: str,
-        checkpoint_ns: str,
-        checkpoint_id: str,
-        task_id: str,
-        task_path: str,
-        writes: Sequence[WriteRow],
-        upsert: bool,
-        guard: Guard | None,
-    ) -> tuple[bool, bool]:
+    async def put_writes(self, task: TaskWrites, guard: Guard | None) -> tuple[bool, bool]:
         """Insert a task's writes: ``(landed, cleared)``. ``landed`` is ``False`` (and nothing
         written) when the guard refused; ``cleared`` tells whether ``guard.clear_keys`` were
         cleared (only when the writes' checkpoint is stored)."""

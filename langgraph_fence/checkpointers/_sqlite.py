@@ -26,12 +26,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence._compat import aiosqlite_call
 from langgraph_fence.checkpointers._rows import (
-    BlobRow,
     CheckpointQuery,
     CheckpointRow,
     Guard,
     StoredCheckpoint,
-    WriteRow,
+    TaskWrites,
 )
 from langgraph_fence.database.driver import Connections
 from langgraph_fence.lease.guard import guard_sql
@@ -196,49 +195,25 @@ class SqliteDriver:
                 else:
                     future.set_result(landed)
 
-    async def put(self, row: CheckpointRow, blobs: Sequence[BlobRow], guard: Guard | None) -> bool:
+    async def put(self, row: CheckpointRow, guard: Guard | None) -> bool:
         def body(conn: sqlite3.Connection) -> bool:
             token = _check_guard(conn, guard)
             if token is False:
                 return False
-            if blobs:
+            if row.blobs:
                 conn.executemany(
                     _INSERT_BLOB,
-                    [(row.tenant_id, row.thread_id, row.checkpoint_ns, *b) for b in blobs],
+                    [(row.tenant_id, row.thread_id, row.checkpoint_ns, *b) for b in row.blobs],
                 )
-            conn.execute(
-                _INSERT_CHECKPOINT,
-                (
-                    row.tenant_id,
-                    row.thread_id,
-                    row.checkpoint_ns,
-                    row.checkpoint_id,
-                    row.parent_checkpoint_id,
-                    row.type,
-                    row.checkpoint,
-                    row.channel_versions,
-                    row.metadata,
-                    row.run_id,
-                    token,
-                ),
-            )
+            conn.execute(_INSERT_CHECKPOINT, (*row.columns(), token))
             return True
 
         return await self._write(body)
 
-    async def put_writes(
-        self,
-        tenant_id: str,
-        thread_id: str,
-        checkpoint_ns: str,
-        checkpoint_id: str,
-        task_id: str,
-        task_path: str,
-        writes: Sequence[WriteRow],
-        upsert: bool,
-        guard: Guard | None,
-    ) -> tuple[bool, bool]:
+    async def put_writes(self, task: TaskWrites, guard: Guard | None) -> tuple[bool, bool]:
         cleared: list[bool] = []
+        tenant_id, thread_id = task.tenant_id, task.thread_id
+        at = (task.checkpoint_ns, task.checkpoint_id)
 
         def body(conn: sqlite3.Connection) -> bool:
             # In the write lock: checkpoints seen here stay stored with the writes. The
@@ -250,28 +225,16 @@ class SqliteDriver:
                 and all(
                     conn.execute(_CHECKPOINT_STORED, (tenant_id, thread_id, ns, id_)).fetchone()
                     is not None
-                    for ns, id_ in guard.proof or ((checkpoint_ns, checkpoint_id),)
+                    for ns, id_ in guard.proof or (at,)
                 )
             )
             token = _check_guard(conn, guard, clear=stored)
             if token is False:
                 return False
             cleared[:] = [stored]
+            key = task.key()
             conn.executemany(
-                _INSERT_WRITE_SQL[upsert],
-                [
-                    (
-                        tenant_id,
-                        thread_id,
-                        checkpoint_ns,
-                        checkpoint_id,
-                        task_id,
-                        task_path,
-                        *w,
-                        token,
-                    )
-                    for w in writes
-                ],
+                _INSERT_WRITE_SQL[task.upsert], [(*key, *w, token) for w in task.writes]
             )
             return True
 
@@ -308,20 +271,7 @@ class SqliteDriver:
                 tenant = query.tenant_id
                 blobs = conn.execute(_SELECT_BLOBS, (r[7], tenant, r[0], r[1])).fetchall()
                 writes = conn.execute(_SELECT_WRITES, (tenant, r[0], r[1], r[2])).fetchall()
-                out.append(
-                    StoredCheckpoint(
-                        tenant_id=tenant,
-                        thread_id=r[0],
-                        checkpoint_ns=r[1],
-                        checkpoint_id=r[2],
-                        parent_checkpoint_id=r[3],
-                        type=r[4],
-                        checkpoint=r[5],
-                        metadata=r[6],
-                        blobs=blobs,
-                        writes=writes,
-                    )
-                )
+                out.append(StoredCheckpoint.selected(tenant, r, blobs, writes))
             return out
 
         # No transaction: blobs are never rewritten once a checkpoint references them, and a

@@ -52,9 +52,11 @@ __all__ = ["CHECKPOINT_MIGRATIONS", "COMPONENT"]
 #: The component name in ``fence_schema_versions``.
 COMPONENT = "checkpoints"
 
-_CHECKPOINTS = """
-CREATE TABLE IF NOT EXISTS fence_checkpoints (
-    thread_id TEXT NOT NULL,
+#: Each table's columns as version 1 made them, and its primary key; version 2 puts
+#: ``tenant_id`` first in both.
+_TABLES: dict[str, tuple[str, str]] = {
+    "fence_checkpoints": (
+        """thread_id TEXT NOT NULL,
     checkpoint_ns TEXT NOT NULL DEFAULT '',
     checkpoint_id TEXT NOT NULL,
     parent_checkpoint_id TEXT,
@@ -63,26 +65,20 @@ CREATE TABLE IF NOT EXISTS fence_checkpoints (
     channel_versions {json} NOT NULL,
     metadata {json} NOT NULL,
     run_id TEXT,
-    fence_token BIGINT,
-    PRIMARY KEY (thread_id, checkpoint_ns, checkpoint_id)
-)
-"""
-
-_BLOBS = """
-CREATE TABLE IF NOT EXISTS fence_checkpoint_blobs (
-    thread_id TEXT NOT NULL,
+    fence_token BIGINT""",
+        "thread_id, checkpoint_ns, checkpoint_id",
+    ),
+    "fence_checkpoint_blobs": (
+        """thread_id TEXT NOT NULL,
     checkpoint_ns TEXT NOT NULL DEFAULT '',
     channel TEXT NOT NULL,
     version TEXT NOT NULL,
     type TEXT NOT NULL,
-    blob {binary},
-    PRIMARY KEY (thread_id, checkpoint_ns, channel, version)
-)
-"""
-
-_WRITES = """
-CREATE TABLE IF NOT EXISTS fence_checkpoint_writes (
-    thread_id TEXT NOT NULL,
+    blob {binary}""",
+        "thread_id, checkpoint_ns, channel, version",
+    ),
+    "fence_checkpoint_writes": (
+        """thread_id TEXT NOT NULL,
     checkpoint_ns TEXT NOT NULL DEFAULT '',
     checkpoint_id TEXT NOT NULL,
     task_id TEXT NOT NULL,
@@ -91,73 +87,29 @@ CREATE TABLE IF NOT EXISTS fence_checkpoint_writes (
     type TEXT NOT NULL,
     blob {binary} NOT NULL,
     task_path TEXT NOT NULL DEFAULT '',
-    fence_token BIGINT,
-    PRIMARY KEY (thread_id, checkpoint_ns, checkpoint_id, task_id, idx)
-)
-"""
+    fence_token BIGINT""",
+        "thread_id, checkpoint_ns, checkpoint_id, task_id, idx",
+    ),
+}
 
 _RUN_ID_INDEX = "CREATE INDEX IF NOT EXISTS fence_checkpoints_run_id ON fence_checkpoints (run_id)"
 
 
+def _column_names(table: str) -> list[str]:
+    """The names of the table's version 1 columns, in order."""
+    columns, _ = _TABLES[table]
+    return [line.split()[0] for line in columns.split(",\n")]
+
+
 def _steps(*, binary: str, json: str) -> list[str]:
-    return [
-        _CHECKPOINTS.format(binary=binary, json=json),
-        _BLOBS.format(binary=binary),
-        _WRITES.format(binary=binary),
-        _RUN_ID_INDEX,
+    steps = [
+        f"\nCREATE TABLE IF NOT EXISTS {table} (\n    {columns},\n    PRIMARY KEY ({key})\n)\n"
+        for table, (columns, key) in _TABLES.items()
     ]
+    return [step.format(binary=binary, json=json) for step in steps] + [_RUN_ID_INDEX]
 
 
 # -- version 2: the tenant in every key
-
-_TABLES_V2 = {
-    "fence_checkpoints": (
-        """tenant_id TEXT NOT NULL,
-    thread_id TEXT NOT NULL,
-    checkpoint_ns TEXT NOT NULL DEFAULT '',
-    checkpoint_id TEXT NOT NULL,
-    parent_checkpoint_id TEXT,
-    type TEXT NOT NULL,
-    checkpoint {binary} NOT NULL,
-    channel_versions {json} NOT NULL,
-    metadata {json} NOT NULL,
-    run_id TEXT,
-    fence_token BIGINT,
-    CONSTRAINT fence_checkpoints_tenant_pkey
-        PRIMARY KEY (tenant_id, thread_id, checkpoint_ns, checkpoint_id)""",
-        "thread_id, checkpoint_ns, checkpoint_id, parent_checkpoint_id, type, checkpoint,"
-        " channel_versions, metadata, run_id, fence_token",
-    ),
-    "fence_checkpoint_blobs": (
-        """tenant_id TEXT NOT NULL,
-    thread_id TEXT NOT NULL,
-    checkpoint_ns TEXT NOT NULL DEFAULT '',
-    channel TEXT NOT NULL,
-    version TEXT NOT NULL,
-    type TEXT NOT NULL,
-    blob {binary},
-    CONSTRAINT fence_checkpoint_blobs_tenant_pkey
-        PRIMARY KEY (tenant_id, thread_id, checkpoint_ns, channel, version)""",
-        "thread_id, checkpoint_ns, channel, version, type, blob",
-    ),
-    "fence_checkpoint_writes": (
-        """tenant_id TEXT NOT NULL,
-    thread_id TEXT NOT NULL,
-    checkpoint_ns TEXT NOT NULL DEFAULT '',
-    checkpoint_id TEXT NOT NULL,
-    task_id TEXT NOT NULL,
-    idx INTEGER NOT NULL,
-    channel TEXT NOT NULL,
-    type TEXT NOT NULL,
-    blob {binary} NOT NULL,
-    task_path TEXT NOT NULL DEFAULT '',
-    fence_token BIGINT,
-    CONSTRAINT fence_checkpoint_writes_tenant_pkey
-        PRIMARY KEY (tenant_id, thread_id, checkpoint_ns, checkpoint_id, task_id, idx)""",
-        "thread_id, checkpoint_ns, checkpoint_id, task_id, idx, channel, type, blob,"
-        " task_path, fence_token",
-    ),
-}
 
 _OWNERS = "fence_thread_owners_v2"
 
@@ -193,12 +145,18 @@ async def _thread_owners(conn: AsyncConnection, dialect: Dialect) -> None:
 
 
 def _rebuilt(table: str, *, binary: str, json: str) -> list[str]:
-    columns, copied = _TABLES_V2[table]
+    columns, key = _TABLES[table]
+    names = _column_names(table)
+    copied = ", ".join(names)
     old = f"{table}_v1"
-    values = ", ".join(f"r.{column.strip()}" for column in copied.split(","))
+    values = ", ".join(f"r.{name}" for name in names)
+    tenant_columns = (
+        f"tenant_id TEXT NOT NULL,\n    {columns},\n    CONSTRAINT {table}_tenant_pkey\n"
+        f"        PRIMARY KEY (tenant_id, {key})"
+    )
     return [
         f"ALTER TABLE {table} RENAME TO {old}",
-        f"CREATE TABLE {table} (\n    {columns.format(binary=binary, json=json)}\n)",
+        f"CREATE TABLE {table} (\n    {tenant_columns.format(binary=binary, json=json)}\n)",
         f"INSERT INTO {table} (tenant_id, {copied})"
         f" SELECT coalesce(o.tenant_id, ''), {values}"
         f" FROM {old} r LEFT JOIN {_OWNERS} o ON o.thread_id = r.thread_id",
@@ -208,7 +166,7 @@ def _rebuilt(table: str, *, binary: str, json: str) -> list[str]:
 
 def _steps_v2(*, binary: str, json: str) -> list[MigrationStep]:
     steps: list[MigrationStep] = [_thread_owners]
-    for table in _TABLES_V2:
+    for table in _TABLES:
         steps.extend(_rebuilt(table, binary=binary, json=json))
     steps += [_RUN_ID_INDEX, f"DROP TABLE {_OWNERS}"]
     return steps
@@ -224,7 +182,7 @@ async def _default_moves(conn: AsyncConnection, dialect: Dialect) -> None:
     ``'default'``: each one with no row of ``'default'`` (two threads are never merged) and
     that no lease or record of another tenant names (a thread version 2 could not give one
     tenant stays where no tenant sees it)."""
-    tables = list(_TABLES_V2)
+    tables = list(_TABLES)
     old = " UNION ".join(f"SELECT thread_id FROM {t} WHERE tenant_id = ''" for t in tables)
     taken = " UNION ".join(f"SELECT thread_id FROM {t} WHERE tenant_id = 'default'" for t in tables)
     named = []
@@ -248,7 +206,7 @@ def _steps_v3() -> list[MigrationStep]:
     steps += [
         f"UPDATE {table} SET tenant_id = 'default' WHERE tenant_id = ''"
         f" AND thread_id IN (SELECT thread_id FROM {_MOVES})"
-        for table in _TABLES_V2
+        for table in _TABLES
     ]
     return [*steps, f"DROP TABLE {_MOVES}"]
 

@@ -28,11 +28,11 @@ import asyncio
 import logging
 from collections.abc import (
     AsyncIterator,
+    Awaitable,
     Callable,
     Collection,
     Coroutine,
     Iterator,
-    Mapping,
     Sequence,
 )
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
@@ -44,7 +44,6 @@ from langgraph.checkpoint.base import (
     Checkpoint,
     CheckpointMetadata,
     CheckpointTuple,
-    DeltaChannelHistory,
 )
 
 from langgraph_fence.errors import ExecutionContextUnavailableError, ExecutionLeaseLostError
@@ -59,18 +58,12 @@ from langgraph_fence.fence.admission import (
     writes_proof,
 )
 from langgraph_fence.fence.proofs import CheckpointAt
-from langgraph_fence.fence.tenancy import (
-    DEFAULT_TENANT,
-    LEGACY_TENANT,
-    inner_thread_id,
-    legacy_thread_id,
-    outer_thread_id,
-    plain_tenant,
-    thread_tenant,
-)
-from langgraph_fence.from_thread import hop
+from langgraph_fence.fence.tenancy import DEFAULT_TENANT, LEGACY_TENANT
+from langgraph_fence.from_thread import hop, running_loop
 from langgraph_fence.keys import FENCE_CONFIG_KEY
 from langgraph_fence.lease.faults import fault_point
+from langgraph_fence.saver._optional import OPTIONAL_IMPLEMENTATIONS
+from langgraph_fence.saver._tenants import ThreadNames, without_handle
 from langgraph_fence.serde import strict_serde
 
 if TYPE_CHECKING:
@@ -85,15 +78,6 @@ T = TypeVar("T")
 
 def _checkpoint_at(config: RunnableConfig, checkpoint_id: str) -> CheckpointAt:
     return (str((config.get("configurable") or {}).get("checkpoint_ns") or ""), checkpoint_id)
-
-
-def _without_handle(config: RunnableConfig) -> RunnableConfig:
-    # The handle goes, its tenant stays: the inner saver writes the tenant's own thread.
-    tenant_id = thread_tenant(config)
-    configurable = {k: v for k, v in config["configurable"].items() if k != FENCE_CONFIG_KEY}
-    if tenant_id != DEFAULT_TENANT:
-        configurable["tenant_id"] = tenant_id
-    return {**config, "configurable": configurable}
 
 
 _LOOP_THREAD_ERROR = (
@@ -221,7 +205,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         self._loop: asyncio.AbstractEventLoop | None = None
         # A saver that keys threads by tenant itself (SqlCheckpointer) gets configs as they
         # are; any other keeps a tenant's thread under an id of its own (inner_thread_id).
-        self._scopes_tenants = bool(getattr(inner, "scopes_tenants", False))
+        self._names = ThreadNames(bool(getattr(inner, "scopes_tenants", False)))
         # A fence-aware saver that makes the local checks of a fenced write itself (the
         # run's recorded error, the thread's execution: check_write_scope), before anything
         # else, gets its writes delegated as they are: the checks are not made twice.
@@ -260,73 +244,6 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     def get_next_version(self, current: Any, channel: None) -> Any:
         return self.inner.get_next_version(current, channel)
 
-    # -- tenants: a saver that keys threads by tenant itself gets the configs as they are
-
-    def _inner_config(self, config: RunnableConfig | None) -> Any:
-        """``config`` as the inner saver must see it to keep the tenant's thread apart."""
-        if self._scopes_tenants or not isinstance(config, Mapping):
-            return config
-        configurable = config.get("configurable") or {}
-        if configurable.get("thread_id") is None:
-            # alist over all threads: the inner saver lists every thread, filtered here.
-            rest = {k: v for k, v in configurable.items() if k != "tenant_id"}
-            return {**config, "configurable": rest} if rest else None
-        thread_id = str(configurable["thread_id"])
-        inner_id = inner_thread_id(thread_tenant(config), thread_id)
-        if inner_id == thread_id:
-            return config
-        return {**config, "configurable": {**configurable, "thread_id": inner_id}}
-
-    def _outer_config(self, config: Any) -> Any:
-        """A config the inner saver returned, as the caller names the thread."""
-        if self._scopes_tenants or not isinstance(config, Mapping):
-            return config
-        configurable = config.get("configurable") or {}
-        if configurable.get("thread_id") is None:
-            return config
-        inner_id = str(configurable["thread_id"])
-        tenant_id, thread_id = outer_thread_id(inner_id)
-        if plain_tenant(tenant_id) and thread_id == inner_id:
-            return config
-        outer = {**configurable, "thread_id": thread_id}
-        if tenant_id != DEFAULT_TENANT:
-            outer["tenant_id"] = tenant_id
-        return {**config, "configurable": outer}
-
-    def _outer_tuple(self, item: CheckpointTuple | None) -> CheckpointTuple | None:
-        if self._scopes_tenants or item is None:
-            return item
-        return item._replace(
-            config=self._outer_config(item.config),
-            parent_config=self._outer_config(item.parent_config),
-        )
-
-    def _own_items(
-        self, config: RunnableConfig | None, limit: int | None
-    ) -> tuple[Callable[[CheckpointTuple], CheckpointTuple | None], int | None]:
-        """For ``alist``: how to map each inner item (``None``: another tenant's), and the
-        limit to ask the inner saver for (none when items must be filtered first)."""
-        if self._scopes_tenants:
-            return (lambda item: item), limit
-        tenant_id = thread_tenant(config)
-        named = (
-            isinstance(config, Mapping)
-            and (config.get("configurable") or {}).get("thread_id") is not None
-        )
-
-        def own(item: CheckpointTuple) -> CheckpointTuple | None:
-            outer = self._outer_tuple(item)
-            assert outer is not None
-            return outer if thread_tenant(outer.config) == tenant_id else None
-
-        return own, (limit if named else None)
-
-    def _thread_call(self, thread_id: str, tenant_id: str) -> tuple[str, dict[str, str]]:
-        """``(thread id, keyword arguments)`` for an inner admin call on the tenant's thread."""
-        if self._scopes_tenants:
-            return thread_id, {"tenant_id": tenant_id}
-        return inner_thread_id(tenant_id, str(thread_id)), {}
-
     def tenant_of(self, tenant_id: str | None) -> str:
         """The tenant a call that names ``tenant_id`` (``None``: none) acts on: the one way
         every call of this saver resolves a missing tenant, reads, writes and admin calls
@@ -339,42 +256,17 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     # -- reads: never fenced; each sees the tenant's own threads only
 
     def _tenanted(self, config: Any) -> Any:
-        """``config`` with the owning instance's default tenant where it names none: a plain
-        ``graph.aget_state(config)`` reads the thread a plain ``graph.ainvoke`` wrote."""
-        if self.instance is None or not isinstance(config, Mapping):
-            return config
-        configurable = config.get("configurable")
-        if (
-            not isinstance(configurable, Mapping)
-            or configurable.get("thread_id") is None
-            or configurable.get("tenant_id") is not None
-            or FENCE_CONFIG_KEY in configurable
-        ):
-            return config
-        tenant = {**configurable, "tenant_id": self.instance.tenant_id}
-        return {**config, "configurable": tenant}
-
-    def _legacy_config(self, config: Any) -> Any:
-        """``config`` naming the thread's legacy id (:func:`legacy_thread_id`), or
-        ``None``: a saver keyed by tenant, or no legacy id for the thread's tenant."""
-        if self._scopes_tenants or not isinstance(config, Mapping):
-            return None
-        configurable = config.get("configurable") or {}
-        if configurable.get("thread_id") is None:
-            return None
-        tenant_id = thread_tenant(config)  # type: ignore[arg-type]
-        legacy = legacy_thread_id(tenant_id, str(configurable["thread_id"]))
-        if legacy is None:
-            return None
-        return {**config, "configurable": {**configurable, "thread_id": legacy}}
+        return self._names.tenanted(
+            config, None if self.instance is None else self.instance.tenant_id
+        )
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         config = self._tenanted(config)
-        found = await self.inner.aget_tuple(self._inner_config(config))
-        legacy = self._legacy_config(config) if found is None else None
+        found = await self.inner.aget_tuple(self._names.inner_config(config))
+        legacy = self._names.legacy_config(config) if found is None else None
         if legacy is not None:
             found = await self.inner.aget_tuple(legacy)
-        return self._outer_tuple(found)
+        return self._names.outer_tuple(found)
 
     async def alist(
         self,
@@ -385,12 +277,12 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         limit: int | None = None,
     ) -> AsyncIterator[CheckpointTuple]:
         config, before = self._tenanted(config), self._tenanted(before)
-        own, inner_limit = self._own_items(config, limit)
+        own, inner_limit = self._names.own_items(config, limit)
         listed = 0
         async for item in self.inner.alist(
-            self._inner_config(config),
+            self._names.inner_config(config),
             filter=filter,
-            before=self._inner_config(before),
+            before=self._names.inner_config(before),
             limit=inner_limit,
         ):
             outer = own(item)
@@ -403,11 +295,11 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         config = self._tenanted(config)
-        found = self.inner.get_tuple(self._inner_config(config))
-        legacy = self._legacy_config(config) if found is None else None
+        found = self.inner.get_tuple(self._names.inner_config(config))
+        legacy = self._names.legacy_config(config) if found is None else None
         if legacy is not None:
             found = self.inner.get_tuple(legacy)
-        return self._outer_tuple(found)
+        return self._names.outer_tuple(found)
 
     def list(
         self,
@@ -418,11 +310,11 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         limit: int | None = None,
     ) -> Iterator[CheckpointTuple]:
         config, before = self._tenanted(config), self._tenanted(before)
-        own, inner_limit = self._own_items(config, limit)
+        own, inner_limit = self._names.own_items(config, limit)
         items = self.inner.list(
-            self._inner_config(config),
+            self._names.inner_config(config),
             filter=filter,
-            before=self._inner_config(before),
+            before=self._names.inner_config(before),
             limit=inner_limit,
         )
         mine = (outer for item in items if (outer := own(item)) is not None)
@@ -470,15 +362,6 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             admit_write(handle, config, action)
         return True
 
-    async def _check_outside(
-        self, handle: RunHandle, config: RunnableConfig, action: str
-    ) -> RunnableConfig:
-        """For an inner saver that cannot check the token: check it here, by one read."""
-        admit_write(handle, config, action)
-        self._loop = asyncio.get_running_loop()
-        await check_held(handle, config, action)
-        return _without_handle(config)
-
     async def aput(
         self,
         config: RunnableConfig,
@@ -486,45 +369,19 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
-        handle = self._handle(config, "aput")
-        if handle is None:
-            stored = await self.inner.aput(
-                self._inner_config(config), checkpoint, metadata, new_versions
-            )
-            return self._outer_config(stored)  # type: ignore[no-any-return]
-        # A checkpoint write of the tree keeps its lease held (re-taken first if yielded).
-        activity = handle.activity
-        if not activity.enter_held():
-            await activity.enter()
-        try:
-            if not self._delegates(handle, config, "aput"):
-                return await self._aput_outside(handle, config, checkpoint, metadata, new_versions)
-            try:
-                saved = await self.inner.aput(
-                    self._inner_config(config), checkpoint, metadata, new_versions
-                )
-            except ExecutionLeaseLostError as exc:
-                raise refuse_write(handle, config, exc) from None
-            return self._outer_config(saved)  # type: ignore[no-any-return]
-        finally:
-            activity.leave()
+        names = self._names
 
-    async def _aput_outside(
-        self,
-        handle: RunHandle,
-        config: RunnableConfig,
-        checkpoint: Checkpoint,
-        metadata: CheckpointMetadata,
-        new_versions: ChannelVersions,
-    ) -> RunnableConfig:
-        inner_config = await self._check_outside(handle, config, "aput")
-        try:
+        async def delegated(config: RunnableConfig) -> RunnableConfig:
+            saved = await self.inner.aput(
+                names.inner_config(config), checkpoint, metadata, new_versions
+            )
+            return names.outer_config(saved)  # type: ignore[no-any-return]
+
+        async def outside(handle: RunHandle, inner_config: RunnableConfig) -> RunnableConfig:
             await fault_point(
                 "checkpoint.before", config=config, checkpoint=checkpoint, metadata=metadata
             )
-            saved = await self.inner.aput(
-                self._inner_config(inner_config), checkpoint, metadata, new_versions
-            )
+            saved = await delegated(inner_config)
             keys = checkpoint_clear_keys(handle, config, checkpoint["id"])
             if keys:
                 # Not in the inner write's transaction: a crash in between leaves the
@@ -536,9 +393,9 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             await fault_point(
                 "checkpoint.after", config=config, checkpoint=checkpoint, metadata=metadata
             )
-            return self._outer_config(saved)  # type: ignore[no-any-return]
-        except ExecutionLeaseLostError as exc:
-            raise refuse_write(handle, config, exc) from None
+            return saved
+
+        return await self._write(config, "aput", delegated, outside)
 
     async def aput_writes(
         self,
@@ -547,37 +404,14 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         task_id: str,
         task_path: str = "",
     ) -> None:
-        handle = self._handle(config, "aput_writes")
-        if handle is None:
-            await self.inner.aput_writes(self._inner_config(config), writes, task_id, task_path)
-            return
-        activity = handle.activity
-        if not activity.enter_held():
-            await activity.enter()
-        try:
-            if not self._delegates(handle, config, "aput_writes"):
-                await self._aput_writes_outside(handle, config, writes, task_id, task_path)
-                return
-            try:
-                await self.inner.aput_writes(self._inner_config(config), writes, task_id, task_path)
-            except ExecutionLeaseLostError as exc:
-                raise refuse_write(handle, config, exc) from None
-        finally:
-            activity.leave()
+        async def delegated(config: RunnableConfig) -> None:
+            await self.inner.aput_writes(
+                self._names.inner_config(config), writes, task_id, task_path
+            )
 
-    async def _aput_writes_outside(
-        self,
-        handle: RunHandle,
-        config: RunnableConfig,
-        writes: Sequence[tuple[str, Any]],
-        task_id: str,
-        task_path: str,
-    ) -> None:
-        inner_config = await self._check_outside(handle, config, "aput_writes")
-        try:
+        async def outside(handle: RunHandle, inner_config: RunnableConfig) -> None:
             await fault_point("writes.before", config=config, task_id=task_id, writes=writes)
-            tenant_config = self._inner_config(inner_config)
-            await self.inner.aput_writes(tenant_config, writes, task_id, task_path)
+            await delegated(inner_config)
             await fault_point("writes.after", config=config, task_id=task_id, writes=writes)
             keys = writes_clear_keys(handle, task_id, writes)
             # Writes whose checkpoint (or an ancestor's) is not stored are seen by no
@@ -585,12 +419,45 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             # proof clears the entries instead.
             if keys:
                 proof = writes_proof(config)
-                if await self._all_stored(tenant_config, proof):
+                if await self._all_stored(self._names.inner_config(inner_config), proof):
                     await handle.clear_pending_effects(keys)
                 elif proven := handle.proofs.landed_unproven(keys, proof):
                     await handle.clear_pending_effects(proven)
-        except ExecutionLeaseLostError as exc:
-            raise refuse_write(handle, config, exc) from None
+
+        await self._write(config, "aput_writes", delegated, outside)
+
+    async def _write(
+        self,
+        config: RunnableConfig,
+        action: str,
+        delegated: Callable[[RunnableConfig], Awaitable[T]],
+        outside: Callable[[RunHandle, RunnableConfig], Awaitable[T]],
+    ) -> T:
+        """A checkpoint write: ``delegated(config)`` to the inner saver unfenced, or fenced
+        when the inner saver checks the token itself; else ``outside(handle, config)``, the
+        write after this wrapper's own check (by one read), with the config the inner saver
+        may see. A refusal is recorded on the run."""
+        handle = self._handle(config, action)
+        if handle is None:
+            return await delegated(config)
+        # A checkpoint write of the tree keeps its lease held (re-taken first if yielded).
+        activity = handle.activity
+        if not activity.enter_held():
+            await activity.enter()
+        try:
+            if self._delegates(handle, config, action):
+                write = delegated(config)
+            else:
+                admit_write(handle, config, action)
+                self._loop = asyncio.get_running_loop()
+                await check_held(handle, config, action)
+                write = outside(handle, without_handle(config))
+            try:
+                return await write
+            except ExecutionLeaseLostError as exc:
+                raise refuse_write(handle, config, exc) from None
+        finally:
+            activity.leave()
 
     async def _all_stored(self, inner_config: Any, proof: Sequence[CheckpointAt]) -> bool:
         """Whether the inner saver has every checkpoint of ``proof`` (one read each)."""
@@ -613,9 +480,9 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
 
     async def _adelete_inner(self, thread_id: str, tenant_id: str) -> None:
         """Delete the tenant's thread from the inner saver (and its legacy id, if any)."""
-        inner_id, tenant = self._thread_call(thread_id, tenant_id)
+        inner_id, tenant = self._names.thread_call(thread_id, tenant_id)
         await self.inner.adelete_thread(inner_id, **tenant)
-        legacy = None if self._scopes_tenants else legacy_thread_id(tenant_id, str(thread_id))
+        legacy = self._names.legacy_thread(tenant_id, thread_id)
         if legacy is not None:
             await self.inner.adelete_thread(legacy)
 
@@ -651,9 +518,9 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         if self._admin_for(tenant_id) is not None:
             self._run_sync(lambda: self.adelete_thread(thread_id, tenant_id=tenant_id))
             return
-        inner_id, tenant = self._thread_call(thread_id, tenant_id)
+        inner_id, tenant = self._names.thread_call(thread_id, tenant_id)
         self.inner.delete_thread(inner_id, **tenant)
-        legacy = None if self._scopes_tenants else legacy_thread_id(tenant_id, str(thread_id))
+        legacy = self._names.legacy_thread(tenant_id, thread_id)
         if legacy is not None:
             self.inner.delete_thread(legacy)
 
@@ -662,10 +529,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     def _run_sync(self, coro_fn: Callable[[], Coroutine[Any, Any, T]]) -> T:
         """Run the async write on the loop the saver serves, from a worker thread."""
         loop = self._loop or getattr(self.inner, "loop", None)
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
+        running = running_loop()
         if running is not None and (loop is None or running is loop):
             raise asyncio.InvalidStateError(_LOOP_THREAD_ERROR.format(name="FencedCheckpointer"))
         if isinstance(loop, asyncio.AbstractEventLoop) and loop.is_running():
@@ -681,8 +545,10 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
         if self._handle(config, "put") is None:
-            stored = self.inner.put(self._inner_config(config), checkpoint, metadata, new_versions)
-            return self._outer_config(stored)  # type: ignore[no-any-return]
+            stored = self.inner.put(
+                self._names.inner_config(config), checkpoint, metadata, new_versions
+            )
+            return self._names.outer_config(stored)  # type: ignore[no-any-return]
         return self._run_sync(lambda: self.aput(config, checkpoint, metadata, new_versions))
 
     def put_writes(
@@ -693,170 +559,9 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         task_path: str = "",
     ) -> None:
         if self._handle(config, "put_writes") is None:
-            self.inner.put_writes(self._inner_config(config), writes, task_id, task_path)
+            self.inner.put_writes(self._names.inner_config(config), writes, task_id, task_path)
             return
         self._run_sync(lambda: self.aput_writes(config, writes, task_id, task_path))
-
-
-# -- optional methods: forwarded only where the inner saver's class overrides them. Admin
-# operations on whole threads and runs: under the executions' leases when an instance owns
-# the wrapper (see _admin_for).
-
-
-# Each within one tenant (FencedCheckpointer.tenant_of when none is given), as the reads
-# are. Run ids are global: over a saver that does not key threads by tenant,
-# delete_for_runs is not scoped to one tenant (a run id is one run's, of one tenant, anyway).
-
-
-def _tenant_kw(self: FencedCheckpointer, tenant_id: str) -> dict[str, str]:
-    return {"tenant_id": tenant_id} if self._scopes_tenants else {}
-
-
-def _threads(self: FencedCheckpointer, thread_ids: Sequence[str], tenant_id: str) -> Any:
-    if self._scopes_tenants or isinstance(thread_ids, str):
-        return thread_ids  # a str: the inner saver refuses it with its own message
-    return [inner_thread_id(tenant_id, str(t)) for t in thread_ids]
-
-
-async def _run_threads(
-    self: FencedCheckpointer, tenant_id: str, run_ids: Sequence[str]
-) -> list[str]:
-    """The tenant's threads holding a checkpoint of any of ``run_ids``."""
-    threads: set[str] = set()
-    for run_id in run_ids:
-        async for item in self.alist(
-            {"configurable": {"tenant_id": tenant_id}}, filter={"run_id": run_id}
-        ):
-            threads.add(str(item.config["configurable"]["thread_id"]))
-    return sorted(threads)
-
-
-async def _adelete_for_runs(
-    self: FencedCheckpointer, run_ids: Sequence[str], *, tenant_id: str | None = None
-) -> None:
-    tenant_id = self.tenant_of(tenant_id)
-    admin = self._admin_for(tenant_id)
-    if admin is None or isinstance(run_ids, str):  # a str: the inner saver refuses it
-        await self.inner.adelete_for_runs(run_ids, **_tenant_kw(self, tenant_id))
-        return
-    threads = await _run_threads(self, tenant_id, run_ids)
-    while True:
-        async with admin.hold(tenant_id, threads, action="delete_for_runs"):
-            # Looked up again under the holds: a run whose first checkpoint landed after
-            # the first look-up is on a thread not held yet. Remaining window: a first
-            # checkpoint landing between this look-up and the delete.
-            found = await _run_threads(self, tenant_id, run_ids)
-            if set(found) <= set(threads):
-                await self.inner.adelete_for_runs(run_ids, **_tenant_kw(self, tenant_id))
-                return
-        threads = sorted({*threads, *found})
-
-
-def _delete_for_runs(
-    self: FencedCheckpointer, run_ids: Sequence[str], *, tenant_id: str | None = None
-) -> None:
-    tenant_id = self.tenant_of(tenant_id)
-    if self._admin_for(tenant_id) is not None:
-        self._run_sync(lambda: _adelete_for_runs(self, run_ids, tenant_id=tenant_id))
-        return
-    self.inner.delete_for_runs(run_ids, **_tenant_kw(self, tenant_id))
-
-
-async def _acopy_thread(
-    self: FencedCheckpointer,
-    source_thread_id: str,
-    target_thread_id: str,
-    *,
-    tenant_id: str | None = None,
-) -> None:
-    tenant_id = self.tenant_of(tenant_id)
-    source, target = _threads(self, [source_thread_id, target_thread_id], tenant_id)
-    admin = self._admin_for(tenant_id)
-    if admin is None:
-        await self.inner.acopy_thread(source, target, **_tenant_kw(self, tenant_id))
-        return
-    # The target is held: the copy writes into it. The source is only read (reads are
-    # never fenced).
-    async with admin.hold(tenant_id, [str(target_thread_id)], action="copy_thread"):
-        await self.inner.acopy_thread(source, target, **_tenant_kw(self, tenant_id))
-
-
-def _copy_thread(
-    self: FencedCheckpointer,
-    source_thread_id: str,
-    target_thread_id: str,
-    *,
-    tenant_id: str | None = None,
-) -> None:
-    tenant_id = self.tenant_of(tenant_id)
-    if self._admin_for(tenant_id) is not None:
-        self._run_sync(
-            lambda: _acopy_thread(self, source_thread_id, target_thread_id, tenant_id=tenant_id)
-        )
-        return
-    source, target = _threads(self, [source_thread_id, target_thread_id], tenant_id)
-    self.inner.copy_thread(source, target, **_tenant_kw(self, tenant_id))
-
-
-async def _aprune(
-    self: FencedCheckpointer,
-    thread_ids: Sequence[str],
-    *,
-    strategy: str = "keep_latest",
-    tenant_id: str | None = None,
-) -> None:
-    tenant_id = self.tenant_of(tenant_id)
-    admin = self._admin_for(tenant_id)
-    inner_ids = _threads(self, thread_ids, tenant_id)
-    if admin is None or isinstance(thread_ids, str):  # a str: the inner saver refuses it
-        await self.inner.aprune(inner_ids, strategy=strategy, **_tenant_kw(self, tenant_id))
-        return
-    async with admin.hold(tenant_id, [str(t) for t in thread_ids], action="prune"):
-        await self.inner.aprune(inner_ids, strategy=strategy, **_tenant_kw(self, tenant_id))
-
-
-def _prune(
-    self: FencedCheckpointer,
-    thread_ids: Sequence[str],
-    *,
-    strategy: str = "keep_latest",
-    tenant_id: str | None = None,
-) -> None:
-    tenant_id = self.tenant_of(tenant_id)
-    if self._admin_for(tenant_id) is not None:
-        self._run_sync(lambda: _aprune(self, thread_ids, strategy=strategy, tenant_id=tenant_id))
-        return
-    self.inner.prune(
-        _threads(self, thread_ids, tenant_id), strategy=strategy, **_tenant_kw(self, tenant_id)
-    )
-
-
-async def _aget_delta_channel_history(
-    self: FencedCheckpointer, *, config: RunnableConfig, channels: Sequence[str]
-) -> Mapping[str, DeltaChannelHistory]:
-    return await self.inner.aget_delta_channel_history(
-        config=self._inner_config(config), channels=channels
-    )
-
-
-def _get_delta_channel_history(
-    self: FencedCheckpointer, *, config: RunnableConfig, channels: Sequence[str]
-) -> Mapping[str, DeltaChannelHistory]:
-    return self.inner.get_delta_channel_history(
-        config=self._inner_config(config), channels=channels
-    )
-
-
-_OPTIONAL_IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {
-    "adelete_for_runs": _adelete_for_runs,
-    "delete_for_runs": _delete_for_runs,
-    "acopy_thread": _acopy_thread,
-    "copy_thread": _copy_thread,
-    "aprune": _aprune,
-    "prune": _prune,
-    "aget_delta_channel_history": _aget_delta_channel_history,
-    "get_delta_channel_history": _get_delta_channel_history,
-}
 
 
 def _class_for(inner_type: type) -> type[FencedCheckpointer]:
@@ -868,7 +573,7 @@ def _class_for(inner_type: type) -> type[FencedCheckpointer]:
     )
     cls = FencedCheckpointer._classes.get(names)
     if cls is None:
-        namespace: dict[str, Any] = {name: _OPTIONAL_IMPLEMENTATIONS[name] for name in names}
+        namespace: dict[str, Any] = {name: OPTIONAL_IMPLEMENTATIONS[name] for name in names}
         namespace["__module__"] = FencedCheckpointer.__module__
         namespace["__qualname__"] = FencedCheckpointer.__qualname__
         namespace["__doc__"] = FencedCheckpointer.__doc__

@@ -1,6 +1,6 @@
 """The exactly-once sink on a sync connection: the same contract as ``test_sinks.py``.
 
-``fenced_write_sync`` runs the sink's statements (one definition, in ``sinks.py``) on a sync
+``fenced_write_sync`` runs the sink's statements (one definition, in ``sinks/_write.py``) on a sync
 SQLAlchemy ``Connection``: the stdlib ``sqlite3`` driver, or PostgreSQL through psycopg. The
 tables and the helpers are the async suite's; writers of both faces share one mark.
 """
