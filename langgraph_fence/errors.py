@@ -35,6 +35,16 @@ class LangGraphFenceError(Exception):
     """Base of every langgraph-fence error; ``code`` names the class in logs and APIs."""
 
     code: ClassVar[str] = "fence"
+    #: The keyword-only attributes ``__init__`` takes besides the message: kept, with the
+    #: instance dict (notes added on the way, attributes the runtime set), when the error
+    #: crosses a process boundary (pickle).
+    fields: ClassVar[tuple[str, ...]] = ()
+
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        if not self.fields:
+            return super().__reduce__()
+        values = {name: getattr(self, name) for name in self.fields}
+        return (_rebuild_two, (type(self), str(self), values), self.__dict__ or None)
 
 
 class ExecutionLeaseLostError(LangGraphFenceError, RuntimeError):
@@ -51,6 +61,7 @@ class ExecutionLeaseLostError(LangGraphFenceError, RuntimeError):
     """
 
     code: ClassVar[str] = "execution.lease-lost"
+    fields = ("scope_key", "token_held", "token_seen")
 
     def __init__(
         self,
@@ -64,15 +75,6 @@ class ExecutionLeaseLostError(LangGraphFenceError, RuntimeError):
         self.scope_key = scope_key
         self.token_held = token_held
         self.token_seen = token_seen
-
-    def __reduce__(self) -> tuple[object, ...]:
-        # Keep the keyword-only fields when the error crosses a process boundary (pickle),
-        # and the instance dict (notes added on the way, attributes set by the runtime).
-        return (
-            _rebuild,
-            (type(self), str(self), self.scope_key, self.token_held, self.token_seen),
-            self.__dict__ or None,
-        )
 
 
 class ExecutionFencedError(ExecutionLeaseLostError):
@@ -116,6 +118,7 @@ class ExecutionEndedError(LangGraphFenceError, RuntimeError):
     """
 
     code: ClassVar[str] = "execution.ended"
+    fields = ("status", "reason")
 
     def __init__(
         self, message: str, *, status: str | None = None, reason: str | None = None
@@ -123,13 +126,6 @@ class ExecutionEndedError(LangGraphFenceError, RuntimeError):
         super().__init__(message)
         self.status = status
         self.reason = reason
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (
-            _rebuild_ended,
-            (type(self), str(self), self.status, self.reason),
-            self.__dict__ or None,
-        )
 
 
 class InstanceFullError(LangGraphFenceError, RuntimeError):
@@ -163,17 +159,11 @@ class ExecutionThreadBoundError(LangGraphFenceError, ValueError):
     """
 
     code: ClassVar[str] = "execution.thread-bound"
+    fields = ("bound_execution_id",)
 
     def __init__(self, message: str, *, bound_execution_id: str | None = None) -> None:
         super().__init__(message)
         self.bound_execution_id = bound_execution_id
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (
-            _rebuild_bound,
-            (type(self), str(self), self.bound_execution_id),
-            self.__dict__ or None,
-        )
 
 
 class ExecutionDeadLetteredError(LangGraphFenceError, RuntimeError):
@@ -195,18 +185,12 @@ class ExecutionBusyError(LangGraphFenceError, RuntimeError):
     """
 
     code: ClassVar[str] = "execution.busy"
+    fields = ("scope_key", "status")
 
     def __init__(self, message: str, *, scope_key: str | None = None, status: str | None = None):
         super().__init__(message)
         self.scope_key = scope_key
         self.status = status
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (
-            _rebuild_two,
-            (type(self), str(self), {"scope_key": self.scope_key, "status": self.status}),
-            self.__dict__ or None,
-        )
 
 
 class RunFailedError(LangGraphFenceError, RuntimeError):
@@ -224,6 +208,7 @@ class RunFailedError(LangGraphFenceError, RuntimeError):
     """
 
     code: ClassVar[str] = "execution.run-failed"
+    fields = ("scope_key", "status", "reason")
 
     def __init__(
         self,
@@ -237,10 +222,6 @@ class RunFailedError(LangGraphFenceError, RuntimeError):
         self.scope_key = scope_key
         self.status = status
         self.reason = reason
-
-    def __reduce__(self) -> tuple[object, ...]:
-        fields = {"scope_key": self.scope_key, "status": self.status, "reason": self.reason}
-        return (_rebuild_two, (type(self), str(self), fields), self.__dict__ or None)
 
 
 class ChildFailedError(RunFailedError):
@@ -299,6 +280,9 @@ else:
         return globals().setdefault(name, WriteDeadLetteredError)
 
 
+# The rebuild functions of pickles: ``_rebuild_two`` makes every error with fields; the
+# other three made them in earlier versions and stay, so an error pickled by a worker not
+# yet upgraded still loads.
 def _rebuild(
     cls: type[ExecutionLeaseLostError],
     message: str,

@@ -306,14 +306,12 @@ class SqlStore(BaseStore):
         async with read_only(self._engine).connect() as conn:
             for i, op in reads:
                 if isinstance(op, GetOp):
-                    rows = await self._select(
-                        conn, tenant, now, prefix=_prefix(op.namespace), key=op.key
-                    )
+                    rows = await self._get(conn, tenant, now, _prefix(op.namespace), op.key)
                     results[i] = self._item(rows[0]) if rows else None
                     if rows and op.refresh_ttl:
                         refresh.add((rows[0].prefix, rows[0].key))
                 elif isinstance(op, SearchOp):
-                    rows = await self._select(conn, tenant, now, under=op.namespace_prefix)
+                    rows = await self._search(conn, tenant, now, op.namespace_prefix)
                     found = [r for r in rows if self._matches(r, op.filter)]
                     page = found[op.offset : op.offset + op.limit]
                     results[i] = [self._item(r, search=True) for r in page]
@@ -324,30 +322,34 @@ class SqlStore(BaseStore):
         if refresh:
             await self._refresh(tenant, refresh, now)
 
-    async def _select(
-        self,
-        conn: AsyncConnection,
-        tenant: str,
-        now: Now,
-        *,
-        prefix: str | None = None,
-        key: str | None = None,
-        under: tuple[str, ...] | None = None,
+    async def _get(
+        self, conn: AsyncConnection, tenant: str, now: Now, prefix: str, key: str
     ) -> list[Any]:
-        where = f"tenant_id = :tenant AND {_LIVE.format(now=self._now)}"
-        params: dict[str, Any] = {"tenant": tenant, **now}
-        if key is not None:
-            where += " AND prefix = :prefix AND key = :key"
-            params.update(prefix=prefix, key=key)
-        elif under:
-            # No LIKE: a label may hold % or _.
-            where += " AND (prefix = :under OR substr(prefix, 1, :n) = :under_dot)"
-            params.update(under=_prefix(under), under_dot=_prefix(under) + ".")
-            params["n"] = len(params["under_dot"])
+        """The live item at ``prefix``/``key`` (a list of one or none)."""
+        where = "prefix = :prefix AND key = :key"
+        return await self._live(conn, where, {"tenant": tenant, "prefix": prefix, "key": key}, now)
+
+    async def _search(
+        self, conn: AsyncConnection, tenant: str, now: Now, under: tuple[str, ...]
+    ) -> list[Any]:
+        """The live items at or under the namespace ``under`` (every one when it is empty)."""
+        if not under:
+            return await self._live(conn, "TRUE", {"tenant": tenant}, now)
+        # No LIKE: a label may hold % or _.
+        dotted = _prefix(under) + "."
+        where = "(prefix = :under OR substr(prefix, 1, :n) = :under_dot)"
+        params = {"tenant": tenant, "under": _prefix(under), "under_dot": dotted, "n": len(dotted)}
+        return await self._live(conn, where, params, now)
+
+    async def _live(
+        self, conn: AsyncConnection, where: str, params: dict[str, Any], now: Now
+    ) -> list[Any]:
         statement = text(
-            f"SELECT {_COLUMNS} FROM fence_store_items WHERE {where} ORDER BY prefix, key"
+            f"SELECT {_COLUMNS} FROM fence_store_items"
+            f" WHERE tenant_id = :tenant AND {_LIVE.format(now=self._now)} AND {where}"
+            " ORDER BY prefix, key"
         )
-        return list((await conn.execute(statement, params)).all())
+        return list((await conn.execute(statement, {**params, **now})).all())
 
     async def _namespaces(
         self, conn: AsyncConnection, tenant: str, now: Now, op: ListNamespacesOp

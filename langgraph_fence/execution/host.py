@@ -13,6 +13,7 @@ A run's handle sees it through the narrower
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from langgraph.checkpoint.serde.base import SerializerProtocol
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["InstanceHost"]
 
 
+@dataclass(kw_only=True, eq=False)
 class InstanceHost:
     """The services of one :class:`~langgraph_fence.Instance` that its runs use.
 
@@ -51,33 +53,23 @@ class InstanceHost:
         runs: the runs in flight (kept referenced while they run).
     """
 
-    def __init__(
-        self,
-        *,
-        instance_id: str,
-        lease_ttl: float,
-        clock: Callable[[], float],
-        repository: ExecutionLeaseRepository,
-        records: ExecutionRecords,
-        checkpointer: FencedCheckpointer,
-        keeper: Keeper,
-        events: Listeners,
-        served_graphs: dict[str, Any],
-    ) -> None:
-        self.instance_id = instance_id
-        self.lease_ttl = lease_ttl
-        self.clock = clock
-        self.repository = repository
-        self.records = records
-        self.checkpointer = checkpointer
-        self.keeper = keeper
-        self.events = events
-        self.served_graphs = served_graphs
+    instance_id: str
+    lease_ttl: float
+    clock: Callable[[], float]
+    repository: ExecutionLeaseRepository
+    records: ExecutionRecords
+    checkpointer: FencedCheckpointer
+    keeper: Keeper
+    events: Listeners
+    served_graphs: dict[str, Any]
+    record_serde: SerializerProtocol = field(init=False)
+    runs: set[object] = field(init=False, default_factory=set)
+    _queue: SubmittedRuns | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
         # A run config is checked with what its records store it with (memory records keep
         # objects, but a value is refused the same way on every store).
-        self.record_serde: SerializerProtocol = getattr(records, "serde", None) or safe_serializer()
-        self.runs: set[object] = set()
-        self._queue: SubmittedRuns | None = None
+        self.record_serde = getattr(self.records, "serde", None) or safe_serializer()
 
     # -- what a run's handle needs (langgraph_fence.fence.tree_activity.RunHost)
 

@@ -12,6 +12,7 @@ from langgraph_fence.errors import ExecutionFencedError
 from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus, PendingEffect, validate_ttl
 from langgraph_fence.lease.checks import check_key, check_lease, check_leases, check_limit
 from langgraph_fence.lease.transitions import (
+    Takeover,
     decide_abandon,
     decide_acquire,
     decide_clear_pending_effects,
@@ -169,17 +170,10 @@ class MemoryLeaseRepository:
     ) -> Lease | None:
         """Take a candidate over and decide its fate (resume or dead-letter), guarded."""
         check_lease(self, candidate)
+        taker = Takeover(holder, ttl, progress_mark, max_takeovers)
         return await self._write(
             candidate.key,
-            lambda row: decide_take_over(
-                row,
-                candidate,
-                holder,
-                ttl,
-                self._clock(),
-                progress_mark=progress_mark,
-                max_takeovers=max_takeovers,
-            ),
+            lambda row: decide_take_over(row, candidate, taker, self._clock()),
         )
 
     async def yield_lease(self, lease: Lease) -> Lease:

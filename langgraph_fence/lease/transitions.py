@@ -10,7 +10,7 @@ property tests use them as the reference model for the SQL stores.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from langgraph_fence.errors import ExecutionFencedError
@@ -36,6 +36,7 @@ from langgraph_fence.validate import positive_int
 
 __all__ = [
     "DEFAULT_MAX_TAKEOVERS",
+    "Takeover",
     "abandon_reason",
     "budget_reason",
     "dead_letter_reason",
@@ -402,15 +403,27 @@ def budget_reason(current: Lease, epoch: int, holder: str, max_takeovers: int) -
     )
 
 
+@dataclass(frozen=True)
+class Takeover:
+    """What a taker brings to a take-over, checked once on creation: who takes
+    (``holder``), for how long (``ttl``), the thread's progress as it sees it
+    (``progress_mark``: its latest checkpoint id) and the takeover budget (``max_takeovers``,
+    ``None``: no budget)."""
+
+    holder: str
+    ttl: float
+    progress_mark: str | None = None
+    max_takeovers: int | None = None
+
+    def __post_init__(self) -> None:
+        validate_holder(self.holder)
+        object.__setattr__(self, "ttl", validate_ttl(self.ttl))
+        object.__setattr__(self, "progress_mark", validate_progress_mark(self.progress_mark))
+        object.__setattr__(self, "max_takeovers", validate_max_takeovers(self.max_takeovers))
+
+
 def decide_take_over(
-    current: Lease | None,
-    candidate: Lease,
-    holder: str,
-    ttl: float,
-    now: float,
-    *,
-    progress_mark: str | None = None,
-    max_takeovers: int | None = None,
+    current: Lease | None, candidate: Lease, taker: Takeover, now: float
 ) -> Lease | None:
     """Take over an execution found as a takeover candidate, deciding its fate at once.
 
@@ -418,36 +431,32 @@ def decide_take_over(
     another instance took it: the epoch moved or it is no longer expired). Otherwise the
     epoch goes + 1 and, with any ``NON_IDEMPOTENT_WRITE`` entry standing in the stamp set,
     the execution is dead-lettered (the set is kept for inspection; the reason names every
-    such entry); with only idempotent entries (or none) it is taken for ``holder`` and the
-    set is cleared: the resumed run stamps again before it repeats a write.
+    such entry); with only idempotent entries (or none) it is taken for the taker's holder
+    and the set is cleared: the resumed run stamps again before it repeats a write.
 
-    The takeover budget: ``progress_mark`` is the thread's progress as the taker sees it
-    (its latest checkpoint id); a mark other than the one the last take stored is progress
-    and starts the count again. A take of an expired holder counts 1 (a pending execution,
-    handed back or never started, counts nothing: nobody crashed). A take that would count
-    more than ``max_takeovers`` (``None``: no budget) dead-letters the execution instead,
+    The takeover budget: a progress mark other than the one the last take stored is
+    progress and starts the count again. A take of an expired holder counts 1 (a pending
+    execution, handed back or never started, counts nothing: nobody crashed). A take that
+    would count more than the taker's ``max_takeovers`` dead-letters the execution instead,
     with the reason "crashed N workers": those that took it and died without a checkpoint.
     """
-    validate_holder(holder)
-    ttl = validate_ttl(ttl)
-    progress_mark = validate_progress_mark(progress_mark)
-    max_takeovers = validate_max_takeovers(max_takeovers)
     if current is None or current.epoch != candidate.epoch:
         return None
     if not is_takeover_candidate(current, now):
         return None
     epoch = current.epoch + 1
+    holder, budget = taker.holder, taker.max_takeovers
     crashed = current.status is LeaseStatus.RUNNING
-    progressed = current.progress_mark != progress_mark
+    progressed = current.progress_mark != taker.progress_mark
     takeovers = (0 if progressed else current.takeovers) + (1 if crashed else 0)
     standing = non_idempotent_standing(current)
     reason = None
     if standing:
         reason = dead_letter_reason(standing, epoch, holder)
-    elif crashed and max_takeovers is not None and takeovers > max_takeovers:
-        reason = budget_reason(current, epoch, holder, max_takeovers)
-    taken = _taken(current, epoch, holder, now + ttl, reason)
-    return replace(taken, takeovers=takeovers, progress_mark=progress_mark)
+    elif crashed and budget is not None and takeovers > budget:
+        reason = budget_reason(current, epoch, holder, budget)
+    taken = _taken(current, epoch, holder, now + taker.ttl, reason)
+    return replace(taken, takeovers=takeovers, progress_mark=taker.progress_mark)
 
 
 def _resolvable(current: Lease | None, key: LeaseKey, action: str) -> Lease:

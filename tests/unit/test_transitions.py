@@ -30,6 +30,7 @@ from langgraph_fence import (
 from langgraph_fence.lease import non_idempotent_standing
 from langgraph_fence.lease.guard import holds
 from langgraph_fence.lease.transitions import (
+    Takeover,
     decide_acquire,
     decide_clear_pending_effects,
     decide_dead_letter,
@@ -86,7 +87,7 @@ class Transitions(RuleBasedStateMachine):
         if self.w.stored is None:
             return
         standing = non_idempotent_standing(self.w.stored)
-        taken = decide_take_over(self.w.stored, self.w.stored, holder, TTL, self.w.now)
+        taken = decide_take_over(self.w.stored, self.w.stored, Takeover(holder, TTL), self.w.now)
         if taken is not None and standing:
             assert taken.status is LeaseStatus.DEAD_LETTERED, "a standing stamp was resumed"
         self._took(taken)

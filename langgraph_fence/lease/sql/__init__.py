@@ -54,6 +54,7 @@ from langgraph_fence.lease.schema import LEASE_MIGRATIONS, effects_from_json, st
 from langgraph_fence.lease.sql._statements import NO_BUDGET, LeaseStatements
 from langgraph_fence.lease.sql._take import SqliteTake, build_take, record_params
 from langgraph_fence.lease.transitions import (
+    Takeover,
     abandon_reason,
     decide_abandon,
     decide_dead_letter,
@@ -63,8 +64,6 @@ from langgraph_fence.lease.transitions import (
     is_yielded,
     release_status,
     validate_effect_keys,
-    validate_max_takeovers,
-    validate_progress_mark,
 )
 from langgraph_fence.validate import text_id
 
@@ -498,15 +497,15 @@ class SqlLeaseRepository:
     ) -> Lease | None:
         """Take a candidate over and decide its fate (resume or dead-letter): one statement."""
         check_lease(self, candidate)
-        budget = validate_max_takeovers(max_takeovers)
+        taker = Takeover(holder, ttl, progress_mark, max_takeovers)
         params = self._params(
             tenant_id=candidate.key.tenant_id,
             execution_id=candidate.key.execution_id,
             epoch=candidate.epoch,
-            holder=validate_holder(holder),
-            ttl=validate_ttl(ttl),
-            progress_mark=validate_progress_mark(progress_mark),
-            max_takeovers=NO_BUDGET if budget is None else budget,
+            holder=taker.holder,
+            ttl=taker.ttl,
+            progress_mark=taker.progress_mark,
+            max_takeovers=NO_BUDGET if taker.max_takeovers is None else taker.max_takeovers,
         )
         # Not repeated (see _one): a take that landed and was not heard of leaves the lease
         # to expire; it is then taken again.
