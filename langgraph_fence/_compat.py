@@ -30,6 +30,7 @@ __all__ = [
     "pregel_task_id",
     "runnable_callable_type",
     "sqlalchemy_engine_autocommit",
+    "sqlalchemy_recycle_pool",
     "sqlalchemy_told_autocommit",
     "tool_node_tools",
 ]
@@ -218,6 +219,18 @@ def sqlalchemy_engine_autocommit(engine: AsyncEngine) -> bool:
         engine.sync_engine.dialect, "_on_connect_isolation_level", None
     )
     return bool(level == "AUTOCOMMIT")
+
+
+def sqlalchemy_recycle_pool(engine: Any, fairy: Any) -> None:
+    """Recycle every connection ``engine``'s pool made before ``fairy`` (a checked-out
+    connection) at its next checkout, as SQLAlchemy does itself for a disconnect it detects.
+
+    ``Pool._invalidate(connection, exception, _checkin=False)`` is private: it bumps the
+    pool's invalidation time without checking ``fairy`` in. If it changes, the recycle
+    fails, the caller logs it at debug level, and the connections are found dead one by one
+    on their next use instead (each retried as a connection error).
+    """
+    engine.pool._invalidate(fairy, None, _checkin=False)
 
 
 async def aiosqlite_call(aio: Any, fn: Callable[[sqlite3.Connection], T]) -> T:

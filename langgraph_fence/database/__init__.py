@@ -362,10 +362,12 @@ async def discard(conn: AsyncConnection, *, server_lost: bool = False) -> None:
     restart they are all dead, and an asyncpg connection the server shut down while idle
     fails its next use with "another operation is in progress".
     """
+    from langgraph_fence._compat import sqlalchemy_recycle_pool
+
     try:
         if server_lost:
             fairy = await conn.get_raw_connection()
-            conn.sync_engine.pool._invalidate(fairy, None, _checkin=False)
+            sqlalchemy_recycle_pool(conn.sync_engine, fairy)
         await asyncio.shield(conn.invalidate())
     except Exception:
         logger.debug("could not invalidate a connection", exc_info=True)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import TypeVar
 
 from langgraph_fence.errors import ExecutionFencedError
@@ -28,11 +30,20 @@ from langgraph_fence.lease.transitions import (
     is_takeover_candidate,
 )
 
-__all__ = ["MemoryLeaseRepository"]
+__all__ = ["LockedRow", "MemoryLeaseRepository"]
 
 _ids = itertools.count(1)
 #: What a decision makes of a row: a lease, or ``None`` for a take that did not happen.
 _Row = TypeVar("_Row", Lease, Lease | None)
+
+
+@dataclass
+class LockedRow:
+    """One execution's row under the store's lock (:meth:`MemoryLeaseRepository.locked`):
+    ``lease`` is the row as found; set it to write the row, to ``None`` to delete it."""
+
+    key: LeaseKey
+    lease: Lease | None
 
 
 class MemoryLeaseRepository:
@@ -60,6 +71,22 @@ class MemoryLeaseRepository:
     async def now(self) -> float:
         """The store's clock, in seconds."""
         return self._clock()
+
+    @asynccontextmanager
+    async def locked(self, key: LeaseKey) -> AsyncIterator[LockedRow]:
+        """The row of ``key`` under the store's lock, for one read-decide-write step that
+        is not a lease operation (an admin's hold): atomic, as a SQL transaction holding
+        the row's lock is. What the block leaves in ``lease`` is written when it ends; an
+        error raised in the block writes nothing."""
+        async with self._lock:
+            row = LockedRow(key, self._rows.get(key))
+            found = row.lease
+            yield row
+            if row.lease is not found:
+                if row.lease is None:
+                    self._rows.pop(key, None)
+                else:
+                    self._rows[key] = row.lease
 
     async def _write(self, key: LeaseKey, decide: Callable[[Lease | None], _Row]) -> _Row:
         """Keep what ``decide`` makes of the row of ``key`` (``None``: keep the row as it

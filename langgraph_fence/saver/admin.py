@@ -47,6 +47,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from langgraph_fence.database import transaction
 from langgraph_fence.errors import ExecutionLeaseHeldError
 from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus, validate_holder, validate_ttl
+from langgraph_fence.lease.memory import MemoryLeaseRepository
 from langgraph_fence.lease.schema import LEASES
 from langgraph_fence.lease.stores import base_store
 from langgraph_fence.lease.transitions import fenced_error
@@ -138,16 +139,15 @@ def decide_admin_give_back(found: Lease | None, held: Lease, *, erased: bool) ->
 
 async def _take(store: Any, key: LeaseKey, holder: str, ttl: float) -> AdminHold | Lease:
     """Take ``key`` for the admin; the hold, or the lease that refused it."""
-    from langgraph_fence.lease.sql import SqlLeaseRepository
-
-    if not isinstance(store, SqlLeaseRepository):
+    if isinstance(store, MemoryLeaseRepository):
         now = await store.now()
-        async with store._lock:
-            found = store._rows.get(key)
+        async with store.locked(key) as row:
+            found = row.lease
             taken = decide_admin_take(found, key, holder, ttl, now, store_id=store.store_id)
             if taken is None:
-                return found  # type: ignore[no-any-return]
-            store._rows[key] = taken
+                assert found is not None
+                return found
+            row.lease = taken
             return AdminHold(found, taken)
     try:
         return await _take_row(store, key, holder, ttl)
@@ -161,7 +161,7 @@ async def _take_row(store: Any, key: LeaseKey, holder: str, ttl: float) -> Admin
     where = and_(_C.tenant_id == key.tenant_id, _C.execution_id == key.execution_id)
     async with transaction(store.engine) as conn:
         row = (await conn.execute(select(LEASES).where(where).with_for_update())).first()
-        found = None if row is None else store._lease(row)
+        found = None if row is None else store.lease_of(row)
         now = await store.now()  # after the lock: a hold that expired meanwhile is free
         taken = decide_admin_take(found, key, holder, ttl, now, store_id=store.store_id)
         if taken is None:
@@ -191,19 +191,14 @@ async def _take_row(store: Any, key: LeaseKey, holder: str, ttl: float) -> Admin
 
 async def _give_back(store: Any, hold: AdminHold, *, erased: bool) -> None:
     """Give the admin's hold back (see :func:`decide_admin_give_back`); guarded by it."""
-    from langgraph_fence.lease.sql import SqlLeaseRepository
-
     held, key = hold.held, hold.key
     after = decide_admin_give_back(hold.found, held, erased=erased)
-    if not isinstance(store, SqlLeaseRepository):
-        async with store._lock:
-            current = store._rows.get(key)
+    if isinstance(store, MemoryLeaseRepository):
+        async with store.locked(key) as row:
+            current = row.lease
             if current is None or (current.holder, current.epoch) != (held.holder, held.epoch):
                 raise fenced_error(held, current, action="give back the admin hold")
-            if after is None:
-                del store._rows[key]
-            else:
-                store._rows[key] = after
+            row.lease = after
         return
     guard = and_(
         _C.tenant_id == key.tenant_id,

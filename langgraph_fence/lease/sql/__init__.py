@@ -222,7 +222,7 @@ class SqlLeaseRepository:
 
         return await retry_connection_errors(once, what=what)
 
-    def _lease(self, row: Row[Any] | Mapping[str, Any]) -> Lease:
+    def lease_of(self, row: Row[Any] | Mapping[str, Any]) -> Lease:
         """The lease of a row: SQLAlchemy's, or a driver's (asyncpg's, sqlite3's)."""
         found: Any = row._mapping if isinstance(row, Row) else row
         return Lease(
@@ -275,7 +275,7 @@ class SqlLeaseRepository:
         params = self._acquire_params(key, holder, ttl)
         # Not repeated (see _one): the caller gets the error; nothing runs.
         row = await self._one(self._statements.acquire[bool(reopen)], params)
-        return None if row is None else self._lease(row)
+        return None if row is None else self.lease_of(row)
 
     async def take(
         self,
@@ -310,7 +310,7 @@ class SqlLeaseRepository:
         if self._dialect == "postgresql":
             row = await self._one(stmt, params)
             assert row is not None  # the statement returns one row, taken or not
-            return Taken(None if row["epoch"] is None else self._lease(row), row["bound"])
+            return Taken(None if row["epoch"] is None else self.lease_of(row), row["bound"])
         from langgraph_fence.lease.records import BIND_THREAD, BOUND_TO, UPSERT_RECORD
 
         sqlite = SqliteTake(
@@ -319,7 +319,7 @@ class SqlLeaseRepository:
         body = partial(sqlite.run, key=key, thread_id=thread_id, params=params, record=record)
         async with self._connections() as driver:
             row, bound = await aiosqlite_call(driver, body)
-        return Taken(None if row is None else self._lease(row), bound)
+        return Taken(None if row is None else self.lease_of(row), bound)
 
     def _take_statement(self, *, with_record: bool) -> Any:
         stmt = self._takes.get(with_record)
@@ -359,7 +359,7 @@ class SqlLeaseRepository:
             if tries > 1 and landed is not None and current is not None and landed(current):
                 return current
             raise fenced_error(lease, current, action=action)
-        return self._lease(row)
+        return self.lease_of(row)
 
     async def renew(self, lease: Lease, ttl: float) -> Lease:
         """Extend the hold to store-now + ``ttl``; guarded."""
@@ -395,7 +395,7 @@ class SqlLeaseRepository:
                 return list((await conn.execute(self._statements.renew_many, params)).all())
 
         rows = await retry_connection_errors(once, what="renew_many")
-        renewed = {(row.tenant_id, row.execution_id): self._lease(row) for row in rows}
+        renewed = {(row.tenant_id, row.execution_id): self.lease_of(row) for row in rows}
         answers: list[Lease | ExecutionFencedError] = []
         for lease in leases:
             got = renewed.get((lease.key.tenant_id, lease.key.execution_id))
@@ -430,7 +430,7 @@ class SqlLeaseRepository:
             {"p_tenant_id": key.tenant_id, "p_execution_id": key.execution_id},
             what="get",
         )
-        return self._lease(rows[0]) if rows else None
+        return self.lease_of(rows[0]) if rows else None
 
     async def mark_pending_effect(self, lease: Lease, effect: PendingEffect, ttl: float) -> Lease:
         """Add ``effect`` to the stamp set and renew, in one guarded write."""
@@ -472,7 +472,7 @@ class SqlLeaseRepository:
             # The row appeared at that very epoch between the two statements (a first take
             # racing this call): the statement still saw it absent, so report that.
             raise KeyError(f"no lease for execution {key.scope_key!r}")
-        return self._lease(row)
+        return self.lease_of(row)
 
     async def takeover_candidates(
         self, limit: int = 100, *, after_tenant: str | None = None
@@ -484,7 +484,7 @@ class SqlLeaseRepository:
         rows = await self._read(
             self._statements.candidates, self._params(limit=limit), what="candidates"
         )
-        return fair_order([self._lease(row) for row in rows], after_tenant)
+        return fair_order([self.lease_of(row) for row in rows], after_tenant)
 
     async def take_over(
         self,
@@ -510,7 +510,7 @@ class SqlLeaseRepository:
         # Not repeated (see _one): a take that landed and was not heard of leaves the lease
         # to expire; it is then taken again.
         row = await self._one(self._statements.take_over, params)
-        return None if row is None else self._lease(row)
+        return None if row is None else self.lease_of(row)
 
     async def yield_lease(self, lease: Lease) -> Lease:
         """Give the hold up while the tree waits for remote children: one guarded statement."""
@@ -550,7 +550,7 @@ class SqlLeaseRepository:
             raise ValueError(
                 f"execution {key.scope_key!r} changed while it was retried; look again"
             )
-        return self._lease(row)
+        return self.lease_of(row)
 
     async def abandon(self, key: LeaseKey, reason: str) -> Lease:
         """End a dead-lettered or cancelled execution ``failed``, its reason the operator's
@@ -566,4 +566,4 @@ class SqlLeaseRepository:
             raise ValueError(
                 f"execution {key.scope_key!r} changed while it was abandoned; look again"
             )
-        return self._lease(row)
+        return self.lease_of(row)
