@@ -26,6 +26,7 @@ __all__ = [
     "CONFIG_KEY_TASK_ID",
     "aiosqlite_call",
     "hook_pregel",
+    "jsonplus_settings",
     "pregel_runtime",
     "pregel_task_id",
     "runnable_callable_type",
@@ -219,6 +220,22 @@ def sqlalchemy_engine_autocommit(engine: AsyncEngine) -> bool:
         engine.sync_engine.dialect, "_on_connect_isolation_level", None
     )
     return bool(level == "AUTOCOMMIT")
+
+
+def jsonplus_settings(serde: Any) -> tuple[bool, Any, Any]:
+    """What a LangGraph ``JsonPlusSerializer`` was made with: whether it has a custom unpack
+    ext hook, its msgpack allow-list and its JSON allow-list (``True``: any module).
+
+    ``_custom_unpack_ext_hook``, ``_allowed_msgpack_modules`` and ``_allowed_json_modules``
+    are private; ``tests/unit/test_compat.py`` checks that they still say what the
+    constructor was given. If a release renames them, wrapping a foreign saver raises
+    ``AttributeError`` (loudly, before anything is read with a lax serializer).
+    """
+    return (
+        bool(serde._custom_unpack_ext_hook),
+        serde._allowed_msgpack_modules,
+        serde._allowed_json_modules,
+    )
 
 
 def sqlalchemy_recycle_pool(engine: Any, fairy: Any) -> None:

@@ -81,13 +81,16 @@ def strict_serde(serde: SerializerProtocol) -> SerializerProtocol:
     """
     from langgraph.checkpoint.serde.encrypted import EncryptedSerializer
 
+    from langgraph_fence._compat import jsonplus_settings
+
     if isinstance(serde, EncryptedSerializer):
         inner = strict_serde(serde.serde)
         return serde if inner is serde.serde else EncryptedSerializer(serde.cipher, inner)
-    if not isinstance(serde, JsonPlusSerializer) or serde._custom_unpack_ext_hook:
+    if not isinstance(serde, JsonPlusSerializer):
         return serde
-    msgpack = serde._allowed_msgpack_modules
-    json_modules = serde._allowed_json_modules
+    custom_hook, msgpack, json_modules = jsonplus_settings(serde)
+    if custom_hook:
+        return serde
     if msgpack is not True and json_modules is not True and not serde.pickle_fallback:
         return serde  # strict already
     return JsonPlusSerializer(

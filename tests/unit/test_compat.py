@@ -211,3 +211,20 @@ def test_a_task_is_called_through_task_function_call_and_keeps_its_function() ->
     assert isinstance(made, _TaskFunction)
     assert made.func is body
     assert "__call__" in vars(_TaskFunction)
+
+
+def test_a_jsonplus_serializer_keeps_what_it_was_made_with_where_we_read_it() -> None:
+    from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
+
+    from langgraph_fence._compat import jsonplus_settings
+
+    lax = JsonPlusSerializer()
+    strict = JsonPlusSerializer(
+        allowed_msgpack_modules=[("app", "Order")], allowed_json_modules=[("app", "Order")]
+    )
+    hooked = JsonPlusSerializer(__unpack_ext_hook__=lambda code, data: data)
+    assert jsonplus_settings(lax)[0] is False
+    assert jsonplus_settings(hooked)[0] is True
+    _, msgpack, json_modules = jsonplus_settings(strict)
+    assert ("app", "Order") in tuple(msgpack)
+    assert ("app", "Order") in tuple(json_modules)

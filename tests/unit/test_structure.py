@@ -212,3 +212,47 @@ def test_nothing_imports_a_name_a_users_module_can_shadow(path: Path) -> None:
         if level == 0 and (module or "").split(".")[0] == "checkpointers"
     ]
     assert shadowable == []
+
+
+#: Underscore names that are public by convention (named tuples, SQLAlchemy rows) or in
+#: the standard library's documented API.
+_PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_mapping", "_getframe"}
+
+
+def _defined_names(tree: ast.AST) -> set[str]:
+    """Every name a module defines or assigns (functions, classes, attributes it sets,
+    ``__slots__`` entries, imports): what its own code may reach by an underscore name."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.alias):
+            names.add(node.asname or node.name.split(".")[-1])
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.add(node.value)  # __slots__ entries, getattr names
+    return names
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_module_reaches_into_another_modules_private_state(path: Path) -> None:
+    """``obj._name`` is allowed where the module itself defines ``_name`` (its own class's
+    state, another instance of it); anything else is a reach-in to give a public name.
+    The private names of LangGraph, SQLAlchemy and aiosqlite are read in ``_compat`` only."""
+    if path.name == "_compat.py":
+        return
+    tree = ast.parse(path.read_text(), filename=str(path))
+    defined = _defined_names(tree)
+    reached = [
+        f"line {node.lineno}: {ast.unparse(node)}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and node.attr not in defined | _PUBLIC_UNDERSCORE
+        and not (isinstance(node.value, ast.Name) and node.value.id in {"self", "cls"})
+    ]
+    assert reached == []
