@@ -286,11 +286,15 @@ async def test_a_step_that_starts_while_yielded_runs_after_the_retake(leases: Le
     assert out["local"] == ["local"]
     assert sorted(seen.work.ran) == ITEMS
     timeline, marks = seen.timeline, seen.timeline.marks
-    # B's step ran only after the re-take, under the new token.
+    # B's step ran only after a re-take, under the token that re-take took. (Between the
+    # spawn's own re-take and B's first step nothing of the tree runs, so the wait may yield
+    # once more there: B then re-takes again, at the next token.)
     assert marks[timeline.index("yielded")] == ("yielded", 1)
     assert timeline.index("yielded") < timeline.index("retaken") < timeline.index("b-start")
     assert marks[timeline.index("retaken")] == ("retaken", 2)
-    assert marks[timeline.index("b-start")] == ("b-start", 2)
+    b_start = timeline.index("b-start")
+    lease_events = [mark for mark in marks[:b_start] if mark[0] in ("yielded", "retaken")]
+    assert lease_events[-1] == ("retaken", marks[b_start][1])
     # Every yield was re-taken before the tree went on: A continued under the last token.
     tokens = [token for what, token in marks if what == "retaken"]
     assert marks[timeline.index("a-continues")] == ("a-continues", tokens[-1])
