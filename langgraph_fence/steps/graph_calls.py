@@ -64,18 +64,21 @@ def instance_of(graph: Any, config: Mapping[str, Any] | None) -> GraphRunner | N
     return saver.instance
 
 
-def _refuse_unfenced_inside(graph: Any, config: Mapping[str, Any] | None) -> None:
-    """A graph called inside a fenced step (a subgraph a node calls, a ``PARENT_INSTANCE``
-    child) runs under the run's token: refused if any of its nodes or tools is not fenced,
-    before its first step, as the run's own graph was (checked once per compiled graph).
+def _streaming_instance(graph: Any, config: Mapping[str, Any] | None) -> GraphRunner | None:
+    """The instance a stream of ``graph`` (``astream`` / ``stream``) goes to, or ``None``
+    for LangGraph's original.
 
-    Only inside a step: the run's own graph, called by the instance with the run's config,
-    was checked when the run was prepared."""
-    if current_frame() is None:
-        return
-    configurable = ensure_config(config).get("configurable")  # type: ignore[arg-type]
-    if isinstance(configurable, Mapping) and FENCE_CONFIG_KEY in configurable:
-        refuse_unfenced(graph)
+    A graph called inside a fenced step (a subgraph a node calls, a ``PARENT_INSTANCE``
+    child) goes to the original under the run's token: refused first if any of its nodes
+    or tools is not fenced, before its first step, as the run's own graph was (checked once
+    per compiled graph). Only inside a step: the run's own graph, called by the instance
+    with the run's config, was checked when the run was prepared."""
+    instance = instance_of(graph, config)
+    if instance is None and current_frame() is not None:
+        configurable = ensure_config(config).get("configurable")  # type: ignore[arg-type]
+        if isinstance(configurable, Mapping) and FENCE_CONFIG_KEY in configurable:
+            refuse_unfenced(graph)
+    return instance
 
 
 def _call(
@@ -106,9 +109,8 @@ def _options(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 def _astream(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def astream(self: Any, input: Any, config: Any = None, **kwargs: Any) -> Any:
-        instance = instance_of(self, config)
+        instance = _streaming_instance(self, config)
         if instance is None:
-            _refuse_unfenced_inside(self, config)
             return original(self, input, config, **kwargs)
         run_config, ids = _call(instance, self, config)
         return instance.astream(self, input, run_config, **ids, **_options(kwargs))
@@ -153,9 +155,8 @@ def _loop_of(instance: GraphRunner, what: str) -> asyncio.AbstractEventLoop:
 def _stream(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def stream(self: Any, input: Any, config: Any = None, **kwargs: Any) -> Any:
-        instance = instance_of(self, config)
+        instance = _streaming_instance(self, config)
         if instance is None:
-            _refuse_unfenced_inside(self, config)
             return original(self, input, config, **kwargs)
         loop = _loop_of(instance, "graph.invoke()/stream()")
         run_config, ids = _call(instance, self, config)
