@@ -4,6 +4,7 @@ local checks; and the error a write its guard refused raises.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from langchain_core.runnables import RunnableConfig
@@ -16,6 +17,12 @@ from langgraph_fence.lease import Lease
 from langgraph_fence.lease.transitions import fenced_error
 
 __all__ = ["WriteGuards", "refused"]
+
+logger = logging.getLogger("langgraph_fence.checkpointers")
+
+#: Keys LangGraph's Agent Server puts in a run's ``config["metadata"]``
+#: (``langgraph_api/stream.py``): a write that carries one comes from a server-run attempt.
+_AGENT_SERVER_METADATA = ("run_attempt", "langgraph_api_version")
 
 
 class WriteGuards:
@@ -32,6 +39,7 @@ class WriteGuards:
         # The guard of the lease the last fenced write was made under.
         self._memo: tuple[Lease, Guard] | None = None
         self._guarded_handle: RunHandle | None = None  # the last handle guards() accepted
+        self._told_unfenced = False
 
     def of_write(
         self,
@@ -44,6 +52,8 @@ class WriteGuards:
         a handle of another store, a run already fenced, a thread of another execution are
         refused here, before anything is read or written."""
         if handle is None:
+            if not self._told_unfenced:
+                self._tell_unfenced(config, action)
             return None
         # Whether this saver guards a handle is a matter of the handle's store, which a
         # handle keeps for its life: asked once per run, not on each write.
@@ -69,6 +79,26 @@ class WriteGuards:
         guard = Guard.of(lease)
         self._memo = (lease, guard)
         return guard
+
+    def _tell_unfenced(self, config: RunnableConfig, action: str) -> None:
+        """Say it once, loudly, when a run of LangGraph's Agent Server writes through this
+        saver: no lease was taken for it, so its writes are not fenced (never a silent
+        downgrade; fencing server runs is not supported yet)."""
+        metadata = config.get("metadata")
+        if not isinstance(metadata, dict) or not any(
+            key in metadata for key in _AGENT_SERVER_METADATA
+        ):
+            return
+        self._told_unfenced = True
+        logger.warning(
+            "SqlCheckpointer %s: a run of LangGraph's Agent Server (run_attempt %s) writes "
+            "without a lease: its checkpoints and writes are NOT fenced, and a re-dispatched "
+            "attempt's writes land beside the first one's. Fencing server runs is not "
+            "supported yet: see docs/agent-server.md (run graphs through an Instance and "
+            "`langgraph-fence worker` for the fence)",
+            action,
+            metadata.get("run_attempt"),
+        )
 
 
 async def refused(

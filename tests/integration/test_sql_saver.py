@@ -248,3 +248,50 @@ async def test_wrapper_over_a_sync_saver_passes_writes_through() -> None:
     config: Any = {"configurable": {"thread_id": unique("thread")}}
     assert await asyncio.to_thread(graph.invoke, {"log": []}, config) == {"log": ["x", "y"]}
     assert inner.get_tuple(config) is not None
+
+
+class Count(TypedDict):
+    n: int
+
+
+def _server_config(thread: str, attempt: int) -> dict[str, Any]:
+    """What LangGraph's Agent Server puts in a run's config (langgraph-api 0.16.7, as seen
+    under ``langgraph dev``): the run and its assistant under ``configurable``, the attempt
+    and the server's version under ``metadata``."""
+    return {
+        "configurable": {
+            "thread_id": thread,
+            "run_id": f"run-{thread}",
+            "assistant_id": "assistant",
+            "graph_id": "agent",
+        },
+        "metadata": {"run_attempt": attempt, "langgraph_api_version": "0.16.7"},
+    }
+
+
+async def test_a_run_of_the_agent_server_is_told_loudly_that_it_is_not_fenced(
+    saver: SqlCheckpointer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fencing runs of the Agent Server is not built yet (issue 35): a bare SqlCheckpointer
+    mounted there stores their checkpoints unfenced. It says so, once per saver, at its
+    first write of a server run, never silently; a run of your own says nothing. Driven at
+    the saver boundary with the config langgraph-api passes, not through the server."""
+
+    async def add(state: Count) -> dict[str, int]:
+        return {"n": state["n"] + 1}
+
+    builder = StateGraph(Count)
+    builder.add_node("add", add)
+    builder.add_edge(START, "add")
+    builder.add_edge("add", END)
+    graph = builder.compile(checkpointer=saver)
+    with caplog.at_level("WARNING", logger="langgraph_fence.checkpointers"):
+        await graph.ainvoke({"n": 0}, {"configurable": {"thread_id": unique("own")}})
+        assert [r for r in caplog.records if "NOT fenced" in r.getMessage()] == []
+        thread = unique("server")
+        assert await graph.ainvoke({"n": 0}, _server_config(thread, 1)) == {"n": 1}
+        await graph.ainvoke({"n": 0}, _server_config(thread, 2))
+    told = [r.getMessage() for r in caplog.records if "NOT fenced" in r.getMessage()]
+    assert len(told) == 1
+    assert "Agent Server (run_attempt 1)" in told[0]
+    assert "docs/agent-server.md" in told[0]
