@@ -25,6 +25,7 @@ __all__ = [
     "CONFIG_KEY_RUNTIME",
     "CONFIG_KEY_TASK_ID",
     "aiosqlite_call",
+    "compiled_serde_allowlist",
     "hook_pregel",
     "jsonplus_settings",
     "pregel_runtime",
@@ -220,6 +221,13 @@ def sqlalchemy_engine_autocommit(engine: AsyncEngine) -> bool:
         engine.sync_engine.dialect, "_on_connect_isolation_level", None
     )
     return bool(level == "AUTOCOMMIT")
+
+
+def compiled_serde_allowlist(graph: Any) -> Any:
+    """The types ``compile()`` allowed for a compiled graph's state under strict msgpack
+    (``CompiledStateGraph._serde_allowlist``, private; ``None`` when absent). A rename makes
+    the caller stricter, never looser: it then allows nothing beyond the serializer's own."""
+    return getattr(graph, "_serde_allowlist", None)
 
 
 def jsonplus_settings(serde: Any) -> tuple[bool, Any, Any]:

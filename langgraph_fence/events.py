@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 __all__ = ["EventKind", "FenceEvent", "FenceListener", "Listeners"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("langgraph_fence.events")
 
 
 class EventKind(enum.StrEnum):

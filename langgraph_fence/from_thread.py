@@ -1,8 +1,11 @@
-"""Run a coroutine on a run's event loop from a worker thread, and wait for its answer.
+"""Every crossing to a run's event loop from elsewhere: a worker thread waiting for a
+coroutine's answer (:func:`hop`, checked by :func:`run_on_loop`) or for a stream's items
+(:func:`iterate_on_loop`), and a coroutine of another loop awaiting one
+(:func:`await_on_loop`).
 
 LangGraph runs sync nodes and sync tools in worker threads, while a run's lease store (and
 so every guarded write: a stamp, a strict renewal) belongs to the event loop the run was
-started on. :func:`run_on_loop` is the one hop from such a thread to that loop.
+started on.
 """
 
 from __future__ import annotations
@@ -10,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import dis
 import functools
+import queue
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -20,8 +24,10 @@ from langgraph_fence.errors import ExecutionContextUnavailableError
 
 __all__ = [
     "LoopThread",
+    "await_on_loop",
     "caller_discards_result",
     "hop",
+    "iterate_on_loop",
     "loop_thread",
     "run_on_loop",
     "running_loop",
@@ -109,6 +115,73 @@ def hop(loop: asyncio.AbstractEventLoop, make: Callable[[], Coroutine[Any, Any, 
     here would deadlock): :func:`run_on_loop` does, and names the fix when it is not so.
     """
     return asyncio.run_coroutine_threadsafe(make(), loop).result()
+
+
+async def await_on_loop(
+    loop: asyncio.AbstractEventLoop, make: Callable[[], Coroutine[Any, Any, T]]
+) -> T:
+    """Await ``make()`` run on ``loop`` from a coroutine of another loop (``asyncio.run``
+    inside a sync step): what belongs to ``loop`` (a store's connections) stays on it."""
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(make(), loop))
+
+
+_DONE = object()
+
+
+def iterate_on_loop(
+    loop: asyncio.AbstractEventLoop, make: Callable[[], AsyncIterator[Any]]
+) -> Iterator[Any]:
+    """The items of ``make()``, run as ONE task on ``loop``, handed to this thread as they
+    come (the sync ``graph.stream`` / ``invoke`` of a graph compiled with an instance's
+    checkpointer).
+
+    One task for the whole stream (not one per chunk): the run's timers, context variables
+    and cancel scopes live in it. Closing the iterator early cancels the run (as breaking
+    out of ``graph.stream`` does), and waits for it to settle its lease.
+    """
+    chunks: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+    lock = threading.Lock()
+    settled = threading.Event()
+    started: list[asyncio.Task[Any] | None] = []
+
+    async def pump() -> None:
+        with lock:
+            if started:  # closed before it began: nothing ran
+                settled.set()
+                return
+            started.append(asyncio.current_task())
+        try:
+            async for chunk in make():
+                chunks.put((True, chunk))
+        except BaseException as exc:
+            chunks.put((False, exc))
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            chunks.put((False, _DONE))
+        finally:
+            settled.set()
+
+    asyncio.run_coroutine_threadsafe(pump(), loop)
+    try:
+        while True:
+            ok, item = chunks.get()
+            if ok:
+                yield item
+            elif item is _DONE:
+                return
+            else:
+                raise item
+    finally:
+        with lock:
+            task = started[0] if started else None
+            if not started:
+                started.append(None)
+        if task is not None and not settled.is_set():
+            loop.call_soon_threadsafe(task.cancel)
+        # The run settles its lease on the loop before this thread goes on.
+        while not settled.wait(0.1) and loop.is_running():
+            pass
 
 
 class LoopThread:

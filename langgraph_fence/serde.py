@@ -116,7 +116,9 @@ def graph_allowlist(graph: Any) -> frozenset[tuple[str, ...]]:
     set and keeps them on the compiled graph (``_serde_allowlist``, not a public name: empty
     when absent, so a change in LangGraph makes this stricter, never looser).
     """
-    found = getattr(graph, "_serde_allowlist", None)
+    from langgraph_fence._compat import compiled_serde_allowlist
+
+    found = compiled_serde_allowlist(graph)
     if not isinstance(found, set | frozenset):
         return frozenset()
     return frozenset(item for item in found if isinstance(item, tuple))

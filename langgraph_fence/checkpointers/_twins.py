@@ -23,7 +23,7 @@ T = TypeVar("T")
 class RunsOnLoop(Protocol):
     """A saver that runs a coroutine on the loop serving it, from a worker thread."""
 
-    def _run_sync(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    def run_sync(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
         """Run ``make()`` on the saver's loop and wait for its answer; refused on the loop's
         own thread (waiting there would deadlock)."""
         ...
@@ -46,12 +46,12 @@ def sync_twin(
 ) -> Callable[Concatenate[S, P], R]:
     """The sync twin of the async saver method ``method``: it runs the saver's own
     ``method`` (looked up on the saver, so a subclass's override runs) through
-    ``_run_sync``."""
+    ``run_sync``."""
     name = method.__name__
 
     @functools.wraps(method)
     def twin(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        run: R = self._run_sync(lambda: getattr(self, name)(*args, **kwargs))
+        run: R = self.run_sync(lambda: getattr(self, name)(*args, **kwargs))
         return run
 
     _named(twin, method)
@@ -70,7 +70,7 @@ def sync_iter_twin(
 
     @functools.wraps(method)
     def twin(self: S, /, *args: P.args, **kwargs: P.kwargs) -> Iterator[R]:
-        return iter(self._run_sync(lambda: collect(self, *args, **kwargs)))
+        return iter(self.run_sync(lambda: collect(self, *args, **kwargs)))
 
     _named(twin, method)
     # The async method's parameters, and its items as an Iterator.

@@ -217,7 +217,7 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
     def _on_engine_disposed(self, _engine: Any) -> None:
         self._lifecycle.engine_disposed()
 
-    def _run_sync(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    def run_sync(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
         return self._lifecycle.run_sync(make)
 
     # -- writes

@@ -47,13 +47,12 @@ from langgraph_fence.database import Dialect, check_engine, read_only, single_st
 from langgraph_fence.database.migrations import Migration, migrate
 from langgraph_fence.errors import ExecutionLeaseLostError
 from langgraph_fence.fence import RunHandle, running_handle
-from langgraph_fence.fence.admission import refuse_write, step_config
+from langgraph_fence.fence.admission import checked_ops, refuse_write, step_config
 from langgraph_fence.fence.tenancy import DEFAULT_TENANT
 from langgraph_fence.from_thread import run_on_loop
 from langgraph_fence.lease.guard import guard_sql, holds
 from langgraph_fence.lease.schema import LEASE_MIGRATIONS
 from langgraph_fence.lease.transitions import fenced_error
-from langgraph_fence.saver.store import checked_ops
 
 __all__ = ["STORE_COMPONENT", "STORE_MIGRATIONS", "SqlStore"]
 

@@ -49,7 +49,7 @@ __all__ = [
     "twin_engine",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("langgraph_fence.database")
 
 Dialect = Literal["sqlite", "postgresql"]
 

@@ -48,7 +48,7 @@ from langgraph_fence.database.retry import is_connection_error
 
 __all__ = ["Connections", "DriverStatement", "fetch", "sqlite_fetch"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("langgraph_fence.driver")
 
 
 class Connections:

@@ -24,9 +24,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from langgraph_fence.database import Dialect, dialect_of, transaction
 from langgraph_fence.errors import linked_errors
 
-__all__ = ["Migration", "ensure_schema", "migrate", "search_path_schema"]
+__all__ = ["MIGRATION_LOCK_ID", "Migration", "ensure_schema", "migrate", "search_path_schema"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("langgraph_fence.migrations")  # the name it had in 0.1.0
 
 MigrationStep = str | Callable[[AsyncConnection, Dialect], Awaitable[None]]
 
@@ -65,7 +65,10 @@ _COLUMN_TYPES: dict[Dialect, dict[str, str]] = {
 
 
 #: The advisory lock every migration (and schema creation) of a database waits for.
-_LOCK_ID = zlib.crc32(b"langgraph_fence.database.migrations")
+# The advisory lock every process of every version takes to migrate: a constant shared
+# across processes and releases, so it must never follow this module's path (it is the
+# text the module had in 0.1.0). tests/unit/test_migrations_lock.py pins it.
+MIGRATION_LOCK_ID = zlib.crc32(b"langgraph_fence.migrations")
 #: SQLSTATEs of a CREATE SCHEMA that lost a race to another creator, or was not allowed.
 _UNIQUE_VIOLATION = "23505"
 _DUPLICATE_SCHEMA = "42P06"
@@ -91,7 +94,7 @@ async def migrate(engine: AsyncEngine, component: str, migrations: Sequence[Migr
         await ensure_schema(engine)
     async with transaction(engine) as conn:
         if dialect == "postgresql":
-            await conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": _LOCK_ID})
+            await conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": MIGRATION_LOCK_ID})
         await conn.execute(text(_VERSIONS_DDL))
         row = await conn.execute(
             text("SELECT version FROM fence_schema_versions WHERE component = :c"),
@@ -156,7 +159,7 @@ async def ensure_schema(engine: AsyncEngine) -> None:
     # A transaction of its own: the next one (the migration's) starts with the catalog as
     # committed by whoever created the schema while this one waited for the lock.
     async with transaction(engine) as conn:
-        await conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": _LOCK_ID})
+        await conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": MIGRATION_LOCK_ID})
         found = await conn.execute(
             text("SELECT 1 FROM pg_namespace WHERE nspname = :s"), {"s": schema}
         )

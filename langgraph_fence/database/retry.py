@@ -38,7 +38,7 @@ __all__ = [
     "retry_window",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("langgraph_fence.retry")
 
 T = TypeVar("T")
 

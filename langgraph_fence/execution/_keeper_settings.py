@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from langgraph_fence.lease.sql import SqlLeaseRepository
 
 # Its warnings are the keeper's: one logger for an operator to set.
-logger = logging.getLogger("langgraph_fence.execution.keeper")
+logger = logging.getLogger("langgraph_fence.keeper")
 
 Sleep = Callable[[float], Awaitable[Any]]
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 __all__ = ["RenewerThread", "cancel_and_wait"]
 
 # Its records are the keeper's: one logger for an operator to set.
-logger = logging.getLogger("langgraph_fence.execution.keeper")
+logger = logging.getLogger("langgraph_fence.keeper")
 
 
 class RenewerThread:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from langgraph_fence.execution.host import InstanceHost
 
 # Its records are the run's: one logger for an operator to set.
-logger = logging.getLogger("langgraph_fence.execution.run")
+logger = logging.getLogger("langgraph_fence.run")
 
 #: The name ``StateGraph.compile()`` gives a graph compiled without ``name=``.
 DEFAULT_GRAPH_NAME = "LangGraph"

@@ -84,7 +84,7 @@ __all__ = [
     "thread_store",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("langgraph_fence.keeper")
 
 
 class Batch(NamedTuple):

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_GRAPH_NAME", "GraphEnd", "Run", "announce_dead_letter", "running"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("langgraph_fence.run")
 
 
 class GraphEnd(GraphCallbackHandler):

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_SERVE_BACKOFF", "Server", "check_budget", "progress_mark"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("langgraph_fence.serve")
 
 #: The longest pause serve() takes between looks while the store cannot be read.
 MAX_SERVE_BACKOFF = 10.0

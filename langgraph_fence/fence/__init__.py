@@ -21,10 +21,13 @@ from langgraph_fence.fence._step import (
     leave_step,
     running_handle,
 )
+from langgraph_fence.keys import FENCE_CONFIG_KEY
 
-# The public names are ExecutionFence, RunHandle and safety_margin; the others are what the
-# package's other modules use of a step's fence.
+# The public names are ExecutionFence, RunHandle, safety_margin and FENCE_CONFIG_KEY (where
+# the handle lives in a config; defined in keys, importable here as it always was); the
+# others are what the package's other modules use of a step's fence.
 __all__ = [
+    "FENCE_CONFIG_KEY",
     "ExecutionFence",
     "RunHandle",
     "close_fence",

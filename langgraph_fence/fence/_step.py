@@ -7,7 +7,6 @@ step) refuses.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Awaitable, Generator, Iterator
 from contextlib import (
     AbstractAsyncContextManager,
@@ -22,7 +21,12 @@ from langgraph.errors import GraphDrained
 
 from langgraph_fence.errors import ExecutionContextUnavailableError, ExecutionFencedError
 from langgraph_fence.fence._handle import RunHandle
-from langgraph_fence.from_thread import caller_discards_result, run_on_loop, running_loop
+from langgraph_fence.from_thread import (
+    await_on_loop,
+    caller_discards_result,
+    run_on_loop,
+    running_loop,
+)
 
 #: The fence of the step running in this context, set with its frame
 #: (:func:`langgraph_fence.steps.context.set_frame`): every fence refuses inside any step but its
@@ -57,8 +61,7 @@ async def _confirm_across(handle: RunHandle) -> None:
     """Confirm from a coroutine on a loop other than the run's (``asyncio.run`` in a sync
     node): the store's connections belong to the run's loop."""
     assert handle.loop is not None
-    future = asyncio.run_coroutine_threadsafe(_confirm(handle), handle.loop)
-    await asyncio.wrap_future(future)
+    await await_on_loop(handle.loop, lambda: _confirm(handle))
 
 
 class _Confirmed:

@@ -8,12 +8,13 @@ write may clear once what a resume needs is stored.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.serde.types import ERROR, INTERRUPT
 from langgraph.config import get_config
+from langgraph.store.base import GetOp, Op, PutOp, SearchOp
 
 from langgraph_fence._compat import pregel_runtime
 from langgraph_fence.errors import ExecutionFencedError, ExecutionLeaseLostError
@@ -22,11 +23,13 @@ from langgraph_fence.fence.proofs import CheckpointAt
 from langgraph_fence.keys import FENCE_CONFIG_KEY
 from langgraph_fence.lease.guard import holds
 from langgraph_fence.lease.transitions import fenced_error
+from langgraph_fence.validate import store_key, store_namespace
 
 __all__ = [
     "admit_write",
     "check_held",
     "check_write_scope",
+    "checked_ops",
     "checkpoint_clear_keys",
     "fence_handle",
     "refuse_write",
@@ -227,3 +230,18 @@ def checkpoint_clear_keys(
         return tuple(proven)
     older = [k for k, e in pending.items() if e.checkpoint_id and e.checkpoint_id < checkpoint_id]
     return tuple(dict.fromkeys(older + proven))
+
+
+def checked_ops(ops: Iterable[Op]) -> list[Op]:
+    """``ops`` as a list, each namespace and key checked (:func:`~langgraph_fence.validate.
+    store_namespace`, :func:`~langgraph_fence.validate.store_key`): a NUL, a lone surrogate,
+    a period in a label or an over-long namespace or key is a ``ValueError`` naming the
+    argument and its limit, before anything is read or written (never a driver error)."""
+    listed = list(ops)
+    for op in listed:
+        if isinstance(op, PutOp | GetOp):
+            store_namespace("namespace", op.namespace)
+            store_key("key", op.key)
+        elif isinstance(op, SearchOp):
+            store_namespace("namespace_prefix", op.namespace_prefix)
+    return listed

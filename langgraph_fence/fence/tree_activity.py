@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RunHost", "Tree", "TreeActivity", "wake_parent"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("langgraph_fence.tree_activity")
 
 
 class RunHost(Protocol):

@@ -43,7 +43,7 @@ from langgraph_fence.database.migrations import Migration
 from langgraph_fence.effects import Effect
 from langgraph_fence.lease import LeaseStatus, PendingEffect
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("langgraph_fence.schema")
 
 __all__ = [
     "LEASES",
@@ -57,7 +57,7 @@ __all__ = [
     "yielded_sql",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("langgraph_fence.schema")
 
 metadata = MetaData()
 

@@ -29,7 +29,7 @@ __all__ = [
     "Notifications",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("langgraph_fence.notifications")
 
 #: The PostgreSQL channel that says an execution became runnable: a submit, a child
 #: recorded, a run handed back (the payload: the graph name, where known). Sent and

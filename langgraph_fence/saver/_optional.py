@@ -4,7 +4,7 @@ deleting runs, copying and pruning threads, and the delta-channel history.
 
 The admin operations act on whole threads and runs, each within one tenant
 (``FencedCheckpointer.tenant_of`` when none is given), as the reads are: under the
-executions' leases when an instance owns the wrapper (see ``_admin_for``). Run ids are
+executions' leases when an instance owns the wrapper (see ``admin_for``). Run ids are
 global: over a saver that does not key threads by tenant, ``delete_for_runs`` is not scoped
 to one tenant (a run id is one run's, of one tenant, anyway). Each operation is written once,
 as the call its inner saver gets (:class:`InnerCall`); its async and sync methods are made
@@ -37,17 +37,17 @@ class Wrapper(Protocol):
     """What the optional methods use of the ``FencedCheckpointer`` they are methods of."""
 
     inner: BaseCheckpointSaver[Any]
-    _names: ThreadNames
+    thread_names: ThreadNames
 
     def tenant_of(self, tenant_id: str | None) -> str:
         """The tenant a call naming ``tenant_id`` (``None``: none) acts on."""
         ...
 
-    def _admin_for(self, tenant_id: str) -> ThreadAdmin | None:
+    def admin_for(self, tenant_id: str) -> ThreadAdmin | None:
         """The admin that holds leases for an operation on the tenant's threads, if any."""
         ...
 
-    def _run_sync(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    def run_sync(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
         """Run the async operation on the loop the saver serves, from a worker thread."""
         ...
 
@@ -97,7 +97,7 @@ def _delete_for_runs(
         if isinstance(run_ids, str)
         else functools.partial(_run_threads, self, tenant_id, run_ids)
     )
-    kw = self._names.tenant_kw(tenant_id)
+    kw = self.thread_names.tenant_kw(tenant_id)
     return InnerCall(tenant_id, "delete_for_runs", (run_ids,), kw, runs)
 
 
@@ -105,11 +105,11 @@ def _copy_thread(
     self: Wrapper, source_thread_id: str, target_thread_id: str, *, tenant_id: str | None = None
 ) -> InnerCall:
     tenant_id = self.tenant_of(tenant_id)
-    source, target = self._names.threads([source_thread_id, target_thread_id], tenant_id)
+    source, target = self.thread_names.threads([source_thread_id, target_thread_id], tenant_id)
     # The target is held: the copy writes into it. The source is only read (reads are
     # never fenced).
     held = functools.partial(_listed, [target_thread_id])
-    kw = self._names.tenant_kw(tenant_id)
+    kw = self.thread_names.tenant_kw(tenant_id)
     return InnerCall(tenant_id, "copy_thread", (source, target), kw, held)
 
 
@@ -121,9 +121,9 @@ def _prune(
     tenant_id: str | None = None,
 ) -> InnerCall:
     tenant_id = self.tenant_of(tenant_id)
-    inner_ids = self._names.threads(thread_ids, tenant_id)
+    inner_ids = self.thread_names.threads(thread_ids, tenant_id)
     held = None if isinstance(thread_ids, str) else functools.partial(_listed, thread_ids)
-    kw = {"strategy": strategy, **self._names.tenant_kw(tenant_id)}
+    kw = {"strategy": strategy, **self.thread_names.tenant_kw(tenant_id)}
     return InnerCall(tenant_id, "prune", (inner_ids,), kw, held)
 
 
@@ -154,7 +154,7 @@ def _methods(
     async def operation(self: Wrapper, /, *args: P.args, **kwargs: P.kwargs) -> None:
         call = plan(self, *args, **kwargs)
         method = getattr(self.inner, f"a{call.name}")
-        admin = self._admin_for(call.tenant_id)
+        admin = self.admin_for(call.tenant_id)
         if admin is None or call.threads is None:
             await method(*call.args, **call.kwargs)
             return
@@ -162,8 +162,8 @@ def _methods(
 
     def sync_operation(self: Wrapper, /, *args: P.args, **kwargs: P.kwargs) -> None:
         call = plan(self, *args, **kwargs)
-        if self._admin_for(call.tenant_id) is not None:
-            self._run_sync(lambda: operation(self, *args, **kwargs))
+        if self.admin_for(call.tenant_id) is not None:
+            self.run_sync(lambda: operation(self, *args, **kwargs))
             return
         getattr(self.inner, call.name)(*call.args, **call.kwargs)
 
@@ -182,7 +182,7 @@ async def _aget_delta_channel_history(
     self: Wrapper, *, config: RunnableConfig, channels: Sequence[str]
 ) -> Mapping[str, DeltaChannelHistory]:
     return await self.inner.aget_delta_channel_history(
-        config=self._names.inner_config(config), channels=channels
+        config=self.thread_names.inner_config(config), channels=channels
     )
 
 
@@ -190,7 +190,7 @@ def _get_delta_channel_history(
     self: Wrapper, *, config: RunnableConfig, channels: Sequence[str]
 ) -> Mapping[str, DeltaChannelHistory]:
     return self.inner.get_delta_channel_history(
-        config=self._names.inner_config(config), channels=channels
+        config=self.thread_names.inner_config(config), channels=channels
     )
 
 

@@ -65,7 +65,7 @@ __all__ = [
     "decide_admin_take",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("langgraph_fence.admin")
 
 _C = LEASES.c
 

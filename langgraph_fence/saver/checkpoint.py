@@ -71,7 +71,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FencedCheckpointer", "GraphRunner"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("langgraph_fence.checkpoint")
 
 T = TypeVar("T")
 
@@ -205,7 +205,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         self._loop: asyncio.AbstractEventLoop | None = None
         # A saver that keys threads by tenant itself (SqlCheckpointer) gets configs as they
         # are; any other keeps a tenant's thread under an id of its own (inner_thread_id).
-        self._names = ThreadNames(bool(getattr(inner, "scopes_tenants", False)))
+        self.thread_names = ThreadNames(bool(getattr(inner, "scopes_tenants", False)))
         # A fence-aware saver that makes the local checks of a fenced write itself (the
         # run's recorded error, the thread's execution: check_write_scope), before anything
         # else, gets its writes delegated as they are: the checks are not made twice.
@@ -256,17 +256,17 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     # -- reads: never fenced; each sees the tenant's own threads only
 
     def _tenanted(self, config: Any) -> Any:
-        return self._names.tenanted(
+        return self.thread_names.tenanted(
             config, None if self.instance is None else self.instance.tenant_id
         )
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         config = self._tenanted(config)
-        found = await self.inner.aget_tuple(self._names.inner_config(config))
-        legacy = self._names.legacy_config(config) if found is None else None
+        found = await self.inner.aget_tuple(self.thread_names.inner_config(config))
+        legacy = self.thread_names.legacy_config(config) if found is None else None
         if legacy is not None:
             found = await self.inner.aget_tuple(legacy)
-        return self._names.outer_tuple(found)
+        return self.thread_names.outer_tuple(found)
 
     async def alist(
         self,
@@ -277,12 +277,12 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         limit: int | None = None,
     ) -> AsyncIterator[CheckpointTuple]:
         config, before = self._tenanted(config), self._tenanted(before)
-        own, inner_limit = self._names.own_items(config, limit)
+        own, inner_limit = self.thread_names.own_items(config, limit)
         listed = 0
         async for item in self.inner.alist(
-            self._names.inner_config(config),
+            self.thread_names.inner_config(config),
             filter=filter,
-            before=self._names.inner_config(before),
+            before=self.thread_names.inner_config(before),
             limit=inner_limit,
         ):
             outer = own(item)
@@ -295,11 +295,11 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         config = self._tenanted(config)
-        found = self.inner.get_tuple(self._names.inner_config(config))
-        legacy = self._names.legacy_config(config) if found is None else None
+        found = self.inner.get_tuple(self.thread_names.inner_config(config))
+        legacy = self.thread_names.legacy_config(config) if found is None else None
         if legacy is not None:
             found = self.inner.get_tuple(legacy)
-        return self._names.outer_tuple(found)
+        return self.thread_names.outer_tuple(found)
 
     def list(
         self,
@@ -310,11 +310,11 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         limit: int | None = None,
     ) -> Iterator[CheckpointTuple]:
         config, before = self._tenanted(config), self._tenanted(before)
-        own, inner_limit = self._names.own_items(config, limit)
+        own, inner_limit = self.thread_names.own_items(config, limit)
         items = self.inner.list(
-            self._names.inner_config(config),
+            self.thread_names.inner_config(config),
             filter=filter,
-            before=self._names.inner_config(before),
+            before=self.thread_names.inner_config(before),
             limit=inner_limit,
         )
         mine = (outer for item in items if (outer := own(item)) is not None)
@@ -369,7 +369,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
-        names = self._names
+        names = self.thread_names
 
         async def delegated(config: RunnableConfig) -> RunnableConfig:
             saved = await self.inner.aput(
@@ -406,7 +406,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     ) -> None:
         async def delegated(config: RunnableConfig) -> None:
             await self.inner.aput_writes(
-                self._names.inner_config(config), writes, task_id, task_path
+                self.thread_names.inner_config(config), writes, task_id, task_path
             )
 
         async def outside(handle: RunHandle, inner_config: RunnableConfig) -> None:
@@ -419,7 +419,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             # proof clears the entries instead.
             if keys:
                 proof = writes_proof(config)
-                if await self._all_stored(self._names.inner_config(inner_config), proof):
+                if await self._all_stored(self.thread_names.inner_config(inner_config), proof):
                     await handle.clear_pending_effects(keys)
                 elif proven := handle.proofs.landed_unproven(keys, proof):
                     await handle.clear_pending_effects(proven)
@@ -470,7 +470,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
 
     # -- admin operations: under the execution's lease when the wrapper is an instance's
 
-    def _admin_for(self, tenant_id: str) -> ThreadAdmin | None:
+    def admin_for(self, tenant_id: str) -> ThreadAdmin | None:
         """The admin that holds leases for an operation on ``tenant_id``'s threads, or
         ``None``: no instance attached one, or the legacy tenant ``""``, which no lease (so
         no fenced run) can be of."""
@@ -480,9 +480,9 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
 
     async def _adelete_inner(self, thread_id: str, tenant_id: str) -> None:
         """Delete the tenant's thread from the inner saver (and its legacy id, if any)."""
-        inner_id, tenant = self._names.thread_call(thread_id, tenant_id)
+        inner_id, tenant = self.thread_names.thread_call(thread_id, tenant_id)
         await self.inner.adelete_thread(inner_id, **tenant)
-        legacy = self._names.legacy_thread(tenant_id, thread_id)
+        legacy = self.thread_names.legacy_thread(tenant_id, thread_id)
         if legacy is not None:
             await self.inner.adelete_thread(legacy)
 
@@ -504,7 +504,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         tenant ``""``, only the checkpoints, blobs and writes are deleted.
         """
         tenant_id = self.tenant_of(tenant_id)
-        admin = self._admin_for(tenant_id)
+        admin = self.admin_for(tenant_id)
         if admin is None:
             await self._adelete_inner(thread_id, tenant_id)
             return
@@ -515,18 +515,18 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     def delete_thread(self, thread_id: str, *, tenant_id: str | None = None) -> None:
         """Sync twin of :meth:`adelete_thread`."""
         tenant_id = self.tenant_of(tenant_id)
-        if self._admin_for(tenant_id) is not None:
-            self._run_sync(lambda: self.adelete_thread(thread_id, tenant_id=tenant_id))
+        if self.admin_for(tenant_id) is not None:
+            self.run_sync(lambda: self.adelete_thread(thread_id, tenant_id=tenant_id))
             return
-        inner_id, tenant = self._names.thread_call(thread_id, tenant_id)
+        inner_id, tenant = self.thread_names.thread_call(thread_id, tenant_id)
         self.inner.delete_thread(inner_id, **tenant)
-        legacy = self._names.legacy_thread(tenant_id, thread_id)
+        legacy = self.thread_names.legacy_thread(tenant_id, thread_id)
         if legacy is not None:
             self.inner.delete_thread(legacy)
 
     # -- sync twins of the writes
 
-    def _run_sync(self, coro_fn: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    def run_sync(self, coro_fn: Callable[[], Coroutine[Any, Any, T]]) -> T:
         """Run the async write on the loop the saver serves, from a worker thread."""
         loop = self._loop or getattr(self.inner, "loop", None)
         running = running_loop()
@@ -546,10 +546,10 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     ) -> RunnableConfig:
         if self._handle(config, "put") is None:
             stored = self.inner.put(
-                self._names.inner_config(config), checkpoint, metadata, new_versions
+                self.thread_names.inner_config(config), checkpoint, metadata, new_versions
             )
-            return self._names.outer_config(stored)  # type: ignore[no-any-return]
-        return self._run_sync(lambda: self.aput(config, checkpoint, metadata, new_versions))
+            return self.thread_names.outer_config(stored)  # type: ignore[no-any-return]
+        return self.run_sync(lambda: self.aput(config, checkpoint, metadata, new_versions))
 
     def put_writes(
         self,
@@ -559,9 +559,11 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         task_path: str = "",
     ) -> None:
         if self._handle(config, "put_writes") is None:
-            self.inner.put_writes(self._names.inner_config(config), writes, task_id, task_path)
+            self.inner.put_writes(
+                self.thread_names.inner_config(config), writes, task_id, task_path
+            )
             return
-        self._run_sync(lambda: self.aput_writes(config, writes, task_id, task_path))
+        self.run_sync(lambda: self.aput_writes(config, writes, task_id, task_path))
 
 
 def _class_for(inner_type: type) -> type[FencedCheckpointer]:

@@ -27,27 +27,12 @@ from langgraph.store.base import (
 )
 
 from langgraph_fence.fence import RunHandle, running_handle
-from langgraph_fence.fence.admission import check_held, step_config
+from langgraph_fence.fence.admission import check_held, checked_ops, step_config
 from langgraph_fence.fence.tenancy import DEFAULT_TENANT
 from langgraph_fence.from_thread import run_on_loop
-from langgraph_fence.validate import storable_text, store_key, store_namespace
+from langgraph_fence.validate import storable_text
 
-__all__ = ["FencedStore", "checked_ops", "tenant_label"]
-
-
-def checked_ops(ops: Iterable[Op]) -> list[Op]:
-    """``ops`` as a list, each namespace and key checked (:func:`~langgraph_fence.validate.
-    store_namespace`, :func:`~langgraph_fence.validate.store_key`): a NUL, a lone surrogate,
-    a period in a label or an over-long namespace or key is a ``ValueError`` naming the
-    argument and its limit, before anything is read or written (never a driver error)."""
-    listed = list(ops)
-    for op in listed:
-        if isinstance(op, PutOp | GetOp):
-            store_namespace("namespace", op.namespace)
-            store_key("key", op.key)
-        elif isinstance(op, SearchOp):
-            store_namespace("namespace_prefix", op.namespace_prefix)
-    return listed
+__all__ = ["FencedStore", "tenant_label"]
 
 
 def tenant_label(tenant_id: str) -> str:

@@ -32,7 +32,7 @@ from langgraph_fence.sinks._tables import (
 
 __all__ = ["FencedWrite", "fenced_block", "fenced_block_sync"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("langgraph_fence.sinks")
 
 
 @dataclass(slots=True, eq=False, repr=False)

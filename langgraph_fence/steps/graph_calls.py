@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import queue
-import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from langchain_core.runnables.config import ensure_config
@@ -35,7 +33,7 @@ from langchain_core.runnables.config import ensure_config
 from langgraph_fence._compat import hook_pregel, hook_task_call
 from langgraph_fence.errors import ExecutionContextUnavailableError
 from langgraph_fence.execution.fail_closed import refuse_unfenced, refuse_unfenced_task
-from langgraph_fence.from_thread import run_on_loop, running_loop
+from langgraph_fence.from_thread import iterate_on_loop, run_on_loop, running_loop
 from langgraph_fence.keys import FENCE_CONFIG_KEY
 from langgraph_fence.steps.context import current_frame
 
@@ -161,7 +159,7 @@ def _stream(original: Callable[..., Any]) -> Callable[..., Any]:
         loop = _loop_of(instance, "graph.invoke()/stream()")
         run_config, ids = _call(instance, self, config)
         options = _options(kwargs)
-        return _chunks_from(
+        return iterate_on_loop(
             loop, lambda: instance.astream(self, input, run_config, **ids, **options)
         )
 
@@ -188,63 +186,6 @@ def _update_state(original: Callable[..., Any]) -> Callable[..., Any]:
         )
 
     return update_state
-
-
-_DONE = object()
-
-
-def _chunks_from(
-    loop: asyncio.AbstractEventLoop, make: Callable[[], AsyncIterator[Any]]
-) -> Iterator[Any]:
-    """The chunks of ``make()``, run as ONE task on ``loop``, handed to this thread.
-
-    One task for the whole stream (not one per chunk): the run's timers, context variables
-    and cancel scopes live in it. Closing the iterator early cancels the run (as breaking
-    out of ``graph.stream`` does), and waits for it to settle its lease.
-    """
-    chunks: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
-    lock = threading.Lock()
-    settled = threading.Event()
-    started: list[asyncio.Task[Any] | None] = []
-
-    async def pump() -> None:
-        with lock:
-            if started:  # closed before it began: nothing ran
-                settled.set()
-                return
-            started.append(asyncio.current_task())
-        try:
-            async for chunk in make():
-                chunks.put((True, chunk))
-        except BaseException as exc:
-            chunks.put((False, exc))
-            if not isinstance(exc, Exception):
-                raise
-        else:
-            chunks.put((False, _DONE))
-        finally:
-            settled.set()
-
-    asyncio.run_coroutine_threadsafe(pump(), loop)
-    try:
-        while True:
-            ok, item = chunks.get()
-            if ok:
-                yield item
-            elif item is _DONE:
-                return
-            else:
-                raise item
-    finally:
-        with lock:
-            task = started[0] if started else None
-            if not started:
-                started.append(None)
-        if task is not None and not settled.is_set():
-            loop.call_soon_threadsafe(task.cancel)
-        # The run settles its lease on the loop before this thread goes on.
-        while not settled.wait(0.1) and loop.is_running():
-            pass
 
 
 _installed = False

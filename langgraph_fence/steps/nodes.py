@@ -50,7 +50,7 @@ from langgraph_fence.steps.context import (
 
 __all__ = ["check_stamp_at", "fenced", "guard_retry_policy", "wrap_step"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("langgraph_fence.nodes")
 
 F = TypeVar("F", bound=Callable[..., Any])
 

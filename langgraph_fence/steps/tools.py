@@ -59,7 +59,7 @@ from langgraph_fence.steps.nodes import check_stamp_at
 
 __all__ = ["fence_tools"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("langgraph_fence.tools")
 
 #: Set on the class of a fenced tool; where its write is stamped (``"body"``/``"effect"``).
 STAMP_ATTRIBUTE = "__langgraph_fence_stamp__"

@@ -265,7 +265,7 @@ async def test_a_run_cut_off_past_its_lease_is_handed_back_and_serve_rides_out_t
     through_proxy = target.set(port=proxy.port).render_as_string(hide_password=False)
     entered, go_on = asyncio.Event(), asyncio.Event()
     execution = unique("outage")
-    caplog.set_level(logging.WARNING, logger="langgraph_fence.execution.serve")
+    caplog.set_level(logging.WARNING, logger="langgraph_fence.serve")
     options = {"engine_options": schema_options(schema), "lease_ttl": 2.0}
     try:
         async with (

@@ -177,9 +177,7 @@ async def test_children_spawned_before_version_5_keep_their_parent(
             text("SELECT execution_id, parent_execution_id FROM fence_leases")
         )
         assert {row.execution_id: row.parent_execution_id for row in found} == rows
-    (warning,) = [
-        r.getMessage() for r in caplog.records if r.name == "langgraph_fence.lease.schema"
-    ]
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "langgraph_fence.schema"]
     assert "1 execution(s) in flight" in warning
     assert "(acme:order-42)" in warning
 

@@ -215,7 +215,7 @@ async def test_concurrent_setup_migrates_once(
     backend: str, fresh_database: Callable[[], AsyncEngine], caplog: pytest.LogCaptureFixture
 ) -> None:
     repos = [SqlLeaseRepository(fresh_database(), clock=ManualClock()) for _ in range(8)]
-    caplog.set_level(logging.INFO, logger="langgraph_fence.database.migrations")
+    caplog.set_level(logging.INFO, logger="langgraph_fence.migrations")
     results = await bounded(race([repo.setup for repo in repos]))
     assert [r for r in results if isinstance(r, BaseException)] == []
     migrations = [r for r in caplog.records if r.getMessage().startswith("migrating leases")]

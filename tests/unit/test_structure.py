@@ -92,10 +92,10 @@ LAYERS: tuple[grimp.Layer | str, ...] = (
     "execution",
     # The run queue: submitted runs any worker can take.
     "queue",
-    # The fence-aware SQL saver and store.
-    "checkpointers",
-    # The wrappers over any saver and store, and admin operations on a thread.
-    "saver",
+    # The fence-aware SQL saver and store (checkpointers), and the wrappers over any saver
+    # and store with the admin operations on a thread (saver): both sit on the fence's
+    # write admission, and neither imports the other.
+    grimp.Layer("checkpointers", "saver", independent=True),
     # The exactly-once sink.
     "sinks",
     # The fence a step runs under, its run's handle, and the admission every write passes.
@@ -162,13 +162,11 @@ def test_the_per_run_code_never_reaches_the_instance(
     assert chain is None, " -> ".join(chain or ())
 
 
-def test_the_saver_side_never_reaches_the_wrapper_above_it(graph: grimp.ImportGraph) -> None:
-    """``checkpointers`` (the fence-aware savers) and ``saver.checkpoint`` (the wrapper over
-    any saver) both sit on write admission; the savers never import the wrapper."""
+def test_the_sql_savers_never_reach_the_wrappers(graph: grimp.ImportGraph) -> None:
+    """``checkpointers`` (the fence-aware SQL saver and store) and ``saver`` (the wrappers
+    over any saver and store) both sit on write admission; the savers import no wrapper."""
     chain = graph.find_shortest_chain(
-        importer=f"{PACKAGE}.checkpointers",
-        imported=f"{PACKAGE}.saver.checkpoint",
-        as_packages=True,
+        importer=f"{PACKAGE}.checkpointers", imported=f"{PACKAGE}.saver", as_packages=True
     )
     assert chain is None, " -> ".join(chain or ())
 
@@ -214,9 +212,10 @@ def test_nothing_imports_a_name_a_users_module_can_shadow(path: Path) -> None:
     assert shadowable == []
 
 
-#: Underscore names that are public by convention (named tuples, SQLAlchemy rows) or in
-#: the standard library's documented API.
-_PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_mapping", "_getframe"}
+#: Underscore names that are public by convention: named tuples' and SQLAlchemy rows'
+#: API, the standard library's documented ``sys._getframe``, and the methods LangChain
+#: documents for a tool class to implement (``BaseTool._run`` / ``_arun``).
+_PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_mapping", "_getframe", "_run", "_arun"}
 
 
 def _defined_names(tree: ast.AST) -> set[str]:
@@ -232,27 +231,70 @@ def _defined_names(tree: ast.AST) -> set[str]:
             names.add(node.id)
         elif isinstance(node, ast.alias):
             names.add(node.asname or node.name.split(".")[-1])
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            names.add(node.value)  # __slots__ entries, getattr names
+        elif isinstance(node, ast.Assign) and any(
+            isinstance(target, ast.Name) and target.id == "__slots__" for target in node.targets
+        ):
+            names.update(
+                c.value
+                for c in ast.walk(node.value)
+                if isinstance(c, ast.Constant) and isinstance(c.value, str)
+            )
     return names
+
+
+def _in_methods(tree: ast.AST) -> set[int]:
+    """The nodes inside a class's own methods, where ``self`` and ``cls`` are that class."""
+    return {
+        id(node)
+        for cls in ast.walk(tree)
+        if isinstance(cls, ast.ClassDef)
+        for method in cls.body
+        if isinstance(method, ast.FunctionDef | ast.AsyncFunctionDef)
+        for node in ast.walk(method)
+    }
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_module_reaches_into_another_modules_private_state(path: Path) -> None:
-    """``obj._name`` is allowed where the module itself defines ``_name`` (its own class's
-    state, another instance of it); anything else is a reach-in to give a public name.
-    The private names of LangGraph, SQLAlchemy and aiosqlite are read in ``_compat`` only."""
+    """``obj._name`` is allowed in a class's own methods on ``self``/``cls``, and where the
+    module itself defines ``_name`` (its own class's state, another instance of it);
+    anything else (a free function taking ``self``, a Protocol re-declaring another class's
+    private members) is a reach-in to give a public name. The private names of LangGraph,
+    SQLAlchemy and aiosqlite are read in ``_compat`` only."""
     if path.name == "_compat.py":
         return
     tree = ast.parse(path.read_text(), filename=str(path))
-    defined = _defined_names(tree)
-    reached = [
+    defined, methods = _defined_names(tree), _in_methods(tree)
+    reached = []
+    for node in ast.walk(tree):
+        if not (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and node.attr not in _PUBLIC_UNDERSCORE
+        ):
+            continue
+        on_self = isinstance(node.value, ast.Name) and node.value.id in {"self", "cls"}
+        if (on_self and id(node) in methods) or (not on_self and node.attr in defined):
+            continue
+        reached.append(f"line {node.lineno}: {ast.unparse(node)}")
+    assert reached == []
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_logger_has_a_name_that_outlives_the_module_path(path: Path) -> None:
+    """Logger names are what users configure logging by; module paths are internal and
+    move. Each module names its logger (``langgraph_fence.<name>``), never ``__name__``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    unnamed = [
         f"line {node.lineno}: {ast.unparse(node)}"
         for node in ast.walk(tree)
-        if isinstance(node, ast.Attribute)
-        and node.attr.startswith("_")
-        and not node.attr.startswith("__")
-        and node.attr not in defined | _PUBLIC_UNDERSCORE
-        and not (isinstance(node.value, ast.Name) and node.value.id in {"self", "cls"})
+        if isinstance(node, ast.Call)
+        and ast.unparse(node.func).endswith("getLogger")
+        and not (
+            node.args
+            and isinstance(node.args[0], ast.Constant)
+            and str(node.args[0].value).startswith(PACKAGE)
+        )
     ]
-    assert reached == []
+    assert unnamed == []
