@@ -38,6 +38,7 @@ from langgraph_fence import (
     LeaseStatus,
 )
 from langgraph_fence.database import create_engine
+from langgraph_fence.fence.admission import writes_proof
 from langgraph_fence.lease import Lease
 from langgraph_fence.lease.faults import arm_fault
 from langgraph_fence.lease.records import SqlExecutionRecords
@@ -198,7 +199,8 @@ def _child_writes_before_the_roots_checkpoint(
 ) -> None:
     """charge's writes wait for the subgraph checkpoint they belong to (that one stored,
     the root's of parent's superstep not yet: what used to clear the stamp); once they
-    are stored, ``charge_stored`` is set."""
+    are stored, and every checkpoint of their proof below the root, ``charge_stored`` is
+    set."""
 
     async def after_the_childs_checkpoint(context: Mapping[str, Any]) -> None:
         lost.after(context)
@@ -211,9 +213,24 @@ def _child_writes_before_the_roots_checkpoint(
 
             await eventually(stored, timeout=DEADLINE, what="the child's checkpoint")
 
-    def note_writes(context: Mapping[str, Any]) -> None:
+    async def note_writes(context: Mapping[str, Any]) -> None:
         lost.after(context)
         if _ns(context) and _is_charge(context):
+            # Every level between the child and the root stored too (nested-deep's middle
+            # graph checkpoints concurrently under durability="async"): then the root's
+            # checkpoint is the one that completes the proof, whatever the box's load.
+            base = {**context["config"]["configurable"], "tenant_id": TENANT}
+            base.pop("__fence", None)
+            below_the_root = [at for at in writes_proof(context["config"]) if at[0]]
+
+            async def levels_stored() -> bool:
+                for ns, checkpoint_id in below_the_root:
+                    at = {**base, "checkpoint_ns": ns, "checkpoint_id": checkpoint_id}
+                    if await a.checkpointer.aget_tuple({"configurable": at}) is None:
+                        return False
+                return True
+
+            await eventually(levels_stored, timeout=DEADLINE, what="the levels below the root")
             charge_stored.set()
 
     faults.enter_context(arm_fault("writes.before", after_the_childs_checkpoint))
