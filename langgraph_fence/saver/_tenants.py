@@ -14,14 +14,7 @@ from typing import Any
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import CheckpointTuple
 
-from langgraph_fence.fence.tenancy import (
-    DEFAULT_TENANT,
-    inner_thread_id,
-    legacy_thread_id,
-    outer_thread_id,
-    plain_tenant,
-    thread_tenant,
-)
+from langgraph_fence.fence import tenancy
 from langgraph_fence.keys import FENCE_CONFIG_KEY
 
 __all__ = ["ThreadNames", "without_handle"]
@@ -30,9 +23,9 @@ __all__ = ["ThreadNames", "without_handle"]
 def without_handle(config: RunnableConfig) -> RunnableConfig:
     """``config`` without its run handle, for an inner saver that cannot guard."""
     # The handle goes, its tenant stays: the inner saver writes the tenant's own thread.
-    tenant_id = thread_tenant(config)
+    tenant_id = tenancy.thread_tenant(config)
     configurable = {k: v for k, v in config["configurable"].items() if k != FENCE_CONFIG_KEY}
-    if tenant_id != DEFAULT_TENANT:
+    if tenant_id != tenancy.DEFAULT_TENANT:
         configurable["tenant_id"] = tenant_id
     return {**config, "configurable": configurable}
 
@@ -74,7 +67,7 @@ class ThreadNames:
             rest = {k: v for k, v in configurable.items() if k != "tenant_id"}
             return {**config, "configurable": rest} if rest else None
         thread_id = str(configurable["thread_id"])
-        inner_id = inner_thread_id(thread_tenant(config), thread_id)
+        inner_id = tenancy.inner_thread_id(tenancy.thread_tenant(config), thread_id)
         if inner_id == thread_id:
             return config
         return {**config, "configurable": {**configurable, "thread_id": inner_id}}
@@ -87,11 +80,11 @@ class ThreadNames:
         if configurable.get("thread_id") is None:
             return config
         inner_id = str(configurable["thread_id"])
-        tenant_id, thread_id = outer_thread_id(inner_id)
-        if plain_tenant(tenant_id) and thread_id == inner_id:
+        tenant_id, thread_id = tenancy.outer_thread_id(inner_id)
+        if tenancy.plain_tenant(tenant_id) and thread_id == inner_id:
             return config
         outer = {**configurable, "thread_id": thread_id}
-        if tenant_id != DEFAULT_TENANT:
+        if tenant_id != tenancy.DEFAULT_TENANT:
             outer["tenant_id"] = tenant_id
         return {**config, "configurable": outer}
 
@@ -111,7 +104,7 @@ class ThreadNames:
         limit to ask the inner saver for (none when items must be filtered first)."""
         if self.scopes_tenants:
             return (lambda item: item), limit
-        tenant_id = thread_tenant(config)
+        tenant_id = tenancy.thread_tenant(config)
         named = (
             isinstance(config, Mapping)
             and (config.get("configurable") or {}).get("thread_id") is not None
@@ -120,7 +113,7 @@ class ThreadNames:
         def own(item: CheckpointTuple) -> CheckpointTuple | None:
             outer = self.outer_tuple(item)
             assert outer is not None
-            return outer if thread_tenant(outer.config) == tenant_id else None
+            return outer if tenancy.thread_tenant(outer.config) == tenant_id else None
 
         return own, (limit if named else None)
 
@@ -132,27 +125,27 @@ class ThreadNames:
         configurable = config.get("configurable") or {}
         if configurable.get("thread_id") is None:
             return None
-        tenant_id = thread_tenant(config)  # type: ignore[arg-type]
-        legacy = legacy_thread_id(tenant_id, str(configurable["thread_id"]))
+        tenant_id = tenancy.thread_tenant(config)  # type: ignore[arg-type]
+        legacy = tenancy.legacy_thread_id(tenant_id, str(configurable["thread_id"]))
         if legacy is None:
             return None
         return {**config, "configurable": {**configurable, "thread_id": legacy}}
 
     def legacy_thread(self, tenant_id: str, thread_id: str) -> str | None:
         """The legacy id of the tenant's thread in the inner saver, if it has one."""
-        return None if self.scopes_tenants else legacy_thread_id(tenant_id, str(thread_id))
+        return None if self.scopes_tenants else tenancy.legacy_thread_id(tenant_id, str(thread_id))
 
     def thread_call(self, thread_id: str, tenant_id: str) -> tuple[str, dict[str, str]]:
         """``(thread id, keyword arguments)`` for an inner admin call on the tenant's thread."""
         if self.scopes_tenants:
             return thread_id, {"tenant_id": tenant_id}
-        return inner_thread_id(tenant_id, str(thread_id)), {}
+        return tenancy.inner_thread_id(tenant_id, str(thread_id)), {}
 
     def threads(self, thread_ids: Sequence[str], tenant_id: str) -> Any:
         """The tenant's threads as the inner saver names them, for an admin call."""
         if self.scopes_tenants or isinstance(thread_ids, str):
             return thread_ids  # a str: the inner saver refuses it with its own message
-        return [inner_thread_id(tenant_id, str(t)) for t in thread_ids]
+        return [tenancy.inner_thread_id(tenant_id, str(t)) for t in thread_ids]
 
     def tenant_kw(self, tenant_id: str) -> dict[str, str]:
         """The keyword arguments naming the tenant to an inner admin call."""

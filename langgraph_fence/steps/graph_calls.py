@@ -104,16 +104,42 @@ def _options(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
-def _astream(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def astream(self: Any, input: Any, config: Any = None, **kwargs: Any) -> Any:
-        instance = _streaming_instance(self, config)
-        if instance is None:
-            return original(self, input, config, **kwargs)
-        run_config, ids = _call(instance, self, config)
-        return instance.astream(self, input, run_config, **ids, **_options(kwargs))
+def _stream_hook(
+    go: Callable[[GraphRunner, Any, Any, RunnableConfig, dict[str, Any]], Any],
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The hook of ``astream`` or ``stream``: a call of a graph compiled with an instance's
+    checkpointer goes to ``go(instance, graph, input, run_config, options)`` (its tenant
+    and execution id among the options), any other to LangGraph's original."""
 
-    return astream
+    def hook(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def call(self: Any, input: Any, config: Any = None, **kwargs: Any) -> Any:
+            instance = _streaming_instance(self, config)
+            if instance is None:
+                return original(self, input, config, **kwargs)
+            run_config, ids = _call(instance, self, config)
+            return go(instance, self, input, run_config, {**ids, **_options(kwargs)})
+
+        return call
+
+    return hook
+
+
+def _astream_on(
+    instance: GraphRunner, graph: Any, input: Any, config: RunnableConfig, options: dict[str, Any]
+) -> Any:
+    return instance.astream(graph, input, config, **options)
+
+
+def _stream_on(
+    instance: GraphRunner, graph: Any, input: Any, config: RunnableConfig, options: dict[str, Any]
+) -> Any:
+    loop = _loop_of(instance, "graph.invoke()/stream()")
+    return iterate_on_loop(loop, lambda: instance.astream(graph, input, config, **options))
+
+
+_astream = _stream_hook(_astream_on)
+_stream = _stream_hook(_stream_on)
 
 
 def _aupdate_state(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -148,22 +174,6 @@ def _loop_of(instance: GraphRunner, what: str) -> asyncio.AbstractEventLoop:
             "inside that block"
         )
     return loop
-
-
-def _stream(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def stream(self: Any, input: Any, config: Any = None, **kwargs: Any) -> Any:
-        instance = _streaming_instance(self, config)
-        if instance is None:
-            return original(self, input, config, **kwargs)
-        loop = _loop_of(instance, "graph.invoke()/stream()")
-        run_config, ids = _call(instance, self, config)
-        options = _options(kwargs)
-        return iterate_on_loop(
-            loop, lambda: instance.astream(self, input, run_config, **ids, **options)
-        )
-
-    return stream
 
 
 def _update_state(original: Callable[..., Any]) -> Callable[..., Any]:
