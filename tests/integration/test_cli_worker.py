@@ -75,7 +75,7 @@ def test_the_worker_imports_a_module_from_its_folder_and_logs_at_info(
     )
     assert "serves ['counter']" in said
     assert "concurrency 4, polls every 1.0 s, lease TTL 30.0 s" in said
-    assert " INFO langgraph_fence.execution.serve: instance " in logged, logged
+    assert " INFO langgraph_fence.serve: instance " in logged, logged
     assert "stopped serving" in logged
 
 
