@@ -92,10 +92,10 @@ class MemoryLeaseRepository:
         """Keep what ``decide`` makes of the row of ``key`` (``None``: keep the row as it
         is), under the store's lock: one atomic step, as each SQL statement is. A refusal
         ``decide`` raises changes nothing."""
-        async with self._lock:
-            written = decide(self._rows.get(key))
+        async with self.locked(key) as row:
+            written = decide(row.lease)
             if written is not None:
-                self._rows[key] = written
+                row.lease = written
             return written
 
     async def acquire(
