@@ -202,16 +202,28 @@ def _child_writes_before_the_roots_checkpoint(
     are stored, and every checkpoint of their proof below the root, ``charge_stored`` is
     set."""
 
+    def stored(context: Mapping[str, Any], levels: list[tuple[str, str]]) -> Any:
+        """Whether A's saver has the checkpoint of each ``(namespace, id)`` of ``levels``."""
+        base = {**context["config"]["configurable"], "tenant_id": TENANT}
+        base.pop("__fence", None)
+
+        async def all_stored() -> bool:
+            for ns, checkpoint_id in levels:
+                at = {**base, "checkpoint_ns": ns, "checkpoint_id": checkpoint_id}
+                if await a.checkpointer.aget_tuple({"configurable": at}) is None:
+                    return False
+            return True
+
+        return all_stored
+
     async def after_the_childs_checkpoint(context: Mapping[str, Any]) -> None:
         lost.after(context)
         if _ns(context) and _is_charge(context):
-            at = {"configurable": {**context["config"]["configurable"], "tenant_id": TENANT}}
-            at["configurable"].pop("__fence", None)
-
-            async def stored() -> bool:
-                return await a.checkpointer.aget_tuple(at) is not None
-
-            await eventually(stored, timeout=DEADLINE, what="the child's checkpoint")
+            own = context["config"]["configurable"]
+            levels = [(str(own["checkpoint_ns"]), str(own["checkpoint_id"]))]
+            await eventually(
+                stored(context, levels), timeout=DEADLINE, what="the child's checkpoint"
+            )
 
     async def note_writes(context: Mapping[str, Any]) -> None:
         lost.after(context)
@@ -219,18 +231,10 @@ def _child_writes_before_the_roots_checkpoint(
             # Every level between the child and the root stored too (nested-deep's middle
             # graph checkpoints concurrently under durability="async"): then the root's
             # checkpoint is the one that completes the proof, whatever the box's load.
-            base = {**context["config"]["configurable"], "tenant_id": TENANT}
-            base.pop("__fence", None)
             below_the_root = [at for at in writes_proof(context["config"]) if at[0]]
-
-            async def levels_stored() -> bool:
-                for ns, checkpoint_id in below_the_root:
-                    at = {**base, "checkpoint_ns": ns, "checkpoint_id": checkpoint_id}
-                    if await a.checkpointer.aget_tuple({"configurable": at}) is None:
-                        return False
-                return True
-
-            await eventually(levels_stored, timeout=DEADLINE, what="the levels below the root")
+            await eventually(
+                stored(context, below_the_root), timeout=DEADLINE, what="the levels below the root"
+            )
             charge_stored.set()
 
     faults.enter_context(arm_fault("writes.before", after_the_childs_checkpoint))
