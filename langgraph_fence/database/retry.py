@@ -11,6 +11,11 @@ run the window is :data:`DEFAULT_WINDOW` seconds. When the window runs out the l
 connection error is raised: the run then stops as lease-lost and is handed back for
 takeover, never ``failed``.
 
+A SQLite write refused with "database is locked" (``SQLITE_BUSY``) is retried the same way:
+the statement did not apply (in WAL mode a busy write changes nothing), and the busy timeout
+already waited for the lock, unless SQLite refused at once (a connection whose read snapshot
+went stale cannot wait for the write lock), where a fresh connection gets it.
+
 Any other error (an integrity or programming error, a refused guard) is raised at once: a
 retry could not change its answer. The happy path costs nothing: the window is looked at
 only after a connection error.
@@ -34,6 +39,7 @@ __all__ = [
     "backoff",
     "is_connection_error",
     "is_database_connection_error",
+    "is_lock_conflict",
     "retry_connection_errors",
     "retry_window",
 ]
@@ -172,6 +178,19 @@ def is_connection_error(exc: BaseException) -> bool:
     return False
 
 
+def is_lock_conflict(exc: BaseException) -> bool:
+    """Whether ``exc`` (or the driver error it wraps, or its cause) is SQLite's "database is
+    locked" (``SQLITE_BUSY`` and its extended codes): the write did not apply, and a repeat
+    on a fresh connection may take the lock."""
+    for current in _chain(exc, wrapped=True):
+        name = getattr(current, "sqlite_errorname", None)
+        if isinstance(name, str) and name.startswith("SQLITE_BUSY"):
+            return True
+        if type(current).__module__ == "sqlite3" and "database is locked" in str(current):
+            return True  # Python 3.10: no error name
+    return False
+
+
 def _chain(exc: BaseException, *, wrapped: bool) -> Iterator[BaseException]:
     """``exc`` and the errors it links to, depth first, each once, 17 at most: its cause
     and context, and with ``wrapped`` the driver error it wraps (``orig``)."""
@@ -254,7 +273,8 @@ def backoff(attempt: int) -> float:
 
 
 async def retry_connection_errors(operation: Callable[[], Awaitable[T]], *, what: str) -> T:
-    """``await operation()``, repeated on a connection error while the window lasts.
+    """``await operation()``, repeated on a connection error (or a SQLite lock conflict)
+    while the window lasts.
 
     ``operation`` must take a fresh connection each time and be safe to repeat (a guarded
     write, a read). Raises the last connection error when the window runs out, and any
@@ -264,11 +284,18 @@ async def retry_connection_errors(operation: Callable[[], Awaitable[T]], *, what
     started = 0.0
     window: RetryWindow | None = None
     while True:
+        began = time.monotonic()
         try:
             return await operation()
         except Exception as exc:
             if not is_connection_error(exc):
-                raise
+                if not is_lock_conflict(exc):
+                    raise
+                logger.warning(
+                    "%s: the SQLite database was locked (refused after %.3fs); retried",
+                    what,
+                    time.monotonic() - began,
+                )
             now = time.monotonic()
             if window is None:
                 window = _window.get() or FixedWindow.lasting(DEFAULT_WINDOW)

@@ -7,8 +7,11 @@ produce them, and the drivers' own classes where only a server outage could.
 
 from __future__ import annotations
 
+import logging
 import socket
+import sqlite3
 from collections.abc import Callable
+from pathlib import Path
 
 import asyncpg
 import pytest
@@ -17,12 +20,13 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence import ExecutionFencedError
-from langgraph_fence.database import create_engine
+from langgraph_fence.database import create_engine, read_only
 from langgraph_fence.database.retry import (
     FixedWindow,
     backoff,
     is_connection_error,
     is_database_connection_error,
+    is_lock_conflict,
     retry_connection_errors,
     retry_window,
 )
@@ -253,3 +257,49 @@ def test_a_killed_psycopg_connection_is_infrastructure(
     wrapped = RuntimeError("During task with name 'charge'")
     wrapped.__cause__ = caught.value
     assert is_database_connection_error(wrapped), repr(caught.value)
+
+
+async def test_a_sqlite_write_refused_as_locked_is_retried_on_a_fresh_connection(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SQLite refuses at once (whatever the busy timeout) a write from a connection whose
+    read snapshot is older than another writer's lock: the write did not apply, and the
+    retry, on a fresh connection, waits for the lock and lands once."""
+    path = tmp_path / "locked.db"
+    engine = create_engine(f"sqlite+aiosqlite:///{path}")
+    async with engine.begin() as conn:
+        await conn.execute(sa.text("CREATE TABLE t (n INTEGER)"))
+    other = sqlite3.connect(path, isolation_level=None)
+    attempts: list[Exception | None] = []
+
+    async def write() -> None:
+        async with read_only(engine).connect() as conn:
+            await conn.execute(sa.text("SELECT count(*) FROM t"))  # a read snapshot
+            if not attempts:
+                other.execute("BEGIN IMMEDIATE")  # another writer takes the lock meanwhile
+            try:
+                await conn.execute(sa.text("INSERT INTO t VALUES (1)"))
+                await conn.commit()
+            except Exception as exc:
+                attempts.append(exc)
+                other.execute("COMMIT")  # its transaction ends; the lock is free again
+                raise
+            attempts.append(None)
+
+    with caplog.at_level(logging.WARNING, "langgraph_fence.retry"):
+        await retry_connection_errors(write, what="a write")
+    refused = attempts[0]
+    assert refused is not None
+    assert is_lock_conflict(refused)
+    assert not is_connection_error(refused)  # the connection is fine: only the lock was taken
+    assert attempts[1:] == [None]
+    assert other.execute("SELECT count(*) FROM t").fetchone() == (1,)
+    assert "a write: the SQLite database was locked" in caplog.text
+    other.close()
+    await engine.dispose()
+
+
+def test_a_syntax_error_of_sqlite_is_no_lock_conflict() -> None:
+    with pytest.raises(sqlite3.OperationalError) as caught:
+        sqlite3.connect(":memory:").execute("SELEC 1")
+    assert not is_lock_conflict(caught.value)
