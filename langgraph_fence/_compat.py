@@ -31,6 +31,7 @@ __all__ = [
     "pregel_runtime",
     "pregel_task_id",
     "runnable_callable_type",
+    "server_saver_inner",
     "sqlalchemy_engine_autocommit",
     "sqlalchemy_recycle_pool",
     "sqlalchemy_told_autocommit",
@@ -167,6 +168,25 @@ def hook_task_call(make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> 
     replacement = make(current)
     replacement.__langgraph_fence_hook__ = True  # type: ignore[attr-defined]
     _TaskFunction.__call__ = replacement  # type: ignore[method-assign]
+
+
+def server_saver_inner(saver: Any) -> Any:
+    """The saver a ``langgraph.json`` ``checkpointer.path`` factory yielded, when ``saver`` is
+    the adapter LangGraph's Agent Server wraps it in; else ``saver`` itself.
+
+    langgraph-api (0.16) mounts a custom checkpointer as
+    ``langgraph_api._checkpointer._adapter._CustomCheckpointerAdapter(inner=...)``, a new
+    adapter per run, holding the factory's saver as ``_inner``; both names are private. If
+    either changes, a server run's graph is not seen as fenced: the fenced checkpointer then
+    refuses its first write (no run holds a lease), and the run fails loudly; nothing is
+    written unfenced.
+    """
+    kind = type(saver)
+    if kind.__name__ == "_CustomCheckpointerAdapter" and kind.__module__.startswith(
+        "langgraph_api."
+    ):
+        return getattr(saver, "_inner", saver)
+    return saver
 
 
 def tool_node_tools(node: Any) -> dict[str, Any] | None:

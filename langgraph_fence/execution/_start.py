@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from langchain_core.runnables import RunnableConfig
 from langgraph.types import Command
 
+from langgraph_fence._compat import server_saver_inner
 from langgraph_fence.errors import (
     ExecutionDeadLetteredError,
     ExecutionEndedError,
@@ -61,7 +62,8 @@ def prepare(
     from langgraph_fence.execution.fail_closed import refuse_unfenced
     from langgraph_fence.saver.checkpoint import FencedCheckpointer
 
-    if not isinstance(getattr(graph, "checkpointer", None), FencedCheckpointer):
+    saver = server_saver_inner(getattr(graph, "checkpointer", None))
+    if not isinstance(saver, FencedCheckpointer):
         raise ValueError(
             "graph was compiled without a fenced checkpointer: compile it with "
             "builder.compile(checkpointer=instance.checkpointer)"

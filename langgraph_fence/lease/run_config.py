@@ -11,7 +11,9 @@ the run as it was started.
 Not recorded, and not carried over to a takeover: callbacks and any other live object
 (they cannot be stored; a value of ``configurable``, the context or an option that cannot
 be is refused at start, :func:`record_run`), the ids the runtime sets itself
-(``thread_id``, ``tenant_id``, ``execution_id``, the run's handle), a ``checkpoint_id``
+(``thread_id``, ``tenant_id``, ``execution_id``, the run's handle, and every
+``configurable`` key with two leading underscores: LangGraph's and its Agent Server's own),
+a ``checkpoint_id``
 (a takeover resumes from the thread's last checkpoint, not the one the run started from),
 ``run_id``, and the options that only shape what a caller is handed back
 (``stream_mode``, ``output_keys``, ``subgraphs``, ...).
@@ -48,6 +50,13 @@ _RUNTIME_CONFIGURABLE = frozenset(
         FENCE_CONFIG_KEY,
     }
 )
+
+
+def _recorded_key(key: str) -> bool:
+    """Whether ``configurable[key]`` is the user's, to record. Keys with two leading
+    underscores are LangGraph's and its Agent Server's own (``__pregel_runtime``,
+    ``__pregel_node_finished``, ...): set by the runtime on every run, never by the user."""
+    return key not in _RUNTIME_CONFIGURABLE and not key.startswith("__")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +121,7 @@ def record_run(
     """
     configurable = config.get("configurable") or {}
     picked = RecordedRun(
-        {k: v for k, v in configurable.items() if k not in _RUNTIME_CONFIGURABLE},
+        {k: v for k, v in configurable.items() if _recorded_key(k)},
         {k: config[k] for k in RECORDED_CONFIG_KEYS if config.get(k) is not None},
         {k: options[k] for k in RECORDED_OPTIONS if options.get(k) is not None},
     )

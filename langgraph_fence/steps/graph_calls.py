@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from langchain_core.runnables.config import ensure_config
 
-from langgraph_fence._compat import hook_pregel, hook_task_call
+from langgraph_fence._compat import hook_pregel, hook_task_call, server_saver_inner
 from langgraph_fence.errors import ExecutionContextUnavailableError
 from langgraph_fence.execution.fail_closed import refuse_unfenced, refuse_unfenced_task
 from langgraph_fence.from_thread import iterate_on_loop, run_on_loop, running_loop
@@ -50,7 +50,7 @@ def instance_of(graph: Any, config: Mapping[str, Any] | None) -> GraphRunner | N
     graph with another checkpointer, or a call already inside a run: LangGraph's own)."""
     from langgraph_fence.saver.checkpoint import FencedCheckpointer
 
-    saver = getattr(graph, "checkpointer", None)
+    saver = server_saver_inner(getattr(graph, "checkpointer", None))
     if not isinstance(saver, FencedCheckpointer) or saver.instance is None:
         return None
     # ensure_config: a graph called inside a node with no config (``sub.ainvoke(x)``) runs

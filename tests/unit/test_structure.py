@@ -83,7 +83,7 @@ def test_no_module_imports_itself_back_through_others(graph: grimp.ImportGraph) 
 LAYERS: tuple[grimp.Layer | str, ...] = (
     # The edges a user or operator touches: the command line, the OpenTelemetry listener,
     # the pytest plugin. None of them imports another.
-    grimp.Layer("cli", "otel", "testing", independent=True),
+    grimp.Layer("cli", "otel", "server", "testing", independent=True),
     # The process-level runtime that composes everything below.
     "instance",
     # Steps: the node and tool wrappers, fence_graph, the running step's frame.
