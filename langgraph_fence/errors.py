@@ -21,6 +21,7 @@ __all__ = [
     "ExecutionFencedError",
     "ExecutionLeaseHeldError",
     "ExecutionLeaseLostError",
+    "ExecutionSupersededError",
     "ExecutionThreadBoundError",
     "LangGraphFenceError",
     "RunFailedError",
@@ -102,6 +103,26 @@ class ExecutionLeaseHeldError(LangGraphFenceError, RuntimeError):
     """
 
     code: ClassVar[str] = "execution.lease-held"
+
+
+class ExecutionSupersededError(ExecutionLeaseHeldError):
+    """An Agent Server run attempt that a later attempt of the same run (or a later run of
+    the thread) superseded: it never takes the thread's lease, now or later, and nothing of
+    it is written.
+
+    The server re-dispatches a run whose worker it stopped hearing from (attempt 2 while
+    attempt 1 may still run); the latest attempt holds the thread. Nothing to fix: the later
+    attempt's result stands.
+    """
+
+    code: ClassVar[str] = "execution.lease-held.superseded"
+
+
+class ServerAttemptSuperseded(BaseException):
+    """How a superseded Agent Server attempt ends: a ``BaseException``, so that the server
+    records no status for it (an ``Exception`` would mark the run failed over the later
+    attempt's result, a retriable one would start yet another attempt). Raised only inside
+    runs the Agent Server started; ``__cause__`` is the fencing error."""
 
 
 class ExecutionEndedError(LangGraphFenceError, RuntimeError):

@@ -139,6 +139,10 @@ class StallableRepository:
         await self.gate.wait()
         return await self.inner.acquire(key, holder, ttl, reopen=reopen)
 
+    async def supersede(self, key: LeaseKey, stamp: str) -> Lease | None:
+        await self.gate.wait()
+        return await self.inner.supersede(key, stamp)  # type: ignore[attr-defined,no-any-return]
+
     async def renew(self, lease: Lease, ttl: float) -> Lease:
         await self.gate.wait()
         return await self.inner.renew(lease, ttl)

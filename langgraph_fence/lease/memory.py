@@ -12,6 +12,7 @@ from typing import TypeVar
 
 from langgraph_fence.errors import ExecutionFencedError
 from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus, PendingEffect, validate_ttl
+from langgraph_fence.lease.attempts import decide_supersede
 from langgraph_fence.lease.checks import check_key, check_lease, check_leases, check_limit
 from langgraph_fence.lease.transitions import (
     Takeover,
@@ -60,6 +61,7 @@ class MemoryLeaseRepository:
     def __init__(self, *, clock: Callable[[], float] | None = None) -> None:
         self._clock = clock or time.time
         self._rows: dict[LeaseKey, Lease] = {}
+        self._attempts: dict[LeaseKey, str] = {}
         self._lock = asyncio.Lock()
         self._store_id = f"memory:{next(_ids)}"
 
@@ -109,6 +111,21 @@ class MemoryLeaseRepository:
                 row, key, holder, ttl, self._clock(), reopen=reopen, store_id=self._store_id
             ),
         )
+
+    async def supersede(self, key: LeaseKey, stamp: str) -> Lease | None:
+        """Start Agent Server attempt ``stamp`` of ``key`` (:mod:`langgraph_fence.lease.attempts`):
+        the lease as fenced from the earlier attempt holding it, or ``None``.
+
+        Raises:
+            ExecutionSupersededError: a newer attempt started before; nothing written.
+        """
+        check_key(key)
+        async with self.locked(key) as row:
+            fenced = decide_supersede(key, row.lease, self._attempts.get(key), stamp)
+            self._attempts[key] = stamp
+            if fenced is not None:
+                row.lease = fenced
+            return fenced
 
     async def renew(self, lease: Lease, ttl: float) -> Lease:
         """Extend the hold to now + ``ttl``; guarded."""

@@ -48,6 +48,7 @@ logger = logging.getLogger("langgraph_fence.schema")
 __all__ = [
     "LEASES",
     "LEASE_MIGRATIONS",
+    "SERVER_ATTEMPTS",
     "STAMP_SQL",
     "effects_from_json",
     "in_flight_sql",
@@ -339,6 +340,32 @@ LEASE_MIGRATIONS.append(
             f"ALTER TABLE fence_leases ADD CONSTRAINT fence_leases_status_check "
             f"CHECK ({_STATUS_CHECK})",
         ],
+    )
+)
+
+#: ``fence_server_attempts``: per execution, the newest Agent Server attempt that started
+#: (:mod:`langgraph_fence.lease.attempts`), ``stamp`` sortable as text.
+SERVER_ATTEMPTS = Table(
+    "fence_server_attempts",
+    metadata,
+    Column("tenant_id", Text, nullable=False),
+    Column("execution_id", Text, nullable=False),
+    Column("stamp", Text, nullable=False),
+    Column("at", Double, nullable=False),
+    PrimaryKeyConstraint("tenant_id", "execution_id"),
+)
+
+LEASE_MIGRATIONS.append(
+    Migration.typed(
+        7,
+        "Agent Server attempts: the newest attempt that started, per execution",
+        """CREATE TABLE IF NOT EXISTS fence_server_attempts (
+    tenant_id TEXT NOT NULL,
+    execution_id TEXT NOT NULL,
+    stamp TEXT NOT NULL,
+    at {double} NOT NULL,
+    PRIMARY KEY (tenant_id, execution_id)
+)""",
     )
 )
 

@@ -51,6 +51,7 @@ from langgraph_fence.lease import (
 )
 from langgraph_fence.lease.checks import check_key, check_lease, check_leases, check_limit
 from langgraph_fence.lease.schema import LEASE_MIGRATIONS, effects_from_json, stamp_patch
+from langgraph_fence.lease.sql._attempts import supersede
 from langgraph_fence.lease.sql._statements import NO_BUDGET, LeaseStatements
 from langgraph_fence.lease.sql._take import SqliteTake, build_take, record_params
 from langgraph_fence.lease.transitions import (
@@ -536,6 +537,17 @@ class SqlLeaseRepository:
         return await self._guarded(
             self._statements.retake, lease, "retake", landed=landed, ttl=validate_ttl(ttl)
         )
+
+    async def supersede(self, key: LeaseKey, stamp: str) -> Lease | None:
+        """Start Agent Server attempt ``stamp`` of ``key`` (:mod:`langgraph_fence.lease.attempts`):
+        the lease as fenced from the earlier attempt holding it, or ``None`` (left as it was);
+        one transaction.
+
+        Raises:
+            ExecutionSupersededError: a newer attempt started before; nothing written.
+        """
+        check_key(key)
+        return await supersede(self._engine, self.now, self.lease_of, key, stamp)
 
     async def retry(self, key: LeaseKey) -> Lease:
         """Make a dead-lettered or cancelled execution ``pending`` again, its takeover
