@@ -25,6 +25,7 @@ from langgraph_fence.events import EventKind, Listeners
 from langgraph_fence.fence import RunHandle
 from langgraph_fence.keys import FENCE_CONFIG_KEY
 from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus
+from langgraph_fence.lease.attempts import server_attempt
 from langgraph_fence.lease.records import ExecutionRecord, SqlExecutionRecords, check_thread_binding
 from langgraph_fence.lease.run_config import record_run, run_allowlist
 from langgraph_fence.lease.sql import SqlLeaseRepository
@@ -128,6 +129,7 @@ async def start(
     handle, and the record still to write once it holds the lease (``None``: written).
     """
     thread_id = str(base["configurable"]["thread_id"])
+    stamp = server_attempt(base)  # an Agent Server run: which attempt of which run
     record = None
     if input is not None and not isinstance(input, Command):
         # Checked before anything is written: the name serve() finds the graph
@@ -144,13 +146,18 @@ async def start(
                 allow=run_allowlist(graph),
             ),
         )
-    handle, record = await take(host, key, thread_id, record)
+    handle, record = await take(host, key, thread_id, record, stamp=stamp)
     await host.keeper.confirm_start(handle)
     return handle, record
 
 
 async def take(
-    host: InstanceHost, key: LeaseKey, thread_id: str, record: ExecutionRecord | None
+    host: InstanceHost,
+    key: LeaseKey,
+    thread_id: str,
+    record: ExecutionRecord | None,
+    *,
+    stamp: str | None = None,
 ) -> tuple[RunHandle, ExecutionRecord | None]:
     """Start a new run of ``key``: bind the thread, take the lease (the next token), record
     the run's input; its handle, and the record still to write once it holds the lease
@@ -168,7 +175,12 @@ async def take(
     acquire's statement (``transitions.decide_acquire``, the same decision as ``serve()``'s
     take-over); standing idempotent entries are cleared by that statement too.
 
+    ``stamp``: the run is an Agent Server attempt (:mod:`langgraph_fence.lease.attempts`).
+    It is recorded as the execution's newest attempt before the take, fencing an earlier
+    attempt that holds the lease; an attempt older than the newest is refused for ever.
+
     Raises:
+        ExecutionSupersededError: a newer attempt of the server run started before.
         ExecutionThreadBoundError: the tenant's thread belongs to another execution id.
         ExecutionBusyError: new input while a submitted run of the execution waits.
         ExecutionLeaseHeldError: another live run holds the lease.
@@ -176,6 +188,8 @@ async def take(
         ExecutionDeadLetteredError: this take found a non-idempotent stamp standing.
     """
     repository = host.repository
+    if stamp is not None:
+        await _supersede(host, key, stamp)
     sent_at = host.clock()
     store = _take_store(host)
     # Every run may reopen a done or failed execution, whatever its input: new input is a
@@ -224,6 +238,25 @@ async def take(
         raise ExecutionDeadLetteredError(f"execution {key.scope_key!r} was dead-lettered: {reason}")
     handle = RunHandle(repository, lease, host.lease_ttl, clock=host.clock, confirmed_from=sent_at)
     return handle, record
+
+
+async def _supersede(host: InstanceHost, key: LeaseKey, stamp: str) -> None:
+    """Record Agent Server attempt ``stamp`` as ``key``'s newest, fencing the earlier one."""
+    supersede = getattr(host.repository, "supersede", None)
+    if supersede is None:
+        raise ValueError(
+            f"the lease store {type(host.repository).__name__} cannot tell Agent Server "
+            "attempts apart (it has no supersede): open the instance on SQL "
+            "(Instance.open(url)), as langgraph_fence.server does"
+        )
+    fenced = await supersede(key, stamp)
+    if fenced is not None:
+        logger.warning(
+            "execution %s: %s; the earlier attempt is fenced at token %d",
+            key.scope_key,
+            fenced.reason,
+            fenced.epoch,
+        )
 
 
 #: How often a take is sent again when a racing first run bound the thread meanwhile.

@@ -25,16 +25,23 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 from langchain_core.runnables.config import ensure_config
 
 from langgraph_fence._compat import hook_pregel, hook_task_call, server_saver_inner
-from langgraph_fence.errors import ExecutionContextUnavailableError
+from langgraph_fence.errors import (
+    ExecutionContextUnavailableError,
+    ExecutionFencedError,
+    ExecutionSupersededError,
+    ServerAttemptSuperseded,
+)
 from langgraph_fence.execution.fail_closed import refuse_unfenced, refuse_unfenced_task
 from langgraph_fence.from_thread import iterate_on_loop, run_on_loop, running_loop
 from langgraph_fence.keys import FENCE_CONFIG_KEY
+from langgraph_fence.lease.attempts import server_attempt
 from langgraph_fence.steps.context import current_frame
 
 if TYPE_CHECKING:
@@ -128,7 +135,22 @@ def _stream_hook(
 def _astream_on(
     instance: GraphRunner, graph: Any, input: Any, config: RunnableConfig, options: dict[str, Any]
 ) -> Any:
-    return instance.astream(graph, input, config, **options)
+    stream = instance.astream(graph, input, config, **options)
+    if server_attempt(config) is None:
+        return stream
+    return _server_attempt(stream)
+
+
+async def _server_attempt(stream: Any) -> AsyncIterator[Any]:
+    """A run the Agent Server started, ended as the server must see it when a later attempt
+    superseded it (its lease fenced, or its start refused): a ``BaseException``, so that the
+    server writes no status over the later attempt's (:class:`ServerAttemptSuperseded`)."""
+    try:
+        async with aclosing(stream):
+            async for chunk in stream:
+                yield chunk
+    except (ExecutionFencedError, ExecutionSupersededError) as exc:
+        raise ServerAttemptSuperseded(str(exc)) from exc
 
 
 def _stream_on(
