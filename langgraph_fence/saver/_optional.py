@@ -132,8 +132,12 @@ async def _under_holds(
 ) -> None:
     assert call.threads is not None
     threads = await call.threads()
+    # The Agent Server's rollback deletes a run's checkpoints right after it cancelled the
+    # run (twice, at once): the cancelled run lets its lease go as its cancel lands, so the
+    # delete waits for it, up to one admin TTL, rather than fail the rollback.
+    wait = admin.ttl if call.name == "delete_for_runs" else 0.0
     while True:
-        async with admin.hold(call.tenant_id, threads, action=call.name):
+        async with admin.hold(call.tenant_id, threads, action=call.name, wait=wait):
             # Looked up again under the holds: a run to delete whose first checkpoint
             # landed after the first look-up is on a thread not held yet. Remaining window:
             # a first checkpoint landing between this look-up and the delete.

@@ -34,7 +34,9 @@ sink's high-water mark row stays too: it holds the scope key and a token, no res
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
@@ -45,6 +47,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence.database import transaction
+from langgraph_fence.database.retry import backoff
 from langgraph_fence.errors import ExecutionLeaseHeldError
 from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus, validate_holder, validate_ttl
 from langgraph_fence.lease.memory import MemoryLeaseRepository
@@ -291,13 +294,20 @@ class ThreadAdmin:
 
     @asynccontextmanager
     async def hold(
-        self, tenant_id: str, thread_ids: Iterable[str], *, action: str, erase: bool = False
+        self,
+        tenant_id: str,
+        thread_ids: Iterable[str],
+        *,
+        action: str,
+        erase: bool = False,
+        wait: float = 0.0,
     ) -> AsyncIterator[list[AdminHold]]:
         """Hold the execution of each thread for the block; give each back after it.
 
         Threads are taken in order of id (two admins never wait on each other in a
         circle). With ``erase``, a block that ends normally gives each lease back ``done``
-        with no reason and no stamps.
+        with no reason and no stamps. With ``wait``, a lease another holder holds is asked
+        for again, with backoff, for up to ``wait`` seconds before the refusal.
 
         Raises:
             ExecutionLeaseHeldError: another holder's lease of one of the executions has not
@@ -311,6 +321,12 @@ class ThreadAdmin:
             for thread_id in sorted(set(thread_ids)):
                 key = await self.execution_of(tenant_id, thread_id)
                 taken = await _take(store, key, self.holder, self.ttl)
+                until = time.monotonic() + wait
+                attempt = 0
+                while not isinstance(taken, AdminHold) and time.monotonic() < until:
+                    await asyncio.sleep(min(backoff(attempt), max(0.0, until - time.monotonic())))
+                    attempt += 1
+                    taken = await _take(store, key, self.holder, self.ttl)
                 if not isinstance(taken, AdminHold):
                     raise ExecutionLeaseHeldError(_held_message(key, thread_id, taken, action))
                 stack.push_async_callback(_give_back, store, taken, erased=False)
