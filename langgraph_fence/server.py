@@ -1,11 +1,12 @@
 """Fenced runs on LangGraph's Agent Server (``langgraph dev``, self-hosted deployments).
 
-Name :func:`checkpointer` in ``langgraph.json``::
+Name :func:`checkpointer` (and :func:`store`) in ``langgraph.json``::
 
     {
       "dependencies": ["."],
       "graphs": {"agent": "./agent.py:graph"},
-      "checkpointer": {"path": "langgraph_fence.server.checkpointer"}
+      "checkpointer": {"path": "langgraph_fence.server.checkpointer"},
+      "store": {"path": "langgraph_fence.server.store"}
     }
 
 and set ``LANGGRAPH_FENCE_URL`` (the database of the leases and checkpoints) in the server's
@@ -43,7 +44,7 @@ from typing import Any
 
 from langgraph_fence.instance import Instance
 
-__all__ = ["SUPPORTED_API", "checkpointer", "settings_from_env"]
+__all__ = ["SUPPORTED_API", "check_api_version", "checkpointer", "settings_from_env", "store"]
 
 #: The langgraph-api releases (major.minor) the server mode is tested with.
 SUPPORTED_API = ("0.16",)
@@ -123,20 +124,10 @@ _by_loop: dict[asyncio.AbstractEventLoop, _Shared] = {}
 
 
 @asynccontextmanager
-async def checkpointer() -> AsyncIterator[Any]:
-    """The checkpointer factory of ``langgraph.json`` (``"checkpointer": {"path":
-    "langgraph_fence.server.checkpointer"}``): yields the fenced checkpointer of this event
-    loop's instance, opened from the environment (module docstring).
-
-    Every server run on a graph mounted with it runs fenced: one lease per thread, taken
-    before the run writes, every checkpoint and task write checked against it in its own
-    statement, released with the run's outcome. A write made outside such a run is
-    refused, never stored unfenced.
-
-    Raises:
-        RuntimeError: an unsupported langgraph-api release.
-        ValueError: a missing or malformed environment variable.
-    """
+async def _instance() -> AsyncIterator[Instance]:
+    """This event loop's instance, opened from the environment by its first user and closed
+    with its last: the checkpointer and the store factories share it (one lease table, one
+    engine)."""
     check_api_version()
     loop = asyncio.get_running_loop()
     shared = _by_loop.get(loop)
@@ -147,9 +138,48 @@ async def checkpointer() -> AsyncIterator[Any]:
         shared = _by_loop[loop] = _Shared(instance, stack)
     shared.users += 1
     try:
-        yield shared.instance.checkpointer
+        yield shared.instance
     finally:
         shared.users -= 1
         if shared.users == 0 and _by_loop.get(loop) is shared:
             del _by_loop[loop]
             await shared.stack.aclose()
+
+
+@asynccontextmanager
+async def checkpointer() -> AsyncIterator[Any]:
+    """The checkpointer factory of ``langgraph.json`` (``"checkpointer": {"path":
+    "langgraph_fence.server.checkpointer"}``): yields the fenced checkpointer of this event
+    loop's instance, opened from the environment (module docstring).
+
+    Every server run on a graph mounted with it runs fenced: one lease per thread, taken
+    before the run writes, every checkpoint and task write checked against it in its own
+    statement, released with the run's outcome; an attempt the server re-dispatches
+    supersedes the one before it. A write made outside such a run is refused, never
+    stored unfenced.
+
+    Raises:
+        RuntimeError: an unsupported langgraph-api release.
+        ValueError: a missing or malformed environment variable.
+    """
+    async with _instance() as instance:
+        yield instance.checkpointer
+
+
+@asynccontextmanager
+async def store() -> AsyncIterator[Any]:
+    """The store factory of ``langgraph.json`` (``"store": {"path":
+    "langgraph_fence.server.store"}``): yields the fenced store of this event loop's
+    instance (the one the checkpointer factory uses), on the same database.
+
+    A store write made inside a fenced step of a server run is made under the run's token
+    and refused under a superseded one (checked in the write's own statement). Writes from
+    outside any step (the server's ``/store`` endpoints) pass through unfenced, as from an
+    admin script.
+
+    Raises:
+        RuntimeError: an unsupported langgraph-api release.
+        ValueError: a missing or malformed environment variable.
+    """
+    async with _instance() as instance:
+        yield instance.store

@@ -41,6 +41,15 @@ async def work(state: State) -> dict:
     return {"tokens": [*state.get("tokens", []), token]}
 
 
+async def remember(state: State) -> dict:
+    # A store write inside a fenced step of a server run: made under the run's token.
+    from langgraph.config import get_store
+
+    token = get_execution_context().fence.token
+    await get_store().aput(("notes",), "last", {"token": token})
+    return {"tokens": [*state.get("tokens", []), token]}
+
+
 async def ask(state: State) -> dict:
     return {"answer": interrupt("approve?")}
 
@@ -58,14 +67,25 @@ asking.add_edge(START, "work")
 asking.add_edge("work", "ask")
 asking.add_edge("ask", END)
 approval = fence_graph(asking).compile()
+
+memory = StateGraph(State)
+memory.add_node("remember", remember)
+memory.add_edge(START, "remember")
+memory.add_edge("remember", END)
+memorize = fence_graph(memory).compile()
 """
 
 
 @pytest.fixture
 def server(database: Database, tmp_path: Path) -> Iterator[str]:
     """``langgraph dev`` serving the two graphs of :data:`AGENT`; its URL."""
-    graphs = {"agent": "./agent.py:graph", "approval": "./agent.py:approval"}
-    with agent_server(database, tmp_path, {"agent.py": AGENT}, graphs) as (url, _):
+    graphs = {
+        "agent": "./agent.py:graph",
+        "approval": "./agent.py:approval",
+        "memorize": "./agent.py:memorize",
+    }
+    store = {"store": {"path": "langgraph_fence.server.store"}}
+    with agent_server(database, tmp_path, {"agent.py": AGENT}, graphs, config=store) as (url, _):
         yield url
 
 
@@ -107,6 +127,26 @@ async def test_an_interrupt_is_resumed_by_the_next_run_under_the_next_token(
     assert resumed["answer"] == "yes"
     leases = rows(database, "SELECT epoch, status FROM fence_leases")
     assert leases == [(2, "done")]
+
+
+async def test_a_store_write_of_a_server_run_is_made_under_its_token(
+    server: str, database: Database
+) -> None:
+    client = get_client(url=server)
+    thread = (await client.threads.create())["thread_id"]
+    await client.runs.wait(thread, "memorize", input={})
+    await client.runs.wait(thread, "memorize", input={})
+    item = await client.store.get_item(["notes"], "last")
+    assert item is not None
+    assert item["value"] == {"token": 2}
+    written = rows(
+        database,
+        "SELECT fence_token, fence_execution FROM fence_store_items WHERE key = 'last'",
+    )
+    assert written == [(2, thread)]  # checked against the lease in the write's statement
+    # The server's /store endpoints write from outside any run: passed through, unfenced.
+    await client.store.put_item(["admin"], "note", {"by": "operator"})
+    assert (await client.store.get_item(["admin"], "note"))["value"] == {"by": "operator"}
 
 
 def test_the_factory_is_refused_on_a_langgraph_api_release_it_was_not_tested_with() -> None:
