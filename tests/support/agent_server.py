@@ -21,7 +21,7 @@ from tests.support.databases import sync_engine_for
 from tests.support.polling import eventually_sync
 from tests.support.write_steps import Database
 
-__all__ = ["agent_server", "rows"]
+__all__ = ["agent_server", "rows", "serving"]
 
 LANGGRAPH = str(Path(sys.executable).with_name("langgraph"))
 
@@ -51,8 +51,8 @@ def agent_server(
 ) -> Iterator[tuple[str, Path]]:
     """``langgraph dev`` serving ``graphs`` (``{"agent": "./agent.py:graph"}``) from a
     project in ``folder`` made of ``files``, with ``config`` merged into its
-    ``langgraph.json``: its URL and its log, until the block ends (then SIGTERM, SIGKILL
-    after 30 s)."""
+    ``langgraph.json``, on ``database``: its URL and its log, until the block ends (then
+    SIGTERM, SIGKILL after 30 s)."""
     project = folder / "project"
     project.mkdir()
     for name, text in files.items():
@@ -64,12 +64,26 @@ def agent_server(
         **(config or {}),
     }
     (project / "langgraph.json").write_text(json.dumps(spec))
-    port = _free_port()
-    env = {**os.environ, "LANGGRAPH_FENCE_URL": _async_url(database)}
-    env.pop("PYTHONPATH", None)
+    env = {"LANGGRAPH_FENCE_URL": _async_url(database)}
     if database.schema:
         env["LANGGRAPH_FENCE_SCHEMA"] = database.schema
-    log = folder / "server.log"
+    with serving(project, folder / "server.log", env, args) as url:
+        yield url, folder / "server.log"
+
+
+@contextmanager
+def serving(
+    project: Path, log: Path, env: Mapping[str, str], args: tuple[str, ...] = ()
+) -> Iterator[str]:
+    """``langgraph dev`` run in ``project`` as it is, with ``env`` added to an environment
+    that holds no ``LANGGRAPH_FENCE_*`` variable of the test run's: its URL."""
+    port = _free_port()
+    inherited = {
+        k: v
+        for k, v in os.environ.items()
+        if k != "PYTHONPATH" and not k.startswith("LANGGRAPH_FENCE_")
+    }
+    env = {**inherited, **env}
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [LANGGRAPH, "dev", "--no-browser", "--no-reload", "--port", str(port), *args],
@@ -90,7 +104,7 @@ def agent_server(
             return "Using custom checkpointer: FencedCheckpointer" in log.read_text()
 
         eventually_sync(up, timeout=120.0, interval=0.2, what=log.read_text)
-        yield f"http://127.0.0.1:{port}", log
+        yield f"http://127.0.0.1:{port}"
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
