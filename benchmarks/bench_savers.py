@@ -13,6 +13,11 @@ taking turns run by run so that drift and load from elsewhere hit them alike:
 * ``fenced``: ``FencedCheckpointer(SqlCheckpointer)`` with a held lease and its run handle in
   the config, so every ``aput``/``aput_writes`` checks the token inside its own write. The
   lease is acquired before the timed runs (one acquire per thread, not per write).
+* ``server`` (with ``--server``; needs the ``server`` extra): the saver as LangGraph's Agent
+  Server holds what ``langgraph_fence.server.checkpointer`` yields: its adapter
+  (``_CustomCheckpointerAdapter``, which adds the run's metadata to each checkpoint) over
+  the fenced saver, with the server's run metadata in the config. Printed as a second
+  table beside ``sql``, the unfenced saver.
 
 Reports node executions per second (from the median run time), the ratios fenced / sql and
 fenced / official, and the CPU time per node execution (all threads of the process): on a
@@ -91,10 +96,17 @@ GRAPHS: dict[str, Callable[[Any], Any]] = {"linear": linear_graph, "fanout": fan
 class Target:
     """One saver under test, with how to make a run's config."""
 
-    def __init__(self, name: str, saver: Any, leases: SqlLeaseRepository | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        saver: Any,
+        leases: SqlLeaseRepository | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
         self.name = name
         self.saver = saver
         self.leases = leases
+        self.metadata = metadata
 
     async def configs(self, count: int) -> list[dict[str, Any]]:
         configs = []
@@ -105,7 +117,11 @@ class Target:
                 lease = await self.leases.acquire(LeaseKey("bench", thread), "bench", 600)
                 assert lease is not None
                 configurable["__fence"] = RunHandle(self.leases, lease, 600)
-            configs.append({"configurable": configurable})
+            config: dict[str, Any] = {"configurable": configurable}
+            if self.metadata is not None:
+                configurable["run_id"] = str(uuid.uuid4())
+                config["metadata"] = dict(self.metadata)
+            configs.append(config)
         return configs
 
 
@@ -169,26 +185,48 @@ async def postgres_official(url: str, schema: str = SCHEMA) -> AsyncIterator[tup
 
 
 @asynccontextmanager
-async def sqlite_targets(directory: Path) -> AsyncIterator[list[Target]]:
+async def sqlite_targets(directory: Path, server: bool) -> AsyncIterator[list[Target]]:
     async with sqlite_official(directory) as (engine, official):
-        yield await _fence_targets(engine, official)
+        yield await _fence_targets(engine, official, server)
 
 
 @asynccontextmanager
-async def postgres_targets(url: str) -> AsyncIterator[list[Target]]:
+async def postgres_targets(url: str, server: bool) -> AsyncIterator[list[Target]]:
     async with postgres_official(url) as (engine, official):
-        yield await _fence_targets(engine, official)
+        yield await _fence_targets(engine, official, server)
 
 
-async def _fence_targets(engine: Any, official: Any) -> list[Target]:
+async def _fence_targets(engine: Any, official: Any, server: bool) -> list[Target]:
     saver = SqlCheckpointer(engine)
     await saver.setup()
     leases = SqlLeaseRepository(engine)
-    return [
+    targets = [
         Target("official", official),
         Target("sql", saver),
         Target("fenced", FencedCheckpointer(saver), leases),
     ]
+    if server:
+        # What `langgraph dev` sets before langgraph_api's config is read (at import).
+        for key, value in {
+            "LANGGRAPH_RUNTIME_EDITION": "inmem",
+            "DATABASE_URI": ":memory:",
+            "REDIS_URI": "fake",
+            "MIGRATIONS_PATH": "__inmem",
+        }.items():
+            os.environ.setdefault(key, value)
+        from langgraph_api import __version__
+        from langgraph_api._checkpointer._adapter import (
+            CheckpointerCapabilities,
+            _CustomCheckpointerAdapter,
+        )
+
+        fenced = FencedCheckpointer(saver)
+        adapter = _CustomCheckpointerAdapter(
+            fenced, CheckpointerCapabilities.from_type(type(fenced))
+        )
+        metadata = {"run_attempt": 1, "langgraph_api_version": __version__, "graph_id": "g"}
+        targets.append(Target("server", adapter, leases, metadata))
+    return targets
 
 
 async def bench(backend: str, targets: list[Target], runs: int) -> list[dict[str, Any]]:
@@ -219,6 +257,14 @@ async def bench(backend: str, targets: list[Target], runs: int) -> list[dict[str
     return results
 
 
+def _server_line(row: dict[str, Any]) -> str:
+    return (
+        f"| {row['backend']} | {row['graph']} | {row['durability']} | {row['sql']:.0f} | "
+        f"{row['server']:.0f} | {row['server'] / row['sql']:.2f} | "
+        f"{row['sql_cpu']:.0f} / {row['server_cpu']:.0f} |"
+    )
+
+
 def _line(row: dict[str, Any]) -> str:
     return (
         f"| {row['backend']} | {row['graph']} | {row['durability']} | {row['official']:.0f} | "
@@ -233,6 +279,9 @@ async def main() -> None:
     parser.add_argument("--runs", type=int, default=90, help="runs per saver and cell")
     parser.add_argument("--pg", default=DEFAULT_PG, help="PostgreSQL URL")
     parser.add_argument("--only", choices=["sqlite", "postgresql"], help="one backend only")
+    parser.add_argument(
+        "--server", action="store_true", help="also the Agent Server's view (extra server)"
+    )
     args = parser.parse_args()
     print(
         "| db | graph | durability | official | sql | fenced | fenced/sql | fenced/official "
@@ -243,13 +292,20 @@ async def main() -> None:
     async with AsyncExitStack() as stack:
         if args.only != "postgresql":
             directory = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-            targets = await stack.enter_async_context(sqlite_targets(directory))
+            targets = await stack.enter_async_context(sqlite_targets(directory, args.server))
             rows += await bench("sqlite", targets, args.runs)
         if args.only != "sqlite":
-            targets = await stack.enter_async_context(postgres_targets(args.pg))
+            targets = await stack.enter_async_context(postgres_targets(args.pg, args.server))
             rows += await bench("postgresql", targets, args.runs)
     for row in rows:
         print(_line(row))
+    if args.server:
+        print(
+            "\n| db | graph | durability | sql | server | server/sql "
+            "| CPU µs/node sql / server |\n|---|---|---|---:|---:|---:|---:|"
+        )
+        for row in rows:
+            print(_server_line(row))
 
 
 if __name__ == "__main__":
