@@ -3,10 +3,17 @@
 ``langgraph.checkpoint.conformance.validate`` runs the 58 base checks (put, put_writes,
 get_tuple, list, delete_thread) and every extended capability (delete_for_runs, copy_thread,
 prune) that the saver's class overrides: an override is a claim, and a claim must pass.
+
+``server-*``: the saver as LangGraph's Agent Server holds it, its own adapter
+(``_CustomCheckpointerAdapter``, langgraph-api) over the fenced SQL saver, as behind
+``langgraph_fence.server.checkpointer``. The suite writes from outside any run, which the
+factory's saver (an instance's) refuses by design; so the fenced saver here is the unbound
+wrapper, the same code without the instance's admission.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -30,6 +37,8 @@ SAVERS = [
     "fenced-memory",
     "fenced-sql-sqlite",
     "fenced-sql-postgresql",
+    "server-fenced-sql-sqlite",
+    "server-fenced-sql-postgresql",
 ]
 
 #: The extended capabilities each saver claims, and must pass.
@@ -39,7 +48,27 @@ CLAIMS = {
     "fenced-memory": frozenset(),
     "fenced-sql-sqlite": EXTENDED_CAPABILITIES,
     "fenced-sql-postgresql": EXTENDED_CAPABILITIES,
+    "server-fenced-sql-sqlite": EXTENDED_CAPABILITIES,
+    "server-fenced-sql-postgresql": EXTENDED_CAPABILITIES,
 }
+
+
+def server_adapter(inner: BaseCheckpointSaver[Any]) -> BaseCheckpointSaver[Any]:
+    """``inner`` as the Agent Server (langgraph-api) mounts a custom checkpointer."""
+    for key, value in {
+        "LANGGRAPH_RUNTIME_EDITION": "inmem",
+        "DATABASE_URI": ":memory:",
+        "REDIS_URI": "fake",
+        "MIGRATIONS_PATH": "__inmem",
+    }.items():  # what `langgraph dev` sets before langgraph_api reads its config
+        os.environ.setdefault(key, value)
+    from langgraph_api._checkpointer._adapter import (
+        CheckpointerCapabilities,
+        _CustomCheckpointerAdapter,
+    )
+
+    capabilities = CheckpointerCapabilities.from_type(type(inner))
+    return _CustomCheckpointerAdapter(inner, capabilities)
 
 
 @pytest.fixture(params=SAVERS)
@@ -54,7 +83,10 @@ def saver_factory(
             return
         saver = SqlCheckpointer(make_engine(name.rsplit("-", 1)[1]))
         await saver.setup()
-        yield FencedCheckpointer(saver) if name.startswith("fenced") else saver
+        if name.startswith("server"):
+            yield server_adapter(FencedCheckpointer(saver))
+        else:
+            yield FencedCheckpointer(saver) if name.startswith("fenced") else saver
         await saver.engine.dispose()
 
     factory.__name__ = name.replace("-", "_")
