@@ -11,6 +11,10 @@ and the non-idempotent step appends to a ledger before it waits (the side effect
 
 from __future__ import annotations
 
+import asyncio
+import json
+import sys
+from asyncio.subprocess import PIPE
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,8 @@ from tests.support.polling import eventually
 from tests.support.write_steps import Database
 
 pytestmark = pytest.mark.processes
+
+CLI = str(Path(sys.executable).with_name("langgraph-fence"))
 
 ROUTES = """
 from starlette.applications import Starlette
@@ -197,3 +203,14 @@ async def test_a_charge_attempt_one_began_is_never_made_again_by_attempt_two(
     assert rows(database, "SELECT status FROM fence_leases WHERE execution_id = :t", t=thread) == [
         ("dead_lettered",)
     ]
+    # The operator's list shows it, with the reason, for `langgraph-fence resolve`.
+    schema = ["--schema", database.schema] if database.schema else []
+    cli = await asyncio.create_subprocess_exec(
+        CLI, "dead-letters", "--db", database.url, "--json", *schema, stdout=PIPE
+    )
+    out, _ = await asyncio.wait_for(cli.communicate(), 60)
+    assert cli.returncode == 0
+    listed = json.loads(out)
+    mine = [entry for entry in listed if entry["execution_id"] == thread]
+    assert len(mine) == 1
+    assert "node 'charge' at token 1" in mine[0]["reason"]
