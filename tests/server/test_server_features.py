@@ -173,3 +173,21 @@ async def test_a_fork_from_an_earlier_checkpoint_runs_under_the_next_token(
         database, "SELECT epoch, status FROM fence_leases WHERE execution_id = :t", t=thread
     )
     assert leases == [(2, "done")]
+
+
+async def test_a_thread_copied_then_deleted_through_the_api(
+    server: str, database: Database
+) -> None:
+    client = get_client(url=server)
+    thread = (await client.threads.create())["thread_id"]
+    await bounded(client.runs.wait(thread, "agent", input={}))
+    copy = (await client.threads.copy(thread))["thread_id"]
+    assert (await client.threads.get_state(copy))["values"]["seen"] == ["first", "wait"]
+    # The copy is a thread of its own: its next run takes a lease of its own.
+    again = await bounded(client.runs.wait(copy, "agent", input={}))
+    assert again["seen"] == ["first", "wait", "first", "wait"]
+    assert again["tokens"] == [1, 1, 1, 1]
+    await client.threads.delete(thread)
+    count = "SELECT count(*) FROM fence_checkpoints WHERE thread_id = :t"
+    assert rows(database, count, t=thread) == [(0,)]  # erased under the thread's lease
+    assert rows(database, count, t=copy)[0][0] > 0  # the copy keeps its own
