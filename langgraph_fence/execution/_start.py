@@ -8,7 +8,9 @@ one statement, or one transaction, where the records share the lease table's dat
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -16,10 +18,12 @@ from langchain_core.runnables import RunnableConfig
 from langgraph.types import Command
 
 from langgraph_fence._compat import server_saver_inner
+from langgraph_fence.database.retry import backoff
 from langgraph_fence.errors import (
     ExecutionDeadLetteredError,
     ExecutionEndedError,
     ExecutionLeaseHeldError,
+    ExecutionSupersededError,
 )
 from langgraph_fence.events import EventKind, Listeners
 from langgraph_fence.fence import RunHandle
@@ -187,9 +191,15 @@ async def take(
         ExecutionEndedError: the execution is dead-lettered.
         ExecutionDeadLetteredError: this take found a non-idempotent stamp standing.
     """
-    repository = host.repository
     if stamp is not None:
-        await _supersede(host, key, stamp)
+        return await _take_as_attempt(host, key, thread_id, record, stamp)
+    return await _take_once(host, key, thread_id, record)
+
+
+async def _take_once(
+    host: InstanceHost, key: LeaseKey, thread_id: str, record: ExecutionRecord | None
+) -> tuple[RunHandle, ExecutionRecord | None]:
+    repository = host.repository
     sent_at = host.clock()
     store = _take_store(host)
     # Every run may reopen a done or failed execution, whatever its input: new input is a
@@ -238,6 +248,43 @@ async def take(
         raise ExecutionDeadLetteredError(f"execution {key.scope_key!r} was dead-lettered: {reason}")
     handle = RunHandle(repository, lease, host.lease_ttl, clock=host.clock, confirmed_from=sent_at)
     return handle, record
+
+
+async def _take_as_attempt(
+    host: InstanceHost,
+    key: LeaseKey,
+    thread_id: str,
+    record: ExecutionRecord | None,
+    stamp: str,
+) -> tuple[RunHandle, ExecutionRecord | None]:
+    """The take of Agent Server attempt ``stamp``: recorded as the newest first (fencing the
+    attempt before it), then taken, then checked still the newest.
+
+    An older attempt's take can land between a newer one's record and its take (the older
+    one frozen right before its take): the older one finds the newer stamp after its take
+    and gives the lease back at once, refused (:class:`ExecutionSupersededError`); the newer
+    one, refused meanwhile, asks again with backoff for up to one lease TTL.
+    """
+    deadline = time.monotonic() + host.lease_ttl
+    tries = 0
+    while True:
+        await _supersede(host, key, stamp)
+        try:
+            handle, rest = await _take_once(host, key, thread_id, record)
+        except ExecutionSupersededError:
+            raise
+        except ExecutionLeaseHeldError:
+            if time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(backoff(tries))
+            tries += 1
+            continue
+        try:
+            await _supersede(host, key, stamp)  # still the newest? (refuses if not)
+        except ExecutionSupersededError:
+            await handle.repository.release(handle.lease, LeaseStatus.PENDING, None)
+            raise
+        return handle, rest
 
 
 async def _supersede(host: InstanceHost, key: LeaseKey, stamp: str) -> None:
