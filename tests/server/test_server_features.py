@@ -175,7 +175,7 @@ async def test_a_fork_from_an_earlier_checkpoint_runs_under_the_next_token(
     assert leases == [(2, "done")]
 
 
-async def test_a_thread_copied_then_deleted_through_the_api(
+async def test_a_thread_copied_then_deleted_and_pruned_through_the_api(
     server: str, database: Database
 ) -> None:
     client = get_client(url=server)
@@ -191,3 +191,6 @@ async def test_a_thread_copied_then_deleted_through_the_api(
     count = "SELECT count(*) FROM fence_checkpoints WHERE thread_id = :t"
     assert rows(database, count, t=thread) == [(0,)]  # erased under the thread's lease
     assert rows(database, count, t=copy)[0][0] > 0  # the copy keeps its own
+    # Pruned (the in-memory runtime prunes by deleting; it refuses keep_latest itself).
+    assert (await client.threads.prune([copy], strategy="delete"))["pruned_count"] == 1
+    assert rows(database, count, t=copy) == [(0,)]
