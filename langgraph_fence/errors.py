@@ -106,9 +106,8 @@ class ExecutionLeaseHeldError(LangGraphFenceError, RuntimeError):
 
 
 class ExecutionSupersededError(ExecutionLeaseHeldError):
-    """An Agent Server run attempt that a later attempt of the same run (or a later run of
-    the thread) superseded: it never takes the thread's lease, now or later, and nothing of
-    it is written.
+    """An Agent Server run attempt older than the newest attempt of its run that started:
+    it never takes the thread's lease, now or later, and nothing of it is written.
 
     The server re-dispatches a run whose worker it stopped hearing from (attempt 2 while
     attempt 1 may still run); the latest attempt holds the thread. Nothing to fix: the later
@@ -119,10 +118,12 @@ class ExecutionSupersededError(ExecutionLeaseHeldError):
 
 
 class ServerAttemptSuperseded(BaseException):
-    """How a superseded Agent Server attempt ends: a ``BaseException``, so that the server
-    records no status for it (an ``Exception`` would mark the run failed over the later
-    attempt's result, a retriable one would start yet another attempt). Raised only inside
-    runs the Agent Server started; ``__cause__`` is the fencing error."""
+    """How an Agent Server attempt ends when a newer attempt of its run started: a
+    ``BaseException``, so that the server records no status for it (an ``Exception`` would
+    mark the run failed over the newer attempt's result, a retriable one would start yet
+    another attempt). Raised only in runs the Agent Server started, and only when a newer
+    attempt of the same run is recorded (it writes the run's status); ``__cause__`` is the
+    refusal or the fencing error."""
 
 
 class ExecutionEndedError(LangGraphFenceError, RuntimeError):

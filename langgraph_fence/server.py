@@ -121,6 +121,7 @@ class _Shared:
 
 
 _by_loop: dict[asyncio.AbstractEventLoop, _Shared] = {}
+_opening: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
 
 
 @asynccontextmanager
@@ -130,13 +131,14 @@ async def _instance() -> AsyncIterator[Instance]:
     engine)."""
     check_api_version()
     loop = asyncio.get_running_loop()
-    shared = _by_loop.get(loop)
-    if shared is None:
-        url, options = settings_from_env()
-        stack = AsyncExitStack()
-        instance = await stack.enter_async_context(Instance.open(url, **options))
-        shared = _by_loop[loop] = _Shared(instance, stack)
-    shared.users += 1
+    async with _opening.setdefault(loop, asyncio.Lock()):  # two first entries open one
+        shared = _by_loop.get(loop)
+        if shared is None:
+            url, options = settings_from_env()
+            stack = AsyncExitStack()
+            instance = await stack.enter_async_context(Instance.open(url, **options))
+            shared = _by_loop[loop] = _Shared(instance, stack)
+        shared.users += 1
     try:
         yield shared.instance
     finally:

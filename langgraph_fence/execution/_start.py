@@ -23,13 +23,12 @@ from langgraph_fence.errors import (
     ExecutionDeadLetteredError,
     ExecutionEndedError,
     ExecutionLeaseHeldError,
-    ExecutionSupersededError,
 )
 from langgraph_fence.events import EventKind, Listeners
 from langgraph_fence.fence import RunHandle
 from langgraph_fence.keys import FENCE_CONFIG_KEY
 from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus
-from langgraph_fence.lease.attempts import server_attempt
+from langgraph_fence.lease.attempts import Attempt, server_attempt, superseded_error
 from langgraph_fence.lease.records import ExecutionRecord, SqlExecutionRecords, check_thread_binding
 from langgraph_fence.lease.run_config import record_run, run_allowlist
 from langgraph_fence.lease.sql import SqlLeaseRepository
@@ -116,6 +115,8 @@ def prepare(
     # thread (the state at the end of the run) is of this tenant's thread.
     configurable["tenant_id"] = tenant_id
     base["configurable"] = configurable
+    if isinstance(base.get("metadata"), Mapping):
+        base["metadata"] = dict(base["metadata"])  # the run's own (a server shares its dict)
     return key, base  # type: ignore[return-value]
 
 
@@ -133,7 +134,7 @@ async def start(
     handle, and the record still to write once it holds the lease (``None``: written).
     """
     thread_id = str(base["configurable"]["thread_id"])
-    stamp = server_attempt(base)  # an Agent Server run: which attempt of which run
+    attempt = server_attempt(base)  # an Agent Server run: which attempt of which run
     record = None
     if input is not None and not isinstance(input, Command):
         # Checked before anything is written: the name serve() finds the graph
@@ -150,7 +151,7 @@ async def start(
                 allow=run_allowlist(graph),
             ),
         )
-    handle, record = await take(host, key, thread_id, record, stamp=stamp)
+    handle, record = await take(host, key, thread_id, record, attempt=attempt)
     await host.keeper.confirm_start(handle)
     return handle, record
 
@@ -161,7 +162,7 @@ async def take(
     thread_id: str,
     record: ExecutionRecord | None,
     *,
-    stamp: str | None = None,
+    attempt: Attempt | None = None,
 ) -> tuple[RunHandle, ExecutionRecord | None]:
     """Start a new run of ``key``: bind the thread, take the lease (the next token), record
     the run's input; its handle, and the record still to write once it holds the lease
@@ -179,20 +180,20 @@ async def take(
     acquire's statement (``transitions.decide_acquire``, the same decision as ``serve()``'s
     take-over); standing idempotent entries are cleared by that statement too.
 
-    ``stamp``: the run is an Agent Server attempt (:mod:`langgraph_fence.lease.attempts`).
-    It is recorded as the execution's newest attempt before the take, fencing an earlier
-    attempt that holds the lease; an attempt older than the newest is refused for ever.
+    ``attempt``: the run is an Agent Server attempt (:mod:`langgraph_fence.lease.attempts`):
+    recorded as its run's newest before the take, taking the lease over from an earlier
+    attempt of the run that holds it; an attempt older than its run's newest is refused.
 
     Raises:
-        ExecutionSupersededError: a newer attempt of the server run started before.
+        ExecutionSupersededError: a newer attempt of the server run started.
         ExecutionThreadBoundError: the tenant's thread belongs to another execution id.
         ExecutionBusyError: new input while a submitted run of the execution waits.
         ExecutionLeaseHeldError: another live run holds the lease.
         ExecutionEndedError: the execution is dead-lettered.
         ExecutionDeadLetteredError: this take found a non-idempotent stamp standing.
     """
-    if stamp is not None:
-        return await _take_as_attempt(host, key, thread_id, record, stamp)
+    if attempt is not None:
+        return await _take_as_attempt(host, key, thread_id, record, attempt)
     return await _take_once(host, key, thread_id, record)
 
 
@@ -255,40 +256,18 @@ async def _take_as_attempt(
     key: LeaseKey,
     thread_id: str,
     record: ExecutionRecord | None,
-    stamp: str,
+    attempt: Attempt,
 ) -> tuple[RunHandle, ExecutionRecord | None]:
-    """The take of Agent Server attempt ``stamp``: recorded as the newest first (fencing the
-    attempt before it), then taken, then checked still the newest.
+    """The take of Agent Server ``attempt``: recorded as its run's newest, in one transaction
+    with the take-over of the lease from an earlier attempt of the run holding it; else a
+    take as any run's, whose epoch is then recorded for the run.
 
-    An older attempt's take can land between a newer one's record and its take (the older
-    one frozen right before its take): the older one finds the newer stamp after its take
-    and gives the lease back at once, refused (:class:`ExecutionSupersededError`); the newer
-    one, refused meanwhile, asks again with backoff for up to one lease TTL.
+    A take waits (asks again with backoff, up to one lease TTL) while another holder holds
+    the lease: the run before (the server starts the next run of a thread once the one
+    before ended or was cancelled, which lets its lease go), or an older attempt of the run
+    whose take landed after this one recorded itself (frozen right before its take): that
+    one finds this attempt when it records its epoch, and gives the lease back at once.
     """
-    deadline = time.monotonic() + host.lease_ttl
-    tries = 0
-    while True:
-        await _supersede(host, key, stamp)
-        try:
-            handle, rest = await _take_once(host, key, thread_id, record)
-        except ExecutionSupersededError:
-            raise
-        except ExecutionLeaseHeldError:
-            if time.monotonic() >= deadline:
-                raise
-            await asyncio.sleep(backoff(tries))
-            tries += 1
-            continue
-        try:
-            await _supersede(host, key, stamp)  # still the newest? (refuses if not)
-        except ExecutionSupersededError:
-            await handle.repository.release(handle.lease, LeaseStatus.PENDING, None)
-            raise
-        return handle, rest
-
-
-async def _supersede(host: InstanceHost, key: LeaseKey, stamp: str) -> None:
-    """Record Agent Server attempt ``stamp`` as ``key``'s newest, fencing the earlier one."""
     supersede = getattr(host.repository, "supersede", None)
     if supersede is None:
         raise ValueError(
@@ -296,14 +275,48 @@ async def _supersede(host: InstanceHost, key: LeaseKey, stamp: str) -> None:
             "attempts apart (it has no supersede): open the instance on SQL "
             "(Instance.open(url)), as langgraph_fence.server does"
         )
-    fenced = await supersede(key, stamp)
-    if fenced is not None:
-        logger.warning(
-            "execution %s: %s; the earlier attempt is fenced at token %d",
-            key.scope_key,
-            fenced.reason,
-            fenced.epoch,
-        )
+    deadline = time.monotonic() + host.lease_ttl
+    tries = 0
+    while True:
+        sent_at = host.clock()
+        taken = await supersede(key, attempt, host.instance_id, host.lease_ttl)
+        if taken is not None:
+            logger.warning(
+                "execution %s: Agent Server %s took the thread over from an earlier attempt "
+                "of its run (fenced at token %d)",
+                key.scope_key,
+                attempt,
+                taken.epoch - 1,
+            )
+            return _handle_of(host, key, taken, sent_at), None
+        try:
+            handle, rest = await _take_once(host, key, thread_id, record)
+        except ExecutionLeaseHeldError:
+            if time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(backoff(tries))
+            tries += 1
+            continue
+        if not await host.repository.record_epoch(key, attempt, handle.lease.epoch):  # type: ignore[attr-defined]
+            # A newer attempt of the run started between this one's record and its take:
+            # give the thread back as found (nothing of this attempt ran), and stop.
+            await handle.repository.release(handle.lease, LeaseStatus.DONE, None)
+            newest = await host.repository.newest_attempt(key, attempt.run_id)  # type: ignore[attr-defined]
+            raise superseded_error(key, attempt, int(newest or attempt.number + 1))
+        return handle, rest
+
+
+def _handle_of(host: InstanceHost, key: LeaseKey, lease: Lease, sent_at: float) -> RunHandle:
+    """The run's handle on ``lease``, taken by a server attempt's take-over; refused with
+    the dead letter when the take-over found a non-idempotent stamp standing."""
+    host.events.emit(EventKind.ACQUIRED, key.scope_key, lease.epoch)
+    if lease.status is LeaseStatus.DEAD_LETTERED:
+        reason = lease.reason or ""
+        announce_dead_letter(host.events, key.scope_key, lease.epoch, reason)
+        raise ExecutionDeadLetteredError(f"execution {key.scope_key!r} was dead-lettered: {reason}")
+    return RunHandle(
+        host.repository, lease, host.lease_ttl, clock=host.clock, confirmed_from=sent_at
+    )
 
 
 #: How often a take is sent again when a racing first run bound the thread meanwhile.

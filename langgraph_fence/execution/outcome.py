@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from langgraph.errors import GraphDrained
 
-from langgraph_fence.database.retry import is_database_connection_error
+from langgraph_fence.database.retry import is_database_connection_error, is_lock_conflict
 from langgraph_fence.errors import (
     ExecutionDeadLetteredError,
     ExecutionLeaseLostError,
@@ -102,7 +102,7 @@ def decide_outcome(
         return Outcome(Settle.ENDED)
     if isinstance(exc, GraphDrained):
         return Outcome(Settle.HAND_BACK, reason=bounded_reason(f"drained: {exc.reason}"))
-    if any(is_database_connection_error(e) for e in linked_errors(exc)):
+    if any(is_database_connection_error(e) or is_lock_conflict(e) for e in linked_errors(exc)):
         return Outcome(Settle.LOST_TO_STORE, reason=failure_reason(exc))
     if isinstance(exc, asyncio.CancelledError) and stopped:
         # Ctrl-C, SIGTERM, a cancelled task: the process (or its caller) stopped the run, the

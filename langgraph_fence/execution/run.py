@@ -24,7 +24,11 @@ from langgraph.runtime import RunControl
 from langgraph.types import Command
 
 from langgraph_fence.database.retry import FixedWindow, retry_window
-from langgraph_fence.errors import ExecutionFencedError, ExecutionLeaseLostError
+from langgraph_fence.errors import (
+    ExecutionFencedError,
+    ExecutionLeaseLostError,
+    ServerAttemptSuperseded,
+)
 from langgraph_fence.events import EventKind
 from langgraph_fence.execution._start import (
     DEFAULT_GRAPH_NAME,
@@ -39,6 +43,7 @@ from langgraph_fence.fence import RunHandle
 from langgraph_fence.fence.tree_activity import wake_parent
 from langgraph_fence.keys import FENCE_CONFIG_KEY
 from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus
+from langgraph_fence.lease.attempts import server_attempt
 from langgraph_fence.lease.faults import fault_point
 from langgraph_fence.queue.notifications import NOTIFY_CHANNEL
 from langgraph_fence.redact import bounded_reason, failure_reason
@@ -258,9 +263,41 @@ def _kept(host: InstanceHost, key: LeaseKey, base: RunnableConfig, handle: RunHa
     return run
 
 
+async def _end_if_superseded(host: InstanceHost, run: Run, error: BaseException) -> None:
+    """End an Agent Server attempt fenced by a newer attempt of its run as
+    :class:`ServerAttemptSuperseded` (the newer attempt writes the run's status); any
+    other fenced run keeps its fencing error (the server then marks the run failed)."""
+    if not isinstance(error, ExecutionFencedError):
+        return
+    attempt = server_attempt(run.base_config)
+    newest = getattr(host.repository, "newest_attempt", None)
+    if attempt is None or newest is None:
+        return
+    try:
+        number = await newest(run.handle.lease.key, attempt.run_id)
+    except Exception:
+        logger.warning("could not read the newest attempt of %s", attempt, exc_info=True)
+        return
+    if number is not None and number > attempt.number:
+        raise ServerAttemptSuperseded(
+            f"{error} (superseded by attempt {number} of run {attempt.run_id})"
+        ) from error
+
+
 async def _settle(host: InstanceHost, graph: Any, run: Run, exc: BaseException | None) -> None:
     """Carry out the outcome of a run that ended with ``exc`` (None: returned); raises the
-    error that stands, or returns for ``exc`` to propagate as it is."""
+    error that stands, or returns for ``exc`` to propagate as it is. An Agent Server attempt
+    fenced by a newer attempt of its run (found fenced at any point of its end, its release
+    included: the server may stop it once the newer attempt ended) ends as
+    :class:`ServerAttemptSuperseded`."""
+    try:
+        await _carry_out(host, graph, run, exc)
+    except ExecutionFencedError as fenced:
+        await _end_if_superseded(host, run, fenced)
+        raise
+
+
+async def _carry_out(host: InstanceHost, graph: Any, run: Run, exc: BaseException | None) -> None:
     handle = run.handle
     task = asyncio.current_task()
     outcome = decide_outcome(

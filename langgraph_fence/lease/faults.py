@@ -139,9 +139,17 @@ class StallableRepository:
         await self.gate.wait()
         return await self.inner.acquire(key, holder, ttl, reopen=reopen)
 
-    async def supersede(self, key: LeaseKey, stamp: str) -> Lease | None:
+    async def supersede(self, key: LeaseKey, *args: Any) -> Lease | None:
         await self.gate.wait()
-        return await self.inner.supersede(key, stamp)  # type: ignore[attr-defined,no-any-return]
+        return await self.inner.supersede(key, *args)  # type: ignore[attr-defined,no-any-return]
+
+    async def record_epoch(self, key: LeaseKey, *args: Any) -> bool:
+        await self.gate.wait()
+        return await self.inner.record_epoch(key, *args)  # type: ignore[attr-defined,no-any-return]
+
+    async def newest_attempt(self, key: LeaseKey, run_id: str) -> int | None:
+        await self.gate.wait()
+        return await self.inner.newest_attempt(key, run_id)  # type: ignore[attr-defined,no-any-return]
 
     async def renew(self, lease: Lease, ttl: float) -> Lease:
         await self.gate.wait()

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from langgraph_fence.errors import ExecutionFencedError
 from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus, PendingEffect, validate_ttl
-from langgraph_fence.lease.attempts import decide_supersede
+from langgraph_fence.lease.attempts import Attempt, AttemptRow, decide_supersede
 from langgraph_fence.lease.checks import check_key, check_lease, check_leases, check_limit
 from langgraph_fence.lease.transitions import (
     Takeover,
@@ -61,7 +61,7 @@ class MemoryLeaseRepository:
     def __init__(self, *, clock: Callable[[], float] | None = None) -> None:
         self._clock = clock or time.time
         self._rows: dict[LeaseKey, Lease] = {}
-        self._attempts: dict[LeaseKey, str] = {}
+        self._attempts: dict[LeaseKey, dict[str, AttemptRow]] = {}
         self._lock = asyncio.Lock()
         self._store_id = f"memory:{next(_ids)}"
 
@@ -112,20 +112,42 @@ class MemoryLeaseRepository:
             ),
         )
 
-    async def supersede(self, key: LeaseKey, stamp: str) -> Lease | None:
-        """Start Agent Server attempt ``stamp`` of ``key`` (:mod:`langgraph_fence.lease.attempts`):
-        the lease as fenced from the earlier attempt holding it, or ``None``.
+    async def supersede(
+        self, key: LeaseKey, attempt: Attempt, holder: str, ttl: float
+    ) -> Lease | None:
+        """Start Agent Server ``attempt`` of ``key`` for ``holder``
+        (:mod:`langgraph_fence.lease.attempts`): the lease taken over from an earlier attempt
+        of its run, or ``None``.
 
         Raises:
-            ExecutionSupersededError: a newer attempt started before; nothing written.
+            ExecutionSupersededError: a newer attempt of the run started; nothing written.
         """
         check_key(key)
         async with self.locked(key) as row:
-            fenced = decide_supersede(key, row.lease, self._attempts.get(key), stamp)
-            self._attempts[key] = stamp
-            if fenced is not None:
-                row.lease = fenced
-            return fenced
+            runs = self._attempts.setdefault(key, {})
+            decided = decide_supersede(
+                key, row.lease, runs.get(attempt.run_id), attempt, holder, ttl, self._clock()
+            )
+            runs[attempt.run_id] = decided.row
+            if decided.lease is not None:
+                row.lease = decided.lease
+            return decided.lease
+
+    async def record_epoch(self, key: LeaseKey, attempt: Attempt, epoch: int) -> bool:
+        """Record that ``attempt`` of ``key`` took ``epoch``; ``False`` when a newer attempt
+        of its run started meanwhile."""
+        async with self.locked(key):
+            runs = self._attempts.get(key, {})
+            found = runs.get(attempt.run_id)
+            if found is None or found.number != attempt.number:
+                return False
+            runs[attempt.run_id] = AttemptRow(attempt.number, epoch)
+            return True
+
+    async def newest_attempt(self, key: LeaseKey, run_id: str) -> int | None:
+        """The newest attempt of server run ``run_id`` of ``key`` that started, or ``None``."""
+        found = self._attempts.get(key, {}).get(run_id.lower())
+        return None if found is None else found.number
 
     async def renew(self, lease: Lease, ttl: float) -> Lease:
         """Extend the hold to now + ``ttl``; guarded."""

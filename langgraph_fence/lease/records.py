@@ -371,6 +371,10 @@ _FORGET_RECORD = text(
 _FORGET_RUNS = text(
     "DELETE FROM fence_runs WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
 )
+_FORGET_ATTEMPTS = text(
+    "DELETE FROM fence_server_attempts "
+    "WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
+)
 _FORGET_BINDING = text(
     "DELETE FROM fence_thread_bindings WHERE tenant_id = :tenant_id AND thread_id = :thread_id"
 )
@@ -498,12 +502,14 @@ class SqlExecutionRecords:
         return str(bound)
 
     async def forget(self, key: LeaseKey, thread_id: str) -> None:
-        """Delete the record of ``key``, its submitted runs (their inputs and outputs) and
-        the binding of ``thread_id`` of its tenant, in one transaction."""
+        """Delete the record of ``key``, its submitted runs (their inputs and outputs), what
+        the lease store keeps of its Agent Server attempts, and the binding of ``thread_id``
+        of its tenant, in one transaction."""
         async with transaction(self._engine) as conn:
             params = {"tenant_id": key.tenant_id}
             await conn.execute(_FORGET_RECORD, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_RUNS, {**params, "execution_id": key.execution_id})
+            await conn.execute(_FORGET_ATTEMPTS, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_BINDING, {**params, "thread_id": thread_id})
 
     async def children_of(self, key: LeaseKey) -> list[tuple[LeaseKey, str]]:

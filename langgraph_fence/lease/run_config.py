@@ -11,8 +11,9 @@ the run as it was started.
 Not recorded, and not carried over to a takeover: callbacks and any other live object
 (they cannot be stored; a value of ``configurable``, the context or an option that cannot
 be is refused at start, :func:`record_run`), the ids the runtime sets itself
-(``thread_id``, ``tenant_id``, ``execution_id``, the run's handle, and every
-``configurable`` key with two leading underscores: LangGraph's and its Agent Server's own),
+(``thread_id``, ``tenant_id``, ``execution_id``, the run's handle, every ``configurable``
+key with two leading underscores, LangGraph's and its Agent Server's own, and the server's
+``langgraph_auth_*``),
 a ``checkpoint_id``
 (a takeover resumes from the thread's last checkpoint, not the one the run started from),
 ``run_id``, and the options that only shape what a caller is handed back
@@ -55,8 +56,13 @@ _RUNTIME_CONFIGURABLE = frozenset(
 def _recorded_key(key: str) -> bool:
     """Whether ``configurable[key]`` is the user's, to record. Keys with two leading
     underscores are LangGraph's and its Agent Server's own (``__pregel_runtime``,
-    ``__pregel_node_finished``, ...): set by the runtime on every run, never by the user."""
-    return key not in _RUNTIME_CONFIGURABLE and not key.startswith("__")
+    ``__pregel_node_finished``, ...), and ``langgraph_auth_*`` the server's for the request's
+    user (a live object under custom auth): set on every run, never by the user."""
+    return (
+        key not in _RUNTIME_CONFIGURABLE
+        and not key.startswith("__")
+        and not key.startswith("langgraph_auth_")
+    )
 
 
 @dataclass(frozen=True, slots=True)

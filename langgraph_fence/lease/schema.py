@@ -343,28 +343,32 @@ LEASE_MIGRATIONS.append(
     )
 )
 
-#: ``fence_server_attempts``: per execution, the newest Agent Server attempt that started
-#: (:mod:`langgraph_fence.lease.attempts`), ``stamp`` sortable as text.
+#: ``fence_server_attempts``: per execution and Agent Server run, the newest attempt that
+#: started and the epoch it took (:mod:`langgraph_fence.lease.attempts`).
 SERVER_ATTEMPTS = Table(
     "fence_server_attempts",
     metadata,
     Column("tenant_id", Text, nullable=False),
     Column("execution_id", Text, nullable=False),
-    Column("stamp", Text, nullable=False),
+    Column("run_id", Text, nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("epoch", BigInteger),
     Column("at", Double, nullable=False),
-    PrimaryKeyConstraint("tenant_id", "execution_id"),
+    PrimaryKeyConstraint("tenant_id", "execution_id", "run_id"),
 )
 
 LEASE_MIGRATIONS.append(
     Migration.typed(
         7,
-        "Agent Server attempts: the newest attempt that started, per execution",
+        "Agent Server attempts: the newest attempt of each run, and the epoch it took",
         """CREATE TABLE IF NOT EXISTS fence_server_attempts (
     tenant_id TEXT NOT NULL,
     execution_id TEXT NOT NULL,
-    stamp TEXT NOT NULL,
+    run_id TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    epoch BIGINT,
     at {double} NOT NULL,
-    PRIMARY KEY (tenant_id, execution_id)
+    PRIMARY KEY (tenant_id, execution_id, run_id)
 )""",
     )
 )

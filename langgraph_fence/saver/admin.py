@@ -415,6 +415,7 @@ _ERASED_BY = (
     ("fence_checkpoint_writes", "thread_id"),
     ("fence_executions", "execution_id"),
     ("fence_runs", "execution_id"),
+    ("fence_server_attempts", "execution_id"),
     ("fence_thread_bindings", "thread_id"),
     ("fence_store_items", "fence_execution"),
 )

@@ -34,7 +34,6 @@ from langchain_core.runnables.config import ensure_config
 from langgraph_fence._compat import hook_pregel, hook_task_call, server_saver_inner
 from langgraph_fence.errors import (
     ExecutionContextUnavailableError,
-    ExecutionFencedError,
     ExecutionSupersededError,
     ServerAttemptSuperseded,
 )
@@ -98,6 +97,10 @@ def _call(
     base: dict[str, Any] = dict(config or {})
     configurable = {**dict(own.get("configurable") or {}), **dict(base.get("configurable") or {})}
     base["configurable"] = configurable
+    if isinstance(base.get("metadata"), Mapping):
+        # Copied at the call: the Agent Server's in-memory runtime shares one metadata dict
+        # between the attempts of a run, and sets the next attempt's number in it.
+        base["metadata"] = dict(base["metadata"])
     tenant_id = configurable.get("tenant_id") or instance.tenant_id
     ids: dict[str, Any] = {"tenant_id": tenant_id}
     if configurable.get("execution_id") is not None:
@@ -142,14 +145,16 @@ def _astream_on(
 
 
 async def _server_attempt(stream: Any) -> AsyncIterator[Any]:
-    """A run the Agent Server started, ended as the server must see it when a later attempt
-    superseded it (its lease fenced, or its start refused): a ``BaseException``, so that the
-    server writes no status over the later attempt's (:class:`ServerAttemptSuperseded`)."""
+    """A run the Agent Server started, ended as the server must see it when a newer attempt
+    of its run started before it (its start refused): a ``BaseException``, so that the
+    server writes no status over the newer attempt's (:class:`ServerAttemptSuperseded`). A
+    run fenced by a newer attempt ends so too, when it settles (:mod:`langgraph_fence.
+    execution.run`); one fenced otherwise keeps its error, and the server marks it failed."""
     try:
         async with aclosing(stream):
             async for chunk in stream:
                 yield chunk
-    except (ExecutionFencedError, ExecutionSupersededError) as exc:
+    except ExecutionSupersededError as exc:
         raise ServerAttemptSuperseded(str(exc)) from exc
 
 

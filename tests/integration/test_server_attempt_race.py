@@ -5,9 +5,10 @@ refused meanwhile, must take the thread once it is given back.
 
 In process, on the ``leases`` fixture's SQLite store: each attempt is ``instance.ainvoke``
 with the config the Agent Server passes (``configurable["run_id"]``,
-``metadata["run_attempt"]`` and ``langgraph_api_version``); the race is forced by a lease
-store that records the newer attempt just before the older one's take (a fault injected at
-that boundary), not by timing.
+``metadata["run_attempt"]`` and ``langgraph_api_version``); the race is forced by the lease
+store recording the newer attempt just before the older one's take (a fault injected at that
+boundary, on the store's one-statement take that ``Instance.open``'s runs use), not by
+timing.
 """
 
 from __future__ import annotations
@@ -19,48 +20,43 @@ import pytest
 
 from langgraph_fence import Instance, LeaseKey, LeaseStatus
 from langgraph_fence.errors import ExecutionSupersededError
-from langgraph_fence.lease.attempts import attempt_stamp
+from langgraph_fence.lease.attempts import Attempt
 from langgraph_fence.testing import Leases
 from tests.support.databases import unique
 from tests.support.graphs import one_step
 
 RUN = "01a242de-fb57-7303-8854-81b32a2fd5c1"
-OLDER, NEWER = attempt_stamp(RUN, 1), attempt_stamp(RUN, 2)
+OLDER, NEWER = Attempt(RUN, 1), Attempt(RUN, 2)
 
 
-class NewerRecordedBeforeTheTake:
-    """The lease store, with attempt 2 recorded just before the first take it is asked."""
+def newer_recorded_before_the_first_take(leases: Leases, key: LeaseKey) -> None:
+    """A fault at the boundary: attempt 2 records itself just before the first take of the
+    store (its one-statement take, as ``Instance.open``'s runs take)."""
+    take = leases.store.take
+    fired: list[bool] = []
 
-    def __init__(self, inner: Any, key: LeaseKey) -> None:
-        self.inner = inner
-        self.key = key
-        self.fired = False
+    async def late(*args: Any, **kwargs: Any) -> Any:
+        if not fired:
+            fired.append(True)
+            await leases.store.supersede(key, NEWER, "newer", 30.0)
+        return await take(*args, **kwargs)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    async def acquire(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.fired:
-            self.fired = True
-            await self.inner.supersede(self.key, NEWER)
-        return await self.inner.acquire(*args, **kwargs)
+    leases.store.take = late  # type: ignore[method-assign]
 
 
-class Refusals:
-    """The lease store, counting the takes it refused."""
+def refusals(leases: Leases) -> asyncio.Event:
+    """Set once the store's take refuses a start."""
+    take = leases.store.take
+    refused = asyncio.Event()
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.refused = asyncio.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    async def acquire(self, *args: Any, **kwargs: Any) -> Any:
-        taken = await self.inner.acquire(*args, **kwargs)
-        if taken is None:
-            self.refused.set()
+    async def watched(*args: Any, **kwargs: Any) -> Any:
+        taken = await take(*args, **kwargs)
+        if taken.lease is None:
+            refused.set()
         return taken
+
+    leases.store.take = watched  # type: ignore[method-assign]
+    return refused
 
 
 class State(TypedDict, total=False):
@@ -97,12 +93,14 @@ async def test_an_older_attempt_whose_take_lands_late_gives_the_thread_back(
 ) -> None:
     thread = unique("thread")
     key = LeaseKey("acme", thread)
-    older = instance_on(leases, NewerRecordedBeforeTheTake(leases.store, key), "older")
+    older = instance_on(leases, leases.store, "older")
+    newer_recorded_before_the_first_take(leases, key)
     with pytest.raises(ExecutionSupersededError, match=r"attempt 1 of run .* superseded by"):
         await server_run(older, thread, 1)
     given_back = await leases.store.get(key)
     assert given_back is not None
-    assert (given_back.holder, given_back.status) == (None, LeaseStatus.PENDING)
+    # Given back as the newer attempt will find it: ended, nobody's to take over.
+    assert (given_back.holder, given_back.status) == (None, LeaseStatus.DONE)
     # The newer attempt takes the thread at the next token; the older one never again.
     newer = instance_on(leases, leases.store, "newer")
     assert await server_run(newer, thread, 2) == {"by": "newer"}
@@ -118,20 +116,19 @@ async def test_the_newer_attempt_refused_meanwhile_takes_the_thread_once_given_b
 ) -> None:
     thread = unique("thread")
     key = LeaseKey("acme", thread)
-    watched = Refusals(leases.store)
-    newer = instance_on(leases, watched, "newer")
-    await leases.store.supersede(key, OLDER)  # the older attempt recorded itself...
-    await leases.store.supersede(key, NEWER)  # ...then the newer one...
+    newer = instance_on(leases, leases.store, "newer")
+    await leases.store.supersede(key, OLDER, "older", 30.0)  # the older attempt recorded itself
+    await leases.store.supersede(key, NEWER, "newer", 30.0)  # ...then the newer one...
     # ...then the older one's take landed: it holds the lease, not knowing yet.
     held = await leases.store.acquire(key, "older", 30.0, reopen=True)
     assert held is not None
+    refused = refusals(leases)
     newer_run = asyncio.ensure_future(server_run(newer, thread, 2))
-    await asyncio.wait_for(watched.refused.wait(), 30)  # refused while the older one holds it
+    await asyncio.wait_for(refused.wait(), 30)  # refused while the older one holds it
     assert not newer_run.done()  # and asking again
-    # The older attempt's check after its take finds the newer stamp and gives it back.
-    with pytest.raises(ExecutionSupersededError):
-        await leases.store.supersede(key, OLDER)
-    await leases.store.release(held, LeaseStatus.PENDING)
+    # The older attempt records its take: refused (a newer attempt started); it gives it back.
+    assert not await leases.store.record_epoch(key, OLDER, held.epoch)
+    await leases.store.release(held, LeaseStatus.DONE)
     assert await asyncio.wait_for(newer_run, 30) == {"by": "newer"}
     after = await leases.store.get(key)
     assert after is not None

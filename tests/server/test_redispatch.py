@@ -151,7 +151,7 @@ async def test_attempt_two_stands_and_attempt_one_writes_nothing_after_it(
     # Attempt 1 finishes its step now, and writes: refused (its token was fenced).
     (folder / "gate").touch()
     await eventually(
-        lambda: "Bubbling failed background run" in log.read_text(),
+        lambda: "ServerAttemptSuperseded" in log.read_text(),
         what="attempt 1 to end as superseded",
     )
     after = rows(
@@ -165,10 +165,10 @@ async def test_attempt_two_stands_and_attempt_one_writes_nothing_after_it(
     assert (await client.threads.get_state(thread))["values"]["by"] == 2
     # No fork: one chain of checkpoints, each the child of the one before.
     assert [parent for _, parent, _ in after[1:]] == [cid for cid, _, _ in after[:-1]]
-    # Attempt 1 wrote its first checkpoint under token 1; attempt 2 everything after under 3
-    # (2 is the fence that superseded attempt 1).
-    assert {token for _, _, token in after} <= {1, 3}
-    assert after[-1][2] == 3
+    # Attempt 1 wrote its first checkpoint under token 1; attempt 2, which took the thread
+    # over from it, everything after under token 2.
+    assert {token for _, _, token in after} <= {1, 2}
+    assert after[-1][2] == 2
     assert "ExecutionSupersededError" not in log.read_text()  # attempt 1 had started
 
 
@@ -196,7 +196,7 @@ async def test_a_charge_attempt_one_began_is_never_made_again_by_attempt_two(
     # Attempt 1 then ends its call: its writes are refused, the ledger holds one charge.
     (folder / "gate").touch()
     await eventually(
-        lambda: "Bubbling failed background run" in log.read_text(),
+        lambda: "ServerAttemptSuperseded" in log.read_text(),
         what="attempt 1 to end as superseded",
     )
     assert (folder / "ledger").read_text() == "charged by attempt 1\n"

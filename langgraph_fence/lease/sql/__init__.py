@@ -49,9 +49,10 @@ from langgraph_fence.lease import (
     validate_pending_effect,
     validate_ttl,
 )
+from langgraph_fence.lease.attempts import Attempt
 from langgraph_fence.lease.checks import check_key, check_lease, check_leases, check_limit
 from langgraph_fence.lease.schema import LEASE_MIGRATIONS, effects_from_json, stamp_patch
-from langgraph_fence.lease.sql._attempts import supersede
+from langgraph_fence.lease.sql._attempts import newest_attempt, record_epoch, start_attempt
 from langgraph_fence.lease.sql._statements import NO_BUDGET, LeaseStatements
 from langgraph_fence.lease.sql._take import SqliteTake, build_take, record_params
 from langgraph_fence.lease.transitions import (
@@ -538,16 +539,29 @@ class SqlLeaseRepository:
             self._statements.retake, lease, "retake", landed=landed, ttl=validate_ttl(ttl)
         )
 
-    async def supersede(self, key: LeaseKey, stamp: str) -> Lease | None:
-        """Start Agent Server attempt ``stamp`` of ``key`` (:mod:`langgraph_fence.lease.attempts`):
-        the lease as fenced from the earlier attempt holding it, or ``None`` (left as it was);
-        one transaction.
+    async def supersede(
+        self, key: LeaseKey, attempt: Attempt, holder: str, ttl: float
+    ) -> Lease | None:
+        """Start Agent Server ``attempt`` of ``key`` for ``holder``
+        (:mod:`langgraph_fence.lease.attempts`): the lease taken over from an earlier attempt
+        of its run, or ``None`` (left as it was); one transaction.
 
         Raises:
-            ExecutionSupersededError: a newer attempt started before; nothing written.
+            ExecutionSupersededError: a newer attempt of the run started; nothing written.
         """
         check_key(key)
-        return await supersede(self._engine, self.now, self.lease_of, key, stamp)
+        validate_holder(holder)
+        ttl = validate_ttl(ttl)
+        return await start_attempt(self._engine, self.now, self.lease_of, key, attempt, holder, ttl)
+
+    async def record_epoch(self, key: LeaseKey, attempt: Attempt, epoch: int) -> bool:
+        """Record that ``attempt`` of ``key`` took ``epoch``; ``False`` when a newer attempt
+        of its run started meanwhile (nothing written)."""
+        return await record_epoch(self._engine, key, attempt, epoch)
+
+    async def newest_attempt(self, key: LeaseKey, run_id: str) -> int | None:
+        """The newest attempt of server run ``run_id`` of ``key`` that started, or ``None``."""
+        return await newest_attempt(self._engine, key, run_id)
 
     async def retry(self, key: LeaseKey) -> Lease:
         """Make a dead-lettered or cancelled execution ``pending`` again, its takeover

@@ -1,51 +1,57 @@
 """The SQL stores' start of an Agent Server attempt (:mod:`langgraph_fence.lease.attempts`):
-one transaction that reads the newest stamp and the lease under their locks, decides, and
-records the stamp with the fence of the attempt it supersedes."""
+one transaction that reads the run's row and the lease under their locks, decides, and
+writes both; and the record of the epoch an attempt's take took."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from sqlalchemy import and_, select, update
+from sqlalchemy import and_, delete, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from langgraph_fence.database import transaction
+from langgraph_fence.database import read_only, transaction
 from langgraph_fence.database.retry import retry_connection_errors
 from langgraph_fence.lease import Lease, LeaseKey
-from langgraph_fence.lease.attempts import decide_supersede
+from langgraph_fence.lease.attempts import Attempt, AttemptRow, decide_supersede
 from langgraph_fence.lease.schema import LEASES, SERVER_ATTEMPTS
 
-__all__ = ["supersede"]
+__all__ = ["forget_attempts", "newest_attempt", "record_epoch", "start_attempt"]
 
 _A = SERVER_ATTEMPTS.c
 _L = LEASES.c
-#: The stamp of a row made only to be locked: older than any attempt's.
-_NONE = ""
 
 
-async def supersede(
+def _row_of(key: LeaseKey, run_id: str) -> Any:
+    return and_(
+        _A.tenant_id == key.tenant_id, _A.execution_id == key.execution_id, _A.run_id == run_id
+    )
+
+
+async def start_attempt(
     engine: AsyncEngine,
     now: Callable[[], Awaitable[float]],
     lease_of: Callable[[Any], Lease],
     key: LeaseKey,
-    stamp: str,
+    attempt: Attempt,
+    holder: str,
+    ttl: float,
 ) -> Lease | None:
-    """Start attempt ``stamp`` of ``key`` on the lease store of ``engine`` (its clock
-    ``now``, its rows read by ``lease_of``): the lease as fenced (``None``: left as it was).
+    """Start ``attempt`` of ``key`` for ``holder`` on the lease store of ``engine`` (its
+    clock ``now``, its rows read by ``lease_of``): the lease taken over from an earlier
+    attempt of the run (``None``: left as it was, to be taken as any run takes it).
 
-    One transaction (``BEGIN IMMEDIATE`` on SQLite; the attempts row, then the lease row,
-    locked ``FOR UPDATE`` on PostgreSQL, so attempts of one execution decide one at a time).
-    Safe to repeat: a repeat finds its own stamp the newest and fences nothing.
+    One transaction (``BEGIN IMMEDIATE`` on SQLite; the run's row, then the lease row,
+    locked ``FOR UPDATE`` on PostgreSQL: attempts of one run decide one at a time). A
+    repeat after a lost answer finds its own attempt and changes nothing.
 
     Raises:
-        ExecutionSupersededError: a newer attempt started before; nothing written.
+        ExecutionSupersededError: a newer attempt of the run started; nothing written.
     """
     insert = pg_insert if engine.dialect.name == "postgresql" else sqlite_insert
-    ids = {"tenant_id": key.tenant_id, "execution_id": key.execution_id}
-    attempt_row = and_(_A.tenant_id == key.tenant_id, _A.execution_id == key.execution_id)
+    row_of = _row_of(key, attempt.run_id)
     lease_row = and_(_L.tenant_id == key.tenant_id, _L.execution_id == key.execution_id)
 
     async def once() -> Lease | None:
@@ -53,31 +59,84 @@ async def supersede(
             at = await now()
             await conn.execute(
                 insert(SERVER_ATTEMPTS)
-                .values(**ids, stamp=_NONE, at=at)
-                .on_conflict_do_nothing(index_elements=["tenant_id", "execution_id"])
+                .values(
+                    tenant_id=key.tenant_id,
+                    execution_id=key.execution_id,
+                    run_id=attempt.run_id,
+                    attempt=0,
+                    epoch=None,
+                    at=at,
+                )
+                .on_conflict_do_nothing(index_elements=["tenant_id", "execution_id", "run_id"])
             )
             found = (
-                await conn.execute(select(_A.stamp).where(attempt_row).with_for_update())
-            ).scalar_one()
-            row = (await conn.execute(select(LEASES).where(lease_row).with_for_update())).first()
-            current = None if row is None else lease_of(row)
-            latest = None if found == _NONE else str(found)
-            fenced = decide_supersede(key, current, latest, stamp)  # may refuse: rolled back
+                await conn.execute(select(_A.attempt, _A.epoch).where(row_of).with_for_update())
+            ).one()
+            row = AttemptRow(found.attempt, found.epoch) if found.attempt else None
+            lease = (await conn.execute(select(LEASES).where(lease_row).with_for_update())).first()
+            current = None if lease is None else lease_of(lease)
+            decided = decide_supersede(key, current, row, attempt, holder, ttl, at)
             await conn.execute(
-                update(SERVER_ATTEMPTS).where(attempt_row).values(stamp=stamp, at=at)
+                update(SERVER_ATTEMPTS)
+                .where(row_of)
+                .values(attempt=decided.row.number, epoch=decided.row.epoch, at=at)
             )
-            if fenced is not None and current is not None:
+            taken = decided.lease
+            if taken is not None and current is not None:
                 values: dict[str, Any] = {
-                    "epoch": fenced.epoch,
-                    "holder": None,
-                    "expires_at": None,
-                    "status": fenced.status.value,
-                    "reason": fenced.reason,
+                    "epoch": taken.epoch,
+                    "holder": taken.holder,
+                    "expires_at": taken.expires_at,
+                    "status": taken.status.value,
+                    "reason": taken.reason,
+                    "takeovers": taken.takeovers,
                     "updated_at": at,
                 }
+                if not taken.pending_effects:
+                    values["pending_effects"] = {}  # the take cleared the idempotent entries
                 await conn.execute(
                     update(LEASES).where(lease_row, _L.epoch == current.epoch).values(**values)
                 )
-            return fenced
+            return taken
 
     return await retry_connection_errors(once, what="start of an Agent Server attempt")
+
+
+async def record_epoch(engine: AsyncEngine, key: LeaseKey, attempt: Attempt, epoch: int) -> bool:
+    """Record that ``attempt`` took ``epoch``; ``False`` when a newer attempt of its run
+    started meanwhile (nothing written: the caller gives the lease back)."""
+    row_of = _row_of(key, attempt.run_id)
+
+    async def once() -> bool:
+        async with transaction(engine) as conn:
+            result = await conn.execute(
+                update(SERVER_ATTEMPTS)
+                .where(row_of, _A.attempt == attempt.number)
+                .values(epoch=epoch)
+            )
+            return bool(result.rowcount)
+
+    return await retry_connection_errors(once, what="record of an Agent Server attempt's take")
+
+
+async def newest_attempt(engine: AsyncEngine, key: LeaseKey, run_id: str) -> int | None:
+    """The newest attempt of server run ``run_id`` of ``key`` that started, or ``None``."""
+
+    async def once() -> int | None:
+        async with read_only(engine).connect() as conn:
+            found = (
+                await conn.execute(select(_A.attempt).where(_row_of(key, run_id)))
+            ).scalar_one_or_none()
+            return None if not found else int(found)
+
+    return await retry_connection_errors(once, what="newest Agent Server attempt")
+
+
+async def forget_attempts(conn: Any, key: LeaseKey) -> None:
+    """Delete what the store keeps of ``key``'s server runs (an erased thread's), on
+    ``conn`` inside the caller's transaction."""
+    await conn.execute(
+        delete(SERVER_ATTEMPTS).where(
+            _A.tenant_id == key.tenant_id, _A.execution_id == key.execution_id
+        )
+    )
