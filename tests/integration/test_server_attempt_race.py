@@ -19,7 +19,11 @@ from typing import Any, TypedDict
 import pytest
 
 from langgraph_fence import Instance, LeaseKey, LeaseStatus
-from langgraph_fence.errors import ExecutionSupersededError
+from langgraph_fence.errors import (
+    ExecutionFencedError,
+    ExecutionSupersededError,
+    ServerAttemptSuperseded,
+)
 from langgraph_fence.lease.attempts import Attempt
 from langgraph_fence.testing import Leases
 from tests.support.databases import unique
@@ -133,3 +137,62 @@ async def test_the_newer_attempt_refused_meanwhile_takes_the_thread_once_given_b
     after = await leases.store.get(key)
     assert after is not None
     assert (after.epoch, after.status) == (held.epoch + 1, LeaseStatus.DONE)
+
+
+def gated_run(
+    instance: Instance, thread: str, attempt: int
+) -> tuple[Any, asyncio.Event, asyncio.Event]:
+    """Attempt ``attempt`` of the server run, started, its step waiting on a gate: (the
+    run's task, the step entered, the gate)."""
+    entered, gate = asyncio.Event(), asyncio.Event()
+
+    async def step(state: State) -> dict[str, str]:
+        entered.set()
+        await gate.wait()
+        return {"by": instance.instance_id}
+
+    graph = one_step(instance, State, "step", step, name="agent")
+    config = {
+        "configurable": {"thread_id": thread, "run_id": RUN},
+        "metadata": {"run_attempt": attempt, "langgraph_api_version": "0.16.7"},
+    }
+    task = asyncio.ensure_future(instance.ainvoke(graph, {}, config, tenant_id="acme"))
+    return task, entered, gate
+
+
+async def test_an_attempt_taken_over_by_a_newer_one_ends_without_a_status_of_its_own(
+    leases: Leases,
+) -> None:
+    thread = unique("thread")
+    key = LeaseKey("acme", thread)
+    first = instance_on(leases, leases.store, "first")
+    run, entered, gate = gated_run(first, thread, 1)
+    await asyncio.wait_for(entered.wait(), 30)
+    taken = await leases.store.supersede(key, NEWER, "second", 30.0)
+    assert taken is not None
+    assert taken.holder == "second"
+    gate.set()
+    with pytest.raises(ServerAttemptSuperseded) as ended:
+        await asyncio.wait_for(run, 30)
+    assert isinstance(ended.value.__cause__, ExecutionFencedError)
+
+
+async def test_a_fenced_attempt_with_no_newer_attempt_keeps_its_error_for_the_server(
+    leases: Leases,
+) -> None:
+    """Nobody newer will write the run's status: the run must end with an ``Exception``
+    (the server marks it failed), not the silent ``BaseException`` (it would stay
+    ``running`` and block its thread)."""
+    thread = unique("thread")
+    key = LeaseKey("acme", thread)
+    first = leases.instance("first")
+    run, entered, gate = gated_run(first, thread, 1)
+    await asyncio.wait_for(entered.wait(), 30)
+    leases.stall(first)  # its renewals stop; its lease lapses
+    leases.advance(31.0)
+    intruder = await leases.store.acquire(key, "intruder", 30.0, reopen=True)
+    assert intruder is not None
+    leases.resume(first)
+    gate.set()
+    with pytest.raises(ExecutionFencedError):
+        await asyncio.wait_for(run, 30)
