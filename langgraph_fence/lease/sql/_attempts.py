@@ -1,13 +1,14 @@
 """The SQL stores' start of an Agent Server attempt (:mod:`langgraph_fence.lease.attempts`):
 one transaction that reads the run's row and the lease under their locks, decides, and
-writes both; and the record of the epoch an attempt's take took."""
+writes both; and the record of the epoch an attempt's take took. (An erased thread's rows go
+with its execution record: :meth:`~langgraph_fence.lease.records.SqlExecutionRecords.forget`.)"""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from sqlalchemy import and_, delete, select, update
+from sqlalchemy import and_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -18,7 +19,7 @@ from langgraph_fence.lease import Lease, LeaseKey
 from langgraph_fence.lease.attempts import Attempt, AttemptRow, decide_supersede
 from langgraph_fence.lease.schema import LEASES, SERVER_ATTEMPTS
 
-__all__ = ["forget_attempts", "newest_attempt", "record_epoch", "start_attempt"]
+__all__ = ["newest_attempt", "record_epoch", "start_attempt"]
 
 _A = SERVER_ATTEMPTS.c
 _L = LEASES.c
@@ -130,13 +131,3 @@ async def newest_attempt(engine: AsyncEngine, key: LeaseKey, run_id: str) -> int
             return None if not found else int(found)
 
     return await retry_connection_errors(once, what="newest Agent Server attempt")
-
-
-async def forget_attempts(conn: Any, key: LeaseKey) -> None:
-    """Delete what the store keeps of ``key``'s server runs (an erased thread's), on
-    ``conn`` inside the caller's transaction."""
-    await conn.execute(
-        delete(SERVER_ATTEMPTS).where(
-            _A.tenant_id == key.tenant_id, _A.execution_id == key.execution_id
-        )
-    )
