@@ -28,7 +28,12 @@ from langgraph_fence.events import EventKind, Listeners
 from langgraph_fence.fence import RunHandle
 from langgraph_fence.keys import FENCE_CONFIG_KEY
 from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus
-from langgraph_fence.lease.attempts import Attempt, server_attempt, superseded_error
+from langgraph_fence.lease.attempts import (
+    Attempt,
+    attempt_store,
+    server_attempt,
+    superseded_error,
+)
 from langgraph_fence.lease.records import ExecutionRecord, SqlExecutionRecords, check_thread_binding
 from langgraph_fence.lease.run_config import record_run, run_allowlist
 from langgraph_fence.lease.sql import SqlLeaseRepository
@@ -268,18 +273,18 @@ async def _take_as_attempt(
     whose take landed after this one recorded itself (frozen right before its take): that
     one finds this attempt when it records its epoch, and gives the lease back at once.
     """
-    supersede = getattr(host.repository, "supersede", None)
-    if supersede is None:
+    store = attempt_store(host.repository)
+    if store is None:
         raise ValueError(
             f"the lease store {type(host.repository).__name__} cannot tell Agent Server "
-            "attempts apart (it has no supersede): open the instance on SQL "
+            "attempts apart (it is no AttemptStore): open the instance on SQL "
             "(Instance.open(url)), as langgraph_fence.server does"
         )
     deadline = time.monotonic() + host.lease_ttl
     tries = 0
     while True:
         sent_at = host.clock()
-        taken = await supersede(key, attempt, host.instance_id, host.lease_ttl)
+        taken = await store.supersede(key, attempt, host.instance_id, host.lease_ttl)
         if taken is not None:
             logger.warning(
                 "execution %s: Agent Server %s took the thread over from an earlier attempt "
@@ -297,11 +302,11 @@ async def _take_as_attempt(
             await asyncio.sleep(backoff(tries))
             tries += 1
             continue
-        if not await host.repository.record_epoch(key, attempt, handle.lease.epoch):  # type: ignore[attr-defined]
+        if not await store.record_epoch(key, attempt, handle.lease.epoch):
             # A newer attempt of the run started between this one's record and its take:
             # give the thread back as found (nothing of this attempt ran), and stop.
             await handle.repository.release(handle.lease, LeaseStatus.DONE, None)
-            newest = await host.repository.newest_attempt(key, attempt.run_id)  # type: ignore[attr-defined]
+            newest = await store.newest_attempt(key, attempt.run_id)
             raise superseded_error(key, attempt, int(newest or attempt.number + 1))
         return handle, rest
 

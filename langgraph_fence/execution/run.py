@@ -43,7 +43,7 @@ from langgraph_fence.fence import RunHandle
 from langgraph_fence.fence.tree_activity import wake_parent
 from langgraph_fence.keys import FENCE_CONFIG_KEY
 from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus
-from langgraph_fence.lease.attempts import server_attempt
+from langgraph_fence.lease.attempts import attempt_store, server_attempt
 from langgraph_fence.lease.faults import fault_point
 from langgraph_fence.queue.notifications import NOTIFY_CHANNEL
 from langgraph_fence.redact import bounded_reason, failure_reason
@@ -270,11 +270,11 @@ async def _end_if_superseded(host: InstanceHost, run: Run, error: BaseException)
     if not isinstance(error, ExecutionFencedError):
         return
     attempt = server_attempt(run.base_config)
-    newest = getattr(host.repository, "newest_attempt", None)
-    if attempt is None or newest is None:
+    store = attempt_store(host.repository)
+    if attempt is None or store is None:
         return
     try:
-        number = await newest(run.handle.lease.key, attempt.run_id)
+        number = await store.newest_attempt(run.handle.lease.key, attempt.run_id)
     except Exception:
         logger.warning("could not read the newest attempt of %s", attempt, exc_info=True)
         return

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol, cast
 
 from langgraph_fence.errors import ExecutionSupersededError
 from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus
@@ -31,7 +31,9 @@ from langgraph_fence.lease.transitions import decide_acquire
 __all__ = [
     "Attempt",
     "AttemptRow",
+    "AttemptStore",
     "Supersede",
+    "attempt_store",
     "decide_supersede",
     "server_attempt",
     "superseded_error",
@@ -75,6 +77,27 @@ class Supersede:
 
     row: AttemptRow
     lease: Lease | None = None
+
+
+class AttemptStore(Protocol):
+    """A lease store that tells Agent Server attempts apart (the memory and SQL stores)."""
+
+    async def supersede(
+        self, key: LeaseKey, attempt: Attempt, holder: str, ttl: float
+    ) -> Lease | None: ...
+
+    async def record_epoch(self, key: LeaseKey, attempt: Attempt, epoch: int) -> bool: ...
+
+    async def newest_attempt(self, key: LeaseKey, run_id: str) -> int | None: ...
+
+
+def attempt_store(repository: object) -> AttemptStore | None:
+    """``repository`` if it tells Agent Server attempts apart (:class:`AttemptStore`), else
+    ``None`` (a lease store of the user's own)."""
+    names = ("supersede", "record_epoch", "newest_attempt")
+    if all(callable(getattr(repository, name, None)) for name in names):
+        return cast(AttemptStore, repository)
+    return None
 
 
 def server_attempt(config: Mapping[str, Any]) -> Attempt | None:
