@@ -120,8 +120,6 @@ def prepare(
     # thread (the state at the end of the run) is of this tenant's thread.
     configurable["tenant_id"] = tenant_id
     base["configurable"] = configurable
-    if isinstance(base.get("metadata"), Mapping):
-        base["metadata"] = dict(base["metadata"])  # the run's own (a server shares its dict)
     return key, base  # type: ignore[return-value]
 
 
