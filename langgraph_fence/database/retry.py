@@ -288,14 +288,9 @@ async def retry_connection_errors(operation: Callable[[], Awaitable[T]], *, what
         try:
             return await operation()
         except Exception as exc:
-            if not is_connection_error(exc):
-                if not is_lock_conflict(exc):
-                    raise
-                logger.warning(
-                    "%s: the SQLite database was locked (refused after %.3fs); retried",
-                    what,
-                    time.monotonic() - began,
-                )
+            locked = not is_connection_error(exc)
+            if locked and not is_lock_conflict(exc):
+                raise
             now = time.monotonic()
             if window is None:
                 window = _window.get() or FixedWindow.lasting(DEFAULT_WINDOW)
@@ -311,12 +306,23 @@ async def retry_connection_errors(operation: Callable[[], Awaitable[T]], *, what
                 or now + pause - started >= window.ttl
             ):
                 raise
-            logger.info(
-                "%s failed on a connection error, retry %d in %.2fs: %s",
-                what,
-                attempt + 1,
-                pause,
-                exc,
-            )
+            if locked:
+                # A warning, with how long SQLite kept the attempt: at once (a stale read
+                # snapshot) or after the busy timeout (a writer holding the lock that long).
+                logger.warning(
+                    "%s: the SQLite database was locked (refused after %.3fs), retry %d in %.2fs",
+                    what,
+                    now - began,
+                    attempt + 1,
+                    pause,
+                )
+            else:
+                logger.info(
+                    "%s failed on a connection error, retry %d in %.2fs: %s",
+                    what,
+                    attempt + 1,
+                    pause,
+                    exc,
+                )
             await asyncio.sleep(pause)
             attempt += 1
