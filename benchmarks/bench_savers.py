@@ -51,6 +51,7 @@ from langgraph_fence.database import create_engine, normalize_url
 from langgraph_fence.fence import RunHandle
 
 DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432/test"
+ROOT = Path(__file__).resolve().parents[1]
 #: Each run works in a schema of its own (two benchmark runs on one database must not drop
 #: each other's tables), dropped at its end.
 SCHEMA = f"lgf_bench_{os.getpid()}"
@@ -206,24 +207,12 @@ async def _fence_targets(engine: Any, official: Any, server: bool) -> list[Targe
         Target("fenced", FencedCheckpointer(saver), leases),
     ]
     if server:
-        # What `langgraph dev` sets before langgraph_api's config is read (at import).
-        for key, value in {
-            "LANGGRAPH_RUNTIME_EDITION": "inmem",
-            "DATABASE_URI": ":memory:",
-            "REDIS_URI": "fake",
-            "MIGRATIONS_PATH": "__inmem",
-        }.items():
-            os.environ.setdefault(key, value)
         from langgraph_api import __version__
-        from langgraph_api._checkpointer._adapter import (
-            CheckpointerCapabilities,
-            _CustomCheckpointerAdapter,
-        )
 
-        fenced = FencedCheckpointer(saver)
-        adapter = _CustomCheckpointerAdapter(
-            fenced, CheckpointerCapabilities.from_type(type(fenced))
-        )
+        sys.path.insert(0, str(ROOT))  # the repository's tests
+        from tests.support.server_adapter import server_adapter
+
+        adapter = server_adapter(FencedCheckpointer(saver))
         metadata = {"run_attempt": 1, "langgraph_api_version": __version__, "graph_id": "g"}
         targets.append(Target("server", adapter, leases, metadata))
     return targets

@@ -13,7 +13,6 @@ wrapper, the same code without the instance's admission.
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -30,6 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from checkpointers import SqlCheckpointer
 from langgraph_fence import FencedCheckpointer
+from tests.support.server_adapter import server_adapter
 
 SAVERS = [
     "sql-sqlite",
@@ -51,24 +51,6 @@ CLAIMS = {
     "server-fenced-sql-sqlite": EXTENDED_CAPABILITIES,
     "server-fenced-sql-postgresql": EXTENDED_CAPABILITIES,
 }
-
-
-def server_adapter(inner: BaseCheckpointSaver[Any]) -> BaseCheckpointSaver[Any]:
-    """``inner`` as the Agent Server (langgraph-api) mounts a custom checkpointer."""
-    for key, value in {
-        "LANGGRAPH_RUNTIME_EDITION": "inmem",
-        "DATABASE_URI": ":memory:",
-        "REDIS_URI": "fake",
-        "MIGRATIONS_PATH": "__inmem",
-    }.items():  # what `langgraph dev` sets before langgraph_api reads its config
-        os.environ.setdefault(key, value)
-    from langgraph_api._checkpointer._adapter import (
-        CheckpointerCapabilities,
-        _CustomCheckpointerAdapter,
-    )
-
-    capabilities = CheckpointerCapabilities.from_type(type(inner))
-    return _CustomCheckpointerAdapter(inner, capabilities)
 
 
 @pytest.fixture(params=SAVERS)

@@ -78,6 +78,14 @@ def instance_on(leases: Leases, repository: Any, name: str) -> Instance:
     )
 
 
+def server_config(thread: str, attempt: int) -> dict[str, Any]:
+    """The config the Agent Server passes attempt ``attempt`` of the run on ``thread``."""
+    return {
+        "configurable": {"thread_id": thread, "run_id": RUN},
+        "metadata": {"run_attempt": attempt, "langgraph_api_version": "0.16.7"},
+    }
+
+
 def server_run(instance: Instance, thread: str, attempt: int) -> Any:
     """Attempt ``attempt`` of the server run, as the server calls the graph."""
 
@@ -85,11 +93,7 @@ def server_run(instance: Instance, thread: str, attempt: int) -> Any:
         return {"by": instance.instance_id}
 
     graph = one_step(instance, State, "step", step, name="agent")
-    config = {
-        "configurable": {"thread_id": thread, "run_id": RUN},
-        "metadata": {"run_attempt": attempt, "langgraph_api_version": "0.16.7"},
-    }
-    return instance.ainvoke(graph, {}, config, tenant_id="acme")
+    return instance.ainvoke(graph, {}, server_config(thread, attempt), tenant_id="acme")
 
 
 async def test_an_older_attempt_whose_take_lands_late_gives_the_thread_back(
@@ -152,10 +156,7 @@ def gated_run(
         return {"by": instance.instance_id}
 
     graph = one_step(instance, State, "step", step, name="agent")
-    config = {
-        "configurable": {"thread_id": thread, "run_id": RUN},
-        "metadata": {"run_attempt": attempt, "langgraph_api_version": "0.16.7"},
-    }
+    config = server_config(thread, attempt)
     task = asyncio.ensure_future(instance.ainvoke(graph, {}, config, tenant_id="acme"))
     return task, entered, gate
 
