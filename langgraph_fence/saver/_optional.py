@@ -71,6 +71,9 @@ class InnerCall:
     #: The caller's threads the operation writes, to hold; ``None``: none held (the inner
     #: saver refuses the arguments itself).
     threads: Callable[[], Awaitable[list[str]]] | None
+    #: Whether a thread's lease another holder holds is waited for (up to one admin TTL)
+    #: rather than refused at once.
+    waits: bool = False
 
 
 async def _listed(thread_ids: Sequence[str]) -> list[str]:
@@ -98,7 +101,10 @@ def _delete_for_runs(
         else functools.partial(_run_threads, self, tenant_id, run_ids)
     )
     kw = self.thread_names.tenant_kw(tenant_id)
-    return InnerCall(tenant_id, "delete_for_runs", (run_ids,), kw, runs)
+    # The Agent Server's rollback deletes a run's checkpoints right after it cancelled the
+    # run (twice, at once): the cancelled run lets its lease go as its cancel lands, so the
+    # delete waits for it rather than fail the rollback.
+    return InnerCall(tenant_id, "delete_for_runs", (run_ids,), kw, runs, waits=True)
 
 
 def _copy_thread(
@@ -132,10 +138,7 @@ async def _under_holds(
 ) -> None:
     assert call.threads is not None
     threads = await call.threads()
-    # The Agent Server's rollback deletes a run's checkpoints right after it cancelled the
-    # run (twice, at once): the cancelled run lets its lease go as its cancel lands, so the
-    # delete waits for it, up to one admin TTL, rather than fail the rollback.
-    wait = admin.ttl if call.name == "delete_for_runs" else 0.0
+    wait = admin.ttl if call.waits else 0.0
     while True:
         async with admin.hold(call.tenant_id, threads, action=call.name, wait=wait):
             # Looked up again under the holds: a run to delete whose first checkpoint
