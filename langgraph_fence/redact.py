@@ -25,6 +25,7 @@ __all__ = [
     "bounded_reason",
     "failure_reason",
     "mask_password",
+    "redacted_text",
 ]
 
 #: The longest reason :func:`failure_reason` returns (longer ones end with "...").
@@ -118,6 +119,16 @@ def bounded_reason(text: str, *, driver: bool = False) -> str:
     if len(reason) > REASON_MAX_CHARS:
         reason = reason[: REASON_MAX_CHARS - 3].rstrip() + "..."
     return reason
+
+
+def redacted_text(text: str, *, limit: int) -> str:
+    """``text`` as an operator may see it (a recorded input, a config): at most ``limit``
+    characters of it (``...`` where it was cut), URL passwords and card-number-shaped
+    digits masked, as :func:`bounded_reason` masks them, in linear time."""
+    cut = len(text) > limit
+    shown = text[:limit]
+    shown = _CARD_SHAPED.sub("[number]", mask_password(shown))
+    return shown + ("..." if cut else "")
 
 
 def _is_driver_error(exc: BaseException) -> bool:

@@ -1,5 +1,5 @@
 """The ``langgraph-fence`` command: demo, worker, submit, runs, migrate, executions,
-dead-letters, resolve, erase.
+dead-letters, resolve, erase, ui.
 
 The only module that prints; it prints through rich. It imports what a command needs when
 the command runs: ``--help`` and the listings never load LangGraph (see benchmarks/README.md).
@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from langgraph_fence.cli._commands import demo, erase, migrate, resolve, submit, worker
+from langgraph_fence.cli._commands import demo, erase, migrate, resolve, submit, ui, worker
 from langgraph_fence.cli._common import (
     EXIT_FAILED,
     EXIT_INPUT,
@@ -99,6 +99,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], Coroutine[Any, Any, int]]] =
     "resolve": resolve,
     "submit": submit,
     "runs": runs,
+    "ui": ui,
 }
 
 

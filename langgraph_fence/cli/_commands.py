@@ -149,6 +149,7 @@ async def _work(
                     soft_wrap=True,
                 )
                 serving = True
+                metrics = _metrics_endpoint(args, instance, stop)
                 await instance.serve(
                     graphs,
                     concurrency=args.concurrency,
@@ -156,6 +157,8 @@ async def _work(
                     stop=stop,
                     handle_signals=False,
                 )
+                if metrics is not None:
+                    await metrics
         except Exception as exc:
             # A database out of reach at the start (serve() itself rides out outages): wait
             # for it, as a worker started with its database mid-restart must.
@@ -370,6 +373,7 @@ async def resolve(args: argparse.Namespace) -> int:
     from sqlalchemy import select
 
     from langgraph_fence.database import create_engine
+    from langgraph_fence.lease.journal import resolve as resolve_as_operator
     from langgraph_fence.lease.schema import LEASES
     from langgraph_fence.lease.sql import SqlLeaseRepository
 
@@ -387,7 +391,9 @@ async def resolve(args: argparse.Namespace) -> int:
         repo = SqlLeaseRepository(engine)
         await repo.setup()  # the budget's columns (lease migration 4) on an older database
         try:
-            lease = await (repo.abandon(key, args.reason) if args.abandon else repo.retry(key))
+            lease = await resolve_as_operator(
+                repo, key, abandon=args.abandon, note=args.reason, actor=_operator(args)
+            )
         except KeyError:
             raise ValueError(
                 f"no execution {key.execution_id!r} of tenant {key.tenant_id!r}: see "
@@ -407,3 +413,104 @@ async def resolve(args: argparse.Namespace) -> int:
         )
     Console().print(Text(printable(said)))
     return 0
+
+
+def _operator(args: argparse.Namespace) -> str:
+    """Who resolves, as the journal records it: ``--actor``, else ``user@host`` of this
+    process."""
+    import getpass
+    import socket
+
+    if args.actor:
+        return str(args.actor)
+    try:
+        user = getpass.getuser()
+    except Exception:  # no login name (a container's uid without a passwd entry)
+        user = f"uid {os.getuid()}"
+    return f"{user}@{socket.gethostname()} (cli)"
+
+
+def _metrics_endpoint(
+    args: argparse.Namespace, instance: Any, stop: asyncio.Event
+) -> asyncio.Task[None] | None:
+    """``/metrics`` of the worker's database and instance on ``--metrics-port``, served
+    until ``stop`` (``None``: no port asked for)."""
+    import asyncio
+
+    if args.metrics_port is None:
+        return None
+    try:
+        from langgraph_fence.console import LocalFigures, create_app
+        from langgraph_fence.console._serve import bind, serve_until
+    except ImportError as exc:
+        raise ValueError(f"--metrics-port: {exc}") from None
+    sock = bind(args.metrics_host, args.metrics_port, option="--metrics-port")
+    keeper = instance.host.keeper
+    journal = instance.journal
+
+    def local() -> list[LocalFigures]:
+        late = keeper.lateness(instance.clock() - 60.0)
+        dropped = 0 if journal is None else journal.dropped
+        return [LocalFigures(instance.instance_id, keeper.held, keeper.max_held, late, dropped)]
+
+    app = create_app(instance.repository.engine, local=local)
+    return asyncio.create_task(serve_until(app, sock, stop), name="metrics endpoint")
+
+
+async def ui(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from rich.console import Console
+
+    from langgraph_fence.execution.serve import on_signals
+
+    try:
+        from langgraph_fence.console import create_app
+        from langgraph_fence.console._serve import bind, serve_until
+    except ImportError as exc:
+        raise ValueError(str(exc)) from None
+    if args.tenant is not None and not args.tenant:
+        raise ValueError("--tenant must be a non-empty tenant id (or left out for every tenant)")
+    checked_target(args, must_exist=True)
+    token = _operator_token(args)
+    app = create_app(args.db, schema=args.schema, tenant=args.tenant, operator_token=token)
+    sock = bind(args.host, args.port, option="--port")
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    mode = "operators who sign in with the token may act" if token else "read-only"
+    Console().print(
+        f"the console serves http://{host}:{args.port}/ ({mode}); /metrics for Prometheus; "
+        "Ctrl-C stops it",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
+    stop = asyncio.Event()
+    remove = on_signals(stop)
+    try:
+        await serve_until(app, sock, stop)
+    finally:
+        remove()
+        await app.state.console.aclose()
+    return 0
+
+
+def _operator_token(args: argparse.Namespace) -> str | None:
+    """The operator token: ``--operator-token-file``'s, else ``LANGGRAPH_FENCE_UI_TOKEN``."""
+    if args.operator_token_file is not None:
+        try:
+            with open(args.operator_token_file, encoding="utf-8") as file:
+                token = file.read().strip()
+        except OSError as exc:
+            raise ValueError(
+                f"--operator-token-file: cannot read {args.operator_token_file!r} ({exc.strerror})"
+            ) from None
+        if not token:
+            raise ValueError("--operator-token-file: the file is empty")
+    else:
+        token = os.environ.get("LANGGRAPH_FENCE_UI_TOKEN", "").strip()
+    if token and len(token) < 16:
+        raise ValueError(
+            "the operator token must be at least 16 characters: make one with "
+            "`python -c 'import secrets; print(secrets.token_urlsafe())'`"
+        )
+    return token or None

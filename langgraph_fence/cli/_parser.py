@@ -180,6 +180,20 @@ def parser() -> argparse.ArgumentParser:
         "row from workers that died with no new checkpoint is dead-lettered "
         f"('crashed N workers') (default: {DEFAULT_MAX_TAKEOVERS})",
     )
+    worker.add_argument(
+        "--metrics-port",
+        type=positive_int,
+        default=None,
+        metavar="PORT",
+        help="serve /metrics (Prometheus) on this port of --metrics-host while it works: the "
+        "database's figures and this worker's held leases and renewal lateness "
+        "(default: none; needs the ui extra)",
+    )
+    worker.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="the address /metrics listens on (default: 127.0.0.1)",
+    )
     submit = command(
         "submit",
         "hand a run to any worker: record it pending, return at once",
@@ -365,6 +379,44 @@ def parser() -> argparse.ArgumentParser:
         metavar="TEXT",
         help="with --abandon: what was checked and by whom (stored as 'abandoned by operator: "
         "TEXT')",
+    )
+    resolve.add_argument(
+        "--actor",
+        default=None,
+        metavar="NAME",
+        help="who resolves, as the journal records it (default: user@host of this shell)",
+    )
+    ui = command(
+        "ui",
+        "the operator's console: a web page of executions, tokens and dead letters, /metrics",
+        description="Serve the operator's console on the database: executions (their lease, "
+        "stamps, token timeline, children, input), dead letters, the run queue and the "
+        "serving instances, and /metrics in Prometheus' format. Read-only unless an operator "
+        "token is given (the environment variable LANGGRAPH_FENCE_UI_TOKEN, or "
+        "--operator-token-file): then an operator who signs in with it can retry or abandon "
+        "a dead letter, each action journaled with their name and note. Binds to loopback "
+        "unless --host says otherwise. Needs the ui extra: pip install 'langgraph-fence[ui]'.",
+    )
+    _database_options(ui)
+    ui.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (default: 127.0.0.1, this machine only)",
+    )
+    ui.add_argument(
+        "--port", type=positive_int, default=8765, help="the port to listen on (default: 8765)"
+    )
+    ui.add_argument(
+        "--tenant",
+        default=None,
+        help="show this tenant only (every page, /metrics included); default: every tenant",
+    )
+    ui.add_argument(
+        "--operator-token-file",
+        default=None,
+        metavar="PATH",
+        help="a file holding the operator token that unlocks the actions (default: the "
+        "environment variable LANGGRAPH_FENCE_UI_TOKEN; neither: read-only)",
     )
     return parser
 

@@ -39,6 +39,7 @@ from langgraph_fence.events import FenceEvent
 from langgraph_fence.instance import Instance
 from langgraph_fence.lease import LeaseKey
 from langgraph_fence.lease.faults import StallableRepository, StallGate
+from langgraph_fence.lease.journal import Journal
 from langgraph_fence.lease.records import SqlExecutionRecords
 from langgraph_fence.lease.sql import SqlLeaseRepository
 from langgraph_fence.redact import mask_password
@@ -310,8 +311,12 @@ async def _run(
         )
         for name, gate in gates.items()
     }
-    for instance in instances.values():
+    # Each instance journals its turns, as Instance.open's do: `langgraph-fence ui` on the
+    # kept database shows the takeover and the refused charge on the token timeline.
+    journals = [Journal(engine) for _ in instances]
+    for instance, journal in zip(instances.values(), journals, strict=True):
         instance.add_listener(timeline.on_event)
+        instance.add_listener(journal)
     frozen = _Freeze()
     graph = _build_graph(timeline, engine, frozen).compile(
         checkpointer=instances["A"].checkpointer, name="orders"
@@ -359,6 +364,8 @@ async def _run(
             await asyncio.wait_for(task_a, 10)
         except (TimeoutError, asyncio.CancelledError):
             result.problems.append("instance A did not stop within 10 s of being resumed")
+        for journal in journals:
+            await journal.aclose()
     if final is None:
         return
     result.final_state = dict(final)

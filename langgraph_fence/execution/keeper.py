@@ -201,6 +201,18 @@ class Keeper:
         before ``now`` (under ``_lock``)."""
         return self._late_at is not None and now - self._late_at < self.renew_interval
 
+    def lateness(self, since: float) -> float:
+        """The latest a renewal statement answered since ``since`` (the instance's clock)
+        came, in seconds: how much less of its window the least-covered lease had left when
+        the answer came than a renewal on time leaves (:attr:`margin`); 0.0 when all came
+        in time, or none was sent."""
+        late = 0.0
+        for batch in reversed(self.batches):
+            if batch.sent_at < since:
+                break
+            late = max(late, self.margin - (batch.slack - batch.took))
+        return late
+
     @property
     def free(self) -> int:
         """How many more runs may take a slot now."""

@@ -28,7 +28,7 @@ from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus
 from langgraph_fence.lease.records import ExecutionHead
 from langgraph_fence.lease.run_config import restore_run, run_allowlist
 from langgraph_fence.lease.transitions import validate_max_takeovers
-from langgraph_fence.queue import ANNOUNCE_EVERY
+from langgraph_fence.queue import ANNOUNCE_EVERY, WorkerHold
 from langgraph_fence.queue.notifications import ENDS_CHANNEL
 from langgraph_fence.redact import failure_reason
 from langgraph_fence.validate import positive_int, positive_seconds, text_id
@@ -153,8 +153,15 @@ class Server:
         now = time.monotonic()
         if queue is None or now < self._announced_at + ANNOUNCE_EVERY:
             return
+        keeper = self.host.keeper
+        hold = WorkerHold(
+            held=keeper.held,
+            max_held=keeper.max_held,
+            lease_ttl=keeper.ttl,
+            renewal_late=round(keeper.lateness(self.host.clock() - ANNOUNCE_EVERY), 3),
+        )
         try:
-            await queue.announce(self.host.instance_id, self.graphs)
+            await queue.announce(self.host.instance_id, self.graphs, hold)
             self._announced_at = now
         except Exception as exc:
             logger.info(

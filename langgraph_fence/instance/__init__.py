@@ -34,6 +34,7 @@ from langgraph_fence.instance._settings import (
 )
 from langgraph_fence.keys import FENCE_CONFIG_KEY
 from langgraph_fence.lease import ExecutionLeaseRepository, LeaseKey
+from langgraph_fence.lease.journal import Journal
 from langgraph_fence.lease.records import ExecutionRecords, check_thread_binding
 from langgraph_fence.lease.transitions import DEFAULT_MAX_TAKEOVERS
 from langgraph_fence.queue import OnBusy, SubmittedRun, SubmittedRuns
@@ -202,6 +203,9 @@ class Instance:
         #: The fenced LangGraph store on the instance's database (``Instance.open``):
         #: ``compile(checkpointer=instance.checkpointer, store=instance.store)``.
         self.store: FencedStore | None = None
+        #: What writes this instance's events to ``fence_journal`` (``Instance.open``,
+        #: unless ``journal=False``), or ``None``.
+        self.journal: Journal | None = None
 
     @property
     def repository(self) -> ExecutionLeaseRepository:
@@ -239,6 +243,7 @@ class Instance:
         schema: str | None = None,
         engine_options: Mapping[str, Any] | None = None,
         serde: SerializerProtocol | None = None,
+        journal: bool = True,
         **options: Any,
     ) -> AsyncIterator[Instance]:
         """Open an instance on one database: its lease table and checkpoints side by side.
@@ -259,6 +264,10 @@ class Instance:
             serde: the serializer of checkpoints and execution records (default: LangGraph's
                 in strict msgpack mode, :func:`langgraph_fence.serde.safe_serializer`; a
                 stored payload constructs no type outside its allow-list).
+            journal: record each turn of its runs' leases (takes, takeovers, refused
+                writes, dead letters) in ``fence_journal``, in the background, for the
+                operator's console (``langgraph-fence ui``) and ``/metrics``; never delays a
+                run (:mod:`langgraph_fence.lease.journal`).
             **options: :class:`Instance` options (``instance_id``, ``lease_ttl``,
                 ``renew_interval``, ``clock``, ``sleep``, ``max_takeovers``, ``tenant_id``,
                 ``max_held``, ``renewer``).
@@ -282,10 +291,16 @@ class Instance:
             instance.store = FencedStore(store)
             # An erased thread's runs' items go with it.
             instance.checkpointer.admin.store = store  # type: ignore[union-attr]
+            written = Journal(database.engine) if journal else None
+            if written is not None:
+                instance.add_listener(written)
+            instance.journal = written
             try:
                 yield instance
             finally:
                 await instance.aclose()
+                if written is not None:
+                    await written.aclose()
                 await database.aclose()
 
     @classmethod

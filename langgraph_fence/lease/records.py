@@ -242,6 +242,8 @@ CREATE TABLE IF NOT EXISTS fence_runs (
 )
 """
 _RUNS_QUEUED_INDEX = "CREATE INDEX IF NOT EXISTS fence_runs_status ON fence_runs (status)"
+# The console's listing of one graph's executions (langgraph_fence.console).
+_GRAPH_INDEX = "CREATE INDEX IF NOT EXISTS fence_executions_graph ON fence_executions (graph)"
 
 EXECUTION_MIGRATIONS = [
     Migration.typed(1, "execution records: graph, thread and input of each execution", _CREATE),
@@ -287,6 +289,24 @@ EXECUTION_MIGRATIONS = [
         "submitted runs, each with its identity and outcome (on_busy='enqueue')",
         _CREATE_RUNS,
         _RUNS_QUEUED_INDEX,
+    ),
+    Migration(
+        version=7,
+        description="each serving worker's hold: leases held, max_held, renewal lateness",
+        sqlite=[
+            "ALTER TABLE fence_workers ADD COLUMN held INTEGER",
+            "ALTER TABLE fence_workers ADD COLUMN max_held INTEGER",
+            "ALTER TABLE fence_workers ADD COLUMN lease_ttl REAL",
+            "ALTER TABLE fence_workers ADD COLUMN renewal_late REAL",
+            _GRAPH_INDEX,
+        ],
+        postgresql=[
+            "ALTER TABLE fence_workers ADD COLUMN IF NOT EXISTS held INTEGER",
+            "ALTER TABLE fence_workers ADD COLUMN IF NOT EXISTS max_held INTEGER",
+            "ALTER TABLE fence_workers ADD COLUMN IF NOT EXISTS lease_ttl DOUBLE PRECISION",
+            "ALTER TABLE fence_workers ADD COLUMN IF NOT EXISTS renewal_late DOUBLE PRECISION",
+            _GRAPH_INDEX,
+        ],
     ),
 ]
 
@@ -374,6 +394,9 @@ _FORGET_RUNS = text(
 _FORGET_ATTEMPTS = text(
     "DELETE FROM fence_server_attempts "
     "WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
+)
+_FORGET_JOURNAL = text(
+    "DELETE FROM fence_journal WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
 )
 _FORGET_BINDING = text(
     "DELETE FROM fence_thread_bindings WHERE tenant_id = :tenant_id AND thread_id = :thread_id"
@@ -503,13 +526,14 @@ class SqlExecutionRecords:
 
     async def forget(self, key: LeaseKey, thread_id: str) -> None:
         """Delete the record of ``key``, its submitted runs (their inputs and outputs), what
-        the lease store keeps of its Agent Server attempts, and the binding of ``thread_id``
-        of its tenant, in one transaction."""
+        the lease store keeps of its Agent Server attempts, its journal, and the binding of
+        ``thread_id`` of its tenant, in one transaction."""
         async with transaction(self._engine) as conn:
             params = {"tenant_id": key.tenant_id}
             await conn.execute(_FORGET_RECORD, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_RUNS, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_ATTEMPTS, {**params, "execution_id": key.execution_id})
+            await conn.execute(_FORGET_JOURNAL, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_BINDING, {**params, "thread_id": thread_id})
 
     async def children_of(self, key: LeaseKey) -> list[tuple[LeaseKey, str]]:

@@ -373,6 +373,35 @@ LEASE_MIGRATIONS.append(
     )
 )
 
+LEASE_MIGRATIONS.append(
+    Migration.typed(
+        8,
+        "the journal (each execution's token timeline), and the operator console's indexes",
+        """CREATE TABLE IF NOT EXISTS fence_journal (
+    tenant_id TEXT NOT NULL,
+    execution_id TEXT NOT NULL,
+    at {double} NOT NULL,
+    kind TEXT NOT NULL,
+    epoch BIGINT,
+    holder TEXT,
+    detail TEXT,
+    actor TEXT
+)""",
+        "CREATE INDEX IF NOT EXISTS fence_journal_execution "
+        "ON fence_journal (tenant_id, execution_id, at)",
+        "CREATE INDEX IF NOT EXISTS fence_journal_kind ON fence_journal (kind)",
+        # The console's listings: newest first, of every status or one, of a tenant, of a
+        # holder (langgraph_fence.console).
+        "CREATE INDEX IF NOT EXISTS fence_leases_updated "
+        "ON fence_leases (updated_at, tenant_id, execution_id)",
+        "CREATE INDEX IF NOT EXISTS fence_leases_status_updated "
+        "ON fence_leases (status, updated_at, tenant_id, execution_id)",
+        "CREATE INDEX IF NOT EXISTS fence_leases_tenant_updated "
+        "ON fence_leases (tenant_id, updated_at, execution_id)",
+        "CREATE INDEX IF NOT EXISTS fence_leases_holder ON fence_leases (holder)",
+    )
+)
+
 #: The stamp-set SQL per dialect, on ``fence_leases.pending_effects``: ``patch`` applies a
 #: merge patch given as JSON text in ``{param}``; ``non_idempotent`` is true when any entry
 #: is a ``NON_IDEMPOTENT_WRITE``; ``standing_writes`` names those entries in order of key,

@@ -43,6 +43,7 @@ from langgraph_fence.queue._state import (
     ANNOUNCE_EVERY,
     ANNOUNCED_FOR,
     RunState,
+    WorkerHold,
     list_runs,
     served_graphs,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "RunState",
     "SubmittedRun",
     "SubmittedRuns",
+    "WorkerHold",
     "list_runs",
     "served_graphs",
 ]

@@ -21,6 +21,7 @@ __all__ = [
     "ANNOUNCED_FOR",
     "ANNOUNCE_EVERY",
     "RunState",
+    "WorkerHold",
     "list_runs",
     "run_state",
     "served_graphs",
@@ -30,6 +31,24 @@ __all__ = [
 #: How often a serving instance says it is serving, and how long that holds (seconds).
 ANNOUNCE_EVERY = 5.0
 ANNOUNCED_FOR = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerHold:
+    """What a serving worker holds, as it says each :data:`ANNOUNCE_EVERY` seconds.
+
+    Attributes:
+        held: the leases it keeps now.
+        max_held: the most it keeps at once.
+        lease_ttl: its lease TTL, in seconds.
+        renewal_late: how late its latest renewal since the last announcement came, in
+            seconds (0.0: in time).
+    """
+
+    held: int
+    max_held: int
+    lease_ttl: float
+    renewal_late: float
 
 
 @dataclass(frozen=True, slots=True)

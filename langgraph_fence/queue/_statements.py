@@ -328,9 +328,11 @@ WAITING = text(
 )
 
 ANNOUNCE = text(
-    "INSERT INTO fence_workers (instance_id, graphs, seen_at) VALUES (:instance_id, :graphs, "
-    ":at) ON CONFLICT (instance_id) DO UPDATE SET graphs = excluded.graphs, "
-    "seen_at = excluded.seen_at"
+    "INSERT INTO fence_workers (instance_id, graphs, seen_at, held, max_held, lease_ttl, "
+    "renewal_late) VALUES (:instance_id, :graphs, :at, :held, :max_held, :lease_ttl, "
+    ":renewal_late) ON CONFLICT (instance_id) DO UPDATE SET graphs = excluded.graphs, "
+    "seen_at = excluded.seen_at, held = excluded.held, max_held = excluded.max_held, "
+    "lease_ttl = excluded.lease_ttl, renewal_late = excluded.renewal_late"
 )
 RETIRE = text("DELETE FROM fence_workers WHERE instance_id = :instance_id")
 WORKERS = text("SELECT instance_id, graphs FROM fence_workers WHERE seen_at >= :since")

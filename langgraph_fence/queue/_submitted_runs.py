@@ -19,6 +19,7 @@ from langgraph_fence.queue._children import ChildRuns
 from langgraph_fence.queue._database import QueueDatabase
 from langgraph_fence.queue._state import (
     RunState,
+    WorkerHold,
     list_runs,
     served_graphs,
     submitted_run_state,
@@ -393,11 +394,21 @@ class SubmittedRuns:
 
     # -- who serves what
 
-    async def announce(self, instance_id: str, graphs: Collection[str]) -> None:
-        """Say that ``instance_id`` serves ``graphs`` now (one upsert)."""
+    async def announce(
+        self, instance_id: str, graphs: Collection[str], hold: WorkerHold | None = None
+    ) -> None:
+        """Say that ``instance_id`` serves ``graphs`` now, holding ``hold`` (one upsert)."""
         async with self._db.writer.begin() as conn:
-            params = {"instance_id": instance_id, "graphs": json.dumps(sorted(graphs))}
-            await conn.execute(ANNOUNCE, {**params, "at": time.time()})
+            params = {
+                "instance_id": instance_id,
+                "graphs": json.dumps(sorted(graphs)),
+                "at": time.time(),
+                "held": None if hold is None else hold.held,
+                "max_held": None if hold is None else hold.max_held,
+                "lease_ttl": None if hold is None else hold.lease_ttl,
+                "renewal_late": None if hold is None else hold.renewal_late,
+            }
+            await conn.execute(ANNOUNCE, params)
 
     async def retire(self, instance_id: str) -> None:
         """Say that ``instance_id`` serves nothing any more (it stopped)."""

@@ -416,6 +416,7 @@ _ERASED_BY = (
     ("fence_executions", "execution_id"),
     ("fence_runs", "execution_id"),
     ("fence_server_attempts", "execution_id"),
+    ("fence_journal", "execution_id"),
     ("fence_thread_bindings", "thread_id"),
     ("fence_store_items", "fence_execution"),
 )

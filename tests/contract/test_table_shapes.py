@@ -92,10 +92,32 @@ PRESENT: dict[str, tuple[dict[str, bool], list[str]]] = {
         {"tenant_id": False, "thread_id": False, "execution_id": False, "bound_at": False},
         ["tenant_id", "thread_id"],
     ),
-    # Who serves what (records migration 5).
+    # Who serves what (records migration 5), and what it holds (records migration 7).
     "fence_workers": (
-        {"instance_id": False, "graphs": False, "seen_at": False},
+        {
+            "instance_id": False,
+            "graphs": False,
+            "seen_at": False,
+            "held": True,
+            "max_held": True,
+            "lease_ttl": True,
+            "renewal_late": True,
+        },
         ["instance_id"],
+    ),
+    # Each execution's token timeline, for the console (lease migration 8): no key, an index.
+    "fence_journal": (
+        {
+            "tenant_id": False,
+            "execution_id": False,
+            "at": False,
+            "kind": False,
+            "epoch": True,
+            "holder": True,
+            "detail": True,
+            "actor": True,
+        },
+        [],
     ),
     # Each submitted run, its identity and outcome (records migration 6).
     "fence_runs": (

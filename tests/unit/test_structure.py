@@ -84,6 +84,9 @@ LAYERS: tuple[grimp.Layer | str, ...] = (
     # The edges a user or operator touches: the command line, the OpenTelemetry listener,
     # the pytest plugin. None of them imports another.
     grimp.Layer("cli", "otel", "server", "testing", independent=True),
+    # The operator's console and /metrics: reads what every instance writes (the cli serves
+    # it, and a worker's --metrics-port).
+    "console",
     # The process-level runtime that composes everything below.
     "instance",
     # Steps: the node and tool wrappers, fence_graph, the running step's frame.
