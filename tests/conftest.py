@@ -225,3 +225,20 @@ async def db(backend: str, make_engine: Callable[[str], AsyncEngine]) -> AsyncIt
         yield fixture
     finally:
         await engine.dispose()
+
+
+@pytest.fixture
+async def own_leases(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[Leases]:
+    """The ``leases`` fixture's tools on a database of the test's own: a SQLite file, or a
+    PostgreSQL schema nothing else writes (its listings and counts are the test's alone)."""
+    from langgraph_fence.testing import open_leases
+
+    if backend == "sqlite":
+        url, options = f"sqlite+aiosqlite:///{tmp_path / 'own.db'}", {}
+    else:
+        url, schema = request.getfixturevalue("own_schema")
+        options = pg_engine_options(schema)
+    async with open_leases(url, **options) as tools:
+        yield tools

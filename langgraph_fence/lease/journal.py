@@ -116,6 +116,8 @@ class Journal:
         self._pending: deque[dict[str, Any]] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # One batch at a time: the background writer and flush() never write one twice.
+        self._writing = asyncio.Lock()
         #: Entries dropped because the database stayed out of reach (see the module).
         self.dropped = 0
 
@@ -166,11 +168,17 @@ class Journal:
                     await asyncio.sleep(min(0.5 * 2**failures, 10.0))
 
     async def _write_batch(self) -> None:
-        batch = [self._pending[i] for i in range(min(_BATCH, len(self._pending)))]
-        async with self._engine.begin() as conn:
-            await conn.execute(insert(JOURNAL), batch)
-        for _ in batch:  # written: drop them (new ones were appended behind)
-            self._pending.popleft()
+        async with self._writing:
+            batch = [self._pending[i] for i in range(min(_BATCH, len(self._pending)))]
+            if not batch:
+                return
+            async with self._engine.begin() as conn:
+                await conn.execute(insert(JOURNAL), batch)
+            # Written: drop them (new ones were appended behind; some of these may have
+            # been dropped meanwhile, over the limit).
+            for entry in batch:
+                if self._pending and self._pending[0] is entry:
+                    self._pending.popleft()
 
     async def flush(self) -> None:
         """Write every entry kept so far (raises what the database raised)."""

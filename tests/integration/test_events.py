@@ -10,11 +10,9 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
-import operator
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Annotated, Any, TypedDict
+from typing import Any
 
 import pytest
 from langgraph.graph import END, START, StateGraph
@@ -30,93 +28,22 @@ from langgraph_fence import (
     EventKind,
     ExecutionFencedError,
     FenceEvent,
-    Instance,
     LeaseKey,
     LeaseStatus,
     fence_graph,
-    get_execution_context,
 )
 from langgraph_fence.otel import instrument
 from langgraph_fence.testing import Leases, open_leases
-from tests.support.databases import SQL_BACKENDS, pg_engine_options, unique
+from tests.support.databases import SQL_BACKENDS, unique
 from tests.support.polling import eventually
-from tests.support.serving import until_status
+from tests.support.takeovers import Order, Shop, take_over_mid_charge
 
 RUNS_ON = SQL_BACKENDS
 
 
-class Order(TypedDict, total=False):
-    log: Annotated[list[str], operator.add]
-
-
 @pytest.fixture
-async def store(
-    backend: str, request: pytest.FixtureRequest, tmp_path: Path
-) -> AsyncIterator[Leases]:
-    """The ``leases`` tools on SQLite, or on a PostgreSQL schema of the test's own (serve()
-    there sees no other test's executions)."""
-    if backend == "sqlite":
-        url, options = f"sqlite+aiosqlite:///{tmp_path / 'events.db'}", {}
-    else:
-        url, schema = request.getfixturevalue("own_schema")
-        options = pg_engine_options(schema)
-    async with open_leases(url, **options) as leases:
-        yield leases
-
-
-class Shop:
-    """A graph whose charge step holds instance A inside it until told to go on."""
-
-    def __init__(self, effect: Effect = Effect.IDEMPOTENT_WRITE) -> None:
-        self.effect = effect
-        self.a_inside = asyncio.Event()
-        self.a_go = asyncio.Event()
-
-    def graph(self, instance: Instance) -> Any:
-        async def charge(state: Order) -> dict[str, Any]:
-            if instance.instance_id == "A":
-                self.a_inside.set()
-                await self.a_go.wait()
-            return {"log": [f"charged at token {get_execution_context().fence.token}"]}
-
-        builder = StateGraph(Order)
-        builder.add_node("charge", charge)
-        builder.add_edge(START, "charge")
-        builder.add_edge("charge", END)
-        return fence_graph(builder, effects={"charge": self.effect}).compile(
-            checkpointer=instance.checkpointer, name="shop"
-        )
-
-
-async def _take_over_mid_charge(
-    leases: Leases, a: Instance, b: Instance, shop: Shop
-) -> tuple[LeaseKey, BaseException | None]:
-    """A runs until inside charge and freezes; B's serve() takes over; A thaws."""
-    thread = unique("order")
-    key = LeaseKey("acme", thread)
-    config: Any = {"configurable": {"thread_id": thread}}
-    task_a = asyncio.create_task(
-        a.ainvoke(shop.graph(a), {"log": []}, config, tenant_id="acme", durability="sync")
-    )
-    await asyncio.wait_for(shop.a_inside.wait(), 20)
-    leases.stall(a)
-    leases.advance(31.0)  # past A's 30 s lease, by the store's clock
-    stop = asyncio.Event()
-    serve = asyncio.create_task(
-        b.serve({"shop": shop.graph(b)}, poll_interval=0.02, stop=stop, handle_signals=False)
-    )
-    try:
-        await until_status(leases, key, LeaseStatus.DONE, LeaseStatus.DEAD_LETTERED, timeout=20)
-    finally:
-        stop.set()
-        await asyncio.wait_for(serve, 20)
-    leases.resume(a)
-    shop.a_go.set()
-    try:
-        await asyncio.wait_for(task_a, 20)
-    except ExecutionFencedError as exc:
-        return key, exc
-    return key, None
+def store(own_leases: Leases) -> Leases:
+    return own_leases
 
 
 def _of(events: list[FenceEvent], key: LeaseKey) -> list[tuple[str, int, str]]:
@@ -132,7 +59,7 @@ async def test_a_takeover_is_told_as_acquired_taken_over_fenced_in_order(
     b.add_listener(events.append)
 
     with caplog.at_level(logging.INFO, logger="langgraph_fence"):
-        key, a_error = await _take_over_mid_charge(store, a, b, Shop())
+        key, a_error = await take_over_mid_charge(store, a, b, Shop())
 
     assert isinstance(a_error, ExecutionFencedError)
     told = _of(events, key)
@@ -166,7 +93,7 @@ async def test_a_takeover_of_a_stamped_write_is_told_as_dead_lettered(store: Lea
     events: list[FenceEvent] = []
     b.add_listener(events.append)
 
-    key, _ = await _take_over_mid_charge(store, a, b, Shop(Effect.NON_IDEMPOTENT_WRITE))
+    key, _ = await take_over_mid_charge(store, a, b, Shop(Effect.NON_IDEMPOTENT_WRITE))
 
     (dead,) = [e for e in events if e.scope_key == key.scope_key]
     assert dead.kind is EventKind.DEAD_LETTERED
@@ -312,7 +239,7 @@ async def test_otel_records_a_span_and_a_count_per_event(tmp_path: Path) -> None
         a, b = leases.instance("A"), leases.instance("B")
         for instance in (a, b):
             instrument(instance, tracer_provider=tracer_provider, meter_provider=meter_provider)
-        key, _ = await _take_over_mid_charge(leases, a, b, Shop())
+        key, _ = await take_over_mid_charge(leases, a, b, Shop())
 
     finished = [s for s in spans.get_finished_spans() if s.name != "langgraph_fence.lost"]
     assert [s.name for s in finished] == [

@@ -1,0 +1,231 @@
+"""The operator's console, in process (httpx's ASGI transport), on real databases.
+
+What an operator relies on: a dead letter shows its reason, stamps and token timeline; the
+actions write only for a signed-in operator, through a form of this console's own, and the
+database shows what they did; a tenant's strings are text; a tenant-scoped console shows no
+other tenant; the listing pages through every execution once; a database the console cannot
+read is named with the fix. The same pages in a real Chromium: tests/chaos/test_console_browser.py.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import pytest
+from sqlalchemy import select
+
+from langgraph_fence import Effect, Instance, LeaseKey, LeaseStatus
+from langgraph_fence.console import create_app
+from langgraph_fence.lease.journal import JOURNAL, Journal
+from langgraph_fence.testing import Leases
+from tests.support.databases import SQL_BACKENDS, unique
+from tests.support.takeovers import Shop, take_over_mid_charge
+
+RUNS_ON = SQL_BACKENDS
+TOKEN = "operator-token-for-tests-0123456789"
+SCRIPT = "<script>alert('x')</script>"
+
+
+@pytest.fixture
+def leases(own_leases: Leases) -> Leases:
+    return own_leases
+
+
+def journaled(leases: Leases, *instances: Instance) -> list[Journal]:
+    """Each instance journals its turns, as ``Instance.open``'s do."""
+    journals = [Journal(leases.engine) for _ in instances]
+    for instance, journal in zip(instances, journals, strict=True):
+        instance.add_listener(journal)
+    return journals
+
+
+async def dead_letter(leases: Leases, thread: str) -> LeaseKey:
+    """A run killed (frozen past its lease) inside a non-idempotent charge: B's takeover
+    dead-letters it, A thaws and is fenced. Its journal is written."""
+    a, b = leases.instance("A"), leases.instance("B")
+    journals = journaled(leases, a, b)
+    key, a_error = await take_over_mid_charge(
+        leases, a, b, Shop(Effect.NON_IDEMPOTENT_WRITE), thread=thread
+    )
+    assert a_error is not None
+    for journal in journals:
+        await journal.aclose()
+    lease = await leases.store.get(key)
+    assert lease is not None
+    assert lease.status is LeaseStatus.DEAD_LETTERED
+    return key
+
+
+def client(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://console")
+
+
+def text_of(html: str) -> str:
+    return " ".join(re.sub(r"<[^>]+>", " ", html).split())
+
+
+def page_of(key: LeaseKey) -> str:
+    return "/executions/" + quote(key.scope_key, safe="")
+
+
+async def test_a_dead_letter_shows_its_reason_and_timeline_and_an_operator_abandons_it(
+    leases: Leases,
+) -> None:
+    key = await dead_letter(leases, unique("order") + SCRIPT)
+    app = create_app(leases.engine, operator_token=TOKEN)
+    async with client(app) as http:
+        listed = await http.get("/dead-letters")
+        assert listed.status_code == 200
+        assert SCRIPT not in listed.text  # the thread id is text, escaped
+        assert "&lt;script&gt;" in listed.text
+        assert 'method="post" action="/resolve"' not in listed.text  # not signed in
+
+        page = await http.get(page_of(key))
+        assert page.status_code == 200
+        shown = text_of(page.text)
+        assert "dead_lettered" in shown
+        assert "charge" in shown  # the reason names the step whose write may have happened
+        timeline = shown[shown.index("Token timeline") :]
+        assert re.search(r"1 \S+ \S+ UTC took the lease A", timeline), timeline
+        assert "dead-lettered B" in timeline
+        assert "write refused: a newer token holds it A" in timeline
+
+        # Acting needs the operator: not signed in, a forged form, a wrong token: refused.
+        form = {"key": key.scope_key, "action": "abandon", "note": "refunded by hand"}
+        assert (await http.post("/resolve", data=form)).status_code == 403
+        wrong = await http.post("/login", data={"name": "mallory", "token": "x" * 20})
+        assert wrong.status_code == 403
+        signed = await http.post("/login", data={"name": "dana <ops>", "token": TOKEN})
+        assert signed.status_code == 303
+        assert (await http.post("/resolve", data={**form, "csrf": "forged"})).status_code == 403
+        assert (await leases.store.get(key)).status is LeaseStatus.DEAD_LETTERED  # type: ignore[union-attr]
+
+        listed = await http.get("/dead-letters")
+        csrf = re.search(r'name="csrf" value="([0-9a-f]+)"', listed.text)
+        assert csrf is not None
+        assert "dana &lt;ops&gt;" in listed.text
+        done = await http.post("/resolve", data={**form, "csrf": csrf.group(1)})
+        assert done.status_code == 303
+        assert done.headers["location"] == page_of(key) + "?resolved=abandoned"
+
+    lease = await leases.store.get(key)
+    assert lease is not None
+    assert lease.status is LeaseStatus.FAILED
+    assert lease.reason == "abandoned by operator: refunded by hand"
+    async with leases.engine.connect() as conn:
+        actions = (
+            await conn.execute(
+                select(JOURNAL.c.kind, JOURNAL.c.actor, JOURNAL.c.detail).where(
+                    JOURNAL.c.execution_id == key.execution_id, JOURNAL.c.actor.is_not(None)
+                )
+            )
+        ).all()
+    assert [tuple(a) for a in actions] == [("abandoned", "dana <ops>", "refunded by hand")]
+
+
+async def test_a_read_only_console_has_no_action_that_writes(leases: Leases) -> None:
+    key = await dead_letter(leases, unique("order"))
+    app = create_app(leases.engine)  # no operator token
+    async with client(app) as http:
+        for path in ("/executions", "/dead-letters", page_of(key), "/queue", "/instances"):
+            page = await http.get(path)
+            assert page.status_code == 200, path
+            assert 'method="post"' not in page.text, path
+            assert "sign in" not in page.text, path
+        assert (await http.get("/login")).status_code == 404
+        refused = await http.post(
+            "/resolve", data={"key": key.scope_key, "action": "retry", "csrf": ""}
+        )
+        assert refused.status_code == 403
+        assert "LANGGRAPH_FENCE_UI_TOKEN" in text_of(refused.text)
+    lease = await leases.store.get(key)
+    assert lease is not None
+    assert lease.status is LeaseStatus.DEAD_LETTERED
+
+
+async def test_the_host_apps_authorize_decides_who_acts(leases: Leases) -> None:
+    key = await dead_letter(leases, unique("order"))
+    app = create_app(
+        leases.engine, authorize=lambda request: request.headers.get("x-operator") or None
+    )
+    async with client(app) as http:
+        anonymous = await http.get("/dead-letters")
+        assert 'method="post" action="/resolve"' not in anonymous.text
+        page = await http.get("/dead-letters", headers={"x-operator": "sre-1"})
+        csrf = re.search(r'name="csrf" value="([0-9a-f]+)"', page.text)
+        assert csrf is not None
+        retried = await http.post(
+            "/resolve",
+            data={"key": key.scope_key, "action": "retry", "csrf": csrf.group(1)},
+            headers={"x-operator": "sre-1"},
+        )
+        # The stamp of the non-idempotent charge stands: a retry would repeat it. Refused,
+        # saying so, as `langgraph-fence resolve --retry` refuses it.
+        assert retried.status_code == 409
+        assert "non-idempotent" in text_of(retried.text) or "stamp" in text_of(retried.text)
+    lease = await leases.store.get(key)
+    assert lease is not None
+    assert lease.status is LeaseStatus.DEAD_LETTERED
+
+
+async def test_a_tenant_scoped_console_shows_no_other_tenant(leases: Leases) -> None:
+    ours, theirs = LeaseKey("acme", unique("ours")), LeaseKey("globex", unique("theirs"))
+    for key in (ours, theirs):
+        await leases.store.acquire(key, "holder-x", 30.0)
+    app = create_app(leases.engine, tenant="acme")
+    async with client(app) as http:
+        listed = text_of((await http.get("/executions?tenant=globex")).text)
+        assert ours.execution_id in listed
+        assert theirs.execution_id not in listed
+        assert (await http.get(page_of(theirs))).status_code == 404
+        assert (await http.get(page_of(ours))).status_code == 200
+        metrics = (await http.get("/metrics")).text
+        assert 'langgraph_fence_held_leases{instance="holder-x"} 1.0' in metrics
+
+
+async def test_the_listing_pages_through_every_execution_once_newest_first(
+    leases: Leases,
+) -> None:
+    keys = [LeaseKey("acme", f"page-{n:03d}") for n in range(120)]
+    for key in keys:
+        await leases.store.acquire(key, "holder-x", 30.0)
+    seen: list[str] = []
+    app = create_app(leases.engine)
+    async with client(app) as http:
+        path: str | None = "/executions?status=running"
+        while path is not None:
+            page = await http.get(path)
+            assert page.status_code == 200
+            seen += re.findall(r">(page-\d{3})</a>", page.text)
+            following = re.search(r'rel="next" href="([^"]+)"', page.text)
+            path = None if following is None else following.group(1).replace("&amp;", "&")
+        assert sorted(seen) == sorted(k.execution_id for k in keys)
+        assert len(seen) == len(set(seen))
+        # Newest change first: the last acquired is on top.
+        assert seen[0] == "page-119"
+        bad = await http.get("/executions?after=not-a-cursor")
+        assert bad.status_code == 400
+        assert "after" in text_of(bad.text)
+        bad = await http.get("/executions?status=sleeping")
+        assert bad.status_code == 400
+        assert "status must be one of" in text_of(bad.text)
+
+
+async def test_a_database_never_migrated_is_named_with_the_fix(tmp_path: Path) -> None:
+    app = create_app(f"sqlite+aiosqlite:///{tmp_path / 'empty.db'}")
+    async with client(app) as http:
+        page = await http.get("/executions")
+    await app.state.console.aclose()
+    assert page.status_code == 503
+    assert "langgraph-fence migrate" in text_of(page.text)
+
+
+def test_a_short_operator_token_is_refused_naming_the_fix() -> None:
+    with pytest.raises(ValueError, match="operator_token must be at least 16"):
+        create_app("sqlite+aiosqlite:///x.db", operator_token="short")
+    with pytest.raises(ValueError, match="tenant must be a non-empty"):
+        create_app("sqlite+aiosqlite:///x.db", tenant="")
