@@ -29,6 +29,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,6 +63,8 @@ class FenceEvent:
         holder: the instance that saw it (its ``instance_id``).
         reason: why, in words (the error, the dead letter's reason), or ``None``.
         at: when, in seconds since the epoch (``time.time()`` of this process).
+        thread_id: the execution's thread, where this instance ran it (else ``None``).
+        graph: the graph name it runs under, where this instance ran it (else ``None``).
     """
 
     kind: EventKind
@@ -70,19 +73,36 @@ class FenceEvent:
     holder: str
     reason: str | None = None
     at: float = 0.0
+    thread_id: str | None = None
+    graph: str | None = None
 
 
 FenceListener = Callable[[FenceEvent], object]
 
 
+#: How many executions' thread and graph an instance remembers for its events.
+DESCRIBED = 10_000
+
+
 class Listeners:
     """The listeners of one instance, and the one place events are sent from."""
 
-    __slots__ = ("_holder", "_listeners")
+    __slots__ = ("_described", "_holder", "_listeners")
 
     def __init__(self, holder: str) -> None:
         self._holder = holder
         self._listeners: list[FenceListener] = []
+        self._described: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
+
+    def describe(self, scope_key: str, thread_id: str, graph: str | None) -> None:
+        """Name the thread and graph of ``scope_key``'s run: its events carry them (the
+        :data:`DESCRIBED` most recent executions are remembered)."""
+        if not self._listeners:
+            return
+        self._described[scope_key] = (thread_id, graph)
+        self._described.move_to_end(scope_key)
+        while len(self._described) > DESCRIBED:
+            self._described.popitem(last=False)
 
     def add(self, listener: FenceListener) -> Callable[[], None]:
         """Add ``listener``; returns a function that removes it again."""
@@ -100,7 +120,10 @@ class Listeners:
         """Tell every listener; one that raises is logged and the others still hear."""
         if not self._listeners:
             return
-        event = FenceEvent(kind, scope_key, token, self._holder, reason, time.time())
+        thread_id, graph = self._described.get(scope_key, (None, None))
+        event = FenceEvent(
+            kind, scope_key, token, self._holder, reason, time.time(), thread_id, graph
+        )
         for listener in list(self._listeners):
             try:
                 listener(event)

@@ -6,8 +6,10 @@ event into
 * a span named ``langgraph_fence.<kind>`` (``langgraph_fence.acquired``,
   ``langgraph_fence.fenced``, ...), a child of the span current where the event happened
   (the run's, when you trace your runs), starting and ending at the event's time, with the
-  attributes ``langgraph_fence.scope_key``, ``.token``, ``.holder`` and ``.reason``; its
-  status is ERROR for ``lost``, ``fenced`` and ``dead_lettered``;
+  attributes ``langgraph_fence.scope_key``, ``.token``, ``.holder`` and ``.reason``, and
+  OpenTelemetry's GenAI agent attributes ``gen_ai.conversation.id`` (the thread) and
+  ``gen_ai.agent.name`` (the graph) where the instance ran the execution; its status is
+  ERROR for ``lost``, ``fenced`` and ``dead_lettered``;
 * one count on the counter ``langgraph_fence.events``, with the attribute
   ``langgraph_fence.kind`` (the scope key is left out of metrics: one series per execution
   would grow without bound).
@@ -67,6 +69,11 @@ class OtelListener:
         }
         if event.reason is not None:
             attributes["langgraph_fence.reason"] = event.reason
+        # OpenTelemetry's GenAI agent attributes: agent backends group spans by them.
+        if event.thread_id is not None:
+            attributes["gen_ai.conversation.id"] = event.thread_id
+        if event.graph is not None:
+            attributes["gen_ai.agent.name"] = event.graph
         span = self._tracer.start_span(
             f"langgraph_fence.{event.kind.value}", attributes=attributes, start_time=at
         )

@@ -104,6 +104,8 @@ def _timeline(detail: Detail) -> list[_Item]:
             before = holders.get(entry.epoch - 1)
             if entry.kind == "acquired" and before is not None and before != entry.holder:
                 what = f"took it over from {before} (a new token)"
+            elif entry.kind == "taken_over" and (entry.detail or "").startswith("from no holder"):
+                what = "claimed it (pending: submitted or handed back)"
             holders.setdefault(entry.epoch, entry.holder)
         items.append(
             _Item(

@@ -38,6 +38,9 @@ async def serve_until(app: Any, sock: socket.socket, stop: asyncio.Event) -> Non
     config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False)
     config.load()
     server = uvicorn.Server(config)
+    # What Server.serve() does before its start-up, without its signal handlers: the
+    # caller's stop event (a worker's SIGTERM drain) decides when it ends.
+    server.lifespan = config.lifespan_class(config)
     await server.startup(sockets=[sock])
     try:
         await stop.wait()

@@ -154,6 +154,7 @@ async def start(
                 allow=run_allowlist(graph),
             ),
         )
+    host.events.describe(key.scope_key, thread_id, graph_name or getattr(graph, "name", None))
     handle, record = await take(host, key, thread_id, record, attempt=attempt)
     await host.keeper.confirm_start(handle)
     return handle, record

@@ -347,6 +347,7 @@ class Server:
             # until its runs have ended, then takes it alone.
             self._isolating = True
             return False
+        host.events.describe(candidate.key.scope_key, head.thread_id, head.graph)
         taken = await host.repository.take_over(
             candidate,
             host.instance_id,

@@ -252,7 +252,14 @@ async def test_otel_records_a_span_and_a_count_per_event(tmp_path: Path) -> None
         "langgraph_fence.scope_key": key.scope_key,
         "langgraph_fence.token": 1,
         "langgraph_fence.holder": "A",
+        # The GenAI agent attributes agent backends group spans by: thread and graph.
+        "gen_ai.conversation.id": key.execution_id,
+        "gen_ai.agent.name": "shop",
     }
+    # B learnt them from the record it took over; A, from its own start.
+    assert (taken.attributes or {})["gen_ai.conversation.id"] == key.execution_id
+    assert (taken.attributes or {})["gen_ai.agent.name"] == "shop"
+    assert (fenced.attributes or {})["gen_ai.conversation.id"] == key.execution_id
     assert (taken.attributes or {})["langgraph_fence.token"] == 2
     assert (taken.attributes or {})["langgraph_fence.reason"] == "from A at token 1"
     assert (fenced.attributes or {})["langgraph_fence.token"] == 1
