@@ -10,6 +10,7 @@ import inspect
 import json
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -27,6 +28,7 @@ from langgraph_fence.console._metrics import CONTENT_TYPE, LocalFigures, exposit
 from langgraph_fence.console._queries import (
     Detail,
     ExecutionRow,
+    Figures,
     Filters,
     execution_detail,
     figures,
@@ -58,6 +60,8 @@ _NAV = (
     ("Instances", "/instances"),
 )
 _STATUSES = [status.value for status in LeaseStatus]
+#: How long /metrics reuses the database's figures, in seconds.
+METRICS_MAX_AGE = 5.0
 #: The longest recorded input or config a page shows, in characters.
 _SHOWN = 4_000
 _WORDS = {
@@ -163,6 +167,8 @@ class Console:
             token sign-in.
         local: a worker's own figures for ``/metrics`` (``langgraph-fence worker
             --metrics-port``).
+        metrics_max_age: how long scrapes of ``/metrics`` share the database's figures,
+            in seconds (0: read at every scrape).
     """
 
     def __init__(
@@ -174,7 +180,14 @@ class Console:
         operator_token: str | None = None,
         authorize: Authorize | None = None,
         local: Callable[[], Sequence[LocalFigures]] | None = None,
+        metrics_max_age: float = METRICS_MAX_AGE,
     ) -> None:
+        if not isinstance(metrics_max_age, int | float) or metrics_max_age < 0:
+            raise ValueError(
+                f"metrics_max_age must be seconds >= 0 (0: read at every scrape), "
+                f"got {metrics_max_age!r}"
+            )
+        self.metrics_max_age = float(metrics_max_age)
         if tenant is not None and (not isinstance(tenant, str) or not tenant):
             raise ValueError("tenant must be a non-empty tenant id, or None for every tenant")
         if operator_token is not None and len(operator_token) < 16:
@@ -294,6 +307,7 @@ def create_app(
     operator_token: str | None = None,
     authorize: Authorize | None = None,
     local: Callable[[], Sequence[LocalFigures]] | None = None,
+    metrics_max_age: float = METRICS_MAX_AGE,
 ) -> Starlette:
     """The operator's console on ``db``, as an ASGI app to serve or mount.
 
@@ -315,6 +329,8 @@ def create_app(
         operator_token: the operator's secret (at least 16 characters).
         authorize: the host app's authorization; replaces the token sign-in.
         local: a worker's own figures for ``/metrics``.
+        metrics_max_age: how long scrapes share the database's figures, in seconds (each
+            read scans the lease table: a few hundred milliseconds at 100 000 executions).
     """
     console = Console(
         db,
@@ -323,6 +339,7 @@ def create_app(
         operator_token=operator_token,
         authorize=authorize,
         local=local,
+        metrics_max_age=metrics_max_age,
     )
     handlers = _Handlers(console)
     app = Starlette(
@@ -355,6 +372,8 @@ class _BadInput(ValueError):
 class _Handlers:
     def __init__(self, console: Console) -> None:
         self.c = console
+        self._figures: tuple[float, Figures] | None = None
+        self._figures_lock = asyncio.Lock()
 
     def _base(self, request: Request) -> str:
         return str(request.scope.get("root_path", "")).rstrip("/")
@@ -487,9 +506,15 @@ class _Handlers:
         return self.c.render(request, "instances.html", actor, "/instances", rows=rows)
 
     async def metrics(self, request: Request) -> Response:
-        engine = await self.c.engine()
-        async with read_only(engine).connect() as conn:
-            found = await figures(conn, self.c.tenant)
+        """The exposition; the database's figures read at most every ``metrics_max_age``
+        seconds (scrapes in between share them)."""
+        async with self._figures_lock:
+            now = time.monotonic()
+            if self._figures is None or now - self._figures[0] >= self.c.metrics_max_age:
+                engine = await self.c.engine()
+                async with read_only(engine).connect() as conn:
+                    self._figures = (now, await figures(conn, self.c.tenant))
+            found = self._figures[1]
         local = self.c._local() if self.c._local is not None else ()
         return Response(exposition(found, local), media_type=CONTENT_TYPE)
 

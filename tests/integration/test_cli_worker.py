@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.databases import Database
 from tests.support.polling import eventually_sync
@@ -192,3 +195,76 @@ def test_max_held_must_be_a_positive_number(tmp_path: Path) -> None:
     )
     assert done.returncode == 2, done.stderr
     assert "--max-held" in done.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_worker_serves_its_metrics_while_it_works_and_stops_with_it(tmp_path: Path) -> None:
+    """``--metrics-port``: Prometheus scrapes the worker itself (its own instance's figures
+    beside the database's), and SIGTERM still stops it cleanly."""
+    (tmp_path / "my_graphs.py").write_text(GRAPHS_MODULE)
+    port = free_port()
+    out, err = tmp_path / "worker.out", tmp_path / "worker.err"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    args = ["--db", f"sqlite+aiosqlite:///{tmp_path}/w.db", "--graphs", "my_graphs:graphs"]
+    args += ["--instance-id", "w-metrics", "--max-held", "7", "--metrics-port", str(port)]
+    with out.open("wb") as out_file, err.open("wb") as err_file:
+        proc = subprocess.Popen(
+            [SCRIPT, "worker", *args], stdout=out_file, stderr=err_file, cwd=tmp_path, env=env
+        )
+    try:
+
+        def scraped() -> str | None:
+            assert proc.poll() is None, out.read_text() + err.read_text()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                    return str(r.read().decode())
+            except OSError:
+                return None
+
+        exposition = eventually_sync(scraped, timeout=90.0, interval=0.2, what="/metrics")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    assert code == 0, out.read_text() + err.read_text()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(exposition)
+        for s in family.samples
+    }
+    assert samples[("langgraph_fence_max_held", (("instance", "w-metrics"),))] == 7.0
+    assert ("langgraph_fence_held_leases", (("instance", "w-metrics"),)) in samples
+    dropped = ("langgraph_fence_journal_entries_dropped_total", (("instance", "w-metrics"),))
+    assert samples[dropped] == 0.0
+
+
+def test_a_metrics_port_in_use_is_one_line_naming_the_option(tmp_path: Path) -> None:
+    (tmp_path / "my_graphs.py").write_text(GRAPHS_MODULE)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [
+                SCRIPT,
+                "worker",
+                "--db",
+                f"sqlite+aiosqlite:///{tmp_path}/w.db",
+                "--graphs",
+                "my_graphs:graphs",
+                "--metrics-port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[-1].startswith(
+        f"error: --metrics-port: cannot listen on 127.0.0.1:{port}"
+    ), done.stderr

@@ -229,3 +229,26 @@ def test_a_short_operator_token_is_refused_naming_the_fix() -> None:
         create_app("sqlite+aiosqlite:///x.db", operator_token="short")
     with pytest.raises(ValueError, match="tenant must be a non-empty"):
         create_app("sqlite+aiosqlite:///x.db", tenant="")
+
+
+def test_the_ui_command_refuses_a_short_token_and_a_missing_database(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from langgraph_fence.cli import main
+
+    missing = f"sqlite+aiosqlite:///{tmp_path / 'missing.db'}"
+    assert main(["ui", "--db", missing]) == 2
+    assert "missing.db" in capsys.readouterr().err
+    monkeypatch.setenv("LANGGRAPH_FENCE_UI_TOKEN", "short")
+    (tmp_path / "there.db").touch()
+    assert main(["ui", "--db", f"sqlite+aiosqlite:///{tmp_path / 'there.db'}"]) == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said == [
+        "error: the operator token must be at least 16 characters: make one with "
+        "`python -c 'import secrets; print(secrets.token_urlsafe())'`"
+    ]
+    empty = tmp_path / "token"
+    empty.write_text("\n")
+    there = f"sqlite+aiosqlite:///{tmp_path / 'there.db'}"
+    assert main(["ui", "--db", there, "--operator-token-file", str(empty)]) == 2
+    assert "--operator-token-file: the file is empty" in capsys.readouterr().err

@@ -62,7 +62,7 @@ async def test_metrics_during_a_run_with_a_takeover(leases: Leases) -> None:
     journals = [Journal(leases.engine), Journal(leases.engine)]
     a.add_listener(journals[0])
     b.add_listener(journals[1])
-    app = create_app(leases.engine)
+    app = create_app(leases.engine, metrics_max_age=0)
     seen: dict[str, list[Sample]] = {}
 
     async with httpx.AsyncClient(
@@ -116,7 +116,7 @@ async def test_metrics_during_a_run_with_a_takeover(leases: Leases) -> None:
 
 async def test_a_workers_own_figures_are_added_under_its_instance(leases: Leases) -> None:
     local = [LocalFigures("worker-9", held=0, max_held=7, renewal_late=0.25, journal_dropped=3)]
-    app = create_app(leases.engine, local=lambda: local)
+    app = create_app(leases.engine, local=lambda: local, metrics_max_age=0)
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://console"
     ) as http:
