@@ -291,7 +291,7 @@ class Instance:
             instance.store = FencedStore(store)
             # An erased thread's runs' items go with it.
             instance.checkpointer.admin.store = store  # type: ignore[union-attr]
-            written = Journal(database.engine) if journal else None
+            written = Journal(database.engine, own_pool=True) if journal else None
             if written is not None:
                 instance.add_listener(written)
             instance.journal = written

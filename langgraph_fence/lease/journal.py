@@ -111,8 +111,14 @@ class Journal:
     Call it with events on the instance's event loop; :meth:`aclose` writes what is left.
     """
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        self._engine = engine
+    def __init__(self, engine: AsyncEngine, *, own_pool: bool = False) -> None:
+        """Journal to ``engine``'s database; with ``own_pool``, through a pool of its own
+        (closed with the journal): the runs' connections never wait behind it, nor see its
+        statements. An in-memory SQLite database is written through ``engine`` itself."""
+        from langgraph_fence.database import in_memory, twin_engine
+
+        self._engine = twin_engine(engine) if own_pool and not in_memory(engine) else engine
+        self._owned = self._engine is not engine
         self._pending: deque[dict[str, Any]] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -202,6 +208,9 @@ class Journal:
                     len(self._pending),
                     failure_reason(exc),
                 )
+        finally:
+            if self._owned:
+                await self._engine.dispose()
 
 
 async def record_action(

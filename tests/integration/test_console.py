@@ -252,3 +252,27 @@ def test_the_ui_command_refuses_a_short_token_and_a_missing_database(
     there = f"sqlite+aiosqlite:///{tmp_path / 'there.db'}"
     assert main(["ui", "--db", there, "--operator-token-file", str(empty)]) == 2
     assert "--operator-token-file: the file is empty" in capsys.readouterr().err
+
+
+async def test_mounted_under_a_prefix_every_link_and_cookie_stays_under_it(
+    leases: Leases,
+) -> None:
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    key = LeaseKey("acme", unique("mounted"))
+    await leases.store.acquire(key, "holder-x", 30.0)
+    console = create_app(leases.engine, operator_token=TOKEN)
+    host = Starlette(routes=[Mount("/fence", app=console)])
+    async with client(host) as http:
+        page = await http.get("/fence/executions")
+        assert page.status_code == 200
+        targets = set(re.findall(r'(?:href|action)="([^"]+)"', page.text))
+        assert targets
+        assert all(t.startswith("/fence/") for t in targets), targets
+        assert "/fence" + page_of(key) in targets
+        signed = await http.post("/fence/login", data={"name": "dana", "token": TOKEN})
+        assert signed.headers["location"] == "/fence/dead-letters"
+        assert "Path=/fence" in signed.headers["set-cookie"]
+        home = await http.get("/fence/")
+        assert home.headers["location"] == "/fence/executions"
