@@ -440,20 +440,22 @@ def _metrics_endpoint(
     if args.metrics_port is None:
         return None
     try:
-        from langgraph_fence.console import LocalFigures, create_app
+        from langgraph_fence.console import LocalFigures, metrics_app
         from langgraph_fence.console._serve import bind, serve_until
     except ImportError as exc:
         raise ValueError(f"--metrics-port: {exc}") from None
     sock = bind(args.metrics_host, args.metrics_port, option="--metrics-port")
+    from langgraph_fence.queue import ANNOUNCE_EVERY
+
     keeper = instance.host.keeper
     journal = instance.journal
 
     def local() -> list[LocalFigures]:
-        late = keeper.lateness(instance.clock() - 60.0)
+        late = keeper.lateness(instance.clock() - ANNOUNCE_EVERY)
         dropped = 0 if journal is None else journal.dropped
         return [LocalFigures(instance.instance_id, keeper.held, keeper.max_held, late, dropped)]
 
-    app = create_app(instance.repository.engine, local=local)
+    app = metrics_app(instance.repository.engine, local=local)
     return asyncio.create_task(serve_until(app, sock, stop), name="metrics endpoint")
 
 

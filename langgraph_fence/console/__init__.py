@@ -20,7 +20,16 @@ except ImportError as exc:  # pragma: no cover - exercised by a bare install
         f"langgraph_fence.console needs {exc.name}: pip install 'langgraph-fence[ui]'"
     ) from exc
 
-from langgraph_fence.console._app import Authorize, Console, create_app
+from langgraph_fence.console._app import Authorize, CanRead, Console, create_app, metrics_app
 from langgraph_fence.console._metrics import CONTENT_TYPE, LocalFigures, exposition
 
-__all__ = ["CONTENT_TYPE", "Authorize", "Console", "LocalFigures", "create_app", "exposition"]
+__all__ = [
+    "CONTENT_TYPE",
+    "Authorize",
+    "CanRead",
+    "Console",
+    "LocalFigures",
+    "create_app",
+    "exposition",
+    "metrics_app",
+]

@@ -20,12 +20,14 @@ from urllib.parse import parse_qs, quote, urlencode
 from jinja2 import DictLoader, Environment, select_autoescape
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from langgraph_fence.console._metrics import CONTENT_TYPE, LocalFigures, exposition
 from langgraph_fence.console._queries import (
+    CursorError,
     Detail,
     ExecutionRow,
     Figures,
@@ -45,12 +47,14 @@ from langgraph_fence.redact import failure_reason, redacted_text
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-__all__ = ["Authorize", "Console", "create_app"]
+__all__ = ["Authorize", "CanRead", "Console", "create_app", "metrics_app"]
 
 logger = logging.getLogger("langgraph_fence.console")
 
 #: Who may act, as a host app tells it: the request's operator name, or ``None`` (read-only).
 Authorize = Callable[[Request], "str | Awaitable[str | None] | None"]
+#: Who may read, as a host app tells it.
+CanRead = Callable[[Request], "bool | Awaitable[bool]"]
 
 _COOKIE = "langgraph_fence_operator"
 _NAV = (
@@ -62,6 +66,8 @@ _NAV = (
 _STATUSES = [status.value for status in LeaseStatus]
 #: How long /metrics reuses the database's figures, in seconds.
 METRICS_MAX_AGE = 5.0
+#: The largest form a page posts, in bytes (a note is at most a few hundred).
+_FORM_MAX = 64 * 1024
 #: The longest recorded input or config a page shows, in characters.
 _SHOWN = 4_000
 _WORDS = {
@@ -95,7 +101,10 @@ class _Item:
 def _when(at: float | None) -> str:
     if at is None:
         return ""
-    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
+    try:
+        return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
+    except (OverflowError, OSError, ValueError):  # a time another writer got wrong
+        return f"{at!r} (not a time)"
 
 
 def _timeline(detail: Detail) -> list[_Item]:
@@ -169,6 +178,11 @@ class Console:
             --metrics-port``).
         metrics_max_age: how long scrapes of ``/metrics`` share the database's figures,
             in seconds (0: read at every scrape).
+        can_read: the host app's word on who may read at all (``False``: 403 for every
+            page and ``/metrics``); ``None``: whoever reaches it.
+        secret: what signs the sign-in cookie and the forms (at least 16 characters): give
+            the same to every replica behind one address (default: the operator token, or
+            a random one per process).
     """
 
     def __init__(
@@ -181,7 +195,14 @@ class Console:
         authorize: Authorize | None = None,
         local: Callable[[], Sequence[LocalFigures]] | None = None,
         metrics_max_age: float = METRICS_MAX_AGE,
+        can_read: CanRead | None = None,
+        secret: str | None = None,
     ) -> None:
+        if can_read is not None and not callable(can_read):
+            raise ValueError("can_read must be a callable taking the request")
+        self._can_read = can_read
+        if secret is not None and len(secret) < 16:
+            raise ValueError("secret must be at least 16 characters")
         if not isinstance(metrics_max_age, int | float) or metrics_max_age < 0:
             raise ValueError(
                 f"metrics_max_age must be seconds >= 0 (0: read at every scrape), "
@@ -207,8 +228,10 @@ class Console:
         self._engine: AsyncEngine | None = None if isinstance(db, str) else db
         self._owns_engine = isinstance(db, str)
         self._lock = asyncio.Lock()
-        # Signs the sign-in cookie and the forms' anti-forgery field.
-        self._secret = (operator_token or secrets.token_urlsafe(32)).encode()
+        # Signs the sign-in cookie and the forms' anti-forgery field: the same in every
+        # replica and across restarts when given (or the operator token is), else this
+        # process's own.
+        self._secret = (secret or operator_token or secrets.token_urlsafe(32)).encode()
         self._env = Environment(
             loader=DictLoader(TEMPLATES),
             autoescape=select_autoescape(default=True, default_for_string=True),
@@ -308,6 +331,8 @@ def create_app(
     authorize: Authorize | None = None,
     local: Callable[[], Sequence[LocalFigures]] | None = None,
     metrics_max_age: float = METRICS_MAX_AGE,
+    can_read: CanRead | None = None,
+    secret: str | None = None,
 ) -> Starlette:
     """The operator's console on ``db``, as an ASGI app to serve or mount.
 
@@ -331,6 +356,10 @@ def create_app(
         local: a worker's own figures for ``/metrics``.
         metrics_max_age: how long scrapes share the database's figures, in seconds (each
             read scans the lease table: a few hundred milliseconds at 100 000 executions).
+        can_read: the host app's word on who may read at all (``False``: 403); ``None``:
+            whoever reaches the console reads every execution it shows, recorded input
+            included, so bind it to loopback or put it behind your authentication.
+        secret: what signs the sign-in cookie and the forms; the same for every replica.
     """
     console = Console(
         db,
@@ -340,9 +369,12 @@ def create_app(
         authorize=authorize,
         local=local,
         metrics_max_age=metrics_max_age,
+        can_read=can_read,
+        secret=secret,
     )
     handlers = _Handlers(console)
     app = Starlette(
+        middleware=[Middleware(_ReadGate, console=console)],
         routes=[
             Route("/", handlers.home),
             Route("/executions", handlers.executions),
@@ -409,7 +441,7 @@ class _Handlers:
         try:
             async with read_only(engine).connect() as conn:
                 rows, following = await list_executions(conn, filters, now, after=after)
-        except ValueError as exc:
+        except CursorError as exc:
             raise _BadInput(f"after: {exc}") from None
         if following is None:
             return rows, None
@@ -448,11 +480,11 @@ class _Handlers:
     def _key(self, raw: str) -> LeaseKey | None:
         try:
             parts = parse_scope_key(raw)
-        except ValueError:
+            if len(parts) != 2:
+                return None
+            key = LeaseKey(parts[0], parts[1])
+        except ValueError:  # not a scope key, or not an id a lease can have
             return None
-        if len(parts) != 2:
-            return None
-        key = LeaseKey(parts[0], parts[1])
         if self.c.tenant is not None and key.tenant_id != self.c.tenant:
             return None  # outside the console's scope: as if it did not exist
         return key
@@ -519,9 +551,11 @@ class _Handlers:
         return Response(exposition(found, local), media_type=CONTENT_TYPE)
 
     async def _form(self, request: Request) -> dict[str, str]:
-        body = await request.body()
-        if len(body) > 64 * 1024:
-            raise _BadInput("the form is too large")
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > _FORM_MAX:
+                raise _BadInput("the form is too large")
         parsed = parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True)
         return {name: values[0] for name, values in parsed.items()}
 
@@ -641,6 +675,50 @@ class _Handlers:
             error=f"{failure_reason(exc)} (if the database was never migrated to this "
             "version: langgraph-fence migrate --db URL)",
         )
+
+
+class _ReadGate:
+    """Refuses every request the host app's ``can_read`` refuses (403)."""
+
+    def __init__(self, app: Any, console: Console) -> None:
+        self.app = app
+        self.console = console
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        check = self.console._can_read
+        if scope["type"] != "http" or check is None:
+            await self.app(scope, receive, send)
+            return
+        allowed = check(Request(scope, receive))
+        if inspect.isawaitable(allowed):
+            allowed = await allowed
+        if allowed is True:
+            await self.app(scope, receive, send)
+            return
+        response = Response("not allowed to read this console\n", status_code=403)
+        await response(scope, receive, send)
+
+
+def metrics_app(
+    db: str | AsyncEngine,
+    *,
+    schema: str | None = None,
+    tenant: str | None = None,
+    local: Callable[[], Sequence[LocalFigures]] | None = None,
+    metrics_max_age: float = METRICS_MAX_AGE,
+) -> Starlette:
+    """``/metrics`` alone, as an ASGI app: what a worker serves on ``--metrics-port``
+    (figures, never an execution's page, input or reason)."""
+    console = Console(
+        db, schema=schema, tenant=tenant, local=local, metrics_max_age=metrics_max_age
+    )
+    handlers = _Handlers(console)
+    app = Starlette(
+        routes=[Route("/metrics", handlers.metrics)],
+        exception_handlers={SQLAlchemyError: handlers.failed, OSError: handlers.failed},
+    )
+    app.state.console = console
+    return app
 
 
 def _flash(request: Request) -> str | None:

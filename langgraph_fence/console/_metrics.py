@@ -1,9 +1,9 @@
 """``/metrics``: the fence's figures in Prometheus' exposition format.
 
-Read from the database at each scrape (one connection, a handful of indexed or grouped
-queries), so any process on the database reports the whole fleet: the console, and a
-worker started with ``--metrics-port`` (which adds its own instance's figures, labelled
-``instance``). The families, each prefixed ``langgraph_fence_``:
+Read from the database (one connection, a handful of indexed or grouped queries; scrapes
+within ``metrics_max_age`` seconds share one read), so any process on it reports the fleet:
+the console, and a worker started with ``--metrics-port`` (which adds its own instance's
+figures, labelled ``instance``). The families, each prefixed ``langgraph_fence_``:
 
 =====================================  =======  ==========================================
 family                                 type     labels, meaning
@@ -15,8 +15,9 @@ family                                 type     labels, meaning
                                                 pending submitted run
 ``held_leases``                        gauge    ``instance``: running leases it holds
 ``max_held``                           gauge    ``instance``: the most it holds at once
-``renewal_lateness_seconds``           gauge    ``instance``: how late its latest renewal
-                                                came (0: in time)
+``renewal_lateness_seconds``           gauge    ``instance``: how far below half its
+                                                margin a renewal's answer left a lease
+                                                (0: in time; > 0: it takes no new run)
 ``takeovers_total``                    counter  takeovers journaled
 ``dead_letters``                       gauge    executions dead-lettered now
 ``refused_writes_total``               counter  stale writes refused, journaled
@@ -103,7 +104,10 @@ class _Snapshot(Collector):
         local = {figures.instance_id: figures for figures in self._local}
         for row in f.instances:
             here = local.pop(row.instance_id, None)
-            held.add_metric([row.instance_id], row.held)
+            if row.held or here is not None:
+                held.add_metric([row.instance_id], row.held)
+            if here is None and not row.serving:
+                continue  # stopped or died: its last word is no figure of now
             said_max = here.max_held if here is not None else row.max_held
             if said_max is not None:
                 max_held.add_metric([row.instance_id], said_max)

@@ -15,16 +15,30 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import BigInteger, Double, Text, and_, column, func, or_, select, table, text
+from sqlalchemy import (
+    BigInteger,
+    Double,
+    Text,
+    and_,
+    cast,
+    column,
+    func,
+    select,
+    table,
+    text,
+    tuple_,
+)
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from langgraph_fence.lease import LeaseKey, LeaseStatus, PendingEffect
 from langgraph_fence.lease.journal import JOURNAL, JournalEntry, read_journal
 from langgraph_fence.lease.schema import LEASES, STAMP_SQL, effects_from_json
+from langgraph_fence.queue import ANNOUNCED_FOR
 
 __all__ = [
     "PAGE",
     "CheckpointMark",
+    "CursorError",
     "Detail",
     "ExecutionRow",
     "Figures",
@@ -50,6 +64,7 @@ _EXECUTIONS = table(
     column("graph", Text),
     column("thread_id", Text),
     column("submitted_at", Double),
+    column("recorded_at", Double),
 )
 _CHECKPOINTS = table(
     "fence_checkpoints",
@@ -89,6 +104,7 @@ class ExecutionRow:
     parent_execution_id: str | None
     graph: str | None
     thread_id: str | None
+    recorded_at: float | None = None
 
 
 def _row(row: Any, now: float) -> ExecutionRow:
@@ -99,6 +115,8 @@ def _row(row: Any, now: float) -> ExecutionRow:
         holder=row.holder,
         epoch=int(row.epoch),
         expires_in=None if row.expires_at is None else float(row.expires_at) - now,
+        # Read as text and decoded tolerantly: an entry another version wrote, or a value
+        # that is not JSON at all, costs this row its stamps, never the page.
         stamps=effects_from_json(row.pending_effects),
         reason=row.reason,
         updated_at=float(row.updated_at),
@@ -106,12 +124,15 @@ def _row(row: Any, now: float) -> ExecutionRow:
         parent_execution_id=row.parent_execution_id,
         graph=row.graph,
         thread_id=row.thread_id,
+        recorded_at=None if row.recorded_at is None else float(row.recorded_at),
     )
 
 
-def _listing() -> Any:
+def _listing(*, by_record: bool = False) -> Any:
+    """The columns of a listed execution: from the lease table (its record joined, where it
+    has one), or (``by_record``) from the records, each joined to its lease."""
     lease, record = LEASES.c, _EXECUTIONS.c
-    return select(
+    columns = select(
         lease.tenant_id,
         lease.execution_id,
         lease.scope_key,
@@ -119,47 +140,72 @@ def _listing() -> Any:
         lease.holder,
         lease.epoch,
         lease.expires_at,
-        lease.pending_effects,
+        cast(lease.pending_effects, Text).label("pending_effects"),
         lease.reason,
         lease.updated_at,
         lease.takeovers,
         lease.parent_execution_id,
         record.graph,
         record.thread_id,
-    ).select_from(
-        LEASES.outerjoin(
-            _EXECUTIONS,
-            and_(record.tenant_id == lease.tenant_id, record.execution_id == lease.execution_id),
-        )
+        record.recorded_at,
     )
+    joined = and_(record.tenant_id == lease.tenant_id, record.execution_id == lease.execution_id)
+    if by_record:
+        return columns.select_from(_EXECUTIONS.join(LEASES, joined))
+    return columns.select_from(LEASES.outerjoin(_EXECUTIONS, joined))
 
 
-def encode_cursor(row: ExecutionRow) -> str:
+#: The orders a listing pages in: ``status`` (one status, newest change of its lease first:
+#: the status index of lease migration 8), ``key`` (the running: by tenant and execution,
+#: since every renewal changes a running lease's row, and a row that moved between two
+#: pages would be skipped) and ``recorded`` (every status, newest run first: the records'
+#: indexes of records migration 7; a lease row with no record is listed by status only).
+_RENEWED = frozenset({LeaseStatus.RUNNING.value})
+
+
+def encode_cursor(order: str, row: ExecutionRow) -> str:
     """The cursor of the page after ``row`` (opaque to the user, checked when read)."""
-    raw = json.dumps([row.updated_at, row.key.tenant_id, row.key.execution_id])
+    at = {"status": row.updated_at, "recorded": row.recorded_at}.get(order, 0.0)
+    raw = json.dumps([order, at, row.key.tenant_id, row.key.execution_id])
     return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
 
 
-def decode_cursor(cursor: str) -> tuple[float, str, str]:
-    """What :func:`encode_cursor` encoded; ``ValueError`` for anything else."""
+class CursorError(ValueError):
+    """A page cursor this console did not make (for these filters)."""
+
+
+def decode_cursor(cursor: str, order: str) -> tuple[float, str, str]:
+    """What :func:`encode_cursor` encoded for ``order``; :class:`CursorError` for anything
+    else."""
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        updated, tenant, execution = json.loads(raw)
+        made_for, at, tenant, execution = json.loads(raw)
     except Exception:
-        raise ValueError("the page cursor is not one this console made") from None
+        raise CursorError("the page cursor is not one this console made") from None
     if not (
-        isinstance(updated, int | float) and isinstance(tenant, str) and isinstance(execution, str)
+        made_for == order
+        and isinstance(at, int | float)
+        and isinstance(tenant, str)
+        and isinstance(execution, str)
     ):
-        raise ValueError("the page cursor is not one this console made")
-    return float(updated), tenant, execution
+        raise CursorError("the page cursor is not one this console made for these filters")
+    return float(at), tenant, execution
 
 
 async def list_executions(
     conn: AsyncConnection, filters: Filters, now: float, *, after: str | None = None
 ) -> tuple[list[ExecutionRow], str | None]:
-    """One page of executions, newest change first, and the cursor of the next (or ``None``)."""
+    """One page of executions and the cursor of the next (or ``None``): of one status, newest
+    change first; of every status, newest run first. ``ValueError``: ``after`` is no cursor
+    of this listing."""
     lease, record = LEASES.c, _EXECUTIONS.c
-    query = _listing()
+    if filters.status is None:
+        order = "recorded"
+    elif filters.status in _RENEWED:
+        order = "key"
+    else:
+        order = "status"
+    query = _listing(by_record=order == "recorded")
     if filters.tenant is not None:
         query = query.where(lease.tenant_id == filters.tenant)
     if filters.status is not None:
@@ -168,25 +214,20 @@ async def list_executions(
         query = query.where(record.graph == filters.graph)
     if filters.holder is not None:
         query = query.where(lease.holder == filters.holder)
+    keys: tuple[Any, ...]
+    if order == "status":
+        keys = (lease.updated_at, lease.tenant_id, lease.execution_id)
+    elif order == "key":
+        keys = (lease.tenant_id, lease.execution_id)
+    else:
+        keys = (record.recorded_at, record.tenant_id, record.execution_id)
     if after is not None:
-        updated, tenant, execution = decode_cursor(after)
-        query = query.where(
-            or_(
-                lease.updated_at < updated,
-                and_(
-                    lease.updated_at == updated,
-                    or_(
-                        lease.tenant_id < tenant,
-                        and_(lease.tenant_id == tenant, lease.execution_id < execution),
-                    ),
-                ),
-            )
-        )
-    query = query.order_by(
-        lease.updated_at.desc(), lease.tenant_id.desc(), lease.execution_id.desc()
-    ).limit(PAGE + 1)
+        at, tenant, execution = decode_cursor(after, order)
+        bound = (tenant, execution) if order == "key" else (at, tenant, execution)
+        query = query.where(tuple_(*keys) < tuple_(*bound))
+    query = query.order_by(*(key.desc() for key in keys)).limit(PAGE + 1)
     rows = [_row(row, now) for row in (await conn.execute(query)).all()]
-    following = encode_cursor(rows[PAGE - 1]) if len(rows) > PAGE else None
+    following = encode_cursor(order, rows[PAGE - 1]) if len(rows) > PAGE else None
     return rows[:PAGE], following
 
 
@@ -371,12 +412,18 @@ class InstanceRow:
 
     instance_id: str
     graphs: tuple[str, ...]
-    seen_ago: float | None  # seconds since it last said so (None: not serving)
+    seen_ago: float | None  # seconds since it last said what it holds (None: never)
     held: int  # running leases the lease table names it holder of
     said_held: int | None
     max_held: int | None
     lease_ttl: float | None
     renewal_late: float | None
+
+    @property
+    def serving(self) -> bool:
+        """Whether it said what it holds within :data:`~langgraph_fence.queue.ANNOUNCED_FOR`
+        (one that stopped saying so stopped, or died)."""
+        return self.seen_ago is not None and self.seen_ago <= ANNOUNCED_FOR
 
 
 _WORKERS = (
@@ -445,8 +492,11 @@ _STAMPS = {
         "SUM(CASE WHEN {non_idempotent} THEN 1 ELSE 0 END) FROM fence_leases {where}"
     ),
     "sqlite": (
+        # A value that is not JSON (another writer's) is counted as a stamp standing, and
+        # json_each never sees it: CASE orders the test first.
         "SELECT SUM(CASE WHEN pending_effects NOT IN ('{{}}', '') THEN 1 ELSE 0 END), "
-        "SUM(CASE WHEN {non_idempotent} THEN 1 ELSE 0 END) FROM fence_leases {where}"
+        "SUM(CASE WHEN json_valid(pending_effects) THEN "
+        "(CASE WHEN {non_idempotent} THEN 1 ELSE 0 END) ELSE 0 END) FROM fence_leases {where}"
     ),
 }
 

@@ -109,7 +109,9 @@ budget reset">retry</button></form>
 
 _EXECUTIONS = """{% extends "base.html" %}{% import "rows.html" as r %}
 {% block title %}Executions{% endblock %}{% block body %}
-<h1>Executions <span class="note">newest change first</span></h1>
+<h1>Executions <span class="note">{% if filters.status == 'running' %}by tenant and
+execution{% elif filters.status %}newest change first{% else %}newest run first{% endif
+%}</span></h1>
 <form class="filters" method="get" action="{{ base }}/executions">
 {% if not scope_tenant %}<input name="tenant" placeholder="tenant" value="{{ filters.tenant or ''
 }}" aria-label="tenant">{% endif %}
@@ -201,13 +203,16 @@ _INSTANCES = """{% extends "base.html" %}{% block title %}Instances{% endblock %
 {% block body %}<h1>Instances</h1>
 <table class="instances"><thead><tr><th>instance</th><th>serves</th><th>running leases held</th>
 <th>max_held</th><th>lease TTL</th><th>renewal lateness</th><th>last said</th></tr></thead>
-<tbody>{% for i in rows %}<tr><td class="key"><a href="{{ base }}/executions?holder={{
-i.instance_id | urlencode }}">{{ i.instance_id }}</a></td><td>{{ i.graphs | join(', ') }}</td>
+<tbody>{% for i in rows %}<tr><td class="key"><a href="{{ base
+}}/executions?status=running&amp;holder={{ i.instance_id | urlencode }}">{{ i.instance_id
+}}</a></td><td>{{ i.graphs | join(', ') }}</td>
 <td>{{ i.held }}</td><td>{{ i.max_held if i.max_held is not none else '' }}</td>
 <td>{{ '' if i.lease_ttl is none else '%g s' % i.lease_ttl }}</td>
 <td class="{{ 'late' if i.renewal_late else '' }}">{{ '' if i.renewal_late is none else
 '%.3f s' % i.renewal_late }}</td>
-<td>{{ 'not serving' if i.seen_ago is none else '%.0f s ago' % i.seen_ago }}</td></tr>
+<td>{% if i.seen_ago is none %}not serving{% elif i.serving %}{{ '%.0f s ago' % i.seen_ago
+}}{% else %}<span class="late">not serving: last said {{ '%.0f s ago' % i.seen_ago
+}}</span>{% endif %}</td></tr>
 {% else %}<tr><td colspan="7" class="note">no instance serves or holds a lease</td></tr>
 {% endfor %}</tbody></table>
 <p class="note">Serving instances say what they hold every few seconds; one that stopped saying

@@ -202,15 +202,16 @@ class Keeper:
         return self._late_at is not None and now - self._late_at < self.renew_interval
 
     def lateness(self, since: float) -> float:
-        """The latest a renewal statement answered since ``since`` (the instance's clock)
-        came, in seconds: how much less of its window the least-covered lease had left when
-        the answer came than a renewal on time leaves (:attr:`margin`); 0.0 when all came
-        in time, or none was sent."""
+        """How late the renewal statements answered since ``since`` (the instance's clock)
+        came, in seconds: how far below half of :attr:`margin` the least-covered lease's
+        window was when the latest answer came (the line past which the instance is
+        :attr:`behind` and takes no new run). 0.0 while every answer left at least that, or
+        none was sent."""
         late = 0.0
         for batch in reversed(self.batches):
             if batch.sent_at < since:
                 break
-            late = max(late, self.margin - (batch.slack - batch.took))
+            late = max(late, self.margin / 2 - (batch.slack - batch.took))
         return late
 
     @property

@@ -298,10 +298,12 @@ class Instance:
             try:
                 yield instance
             finally:
-                await instance.aclose()
-                if written is not None:
-                    await written.aclose()
-                await database.aclose()
+                try:
+                    await instance.aclose()
+                finally:
+                    if written is not None:
+                        await written.aclose()
+                    await database.aclose()
 
     @classmethod
     @contextmanager

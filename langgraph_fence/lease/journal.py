@@ -71,6 +71,8 @@ JOURNAL = Table(
 JOURNALED = frozenset(EventKind) - {EventKind.RENEWED_LATE}
 #: Entries kept while the database cannot be written; past it the oldest are dropped.
 PENDING_LIMIT = 10_000
+#: How long the writer gathers entries before it writes them, in seconds.
+GATHER = 1.0
 #: How long closing waits for the last entries to be written, in seconds.
 CLOSE_WAIT = 2.0
 #: Entries written per statement.
@@ -115,15 +117,18 @@ class Journal:
         """Journal to ``engine``'s database; with ``own_pool``, through a pool of its own
         (closed with the journal): the runs' connections never wait behind it, nor see its
         statements. An in-memory SQLite database is written through ``engine`` itself."""
-        from langgraph_fence.database import in_memory, twin_engine
+        from langgraph_fence.database import autocommit, in_memory, single_statement, twin_engine
 
         self._engine = twin_engine(engine) if own_pool and not in_memory(engine) else engine
         self._owned = self._engine is not engine
+        self._writer = single_statement(autocommit(self._engine))
         self._pending: deque[dict[str, Any]] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         # One batch at a time: the background writer and flush() never write one twice.
         self._writing = asyncio.Lock()
+        self._closing = False
+        self._closed = asyncio.Event()
         #: Entries dropped because the database stayed out of reach (see the module).
         self.dropped = 0
 
@@ -157,8 +162,13 @@ class Journal:
 
     async def _write_forever(self) -> None:
         failures = 0
-        while True:
+        while not self._closing:
             await self._wake.wait()
+            # Entries come in bursts (a take, a takeover, a fence): gather them for a moment
+            # and write them in one statement. On SQLite every write takes the one write
+            # lock the runs wait for; one a second at most leaves it to them.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closed.wait(), GATHER)
             self._wake.clear()
             while self._pending:
                 try:
@@ -178,8 +188,11 @@ class Journal:
             batch = [self._pending[i] for i in range(min(_BATCH, len(self._pending)))]
             if not batch:
                 return
-            async with self._engine.begin() as conn:
-                await conn.execute(insert(JOURNAL), batch)
+            # One statement, committed on its own: on SQLite no transaction holds the write
+            # lock across an await of this loop (a loop blocked then would block every
+            # writer of the file, the renewer thread's renewals included).
+            async with self._writer.begin() as conn:
+                await conn.execute(insert(JOURNAL).values(batch))
             # Written: drop them (new ones were appended behind; some of these may have
             # been dropped meanwhile, over the limit).
             for entry in batch:
@@ -192,12 +205,20 @@ class Journal:
             await self._write_batch()
 
     async def aclose(self) -> None:
-        """Stop writing in the background; write what is kept, for at most
-        :data:`CLOSE_WAIT` seconds."""
+        """Stop writing in the background once the batch in flight is written; write what
+        is kept, for at most :data:`CLOSE_WAIT` seconds in all."""
+        self._closing = True
+        self._closed.set()
+        self._wake.set()
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            try:
+                # Not cancelled mid-write: a batch cancelled during its COMMIT could be
+                # written again by the flush below.
+                await asyncio.wait_for(asyncio.shield(self._task), CLOSE_WAIT)
+            except TimeoutError:
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
             self._task = None
         try:
             await asyncio.wait_for(self.flush(), CLOSE_WAIT)

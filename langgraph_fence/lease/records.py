@@ -242,8 +242,16 @@ CREATE TABLE IF NOT EXISTS fence_runs (
 )
 """
 _RUNS_QUEUED_INDEX = "CREATE INDEX IF NOT EXISTS fence_runs_status ON fence_runs (status)"
-# The console's listing of one graph's executions (langgraph_fence.console).
-_GRAPH_INDEX = "CREATE INDEX IF NOT EXISTS fence_executions_graph ON fence_executions (graph)"
+# The console's listings of every status, newest run first: of all, of a tenant, of a graph
+# (langgraph_fence.console). A record is written once per run, never by a renewal.
+_CONSOLE_INDEXES = (
+    "CREATE INDEX IF NOT EXISTS fence_executions_recorded "
+    "ON fence_executions (recorded_at, tenant_id, execution_id)",
+    "CREATE INDEX IF NOT EXISTS fence_executions_tenant_recorded "
+    "ON fence_executions (tenant_id, recorded_at, execution_id)",
+    "CREATE INDEX IF NOT EXISTS fence_executions_graph_recorded "
+    "ON fence_executions (graph, recorded_at, tenant_id, execution_id)",
+)
 
 EXECUTION_MIGRATIONS = [
     Migration.typed(1, "execution records: graph, thread and input of each execution", _CREATE),
@@ -292,20 +300,21 @@ EXECUTION_MIGRATIONS = [
     ),
     Migration(
         version=7,
-        description="each serving worker's hold: leases held, max_held, renewal lateness",
+        description="each serving worker's hold (leases held, max_held, renewal lateness), "
+        "and the console's indexes",
         sqlite=[
             "ALTER TABLE fence_workers ADD COLUMN held INTEGER",
             "ALTER TABLE fence_workers ADD COLUMN max_held INTEGER",
             "ALTER TABLE fence_workers ADD COLUMN lease_ttl REAL",
             "ALTER TABLE fence_workers ADD COLUMN renewal_late REAL",
-            _GRAPH_INDEX,
+            *_CONSOLE_INDEXES,
         ],
         postgresql=[
             "ALTER TABLE fence_workers ADD COLUMN IF NOT EXISTS held INTEGER",
             "ALTER TABLE fence_workers ADD COLUMN IF NOT EXISTS max_held INTEGER",
             "ALTER TABLE fence_workers ADD COLUMN IF NOT EXISTS lease_ttl DOUBLE PRECISION",
             "ALTER TABLE fence_workers ADD COLUMN IF NOT EXISTS renewal_late DOUBLE PRECISION",
-            _GRAPH_INDEX,
+            *_CONSOLE_INDEXES,
         ],
     ),
 ]

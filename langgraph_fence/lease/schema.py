@@ -390,15 +390,12 @@ LEASE_MIGRATIONS.append(
         "CREATE INDEX IF NOT EXISTS fence_journal_execution "
         "ON fence_journal (tenant_id, execution_id, at)",
         "CREATE INDEX IF NOT EXISTS fence_journal_kind ON fence_journal (kind)",
-        # The console's listings: newest first, of every status or one, of a tenant, of a
-        # holder (langgraph_fence.console).
-        "CREATE INDEX IF NOT EXISTS fence_leases_updated "
-        "ON fence_leases (updated_at, tenant_id, execution_id)",
+        # The console's listings of one status, newest change first (dead letters, running,
+        # ...). One index only: a renewal rewrites a lease row, and each index of the table
+        # is written again with it. The listings of every status read the records' indexes
+        # (records migration 7), which a renewal never touches.
         "CREATE INDEX IF NOT EXISTS fence_leases_status_updated "
         "ON fence_leases (status, updated_at, tenant_id, execution_id)",
-        "CREATE INDEX IF NOT EXISTS fence_leases_tenant_updated "
-        "ON fence_leases (tenant_id, updated_at, execution_id)",
-        "CREATE INDEX IF NOT EXISTS fence_leases_holder ON fence_leases (holder)",
     )
 )
 

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -227,6 +228,10 @@ def test_a_worker_serves_its_metrics_while_it_works_and_stops_with_it(tmp_path: 
                 return None
 
         exposition = eventually_sync(scraped, timeout=90.0, interval=0.2, what="/metrics")
+        # /metrics alone: no page of the console (executions, recorded input) on this port.
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/executions", timeout=5)
+        assert refused.value.code == 404
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)

@@ -16,7 +16,7 @@ from urllib.parse import quote
 
 import httpx
 import pytest
-from sqlalchemy import select
+from sqlalchemy import insert, select, text
 
 from langgraph_fence import Effect, Instance, LeaseKey, LeaseStatus
 from langgraph_fence.console import create_app
@@ -178,7 +178,7 @@ async def test_a_tenant_scoped_console_shows_no_other_tenant(leases: Leases) -> 
         await leases.store.acquire(key, "holder-x", 30.0)
     app = create_app(leases.engine, tenant="acme")
     async with client(app) as http:
-        listed = text_of((await http.get("/executions?tenant=globex")).text)
+        listed = text_of((await http.get("/executions?status=running&tenant=globex")).text)
         assert ours.execution_id in listed
         assert theirs.execution_id not in listed
         assert (await http.get(page_of(theirs))).status_code == 404
@@ -187,26 +187,37 @@ async def test_a_tenant_scoped_console_shows_no_other_tenant(leases: Leases) -> 
         assert 'langgraph_fence_held_leases{instance="holder-x"} 1.0' in metrics
 
 
-async def test_the_listing_pages_through_every_execution_once_newest_first(
-    leases: Leases,
-) -> None:
-    keys = [LeaseKey("acme", f"page-{n:03d}") for n in range(120)]
-    for key in keys:
-        await leases.store.acquire(key, "holder-x", 30.0)
+async def pages_of(http: httpx.AsyncClient, path: str, between: Any = None) -> list[str]:
+    """Every execution id a listing shows, page after page (``between`` awaited between
+    two pages)."""
     seen: list[str] = []
+    following: str | None = path
+    while following is not None:
+        page = await http.get(following)
+        assert page.status_code == 200, text_of(page.text)
+        seen += re.findall(r">(page-\d{3})</a>", page.text)
+        found = re.search(r'rel="next" href="([^"]+)"', page.text)
+        following = None if found is None else found.group(1).replace("&amp;", "&")
+        if following is not None and between is not None:
+            await between()
+    return seen
+
+
+async def test_the_listing_pages_through_every_execution_once(leases: Leases) -> None:
+    keys = [LeaseKey("acme", f"page-{n:03d}") for n in range(120)]
+    leased = {key: await leases.store.acquire(key, "holder-x", 30.0) for key in keys}
+
+    async def renew_all() -> None:  # a worker renews while the operator pages
+        leases.advance(1.0)
+        for key, lease in leased.items():
+            assert lease is not None
+            leased[key] = await leases.store.renew(lease, 30.0)
+
+    # The running: by key (every renewal rewrites their rows; none moves between pages).
     app = create_app(leases.engine)
     async with client(app) as http:
-        path: str | None = "/executions?status=running"
-        while path is not None:
-            page = await http.get(path)
-            assert page.status_code == 200
-            seen += re.findall(r">(page-\d{3})</a>", page.text)
-            following = re.search(r'rel="next" href="([^"]+)"', page.text)
-            path = None if following is None else following.group(1).replace("&amp;", "&")
-        assert sorted(seen) == sorted(k.execution_id for k in keys)
-        assert len(seen) == len(set(seen))
-        # Newest change first: the last acquired is on top.
-        assert seen[0] == "page-119"
+        seen = await pages_of(http, "/executions?status=running", between=renew_all)
+        assert seen == sorted((k.execution_id for k in keys), reverse=True)
         bad = await http.get("/executions?after=not-a-cursor")
         assert bad.status_code == 400
         assert "after" in text_of(bad.text)
@@ -265,7 +276,7 @@ async def test_mounted_under_a_prefix_every_link_and_cookie_stays_under_it(
     console = create_app(leases.engine, operator_token=TOKEN)
     host = Starlette(routes=[Mount("/fence", app=console)])
     async with client(host) as http:
-        page = await http.get("/fence/executions")
+        page = await http.get("/fence/executions?status=running")
         assert page.status_code == 200
         targets = set(re.findall(r'(?:href|action)="([^"]+)"', page.text))
         assert targets
@@ -276,3 +287,69 @@ async def test_mounted_under_a_prefix_every_link_and_cookie_stays_under_it(
         assert "Path=/fence" in signed.headers["set-cookie"]
         home = await http.get("/fence/")
         assert home.headers["location"] == "/fence/executions"
+
+
+async def test_every_status_newest_run_first_and_one_status_newest_change_first(
+    leases: Leases,
+) -> None:
+    instance = leases.instance("submitter")
+    for n in range(70):  # recorded and pending, each at its own time
+        config: Any = {"configurable": {"thread_id": f"page-{n:03d}"}}
+        await instance.submit("shop", {"log": []}, config, tenant_id="acme")
+    app = create_app(leases.engine)
+    async with client(app) as http:
+        every = await pages_of(http, "/executions")
+        pending = await pages_of(http, "/executions?status=pending")
+        of_graph = await pages_of(http, "/executions?graph=shop&tenant=acme")
+    newest_first = [f"page-{n:03d}" for n in reversed(range(70))]
+    assert every == newest_first
+    assert pending == newest_first
+    assert of_graph == newest_first
+
+
+async def test_a_row_another_writer_broke_costs_its_stamps_never_the_page(
+    leases: Leases, backend: str
+) -> None:
+    key = LeaseKey("acme", "broken")
+    await leases.store.acquire(key, "holder-x", 30.0)
+    # Not JSON at all (SQLite's text column can hold it), or JSON that is no object
+    # (PostgreSQL's jsonb holds only JSON).
+    broken = "'not json'" if backend == "sqlite" else "'[1, \"x\"]'::jsonb"
+    async with leases.engine.begin() as conn:
+        await conn.execute(
+            text(
+                f"UPDATE fence_leases SET pending_effects = {broken} WHERE execution_id = 'broken'"
+            )
+        )
+        await conn.execute(
+            insert(JOURNAL).values(
+                tenant_id="acme", execution_id="broken", at=1e300, kind="mystery", epoch=1
+            )
+        )
+    app = create_app(leases.engine, metrics_max_age=0)
+    async with client(app) as http:
+        listed = await http.get("/executions?status=running")
+        assert listed.status_code == 200
+        assert "broken" in listed.text
+        page = await http.get(page_of(key))
+        assert page.status_code == 200
+        assert "not a time" in text_of(page.text)
+        assert "mystery" in text_of(page.text)
+        assert (await http.get("/metrics")).status_code == 200
+
+
+async def test_a_key_no_lease_can_have_is_no_such_execution(leases: Leases) -> None:
+    app = create_app(leases.engine, operator_token=TOKEN)
+    async with client(app) as http:
+        assert (await http.get("/executions/acme%3Ab%2500")).status_code == 404
+        assert (await http.get("/executions/not-a-key")).status_code == 404
+
+
+async def test_the_host_apps_can_read_refuses_every_page_and_the_metrics(
+    leases: Leases,
+) -> None:
+    app = create_app(leases.engine, can_read=lambda request: request.headers.get("x-ok") == "1")
+    async with client(app) as http:
+        for path in ("/executions", "/dead-letters", "/queue", "/instances", "/metrics"):
+            assert (await http.get(path)).status_code == 403, path
+            assert (await http.get(path, headers={"x-ok": "1"})).status_code == 200, path
