@@ -9,6 +9,7 @@ import hmac
 import inspect
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -83,6 +84,9 @@ _WORDS = {
     "abandoned": "abandoned by an operator",
 }
 _TAKES = frozenset({"acquired", "taken_over", "retaken"})
+#: The turns whose detail names the holder before them: "from HOLDER at token N".
+_TOLD_FROM = frozenset({"taken_over", "dead_lettered"})
+_FROM = re.compile(r"\bfrom (.{1,200}?) at token (\d{1,18})\b")
 _ALARMS = frozenset({"fenced", "lost", "dead_lettered"})
 
 
@@ -110,6 +114,10 @@ def _when(at: float | None) -> str:
 def _timeline(detail: Detail) -> list[_Item]:
     """The journal and the checkpoints' tokens, by token, each token's take first."""
     holders: dict[int, str] = {}
+    for entry in detail.journal:  # who held a token before it was taken over, as told then
+        said = _FROM.search(entry.detail or "") if entry.kind in _TOLD_FROM else None
+        if said is not None and said.group(1) != "no holder":
+            holders.setdefault(int(said.group(2)), said.group(1))
     items: list[_Item] = []
     for entry in detail.journal:
         what = _WORDS.get(entry.kind, entry.kind)
@@ -119,7 +127,7 @@ def _timeline(detail: Detail) -> list[_Item]:
                 what = f"took it over from {before} (a new token)"
             elif entry.kind == "taken_over" and (entry.detail or "").startswith("from no holder"):
                 what = "claimed it (pending: submitted or handed back)"
-            holders.setdefault(entry.epoch, entry.holder)
+            holders[entry.epoch] = entry.holder
         items.append(
             _Item(
                 entry.epoch,

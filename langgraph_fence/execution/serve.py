@@ -358,7 +358,11 @@ class Server:
         if taken is None:
             return False  # renewed by its holder or taken by another instance meanwhile
         if taken.status is LeaseStatus.DEAD_LETTERED:
-            announce_dead_letter(host.events, taken.scope_key, taken.epoch, taken.reason)
+            # Who held it is told too: the journal of a worker killed mid-write may never
+            # have been written.
+            before = f"from {candidate.holder or 'no holder'} at token {candidate.epoch}"
+            told = f"{taken.reason} ({before})"
+            announce_dead_letter(host.events, taken.scope_key, taken.epoch, told)
             return False
         host.events.emit(
             EventKind.TAKEN_OVER,

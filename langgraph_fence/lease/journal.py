@@ -71,7 +71,7 @@ JOURNAL = Table(
 JOURNALED = frozenset(EventKind) - {EventKind.RENEWED_LATE}
 #: Entries kept while the database cannot be written; past it the oldest are dropped.
 PENDING_LIMIT = 10_000
-#: How long the writer gathers entries before it writes them, in seconds.
+#: How long after a write the writer gathers entries before the next, in seconds.
 GATHER = 1.0
 #: How long closing waits for the last entries to be written, in seconds.
 CLOSE_WAIT = 2.0
@@ -162,14 +162,19 @@ class Journal:
 
     async def _write_forever(self) -> None:
         failures = 0
+        written_at = -GATHER
         while not self._closing:
             await self._wake.wait()
-            # Entries come in bursts (a take, a takeover, a fence): gather them for a moment
-            # and write them in one statement. On SQLite every write takes the one write
-            # lock the runs wait for; one a second at most leaves it to them.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._closed.wait(), GATHER)
+            # The first entry after a quiet spell is written at once (a process killed a
+            # moment later still leaves it); a burst after it is gathered and written in
+            # one statement, at most one a GATHER: on SQLite every write takes the one
+            # write lock the runs wait for.
+            quiet_for = time.monotonic() - written_at
+            if quiet_for < GATHER:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._closed.wait(), GATHER - quiet_for)
             self._wake.clear()
+            written_at = time.monotonic()
             while self._pending:
                 try:
                     await self._write_batch()

@@ -165,6 +165,18 @@ async def test_an_operator_finds_and_resolves_a_dead_letter_in_a_real_browser(
         return charge is LeaseStatus.DEAD_LETTERED and pack is LeaseStatus.DONE
 
     await eventually(settled, timeout=60, what="w2 to dead-letter the charge and finish packing")
+
+    async def journaled() -> bool:  # written off the runs' path, a moment after each turn
+        async with Instance.open(database.url, schema=database.schema or None, journal=False) as i:
+            engine = i.repository.engine  # type: ignore[attr-defined]
+            async with engine.connect() as conn:
+                kinds = {
+                    (kind, holder)
+                    for kind, holder in await conn.execute(select(JOURNAL.c.kind, JOURNAL.c.holder))
+                }
+        return {("taken_over", "w1"), ("dead_lettered", "w2")} <= kinds
+
+    await eventually(journaled, timeout=30, what="both workers' turns in the journal")
     operator_url = await start_ui(tmp_path, "ui-operator", database, processes, token=True)
     read_only_url = await start_ui(tmp_path, "ui-read-only", database, processes, token=False)
     shots = shots_dir(tmp_path)

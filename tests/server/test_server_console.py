@@ -15,6 +15,7 @@ from langgraph_sdk import get_client
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.agent_server import agent_server
+from tests.support.polling import eventually
 from tests.support.write_steps import Database
 
 pytestmark = pytest.mark.processes
@@ -74,9 +75,13 @@ async def test_the_console_mounted_in_the_agent_server_shows_its_runs(
             assert thread["thread_id"] in listing.text
             link = re.search(r'href="(/fence/executions/[^"?]+)"', listing.text)
             assert link is not None
-            page = await http.get(link.group(1))
-            assert page.status_code == 200
-            assert "took the lease" in page.text
+
+            async def journaled() -> bool:  # written off the run's path, a moment after
+                page = await http.get(link.group(1))
+                assert page.status_code == 200
+                return "took the lease" in page.text
+
+            await eventually(journaled, timeout=30, what="the run's take on its timeline")
             metrics = await http.get("/fence/metrics")
             assert metrics.status_code == 200
             names = {f.name for f in text_string_to_metric_families(metrics.text)}
