@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -56,9 +55,7 @@ STATUSES = (
 GRAPHS = ["orders", "support", "billing", "triage"]
 TENANTS = [f"tenant-{n}" for n in range(20)]
 HOLDERS = [f"worker-{n}" for n in range(8)]
-STAMP = json.dumps(
-    {"t1": {"effect": "non_idempotent_write", "node": "charge", "task_id": "t1", "token": 1}}
-)
+STAMP = {"t1": {"effect": "non_idempotent_write", "node": "charge", "task_id": "t1", "token": 1}}
 
 
 async def fill(engine: AsyncEngine, n: int) -> str:
@@ -85,7 +82,7 @@ async def fill(engine: AsyncEngine, n: int) -> str:
                     "holder": rng.choice(HOLDERS) if held or status == "waiting" else None,
                     "expires_at": now + 30 if held else None,
                     "status": status,
-                    "pending_effects": STAMP if status == "dead_lettered" else "{}",
+                    "pending_effects": STAMP if status == "dead_lettered" else {},
                     "reason": "crashed" if status in ("failed", "dead_lettered") else None,
                     "updated_at": now - (n - i),
                     "takeovers": 0,
@@ -118,9 +115,6 @@ async def fill(engine: AsyncEngine, n: int) -> str:
                 )
             shown = scope_key(tenant, execution)
         async with engine.begin() as conn:
-            if engine.dialect.name == "postgresql":
-                for row in leases:
-                    row["pending_effects"] = json.loads(row["pending_effects"])
             await conn.execute(insert(LEASES), leases)
             await conn.execute(
                 text(
@@ -145,7 +139,8 @@ def pages(shown: str) -> dict[str, str]:
         "dead letters": "/dead-letters",
         "one graph": "/executions?graph=billing",
         "one tenant": "/executions?tenant=tenant-3",
-        "one holder": "/executions?holder=worker-2",
+        "one holder's running": "/executions?status=running&holder=worker-2",
+        "one holder, any status": "/executions?holder=worker-2",
         "one execution": "/executions/" + quote(shown, safe=""),
         "queue": "/queue",
         "instances": "/instances",
@@ -154,7 +149,7 @@ def pages(shown: str) -> dict[str, str]:
 
 
 async def measure(engine: AsyncEngine, shown: str, rounds: int) -> dict[str, list[float]]:
-    app = create_app(engine)
+    app = create_app(engine, metrics_max_age=0)  # /metrics read afresh at every request
     times: dict[str, list[float]] = {}
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://console"

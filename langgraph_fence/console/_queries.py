@@ -354,15 +354,17 @@ class QueueRow:
     oldest_age: float | None  # seconds since the oldest pending submitted run was submitted
 
 
+# CROSS JOIN: the same join, but SQLite then reads the in-flight leases first (their status
+# index) and looks each record up, rather than every record for its graph index's order.
 _QUEUE = """
 SELECT e.graph, l.tenant_id,
     SUM(CASE WHEN l.status = 'pending' THEN 1 ELSE 0 END) AS pending,
     SUM(CASE WHEN l.status = 'running' THEN 1 ELSE 0 END) AS running,
     SUM(CASE WHEN l.status = 'waiting' THEN 1 ELSE 0 END) AS waiting,
     MIN(CASE WHEN l.status = 'pending' THEN e.submitted_at END) AS oldest
-FROM fence_leases l JOIN fence_executions e
-    ON e.tenant_id = l.tenant_id AND e.execution_id = l.execution_id
-WHERE l.status IN ('pending', 'running', 'waiting') {tenant}
+FROM fence_leases l CROSS JOIN fence_executions e
+WHERE e.tenant_id = l.tenant_id AND e.execution_id = l.execution_id
+    AND l.status IN ('pending', 'running', 'waiting') {tenant}
 GROUP BY e.graph, l.tenant_id
 """
 _QUEUED_RUNS = """
