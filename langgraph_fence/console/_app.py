@@ -13,7 +13,7 @@ import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, quote, urlencode
@@ -47,6 +47,8 @@ from langgraph_fence.redact import failure_reason, redacted_text
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
+
+    from langgraph_fence.lease.sql import SqlLeaseRepository
 
 __all__ = ["Authorize", "CanRead", "Console", "create_app", "metrics_app"]
 
@@ -163,12 +165,8 @@ def _timeline(detail: Detail) -> list[_Item]:
     for item in items:
         first = item.token != previous
         previous = item.token
-        out.append(item if not first else _Item(**{**_fields(item), "first": True}))
+        out.append(replace(item, first=True) if first else item)
     return out
-
-
-def _fields(item: _Item) -> dict[str, Any]:
-    return {name: getattr(item, name) for name in _Item.__slots__}
 
 
 class Console:
@@ -235,6 +233,7 @@ class Console:
         self._local = local
         self._engine: AsyncEngine | None = None if isinstance(db, str) else db
         self._owns_engine = isinstance(db, str)
+        self._repository: SqlLeaseRepository | None = None
         self._lock = asyncio.Lock()
         # Signs the sign-in cookie and the forms' anti-forgery field: the same in every
         # replica and across restarts when given (or the operator token is), else this
@@ -260,6 +259,18 @@ class Console:
                     assert isinstance(self._db, str)
                     self._engine = create_engine(self._db, schema=self._schema)
         return self._engine
+
+    async def repository(self) -> SqlLeaseRepository:
+        """The lease store on :meth:`engine`, made once (its clock; the resolve actions).
+        One per console: a lease store on PostgreSQL opens a pool of its own."""
+        if self._repository is None:
+            from langgraph_fence.lease.sql import SqlLeaseRepository
+
+            engine = await self.engine()
+            async with self._lock:
+                if self._repository is None:
+                    self._repository = SqlLeaseRepository(engine)
+        return self._repository
 
     async def aclose(self) -> None:
         """Close the engine the console made (never one it was given)."""
@@ -420,9 +431,7 @@ class _Handlers:
 
     async def _now(self) -> float:
         """The store's clock (every expiry is in it)."""
-        from langgraph_fence.lease.sql import SqlLeaseRepository
-
-        return await SqlLeaseRepository(await self.c.engine()).now()
+        return await (await self.c.repository()).now()
 
     def _filters(self, request: Request, status: str | None = None) -> Filters:
         q = request.query_params
@@ -569,7 +578,6 @@ class _Handlers:
 
     async def resolve(self, request: Request) -> Response:
         from langgraph_fence.lease.journal import resolve
-        from langgraph_fence.lease.sql import SqlLeaseRepository
 
         actor = await self.c.actor(request)
         if actor is None:
@@ -603,7 +611,7 @@ class _Handlers:
         if action not in ("retry", "abandon"):
             raise _BadInput("action must be retry or abandon")
         note = form.get("note", "").strip() or None
-        repository = SqlLeaseRepository(await self.c.engine())
+        repository = await self.c.repository()
         back = f"{self._base(request)}/executions/{quote(key.scope_key, safe='')}"
         try:
             await resolve(repository, key, abandon=action == "abandon", note=note, actor=actor)
