@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,14 @@ from langgraph_fence import Instance, LeaseKey, LeaseStatus
 from langgraph_fence.lease.journal import JOURNAL
 from tests.support.databases import Database
 from tests.support.polling import eventually
-from tests.support.processes import Started, start_process, start_worker, stop_process, wait_ready
+from tests.support.processes import (
+    Started,
+    free_port,
+    start_process,
+    start_worker,
+    stop_process,
+    wait_ready,
+)
 
 pytestmark = [pytest.mark.chaos, pytest.mark.processes, pytest.mark.browser]
 
@@ -71,12 +77,6 @@ def chromium() -> str:
             pytest.fail(f"{why}, and LANGGRAPH_FENCE_REQUIRE_BROWSER=1")
         pytest.skip(why)
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def shots_dir(tmp_path: Path) -> Path:

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.databases import Database
 from tests.support.polling import eventually_sync
+from tests.support.processes import free_port
 
 #: The CLI or Python run in processes of their own (CI's lowest run leaves them to the newest).
 pytestmark = pytest.mark.processes
@@ -196,12 +197,6 @@ def test_max_held_must_be_a_positive_number(tmp_path: Path) -> None:
     )
     assert done.returncode == 2, done.stderr
     assert "--max-held" in done.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_a_worker_serves_its_metrics_while_it_works_and_stops_with_it(tmp_path: Path) -> None:

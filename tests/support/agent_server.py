@@ -19,17 +19,12 @@ import sqlalchemy as sa
 
 from tests.support.databases import sync_engine_for
 from tests.support.polling import eventually_sync
+from tests.support.processes import free_port
 from tests.support.write_steps import Database
 
 __all__ = ["agent_server", "rows", "serving"]
 
 LANGGRAPH = str(Path(sys.executable).with_name("langgraph"))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _async_url(database: Database) -> str:
@@ -77,7 +72,7 @@ def serving(
 ) -> Iterator[str]:
     """``langgraph dev`` run in ``project`` as it is, with ``env`` added to an environment
     that holds no ``LANGGRAPH_FENCE_*`` variable of the test run's: its URL."""
-    port = _free_port()
+    port = free_port()
     inherited = {
         k: v
         for k, v in os.environ.items()

@@ -14,12 +14,13 @@ import asyncio
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.support.processes import free_port
 
 __all__ = ["CuttableProxy", "PgCluster", "find_bindir"]
 
@@ -42,12 +43,6 @@ def find_bindir() -> Path | None:
             return 0.0
 
     return max(found, key=version) if found else None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _as_postgres() -> list[str]:
@@ -81,7 +76,7 @@ class PgCluster:
     def create(cls, bindir: Path) -> PgCluster:
         """initdb into a new temporary folder, then start on a free port."""
         root = Path(tempfile.mkdtemp(prefix="lgf-pg-"))
-        cluster = cls(bindir, root, _free_port())
+        cluster = cls(bindir, root, free_port())
         try:
             if os.geteuid() == 0:
                 shutil.chown(root, "postgres", "postgres")

@@ -14,6 +14,7 @@ import inspect
 import json
 import os
 import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,13 @@ ROOT = Path(__file__).parents[2]
 #: Where the chaos scripts leave their marks, when set: a test's processes start without it.
 MARK_DIR_ENV = "LGF_CHAOS_MARK_DIR"
 STARTUP_TIMEOUT = 60.0  # imports take seconds on a busy 2-core machine
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now (for a server a test starts)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def tail(path: Path, limit: int = 3000) -> str:

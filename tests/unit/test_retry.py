@@ -8,7 +8,6 @@ produce them, and the drivers' own classes where only a server outage could.
 from __future__ import annotations
 
 import logging
-import socket
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
@@ -31,12 +30,7 @@ from langgraph_fence.database.retry import (
     retry_window,
 )
 from langgraph_fence.testing import ManualClock
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.support.processes import free_port
 
 
 async def _raised(engine: AsyncEngine, sql: str) -> Exception:
@@ -49,7 +43,7 @@ async def _raised(engine: AsyncEngine, sql: str) -> Exception:
 
 
 async def test_a_refused_connect_is_a_connection_error() -> None:
-    engine = create_engine(f"postgresql://postgres@127.0.0.1:{_free_port()}/none")
+    engine = create_engine(f"postgresql://postgres@127.0.0.1:{free_port()}/none")
     try:
         assert is_connection_error(await _raised(engine, "SELECT 1"))
     finally:
@@ -76,7 +70,7 @@ async def test_integrity_and_programming_errors_are_not(
     backend: str, make_engine: Callable[..., AsyncEngine]
 ) -> None:
     engine = make_engine(backend)
-    table = f"retry_{backend}_{_free_port()}"
+    table = f"retry_{backend}_{free_port()}"
     async with engine.begin() as conn:
         await conn.execute(sa.text(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY)"))
         await conn.execute(sa.text(f"INSERT INTO {table} VALUES (1)"))
@@ -227,7 +221,7 @@ async def test_only_a_database_connection_error_is_infrastructure() -> None:
     assert is_connection_error(http.value)
     assert not is_database_connection_error(http.value)
     # The same kind of error from inside the database driver is infrastructure.
-    engine = create_engine(f"postgresql://postgres@127.0.0.1:{_free_port()}/none")
+    engine = create_engine(f"postgresql://postgres@127.0.0.1:{free_port()}/none")
     try:
         refused = await _raised(engine, "SELECT 1")
     finally:
