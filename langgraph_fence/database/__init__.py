@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -83,6 +84,7 @@ def normalize_url(url: str | URL) -> URL:
     if text.startswith(("postgres://", "postgres+")):
         # The scheme Heroku and libpq accept; SQLAlchemy knows only "postgresql".
         text = "postgresql" + text[len("postgres") :]
+    text = _multi_host(text)
     try:
         parsed = make_url(text)
     except (ArgumentError, ValueError):
@@ -94,11 +96,52 @@ def normalize_url(url: str | URL) -> URL:
     if backend == "sqlite" and driver in ("", "aiosqlite"):
         return parsed.set(drivername="sqlite+aiosqlite")
     if backend == "postgresql" and driver in ("", "asyncpg"):
-        return parsed.set(drivername="postgresql+asyncpg")
+        return _to_primary(parsed.set(drivername="postgresql+asyncpg"))
     raise ValueError(
         f"url uses the unsupported driver {parsed.drivername!r}; "
         f"langgraph-fence supports exactly two: {SUPPORTED}"
     )
+
+
+#: libpq's multi-host form: ``scheme://[userinfo@]host[:port],host[:port][/rest]``.
+_MULTI_HOST = re.compile(
+    r"^(?P<scheme>postgresql(?:\+\w+)?://)(?P<user>[^@/?#]*@)?"
+    r"(?P<hosts>[^/?#]*,[^/?#]*)(?P<rest>.*)$",
+    re.DOTALL,
+)
+#: The ``target_session_attrs`` that would let a session land on a standby.
+_STANDBY_ATTRS = frozenset({"read-only", "standby", "prefer-standby"})
+
+
+def _multi_host(text: str) -> str:
+    """libpq's multi-host URL (``postgresql://u@h1:5432,h2:5432/db``) in the form SQLAlchemy
+    parses: one ``host=h:p`` query parameter per host, in order. Other URLs as they are."""
+    found = _MULTI_HOST.match(text)
+    if found is None:
+        return text
+    path, _, query = found["rest"].partition("?")
+    hosts = "&".join(f"host={host}" for host in found["hosts"].split(",") if host)
+    query = f"{hosts}&{query}" if query else hosts
+    return f"{found['scheme']}{found['user'] or ''}{path or '/'}?{query}"
+
+
+def _to_primary(url: URL) -> URL:
+    """A PostgreSQL URL whose sessions land on the primary: a multi-host URL without
+    ``target_session_attrs`` gets ``read-write`` (asyncpg's default, ``any``, may pick a
+    standby, where every write fails); one that asks for a standby is refused."""
+    hosts = url.query.get("host")
+    attrs = url.query.get("target_session_attrs")
+    if isinstance(attrs, tuple):
+        attrs = attrs[-1]
+    if attrs in _STANDBY_ATTRS:
+        raise ValueError(
+            f"url sets target_session_attrs={attrs}: every lease, checkpoint and record "
+            "write must reach the primary; use target_session_attrs=read-write (or leave it "
+            "out: a multi-host URL gets read-write)"
+        )
+    if isinstance(hosts, tuple) and len(hosts) > 1 and attrs is None:
+        return url.update_query_dict({"target_session_attrs": "read-write"})
+    return url
 
 
 def create_engine(
@@ -134,7 +177,9 @@ def create_engine(
         engine_options.setdefault("pool_size", 8)
         engine_options.setdefault("max_overflow", 8)
         engine_options.setdefault("pool_pre_ping", False)
-        return create_async_engine(parsed, **engine_options)
+        engine = create_async_engine(parsed, **engine_options)
+        configure_postgresql(engine)
+        return engine
     if _memory_url(parsed):
         # One in-memory database exists per connection: share one connection.
         engine_options.setdefault("poolclass", StaticPool)
@@ -164,6 +209,22 @@ def check_sqlite_folder(url: URL, *, name: str = "url") -> None:
             f"{name}: the folder {folder} of the SQLite file {path} does not exist: create it "
             f"(mkdir -p {folder}) or fix the path in {name}"
         )
+
+
+def configure_postgresql(engine: AsyncEngine) -> None:
+    """Make a PostgreSQL engine drop a connection that landed on a standby: a write there
+    fails as read-only (SQLSTATE 25006) and the server's timeline cannot be read ("recovery
+    is in progress"). SQLAlchemy then invalidates the connection, as for a disconnect, and
+    the retry's fresh one finds the primary (a multi-host URL asks for ``read-write``)."""
+    if not event.contains(engine.sync_engine, "handle_error", _on_postgresql_error):
+        event.listen(engine.sync_engine, "handle_error", _on_postgresql_error)
+
+
+def _on_postgresql_error(context: Any) -> None:
+    from langgraph_fence.database.retry import on_standby
+
+    if context.original_exception is not None and on_standby(context.original_exception):
+        context.is_disconnect = True
 
 
 def configure_sqlite(engine: AsyncEngine) -> None:
@@ -311,7 +372,9 @@ def twin_engine(engine: AsyncEngine) -> AsyncEngine:
 
     pool = engine.sync_engine.pool.recreate()
     if engine.dialect.name == "postgresql":
-        return create_async_engine(engine.url, pool=pool, isolation_level="AUTOCOMMIT")
+        twin = create_async_engine(engine.url, pool=pool, isolation_level="AUTOCOMMIT")
+        configure_postgresql(twin)
+        return twin
     twin = create_async_engine(engine.url, pool=pool)
     # The pool's connect listener came with its dispatch; the begin listener is the engine's.
     event.listen(twin.sync_engine, "begin", _on_sqlite_begin)

@@ -158,8 +158,27 @@ def _is_disconnect(exc: BaseException) -> bool:
     state = _sqlstate(exc)
     if state.startswith("08") or state in _DISCONNECT_SQLSTATES:
         return True
+    if on_standby(exc):
+        return True  # a standby, or no primary yet: the next connection may find it
     message = str(exc).lower()
     return any(part in message for part in _DISCONNECT_MESSAGES)
+
+
+#: SQLSTATE of a write on a standby (read-only transaction), and asyncpg's word when no
+#: host of a multi-host URL is the primary yet (a promotion under way).
+_STANDBY_SQLSTATE = "25006"
+_STANDBY_MESSAGES = ("recovery is in progress", "read-only transaction")
+
+
+def on_standby(exc: BaseException) -> bool:
+    """Whether ``exc`` says the connection is to a standby, not the primary: a connection
+    that landed on the wrong server, to be dropped and made again."""
+    if type(exc).__name__ == "TargetServerAttributeNotMatched":
+        return True
+    if _sqlstate(exc) == _STANDBY_SQLSTATE:
+        return True
+    message = str(exc).lower()
+    return any(part in message for part in _STANDBY_MESSAGES)
 
 
 def is_connection_error(exc: BaseException) -> bool:

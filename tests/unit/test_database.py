@@ -183,3 +183,42 @@ async def test_a_sqlite_file_in_a_missing_folder_is_refused_naming_the_path(
         create_engine(url)
     assert not (tmp_path / "no").exists()
     create_engine(f"sqlite+aiosqlite:///{tmp_path}/fence.db")  # the folder exists: no check
+
+
+@pytest.mark.parametrize(
+    ("url", "hosts", "attrs"),
+    [
+        # libpq's multi-host form: every host, in order, and sessions on the primary only.
+        (
+            "postgresql://app@db-1:5432,db-2:5433/shop",
+            ("db-1:5432", "db-2:5433"),
+            "read-write",
+        ),
+        (
+            "postgres://app:pw@db-1,db-2,db-3/shop?connect_timeout=5",
+            ("db-1", "db-2", "db-3"),
+            "read-write",
+        ),
+        # Asked for explicitly: kept.
+        (
+            "postgresql://app@db-1:5432,db-2:5432/shop?target_session_attrs=primary",
+            ("db-1:5432", "db-2:5432"),
+            "primary",
+        ),
+    ],
+)
+def test_a_multi_host_url_lands_on_the_primary(
+    url: str, hosts: tuple[str, ...], attrs: str
+) -> None:
+    parsed = normalize_url(url)
+    assert parsed.drivername == "postgresql+asyncpg"
+    assert parsed.database == "shop"
+    assert parsed.query["host"] == hosts
+    assert parsed.query["target_session_attrs"] == attrs
+    assert normalize_url(parsed) == parsed
+
+
+@pytest.mark.parametrize("attrs", ["read-only", "standby", "prefer-standby"])
+def test_a_url_that_asks_for_a_standby_is_refused(attrs: str) -> None:
+    with pytest.raises(ValueError, match=f"target_session_attrs={attrs}.*read-write"):
+        normalize_url(f"postgresql://app@db-1,db-2/shop?target_session_attrs={attrs}")

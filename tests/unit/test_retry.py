@@ -97,6 +97,15 @@ async def test_integrity_and_programming_errors_are_not(
         asyncpg.exceptions.CannotConnectNowError("the database system is starting up"),
         ConnectionResetError(104, "Connection reset by peer"),
         sa_exc.DBAPIError("SELECT 1", {}, OSError("gone"), connection_invalidated=True),
+        # A session that landed on a standby (a failover under way): the next one may find
+        # the primary.
+        asyncpg.exceptions.ReadOnlySQLTransactionError(
+            "cannot execute UPDATE in a read-only transaction"
+        ),
+        asyncpg.exceptions.ObjectNotInPrerequisiteStateError("recovery is in progress"),
+        asyncpg.exceptions.TargetServerAttributeNotMatched(
+            'None of the hosts match the target attribute requirement <"read-write">'
+        ),
     ],
     ids=repr,
 )
