@@ -37,6 +37,7 @@ from langgraph_fence.fence import RunHandle
 from langgraph_fence.keys import FENCE_CONFIG_KEY
 from langgraph_fence.lease import Lease, LeaseKey
 from langgraph_fence.lease.faults import StallableRepository, StallGate
+from langgraph_fence.lease.timeline import OnFailover
 from langgraph_fence.lease.transitions import DEFAULT_MAX_TAKEOVERS, fenced_error
 
 if TYPE_CHECKING:
@@ -92,14 +93,16 @@ class Leases:
     """A real lease store and checkpointer on a SQLite file, a controlled clock, and
     instances on them that a test can stall and resume. See the module docstring."""
 
-    def __init__(self, engine: AsyncEngine, clock: ManualClock) -> None:
+    def __init__(
+        self, engine: AsyncEngine, clock: ManualClock, *, on_failover: OnFailover = "quarantine"
+    ) -> None:
         from langgraph_fence.checkpointers import SqlCheckpointer
         from langgraph_fence.lease.records import SqlExecutionRecords
         from langgraph_fence.lease.sql import SqlLeaseRepository
 
         self.clock = clock
         self.engine = engine
-        self.store = SqlLeaseRepository(engine, clock=clock)
+        self.store = SqlLeaseRepository(engine, clock=clock, on_failover=on_failover)
         self.saver = SqlCheckpointer(engine)
         self.records = SqlExecutionRecords(engine)
         self._gates: dict[str, StallGate] = {}
@@ -176,19 +179,24 @@ class Leases:
 
 
 @asynccontextmanager
-async def open_leases(url: str, **engine_options: Any) -> AsyncIterator[Leases]:
+async def open_leases(
+    url: str, *, on_failover: OnFailover = "quarantine", **engine_options: Any
+) -> AsyncIterator[Leases]:
     """The ``leases`` fixture's tools on the database at ``url``, for the block.
 
     Creates the tables, and on exit thaws every stalled instance and closes the engine.
 
     Args:
-        url: ``sqlite+aiosqlite:///path.db`` or ``postgresql+asyncpg://...``.
+        url: ``sqlite+aiosqlite:///path.db`` or ``postgresql+asyncpg://...`` (a
+            multi-host URL for a replicated PostgreSQL).
+        on_failover: what a failover of PostgreSQL does to the executions in flight
+            (:class:`~langgraph_fence.SqlLeaseRepository`).
         **engine_options: passed to :func:`langgraph_fence.database.create_engine`.
     """
     from langgraph_fence.database import create_engine
 
     engine = create_engine(url, **engine_options)
-    fixture = Leases(engine, ManualClock())
+    fixture = Leases(engine, ManualClock(), on_failover=on_failover)
     try:
         await fixture.setup()
         yield fixture

@@ -24,6 +24,7 @@ from langgraph_fence.execution.host import InstanceHost
 from langgraph_fence.execution.keeper import Keeper, Renewer, Sleep, thread_store
 from langgraph_fence.execution.run import running
 from langgraph_fence.instance._database import open_database
+from langgraph_fence.instance._failover import watch_failovers
 from langgraph_fence.instance._settings import (
     DEFAULT_TENANT_ID,
     Settings,
@@ -36,6 +37,7 @@ from langgraph_fence.keys import FENCE_CONFIG_KEY
 from langgraph_fence.lease import ExecutionLeaseRepository, LeaseKey
 from langgraph_fence.lease.journal import Journal
 from langgraph_fence.lease.records import ExecutionRecords, check_thread_binding
+from langgraph_fence.lease.timeline import OnFailover, check_on_failover
 from langgraph_fence.lease.transitions import DEFAULT_MAX_TAKEOVERS
 from langgraph_fence.queue import OnBusy, SubmittedRun, SubmittedRuns
 from langgraph_fence.saver.admin import ThreadAdmin, admin_holder
@@ -244,6 +246,7 @@ class Instance:
         engine_options: Mapping[str, Any] | None = None,
         serde: SerializerProtocol | None = None,
         journal: bool = True,
+        on_failover: OnFailover = "quarantine",
         **options: Any,
     ) -> AsyncIterator[Instance]:
         """Open an instance on one database: its lease table and checkpoints side by side.
@@ -268,14 +271,22 @@ class Instance:
                 writes, dead letters) in ``fence_journal``, in the background, for the
                 operator's console (``langgraph-fence ui``) and ``/metrics``; never delays a
                 run (:mod:`langgraph_fence.lease.journal`).
+            on_failover: PostgreSQL: what a failover of the database does to the executions
+                in flight when it happened. ``"quarantine"`` (the default): they are
+                dead-lettered with a reason naming the failover, never repeated (the
+                promoted server may lack the old primary's last takeover or stamp), and no
+                take lands until they are. ``"trust"``: they resume; only for synchronous
+                replication or quorum storage. Tokens keep rising across a failover either
+                way (:mod:`langgraph_fence.lease.timeline`, docs/replication.md).
             **options: :class:`Instance` options (``instance_id``, ``lease_ttl``,
                 ``renew_interval``, ``clock``, ``sleep``, ``max_takeovers``, ``tenant_id``,
                 ``max_held``, ``renewer``).
         """
         # Refused before the engine exists: bad input creates no table and writes no row.
         settings, tenant_id = check_open_options(cls.__init__, options)
+        check_on_failover(on_failover)
         async with open_database(
-            url, schema=schema, engine_options=engine_options, serde=serde
+            url, schema=schema, engine_options=engine_options, serde=serde, on_failover=on_failover
         ) as database:
             instance = cls.__new__(cls)
             instance._setup(
@@ -296,7 +307,10 @@ class Instance:
                 instance.add_listener(written)
             instance.journal = written
             try:
-                yield instance
+                async with watch_failovers(
+                    database.repository, instance.host.events, instance.renew_interval
+                ):
+                    yield instance
             finally:
                 try:
                     await instance.aclose()

@@ -10,24 +10,31 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from langgraph_fence.lease.records import SqlExecutionRecords
+from langgraph_fence.lease.timeline import check_on_failover
 
 if TYPE_CHECKING:
     from langgraph.checkpoint.serde.base import SerializerProtocol
     from sqlalchemy.ext.asyncio import AsyncEngine
 
     from langgraph_fence.checkpointers.store import SqlStore
+    from langgraph_fence.lease.timeline import OnFailover
 
 
 class Database:
     """The stores on one engine, set up: the lease table, the execution records (set up
     with it) and the checkpoints."""
 
-    def __init__(self, engine: AsyncEngine, serde: SerializerProtocol | None) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        serde: SerializerProtocol | None,
+        on_failover: OnFailover = "quarantine",
+    ) -> None:
         from langgraph_fence.checkpointers import SqlCheckpointer
         from langgraph_fence.lease.sql import SqlLeaseRepository
 
         self.engine = engine
-        self.repository = SqlLeaseRepository(engine)
+        self.repository = SqlLeaseRepository(engine, on_failover=on_failover)
         self.saver = SqlCheckpointer(engine, serde=serde)
         self.records = SqlExecutionRecords(engine, serde=serde)  # set up with the repository
 
@@ -57,10 +64,12 @@ async def open_database(
     schema: str | None,
     engine_options: Mapping[str, Any] | None,
     serde: SerializerProtocol | None,
+    on_failover: OnFailover = "quarantine",
 ) -> AsyncIterator[Database]:
     """The stores on a new engine for ``url``, set up; the engine disposed of at the end
     of the block (the block closes the stores it used). ``ValueError`` where ``schema`` and
     ``engine_options['schema']`` disagree, before the engine exists."""
+    check_on_failover(on_failover)
     from langgraph_fence.database import create_engine
 
     engine_kwargs = dict(engine_options or {})
@@ -73,7 +82,7 @@ async def open_database(
         engine_kwargs["schema"] = schema
     engine = create_engine(url, **engine_kwargs)
     try:
-        database = Database(engine, serde)
+        database = Database(engine, serde, on_failover)
         await database.setup()
         yield database
     finally:

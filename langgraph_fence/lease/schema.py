@@ -42,6 +42,7 @@ from langgraph_fence.database import Dialect
 from langgraph_fence.database.migrations import Migration
 from langgraph_fence.effects import Effect
 from langgraph_fence.lease import LeaseStatus, PendingEffect
+from langgraph_fence.lease.timeline import timeline_sql
 
 logger = logging.getLogger("langgraph_fence.schema")
 
@@ -396,6 +397,31 @@ LEASE_MIGRATIONS.append(
         # (records migration 7), which a renewal never touches.
         "CREATE INDEX IF NOT EXISTS fence_leases_status_updated "
         "ON fence_leases (status, updated_at, tenant_id, execution_id)",
+    )
+)
+
+# Version 9: the failover ledger (langgraph_fence.lease.timeline): the timeline whose
+# executions were last classified, one row. Created at the server's timeline: a database
+# made on a promoted server starts with nothing to classify.
+_TIMELINE_TABLE = """CREATE TABLE IF NOT EXISTS fence_timeline (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    timeline BIGINT NOT NULL,
+    previous BIGINT,
+    changed_at {double}
+)"""
+LEASE_MIGRATIONS.append(
+    Migration(
+        version=9,
+        description="the failover ledger: the timeline whose executions were last classified",
+        sqlite=[
+            _TIMELINE_TABLE.format(double="REAL"),
+            "INSERT INTO fence_timeline (id, timeline) VALUES (1, 1) ON CONFLICT (id) DO NOTHING",
+        ],
+        postgresql=[
+            _TIMELINE_TABLE.format(double="DOUBLE PRECISION"),
+            f"INSERT INTO fence_timeline (id, timeline) SELECT 1, {timeline_sql('postgresql')} "
+            "ON CONFLICT (id) DO NOTHING",
+        ],
     )
 )
 

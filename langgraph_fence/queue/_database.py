@@ -40,7 +40,7 @@ class QueueDatabase:
         self.engine = store.engine
         self.writer = single_statement(self.engine)
         self.pg = dialect_of(self.engine) == "postgresql"
-        self.leases = LeaseWrites(store.now_sql)
+        self.leases = LeaseWrites(store.now_sql, dialect_of(self.engine))
         # PostgreSQL: two writers of one key wait for each other; SQLite's BEGIN IMMEDIATE
         # serialises every writer already.
         self.lease_row: TextClause = text(LEASE + (" FOR UPDATE" if self.pg else ""))

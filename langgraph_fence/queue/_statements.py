@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from sqlalchemy import text
 
+from langgraph_fence.database import Dialect
 from langgraph_fence.lease import LeaseStatus
 from langgraph_fence.lease.guard import guard_sql
 from langgraph_fence.lease.schema import in_flight_sql, yielded_sql
+from langgraph_fence.lease.timeline import next_token_sql
 from langgraph_fence.queue.notifications import OF_SCHEMA
 
 #: Lease statuses after which a thread's next queued run may begin.
@@ -43,7 +45,8 @@ class LeaseWrites:
     ``now_sql``: ``now()`` on PostgreSQL, or the store's injected clock), as every other
     lease write is; never the submitting process's clock."""
 
-    def __init__(self, now: str) -> None:
+    def __init__(self, now: str, dialect: Dialect) -> None:
+        next_epoch = next_token_sql(dialect, "epoch")
         # A new key: pending at epoch 0 with no holder (the first claim takes epoch 1); a
         # child's row records its parent (:parent_execution_id, of the same tenant).
         self.insert_pending = text(
@@ -63,7 +66,7 @@ class LeaseWrites:
         )
         # The run in flight is fenced: its epoch moves on, so none of its writes lands again.
         fence = (
-            "UPDATE fence_leases SET epoch = epoch + 1, holder = NULL, expires_at = NULL, "
+            f"UPDATE fence_leases SET epoch = {next_epoch}, holder = NULL, expires_at = NULL, "
             f"status = :status, reason = :reason, updated_at = {now} WHERE " + KEY
         )
         self.interrupt = text(fence + " AND epoch = :epoch")
@@ -71,7 +74,8 @@ class LeaseWrites:
         self.cancel = text(fence + " AND " + in_flight_sql() + " RETURNING epoch")
         # A parent's children that no worker claimed yet (pending, no holder) never start.
         self.cancel_children = text(
-            "UPDATE fence_leases SET epoch = epoch + 1, status = 'cancelled', reason = :reason, "
+            f"UPDATE fence_leases SET epoch = {next_epoch}, status = 'cancelled', "
+            "reason = :reason, "
             f"updated_at = {now} WHERE tenant_id = :tenant_id AND status = 'pending' "
             "AND holder IS NULL AND parent_execution_id = :parent_execution_id"
         )

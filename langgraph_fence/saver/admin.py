@@ -46,13 +46,14 @@ from sqlalchemy import and_, delete, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from langgraph_fence.database import transaction
+from langgraph_fence.database import dialect_of, transaction
 from langgraph_fence.database.retry import backoff
 from langgraph_fence.errors import ExecutionLeaseHeldError
 from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus, validate_holder, validate_ttl
 from langgraph_fence.lease.memory import MemoryLeaseRepository
 from langgraph_fence.lease.schema import LEASES
 from langgraph_fence.lease.stores import base_store
+from langgraph_fence.lease.timeline import token_floor
 from langgraph_fence.lease.transitions import fenced_error
 
 if TYPE_CHECKING:
@@ -170,6 +171,10 @@ async def _take_row(store: Any, key: LeaseKey, holder: str, ttl: float) -> Admin
         if taken is None:
             assert found is not None
             return found  # type: ignore[no-any-return]
+        # Above every token an earlier timeline issued (lease.timeline): after a failover
+        # the row may not show the last of them.
+        floor, _ = await token_floor(conn, dialect_of(store.engine))
+        taken = replace(taken, epoch=max(taken.epoch, floor))
         values = {
             "epoch": taken.epoch,
             "holder": taken.holder,

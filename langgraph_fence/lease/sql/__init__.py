@@ -15,12 +15,15 @@ go through SQLAlchemy.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
+from time import monotonic
 from typing import Any, NamedTuple
 
 from sqlalchemy.engine import Row
@@ -53,8 +56,15 @@ from langgraph_fence.lease.attempts import Attempt
 from langgraph_fence.lease.checks import check_key, check_lease, check_leases, check_limit
 from langgraph_fence.lease.schema import LEASE_MIGRATIONS, effects_from_json, stamp_patch
 from langgraph_fence.lease.sql._attempts import newest_attempt, record_epoch, start_attempt
+from langgraph_fence.lease.sql._failover import CLASSIFIED, sweep_statement
 from langgraph_fence.lease.sql._statements import NO_BUDGET, LeaseStatements
 from langgraph_fence.lease.sql._take import SqliteTake, build_take, record_params
+from langgraph_fence.lease.timeline import (
+    FailoverReport,
+    OnFailover,
+    Quarantined,
+    check_on_failover,
+)
 from langgraph_fence.lease.transitions import (
     Takeover,
     abandon_reason,
@@ -70,6 +80,8 @@ from langgraph_fence.lease.transitions import (
 from langgraph_fence.validate import text_id
 
 __all__ = ["SqlLeaseRepository", "Taken"]
+
+logger = logging.getLogger("langgraph_fence.lease")
 
 
 class Taken(NamedTuple):
@@ -93,13 +105,30 @@ class SqlLeaseRepository:
         clock: the store's clock. ``None`` (the default) means the database's own clock on
             PostgreSQL (``now()``) and this process's ``time.time`` on SQLite. Tests pass a
             controlled clock.
+        on_failover: what a PostgreSQL failover does to the executions in flight when it
+            happened (:mod:`langgraph_fence.lease.timeline`). ``"quarantine"`` (the
+            default): no take and no stamp lands until they are dead-lettered, never
+            repeated; the promoted server may lack the old primary's last commits.
+            ``"trust"``: they resume; only for synchronous replication or quorum storage,
+            where a failover loses no commit. Either way tokens keep rising across it.
+            Every instance on one database must say the same.
 
     From its first write the store keeps up to a quarter of the engine's pool checked out
     (at least one connection) for its next writes, until :meth:`aclose` or the engine is
     disposed of: build one store per engine and share it, not one per call.
     """
 
-    def __init__(self, engine: AsyncEngine, *, clock: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        clock: Callable[[], float] | None = None,
+        on_failover: OnFailover = "quarantine",
+    ) -> None:
+        self.on_failover = check_on_failover(on_failover)
+        #: What each failover this store saw and settled was (:meth:`settle_failover`).
+        self.failovers: list[FailoverReport] = []
+        self._failover_listeners: list[Callable[[FailoverReport], object]] = []
         self._dialect = check_engine(engine)
         self._engine = engine
         # Reads (get, takeover_candidates) never take SQLite's write lock.
@@ -121,8 +150,12 @@ class SqlLeaseRepository:
         self._clock = clock
         url = engine.url.render_as_string(hide_password=True)
         self._store_id = f"sql:{url}"
-        self._statements = LeaseStatements(self._dialect, clocked=clock is not None)
+        self._statements = LeaseStatements(
+            self._dialect, clocked=clock is not None, on_failover=on_failover
+        )
         self._takes: dict[bool, Any] = {}
+        self._sweep = sweep_statement(self._statements.now_sql)
+        self._settling = asyncio.Lock()
 
     def on_engine(self, engine: AsyncEngine) -> SqlLeaseRepository:
         """This store (same table, same clock, same statements) through ``engine``, an
@@ -138,6 +171,7 @@ class SqlLeaseRepository:
         twin._compiled = {}
         twin._renewals = single_statement(autocommit(engine))  # a pool of its own already
         twin._takes = {}
+        twin._settling = asyncio.Lock()  # a lock belongs to the loop that first waits on it
         return twin
 
     @classmethod
@@ -240,6 +274,95 @@ class SqlLeaseRepository:
             progress_mark=found["progress_mark"],
         )
 
+    # -- a failover of the database (langgraph_fence.lease.timeline)
+
+    def on_failover_settled(self, listener: Callable[[FailoverReport], object]) -> None:
+        """Call ``listener`` with each :class:`FailoverReport` this store settles."""
+        self._failover_listeners.append(listener)
+
+    async def settle_failover(self) -> FailoverReport | None:
+        """Classify the executions of a failover, if the database failed over since they
+        were last classified: under ``"quarantine"`` every execution in flight is
+        dead-lettered with a reason naming the failover; under ``"trust"`` none is. Either
+        way takes land again. ``None`` when there was nothing to settle (always on SQLite).
+        Safe from any number of instances at once: one of them classifies."""
+        if self._dialect != "postgresql":
+            return None
+        began = monotonic()
+
+        async def check() -> bool:
+            # On the renewals' pool: the watch runs beside the runs, never behind them.
+            async with self._renewals.connect() as conn:
+                return bool((await conn.execute(CLASSIFIED)).scalar_one())
+
+        if await retry_connection_errors(check, what="failover check"):
+            return None
+        params = {**self.now_params(), "quarantine": self.on_failover == "quarantine"}
+
+        async def sweep() -> list[Row[Any]]:
+            async with self._renewals.connect() as conn:
+                return list((await conn.execute(self._sweep, params)).all())
+
+        # Repeated on a connection error: a sweep that landed unheard left the ledger
+        # moved, and the repeat changes nothing (its report then names nothing).
+        rows = await retry_connection_errors(sweep, what="failover quarantine")
+        if not rows:
+            return None
+        quarantined = tuple(
+            Quarantined(LeaseKey(row.tenant_id, row.execution_id), int(row.epoch), row.reason)
+            for row in rows
+            if row.tenant_id is not None
+        )
+        report = FailoverReport(
+            previous=None if rows[0].previous is None else int(rows[0].previous),
+            timeline=int(rows[0].timeline),
+            on_failover=self.on_failover,
+            quarantined=quarantined,
+            seconds=monotonic() - began,
+        )
+        self.failovers.append(report)
+        logger.warning(
+            "the database failed over (timeline %s to %d); on_failover=%s: %d executions in "
+            "flight dead-lettered, never repeated%s",
+            report.previous,
+            report.timeline,
+            report.on_failover,
+            len(quarantined),
+            "".join(f"\n  {q.key.scope_key} (now token {q.token})" for q in quarantined[:50]),
+        )
+        for listener in list(self._failover_listeners):
+            try:
+                listener(report)
+            except Exception:
+                logger.exception("failover listener %r failed", listener)
+        return report
+
+    async def _take_one(
+        self,
+        stmt: Any,
+        params: dict[str, Any],
+        *,
+        refused: Callable[[Any], bool] = lambda row: row is None,
+    ) -> Any:
+        """:meth:`_one` for a take. Under quarantine a refused take asks, on the same
+        connection, whether a failover's executions are unclassified; if so it settles
+        them and takes once more."""
+        check = self._statements.classified is not None
+        compiled = self._driver_statement(stmt)
+        async with self._connections() as driver:
+            rows = await fetch(driver, compiled, params)
+            row = rows[0] if rows else None
+            if not (check and refused(row)):
+                return row
+            classified = await fetch(driver, self._driver_statement(CLASSIFIED), {})
+        if classified[0]["classified"]:
+            return row
+        seen = len(self.failovers)
+        async with self._settling:  # the takes refused at once settle once
+            if len(self.failovers) == seen:
+                await self.settle_failover()  # None: another instance settled it
+        return await self._one(stmt, params)
+
     # -- the lease contract (ExecutionLeaseRepository)
 
     @property
@@ -276,7 +399,7 @@ class SqlLeaseRepository:
         (:func:`~langgraph_fence.lease.transitions.decide_acquire`)."""
         params = self._acquire_params(key, holder, ttl)
         # Not repeated (see _one): the caller gets the error; nothing runs.
-        row = await self._one(self._statements.acquire[bool(reopen)], params)
+        row = await self._take_one(self._statements.acquire[bool(reopen)], params)
         return None if row is None else self.lease_of(row)
 
     async def take(
@@ -310,7 +433,9 @@ class SqlLeaseRepository:
             params.update(record_params(record))
         stmt = self._take_statement(with_record=record is not None)
         if self._dialect == "postgresql":
-            row = await self._one(stmt, params)
+            row = await self._take_one(
+                stmt, params, refused=lambda row: row["epoch"] is None and row["bound"] is not None
+            )
             assert row is not None  # the statement returns one row, taken or not
             return Taken(None if row["epoch"] is None else self.lease_of(row), row["bound"])
         from langgraph_fence.lease.records import BIND_THREAD, BOUND_TO, UPSERT_RECORD
@@ -357,6 +482,10 @@ class SqlLeaseRepository:
 
         row = await retry_connection_errors(once, what=action)
         if row is None:
+            if self._statements.classified is not None:
+                # A stamp refused while a failover is unclassified: classify it now, so
+                # the refusal names the failover and no later write of the run lands.
+                await self.settle_failover()
             current = await self.get(lease.key)
             if tries > 1 and landed is not None and current is not None and landed(current):
                 return current
@@ -511,7 +640,7 @@ class SqlLeaseRepository:
         )
         # Not repeated (see _one): a take that landed and was not heard of leaves the lease
         # to expire; it is then taken again.
-        row = await self._one(self._statements.take_over, params)
+        row = await self._take_one(self._statements.take_over, params)
         return None if row is None else self.lease_of(row)
 
     async def yield_lease(self, lease: Lease) -> Lease:

@@ -6,6 +6,7 @@ with its execution record: :meth:`~langgraph_fence.lease.records.SqlExecutionRec
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from sqlalchemy import and_, select, update
@@ -13,11 +14,12 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from langgraph_fence.database import read_only, transaction
+from langgraph_fence.database import dialect_of, read_only, transaction
 from langgraph_fence.database.retry import retry_connection_errors
 from langgraph_fence.lease import Lease, LeaseKey
-from langgraph_fence.lease.attempts import Attempt, AttemptRow, decide_supersede
+from langgraph_fence.lease.attempts import Attempt, AttemptRow, Supersede, decide_supersede
 from langgraph_fence.lease.schema import LEASES, SERVER_ATTEMPTS
+from langgraph_fence.lease.timeline import token_floor
 
 __all__ = ["newest_attempt", "record_epoch", "start_attempt"]
 
@@ -76,7 +78,16 @@ async def start_attempt(
             row = AttemptRow(found.attempt, found.epoch) if found.attempt else None
             lease = (await conn.execute(select(LEASES).where(lease_row).with_for_update())).first()
             current = None if lease is None else lease_of(lease)
-            decided = decide_supersede(key, current, row, attempt, holder, ttl, at)
+            # The token floor of lease.timeline; while a failover's executions are
+            # unclassified the lease is left as it is, for the run's own take (refused
+            # until they are) to decide.
+            floor, classified = await token_floor(conn, dialect_of(engine))
+            decided = decide_supersede(
+                key, current if classified else None, row, attempt, holder, ttl, at
+            )
+            if decided.lease is not None and decided.lease.epoch < floor:
+                taken_at = replace(decided.lease, epoch=floor)
+                decided = Supersede(AttemptRow(decided.row.number, floor), taken_at)
             await conn.execute(
                 update(SERVER_ATTEMPTS)
                 .where(row_of)

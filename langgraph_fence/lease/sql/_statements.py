@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     Boolean,
     ColumnElement,
     Double,
@@ -41,6 +42,12 @@ from langgraph_fence.lease import (
 )
 from langgraph_fence.lease.guard import guard_sql
 from langgraph_fence.lease.schema import LEASES, STAMP_SQL, not_yielded
+from langgraph_fence.lease.timeline import (
+    OnFailover,
+    first_token_sql,
+    ledger_ok_sql,
+    next_token_sql,
+)
 
 __all__ = ["NO_BUDGET", "RETURNING", "LeaseStatements", "now_sql"]
 
@@ -87,13 +94,30 @@ class LeaseStatements:
     """The statements of one SQL lease store, for ``dialect``, on the database's clock or
     (``clocked``) on the store's own, bound as ``p_now``.
 
+    Every take issues the next token of :mod:`~langgraph_fence.lease.timeline` (rising
+    across a failover) and, on PostgreSQL under ``on_failover="quarantine"``, lands only
+    once the executions were classified on the server's timeline.
+
     Bound names carry a ``p_`` prefix: SQLAlchemy reserves the bare column names.
     """
 
-    def __init__(self, dialect: Dialect, *, clocked: bool) -> None:
+    def __init__(
+        self, dialect: Dialect, *, clocked: bool, on_failover: OnFailover = "quarantine"
+    ) -> None:
         self.dialect = dialect
         self.clocked = clocked
         self.now_sql = now_sql(clocked=clocked)
+        #: The token after the row's, in SQL (in ON CONFLICT DO UPDATE: the row as it stands).
+        self.next_epoch: ColumnElement[int] = literal_column(
+            next_token_sql(dialect, "fence_leases.epoch"), BigInteger
+        )
+        #: The condition every take meets, or ``None``: no take lands while a failover's
+        #: executions are unclassified.
+        self.classified: ColumnElement[bool] | None = (
+            literal_column(ledger_ok_sql(dialect), Boolean)
+            if dialect == "postgresql" and on_failover == "quarantine"
+            else None
+        )
         now = self.now()
         ttl = bindparam("p_ttl", type_=Double)
         stamps = STAMP_SQL[dialect]
@@ -130,9 +154,9 @@ class LeaseStatements:
         )
         self.retake = (
             update(LEASES)
-            .where(retakeable)
+            .where(self._when_classified(retakeable))
             .values(
-                epoch=_C.epoch + 1,
+                epoch=self.next_epoch,
                 holder=bindparam("p_holder"),
                 expires_at=now + ttl,
                 status=LeaseStatus.RUNNING.value,
@@ -166,15 +190,17 @@ class LeaseStatements:
             .returning(*RETURNING)
         )
         # Stamping and clearing both apply a merge patch to the stamp set.
+        # A stamp is the gate before a write to the world: none lands while a failover's
+        # executions are unclassified (its holder may be the one whose takeover was lost).
         self.patch = (
             update(LEASES)
-            .where(_GUARD)
+            .where(self._when_classified(_GUARD))
             .values(pending_effects=patched, updated_at=now)
             .returning(*RETURNING)
         )
         self.patch_renew = (
             update(LEASES)
-            .where(_GUARD)
+            .where(self._when_classified(_GUARD))
             .values(pending_effects=patched, expires_at=now + ttl, updated_at=now)
             .returning(*RETURNING)
         )
@@ -290,12 +316,14 @@ class LeaseStatements:
             "tenant_id": bindparam("p_tenant_id", type_=Text),
             "execution_id": bindparam("p_execution_id", type_=Text),
             "scope_key": bindparam("p_scope_key", type_=Text),
-            "epoch": literal(1, Integer),
+            "epoch": literal_column(first_token_sql(self.dialect), BigInteger),
             "holder": bindparam("p_holder", type_=Text),
             "expires_at": now + ttl,
             "status": literal(LeaseStatus.RUNNING.value, Text),
             "updated_at": now,
         }
+        if self.classified is not None:
+            when = self._when_classified(when)
         if when is None:
             stmt = insert(LEASES).values(**values)
         else:
@@ -304,7 +332,7 @@ class LeaseStatements:
         return stmt.on_conflict_do_update(
             index_elements=[_C.tenant_id, _C.execution_id],
             set_={
-                "epoch": _C.epoch + 1,
+                "epoch": self.next_epoch,
                 "holder": case((standing, null()), else_=stmt.excluded.holder),
                 "expires_at": case((standing, null()), else_=stmt.excluded.expires_at),
                 "status": case(
@@ -324,6 +352,12 @@ class LeaseStatements:
             where=and_(takeable, not_held),
         ).returning(*RETURNING)
 
+    def _when_classified(self, condition: Any) -> Any:
+        """``condition``, and (under quarantine) the failover's executions classified."""
+        if self.classified is None:
+            return condition
+        return self.classified if condition is None else and_(condition, self.classified)
+
     def _standing_reason(self, how: str, holder: Any) -> ColumnElement[str]:
         """The dead letter's reason for the stamps standing on the row, built in SQL as
         :func:`~langgraph_fence.lease.transitions.dead_letter_reason` builds it (``how``:
@@ -331,7 +365,7 @@ class LeaseStatements:
         "resumed"), at the token the statement moves the row to."""
         reason: ColumnElement[str] = (
             literal(f"{how} at token ", Text)
-            + cast(_C.epoch + 1, Text)
+            + cast(self.next_epoch, Text)
             + literal(" by ", Text)
             + holder
             + literal(": non-idempotent writes stamped and never cleared: ", Text)
@@ -361,7 +395,7 @@ class LeaseStatements:
         over_budget = and_(crashed, takeovers > max_takeovers)
         budget = (
             literal("taken over at token ", Text)
-            + cast(_C.epoch + 1, Text)
+            + cast(self.next_epoch, Text)
             + literal(" by ", Text)
             + holder
             + literal(": crashed ", Text)
@@ -381,9 +415,9 @@ class LeaseStatements:
         dead = or_(non_idempotent, over_budget)
         return (
             update(LEASES)
-            .where(and_(_KEY, _C.epoch == bindparam("p_epoch"), takeable))
+            .where(self._when_classified(and_(_KEY, _C.epoch == bindparam("p_epoch"), takeable)))
             .values(
-                epoch=_C.epoch + 1,
+                epoch=self.next_epoch,
                 holder=case((dead, null()), else_=holder),
                 expires_at=case((dead, null()), else_=now + ttl),
                 status=case(

@@ -1,0 +1,167 @@
+"""Tokens across a PostgreSQL failover: the timeline in every token, and the quarantine.
+
+A standby promoted after the primary died may lack the primary's last commits: with
+asynchronous replication the cluster "is allowed to lose some committed transactions"
+(Patroni). If those held a takeover (a token issued, a stamp of a non-idempotent write), the
+promoted primary would issue the same token again and, finding no stamp, repeat the write.
+
+Two rules keep the fence sound across a promotion:
+
+* **Tokens keep rising.** PostgreSQL's timeline goes up by one at every promotion (and at
+  every point-in-time recovery). Every take reads it in the statement that moves the epoch
+  and issues ``max(epoch + 1, (timeline - 1) * 2**32 + 1)``: on timeline 1 (a server never
+  promoted) tokens are 1, 2, 3, ... as before; the first take after a promotion jumps above
+  every token the old timeline could have issued, lost or not. One number, compared as
+  one: a sink or an API that keeps the highest token needs no change.
+* **Quarantine.** The database keeps, in ``fence_timeline``, the timeline whose executions
+  were last classified. While it is behind the server's timeline no take of any execution
+  lands (``on_failover="quarantine"``, the default): the first instance to see the change
+  dead-letters every execution that was in flight (pending, running or yielded: a holder
+  may have stamped and made a non-idempotent write on the lost timeline, and its stamp
+  may be gone), names the failover in the reason, moves the ledger on, and takes resume.
+  ``on_failover="trust"`` (synchronous replication, quorum storage: no committed write is
+  lost) moves the ledger on and classifies nothing.
+
+SQLite has no replication and no timeline: its tokens are the plain epochs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from langgraph_fence.database import Dialect
+from langgraph_fence.lease import LeaseKey
+
+__all__ = [
+    "FAILOVER_MODES",
+    "TIMELINE_SPAN",
+    "FailoverReport",
+    "OnFailover",
+    "Quarantined",
+    "check_on_failover",
+    "first_token_sql",
+    "ledger_ok_sql",
+    "next_token_sql",
+    "timeline_sql",
+    "token_floor",
+    "token_parts",
+]
+
+#: How many tokens one timeline may issue per execution: the token of take ``n`` on
+#: timeline ``t`` is at least ``(t - 1) * TIMELINE_SPAN + n``.
+TIMELINE_SPAN = 2**32
+
+OnFailover = Literal["quarantine", "trust"]
+FAILOVER_MODES: tuple[OnFailover, ...] = ("quarantine", "trust")
+
+#: The server's timeline, read in the statement that uses it: the first eight hex digits of
+#: the WAL file name at the current write position (the timeline new WAL is written on,
+#: the new one from the first statement after a promotion). Fails on a standby ("recovery
+#: is in progress"), which the retry treats as a connection that landed on the wrong server.
+_PG_TIMELINE = (
+    "(SELECT CAST(CAST(('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8)) "
+    "AS bit(32)) AS bigint))"
+)
+
+
+def check_on_failover(on_failover: object) -> OnFailover:
+    """``on_failover`` if it is one of :data:`FAILOVER_MODES`, else a ValueError naming them."""
+    if on_failover not in FAILOVER_MODES:
+        raise ValueError(
+            f"on_failover must be 'quarantine' (the default: executions in flight when the "
+            f"database failed over are dead-lettered, never repeated) or 'trust' (only for "
+            f"synchronous replication or quorum storage, where a failover loses no commit), "
+            f"got {on_failover!r}"
+        )
+    return on_failover
+
+
+def timeline_sql(dialect: Dialect) -> str:
+    """The server's timeline as SQL (``1`` on SQLite)."""
+    return _PG_TIMELINE if dialect == "postgresql" else "1"
+
+
+def _floor_sql(dialect: Dialect) -> str:
+    return f"(({_PG_TIMELINE} - 1) * {TIMELINE_SPAN})"
+
+
+def first_token_sql(dialect: Dialect) -> str:
+    """The token of an execution's first take, as SQL."""
+    if dialect == "sqlite":
+        return "1"
+    return f"({_floor_sql(dialect)} + 1)"
+
+
+def next_token_sql(dialect: Dialect, epoch: str) -> str:
+    """The token after ``epoch`` (a column or expression), as SQL: ``epoch + 1``, or the
+    timeline's first when the server was promoted since ``epoch`` was issued."""
+    if dialect == "sqlite":
+        return f"({epoch} + 1)"
+    return f"GREATEST({epoch} + 1, {first_token_sql(dialect)})"
+
+
+def ledger_ok_sql(dialect: Dialect) -> str:
+    """True while the executions were classified on the server's timeline (always on
+    SQLite): the condition every take meets under ``on_failover="quarantine"``."""
+    if dialect == "sqlite":
+        return "1 = 1"
+    return f"EXISTS (SELECT 1 FROM fence_timeline WHERE timeline >= {_PG_TIMELINE})"
+
+
+def token_parts(token: int) -> tuple[int, int]:
+    """``(timeline, n)`` of a token issued on PostgreSQL: the timeline it was issued on
+    (at the latest) and its place in that timeline's tokens."""
+    if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+        raise ValueError(f"token must be an int >= 0, got {token!r}")
+    if token == 0:
+        return (1, 0)
+    timeline, n = divmod(token - 1, TIMELINE_SPAN)
+    return (timeline + 1, n + 1)
+
+
+class Quarantined(NamedTuple):
+    """An execution a failover's classification dead-lettered: at ``token`` (the new
+    timeline's), with ``reason`` naming the failover."""
+
+    key: LeaseKey
+    token: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class FailoverReport:
+    """What an instance found and did when it saw the database's timeline change.
+
+    Attributes:
+        previous: the timeline the executions were last classified on (``None``: the ledger
+            row was missing).
+        timeline: the server's timeline now.
+        on_failover: ``"quarantine"`` or ``"trust"``.
+        quarantined: the executions dead-lettered (none under ``"trust"``).
+        seconds: how long the classification held this instance's takes.
+    """
+
+    previous: int | None
+    timeline: int
+    on_failover: OnFailover
+    quarantined: tuple[Quarantined, ...]
+    seconds: float
+
+
+async def token_floor(conn: AsyncConnection, dialect: Dialect) -> tuple[int, bool]:
+    """For a take decided in Python inside a transaction on ``conn``: the least token it
+    may issue now (1 on a server never promoted, and on SQLite), and whether the
+    executions were classified on the server's timeline (always on SQLite)."""
+    if dialect == "sqlite":
+        return (1, True)
+    row = (await conn.execute(_FLOOR)).one()
+    return (int(row.floor), bool(row.ok))
+
+
+_FLOOR = text(
+    f"SELECT {first_token_sql('postgresql')} AS floor, {ledger_ok_sql('postgresql')} AS ok"
+)
