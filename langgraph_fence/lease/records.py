@@ -520,18 +520,22 @@ class SqlExecutionRecords:
     async def bind(self, key: LeaseKey, thread_id: str) -> str:
         """Bind the tenant's ``thread_id`` to ``key`` unless bound; the execution id it is
         bound to. One read when bound already; else one insert and one read, in one
-        transaction (a racing first run's insert conflicts and reads the winner's id)."""
+        transaction (a racing first run's insert conflicts and reads the winner's id).
+        Repeated on a connection error: the insert does nothing where a binding exists."""
         params = {"tenant_id": key.tenant_id, "thread_id": thread_id}
-        async with self._engine.connect() as conn:
-            bound = (await conn.execute(BOUND_TO, params)).scalar_one_or_none()
-        if bound is not None:
-            return str(bound)
-        async with transaction(self._engine) as conn:
-            await conn.execute(
-                BIND_THREAD, {**params, "execution_id": key.execution_id, "at": time.time()}
-            )
-            bound = (await conn.execute(BOUND_TO, params)).scalar_one()
-        return str(bound)
+
+        async def once() -> str:
+            async with self._engine.connect() as conn:
+                bound = (await conn.execute(BOUND_TO, params)).scalar_one_or_none()
+            if bound is not None:
+                return str(bound)
+            async with transaction(self._engine) as conn:
+                await conn.execute(
+                    BIND_THREAD, {**params, "execution_id": key.execution_id, "at": time.time()}
+                )
+                return str((await conn.execute(BOUND_TO, params)).scalar_one())
+
+        return await retry_connection_errors(once, what="thread binding")
 
     async def forget(self, key: LeaseKey, thread_id: str) -> None:
         """Delete the record of ``key``, its submitted runs (their inputs and outputs), what
