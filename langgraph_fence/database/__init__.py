@@ -103,26 +103,29 @@ def normalize_url(url: str | URL) -> URL:
     )
 
 
-#: libpq's multi-host form: ``scheme://[userinfo@]host[:port],host[:port][/rest]``.
-_MULTI_HOST = re.compile(
-    r"^(?P<scheme>postgresql(?:\+\w+)?://)(?P<user>[^@/?#]*@)?"
-    r"(?P<hosts>[^/?#]*,[^/?#]*)(?P<rest>.*)$",
-    re.DOTALL,
-)
+#: libpq's multi-host form: ``postgresql[+driver]://[userinfo@]host[:port],host[:port][/rest]``.
+_PG_SCHEME = re.compile(r"^postgresql(?:\+\w+)?://")
 #: The ``target_session_attrs`` that would let a session land on a standby.
 _STANDBY_ATTRS = frozenset({"read-only", "standby", "prefer-standby"})
 
 
 def _multi_host(text: str) -> str:
     """libpq's multi-host URL (``postgresql://u@h1:5432,h2:5432/db``) in the form SQLAlchemy
-    parses: one ``host=h:p`` query parameter per host, in order. Other URLs as they are."""
-    found = _MULTI_HOST.match(text)
-    if found is None:
+    parses: one ``host=h:p`` query parameter per host, in order. Other URLs as they are (a
+    comma in the user's name or password is not a host list)."""
+    scheme = _PG_SCHEME.match(text)
+    if scheme is None:
         return text
-    path, _, query = found["rest"].partition("?")
-    hosts = "&".join(f"host={host}" for host in found["hosts"].split(",") if host)
-    query = f"{hosts}&{query}" if query else hosts
-    return f"{found['scheme']}{found['user'] or ''}{path or '/'}?{query}"
+    after = text[scheme.end() :]
+    cut = min((i for i in (after.find(c) for c in "/?#") if i >= 0), default=len(after))
+    netloc, rest = after[:cut], after[cut:]
+    userinfo, at, hosts = netloc.rpartition("@")
+    if "," not in hosts:
+        return text
+    path, _, query = rest.partition("?")
+    listed = "&".join(f"host={host}" for host in hosts.split(",") if host)
+    query = f"{listed}&{query}" if query else listed
+    return f"{scheme.group(0)}{userinfo}{at}{path or '/'}?{query}"
 
 
 def _to_primary(url: URL) -> URL:
@@ -139,8 +142,15 @@ def _to_primary(url: URL) -> URL:
             "write must reach the primary; use target_session_attrs=read-write (or leave it "
             "out: a multi-host URL gets read-write)"
         )
-    if isinstance(hosts, tuple) and len(hosts) > 1 and attrs is None:
-        return url.update_query_dict({"target_session_attrs": "read-write"})
+    if isinstance(hosts, tuple) and len(hosts) > 1:
+        if attrs is None:
+            return url.update_query_dict({"target_session_attrs": "read-write"})
+        if attrs == "any":
+            raise ValueError(
+                "url lists several hosts with target_session_attrs=any: a session may land "
+                "on a standby, where every write fails; use target_session_attrs=read-write "
+                "(or leave it out: a multi-host URL gets read-write)"
+            )
     return url
 
 

@@ -222,3 +222,16 @@ def test_a_multi_host_url_lands_on_the_primary(
 def test_a_url_that_asks_for_a_standby_is_refused(attrs: str) -> None:
     with pytest.raises(ValueError, match=f"target_session_attrs={attrs}.*read-write"):
         normalize_url(f"postgresql://app@db-1,db-2/shop?target_session_attrs={attrs}")
+
+
+def test_a_comma_in_a_password_is_not_a_host_list() -> None:
+    parsed = normalize_url("postgresql://app:s3,cr%40t@db-1:5432/shop")
+    assert parsed.password == "s3,cr@t"
+    assert parsed.username == "app"
+    assert parsed.host == "db-1"
+    assert "host" not in parsed.query
+
+
+def test_several_hosts_with_any_session_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"target_session_attrs=any.*read-write"):
+        normalize_url("postgresql://app@db-1,db-2/shop?target_session_attrs=any")
