@@ -94,7 +94,7 @@ class Leases:
     instances on them that a test can stall and resume. See the module docstring."""
 
     def __init__(
-        self, engine: AsyncEngine, clock: ManualClock, *, on_failover: OnFailover = "quarantine"
+        self, engine: AsyncEngine, clock: ManualClock, *, on_failover: OnFailover | None = None
     ) -> None:
         from langgraph_fence.checkpointers import SqlCheckpointer
         from langgraph_fence.lease.records import SqlExecutionRecords
@@ -180,7 +180,7 @@ class Leases:
 
 @asynccontextmanager
 async def open_leases(
-    url: str, *, on_failover: OnFailover = "quarantine", **engine_options: Any
+    url: str, *, on_failover: OnFailover | None = None, **engine_options: Any
 ) -> AsyncIterator[Leases]:
     """The ``leases`` fixture's tools on the database at ``url``, for the block.
 

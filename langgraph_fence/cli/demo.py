@@ -293,7 +293,7 @@ async def _run(
         await conn.execute(
             text(
                 "CREATE TABLE IF NOT EXISTS demo_payments (order_id TEXT NOT NULL, "
-                "amount_cents INTEGER NOT NULL, token INTEGER NOT NULL)"
+                "amount_cents INTEGER NOT NULL, token BIGINT NOT NULL)"
             )
         )
     gates = {"A": StallGate(), "B": StallGate()}

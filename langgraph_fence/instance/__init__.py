@@ -37,7 +37,7 @@ from langgraph_fence.keys import FENCE_CONFIG_KEY
 from langgraph_fence.lease import ExecutionLeaseRepository, LeaseKey
 from langgraph_fence.lease.journal import Journal
 from langgraph_fence.lease.records import ExecutionRecords, check_thread_binding
-from langgraph_fence.lease.timeline import OnFailover, check_on_failover
+from langgraph_fence.lease.timeline import OnFailover, failover_mode
 from langgraph_fence.lease.transitions import DEFAULT_MAX_TAKEOVERS
 from langgraph_fence.queue import OnBusy, SubmittedRun, SubmittedRuns
 from langgraph_fence.saver.admin import ThreadAdmin, admin_holder
@@ -246,7 +246,7 @@ class Instance:
         engine_options: Mapping[str, Any] | None = None,
         serde: SerializerProtocol | None = None,
         journal: bool = True,
-        on_failover: OnFailover = "quarantine",
+        on_failover: OnFailover | None = None,
         **options: Any,
     ) -> AsyncIterator[Instance]:
         """Open an instance on one database: its lease table and checkpoints side by side.
@@ -277,14 +277,15 @@ class Instance:
                 promoted server may lack the old primary's last takeover or stamp), and no
                 take lands until they are. ``"trust"``: they resume; only for synchronous
                 replication or quorum storage. Tokens keep rising across a failover either
-                way (:mod:`langgraph_fence.lease.timeline`, docs/replication.md).
+                way (:mod:`langgraph_fence.lease.timeline`, docs/replication.md). ``None``:
+                ``$LANGGRAPH_FENCE_ON_FAILOVER``, else ``"quarantine"``.
             **options: :class:`Instance` options (``instance_id``, ``lease_ttl``,
                 ``renew_interval``, ``clock``, ``sleep``, ``max_takeovers``, ``tenant_id``,
                 ``max_held``, ``renewer``).
         """
         # Refused before the engine exists: bad input creates no table and writes no row.
         settings, tenant_id = check_open_options(cls.__init__, options)
-        check_on_failover(on_failover)
+        on_failover = failover_mode(on_failover)
         async with open_database(
             url, schema=schema, engine_options=engine_options, serde=serde, on_failover=on_failover
         ) as database:

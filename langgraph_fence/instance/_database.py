@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from langgraph_fence.lease.records import SqlExecutionRecords
-from langgraph_fence.lease.timeline import check_on_failover
+from langgraph_fence.lease.timeline import failover_mode
 
 if TYPE_CHECKING:
     from langgraph.checkpoint.serde.base import SerializerProtocol
@@ -28,7 +28,7 @@ class Database:
         self,
         engine: AsyncEngine,
         serde: SerializerProtocol | None,
-        on_failover: OnFailover = "quarantine",
+        on_failover: OnFailover | None = None,
     ) -> None:
         from langgraph_fence.checkpointers import SqlCheckpointer
         from langgraph_fence.lease.sql import SqlLeaseRepository
@@ -64,12 +64,12 @@ async def open_database(
     schema: str | None,
     engine_options: Mapping[str, Any] | None,
     serde: SerializerProtocol | None,
-    on_failover: OnFailover = "quarantine",
+    on_failover: OnFailover | None = None,
 ) -> AsyncIterator[Database]:
     """The stores on a new engine for ``url``, set up; the engine disposed of at the end
     of the block (the block closes the stores it used). ``ValueError`` where ``schema`` and
     ``engine_options['schema']`` disagree, before the engine exists."""
-    check_on_failover(on_failover)
+    on_failover = failover_mode(on_failover)
     from langgraph_fence.database import create_engine
 
     engine_kwargs = dict(engine_options or {})

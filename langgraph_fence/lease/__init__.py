@@ -130,7 +130,8 @@ class Lease:
     Attributes:
         key: the execution's key.
         holder: the instance id holding it, or ``None``.
-        epoch: the fencing token; 0 only for a row recorded but never taken.
+        epoch: the fencing token. A row recorded but never taken holds the token before
+            the first: 0, or after a failover of PostgreSQL the new timeline's floor.
         expires_at: when the hold ends, in the store's clock (seconds), or ``None``.
         pending_effects: the stamp set: every write stamped before it ran and not yet
             cleared, one entry per task (or tool call), ordered by key.

@@ -407,8 +407,11 @@ _TIMELINE_TABLE = """CREATE TABLE IF NOT EXISTS fence_timeline (
     id INTEGER PRIMARY KEY CHECK (id = 1),
     timeline BIGINT NOT NULL,
     previous BIGINT,
-    changed_at {double}
+    changed_at {double},
+    base BIGINT NOT NULL DEFAULT 0,
+    tl_base BIGINT NOT NULL DEFAULT 1
 )"""
+_TL = timeline_sql("postgresql")
 LEASE_MIGRATIONS.append(
     Migration(
         version=9,
@@ -419,7 +422,8 @@ LEASE_MIGRATIONS.append(
         ],
         postgresql=[
             _TIMELINE_TABLE.format(double="DOUBLE PRECISION"),
-            f"INSERT INTO fence_timeline (id, timeline) SELECT 1, {timeline_sql('postgresql')} "
+            # Tokens go on from where they are: no jump for a server promoted before.
+            f"INSERT INTO fence_timeline (id, timeline, base, tl_base) SELECT 1, {_TL}, 0, {_TL} "
             "ON CONFLICT (id) DO NOTHING",
         ],
     )

@@ -230,6 +230,8 @@ def fenced_error(lease: Lease, current: Lease | None, *, action: str) -> Executi
     else:
         token_seen = current.epoch
         seen = f"epoch {current.epoch}, holder {current.holder!r}, status {current.status.value}"
+        if current.status is LeaseStatus.DEAD_LETTERED and current.reason:
+            seen += f" ({current.reason})"
     return ExecutionFencedError(
         f"{action} refused for execution {lease.scope_key!r}: this worker holds token "
         f"{lease.epoch} (holder {lease.holder!r}) but the store has {seen}. The execution was "

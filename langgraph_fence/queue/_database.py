@@ -3,14 +3,15 @@ every part of the queue."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from langgraph_fence.database import dialect_of, single_statement
 from langgraph_fence.database.retry import retry_connection_errors
+from langgraph_fence.lease.timeline import FailoverUnclassified, token_floor
 from langgraph_fence.queue._statements import LEASE, LeaseWrites
 from langgraph_fence.queue.notifications import NOTIFY_SQL
 
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from langgraph_fence.lease.sql import SqlLeaseRepository
 
 __all__ = ["QueueDatabase"]
+
+T = TypeVar("T")
 
 
 class QueueDatabase:
@@ -58,6 +61,25 @@ class QueueDatabase:
                 return (await conn.execute(statement, dict(params))).first()
 
         return await retry_connection_errors(once, what=what)
+
+    async def classified(self, conn: AsyncConnection) -> None:
+        """Raise :class:`~langgraph_fence.lease.timeline.FailoverUnclassified` on ``conn``'s
+        transaction while a failover's executions are unclassified (PostgreSQL under
+        ``on_failover="quarantine"``): work begun now must not be taken for the old
+        primary's, nor move an execution of it out of the classification's way."""
+        if not self.pg or self.store.on_failover != "quarantine":
+            return
+        _, ok = await token_floor(conn, "postgresql")
+        if not ok:
+            raise FailoverUnclassified()
+
+    async def settled_first(self, operation: Callable[[], Awaitable[T]]) -> T:
+        """``await operation()``; if a failover was unclassified, classify it and once more."""
+        try:
+            return await operation()
+        except FailoverUnclassified:
+            await self.store.settle_failover()
+            return await operation()
 
     async def notify(self, conn: AsyncConnection, channel: str, payload: str) -> None:
         """Say on ``channel`` what ``conn``'s transaction changed, delivered on its commit

@@ -47,8 +47,9 @@ class LeaseWrites:
 
     def __init__(self, now: str, dialect: Dialect) -> None:
         next_epoch = next_token_sql(dialect, "epoch")
-        # A new key: pending at epoch 0 with no holder (the first claim takes epoch 1); a
-        # child's row records its parent (:parent_execution_id, of the same tenant).
+        # A new key: pending at epoch 0 with no holder (the first claim takes the next
+        # token); a child's row records its parent (:parent_execution_id, of the same
+        # tenant).
         self.insert_pending = text(
             "INSERT INTO fence_leases (tenant_id, execution_id, scope_key, epoch, holder, "
             "expires_at, status, pending_effects, reason, updated_at, takeovers, "

@@ -60,6 +60,7 @@ async def submit_run(
 
     async def once() -> str | None:
         async with transaction(db.engine) as conn:
+            await db.classified(conn)
             root = {"scope_key": key.scope_key, "parent_execution_id": None}
             created = await conn.execute(db.leases.insert_pending, {**params, **root, **db.now()})
             if created.first() is None:
@@ -100,7 +101,7 @@ async def submit_run(
             await conn.execute(SUBMIT_RECORD, {**params, **record, "at": at})
             return run_id
 
-    return await retry_connection_errors(once, what="submit")
+    return await db.settled_first(partial(retry_connection_errors, once, what="submit"))
 
 
 async def _recorded(conn: AsyncConnection, params: Mapping[str, str]) -> Any:
@@ -133,7 +134,8 @@ async def promote_queued(db: QueueDatabase, limit: int) -> int:
     began = 0
     for found in await retry_connection_errors(threads, what="queued runs"):
         key = LeaseKey(found.tenant_id, found.execution_id)
-        if await retry_connection_errors(partial(_promote, db, key), what="queued run"):
+        promote = partial(retry_connection_errors, partial(_promote, db, key), what="queued run")
+        if await db.settled_first(promote):
             began += 1
     return began
 
@@ -142,6 +144,7 @@ async def _promote(db: QueueDatabase, key: LeaseKey) -> bool:
     params = {"tenant_id": key.tenant_id, "execution_id": key.execution_id}
     at = time.time()
     async with transaction(db.engine) as conn:
+        await db.classified(conn)
         lease = (await conn.execute(db.lease_row, params)).first()
         if lease is None or lease.status not in BETWEEN_RUNS:
             return False
@@ -195,6 +198,7 @@ async def cancel_run(db: QueueDatabase, key: LeaseKey, reason: str, run_id: str 
 
     async def once() -> bool:
         async with transaction(db.engine) as conn:
+            await db.classified(conn)
             if run_id is not None:
                 # The lease row first (as a promotion locks it): no deadlock with one.
                 lock = {"tenant_id": key.tenant_id, "execution_id": key.execution_id}
@@ -213,4 +217,4 @@ async def cancel_run(db: QueueDatabase, key: LeaseKey, reason: str, run_id: str 
                 await db.notify(conn, ENDS_CHANNEL, key.scope_key)
             return cancelled is not None
 
-    return await retry_connection_errors(once, what="cancel")
+    return await db.settled_first(partial(retry_connection_errors, once, what="cancel"))

@@ -53,7 +53,7 @@ from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus, validate_holder,
 from langgraph_fence.lease.memory import MemoryLeaseRepository
 from langgraph_fence.lease.schema import LEASES
 from langgraph_fence.lease.stores import base_store
-from langgraph_fence.lease.timeline import token_floor
+from langgraph_fence.lease.timeline import FailoverUnclassified, token_floor
 from langgraph_fence.lease.transitions import fenced_error
 
 if TYPE_CHECKING:
@@ -154,7 +154,11 @@ async def _take(store: Any, key: LeaseKey, holder: str, ttl: float) -> AdminHold
             row.lease = taken
             return AdminHold(found, taken)
     try:
-        return await _take_row(store, key, holder, ttl)
+        try:
+            return await _take_row(store, key, holder, ttl)
+        except FailoverUnclassified:
+            await store.settle_failover()
+            return await _take_row(store, key, holder, ttl)
     except IntegrityError:
         # A run's first acquire inserted the row between this take's read and its insert
         # (PostgreSQL: nothing to lock before the row exists); now there is a row to lock.
@@ -172,9 +176,12 @@ async def _take_row(store: Any, key: LeaseKey, holder: str, ttl: float) -> Admin
             assert found is not None
             return found  # type: ignore[no-any-return]
         # Above every token an earlier timeline issued (lease.timeline): after a failover
-        # the row may not show the last of them.
-        floor, _ = await token_floor(conn, dialect_of(store.engine))
-        taken = replace(taken, epoch=max(taken.epoch, floor))
+        # the row may not show the last of them. While its executions are unclassified
+        # (quarantine), no hold: its give-back would move one out of the classification.
+        floor, classified = await token_floor(conn, dialect_of(store.engine))
+        if not classified and getattr(store, "on_failover", "trust") == "quarantine":
+            raise FailoverUnclassified()
+        taken = replace(taken, epoch=max(taken.epoch, floor + 1))
         values = {
             "epoch": taken.epoch,
             "holder": taken.holder,

@@ -27,6 +27,7 @@ from time import monotonic
 from typing import Any, NamedTuple
 
 from sqlalchemy.engine import Row
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence._compat import aiosqlite_call
@@ -63,7 +64,7 @@ from langgraph_fence.lease.timeline import (
     FailoverReport,
     OnFailover,
     Quarantined,
-    check_on_failover,
+    failover_mode,
 )
 from langgraph_fence.lease.transitions import (
     Takeover,
@@ -82,6 +83,14 @@ from langgraph_fence.validate import text_id
 __all__ = ["SqlLeaseRepository", "Taken"]
 
 logger = logging.getLogger("langgraph_fence.lease")
+
+#: How many times a classification that deadlocked is run again.
+_DEADLOCK_TRIES = 5
+
+
+def _sqlstate(exc: DBAPIError) -> str:
+    code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
+    return code if isinstance(code, str) else ""
 
 
 class Taken(NamedTuple):
@@ -111,7 +120,8 @@ class SqlLeaseRepository:
             repeated; the promoted server may lack the old primary's last commits.
             ``"trust"``: they resume; only for synchronous replication or quorum storage,
             where a failover loses no commit. Either way tokens keep rising across it.
-            Every instance on one database must say the same.
+            ``None``: ``$LANGGRAPH_FENCE_ON_FAILOVER``, else ``"quarantine"`` (so the CLI,
+            the Agent Server and your own code on one database say the same).
 
     From its first write the store keeps up to a quarter of the engine's pool checked out
     (at least one connection) for its next writes, until :meth:`aclose` or the engine is
@@ -123,9 +133,9 @@ class SqlLeaseRepository:
         engine: AsyncEngine,
         *,
         clock: Callable[[], float] | None = None,
-        on_failover: OnFailover = "quarantine",
+        on_failover: OnFailover | None = None,
     ) -> None:
-        self.on_failover = check_on_failover(on_failover)
+        self.on_failover = failover_mode(on_failover)
         #: What each failover this store saw and settled was (:meth:`settle_failover`).
         self.failovers: list[FailoverReport] = []
         self._failover_listeners: list[Callable[[FailoverReport], object]] = []
@@ -151,11 +161,12 @@ class SqlLeaseRepository:
         url = engine.url.render_as_string(hide_password=True)
         self._store_id = f"sql:{url}"
         self._statements = LeaseStatements(
-            self._dialect, clocked=clock is not None, on_failover=on_failover
+            self._dialect, clocked=clock is not None, on_failover=self.on_failover
         )
         self._takes: dict[bool, Any] = {}
         self._sweep = sweep_statement(self._statements.now_sql)
         self._settling = asyncio.Lock()
+        self._ledger_seen: float | None = None
 
     def on_engine(self, engine: AsyncEngine) -> SqlLeaseRepository:
         """This store (same table, same clock, same statements) through ``engine``, an
@@ -300,8 +311,16 @@ class SqlLeaseRepository:
         params = {**self.now_params(), "quarantine": self.on_failover == "quarantine"}
 
         async def sweep() -> list[Row[Any]]:
-            async with self._renewals.connect() as conn:
-                return list((await conn.execute(self._sweep, params)).all())
+            for attempt in range(_DEADLOCK_TRIES):
+                try:
+                    async with self._renewals.connect() as conn:
+                        return list((await conn.execute(self._sweep, params)).all())
+                except DBAPIError as exc:
+                    # A deadlock with a statement that locks rows in another order: the
+                    # sweep rolled back whole; run it again.
+                    if _sqlstate(exc) != "40P01" or attempt == _DEADLOCK_TRIES - 1:
+                        raise
+            raise AssertionError("unreachable")
 
         # Repeated on a connection error: a sweep that landed unheard left the ledger
         # moved, and the repeat changes nothing (its report then names nothing).
@@ -356,7 +375,14 @@ class SqlLeaseRepository:
                 return row
             classified = await fetch(driver, self._driver_statement(CLASSIFIED), {})
         if classified[0]["classified"]:
-            return row
+            changed_at = classified[0]["changed_at"]
+            if changed_at == self._ledger_seen:
+                return row  # refused by the execution's own state
+            # The ledger moved since this store last looked: another instance may have
+            # classified between the refused take and the check. A refused take wrote
+            # nothing: take again.
+            self._ledger_seen = changed_at
+            return await self._one(stmt, params)
         seen = len(self.failovers)
         async with self._settling:  # the takes refused at once settle once
             if len(self.failovers) == seen:
@@ -658,8 +684,9 @@ class SqlLeaseRepository:
         check_lease(self, lease)
 
         def landed(current: Lease) -> bool:
+            # Above, not just + 1: after a failover the token jumps to the new floor.
             return (
-                current.epoch == lease.epoch + 1
+                current.epoch > lease.epoch
                 and current.holder == lease.holder
                 and current.status is LeaseStatus.RUNNING
             )
@@ -681,7 +708,16 @@ class SqlLeaseRepository:
         check_key(key)
         validate_holder(holder)
         ttl = validate_ttl(ttl)
-        return await start_attempt(self._engine, self.now, self.lease_of, key, attempt, holder, ttl)
+        return await start_attempt(
+            self._engine,
+            self.now,
+            self.lease_of,
+            key,
+            attempt,
+            holder,
+            ttl,
+            quarantine=self.on_failover == "quarantine",
+        )
 
     async def record_epoch(self, key: LeaseKey, attempt: Attempt, epoch: int) -> bool:
         """Record that ``attempt`` of ``key`` took ``epoch``; ``False`` when a newer attempt

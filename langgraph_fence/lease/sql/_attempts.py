@@ -41,6 +41,8 @@ async def start_attempt(
     attempt: Attempt,
     holder: str,
     ttl: float,
+    *,
+    quarantine: bool = True,
 ) -> Lease | None:
     """Start ``attempt`` of ``key`` for ``holder`` on the lease store of ``engine`` (its
     clock ``now``, its rows read by ``lease_of``): the lease taken over from an earlier
@@ -83,11 +85,12 @@ async def start_attempt(
             # until they are) to decide.
             floor, classified = await token_floor(conn, dialect_of(engine))
             decided = decide_supersede(
-                key, current if classified else None, row, attempt, holder, ttl, at
-            )
-            if decided.lease is not None and decided.lease.epoch < floor:
-                taken_at = replace(decided.lease, epoch=floor)
-                decided = Supersede(AttemptRow(decided.row.number, floor), taken_at)
+                key, current if classified or not quarantine else None, row, attempt, holder,
+                ttl, at,
+            )  # fmt: skip
+            if decided.lease is not None and decided.lease.epoch <= floor:
+                taken_at = replace(decided.lease, epoch=floor + 1)
+                decided = Supersede(AttemptRow(decided.row.number, floor + 1), taken_at)
             await conn.execute(
                 update(SERVER_ATTEMPTS)
                 .where(row_of)

@@ -19,40 +19,56 @@ from langgraph_fence.lease.timeline import (
 
 __all__ = ["CLASSIFIED", "sweep_statement"]
 
-#: True while the executions were classified on the server's timeline.
-CLASSIFIED = text(f"SELECT {ledger_ok_sql('postgresql')} AS classified")
+#: Whether the executions were classified on the server's timeline, and when the ledger
+#: last moved (a take refused just before another instance classified takes again).
+CLASSIFIED = text(
+    f"SELECT {ledger_ok_sql('postgresql')} AS classified, "
+    "(SELECT changed_at FROM fence_timeline WHERE id = 1) AS changed_at"
+)
 
 _DEAD = LeaseStatus.DEAD_LETTERED.value
 
 
 def sweep_statement(now_sql: str) -> Any:
     """Move the ledger to the server's timeline and, with ``:quarantine``, dead-letter every
-    execution in flight (pending, running, yielded) at a token of the new timeline. One
-    statement: the ledger row's lock orders instances that run it at once, and the second
-    finds the ledger moved (its ``ON CONFLICT ... WHERE`` sees the newest row) and changes
-    nothing. Returns one row per execution dead-lettered, or one row of NULLs beside the
-    timelines when there were none; no row when the ledger was already there."""
+    execution in flight (pending, running, yielded) at a token above the new floor.
+
+    A promotion (a higher timeline) keeps the ledger's base: the floor rises one span per
+    timeline. A lower timeline (a ``pg_upgrade``, a restore into a new cluster: a lineage
+    the ledger cannot follow) puts the base above every epoch of the table. One statement:
+    the ledger row's lock orders instances that run it at once, and the second finds the
+    ledger moved (its ``ON CONFLICT ... WHERE`` sees the newest row) and changes nothing.
+    The rows are locked in key order, as every statement that locks several of them does.
+    Returns one row per execution dead-lettered, or one row of NULLs beside the timelines
+    when there were none; no row when the ledger was already there."""
+    tl = timeline_sql("postgresql")
+    span = TIMELINE_SPAN
+    next_token = "GREATEST(c.epoch + 1, m.floor + 1)"
     reason = (
-        "'quarantined at token ' || fence_leases.epoch_next || ' after a database failover "
+        f"'quarantined at token ' || {next_token} || ' after a database failover "
         "(timeline ' || coalesce(CAST(m.previous AS text), '?') || ' to ' || m.timeline || "
         "'): it was in flight on the old primary (' || coalesce('held by ' || c.holder || ' ', "
         "'') || 'at token ' || c.epoch || '), whose last commits the promoted server may not "
         "have (a takeover, the stamp of a non-idempotent write), so it is not repeated; check "
         "its effects, then `langgraph-fence resolve --retry` (or --abandon)'"
     )
-    next_token = f"GREATEST(c.epoch + 1, (m.timeline - 1) * {TIMELINE_SPAN} + 1)"
-    reason = reason.replace("fence_leases.epoch_next", f"({next_token})")
     return text(
-        f"""WITH m AS (
-    INSERT INTO fence_timeline AS f (id, timeline, previous, changed_at)
-    VALUES (1, {timeline_sql("postgresql")}, NULL, {now_sql})
+        f"""WITH mx AS (
+    SELECT coalesce(max(epoch), 0) AS e FROM fence_leases
+), m AS (
+    INSERT INTO fence_timeline AS f (id, timeline, previous, changed_at, base, tl_base)
+    SELECT 1, {tl}, NULL, {now_sql}, (mx.e / {span} + 1) * {span}, {tl} FROM mx
     ON CONFLICT (id) DO UPDATE SET previous = f.timeline, timeline = excluded.timeline,
-        changed_at = excluded.changed_at
-    WHERE f.timeline < excluded.timeline
-    RETURNING f.previous, f.timeline
+        changed_at = excluded.changed_at,
+        base = CASE WHEN excluded.timeline > f.timeline THEN f.base ELSE excluded.base END,
+        tl_base = CASE WHEN excluded.timeline > f.timeline THEN f.tl_base
+            ELSE excluded.tl_base END
+    WHERE f.timeline <> excluded.timeline
+    RETURNING f.previous, f.timeline, f.base + (f.timeline - f.tl_base) * {span} AS floor
 ), c AS (
     SELECT l.tenant_id, l.execution_id, l.holder, l.epoch FROM fence_leases l, m
     WHERE CAST(:quarantine AS boolean) AND {in_flight_sql("l")}
+    ORDER BY l.tenant_id, l.execution_id
     FOR UPDATE OF l
 ), s AS (
     UPDATE fence_leases SET epoch = {next_token}, holder = NULL, expires_at = NULL,
