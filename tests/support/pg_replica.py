@@ -39,9 +39,9 @@ class ReplicatedPair:
         standby = None
         try:
             root = Path(tempfile.mkdtemp(prefix="lgf-standby-"))
+            standby = PgCluster(bindir, root, free_port())  # removed with its folder below
             if os.geteuid() == 0:
                 shutil.chown(root, "postgres", "postgres")
-            standby = PgCluster(bindir, root, free_port())
             standby._run(
                 "pg_basebackup",
                 "-h", "127.0.0.1", "-p", str(primary.port), "-U", "postgres",
