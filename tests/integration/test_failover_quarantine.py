@@ -28,7 +28,7 @@ from langgraph_fence.database import create_engine
 from langgraph_fence.database.retry import retry_connection_errors
 from langgraph_fence.lease.timeline import TIMELINE_SPAN, token_parts
 from tests.support.databases import unique
-from tests.support.pg_cluster import find_bindir
+from tests.support.pg_cluster import PgCluster, find_bindir
 from tests.support.pg_replica import ReplicatedPair
 
 pytestmark = pytest.mark.postgres
@@ -348,3 +348,19 @@ async def test_a_server_behind_its_ledger_is_a_new_lineage(own_schema: tuple[str
         assert [(q.key, q.token) for q in report.quarantined] == [(restored, 4 * TIMELINE_SPAN + 1)]
     finally:
         await engine.dispose()
+
+
+async def test_a_server_that_refuses_the_timeline_is_named_with_the_grant(
+    pg_cluster: PgCluster,
+) -> None:
+    role = unique("app").replace("-", "_")
+    pg_cluster.sql(f"CREATE ROLE {role} LOGIN")
+    pg_cluster.sql("REVOKE EXECUTE ON FUNCTION pg_current_wal_lsn() FROM PUBLIC")
+    engine = create_engine(f"postgresql://{role}@127.0.0.1:{pg_cluster.port}/postgres")
+    try:
+        with pytest.raises(RuntimeError, match=r"refused it: permission denied.*GRANT EXECUTE"):
+            await SqlLeaseRepository(engine).setup()
+    finally:
+        await engine.dispose()
+        pg_cluster.sql("GRANT EXECUTE ON FUNCTION pg_current_wal_lsn() TO PUBLIC")
+        pg_cluster.sql(f"DROP ROLE {role}")

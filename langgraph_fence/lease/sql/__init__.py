@@ -26,6 +26,7 @@ from functools import partial
 from time import monotonic
 from typing import Any, NamedTuple
 
+from sqlalchemy import text
 from sqlalchemy.engine import Row
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -41,7 +42,7 @@ from langgraph_fence.database import (
 )
 from langgraph_fence.database.driver import Connections, DriverStatement, fetch
 from langgraph_fence.database.migrations import migrate
-from langgraph_fence.database.retry import retry_connection_errors
+from langgraph_fence.database.retry import is_connection_error, retry_connection_errors
 from langgraph_fence.errors import ExecutionFencedError
 from langgraph_fence.lease import (
     Lease,
@@ -65,6 +66,7 @@ from langgraph_fence.lease.timeline import (
     OnFailover,
     Quarantined,
     failover_mode,
+    timeline_sql,
 )
 from langgraph_fence.lease.transitions import (
     Takeover,
@@ -83,6 +85,8 @@ from langgraph_fence.validate import text_id
 __all__ = ["SqlLeaseRepository", "Taken"]
 
 logger = logging.getLogger("langgraph_fence.lease")
+
+_READ_TIMELINE = text(f"SELECT {timeline_sql('postgresql')}")
 
 #: How many times a classification that deadlocked is run again.
 _DEADLOCK_TRIES = 5
@@ -210,13 +214,39 @@ class SqlLeaseRepository:
     async def setup(self) -> None:
         """Create or upgrade the lease table and, beside it, the execution records' tables
         (an :class:`~langgraph_fence.Instance` built on this store keeps its records there,
-        where every other instance looks); safe from several processes at once."""
+        where every other instance looks); safe from several processes at once.
+
+        Raises:
+            RuntimeError: PostgreSQL refused the role the functions every take reads the
+                server's timeline with (``pg_walfile_name(pg_current_wal_lsn())``, which
+                keeps tokens rising across a failover), naming the grant that fixes it.
+        """
+        if self._dialect == "postgresql":
+            await self._check_timeline_readable()
         await migrate(self._engine, "leases", LEASE_MIGRATIONS)
         # Imported here: the records' module needs LangGraph's serializer, which the CLI's
         # listings (a lease store, no records) must not load.
         from langgraph_fence.lease.records import EXECUTION_MIGRATIONS
 
         await migrate(self._engine, "executions", EXECUTION_MIGRATIONS)
+
+    async def _check_timeline_readable(self) -> None:
+        async def once() -> None:
+            async with self._reader.connect() as conn:
+                await conn.execute(_READ_TIMELINE)
+
+        try:
+            await retry_connection_errors(once, what="timeline read")
+        except DBAPIError as exc:
+            if is_connection_error(exc):
+                raise
+            raise RuntimeError(
+                "langgraph-fence reads the PostgreSQL server's timeline in every take, with "
+                "pg_walfile_name(pg_current_wal_lsn()), so that tokens keep rising across a "
+                f"failover (docs/replication.md); this server refused it: {exc.orig}. Let "
+                "the role call them: GRANT EXECUTE ON FUNCTION pg_current_wal_lsn(), "
+                "pg_walfile_name(pg_lsn) TO <the role>"
+            ) from exc
 
     # -- the database it is on, and its clock
 
