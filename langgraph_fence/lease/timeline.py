@@ -16,13 +16,14 @@ Two rules keep the fence sound across a promotion:
   behind its ledger (a lineage it cannot follow) gets a base above every epoch. One
   number, compared as one: a sink or an API that keeps the highest token needs no change.
 * **Quarantine.** The ledger also keeps the timeline whose executions were last
-  classified. While it differs from the server's, no take, stamp, submit, cancel or admin
-  hold lands (``on_failover="quarantine"``, the default): the first instance to see the
-  change dead-letters every execution that was in flight (pending, running or yielded: a
-  holder may have stamped and made a non-idempotent write on the lost timeline, and its
-  stamp may be gone), names the failover in the reason, moves the ledger on, and the
-  writes go ahead. ``on_failover="trust"`` (synchronous replication: no committed write
-  is lost) moves the ledger on and classifies nothing.
+  classified. While it differs from the server's, no take, stamp, submit, cancel, admin
+  hold, spawn of children or operator retry lands (``on_failover="quarantine"``, the
+  default): the first instance to see the change dead-letters every execution that was
+  in flight (pending, running or yielded: a holder may have stamped and made a
+  non-idempotent write on the lost timeline, and its stamp may be gone), names the
+  failover in the reason, moves the ledger on, and the writes go ahead.
+  ``on_failover="trust"`` (synchronous replication: no committed write is lost) moves the
+  ledger on and classifies nothing.
 
 SQLite has no replication and no timeline: its tokens are the plain epochs.
 """
@@ -119,14 +120,17 @@ def floor_sql(dialect: Dialect) -> str:
     ``fence_timeline`` keeps a ``base`` and the timeline it holds for (``tl_base``): the
     floor is ``base + (timeline - tl_base) * 2**32``, one span higher for every promotion
     since. A lineage the ledger cannot follow (the server's timeline below the ledger's:
-    a ``pg_upgrade``, a restore into a new cluster) moves ``base`` above every epoch of the
-    table when it is classified, so tokens keep rising there too.
+    a ``pg_upgrade``, a restore onto a lower timeline) moves ``base`` above every epoch of
+    the table when it is classified, so tokens keep rising there too.
     """
     if dialect == "sqlite":
         return "0"
+    # Never below the base: a server behind its ledger, not classified yet (a take under
+    # "trust" may come first), issues base + 1, not a negative token.
     return (
-        f"COALESCE((SELECT b.base + ({_PG_TIMELINE} - b.tl_base) * {TIMELINE_SPAN} "
-        f"FROM fence_timeline b WHERE b.id = 1), ({_PG_TIMELINE} - 1) * {TIMELINE_SPAN})"
+        f"COALESCE((SELECT GREATEST(b.base, b.base + ({_PG_TIMELINE} - b.tl_base) * "
+        f"{TIMELINE_SPAN}) FROM fence_timeline b WHERE b.id = 1), "
+        f"({_PG_TIMELINE} - 1) * {TIMELINE_SPAN})"
     )
 
 

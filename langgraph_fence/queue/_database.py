@@ -43,7 +43,11 @@ class QueueDatabase:
         self.engine = store.engine
         self.writer = single_statement(self.engine)
         self.pg = dialect_of(self.engine) == "postgresql"
-        self.leases = LeaseWrites(store.now_sql, dialect_of(self.engine))
+        self.leases = LeaseWrites(
+            store.now_sql,
+            dialect_of(self.engine),
+            quarantine=store.on_failover == "quarantine",
+        )
         # PostgreSQL: two writers of one key wait for each other; SQLite's BEGIN IMMEDIATE
         # serialises every writer already.
         self.lease_row: TextClause = text(LEASE + (" FOR UPDATE" if self.pg else ""))

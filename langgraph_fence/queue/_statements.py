@@ -15,7 +15,7 @@ from langgraph_fence.database import Dialect
 from langgraph_fence.lease import LeaseStatus
 from langgraph_fence.lease.guard import guard_sql
 from langgraph_fence.lease.schema import in_flight_sql, yielded_sql
-from langgraph_fence.lease.timeline import next_token_sql
+from langgraph_fence.lease.timeline import ledger_ok_sql, next_token_sql
 from langgraph_fence.queue.notifications import OF_SCHEMA
 
 #: Lease statuses after which a thread's next queued run may begin.
@@ -45,8 +45,12 @@ class LeaseWrites:
     ``now_sql``: ``now()`` on PostgreSQL, or the store's injected clock), as every other
     lease write is; never the submitting process's clock."""
 
-    def __init__(self, now: str, dialect: Dialect) -> None:
+    def __init__(self, now: str, dialect: Dialect, *, quarantine: bool = False) -> None:
         next_epoch = next_token_sql(dialect, "epoch")
+        # Under quarantine a parent spawns nothing while a failover is unclassified: it is
+        # the old primary's work, to be classified, and children inserted while the
+        # classification runs would not be seen by it (lease.timeline).
+        classified = f" AND {ledger_ok_sql(dialect)}" if quarantine else ""
         # A new key: pending at epoch 0 with no holder (the first claim takes the next
         # token); a child's row records its parent (:parent_execution_id, of the same
         # tenant).
@@ -106,7 +110,7 @@ class LeaseWrites:
         # PostgreSQL: the parent's row locked, the leases, the records and the NOTIFY (on
         # commit), in ONE statement; the spawned keys come back.
         self.spawn_children = text(
-            "WITH parent AS (" + PARENT_HELD + " FOR UPDATE), "
+            "WITH parent AS (" + PARENT_HELD + classified + " FOR UPDATE), "
             "spawned AS (SELECT s.value ->> 0 AS execution_id, s.value ->> 1 AS scope_key, "
             "s.value ->> 2 AS input_type, decode(s.value ->> 3, 'hex') AS input FROM "
             "jsonb_array_elements(CAST(:children AS jsonb)) AS s(value)), "

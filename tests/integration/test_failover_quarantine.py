@@ -364,3 +364,34 @@ async def test_a_server_that_refuses_the_timeline_is_named_with_the_grant(
         await engine.dispose()
         pg_cluster.sql("GRANT EXECUTE ON FUNCTION pg_current_wal_lsn() TO PUBLIC")
         pg_cluster.sql(f"DROP ROLE {role}")
+
+
+async def test_a_parent_spawns_no_child_before_the_classification(
+    engine: AsyncEngine, fail_over: Failover
+) -> None:
+    """Children inserted while the classification runs would not be seen by it: a parent
+    of the old primary spawns nothing until it ran, and nothing after (it is quarantined)."""
+    from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
+
+    from langgraph_fence.queue import SubmittedRuns
+
+    a = await store_on(engine)
+    parent = await a.acquire(LeaseKey(unique("t"), unique("parent")), "A", TTL)
+    assert parent is not None
+    await fail_over()
+    runs = SubmittedRuns(a, JsonPlusSerializer())
+    child = LeaseKey(parent.key.tenant_id, unique("child"))
+    inputs = runs.serialize_inputs({child.execution_id: {"n": 1}})
+
+    spawned = await runs.submit_children(parent, "child", [(child, inputs[0])])
+
+    assert spawned is None  # the parent no longer holds: nothing written
+    assert await a.get(child) is None
+    lease = await a.get(parent.key)
+    assert lease is not None
+    # Not settled by the spawn: classified by the next take or the watch.
+    assert lease.status is LeaseStatus.RUNNING
+    assert await a.settle_failover() is not None
+    lease = await a.get(parent.key)
+    assert lease is not None
+    assert lease.status is LeaseStatus.DEAD_LETTERED

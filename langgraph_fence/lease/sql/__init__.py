@@ -764,7 +764,9 @@ class SqlLeaseRepository:
         statement."""
         check_key(key)
         params = self._params(tenant_id=key.tenant_id, execution_id=key.execution_id)
-        row = await self._one(self._statements.retry, params)
+        # Under quarantine, pending again only once a failover is classified (the retry's
+        # statement says so too): the classification must see it as it is.
+        row = await self._take_one(self._statements.retry, params)
         if row is None:
             # Refused: let the pure decision say why (no row, not resolvable, stamps).
             decide_retry(await self.get(key), key)

@@ -34,7 +34,7 @@ def sweep_statement(now_sql: str) -> Any:
     execution in flight (pending, running, yielded) at a token above the new floor.
 
     A promotion (a higher timeline) keeps the ledger's base: the floor rises one span per
-    timeline. A lower timeline (a ``pg_upgrade``, a restore into a new cluster: a lineage
+    timeline. A lower timeline (a ``pg_upgrade``, a restore onto a lower timeline: a lineage
     the ledger cannot follow) puts the base above every epoch of the table. One statement:
     the ledger row's lock orders instances that run it at once, and the second finds the
     ledger moved (its ``ON CONFLICT ... WHERE`` sees the newest row) and changes nothing.
@@ -43,6 +43,9 @@ def sweep_statement(now_sql: str) -> Any:
     when there were none; no row when the ledger was already there."""
     tl = timeline_sql("postgresql")
     span = TIMELINE_SPAN
+    # A base above every epoch of the table: read (a scan) only where the ledger is made
+    # afresh or the server is behind it, not at every promotion.
+    above_all = f"(SELECT (coalesce(max(epoch), 0) / {span} + 1) * {span} FROM fence_leases)"
     next_token = "GREATEST(c.epoch + 1, m.floor + 1)"
     reason = (
         f"'quarantined at token ' || {next_token} || ' after a database failover "
@@ -53,14 +56,13 @@ def sweep_statement(now_sql: str) -> Any:
         "its effects, then `langgraph-fence resolve --retry` (or --abandon)'"
     )
     return text(
-        f"""WITH mx AS (
-    SELECT coalesce(max(epoch), 0) AS e FROM fence_leases
-), m AS (
+        f"""WITH m AS (
     INSERT INTO fence_timeline AS f (id, timeline, previous, changed_at, base, tl_base)
-    SELECT 1, {tl}, NULL, {now_sql}, (mx.e / {span} + 1) * {span}, {tl} FROM mx
+    VALUES (1, {tl}, NULL, {now_sql},
+        CASE WHEN EXISTS (SELECT 1 FROM fence_timeline) THEN 0 ELSE {above_all} END, {tl})
     ON CONFLICT (id) DO UPDATE SET previous = f.timeline, timeline = excluded.timeline,
         changed_at = excluded.changed_at,
-        base = CASE WHEN excluded.timeline > f.timeline THEN f.base ELSE excluded.base END,
+        base = CASE WHEN excluded.timeline > f.timeline THEN f.base ELSE {above_all} END,
         tl_base = CASE WHEN excluded.timeline > f.timeline THEN f.tl_base
             ELSE excluded.tl_base END
     WHERE f.timeline <> excluded.timeline

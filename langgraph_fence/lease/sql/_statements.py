@@ -245,7 +245,7 @@ class LeaseStatements:
         non_idempotent = literal_column(stamps["non_idempotent"], Boolean)
         self.retry = (
             update(LEASES)
-            .where(and_(_KEY, _C.status.in_(_RESOLVABLE), ~non_idempotent))
+            .where(self._when_classified(and_(_KEY, _C.status.in_(_RESOLVABLE), ~non_idempotent)))
             .values(
                 holder=None,
                 expires_at=None,
