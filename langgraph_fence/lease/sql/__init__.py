@@ -240,10 +240,12 @@ class SqlLeaseRepository:
         except DBAPIError as exc:
             if is_connection_error(exc):
                 raise
+            # The driver's own words (SQLAlchemy 2.0's wrapper puts its class name before them).
+            said = exc.orig.__cause__ or exc.orig if exc.orig is not None else exc
             raise RuntimeError(
                 "langgraph-fence reads the PostgreSQL server's timeline in every take, with "
                 "pg_walfile_name(pg_current_wal_lsn()), so that tokens keep rising across a "
-                f"failover (docs/replication.md); this server refused it: {exc.orig}. Let "
+                f"failover (docs/replication.md); this server refused it: {said}. Let "
                 "the role call them: GRANT EXECUTE ON FUNCTION pg_current_wal_lsn(), "
                 "pg_walfile_name(pg_lsn) TO <the role>"
             ) from exc
