@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from langgraph_fence.lease import LeaseKey
@@ -17,13 +19,16 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from langgraph_fence.database.diagnosis import Target
+    from langgraph_fence.queue import RunState
 from langgraph_fence.cli._common import (
     WORKER_MAX_BACKOFF,
     as_json,
     checked_target,
     json_option,
     printable,
+    run_status,
     stderr,
+    utc,
 )
 
 
@@ -309,6 +314,29 @@ def _submit_config(args: argparse.Namespace) -> dict[str, Any]:
     return {**config, "configurable": configurable}
 
 
+def _not_before(given: str | None) -> datetime | float | None:
+    """``--not-before``: a delay in seconds, or an ISO 8601 time with its offset."""
+    if given is None:
+        return None
+    try:
+        return float(given)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(given)
+    except ValueError:
+        raise ValueError(
+            f"--not-before must be a delay in seconds (e.g. 300) or an ISO 8601 time with its "
+            f"offset (e.g. 2026-12-24T09:00:00+01:00), got {given!r}"
+        ) from None
+
+
+def _shown(state: RunState) -> str:
+    """A submitted run's status as ``submit`` prints it."""
+    shown = run_status(state, time.time())
+    return f"{shown} for {utc(state.not_before)}" if shown == "scheduled" else shown
+
+
 async def submit(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -328,13 +356,14 @@ async def submit(args: argparse.Namespace) -> int:
             tenant_id=args.tenant,
             execution_id=args.execution,
             on_busy=args.on_busy,
+            not_before=_not_before(args.not_before),
             **options,
         )
         state = await run.state()
         if args.wait is None:
             Console().print(
                 f"submitted {run.scope_key} (graph {args.graph}, thread {args.thread}, run "
-                f"{run.run_id}): {'queued' if state.queued else state.status.value} at token "
+                f"{run.run_id}): {_shown(state)} at token "
                 f"{state.epoch}",
                 markup=False,
                 highlight=False,

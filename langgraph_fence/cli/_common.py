@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from langgraph_fence.lease import LeaseStatus
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from langgraph_fence.database.diagnosis import Target
+    from langgraph_fence.queue import RunState
 
 
 #: The longest pause of a worker waiting for its database at the start, in seconds.
@@ -214,3 +216,20 @@ def as_json(value: Any) -> str:
         return str(obj)
 
     return json.dumps(value, default=plain)
+
+
+def run_status(run: RunState, now: float) -> str:
+    """``queued`` (behind the thread's run), ``scheduled`` (pending, not to start before a
+    time still ahead of this process's clock), or the lease's status."""
+    if run.queued:
+        return "queued"
+    if run.not_before is not None and run.not_before > now:
+        return "scheduled"
+    return run.status.value
+
+
+def utc(at: float | None) -> str | None:
+    """``at`` (epoch seconds) as an ISO 8601 time in UTC, to the second."""
+    if at is None:
+        return None
+    return datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds")

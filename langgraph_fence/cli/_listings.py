@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    pass
-from langgraph_fence.cli._common import checked_target, expires, printable
+from langgraph_fence.cli._common import checked_target, expires, printable, run_status, utc
 
 
 async def executions(args: argparse.Namespace, status: str | None) -> int:
@@ -117,6 +116,7 @@ async def runs(args: argparse.Namespace) -> int:
         served = await served_graphs(reader)
     finally:
         await engine.dispose()
+    now = time.time()
     listed: list[dict[str, Any]] = [
         {
             "scope_key": r.key.scope_key,
@@ -124,11 +124,12 @@ async def runs(args: argparse.Namespace) -> int:
             "execution_id": r.key.execution_id,
             "graph": r.graph,
             "thread_id": r.thread_id,
-            "status": "queued" if r.queued else r.status.value,
+            "status": run_status(r, now),
             "holder": r.holder,
             "epoch": r.epoch,
             "submitted": r.submitted,
             "run_id": r.run_id,
+            "not_before": utc(r.not_before),
             "served_by": served.get(r.graph or "", []),
             "unserved": r.holder is None and not served.get(r.graph or ""),
         }
@@ -140,11 +141,14 @@ async def runs(args: argparse.Namespace) -> int:
     rows = []
     for entry in listed:
         serving = "UNSERVED" if entry["unserved"] else ", ".join(entry["served_by"])
+        status = entry["status"]
+        if status == "scheduled":
+            status += f" for {entry['not_before']}"
         cells = (
             entry["scope_key"],
             entry["graph"] or "",
             entry["thread_id"] or "",
-            entry["status"],
+            status,
             entry["holder"] or "",
             str(entry["epoch"]),
             serving,

@@ -248,6 +248,13 @@ def parser() -> argparse.ArgumentParser:
         "on it (default: reject)",
     )
     submit.add_argument(
+        "--not-before",
+        default=None,
+        metavar="WHEN",
+        help="no worker starts the run before WHEN: a delay in seconds (e.g. 300) or an ISO "
+        "8601 time with its offset (e.g. 2026-12-24T09:00:00+01:00), on the database's clock",
+    )
+    submit.add_argument(
         "--wait",
         type=positive_seconds,
         default=None,

@@ -39,7 +39,13 @@ from langgraph_fence.lease.journal import Journal
 from langgraph_fence.lease.records import ExecutionRecords, check_thread_binding
 from langgraph_fence.lease.timeline import OnFailover, failover_mode
 from langgraph_fence.lease.transitions import DEFAULT_MAX_TAKEOVERS
-from langgraph_fence.queue import OnBusy, SubmittedRun, SubmittedRuns
+from langgraph_fence.queue import (
+    NotBefore,
+    OnBusy,
+    SubmittedRun,
+    SubmittedRuns,
+    check_not_before,
+)
 from langgraph_fence.saver.admin import ThreadAdmin, admin_holder
 from langgraph_fence.saver.store import FencedStore
 
@@ -476,6 +482,7 @@ class Instance:
         tenant_id: str,
         execution_id: str | None = None,
         on_busy: OnBusy = "reject",
+        not_before: NotBefore | None = None,
         **options: Any,
     ) -> SubmittedRun:
         """Hand a run to any worker: record it pending and return its handle at once.
@@ -502,6 +509,10 @@ class Instance:
             tenant_id: the tenant the execution and its thread belong to.
             execution_id: the lease's execution id (default: the thread id).
             on_busy: ``"reject"`` (default), ``"enqueue"`` or ``"interrupt"``.
+            not_before: no worker starts the run before this: an aware ``datetime``, or a
+                delay (seconds or a ``timedelta``) from the submit, judged by the
+                database's clock, never a worker's. Until then it is pending, listed with
+                its time (``RunState.not_before``), and cancellable.
             **options: recorded ``ainvoke`` options (``context``, ``durability``, ...).
 
         Raises:
@@ -515,9 +526,10 @@ class Instance:
         key, thread_id, run = queue.check(
             graph_name, input, config, tenant_id, execution_id, on_busy, options
         )
+        start = check_not_before(not_before)
         refuse_child_ids(thread_id, execution_id)
         check_thread_binding(key, thread_id, await self.records.bind(key, thread_id))
-        run_id = await queue.submit(key, graph_name, thread_id, input, run, on_busy)
+        run_id = await queue.submit(key, graph_name, thread_id, input, run, on_busy, start)
         return SubmittedRun(queue, key, run_id)
 
     def get_run(

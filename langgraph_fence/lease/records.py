@@ -317,6 +317,13 @@ EXECUTION_MIGRATIONS = [
             *_CONSOLE_INDEXES,
         ],
     ),
+    Migration(
+        version=8,
+        description="submitted runs: the time a run may start from (not_before)",
+        # NULL on every run submitted before it: it may start at once.
+        sqlite=["ALTER TABLE fence_runs ADD COLUMN not_before REAL"],
+        postgresql=["ALTER TABLE fence_runs ADD COLUMN IF NOT EXISTS not_before DOUBLE PRECISION"],
+    ),
 ]
 
 #: The columns a run's record writes (and a later record of the key replaces), beside its

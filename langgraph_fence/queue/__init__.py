@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from langgraph_fence.queue._checks import ON_BUSY, OnBusy
 from langgraph_fence.queue._handle import SubmittedRun
+from langgraph_fence.queue._not_before import NotBefore, check_not_before
 from langgraph_fence.queue._state import (
     ANNOUNCE_EVERY,
     ANNOUNCED_FOR,
@@ -56,11 +57,13 @@ __all__ = [
     "ANNOUNCED_FOR",
     "ANNOUNCE_EVERY",
     "ON_BUSY",
+    "NotBefore",
     "OnBusy",
     "RunState",
     "SubmittedRun",
     "SubmittedRuns",
     "WorkerHold",
+    "check_not_before",
     "list_runs",
     "served_graphs",
 ]

@@ -68,6 +68,8 @@ class RunState:
         run_id: the submitted run's own id (``None``: the execution's run, whichever).
         queued: the run waits behind the thread's run (``on_busy="enqueue"``); its status
             is then ``pending``.
+        not_before: a pending run starts no earlier than this (store clock, epoch seconds;
+            ``submit(not_before=...)``, a schedule's tick, a durable sleep), or ``None``.
     """
 
     key: LeaseKey
@@ -81,21 +83,26 @@ class RunState:
     expires_at: float | None = None
     run_id: str | None = None
     queued: bool = False
+    not_before: float | None = None
 
 
 def run_state(row: Any) -> RunState:
     """A row of a lease and its record (the queue's ``STATE``, ``RUNS`` or ``RUN_STATE``)
     as a :class:`RunState`."""
+    status = LeaseStatus(row.status)
+    # A pending row with no holder keeps in expires_at the time it may start from.
+    waits = status is LeaseStatus.PENDING and row.holder is None
     return RunState(
         LeaseKey(row.tenant_id, row.execution_id),
-        LeaseStatus(row.status),
+        status,
         row.holder,
         int(row.epoch),
         row.graph,
         row.thread_id,
         row.submitted_at is not None,
         row.reason,
-        row.expires_at,
+        None if waits else row.expires_at,
+        not_before=row.expires_at if waits else None,
     )
 
 
@@ -124,6 +131,7 @@ def submitted_run_state(row: Any, run_id: str | None) -> tuple[RunState, tuple[A
             thread_id=row.run_thread,
             run_id=run_id,
             queued=True,
+            not_before=row.run_not_before,
         )
         return waiting, (None, None)
     ended = replace(
@@ -169,6 +177,7 @@ async def list_runs(
             True,
             run_id=row.run_id,
             queued=True,
+            not_before=row.not_before,
         )
         for row in queued
     ]

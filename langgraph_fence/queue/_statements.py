@@ -75,6 +75,12 @@ class LeaseWrites:
             f"status = :status, reason = :reason, updated_at = {now} WHERE " + KEY
         )
         self.interrupt = text(fence + " AND epoch = :epoch")
+        # A pending run with no holder starts no earlier than :not_before (store clock): a
+        # take passes over a pending row whose expires_at is ahead (submit(not_before=...)).
+        self.hold_until = text(
+            "UPDATE fence_leases SET expires_at = :not_before WHERE " + KEY + " AND "
+            "status = 'pending' AND holder IS NULL"
+        )
         # Pending, running, or yielded (waiting with its holder kept: its run goes on).
         self.cancel = text(fence + " AND " + in_flight_sql() + " RETURNING epoch")
         # A parent's children that no worker claimed yet (pending, no holder) never start.
@@ -256,9 +262,9 @@ OPEN_RUNS = text(
 )
 ADD_RUN = text(
     "INSERT INTO fence_runs (run_id, tenant_id, execution_id, seq, status, graph, thread_id, "
-    "input_type, input, run_type, run, submitted_at) SELECT :run_id, :tenant_id, "
+    "input_type, input, run_type, run, submitted_at, not_before) SELECT :run_id, :tenant_id, "
     ":execution_id, COALESCE(MAX(seq), 0) + 1, :status, :graph, :thread_id, :input_type, "
-    ":input, :run_type, :run, :at FROM fence_runs WHERE " + _RUN_KEY
+    ":input, :run_type, :run, :at, :not_before FROM fence_runs WHERE " + _RUN_KEY
 )
 
 
@@ -286,9 +292,8 @@ RUN_ENDS = text(
     f"WHERE {_RUN_KEY} AND status = 'current'"
 )
 NEXT_QUEUED = text(
-    "SELECT run_id, graph, thread_id, input_type, input, run_type, run FROM fence_runs WHERE "
-    + _RUN_KEY
-    + " AND status = 'queued' ORDER BY seq LIMIT 1"
+    "SELECT run_id, graph, thread_id, input_type, input, run_type, run, not_before "
+    "FROM fence_runs WHERE " + _RUN_KEY + " AND status = 'queued' ORDER BY seq LIMIT 1"
 )
 MAKE_CURRENT = text("UPDATE fence_runs SET status = 'current' WHERE run_id = :run_id")
 # Threads with a queued run whose current run has ended (released: no holder; a yielded
@@ -304,7 +309,8 @@ PROMOTABLE = text(
 # The runs queued behind their thread's run, oldest submit first.
 QUEUED_RUNS = {
     of: text(
-        "SELECT r.tenant_id, r.execution_id, r.run_id, r.graph, r.thread_id, l.epoch "
+        "SELECT r.tenant_id, r.execution_id, r.run_id, r.graph, r.thread_id, l.epoch, "
+        "r.not_before "
         "FROM fence_runs r JOIN fence_leases l ON l.tenant_id = r.tenant_id "
         "AND l.execution_id = r.execution_id WHERE " + of + "r.status = 'queued' "
         "ORDER BY r.submitted_at, r.seq LIMIT :limit"
@@ -320,7 +326,8 @@ RUN_STATE = text(
     _STATE_COLUMNS
     + ", e.output_type, e.output, r.run_id, r.status AS run_status, r.reason AS run_reason, "
     "r.epoch AS run_epoch, r.graph AS run_graph, r.thread_id AS run_thread, "
-    "r.output_type AS run_output_type, r.output AS run_output FROM fence_runs r "
+    "r.output_type AS run_output_type, r.output AS run_output, "
+    "r.not_before AS run_not_before FROM fence_runs r "
     "JOIN fence_leases l ON l.tenant_id = r.tenant_id AND l.execution_id = r.execution_id "
     "LEFT JOIN fence_executions e ON e.tenant_id = r.tenant_id "
     "AND e.execution_id = r.execution_id "

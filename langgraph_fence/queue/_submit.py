@@ -23,6 +23,7 @@ from langgraph_fence.queue._checks import (
     waiting_error,
 )
 from langgraph_fence.queue._database import QueueDatabase
+from langgraph_fence.queue._not_before import Checked, not_before_at
 from langgraph_fence.queue._statements import (
     ADD_RUN,
     BETWEEN_RUNS,
@@ -47,20 +48,25 @@ _SAME = ("graph", "input_type", "input", "run_type", "run")
 
 
 async def submit_run(
-    db: QueueDatabase, key: LeaseKey, record: Mapping[str, Any], on_busy: OnBusy
+    db: QueueDatabase,
+    key: LeaseKey,
+    record: Mapping[str, Any],
+    on_busy: OnBusy,
+    not_before: Checked | None = None,
 ) -> str | None:
     """Record a submit of ``record`` (the record's columns, serialised) under ``key``, in one
     transaction: its run row, and the execution's record and pending lease when it runs
     next; the run's id, or the id of the same run submitted before (``None``: that run has
-    no row of its own)."""
+    no row of its own). ``not_before``: no worker starts the run earlier (store clock)."""
     params = {"tenant_id": key.tenant_id, "execution_id": key.execution_id}
     at = time.time()
     run_id = uuid.uuid4().hex  # made once: a retried transaction adds the same run
-    row = {**params, **record, "run_id": run_id, "at": at}
 
     async def once() -> str | None:
         async with transaction(db.engine) as conn:
             await db.classified(conn)
+            start = await not_before_at(conn, not_before, db.store.now_sql, db.now())
+            row = {**params, **record, "run_id": run_id, "at": at, "not_before": start}
             root = {"scope_key": key.scope_key, "parent_execution_id": None}
             created = await conn.execute(db.leases.insert_pending, {**params, **root, **db.now()})
             if created.first() is None:
@@ -96,6 +102,7 @@ async def submit_run(
                     await conn.execute(RUN_ENDS, {**params, "status": None, "reason": None})
                     await _repend(db, conn, params, lease.epoch)
             await conn.execute(ADD_RUN, {**row, "status": "current"})
+            await _hold_until(db, conn, params, start)
             # Delivered on commit: a waiting serve() looks at once.
             await db.notify(conn, NOTIFY_CHANNEL, record["graph"])
             await conn.execute(SUBMIT_RECORD, {**params, **record, "at": at})
@@ -114,6 +121,14 @@ async def _recorded(conn: AsyncConnection, params: Mapping[str, str]) -> Any:
 def _same_as(row: Any) -> tuple[Any, ...]:
     """A run row's columns as :data:`_SAME` compares them."""
     return (row.graph, row.input_type, bytes(row.input), row.run_type, bytes(row.run))
+
+
+async def _hold_until(
+    db: QueueDatabase, conn: AsyncConnection, params: Mapping[str, str], start: float | None
+) -> None:
+    """The execution's pending run starts no earlier than ``start`` (``None``: at once)."""
+    if start is not None:
+        await conn.execute(db.leases.hold_until, {**params, "not_before": start})
 
 
 async def _repend(
@@ -165,6 +180,7 @@ async def _promote(db: QueueDatabase, key: LeaseKey) -> bool:
         }
         await conn.execute(SUBMIT_RECORD, {**params, **record, "at": at})
         await _repend(db, conn, params, lease.epoch)
+        await _hold_until(db, conn, params, queued.not_before)
         return True
 
 

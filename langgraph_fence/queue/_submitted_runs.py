@@ -17,6 +17,7 @@ from langgraph_fence.lease import Lease, LeaseKey
 from langgraph_fence.queue._checks import ON_BUSY, OnBusy, stored_input
 from langgraph_fence.queue._children import ChildRuns
 from langgraph_fence.queue._database import QueueDatabase
+from langgraph_fence.queue._not_before import Checked
 from langgraph_fence.queue._state import (
     RunState,
     WorkerHold,
@@ -148,9 +149,12 @@ class SubmittedRuns:
         input: Any,
         run: RecordedRun,
         on_busy: OnBusy,
+        not_before: Checked | None = None,
     ) -> str | None:
         """Record the run (its own row, and the execution's record and pending lease when it
-        runs next), in one transaction; the run's id.
+        runs next), in one transaction; the run's id. ``not_before`` (checked by
+        :func:`~langgraph_fence.queue._not_before.check_not_before`): no worker starts it
+        earlier, judged by the database's clock.
 
         The same run submitted again while it is pending, running or queued returns that
         run's id and writes nothing (``None``: the execution's run in flight has no run
@@ -171,7 +175,7 @@ class SubmittedRuns:
             "run_type": run_type,
             "run": run_blob,
         }
-        return await submit_run(self._db, key, record, on_busy)
+        return await submit_run(self._db, key, record, on_busy, not_before)
 
     async def promote(self, limit: int = 100) -> int:
         """Begin the next queued run of each thread whose current run has ended: the ended

@@ -93,6 +93,12 @@ def test_submit_runs_and_a_worker_on_the_command_line(tmp_path: Path) -> None:
     bad = cli("submit", "--db", db, "--graph", "shout", "--thread", "t1", "--input", "{oops")
     assert bad.returncode == 2
     assert "--input must be JSON" in bad.stderr
+    late = cli(
+        "submit", "--db", db, "--graph", "shout", "--thread", "t2", "--input", "{}",
+        "--not-before", "tomorrow",
+    )  # fmt: skip
+    assert late.returncode == 2
+    assert "--not-before must be a delay in seconds" in late.stderr
 
     log = (tmp_path / "worker.log").open("wb")
     graphs = "tests.integration.test_cli_submit:shout_graphs"
@@ -114,6 +120,13 @@ def test_submit_runs_and_a_worker_on_the_command_line(tmp_path: Path) -> None:
         # A run of a graph the live worker does not serve stays listed as unserved.
         other = cli("submit", "--db", db, "--graph", "other", "--thread", "t3", "--input", "{}")
         assert other.returncode == 0, other.stderr
+        # A delayed run of a served graph waits for its time, listed as scheduled.
+        delayed = cli(
+            "submit", "--db", db, "--graph", "shout", "--thread", "t4", "--input",
+            '{"text": "later"}', "--not-before", "3600",
+        )  # fmt: skip
+        assert delayed.returncode == 0, delayed.stderr
+        assert "scheduled for 20" in delayed.stdout
 
         def t1_ran() -> dict[str, Any] | None:
             listed_now = {entry["thread_id"]: entry for entry in runs(db)}
@@ -122,6 +135,8 @@ def test_submit_runs_and_a_worker_on_the_command_line(tmp_path: Path) -> None:
         listed_now = eventually_sync(t1_ran, timeout=30, interval=0.1, what="t1 to be run")
         assert listed_now["t3"]["unserved"] is True
         assert listed_now["t3"]["graph"] == "other"
+        assert listed_now["t4"]["status"] == "scheduled"
+        assert listed_now["t4"]["not_before"].endswith("+00:00")
     finally:
         worker.send_signal(signal.SIGTERM)
         worker.wait(timeout=30)

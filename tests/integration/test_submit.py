@@ -9,11 +9,9 @@ a submit leaves must be all another process needs.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any
 
 import pytest
-from langchain_core.runnables import RunnableConfig
 from langgraph.graph import END, START, StateGraph
 from sqlalchemy import text
 
@@ -28,55 +26,9 @@ from langgraph_fence import (
 )
 from langgraph_fence.testing import Leases
 from tests.support.databases import Database, unique
-from tests.support.graphs import one_step
 from tests.support.polling import eventually
-from tests.support.serving import cfg, opened, serving
-
-TABLES = ("fence_leases", "fence_executions", "fence_thread_bindings", "fence_checkpoints")
-#: What a start or a submit writes; beside a run in flight, whose checkpoints land meanwhile
-#: (under durability="async" even after its node began), these are compared, not the
-#: checkpoints.
-SUBMIT_TABLES = ("fence_leases", "fence_executions", "fence_thread_bindings", "fence_runs")
-
-
-class State(TypedDict, total=False):
-    text: str
-    out: str
-
-
-@dataclass
-class Work:
-    """What the node saw: the inputs in the order runs started, and gates that hold them."""
-
-    started: list[tuple[str, str]] = field(default_factory=list)  # (tenant, text)
-    gates: dict[str, asyncio.Event] = field(default_factory=dict)  # text -> released
-    entered: dict[str, asyncio.Event] = field(default_factory=dict)  # text -> in the node
-
-
-def build(instance: Instance, work: Work) -> Any:
-    async def shout(state: State, config: RunnableConfig) -> dict[str, Any]:
-        tenant = config["configurable"]["tenant_id"]
-        work.started.append((tenant, state["text"]))
-        work.entered.setdefault(state["text"], asyncio.Event()).set()
-        gate = work.gates.get(state["text"])
-        if gate is not None:
-            await gate.wait()
-        return {"out": state["text"].upper()}
-
-    return one_step(instance, State, "shout", shout, name="shout")
-
-
-async def within(event: asyncio.Event, seconds: float = 10.0) -> None:
-    await asyncio.wait_for(event.wait(), seconds)
-
-
-async def rows(instance: Instance, tables: tuple[str, ...] = TABLES) -> dict[str, int]:
-    engine = instance._run_queue()._engine
-    async with engine.connect() as conn:
-        return {
-            t: int((await conn.execute(text(f"SELECT count(*) FROM {t}"))).scalar_one())
-            for t in tables
-        }
+from tests.support.serving import cfg, look, opened, serving, stepped
+from tests.support.shout import SUBMIT_TABLES, State, Work, build, rows, within
 
 
 async def test_submit_returns_at_once_and_any_worker_runs_it(database: Database) -> None:
@@ -437,8 +389,6 @@ async def test_a_worker_gone_between_queued_runs_loses_and_repeats_none(
     """Worker A runs the first run and is gone before it begins the next; worker B begins
     the next (promotes it) and is gone before it claims it; worker C runs the rest. Each
     queued run runs once, in order, with its own output."""
-    from langgraph_fence.execution.serve import Server
-
     async with (
         opened(database, "client") as client,
         opened(database, "a") as a,
@@ -455,15 +405,8 @@ async def test_a_worker_gone_between_queued_runs_loses_and_repeats_none(
                 )
             )
 
-        def server(instance: Instance) -> Server:
-            graphs = {"shout": build(instance, work)}
-            return Server(
-                instance.host, graphs, concurrency=1, poll_interval=0.02, max_takeovers=3, kwargs={}
-            )
-
-        async def look(one: Server) -> None:
-            await one.poll_once()
-            await asyncio.wait_for(asyncio.gather(*one.running), 20)
+        def server(instance: Instance) -> Any:
+            return stepped(instance, {"shout": build(instance, work)})
 
         await look(server(a))  # runs r0; A looks no more
         assert (await runs[0].state()).status is LeaseStatus.DONE

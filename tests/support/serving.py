@@ -61,5 +61,26 @@ async def opened(database: Database, name: str, **options: Any) -> AsyncIterator
         yield instance
 
 
+def stepped(instance: Instance, graphs: dict[str, Any], *, concurrency: int = 1) -> Any:
+    """``instance``'s serve loop over ``graphs``, for a test to drive one look at a time
+    (:func:`look`): no wall clock."""
+    from langgraph_fence.execution.serve import Server
+
+    return Server(
+        instance.host,
+        graphs,
+        concurrency=concurrency,
+        poll_interval=0.02,
+        max_takeovers=3,
+        kwargs={},
+    )
+
+
+async def look(server: Any) -> None:
+    """One look of a :func:`stepped` loop, and the runs it started, to their end."""
+    await server.poll_once()
+    await asyncio.wait_for(asyncio.gather(*server.running), 20)
+
+
 def cfg(thread: str) -> dict[str, Any]:
     return {"configurable": {"thread_id": thread}}
