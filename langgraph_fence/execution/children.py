@@ -53,7 +53,12 @@ from langgraph_fence.errors import (
     find_fence_error,
 )
 from langgraph_fence.lease import LeaseKey, LeaseStatus
-from langgraph_fence.lease.scope import parse_scope_key, scope_key
+from langgraph_fence.lease.scope import (
+    CHILD_ID_PREFIX,
+    parse_scope_key,
+    refuse_child_ids,
+    scope_key,
+)
 from langgraph_fence.validate import positive_seconds, text_id
 
 if TYPE_CHECKING:
@@ -72,9 +77,6 @@ __all__ = [
     "wait_children",
 ]
 
-#: Every child execution id starts with this, and no id of a run of your own may: a thread
-#: named like a child is refused, never adopted as one.
-CHILD_ID_PREFIX = "lgf-child:"
 
 _OUTPUT_ENDS = (LeaseStatus.DONE, LeaseStatus.WAITING)
 _FAILED_ENDS = (LeaseStatus.FAILED, LeaseStatus.DEAD_LETTERED, LeaseStatus.CANCELLED)
@@ -148,23 +150,6 @@ def parse_child_execution_id(execution_id: str) -> tuple[LeaseKey, str] | None:
         return None
     tenant, parent, key = parts
     return LeaseKey(tenant, parent), key
-
-
-def refuse_child_ids(thread_id: str, execution_id: str | None) -> None:
-    """Refuse a run of your own (``ainvoke``, ``submit``, ...) whose thread id or
-    ``execution_id`` is in the namespace of child execution ids.
-
-    Raises:
-        ValueError: one starts with :data:`CHILD_ID_PREFIX`, naming the argument and the fix.
-    """
-    given = [("config['configurable']['thread_id']", thread_id), ("execution_id", execution_id)]
-    for name, value in given:
-        if isinstance(value, str) and value.startswith(CHILD_ID_PREFIX):
-            raise ValueError(
-                f"{name} is {value!r}: ids starting with {CHILD_ID_PREFIX!r} are reserved "
-                "for child executions (ctx.spawn_child names them): choose another id for a "
-                "run of your own"
-            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from urllib.parse import quote, unquote
 
-__all__ = ["encode_part", "parse_scope_key", "scope_key"]
+__all__ = [
+    "CHILD_ID_PREFIX",
+    "encode_part",
+    "parse_scope_key",
+    "refuse_child_ids",
+    "scope_key",
+]
 
 # The characters encodeURIComponent leaves alone, beyond ASCII letters and digits
 # (which urllib.parse.quote never escapes).
@@ -68,3 +74,25 @@ def parse_scope_key(key: str) -> tuple[str, ...]:
             raise ValueError(f"key {key!r} is not canonically encoded at {raw!r}")
         parts.append(decoded)
     return tuple(parts)
+
+
+#: Every child execution id starts with this, and no id of a run of your own may: a thread
+#: named like a child is refused, never adopted as one.
+CHILD_ID_PREFIX = "lgf-child:"
+
+
+def refuse_child_ids(thread_id: str, execution_id: str | None) -> None:
+    """Refuse a run of your own (``ainvoke``, ``submit``, ...) whose thread id or
+    ``execution_id`` is in the namespace of child execution ids.
+
+    Raises:
+        ValueError: one starts with :data:`CHILD_ID_PREFIX`, naming the argument and the fix.
+    """
+    given = [("config['configurable']['thread_id']", thread_id), ("execution_id", execution_id)]
+    for name, value in given:
+        if isinstance(value, str) and value.startswith(CHILD_ID_PREFIX):
+            raise ValueError(
+                f"{name} is {value!r}: ids starting with {CHILD_ID_PREFIX!r} are reserved "
+                "for child executions (ctx.spawn_child names them): choose another id for a "
+                "run of your own"
+            )
