@@ -40,7 +40,7 @@ from langgraph_fence.queue._statements import (
 )
 from langgraph_fence.queue.notifications import ENDS_CHANNEL, NOTIFY_CHANNEL
 
-__all__ = ["cancel_run", "promote_queued", "refuse_beside_waiting", "submit_run"]
+__all__ = ["cancel_run", "promote_queued", "refuse_beside_waiting", "submit_in", "submit_run"]
 
 _BUSY = (LeaseStatus.PENDING.value, LeaseStatus.RUNNING.value)
 # The record columns two submits must share to be the same submit again.
@@ -58,7 +58,6 @@ async def submit_run(
     transaction: its run row, and the execution's record and pending lease when it runs
     next; the run's id, or the id of the same run submitted before (``None``: that run has
     no row of its own). ``not_before``: no worker starts the run earlier (store clock)."""
-    params = {"tenant_id": key.tenant_id, "execution_id": key.execution_id}
     at = time.time()
     run_id = uuid.uuid4().hex  # made once: a retried transaction adds the same run
 
@@ -66,49 +65,66 @@ async def submit_run(
         async with transaction(db.engine) as conn:
             await db.classified(conn)
             start = await not_before_at(conn, not_before, db.store.now_sql, db.now())
-            row = {**params, **record, "run_id": run_id, "at": at, "not_before": start}
-            root = {"scope_key": key.scope_key, "parent_execution_id": None}
-            created = await conn.execute(db.leases.insert_pending, {**params, **root, **db.now()})
-            if created.first() is None:
-                lease = (await conn.execute(db.lease_row, params)).one()
-                if lease.status == LeaseStatus.DEAD_LETTERED.value:
-                    raise dead_lettered_error(key, lease.reason)
-                runs = list(await conn.execute(OPEN_RUNS, params))
-                queued = [r for r in runs if r.status == "queued"]
-                current = next((r.run_id for r in runs if r.status == "current"), None)
-                in_flight = lease.status in _BUSY or is_yielded(lease.status, lease.holder)
-                if in_flight or queued:
-                    same = tuple(record[k] for k in _SAME)
-                    if in_flight and await _recorded(conn, params) == same:
-                        return current  # the same submit again: that run
-                    for waiting in queued:
-                        if _same_as(waiting) == same:
-                            return str(waiting.run_id)
-                    if on_busy == "reject":
-                        raise busy_error(key, lease.status, lease.holder, len(queued))
-                    if on_busy == "enqueue":
-                        await conn.execute(ADD_RUN, {**row, "status": "queued"})
-                        return run_id
-                if in_flight:  # interrupt
-                    reason = f"interrupted by a submit of new input at {at:.3f}"
-                    await conn.execute(RUN_ENDS, {**params, "status": "failed", "reason": reason})
-                    interrupt = {**params, "epoch": lease.epoch, **db.now()}
-                    await conn.execute(
-                        db.leases.interrupt, {**interrupt, "status": "pending", "reason": reason}
-                    )
-                else:
-                    # The thread's last run ended: it keeps its end, this one begins
-                    # (before any queued one, for an interrupt).
-                    await conn.execute(RUN_ENDS, {**params, "status": None, "reason": None})
-                    await _repend(db, conn, params, lease.epoch)
-            await conn.execute(ADD_RUN, {**row, "status": "current"})
-            await _hold_until(db, conn, params, start)
-            # Delivered on commit: a waiting serve() looks at once.
-            await db.notify(conn, NOTIFY_CHANNEL, record["graph"])
-            await conn.execute(SUBMIT_RECORD, {**params, **record, "at": at})
-            return run_id
+            return await submit_in(db, conn, key, record, on_busy, start, run_id, at)
 
     return await db.settled_first(partial(retry_connection_errors, once, what="submit"))
+
+
+async def submit_in(
+    db: QueueDatabase,
+    conn: AsyncConnection,
+    key: LeaseKey,
+    record: Mapping[str, Any],
+    on_busy: OnBusy,
+    start: float | None,
+    run_id: str,
+    at: float,
+) -> str | None:
+    """:func:`submit_run`'s writes, in ``conn``'s transaction (which the caller opened, and
+    checked classified): the run ``run_id`` submitted at ``at`` (wall clock), starting no
+    earlier than ``start`` (store clock, or ``None``)."""
+    params = {"tenant_id": key.tenant_id, "execution_id": key.execution_id}
+    row = {**params, **record, "run_id": run_id, "at": at, "not_before": start}
+    root = {"scope_key": key.scope_key, "parent_execution_id": None}
+    created = await conn.execute(db.leases.insert_pending, {**params, **root, **db.now()})
+    if created.first() is None:
+        lease = (await conn.execute(db.lease_row, params)).one()
+        if lease.status == LeaseStatus.DEAD_LETTERED.value:
+            raise dead_lettered_error(key, lease.reason)
+        runs = list(await conn.execute(OPEN_RUNS, params))
+        queued = [r for r in runs if r.status == "queued"]
+        current = next((r.run_id for r in runs if r.status == "current"), None)
+        in_flight = lease.status in _BUSY or is_yielded(lease.status, lease.holder)
+        if in_flight or queued:
+            same = tuple(record[k] for k in _SAME)
+            if in_flight and await _recorded(conn, params) == same:
+                return current  # the same submit again: that run
+            for waiting in queued:
+                if _same_as(waiting) == same:
+                    return str(waiting.run_id)
+            if on_busy == "reject":
+                raise busy_error(key, lease.status, lease.holder, len(queued))
+            if on_busy == "enqueue":
+                await conn.execute(ADD_RUN, {**row, "status": "queued"})
+                return run_id
+        if in_flight:  # interrupt
+            reason = f"interrupted by a submit of new input at {at:.3f}"
+            await conn.execute(RUN_ENDS, {**params, "status": "failed", "reason": reason})
+            interrupt = {**params, "epoch": lease.epoch, **db.now()}
+            await conn.execute(
+                db.leases.interrupt, {**interrupt, "status": "pending", "reason": reason}
+            )
+        else:
+            # The thread's last run ended: it keeps its end, this one begins
+            # (before any queued one, for an interrupt).
+            await conn.execute(RUN_ENDS, {**params, "status": None, "reason": None})
+            await _repend(db, conn, params, lease.epoch)
+    await conn.execute(ADD_RUN, {**row, "status": "current"})
+    await _hold_until(db, conn, params, start)
+    # Delivered on commit: a waiting serve() looks at once.
+    await db.notify(conn, NOTIFY_CHANNEL, record["graph"])
+    await conn.execute(SUBMIT_RECORD, {**params, **record, "at": at})
+    return run_id
 
 
 async def _recorded(conn: AsyncConnection, params: Mapping[str, str]) -> Any:
