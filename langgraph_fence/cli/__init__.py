@@ -1,5 +1,5 @@
-"""The ``langgraph-fence`` command: demo, worker, submit, runs, migrate, executions,
-dead-letters, resolve, erase, ui.
+"""The ``langgraph-fence`` command: demo, worker, submit, runs, schedules, migrate,
+executions, dead-letters, resolve, erase, ui.
 
 The only module that prints; it prints through rich. It imports what a command needs when
 the command runs: ``--help`` and the listings never load LangGraph (see benchmarks/README.md).
@@ -25,6 +25,7 @@ from langgraph_fence.cli._common import (
 )
 from langgraph_fence.cli._listings import executions, runs
 from langgraph_fence.cli._parser import log_level, parser
+from langgraph_fence.cli._schedules import schedules
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -99,6 +100,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], Coroutine[Any, Any, int]]] =
     "resolve": resolve,
     "submit": submit,
     "runs": runs,
+    "schedules": schedules,
     "ui": ui,
 }
 

@@ -24,6 +24,7 @@ from langgraph_fence.cli._common import (
     WORKER_MAX_BACKOFF,
     as_json,
     checked_target,
+    iso_time,
     json_option,
     printable,
     run_status,
@@ -279,6 +280,17 @@ async def erase(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_request(args: argparse.Namespace) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """The input, run config and options of a run the command line describes (``submit``,
+    ``schedules create``): ``--input``, ``--config`` with ``--configurable`` and
+    ``--thread``, and ``--context``."""
+    payload = json_option("--input", args.input, "'{\"n\": 1}'")
+    options: dict[str, Any] = {}
+    if args.context is not None:
+        options["context"] = json_option("--context", args.context, '\'{"currency": "EUR"}\'')
+    return payload, _submit_config(args), options
+
+
 def _submit_config(args: argparse.Namespace) -> dict[str, Any]:
     """The run config ``submit`` was given: ``--config``, each ``--configurable KEY=VALUE``
     over its ``configurable``, and ``--thread`` as the thread id."""
@@ -321,14 +333,7 @@ def _not_before(given: str | None) -> datetime | float | None:
     try:
         return float(given)
     except ValueError:
-        pass
-    try:
-        return datetime.fromisoformat(given)
-    except ValueError:
-        raise ValueError(
-            f"--not-before must be a delay in seconds (e.g. 300) or an ISO 8601 time with its "
-            f"offset (e.g. 2026-12-24T09:00:00+01:00), got {given!r}"
-        ) from None
+        return iso_time("--not-before", given, "a delay in seconds (e.g. 300) or ")
 
 
 def _shown(state: RunState) -> str:
@@ -342,11 +347,7 @@ async def submit(args: argparse.Namespace) -> int:
 
     from langgraph_fence.instance import Instance
 
-    payload = json_option("--input", args.input, "'{\"n\": 1}'")
-    config = _submit_config(args)
-    options: dict[str, Any] = {}
-    if args.context is not None:
-        options["context"] = json_option("--context", args.context, '\'{"currency": "EUR"}\'')
+    payload, config, options = run_request(args)
     checked_target(args, must_exist=False)
     async with Instance.open(args.db, schema=args.schema) as instance:
         run = await instance.submit(

@@ -233,3 +233,15 @@ def utc(at: float | None) -> str | None:
     if at is None:
         return None
     return datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds")
+
+
+def iso_time(option: str, given: str, other: str = "") -> datetime:
+    """``given`` as an ISO 8601 time, or ``ValueError`` naming ``option`` (which also takes
+    ``other``, e.g. "a delay in seconds or ")."""
+    try:
+        return datetime.fromisoformat(given)
+    except ValueError:
+        raise ValueError(
+            f"{option} must be {other}an ISO 8601 time with its offset (e.g. "
+            f"2026-12-24T09:00:00+01:00), got {given!r}"
+        ) from None

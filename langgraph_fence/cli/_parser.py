@@ -81,6 +81,45 @@ def _database_options(parser: argparse.ArgumentParser, *, db_help: str = DB_HELP
     parser.add_argument("--schema", default=None, help=SCHEMA_HELP)
 
 
+def _run_options(parser: argparse.ArgumentParser) -> None:
+    """What a submitted run is (``submit``, ``schedules create``): graph, thread, input,
+    config, context, tenant, execution."""
+    parser.add_argument("--graph", required=True, help="the graph name a worker serves")
+    parser.add_argument("--thread", required=True, help="the thread id")
+    parser.add_argument(
+        "--input", required=True, metavar="JSON", help="the graph's input, e.g. '{\"n\": 1}'"
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="JSON",
+        help="the run config as a JSON object, as graph.ainvoke takes it, e.g. "
+        '\'{"configurable": {"user_id": "u-7"}, "tags": ["cli"], "recursion_limit": 10}\'; '
+        "recorded with the run, so a takeover runs with it too",
+    )
+    parser.add_argument(
+        "--configurable",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one config['configurable'] key, its value a string (repeatable; over --config's; "
+        "other types go in --config)",
+    )
+    parser.add_argument(
+        "--context",
+        default=None,
+        metavar="JSON",
+        help="the run's runtime context (graph.ainvoke's context=) as JSON, e.g. "
+        '\'{"currency": "EUR"}\'',
+    )
+    parser.add_argument(
+        "--tenant", default="default", help="the tenant of the thread (default: default)"
+    )
+    parser.add_argument(
+        "--execution", default=None, help="the execution id (default: the thread id)"
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="langgraph-fence",
@@ -206,40 +245,7 @@ def parser() -> argparse.ArgumentParser:
         "graph no worker serves is accepted: `langgraph-fence runs` shows it unserved.",
     )
     _database_options(submit)
-    submit.add_argument("--graph", required=True, help="the graph name a worker serves")
-    submit.add_argument("--thread", required=True, help="the thread id")
-    submit.add_argument(
-        "--input", required=True, metavar="JSON", help="the graph's input, e.g. '{\"n\": 1}'"
-    )
-    submit.add_argument(
-        "--config",
-        default=None,
-        metavar="JSON",
-        help="the run config as a JSON object, as graph.ainvoke takes it, e.g. "
-        '\'{"configurable": {"user_id": "u-7"}, "tags": ["cli"], "recursion_limit": 10}\'; '
-        "recorded with the run, so a takeover runs with it too",
-    )
-    submit.add_argument(
-        "--configurable",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="one config['configurable'] key, its value a string (repeatable; over --config's; "
-        "other types go in --config)",
-    )
-    submit.add_argument(
-        "--context",
-        default=None,
-        metavar="JSON",
-        help="the run's runtime context (graph.ainvoke's context=) as JSON, e.g. "
-        '\'{"currency": "EUR"}\'',
-    )
-    submit.add_argument(
-        "--tenant", default="default", help="the tenant of the thread (default: default)"
-    )
-    submit.add_argument(
-        "--execution", default=None, help="the execution id (default: the thread id)"
-    )
+    _run_options(submit)
     submit.add_argument(
         "--on-busy",
         default="reject",
@@ -262,6 +268,67 @@ def parser() -> argparse.ArgumentParser:
         help="wait this long for the run's end and print its output as JSON (LangChain "
         "messages as message_to_dict's dicts, other values JSON cannot hold as strings)",
     )
+    schedules = command(
+        "schedules",
+        "create, list, pause, resume and delete schedules (cron ticks that submit runs)",
+        description="A schedule submits one run of a graph on a thread at each tick of a "
+        "cron expression in a time zone, judged by the database's clock; whichever worker "
+        "(`langgraph-fence worker`) looks first fires a tick, exactly once.",
+    )
+    actions = schedules.add_subparsers(dest="action", required=True, metavar="ACTION")
+    create = actions.add_parser("create", help="create a schedule (or --replace one)")
+    create.add_argument("schedule_id", metavar="ID", help="the schedule's id in its tenant")
+    _database_options(create)
+    _run_options(create)
+    create.add_argument(
+        "--cron",
+        required=True,
+        help="5 fields ('0 9 * * MON-FRI'), or 6 with seconds last ('* * * * * */10')",
+    )
+    create.add_argument("--timezone", default="UTC", help="an IANA time zone name (default: UTC)")
+    create.add_argument(
+        "--overlap",
+        default="skip",
+        choices=("skip", "enqueue", "cancel_previous"),  # queue.OVERLAP
+        help="a tick while the previous run is pending or running (default: skip)",
+    )
+    create.add_argument(
+        "--missed",
+        default="skip",
+        choices=("skip", "run_one"),  # queue.MISSED
+        help="ticks found more than --grace seconds late (default: skip)",
+    )
+    create.add_argument(
+        "--grace",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how late a tick may fire (default: 60)",
+    )
+    create.add_argument(
+        "--end-at",
+        default=None,
+        metavar="TIME",
+        help="no tick after this ISO 8601 time with its offset",
+    )
+    create.add_argument(
+        "--replace", action="store_true", help="replace the schedule of that id if it exists"
+    )
+    listing = actions.add_parser("list", help="list the schedules")
+    _database_options(listing)
+    listing.add_argument("--tenant", default=None, help="of this tenant only")
+    listing.add_argument("--json", action="store_true", help="print JSON")
+    for name, what in (
+        ("pause", "fire no tick until resumed"),
+        ("resume", "fire again from the next tick after now"),
+        ("delete", "delete the schedule (its runs stay)"),
+    ):
+        one = actions.add_parser(name, help=what)
+        one.add_argument("schedule_id", metavar="ID", help="the schedule's id")
+        _database_options(one)
+        one.add_argument(
+            "--tenant", default="default", help="the schedule's tenant (default: default)"
+        )
     runs = command(
         "runs",
         "list pending and running executions, with their workers",

@@ -22,7 +22,11 @@ from langgraph_fence.events import EventKind, Listeners
 from langgraph_fence.execution.keeper import Keeper
 from langgraph_fence.fence import RunHandle
 from langgraph_fence.lease import ExecutionLeaseRepository, LeaseKey
-from langgraph_fence.lease.records import ExecutionRecords, SqlExecutionRecords
+from langgraph_fence.lease.records import (
+    ExecutionRecords,
+    SqlExecutionRecords,
+    check_thread_binding,
+)
 from langgraph_fence.lease.stores import base_store
 from langgraph_fence.queue import SubmittedRuns
 from langgraph_fence.serde import safe_serializer
@@ -124,5 +128,10 @@ class InstanceHost:
                     "database (every worker reads the queue there): open the instance with "
                     "Instance.open('sqlite+aiosqlite:///...' or 'postgresql+asyncpg://...')"
                 )
-            self._queue = SubmittedRuns(store, self.records.serde)
+            records = self.records
+
+            async def bind(key: LeaseKey, thread_id: str) -> None:
+                check_thread_binding(key, thread_id, await records.bind(key, thread_id))
+
+            self._queue = SubmittedRuns(store, records.serde, bind=bind)
         return self._queue

@@ -128,6 +128,7 @@ class Server:
         pause before the next look (``poll_interval``, longer while the store fails)."""
         for task in [t for t in self.running if t.done()]:
             self.running.pop(task)
+        await self._fire_schedules()
         # No more than the instance can renew in time: at its max_held, takeovers wait
         # (other instances may take them meanwhile).
         free = min(self.concurrency - len(self.running), self.host.keeper.free)
@@ -144,6 +145,22 @@ class Server:
                 )
         await self._announce()
         return serve_backoff(self.poll, self.failures)
+
+    async def _fire_schedules(self) -> None:
+        """Submit the runs of the schedules' due ticks (each tick once, whichever worker
+        fires it): before the takes, so a look can take what it fired. Never fails the
+        loop: a tick left due is fired by the next look of any worker."""
+        queue = self.host.queue_or_none()
+        if queue is None:
+            return
+        try:
+            await queue.schedules.fire_due()
+        except Exception as exc:
+            logger.warning(
+                "serve: could not fire the schedules' due ticks (%s); looking again at the "
+                "next look",
+                failure_reason(exc),
+            )
 
     async def _announce(self) -> None:
         """Say which graphs this loop serves (``langgraph-fence runs`` shows a pending run

@@ -42,6 +42,7 @@ from langgraph_fence.lease.transitions import DEFAULT_MAX_TAKEOVERS
 from langgraph_fence.queue import (
     NotBefore,
     OnBusy,
+    Schedules,
     SubmittedRun,
     SubmittedRuns,
     check_not_before,
@@ -531,6 +532,18 @@ class Instance:
         check_thread_binding(key, thread_id, await self.records.bind(key, thread_id))
         run_id = await queue.submit(key, graph_name, thread_id, input, run, on_busy, start)
         return SubmittedRun(queue, key, run_id)
+
+    @property
+    def schedules(self) -> Schedules:
+        """The schedules on this instance's database: ``await instance.schedules.create(
+        "nightly", "report", input, config, tenant_id=..., cron="0 2 * * *")`` submits one
+        run at each tick, fired exactly once by whichever worker's :meth:`serve` looks
+        first (:class:`~langgraph_fence.queue.Schedules`).
+
+        Raises:
+            TypeError: the instance is not on a SQL database.
+        """
+        return self._run_queue().schedules
 
     def get_run(
         self, execution_id: str, *, tenant_id: str, run_id: str | None = None

@@ -241,6 +241,39 @@ CREATE TABLE IF NOT EXISTS fence_runs (
     UNIQUE (tenant_id, execution_id, seq)
 )
 """
+# Each schedule (langgraph_fence.queue.Schedules): what it submits (graph, thread, input and
+# the recorded run config), when (cron in its time zone, on the store's clock; next_tick NULL:
+# it has ended), and what it did. A tick fires in the transaction that moves next_tick on
+# from it, so it fires once, whichever worker fires it.
+_CREATE_SCHEDULES = """
+CREATE TABLE IF NOT EXISTS fence_schedules (
+    tenant_id TEXT NOT NULL,
+    schedule_id TEXT NOT NULL,
+    graph TEXT NOT NULL,
+    thread_id TEXT NOT NULL,
+    execution_id TEXT NOT NULL,
+    input_type TEXT NOT NULL,
+    input {binary} NOT NULL,
+    run_type TEXT NOT NULL,
+    run {binary} NOT NULL,
+    cron TEXT NOT NULL,
+    timezone TEXT NOT NULL,
+    overlap TEXT NOT NULL,
+    missed TEXT NOT NULL,
+    grace {double} NOT NULL,
+    paused INTEGER NOT NULL,
+    end_at {double},
+    next_tick {double},
+    last_tick {double},
+    fired BIGINT NOT NULL,
+    skipped BIGINT NOT NULL,
+    created_at {double} NOT NULL,
+    PRIMARY KEY (tenant_id, schedule_id)
+)
+"""
+_SCHEDULES_DUE_INDEX = (
+    "CREATE INDEX IF NOT EXISTS fence_schedules_due ON fence_schedules (next_tick)"
+)
 _RUNS_QUEUED_INDEX = "CREATE INDEX IF NOT EXISTS fence_runs_status ON fence_runs (status)"
 # The console's listings of every status, newest run first: of all, of a tenant, of a graph
 # (langgraph_fence.console). A record is written once per run, never by a renewal.
@@ -323,6 +356,12 @@ EXECUTION_MIGRATIONS = [
         # NULL on every run submitted before it: it may start at once.
         sqlite=["ALTER TABLE fence_runs ADD COLUMN not_before REAL"],
         postgresql=["ALTER TABLE fence_runs ADD COLUMN IF NOT EXISTS not_before DOUBLE PRECISION"],
+    ),
+    Migration.typed(
+        9,
+        "schedules: cron ticks that each submit one run",
+        _CREATE_SCHEDULES,
+        _SCHEDULES_DUE_INDEX,
     ),
 ]
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 from langgraph_fence.queue._checks import ON_BUSY, OnBusy
 from langgraph_fence.queue._handle import SubmittedRun
 from langgraph_fence.queue._not_before import NotBefore, check_not_before
+from langgraph_fence.queue._schedules import MISSED, OVERLAP, Missed, Overlap, Schedule, Schedules
 from langgraph_fence.queue._state import (
     ANNOUNCE_EVERY,
     ANNOUNCED_FOR,
@@ -56,10 +57,16 @@ from langgraph_fence.queue._submitted_runs import SubmittedRuns
 __all__ = [
     "ANNOUNCED_FOR",
     "ANNOUNCE_EVERY",
+    "MISSED",
     "ON_BUSY",
+    "OVERLAP",
+    "Missed",
     "NotBefore",
     "OnBusy",
+    "Overlap",
     "RunState",
+    "Schedule",
+    "Schedules",
     "SubmittedRun",
     "SubmittedRuns",
     "WorkerHold",

@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,7 @@ from langgraph_fence.queue._checks import ON_BUSY, OnBusy, stored_input
 from langgraph_fence.queue._children import ChildRuns
 from langgraph_fence.queue._database import QueueDatabase
 from langgraph_fence.queue._not_before import Checked
+from langgraph_fence.queue._schedules import Schedules
 from langgraph_fence.queue._state import (
     RunState,
     WorkerHold,
@@ -61,12 +62,23 @@ class SubmittedRuns:
         store: the SQL lease store; the queue is on its database (the lease table and the
             execution records), and its clock stamps the queue's lease writes.
         serde: the serializer of the recorded inputs and the outputs (the records' one).
+        bind: binds a thread to its execution, refusing one bound to another (the
+            records'; a schedule's thread is bound when the schedule is created).
     """
 
-    def __init__(self, store: SqlLeaseRepository, serde: SerializerProtocol) -> None:
+    def __init__(
+        self,
+        store: SqlLeaseRepository,
+        serde: SerializerProtocol,
+        *,
+        bind: Callable[[LeaseKey, str], Awaitable[None]] | None = None,
+    ) -> None:
         self._db = QueueDatabase(store)
         self._engine = self._db.engine
         self.serde = serde
+        #: The schedules on the queue's database; ``bind`` binds a schedule's thread to its
+        #: execution when it is created (as a submit's is).
+        self.schedules = Schedules(self._db, serde, self.check, bind)
         #: The LISTEN side: one connection for every waiter of this queue (PostgreSQL).
         self.notifications = Notifications(self._engine) if self._db.pg else None
         self._children = ChildRuns(self._db)
