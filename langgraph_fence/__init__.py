@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     )
     from langgraph_fence.events import EventKind, FenceEvent
     from langgraph_fence.execution.children import Child, ChildPlacement
+    from langgraph_fence.execution.sleeps import ExecutionSleeping
     from langgraph_fence.fence import ExecutionFence
     from langgraph_fence.instance import Instance
     from langgraph_fence.lease import (
@@ -58,6 +59,7 @@ _WHERE = {
     "ExecutionBusyError": "langgraph_fence.errors",
     "ExecutionContext": "langgraph_fence.steps.context",
     "ExecutionContextUnavailableError": "langgraph_fence.errors",
+    "ExecutionSleeping": "langgraph_fence.execution.sleeps",
     "EventKind": "langgraph_fence.events",
     "ExecutionDeadLetteredError": "langgraph_fence.errors",
     "ExecutionEndedError": "langgraph_fence.errors",
@@ -136,6 +138,7 @@ __all__ = [
     "ExecutionLeaseHeldError",
     "ExecutionLeaseLostError",
     "ExecutionLeaseRepository",
+    "ExecutionSleeping",
     "ExecutionSupersededError",
     "FenceEvent",
     "FencedCheckpointer",

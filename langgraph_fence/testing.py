@@ -120,8 +120,10 @@ class Leases:
         lease_ttl: float = 30.0,
         renew_interval: float | None = None,
         max_takeovers: int = DEFAULT_MAX_TAKEOVERS,
+        max_held: int | None = None,
     ) -> Instance:
-        """A new instance called ``name`` on the shared store, saver and clock."""
+        """A new instance called ``name`` on the shared store, saver and clock (holding at
+        most ``max_held`` executions at once, as :class:`~langgraph_fence.Instance` does)."""
         from langgraph_fence.instance import Instance
 
         if name in self._gates:
@@ -138,6 +140,7 @@ class Leases:
             sleep=gate.gated_sleep(self.clock.sleep),
             records=self.records,
             max_takeovers=max_takeovers,
+            max_held=max_held,
         )
 
     def _gate(self, instance: Instance) -> StallGate:

@@ -71,6 +71,7 @@ __all__ = [
     "ChildPlacement",
     "child_execution_id",
     "parse_child_execution_id",
+    "queue_of",
     "refuse_child_ids",
     "spawn_child",
     "spawn_children",
@@ -176,7 +177,7 @@ async def spawn_child(
     text_id("graph_name", graph_name, what="the name a worker serves the child's graph under")
     handle = step.handle
     await _still_held(step)
-    (stored,) = _queue_of(handle).serialize_inputs({key: input})  # refused here, alone
+    (stored,) = queue_of(handle).serialize_inputs({key: input})  # refused here, alone
     loop = asyncio.get_running_loop()
     gathered = _gathering.get(handle)
     if gathered is None:
@@ -255,7 +256,7 @@ async def spawn_children(
             "the worker that serves graph_name; leave graph out"
         )
     await _still_held(step)
-    stored = _queue_of(step.handle).serialize_inputs(inputs)  # all checked before writing
+    stored = queue_of(step.handle).serialize_inputs(inputs)  # all checked before writing
     return await _record_remote(step, graph_name, list(inputs), stored)
 
 
@@ -267,7 +268,7 @@ async def _record_remote(
     handle = step.handle
     parent = handle.key
     executions = [LeaseKey(parent.tenant_id, child_execution_id(parent, key)) for key in keys]
-    written = await _queue_of(handle).submit_children(
+    written = await queue_of(handle).submit_children(
         handle.lease, graph_name, list(zip(executions, stored, strict=True))
     )
     if written is None:
@@ -312,7 +313,7 @@ async def wait_children(
 
     handle = step.handle
     remote = [child for child in children if child._local is None]
-    queue = _queue_of(handle) if remote else None
+    queue = queue_of(handle) if remote else None
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
     results: list[Any] = [None] * len(children)
@@ -435,7 +436,7 @@ def _remote_end(
         )
     state, stored = found
     if state.status in _OUTPUT_ENDS:
-        queue = _queue_of(handle)
+        queue = queue_of(handle)
         return True, queue.decode_output(child.execution, stored, allow)
     error = ChildFailedError(
         f"child execution {child.scope_key!r} (key {child.key!r}, graph "
@@ -510,13 +511,18 @@ async def _spawn_here(step: Step, graph_name: str, input: Any, key: str, graph: 
     return Child(handle.key, key, graph_name, ChildPlacement.PARENT_INSTANCE, True, task)
 
 
-def _queue_of(handle: RunHandle) -> SubmittedRuns:
+def queue_of(handle: RunHandle) -> SubmittedRuns:
+    """The run queue of the instance ``handle``'s run belongs to.
+
+    Raises:
+        RuntimeError: the run was not started by an Instance.
+    """
     from langgraph_fence.execution.host import InstanceHost
 
     host = handle.host
     if not isinstance(host, InstanceHost):
         raise RuntimeError(
-            f"execution {handle.scope_key!r} runs without an Instance: children are spawned "
-            "from a step of a run started by an Instance (ainvoke, submit or serve)"
+            f"execution {handle.scope_key!r} runs without an Instance: children and durable "
+            "sleeps need a step of a run started by an Instance (ainvoke, submit or serve)"
         )
     return host.run_queue()

@@ -7,8 +7,9 @@ ended (returned, or the exception it raised), :func:`decide_outcome` says, in th
    chain or groups) stands above everything: the run raises it, never a cancellation, a
    drain or a sibling's error in its place (guarantee 5);
 2. a dead letter: the execution is dead-lettered and the dead letter raised;
-3. a drain by request, or a cancellation (Ctrl-C, SIGTERM, a cancelled task): handed back
-   ``pending`` for any instance to resume at once;
+3. a durable sleep of a step: handed back ``pending``, for any instance to resume when it
+   wakes; a drain by request, or a cancellation (Ctrl-C, SIGTERM, a cancelled task): handed
+   back ``pending`` for any instance to resume at once;
 4. an infrastructure error (a database connection error anywhere in the chain): the run
    stops as lease-lost and is handed back, never ``failed`` (guarantee 6);
 5. only then the graph's own error: ``failed``, with the error as reason;
@@ -35,6 +36,7 @@ from langgraph_fence.errors import (
     find_fence_error,
     linked_errors,
 )
+from langgraph_fence.execution.sleeps import ExecutionSleeping
 from langgraph_fence.redact import bounded_reason, failure_reason
 
 __all__ = ["Outcome", "Settle", "decide_outcome"]
@@ -46,6 +48,7 @@ class Settle(enum.Enum):
     FENCED = "fenced"  # raise the fencing error that stands (lost or taken over)
     DEAD_LETTER = "dead_letter"  # dead-letter the execution, raise the dead letter
     HAND_BACK = "hand_back"  # drained by request, or cancelled: release ``pending``
+    SLEEP = "sleep"  # a step sleeps durably: release ``pending`` until it wakes
     LOST_TO_STORE = "lost_to_store"  # the store could not be reached: lease-lost, handed back
     FAILED = "failed"  # the graph's own error: release ``failed``
     ENDED = "ended"  # the graph returned: release ``done`` or ``waiting``
@@ -67,6 +70,7 @@ class Outcome:
     dead_letter: ExecutionDeadLetteredError | None = None
     raise_dead_letter: bool = False
     reason: str | None = None
+    sleeping: ExecutionSleeping | None = None
 
 
 def decide_outcome(
@@ -100,6 +104,9 @@ def decide_outcome(
         )
     if exc is None:
         return Outcome(Settle.ENDED)
+    sleeping = find_error(exc, ExecutionSleeping)
+    if sleeping is not None:
+        return Outcome(Settle.SLEEP, sleeping=sleeping)
     if isinstance(exc, GraphDrained):
         return Outcome(Settle.HAND_BACK, reason=bounded_reason(f"drained: {exc.reason}"))
     if any(is_database_connection_error(e) or is_lock_conflict(e) for e in linked_errors(exc)):

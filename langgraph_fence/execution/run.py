@@ -37,8 +37,13 @@ from langgraph_fence.execution._start import (
     prepare,
     start,
 )
-from langgraph_fence.execution.children import parse_child_execution_id, refuse_child_ids
+from langgraph_fence.execution.children import (
+    parse_child_execution_id,
+    queue_of,
+    refuse_child_ids,
+)
 from langgraph_fence.execution.outcome import Settle, decide_outcome
+from langgraph_fence.execution.sleeps import release_sleeping
 from langgraph_fence.fence import RunHandle
 from langgraph_fence.fence.tree_activity import wake_parent
 from langgraph_fence.keys import FENCE_CONFIG_KEY
@@ -328,6 +333,19 @@ async def _carry_out(host: InstanceHost, graph: Any, run: Run, exc: BaseExceptio
         announce_dead_letter(host.events, handle.scope_key, handle.token, outcome.reason)
         if outcome.raise_dead_letter:
             raise dead  # keeps its own cause: the error the write failed with
+        return
+    if outcome.settle is Settle.SLEEP:
+        # A step sleeps: the lease goes back pending until it wakes, the slot is free, and
+        # the sleep propagates to the caller (serve() logs it; ainvoke raises it).
+        assert outcome.sleeping is not None
+        await fault_point("release.before", handle=handle, status=LeaseStatus.PENDING)
+        try:
+            await release_sleeping(handle, queue_of(handle), outcome.sleeping)
+        except ExecutionFencedError as fenced:
+            raise handle.record(fenced) from None
+        host.events.emit(
+            EventKind.HANDED_BACK, handle.scope_key, handle.token, str(outcome.sleeping)
+        )
         return
     if outcome.settle is Settle.HAND_BACK:
         # Drained by request, or cancelled (not by a fence): hand the execution back for any

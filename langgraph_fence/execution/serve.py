@@ -24,6 +24,7 @@ from langgraph_fence.database.retry import is_connection_error
 from langgraph_fence.events import EventKind
 from langgraph_fence.execution.keeper import Sleep
 from langgraph_fence.execution.run import DEFAULT_GRAPH_NAME, Run, announce_dead_letter, running
+from langgraph_fence.execution.sleeps import ExecutionSleeping
 from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus
 from langgraph_fence.lease.records import ExecutionHead
 from langgraph_fence.lease.run_config import restore_run, run_allowlist
@@ -522,6 +523,8 @@ class Server:
                     await queue.store_output(run.handle, output)
         except GraphDrained:
             logger.info("run %s drained and handed back", taken.scope_key)
+        except ExecutionSleeping as sleeping:
+            logger.info("run %s: %s", taken.scope_key, sleeping)
         except Exception:
             logger.warning("resumed run %s ended with an error", taken.scope_key, exc_info=True)
         finally:

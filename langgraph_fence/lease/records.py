@@ -271,6 +271,18 @@ CREATE TABLE IF NOT EXISTS fence_schedules (
     PRIMARY KEY (tenant_id, schedule_id)
 )
 """
+# Each durable sleep of a step (ExecutionContext.sleep): when it ends, on the store's clock,
+# keyed by the step's task and the sleep's place in it, so the step's re-run after the sleep
+# finds it over and goes on.
+_CREATE_SLEEPS = """
+CREATE TABLE IF NOT EXISTS fence_sleeps (
+    tenant_id TEXT NOT NULL,
+    execution_id TEXT NOT NULL,
+    sleep_key TEXT NOT NULL,
+    wake_at {double} NOT NULL,
+    PRIMARY KEY (tenant_id, execution_id, sleep_key)
+)
+"""
 _SCHEDULES_DUE_INDEX = (
     "CREATE INDEX IF NOT EXISTS fence_schedules_due ON fence_schedules (next_tick)"
 )
@@ -363,6 +375,7 @@ EXECUTION_MIGRATIONS = [
         _CREATE_SCHEDULES,
         _SCHEDULES_DUE_INDEX,
     ),
+    Migration.typed(10, "durable sleeps: when each step's sleep ends", _CREATE_SLEEPS),
 ]
 
 #: The columns a run's record writes (and a later record of the key replaces), beside its
@@ -445,6 +458,13 @@ _FORGET_RECORD = text(
 )
 _FORGET_RUNS = text(
     "DELETE FROM fence_runs WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
+)
+# A schedule of the thread holds its input and would start it again: erased with it.
+_FORGET_SCHEDULES = text(
+    "DELETE FROM fence_schedules WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
+)
+_FORGET_SLEEPS = text(
+    "DELETE FROM fence_sleeps WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
 )
 _FORGET_ATTEMPTS = text(
     "DELETE FROM fence_server_attempts "
@@ -584,13 +604,16 @@ class SqlExecutionRecords:
         return await retry_connection_errors(once, what="thread binding")
 
     async def forget(self, key: LeaseKey, thread_id: str) -> None:
-        """Delete the record of ``key``, its submitted runs (their inputs and outputs), what
-        the lease store keeps of its Agent Server attempts, its journal, and the binding of
-        ``thread_id`` of its tenant, in one transaction."""
+        """Delete the record of ``key``, its submitted runs (their inputs and outputs), its
+        schedules (their input) and durable sleeps, what the lease store keeps of its Agent
+        Server attempts, its journal, and the binding of ``thread_id`` of its tenant, in one
+        transaction."""
         async with transaction(self._engine) as conn:
             params = {"tenant_id": key.tenant_id}
             await conn.execute(_FORGET_RECORD, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_RUNS, {**params, "execution_id": key.execution_id})
+            await conn.execute(_FORGET_SLEEPS, {**params, "execution_id": key.execution_id})
+            await conn.execute(_FORGET_SCHEDULES, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_ATTEMPTS, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_JOURNAL, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_BINDING, {**params, "thread_id": thread_id})

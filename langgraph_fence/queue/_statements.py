@@ -75,6 +75,31 @@ class LeaseWrites:
             f"status = :status, reason = :reason, updated_at = {now} WHERE " + KEY
         )
         self.interrupt = text(fence + " AND epoch = :epoch")
+        # A step's durable sleep, recorded under the run's hold: it ends at :at, or :delay
+        # seconds from now; a sleep found recorded keeps its end. Then read back, with now.
+        self.record_sleep = text(
+            "INSERT INTO fence_sleeps (tenant_id, execution_id, sleep_key, wake_at) SELECT "
+            ":tenant_id, :execution_id, :sleep_key, COALESCE(CAST(:at AS DOUBLE PRECISION), "
+            f"{now} + CAST(:delay AS DOUBLE PRECISION)) WHERE EXISTS (SELECT 1 FROM "
+            "fence_leases l WHERE l.tenant_id = :tenant_id AND l.execution_id = :execution_id "
+            f"AND {_HELD}) "
+            "ON CONFLICT (tenant_id, execution_id, sleep_key) DO NOTHING"
+        )
+        self.read_sleep = text(
+            f"SELECT wake_at, {now} AS now FROM fence_sleeps WHERE {KEY} AND sleep_key = :sleep_key"
+        )
+        # The run that sleeps gives its lease back: pending, no holder, for any worker to
+        # take from :wake_at (store clock) on, at the next token; guarded by its hold.
+        self.release_sleeping = text(
+            "UPDATE fence_leases SET status = 'pending', holder = NULL, expires_at = :wake_at, "
+            f"reason = :reason, updated_at = {now} WHERE "
+            + guard_sql(
+                tenant_id=":tenant_id",
+                execution_id=":execution_id",
+                holder=":holder",
+                epoch=":epoch",
+            )
+        )
         # A pending run with no holder starts no earlier than :not_before (store clock): a
         # take passes over a pending row whose expires_at is ahead (submit(not_before=...)).
         self.hold_until = text(

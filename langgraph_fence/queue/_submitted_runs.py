@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapp
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
+from langgraph_fence.database import transaction
 from langgraph_fence.database.retry import retry_connection_errors
 from langgraph_fence.lease import Lease, LeaseKey
 from langgraph_fence.queue._checks import ON_BUSY, OnBusy, stored_input
@@ -320,6 +321,40 @@ class SubmittedRuns:
         if not await retry_connection_errors(once, what="submitted run output"):
             await handle.renew()  # raises the fencing error the refusal means
             raise RuntimeError(f"the output of {handle.scope_key!r} was refused")
+
+    async def record_sleep(
+        self, lease: Lease, sleep_key: str, not_before: Checked
+    ) -> tuple[float, float] | None:
+        """Record a step's durable sleep under ``lease``'s hold (a sleep recorded before
+        keeps its end); ``(wake_at, now)`` on the store's clock, or ``None`` when neither
+        the sleep was recorded before nor the lease is held (the run was fenced)."""
+        at, delay = not_before
+        params = {
+            **_held(lease),
+            "sleep_key": sleep_key,
+            "at": at,
+            "delay": delay,
+            **self._db.now(),
+        }
+
+        async def once() -> Any:
+            async with transaction(self._engine) as conn:
+                await conn.execute(self._db.leases.record_sleep, params)
+                return (await conn.execute(self._db.leases.read_sleep, params)).first()
+
+        row = await retry_connection_errors(once, what="durable sleep")
+        return None if row is None else (float(row.wake_at), float(row.now))
+
+    async def release_sleeping(self, lease: Lease, wake_at: float, reason: str) -> bool:
+        """Give ``lease`` back, pending for any worker from ``wake_at`` (store clock) on;
+        whether it was still held (one guarded statement)."""
+        params = {**_held(lease), "wake_at": wake_at, "reason": reason, **self._db.now()}
+
+        async def once() -> int:
+            async with self._db.writer.begin() as conn:
+                return int((await conn.execute(self._db.leases.release_sleeping, params)).rowcount)
+
+        return bool(await retry_connection_errors(once, what="durable sleep release"))
 
     # -- any process's side
 

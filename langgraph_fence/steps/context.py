@@ -21,6 +21,7 @@ from langgraph_fence.fence import ExecutionFence, RunHandle, enter_step, held, l
 
 if TYPE_CHECKING:
     from langgraph_fence.execution.children import Child, ChildPlacement
+    from langgraph_fence.queue import NotBefore
 
 __all__ = [
     "CONTEXT_CONFIG_KEY",
@@ -79,6 +80,35 @@ class ExecutionContext:
     # Set once the body entered side_effect(): its write began (a pause after it keeps the
     # stamp, so the resume is dead-lettered rather than repeated).
     _began: list[bool] = field(default_factory=list)
+    # How many durable sleeps this step attempt asked for: each has its place in the key.
+    _sleeps: list[bool] = field(default_factory=list)
+
+    async def sleep(self, until: NotBefore) -> None:
+        """Sleep durably until ``until`` (an aware ``datetime``, or a delay in seconds or a
+        ``timedelta``), judged by the database's clock: the run gives its lease and its
+        worker's slot back now, and any worker's ``serve()`` resumes it at that time, not
+        before (at the next token, from the last checkpoint). This step then runs again
+        and this call returns at once: put the sleep first in its step, or in a step of
+        its own, with nothing before it in the step that must not run twice.
+
+        For a run started with ``Instance.ainvoke`` the call ends the ``ainvoke`` with
+        :class:`~langgraph_fence.ExecutionSleeping` (the time it resumes); a worker serving
+        its graph resumes it. Needs an instance on a SQL database (``Instance.open``).
+
+        Raises:
+            ExecutionSleeping: the sleep is not over: the run stops here (do not catch it).
+            ExecutionFencedError: this step's execution was taken over: nothing recorded.
+            ValueError, TypeError: a bad ``until``, named.
+        """
+        from langgraph_fence.execution.children import queue_of
+        from langgraph_fence.execution.sleeps import durable_sleep
+
+        async with held(self.fence):
+            self.fence.assert_held()
+            place = len(self._sleeps)
+            self._sleeps.append(True)
+            key = f"{self.checkpoint_ns}|{self.task_id}|{place}"
+            await durable_sleep(self._handle, queue_of(self._handle), key, until)
 
     @asynccontextmanager
     async def side_effect(self) -> AsyncIterator[None]:

@@ -126,12 +126,18 @@ async def test_a_thread_run_the_langgraph_way_is_erased_the_langgraph_way(
         await app.submit(
             "orders", {"secret": f"{secret}-queued"}, cfg(thread), tenant_id=app.tenant_id
         )
+        # A schedule that would run the thread again with the secret.
+        await app.schedules.create(
+            unique("nightly"), "orders", {"secret": secret}, cfg(thread),
+            tenant_id=app.tenant_id, cron="0 2 * * *",
+        )  # fmt: skip
         assert {
             "fence_checkpoints",
             "fence_checkpoint_blobs",
             "fence_checkpoint_writes",
             "fence_executions",
             "fence_runs",
+            "fence_schedules",
             "fence_store_items",
         } <= await stored(app, secret)
 

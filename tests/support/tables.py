@@ -12,6 +12,7 @@ TABLES = (
     "fence_checkpoint_writes",
     "fence_executions",
     "fence_runs",
+    "fence_schedules",
     "fence_thread_bindings",
     "fence_leases",
     "fence_applied",

@@ -1,0 +1,113 @@
+"""Durable sleep (issue 37): ``get_execution_context().sleep(...)`` gives the lease and the
+worker's slot back, and any worker resumes the execution at the time (not before), on the
+store's clock (the ``leases`` fixture's ManualClock); the step runs again and its sleep is
+over. The worker processes (one SIGKILLed while the tree sleeps) are in
+``tests/chaos/test_durable_sleep_chaos.py``."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from langgraph.graph import END, START, StateGraph
+
+from langgraph_fence import (
+    ExecutionSleeping,
+    Instance,
+    LeaseKey,
+    LeaseStatus,
+    fence_graph,
+    get_execution_context,
+)
+from langgraph_fence.testing import Leases
+from tests.support.databases import unique
+from tests.support.serving import cfg, look, stepped
+from tests.support.shout import Work, build
+from tests.support.sleep_graphs import Nap, nap_graph
+
+
+def napping(instance: Instance, seen: list[tuple[str, float]], clock: Any) -> Any:
+    """before -> nap -> after (``nap`` sleeps ``seconds`` first thing); each node says when
+    it ran, on the store's clock."""
+    return nap_graph(instance, lambda node, config: seen.append((node, clock())))
+
+
+async def test_a_sleeping_tree_holds_no_lease_or_slot_and_resumes_at_its_time(
+    leases: Leases,
+) -> None:
+    client = leases.instance("client")
+    worker = leases.instance("worker", max_held=1)
+    seen: list[tuple[str, float]] = []
+    work = Work()
+    graphs = {"nap": napping(worker, seen, leases.clock), "shout": build(worker, work)}
+    loop = stepped(worker, graphs)
+    thread = unique("t")
+    run = await client.submit("nap", {"log": [], "seconds": 5.0}, cfg(thread), tenant_id="a")
+    await look(loop)
+    slept_at = leases.clock()
+    assert [name for name, _ in seen] == ["before", "nap"]
+    state = await run.state()
+    assert state.status is LeaseStatus.PENDING
+    assert state.holder is None  # no lease held while it sleeps
+    assert state.not_before == slept_at + 5.0
+    assert "sleeping until" in (state.reason or "")
+    # No slot held either: an instance that holds one execution at most runs other work.
+    assert worker.host.keeper.held == 0
+    other = await client.submit("shout", {"text": "meanwhile"}, cfg(unique("t")), tenant_id="a")
+    await look(loop)
+    assert await other.result(timeout=5) == {"text": "meanwhile", "out": "MEANWHILE"}
+    leases.advance(4.9)
+    await look(loop)
+    assert [name for name, _ in seen] == ["before", "nap"]  # not before its time
+    leases.advance(0.1)
+    await look(loop)
+    assert await run.result(timeout=5) == {"log": ["before", "nap", "after"], "seconds": 5.0}
+    # The sleeping step ran again and found its sleep over; the step before did not.
+    assert [name for name, _ in seen] == ["before", "nap", "nap", "woke", "after"]
+    assert all(at >= slept_at + 5.0 for name, at in seen[2:])
+    final = await run.state()
+    assert final.status is LeaseStatus.DONE
+    assert final.epoch == 2  # taken again at the next token
+
+
+async def test_ainvoke_ends_with_the_sleep_and_a_worker_resumes_it(leases: Leases) -> None:
+    caller = leases.instance("caller")
+    worker = leases.instance("worker")
+    seen: list[tuple[str, float]] = []
+    graph = napping(caller, seen, leases.clock)
+    thread = unique("t")
+    wake = datetime.fromtimestamp(leases.clock() + 60, UTC)
+    with pytest.raises(ExecutionSleeping) as sleeping:
+        await caller.ainvoke(graph, {"log": [], "seconds": 60.0}, cfg(thread), tenant_id="a")
+    assert sleeping.value.wake_at == wake.timestamp()
+    assert thread in str(sleeping.value)
+    loop = stepped(worker, {"nap": napping(worker, seen, leases.clock)})
+    leases.advance(timedelta(seconds=60).total_seconds())
+    await look(loop)
+    assert [name for name, _ in seen] == ["before", "nap", "nap", "woke", "after"]
+    lease = await leases.store.get(LeaseKey("a", thread))
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
+
+
+@pytest.mark.parametrize(
+    ("until", "error"),
+    [(-1.0, ValueError), (datetime(2030, 1, 1), ValueError), ("soon", TypeError)],
+)
+async def test_a_bad_sleep_fails_the_step_naming_it(
+    leases: Leases, until: Any, error: type[Exception]
+) -> None:
+    caller = leases.instance("caller")
+
+    async def nap(state: Nap) -> dict[str, Any]:
+        await get_execution_context().sleep(until)
+        return {}
+
+    builder: StateGraph[Any] = StateGraph(Nap)
+    builder.add_node("nap", nap)
+    builder.add_edge(START, "nap")
+    builder.add_edge("nap", END)
+    graph = fence_graph(builder).compile(checkpointer=caller.checkpointer, name="nap")
+    with pytest.raises(error, match="not_before"):
+        await caller.ainvoke(graph, {"log": []}, cfg(unique("t")), tenant_id="a")
