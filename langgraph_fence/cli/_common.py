@@ -219,10 +219,13 @@ def as_json(value: Any) -> str:
 
 
 def run_status(run: RunState, now: float) -> str:
-    """``queued`` (behind the thread's run), ``scheduled`` (pending, not to start before a
-    time still ahead of this process's clock), or the lease's status."""
+    """``queued`` (behind the thread's run), ``held`` (waiting for its flow key's limits),
+    ``scheduled`` (pending, not to start before a time still ahead of this process's
+    clock), or the lease's status."""
     if run.queued:
         return "queued"
+    if run.held_back:
+        return "held"
     if run.not_before is not None and run.not_before > now:
         return "scheduled"
     return run.status.value

@@ -263,6 +263,8 @@ class Server:
             # A thread whose run ended begins its next queued run (on_busy="enqueue"): it is
             # then a pending candidate like any submitted run. One read when none is queued.
             await queue.promote()
+            # Runs of flow keys the keys' limits now allow: admitted (pending, takeable).
+            await queue.flows.admit()
             # A yielded tree whose children all ended without waking it: woken (one
             # statement; its waiter, if alive, takes it again within the TTL).
             await queue.wake_all_yielded(host.lease_ttl)

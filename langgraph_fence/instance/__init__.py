@@ -40,6 +40,7 @@ from langgraph_fence.lease.records import ExecutionRecords, check_thread_binding
 from langgraph_fence.lease.timeline import OnFailover, failover_mode
 from langgraph_fence.lease.transitions import DEFAULT_MAX_TAKEOVERS
 from langgraph_fence.queue import (
+    Flow,
     NotBefore,
     OnBusy,
     Schedules,
@@ -484,6 +485,7 @@ class Instance:
         execution_id: str | None = None,
         on_busy: OnBusy = "reject",
         not_before: NotBefore | None = None,
+        flow: Flow | None = None,
         **options: Any,
     ) -> SubmittedRun:
         """Hand a run to any worker: record it pending and return its handle at once.
@@ -514,6 +516,11 @@ class Instance:
                 delay (seconds or a ``timedelta``) from the submit, judged by the
                 database's clock, never a worker's. Until then it is pending, listed with
                 its time (``RunState.not_before``), and cancellable.
+            flow: the flow key the run counts against and the key's limits
+                (``Flow("user-42", max_running=2, max_starts=5, per=1.0)``): it starts only
+                when no more than ``max_running`` of the key's runs would run and no more
+                than ``max_starts`` would have started in the last ``per`` seconds, across
+                every worker; until then it is pending, held back.
             **options: recorded ``ainvoke`` options (``context``, ``durability``, ...).
 
         Raises:
@@ -528,9 +535,11 @@ class Instance:
             graph_name, input, config, tenant_id, execution_id, on_busy, options
         )
         start = check_not_before(not_before)
+        if flow is not None and not isinstance(flow, Flow):
+            raise TypeError(f"flow must be a langgraph_fence.queue.Flow, got {flow!r}")
         refuse_child_ids(thread_id, execution_id)
         check_thread_binding(key, thread_id, await self.records.bind(key, thread_id))
-        run_id = await queue.submit(key, graph_name, thread_id, input, run, on_busy, start)
+        run_id = await queue.submit(key, graph_name, thread_id, input, run, on_busy, start, flow)
         return SubmittedRun(queue, key, run_id)
 
     @property

@@ -283,6 +283,23 @@ CREATE TABLE IF NOT EXISTS fence_sleeps (
     PRIMARY KEY (tenant_id, execution_id, sleep_key)
 )
 """
+# Each flow key's limits (submit(flow=Flow(...))): at most max_running of its runs running
+# (or admitted to run) at once, at most max_starts started in any window of ``per`` seconds;
+# NULL: no such limit. A run of a key waits (its lease pending, held back) until a worker's
+# look admits it under them.
+_CREATE_FLOWS = """
+CREATE TABLE IF NOT EXISTS fence_flows (
+    tenant_id TEXT NOT NULL,
+    flow_key TEXT NOT NULL,
+    max_running INTEGER,
+    max_starts INTEGER,
+    per {double},
+    PRIMARY KEY (tenant_id, flow_key)
+)
+"""
+_RUNS_FLOW_INDEX = (
+    "CREATE INDEX IF NOT EXISTS fence_runs_flow ON fence_runs (flow_key, status, tenant_id)"
+)
 _SCHEDULES_DUE_INDEX = (
     "CREATE INDEX IF NOT EXISTS fence_schedules_due ON fence_schedules (next_tick)"
 )
@@ -376,12 +393,31 @@ EXECUTION_MIGRATIONS = [
         _SCHEDULES_DUE_INDEX,
     ),
     Migration.typed(10, "durable sleeps: when each step's sleep ends", _CREATE_SLEEPS),
+    Migration(
+        version=11,
+        description="flow keys: limits on the runs of a key, and when each run started",
+        # NULL on every run and record before it: no key, start unknown.
+        sqlite=[
+            "ALTER TABLE fence_runs ADD COLUMN flow_key TEXT",
+            "ALTER TABLE fence_runs ADD COLUMN started_at REAL",
+            "ALTER TABLE fence_executions ADD COLUMN started_at REAL",
+            _CREATE_FLOWS.format(double="REAL"),
+            _RUNS_FLOW_INDEX,
+        ],
+        postgresql=[
+            "ALTER TABLE fence_runs ADD COLUMN IF NOT EXISTS flow_key TEXT",
+            "ALTER TABLE fence_runs ADD COLUMN IF NOT EXISTS started_at DOUBLE PRECISION",
+            "ALTER TABLE fence_executions ADD COLUMN IF NOT EXISTS started_at DOUBLE PRECISION",
+            _CREATE_FLOWS.format(double="DOUBLE PRECISION"),
+            _RUNS_FLOW_INDEX,
+        ],
+    ),
 ]
 
 #: The columns a run's record writes (and a later record of the key replaces), beside its
 #: key; and those a new record clears (what a submitted run before it left).
 RECORDED = ("graph", "thread_id", "input_type", "input", "run_type", "run", "recorded_at")
-CLEARED = ("submitted_at", "input_after", "output_type", "output")
+CLEARED = ("submitted_at", "input_after", "output_type", "output", "started_at")
 #: ``fence_executions`` and ``fence_thread_bindings`` for statements built with SQLAlchemy
 #: Core (the take of a run, ``stores/sql.py``); their tables are created by the DDL above.
 EXECUTIONS = table(

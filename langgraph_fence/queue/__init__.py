@@ -38,6 +38,7 @@ lease table every worker reads.
 from __future__ import annotations
 
 from langgraph_fence.queue._checks import ON_BUSY, OnBusy
+from langgraph_fence.queue._flows import Flow
 from langgraph_fence.queue._handle import SubmittedRun
 from langgraph_fence.queue._not_before import NotBefore, check_not_before
 from langgraph_fence.queue._schedules import MISSED, OVERLAP, Missed, Overlap, Schedule, Schedules
@@ -60,6 +61,7 @@ __all__ = [
     "MISSED",
     "ON_BUSY",
     "OVERLAP",
+    "Flow",
     "Missed",
     "NotBefore",
     "OnBusy",

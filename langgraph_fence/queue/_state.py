@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence.database.retry import retry_connection_errors
 from langgraph_fence.lease import LeaseKey, LeaseStatus
+from langgraph_fence.queue._flows import HELD_BACK
 from langgraph_fence.queue._statements import OF_TENANT, QUEUED_RUNS, RUNS, WORKERS
 
 __all__ = [
@@ -69,7 +70,9 @@ class RunState:
         queued: the run waits behind the thread's run (``on_busy="enqueue"``); its status
             is then ``pending``.
         not_before: a pending run starts no earlier than this (store clock, epoch seconds;
-            ``submit(not_before=...)``, a schedule's tick, a durable sleep), or ``None``.
+            ``submit(not_before=...)``, a durable sleep), or ``None``.
+        held_back: the run waits for its flow key's limits to admit it
+            (``submit(flow=...)``); its status is then ``pending``.
     """
 
     key: LeaseKey
@@ -84,6 +87,7 @@ class RunState:
     run_id: str | None = None
     queued: bool = False
     not_before: float | None = None
+    held_back: bool = False
 
 
 def run_state(row: Any) -> RunState:
@@ -92,6 +96,7 @@ def run_state(row: Any) -> RunState:
     status = LeaseStatus(row.status)
     # A pending row with no holder keeps in expires_at the time it may start from.
     waits = status is LeaseStatus.PENDING and row.holder is None
+    held = waits and row.expires_at is not None and row.expires_at >= HELD_BACK
     return RunState(
         LeaseKey(row.tenant_id, row.execution_id),
         status,
@@ -102,7 +107,8 @@ def run_state(row: Any) -> RunState:
         row.submitted_at is not None,
         row.reason,
         None if waits else row.expires_at,
-        not_before=row.expires_at if waits else None,
+        not_before=row.expires_at if waits and not held else None,
+        held_back=held,
     )
 
 

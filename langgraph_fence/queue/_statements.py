@@ -75,6 +75,16 @@ class LeaseWrites:
             f"status = :status, reason = :reason, updated_at = {now} WHERE " + KEY
         )
         self.interrupt = text(fence + " AND epoch = :epoch")
+        # The first claimer pins the checkpoint the input follows, and when the run started
+        # (store clock: what a flow key's rate limit counts); every later taker reads it back.
+        self.pin = text(
+            "UPDATE fence_executions SET input_after = COALESCE(input_after, :checkpoint), "
+            f"started_at = COALESCE(started_at, {now}) WHERE "
+            + KEY
+            + " AND submitted_at IS NOT NULL AND "
+            + _HELD_HERE
+            + " RETURNING input_after"
+        )
         # A step's durable sleep, recorded under the run's hold: it ends at :at, or :delay
         # seconds from now; a sleep found recorded keeps its end. Then read back, with now.
         self.record_sleep = text(
@@ -177,7 +187,7 @@ RECORD_UPSERT = (
     "graph = excluded.graph, thread_id = excluded.thread_id, input_type = excluded.input_type, "
     "input = excluded.input, run_type = excluded.run_type, run = excluded.run, "
     "recorded_at = excluded.recorded_at, submitted_at = excluded.submitted_at, "
-    "input_after = NULL, output_type = NULL, output = NULL"
+    "input_after = NULL, output_type = NULL, output = NULL, started_at = NULL"
 )
 SUBMIT_RECORD = text(
     RECORD_INTO
@@ -243,13 +253,6 @@ CHILD_ENDS = {
 
 
 # The first claimer pins the checkpoint the input follows; every later taker reads it back.
-PIN = text(
-    "UPDATE fence_executions SET input_after = COALESCE(input_after, :checkpoint) WHERE "
-    + KEY
-    + " AND submitted_at IS NOT NULL AND "
-    + _HELD_HERE
-    + " RETURNING input_after"
-)
 OUTPUT = text(
     "UPDATE fence_executions SET output_type = :output_type, output = :output WHERE "
     + KEY
@@ -287,9 +290,10 @@ OPEN_RUNS = text(
 )
 ADD_RUN = text(
     "INSERT INTO fence_runs (run_id, tenant_id, execution_id, seq, status, graph, thread_id, "
-    "input_type, input, run_type, run, submitted_at, not_before) SELECT :run_id, :tenant_id, "
-    ":execution_id, COALESCE(MAX(seq), 0) + 1, :status, :graph, :thread_id, :input_type, "
-    ":input, :run_type, :run, :at, :not_before FROM fence_runs WHERE " + _RUN_KEY
+    "input_type, input, run_type, run, submitted_at, not_before, flow_key) SELECT :run_id, "
+    ":tenant_id, :execution_id, COALESCE(MAX(seq), 0) + 1, :status, :graph, :thread_id, "
+    ":input_type, :input, :run_type, :run, :at, :not_before, :flow_key FROM fence_runs WHERE "
+    + _RUN_KEY
 )
 
 
@@ -313,11 +317,12 @@ def _of_record(column: str) -> str:
 RUN_ENDS = text(
     f"UPDATE fence_runs SET status = COALESCE(:status, {_of_lease('status')}), "
     f"reason = COALESCE(:reason, {_of_lease('reason')}), epoch = {_of_lease('epoch')}, "
-    f"output_type = {_of_record('output_type')}, output = {_of_record('output')} "
+    f"output_type = {_of_record('output_type')}, output = {_of_record('output')}, "
+    f"started_at = COALESCE(started_at, {_of_record('started_at')}) "
     f"WHERE {_RUN_KEY} AND status = 'current'"
 )
 NEXT_QUEUED = text(
-    "SELECT run_id, graph, thread_id, input_type, input, run_type, run, not_before "
+    "SELECT run_id, graph, thread_id, input_type, input, run_type, run, not_before, flow_key "
     "FROM fence_runs WHERE " + _RUN_KEY + " AND status = 'queued' ORDER BY seq LIMIT 1"
 )
 MAKE_CURRENT = text("UPDATE fence_runs SET status = 'current' WHERE run_id = :run_id")

@@ -23,6 +23,7 @@ from langgraph_fence.queue._checks import (
     waiting_error,
 )
 from langgraph_fence.queue._database import QueueDatabase
+from langgraph_fence.queue._flows import HELD_BACK, UPSERT_FLOW, Flow
 from langgraph_fence.queue._not_before import Checked, not_before_at
 from langgraph_fence.queue._statements import (
     ADD_RUN,
@@ -53,11 +54,13 @@ async def submit_run(
     record: Mapping[str, Any],
     on_busy: OnBusy,
     not_before: Checked | None = None,
+    flow: Flow | None = None,
 ) -> str | None:
     """Record a submit of ``record`` (the record's columns, serialised) under ``key``, in one
     transaction: its run row, and the execution's record and pending lease when it runs
     next; the run's id, or the id of the same run submitted before (``None``: that run has
-    no row of its own). ``not_before``: no worker starts the run earlier (store clock)."""
+    no row of its own). ``not_before``: no worker starts the run earlier (store clock);
+    ``flow``: it waits to be admitted under its key's limits."""
     at = time.time()
     run_id = uuid.uuid4().hex  # made once: a retried transaction adds the same run
 
@@ -65,7 +68,7 @@ async def submit_run(
         async with transaction(db.engine) as conn:
             await db.classified(conn)
             start = await not_before_at(conn, not_before, db.store.now_sql, db.now())
-            return await submit_in(db, conn, key, record, on_busy, start, run_id, at)
+            return await submit_in(db, conn, key, record, on_busy, start, run_id, at, flow)
 
     return await db.settled_first(partial(retry_connection_errors, once, what="submit"))
 
@@ -79,12 +82,17 @@ async def submit_in(
     start: float | None,
     run_id: str,
     at: float,
+    flow: Flow | None = None,
 ) -> str | None:
     """:func:`submit_run`'s writes, in ``conn``'s transaction (which the caller opened, and
     checked classified): the run ``run_id`` submitted at ``at`` (wall clock), starting no
-    earlier than ``start`` (store clock, or ``None``)."""
+    earlier than ``start`` (store clock, or ``None``), admitted under ``flow``'s limits."""
     params = {"tenant_id": key.tenant_id, "execution_id": key.execution_id}
+    flow_key = None if flow is None else flow.key
     row = {**params, **record, "run_id": run_id, "at": at, "not_before": start}
+    row["flow_key"] = flow_key
+    if flow is not None:
+        await conn.execute(UPSERT_FLOW, flow.params(key.tenant_id))
     root = {"scope_key": key.scope_key, "parent_execution_id": None}
     created = await conn.execute(db.leases.insert_pending, {**params, **root, **db.now()})
     if created.first() is None:
@@ -120,7 +128,7 @@ async def submit_in(
             await conn.execute(RUN_ENDS, {**params, "status": None, "reason": None})
             await _repend(db, conn, params, lease.epoch)
     await conn.execute(ADD_RUN, {**row, "status": "current"})
-    await _hold_until(db, conn, params, start)
+    await _hold_until(db, conn, params, start if flow is None else HELD_BACK)
     # Delivered on commit: a waiting serve() looks at once.
     await db.notify(conn, NOTIFY_CHANNEL, record["graph"])
     await conn.execute(SUBMIT_RECORD, {**params, **record, "at": at})
@@ -196,7 +204,9 @@ async def _promote(db: QueueDatabase, key: LeaseKey) -> bool:
         }
         await conn.execute(SUBMIT_RECORD, {**params, **record, "at": at})
         await _repend(db, conn, params, lease.epoch)
-        await _hold_until(db, conn, params, queued.not_before)
+        await _hold_until(
+            db, conn, params, queued.not_before if queued.flow_key is None else HELD_BACK
+        )
         return True
 
 

@@ -18,6 +18,7 @@ from langgraph_fence.lease import Lease, LeaseKey
 from langgraph_fence.queue._checks import ON_BUSY, OnBusy, stored_input
 from langgraph_fence.queue._children import ChildRuns
 from langgraph_fence.queue._database import QueueDatabase
+from langgraph_fence.queue._flows import Flow, Flows
 from langgraph_fence.queue._not_before import Checked
 from langgraph_fence.queue._schedules import Schedules
 from langgraph_fence.queue._state import (
@@ -30,7 +31,6 @@ from langgraph_fence.queue._state import (
 from langgraph_fence.queue._statements import (
     ANNOUNCE,
     OUTPUT,
-    PIN,
     RETIRE,
     RUN_STATE,
     STATE,
@@ -80,6 +80,8 @@ class SubmittedRuns:
         #: The schedules on the queue's database; ``bind`` binds a schedule's thread to its
         #: execution when it is created (as a submit's is).
         self.schedules = Schedules(self._db, serde, self.check, bind)
+        #: The admission of runs submitted with a flow key (each worker's look).
+        self.flows = Flows(self._db)
         #: The LISTEN side: one connection for every waiter of this queue (PostgreSQL).
         self.notifications = Notifications(self._engine) if self._db.pg else None
         self._children = ChildRuns(self._db)
@@ -163,11 +165,13 @@ class SubmittedRuns:
         run: RecordedRun,
         on_busy: OnBusy,
         not_before: Checked | None = None,
+        flow: Flow | None = None,
     ) -> str | None:
         """Record the run (its own row, and the execution's record and pending lease when it
         runs next), in one transaction; the run's id. ``not_before`` (checked by
         :func:`~langgraph_fence.queue._not_before.check_not_before`): no worker starts it
-        earlier, judged by the database's clock.
+        earlier, judged by the database's clock. ``flow``: it waits to be admitted under
+        its key's limits (:class:`~langgraph_fence.queue.Flow`).
 
         The same run submitted again while it is pending, running or queued returns that
         run's id and writes nothing (``None``: the execution's run in flight has no run
@@ -188,7 +192,7 @@ class SubmittedRuns:
             "run_type": run_type,
             "run": run_blob,
         }
-        return await submit_run(self._db, key, record, on_busy, not_before)
+        return await submit_run(self._db, key, record, on_busy, not_before, flow)
 
     async def promote(self, limit: int = 100) -> int:
         """Begin the next queued run of each thread whose current run has ended: the ended
@@ -291,7 +295,10 @@ class SubmittedRuns:
         async def once() -> str | None:
             async with self._db.writer.begin() as conn:
                 row = (
-                    await conn.execute(PIN, {**_held(lease), "checkpoint": checkpoint_id or ""})
+                    await conn.execute(
+                        self._db.leases.pin,
+                        {**_held(lease), "checkpoint": checkpoint_id or "", **self._db.now()},
+                    )
                 ).first()
                 return None if row is None else str(row.input_after)
 
