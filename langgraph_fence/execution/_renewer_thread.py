@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from langgraph_fence.lease.sql import SqlLeaseRepository
 
-__all__ = ["RenewerThread", "cancel_and_wait"]
+__all__ = ["RenewerThread", "cancel_and_wait", "wait_quietly"]
 
 # Its records are the keeper's: one logger for an operator to set.
 logger = logging.getLogger("langgraph_fence.keeper")
@@ -157,3 +157,14 @@ async def cancel_and_wait(tasks: list[asyncio.Task[None]]) -> None:
             pass
         except Exception:
             logger.exception("keeper task failed")
+
+
+async def wait_quietly(tasks: list[asyncio.Task[None]]) -> None:
+    """Wait for ``tasks`` to end without cancelling them, not even when the wait itself is
+    cancelled (a failure is logged)."""
+    if not tasks:
+        return
+    await asyncio.wait(tasks)
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("keeper task failed", exc_info=task.exception())

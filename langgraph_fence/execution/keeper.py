@@ -61,7 +61,11 @@ from langgraph_fence.execution._keeper_settings import (
     loop_stall_bound,
     thread_store,
 )
-from langgraph_fence.execution._renewer_thread import RenewerThread, cancel_and_wait
+from langgraph_fence.execution._renewer_thread import (
+    RenewerThread,
+    cancel_and_wait,
+    wait_quietly,
+)
 from langgraph_fence.fence import RunHandle, safety_margin
 from langgraph_fence.lease import ExecutionLeaseRepository, LeaseKey
 
@@ -320,22 +324,33 @@ class Keeper:
         if not idle:
             return
         if self._thread_store is None:
-            await self.aclose()
+            await self._stop_tasks()
             return
         watchdog, self._watchdog = self._watchdog, None
         if watchdog is not None:
             await cancel_and_wait([watchdog])
 
     async def aclose(self) -> None:
-        """Stop renewing and watching (the leases still held then lapse)."""
-        tasks = [t for t in (self._renewer, self._watchdog) if t is not None]
-        if self._thread_store is None:  # the thread's own end with it
-            tasks.extend(self._sending)
-        self._renewer = self._watchdog = None
+        """Stop renewing and watching (the leases still held then lapse); a renewal
+        statement still in flight is waited for, not cancelled (:meth:`_stop_tasks`)."""
+        await self._stop_tasks()
         thread, self._thread = self._thread, None
-        await cancel_and_wait(tasks)
         if thread is not None:
             await thread.stop()
+        if self._thread_store is None:
+            await wait_quietly(list(self._sending))
+
+    async def _stop_tasks(self) -> None:
+        """Stop the renewal loop and the watchdog. A renewal statement already sent (one of
+        ``_sending``, on the instance's loop) is never cancelled: it ends on its own and its
+        answer is dropped for a handle no longer kept. Cancelled while SQLite runs it, its
+        ``UPDATE ... RETURNING`` would be left stepped once, holding the database's write
+        lock after its connection is closed, until the garbage collector frees its cursor:
+        every writer of the file, in every process, would wait for it (and give up after
+        the busy timeout)."""
+        tasks = [t for t in (self._renewer, self._watchdog) if t is not None]
+        self._renewer = self._watchdog = None
+        await cancel_and_wait(tasks)
 
     # -- renewals
 

@@ -150,6 +150,58 @@ async def test_a_lapsed_lease_renewed_to_tell_its_fate_does_not_hold_back_new_ru
         await keeper.aclose()
 
 
+class HeldRenewals(MemoryLeaseRepository):
+    """The memory store, whose renewal statements stay in flight (sent, not answered)
+    until ``answer`` is set."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        super().__init__(clock=clock)
+        self.sent = asyncio.Event()
+        self.answer = asyncio.Event()
+        self.cancelled = False
+        self.answered = False
+
+    async def renew_many(
+        self, leases: Sequence[Lease], ttl: float
+    ) -> list[Lease | ExecutionFencedError]:
+        self.sent.set()
+        try:
+            await self.answer.wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        answers = await super().renew_many(leases, ttl)
+        self.answered = True
+        return answers
+
+
+async def test_a_renewal_in_flight_when_the_last_run_lets_go_is_answered_not_cancelled() -> None:
+    """The last run an instance holds ends (or yields its lease) while its renewal is in
+    flight: the keeper stops, but the statement is let end (its answer dropped), never
+    cancelled. On SQLite a renewal cancelled while the database runs it keeps the write
+    lock until the garbage collector frees its cursor (tests/integration/test_keeper.py);
+    closing the keeper waits for it."""
+    clock = ManualClock()
+    store = HeldRenewals(clock)
+    lease = await store.acquire(LeaseKey(unique("t"), unique("e")), "A", TTL)
+    assert lease is not None
+    handle = RunHandle(store, lease, TTL, clock=clock)
+    keeper = keeper_on(clock)
+    keeper.keep(handle)
+    window = handle.confirmed_until
+    try:
+        clock.advance(TTL / 3)  # its renewal falls due and is sent
+        await eventually(store.sent.is_set, timeout=10, what="the renewal to be sent")
+        await keeper.release(handle)  # the run ended: the keeper holds nothing now
+        assert not store.cancelled  # still in flight
+    finally:
+        store.answer.set()
+        await keeper.aclose()  # waits for the renewal in flight
+    assert store.answered
+    assert not store.cancelled
+    assert handle.confirmed_until == window  # the answer came for a run no longer kept
+
+
 def test_max_held_follows_the_renew_interval() -> None:
     """Unless told, an instance holds as many executions as it renews at 3 000 leases a
     second: 10 000 at the default TTL (30 s, renewed every 10 s) where its renewals run in
