@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import operator
+import sqlite3
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,6 +21,7 @@ from typing import Annotated, Any, TypedDict
 import pytest
 import sqlalchemy.exc
 from langgraph.graph import END, START, StateGraph
+from sqlalchemy import event
 
 from langgraph_fence import (
     EventKind,
@@ -38,7 +41,7 @@ from langgraph_fence.fence import RunHandle, safety_margin
 from langgraph_fence.instance import Instance
 from langgraph_fence.lease.faults import StallableRepository, StallGate
 from langgraph_fence.lease.sql import SqlLeaseRepository
-from langgraph_fence.testing import Leases
+from langgraph_fence.testing import Leases, ManualClock
 from tests.support.databases import unique
 from tests.support.polling import eventually
 
@@ -595,6 +598,61 @@ async def test_a_renewal_refused_for_the_token_before_a_retake_does_not_fence_th
         renewed = await store.renew(handle.lease, ttl)  # token 2 still holds the lease
         assert (renewed.epoch, renewed.holder) == (2, "A")
     finally:
+        await keeper.aclose()
+        await store.aclose()
+        await engine.dispose()
+
+
+async def test_the_last_run_letting_go_while_sqlite_runs_its_renewal_leaves_no_write_lock(
+    tmp_path: Any,
+) -> None:
+    """On SQLite a renewal is an ``UPDATE ... RETURNING``, which holds the database's write
+    lock until it is stepped to its end. The last run held by an instance whose renewals run
+    on its loop lets go of its lease (it ended, or yielded it to wait for remote children)
+    while SQLite runs its renewal: the renewal is let end, and the write lock is free once
+    it has. (Cancelled there, the statement stayed stepped once with the lock held after
+    its connection was closed, until the garbage collector freed its cursor: every writer
+    of the file waited out its busy timeout and failed.)"""
+    path = tmp_path / "keeper.db"
+    engine = create_engine(f"sqlite+aiosqlite:///{path}")
+    clock = ManualClock()
+    store = SqlLeaseRepository(engine, clock=clock)
+    await store.setup()
+    ttl = 3.0
+    keeper = Keeper(
+        ttl=ttl,
+        renew_interval=ttl / 3,
+        clock=clock,
+        sleep=clock.sleep,
+        events=Listeners("A"),
+        holder="A",
+    )
+    lease = await store.acquire(LeaseKey(TENANT, unique("r")), "A", ttl)
+    assert lease is not None
+    handle = RunHandle(store, lease, ttl, clock=clock)
+    letting_go: list[asyncio.Future[None]] = []
+
+    def on_statement(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        # The renewal goes to SQLite's thread right after this: the run lets go meanwhile.
+        if statement.startswith("UPDATE fence_leases SET expires_at") and not letting_go:
+            letting_go.append(asyncio.ensure_future(keeper.release(handle)))
+
+    event.listen(engine.sync_engine, "before_cursor_execute", on_statement)
+    gc.disable()  # a collection would free a stranded statement's cursor, and its lock
+    try:
+        keeper.keep(handle)
+        clock.advance(ttl / 3)  # its renewal falls due and is sent
+        await until(lambda: bool(letting_go), within=10.0)
+        await letting_go[0]
+        await until(lambda: not keeper._sending, within=30.0)  # the renewal has ended
+        probe = sqlite3.connect(path, timeout=0)  # no busy wait: is the lock free now?
+        try:
+            probe.execute("BEGIN IMMEDIATE")
+            probe.execute("ROLLBACK")
+        finally:
+            probe.close()
+    finally:
+        gc.enable()
         await keeper.aclose()
         await store.aclose()
         await engine.dispose()
