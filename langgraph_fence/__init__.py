@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     )
     from langgraph_fence.events import EventKind, FenceEvent
     from langgraph_fence.execution.children import Child, ChildPlacement
+    from langgraph_fence.execution.retries import RunRetry
     from langgraph_fence.execution.sleeps import ExecutionSleeping
     from langgraph_fence.fence import ExecutionFence
     from langgraph_fence.instance import Instance
@@ -60,6 +61,7 @@ _WHERE = {
     "ExecutionContext": "langgraph_fence.steps.context",
     "ExecutionContextUnavailableError": "langgraph_fence.errors",
     "ExecutionSleeping": "langgraph_fence.execution.sleeps",
+    "RunRetry": "langgraph_fence.execution.retries",
     "EventKind": "langgraph_fence.events",
     "ExecutionDeadLetteredError": "langgraph_fence.errors",
     "ExecutionEndedError": "langgraph_fence.errors",
@@ -152,6 +154,7 @@ __all__ = [
     "MemoryLeaseRepository",
     "PendingEffect",
     "RunFailedError",
+    "RunRetry",
     "RunState",
     "SqlCheckpointer",
     "SqlLeaseRepository",

@@ -43,6 +43,7 @@ from langgraph_fence.execution.children import (
     refuse_child_ids,
 )
 from langgraph_fence.execution.outcome import Settle, decide_outcome
+from langgraph_fence.execution.retries import RunRetry, stamp_stands
 from langgraph_fence.execution.sleeps import release_sleeping
 from langgraph_fence.fence import RunHandle
 from langgraph_fence.fence.tree_activity import wake_parent
@@ -122,6 +123,8 @@ class Run:
     control: RunControl
     base_config: RunnableConfig
     end: GraphEnd
+    #: How a failure of the graph's own is retried (serve(run_retries=...)), or None.
+    retry: RunRetry | None = None
 
 
 @asynccontextmanager
@@ -136,6 +139,7 @@ async def running(
     *,
     graph_name: str | None = None,
     taken: Lease | None = None,
+    retry: RunRetry | None = None,
 ) -> AsyncIterator[Run]:
     """One run of ``graph`` under its execution's lease, for the body of the block.
 
@@ -173,6 +177,7 @@ async def running(
             record = None
             handle = RunHandle(host.repository, taken, host.lease_ttl, clock=host.clock)
         run = _kept(host, key, base, handle)
+        run.retry = retry
         try:
             try:
                 if record is not None:
@@ -366,6 +371,9 @@ async def _carry_out(host: InstanceHost, graph: Any, run: Run, exc: BaseExceptio
         assert handle.error is not None
         raise handle.error from exc
     if outcome.settle is Settle.FAILED:
+        assert exc is not None
+        if await _retried(host, run, exc, outcome.reason):
+            return
         await _release(run, LeaseStatus.FAILED, outcome.reason)
         return
     status = run.end.status()
@@ -427,6 +435,35 @@ async def _classify_loss(host: InstanceHost, handle: RunHandle) -> None:
         pass
     except Exception:
         logger.warning("could not classify the loss of %s", handle.scope_key, exc_info=True)
+
+
+async def _retried(host: InstanceHost, run: Run, exc: BaseException, reason: str | None) -> bool:
+    """Hand a submitted run that failed with its graph's own error back for another
+    attempt, when its policy retries the error, attempts remain, and no non-idempotent
+    stamp stands; whether it was."""
+    handle, retry = run.handle, run.retry
+    if retry is None or not retry.retries(exc):
+        return False
+    # The store's stamp set, not the handle's: a stamp whose write landed while its step was
+    # cancelled (a sibling step failed) stands there, unknown to the handle.
+    stored = await host.repository.get(handle.key)
+    if stored is None or stored.epoch != handle.token or stamp_stands(stored.pending_effects):
+        return False
+    queue = host.queue_or_none()
+    attempts = None if queue is None else await queue.attempts(handle.key)
+    if queue is None or attempts is None or attempts >= retry.attempts:
+        return False
+    delay = retry.delay(attempts)
+    said = f"attempt {attempts} of {retry.attempts} failed ({reason}): retried in {delay:g}s"
+    try:
+        if not await queue.release_for_retry(handle.lease, delay, said):
+            await handle.renew()  # raises the fencing error the refusal means
+            return False
+    except ExecutionFencedError as fenced:
+        raise handle.record(fenced) from None
+    host.events.emit(EventKind.HANDED_BACK, handle.scope_key, handle.token, said)
+    logger.info("run %s: %s", handle.scope_key, said)
+    return True
 
 
 async def _release(run: Run, status: LeaseStatus, reason: str | None) -> None:

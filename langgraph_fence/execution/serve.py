@@ -23,6 +23,7 @@ from langgraph.errors import GraphDrained
 from langgraph_fence.database.retry import is_connection_error
 from langgraph_fence.events import EventKind
 from langgraph_fence.execution.keeper import Sleep
+from langgraph_fence.execution.retries import RunRetry
 from langgraph_fence.execution.run import DEFAULT_GRAPH_NAME, Run, announce_dead_letter, running
 from langgraph_fence.execution.sleeps import ExecutionSleeping
 from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus
@@ -73,6 +74,7 @@ class Server:
         kwargs: Mapping[str, Any],
         sleep: Sleep | None = None,
         listen: bool = True,
+        run_retries: Mapping[str, RunRetry] | None = None,
     ) -> None:
         from langgraph_fence.saver.checkpoint import FencedCheckpointer
 
@@ -110,6 +112,7 @@ class Server:
         self.kwargs = kwargs
         self._sleep: Sleep = sleep or asyncio.sleep
         self.listen = listen
+        self.run_retries = check_run_retries(run_retries, graphs)
         #: The runs this loop started, by the task that runs each.
         self.running: dict[asyncio.Task[None], list[Run]] = {}
         # Executions of graphs this loop does not serve, by key, with the epoch seen.
@@ -442,7 +445,14 @@ class Server:
         runs: list[Run] = []
         task = asyncio.create_task(
             self._resume(
-                graph, config, record.input, taken, runs, {**self.kwargs, **options}, submitted
+                graph,
+                config,
+                record.input,
+                taken,
+                runs,
+                {**self.kwargs, **options},
+                submitted,
+                self.run_retries.get(head.graph),
             ),
             name=f"resume {taken.scope_key}",
         )
@@ -498,9 +508,11 @@ class Server:
         runs: list[Run],
         kwargs: Mapping[str, Any],
         submitted: bool = False,
+        retry: RunRetry | None = None,
     ) -> None:
         """Run a taken execution: from its last checkpoint (``input`` None), or its input;
-        a submitted run's output is kept with its execution under its lease."""
+        a submitted run's output is kept with its execution under its lease, and its
+        failure retried as ``retry`` says."""
         try:
             logger.info(
                 "resuming %s at token %d from its %s",
@@ -517,6 +529,7 @@ class Server:
                 taken.key.execution_id,
                 kwargs,
                 taken=taken,
+                retry=retry if submitted else None,
             ) as run:
                 runs.append(run)
                 output = await graph.ainvoke(input, run.config, control=run.control, **kwargs)
@@ -577,6 +590,29 @@ def check_budget(max_takeovers: object) -> int:
     budget = validate_max_takeovers(max_takeovers)  # type: ignore[arg-type]
     assert budget is not None
     return budget
+
+
+def check_run_retries(
+    run_retries: Mapping[str, RunRetry] | None, graphs: Mapping[str, Any]
+) -> dict[str, RunRetry]:
+    """``run_retries`` checked: each a :class:`RunRetry` of a graph the loop serves.
+
+    Raises:
+        ValueError: a name the loop does not serve, or a value that is no ``RunRetry``.
+    """
+    if run_retries is None:
+        return {}
+    if not isinstance(run_retries, Mapping):
+        raise ValueError(f"run_retries must map graph names to RunRetry, got {run_retries!r}")
+    for name, retry in run_retries.items():
+        if name not in graphs:
+            raise ValueError(
+                f"run_retries names {name!r}, which this loop does not serve (it serves "
+                f"{sorted(graphs)}): name a served graph"
+            )
+        if not isinstance(retry, RunRetry):
+            raise ValueError(f"run_retries[{name!r}] must be a RunRetry, got {retry!r}")
+    return dict(run_retries)
 
 
 def serve_backoff(poll: float, failures: int) -> float:

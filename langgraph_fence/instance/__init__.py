@@ -22,6 +22,7 @@ from langgraph_fence.events import FenceListener, Listeners
 from langgraph_fence.execution.children import refuse_child_ids
 from langgraph_fence.execution.host import InstanceHost
 from langgraph_fence.execution.keeper import Keeper, Renewer, Sleep, thread_store
+from langgraph_fence.execution.retries import RunRetry
 from langgraph_fence.execution.run import running
 from langgraph_fence.instance._database import open_database
 from langgraph_fence.instance._failover import watch_failovers
@@ -582,6 +583,7 @@ class Instance:
         handle_signals: bool = True,
         max_takeovers: int | None = None,
         listen: bool = True,
+        run_retries: Mapping[str, RunRetry] | None = None,
         **kwargs: Any,
     ) -> None:
         """Take over expired executions and claim submitted runs, and run them to their end,
@@ -628,6 +630,11 @@ class Instance:
                 on one pooled connection, opened again if the database drops it);
                 ``False``: find them by polling only. An expired lease whose instance died
                 is found by polling.
+            run_retries: graph name -> :class:`~langgraph_fence.execution.retries.RunRetry`:
+                a submitted run of that graph that fails with an error the policy retries
+                runs again from its last checkpoint after the backoff (on the store's
+                clock, by any worker, at the next token), up to its attempts; never while
+                a non-idempotent stamp of it stands. ``RunState.attempts`` counts them.
             **kwargs: passed to each ``graph.ainvoke`` (``durability``, ...); an option the
                 run recorded (e.g. its ``durability``) wins over these.
         """
@@ -641,6 +648,7 @@ class Instance:
             max_takeovers=self.max_takeovers if max_takeovers is None else max_takeovers,
             kwargs=kwargs,
             listen=listen,
+            run_retries=run_retries,
         )
         self.served_graphs.update(graphs)
         await server.run(

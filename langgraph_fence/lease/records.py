@@ -412,6 +412,13 @@ EXECUTION_MIGRATIONS = [
             _RUNS_FLOW_INDEX,
         ],
     ),
+    Migration(
+        version=12,
+        description="run retries: how many attempts each submitted run made",
+        # NULL on every run before it: one attempt.
+        sqlite=["ALTER TABLE fence_runs ADD COLUMN attempts INTEGER"],
+        postgresql=["ALTER TABLE fence_runs ADD COLUMN IF NOT EXISTS attempts INTEGER"],
+    ),
 ]
 
 #: The columns a run's record writes (and a later record of the key replaces), beside its

@@ -73,6 +73,7 @@ class RunState:
             ``submit(not_before=...)``, a durable sleep), or ``None``.
         held_back: the run waits for its flow key's limits to admit it
             (``submit(flow=...)``); its status is then ``pending``.
+        attempts: the attempts the submitted run made (``serve(run_retries=...)``).
     """
 
     key: LeaseKey
@@ -88,6 +89,7 @@ class RunState:
     queued: bool = False
     not_before: float | None = None
     held_back: bool = False
+    attempts: int = 1
 
 
 def run_state(row: Any) -> RunState:
@@ -116,7 +118,7 @@ def submitted_run_state(row: Any, run_id: str | None) -> tuple[RunState, tuple[A
     """The state and stored output of a read of the queue's ``STATE`` (``run_id`` ``None``)
     or ``RUN_STATE``: a run that ended is told by its own row (its outcome, never the next
     run's), a queued one waits (``pending``, or behind a dead-lettered run it cannot pass)."""
-    state = run_state(row)
+    state = replace(run_state(row), attempts=int(row.run_attempts or 1))
     if run_id is None or row.run_status == "current":
         return replace(state, run_id=run_id), (row.output_type, row.output)
     if row.run_status == "queued":

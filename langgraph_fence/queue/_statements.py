@@ -98,11 +98,13 @@ class LeaseWrites:
         self.read_sleep = text(
             f"SELECT wake_at, {now} AS now FROM fence_sleeps WHERE {KEY} AND sleep_key = :sleep_key"
         )
-        # The run that sleeps gives its lease back: pending, no holder, for any worker to
-        # take from :wake_at (store clock) on, at the next token; guarded by its hold.
+        # The run that sleeps, or fails and is retried, gives its lease back: pending, no
+        # holder, for any worker to take from :wake_at (store clock), or :delay seconds from
+        # now, on, at the next token; guarded by its hold.
         self.release_sleeping = text(
-            "UPDATE fence_leases SET status = 'pending', holder = NULL, expires_at = :wake_at, "
-            f"reason = :reason, updated_at = {now} WHERE "
+            "UPDATE fence_leases SET status = 'pending', holder = NULL, expires_at = "
+            f"COALESCE(CAST(:wake_at AS DOUBLE PRECISION), {now} + CAST(:delay AS DOUBLE "
+            f"PRECISION)), reason = :reason, updated_at = {now} WHERE "
             + guard_sql(
                 tenant_id=":tenant_id",
                 execution_id=":execution_id",
@@ -265,8 +267,10 @@ _STATE_COLUMNS = (
     "e.graph, e.thread_id, e.submitted_at"
 )
 STATE = text(
-    _STATE_COLUMNS + ", e.output_type, e.output FROM fence_leases l LEFT JOIN fence_executions e "
-    "ON e.tenant_id = l.tenant_id AND e.execution_id = l.execution_id "
+    _STATE_COLUMNS + ", e.output_type, e.output, r.attempts AS run_attempts FROM fence_leases l "
+    "LEFT JOIN fence_executions e ON e.tenant_id = l.tenant_id AND e.execution_id = "
+    "l.execution_id LEFT JOIN fence_runs r ON r.tenant_id = l.tenant_id AND r.execution_id = "
+    "l.execution_id AND r.status = 'current' "
     "WHERE l.tenant_id = :tenant_id AND l.execution_id = :execution_id"
 )
 # The in-flight runs, and the queued ones: of every tenant ("") or of ``:tenant_id``.
@@ -348,6 +352,17 @@ QUEUED_RUNS = {
     for of in OF_TENANT
 }
 RUN_STATUS = text("SELECT status FROM fence_runs WHERE run_id = :run_id")
+# The attempts of the execution's current run (NULL: one), and one more of them.
+ATTEMPTS = text(
+    "SELECT COALESCE(attempts, 1) AS attempts FROM fence_runs WHERE "
+    + _RUN_KEY
+    + " AND status = 'current'"
+)
+ONE_MORE_ATTEMPT = text(
+    "UPDATE fence_runs SET attempts = COALESCE(attempts, 1) + 1 WHERE "
+    + _RUN_KEY
+    + " AND status = 'current'"
+)
 CANCEL_QUEUED = text(
     "UPDATE fence_runs SET status = 'cancelled', reason = :reason "
     "WHERE run_id = :run_id AND status = 'queued'"
@@ -357,7 +372,7 @@ RUN_STATE = text(
     + ", e.output_type, e.output, r.run_id, r.status AS run_status, r.reason AS run_reason, "
     "r.epoch AS run_epoch, r.graph AS run_graph, r.thread_id AS run_thread, "
     "r.output_type AS run_output_type, r.output AS run_output, "
-    "r.not_before AS run_not_before FROM fence_runs r "
+    "r.not_before AS run_not_before, r.attempts AS run_attempts FROM fence_runs r "
     "JOIN fence_leases l ON l.tenant_id = r.tenant_id AND l.execution_id = r.execution_id "
     "LEFT JOIN fence_executions e ON e.tenant_id = r.tenant_id "
     "AND e.execution_id = r.execution_id "

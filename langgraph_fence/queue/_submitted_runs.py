@@ -30,6 +30,8 @@ from langgraph_fence.queue._state import (
 )
 from langgraph_fence.queue._statements import (
     ANNOUNCE,
+    ATTEMPTS,
+    ONE_MORE_ATTEMPT,
     OUTPUT,
     RETIRE,
     RUN_STATE,
@@ -355,13 +357,37 @@ class SubmittedRuns:
     async def release_sleeping(self, lease: Lease, wake_at: float, reason: str) -> bool:
         """Give ``lease`` back, pending for any worker from ``wake_at`` (store clock) on;
         whether it was still held (one guarded statement)."""
-        params = {**_held(lease), "wake_at": wake_at, "reason": reason, **self._db.now()}
+        params = {**_held(lease), "wake_at": wake_at, "delay": None, "reason": reason}
+        params.update(self._db.now())
 
         async def once() -> int:
             async with self._db.writer.begin() as conn:
                 return int((await conn.execute(self._db.leases.release_sleeping, params)).rowcount)
 
         return bool(await retry_connection_errors(once, what="durable sleep release"))
+
+    async def attempts(self, key: LeaseKey) -> int | None:
+        """The attempts of the execution's current submitted run (``None``: none)."""
+        params = {"tenant_id": key.tenant_id, "execution_id": key.execution_id}
+        row = await self._db.first(ATTEMPTS, params, what="run attempts")
+        return None if row is None else int(row.attempts)
+
+    async def release_for_retry(self, lease: Lease, delay: float, reason: str) -> bool:
+        """Give ``lease`` back, pending for any worker ``delay`` seconds from now (store
+        clock) on, and count one more attempt of its current run, in one transaction;
+        whether it was still held."""
+        params = {**_held(lease), "wake_at": None, "delay": delay, "reason": reason}
+        params.update(self._db.now())
+
+        async def once() -> bool:
+            async with transaction(self._engine) as conn:
+                released = await conn.execute(self._db.leases.release_sleeping, params)
+                if not released.rowcount:
+                    return False
+                await conn.execute(ONE_MORE_ATTEMPT, params)
+                return True
+
+        return await retry_connection_errors(once, what="run retry")
 
     # -- any process's side
 

@@ -61,9 +61,11 @@ async def opened(database: Database, name: str, **options: Any) -> AsyncIterator
         yield instance
 
 
-def stepped(instance: Instance, graphs: dict[str, Any], *, concurrency: int = 1) -> Any:
-    """``instance``'s serve loop over ``graphs``, for a test to drive one look at a time
-    (:func:`look`): no wall clock."""
+def stepped(
+    instance: Instance, graphs: dict[str, Any], *, concurrency: int = 1, **options: Any
+) -> Any:
+    """``instance``'s serve loop over ``graphs`` (with the serve ``options``, e.g.
+    ``run_retries``), for a test to drive one look at a time (:func:`look`): no wall clock."""
     from langgraph_fence.execution.serve import Server
 
     return Server(
@@ -73,6 +75,7 @@ def stepped(instance: Instance, graphs: dict[str, Any], *, concurrency: int = 1)
         poll_interval=0.02,
         max_takeovers=3,
         kwargs={},
+        **options,
     )
 
 
