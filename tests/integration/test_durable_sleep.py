@@ -6,13 +6,15 @@ over. The worker processes (one SIGKILLed while the tree sleeps) are in
 
 from __future__ import annotations
 
+import operator
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Annotated, Any, TypedDict
 
 import pytest
 from langgraph.graph import END, START, StateGraph
 
 from langgraph_fence import (
+    Effect,
     ExecutionSleeping,
     Instance,
     LeaseKey,
@@ -27,14 +29,19 @@ from tests.support.shout import Work, build
 from tests.support.sleep_graphs import Nap, nap_graph
 
 
+class Logged(TypedDict, total=False):
+    log: Annotated[list[str], operator.add]
+
+
 def napping(instance: Instance, seen: list[tuple[str, float]], clock: Any) -> Any:
     """before -> nap -> after (``nap`` sleeps ``seconds`` first thing); each node says when
     it ran, on the store's clock."""
     return nap_graph(instance, lambda node, config: seen.append((node, clock())))
 
 
+@pytest.mark.parametrize("durability", ["async", "sync", "exit"])
 async def test_a_sleeping_tree_holds_no_lease_or_slot_and_resumes_at_its_time(
-    leases: Leases,
+    leases: Leases, durability: str
 ) -> None:
     client = leases.instance("client")
     worker = leases.instance("worker", max_held=1)
@@ -43,7 +50,9 @@ async def test_a_sleeping_tree_holds_no_lease_or_slot_and_resumes_at_its_time(
     graphs = {"nap": napping(worker, seen, leases.clock), "shout": build(worker, work)}
     loop = stepped(worker, graphs)
     thread = unique("t")
-    run = await client.submit("nap", {"log": [], "seconds": 5.0}, cfg(thread), tenant_id="a")
+    run = await client.submit(
+        "nap", {"log": [], "seconds": 5.0}, cfg(thread), tenant_id="a", durability=durability
+    )
     await look(loop)
     slept_at = leases.clock()
     assert [name for name, _ in seen] == ["before", "nap"]
@@ -111,3 +120,38 @@ async def test_a_bad_sleep_fails_the_step_naming_it(
     graph = fence_graph(builder).compile(checkpointer=caller.checkpointer, name="nap")
     with pytest.raises(error, match="not_before"):
         await caller.ainvoke(graph, {"log": []}, cfg(unique("t")), tenant_id="a")
+
+
+async def test_a_sleep_beside_a_write_keeps_the_write_and_does_not_repeat_it(
+    leases: Leases,
+) -> None:
+    """``charge`` (a non-idempotent write) and ``nap`` run in one superstep: ``nap`` sleeps,
+    ``charge``'s writes are kept (its stamp cleared by them), and the wake resumes only
+    ``nap``: charged once, never dead-lettered."""
+    client, worker = leases.instance("client"), leases.instance("worker")
+    charged: list[int] = []
+
+    async def charge(state: Logged) -> dict[str, Any]:
+        charged.append(1)
+        return {"log": ["charge"]}
+
+    async def nap(state: Logged) -> dict[str, Any]:
+        await get_execution_context().sleep(5.0)
+        return {"log": ["nap"]}
+
+    builder: StateGraph[Any] = StateGraph(Logged)
+    builder.add_node("charge", charge)
+    builder.add_node("nap", nap)
+    for node in ("charge", "nap"):
+        builder.add_edge(START, node)
+        builder.add_edge(node, END)
+    graph = fence_graph(builder, effects={"charge": Effect.NON_IDEMPOTENT_WRITE})
+    loop = stepped(worker, {"pair": graph.compile(checkpointer=worker.checkpointer, name="pair")})
+    run = await client.submit("pair", {"log": []}, cfg(unique("t")), tenant_id="a")
+    await look(loop)
+    assert (await run.state()).status is LeaseStatus.PENDING
+    leases.advance(5.0)
+    await look(loop)
+    assert sorted((await run.result(timeout=5))["log"]) == ["charge", "nap"]
+    assert (await run.state()).status is LeaseStatus.DONE
+    assert charged == [1]
