@@ -33,7 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from langgraph_fence.lease import LeaseKey, LeaseStatus, PendingEffect
 from langgraph_fence.lease.journal import JOURNAL, JournalEntry, read_journal
 from langgraph_fence.lease.schema import LEASES, STAMP_SQL, effects_from_json
-from langgraph_fence.queue import ANNOUNCED_FOR
+from langgraph_fence.queue import ANNOUNCED_FOR, HELD_BACK
 
 __all__ = [
     "PAGE",
@@ -105,16 +105,27 @@ class ExecutionRow:
     graph: str | None
     thread_id: str | None
     recorded_at: float | None = None
+    # A pending run's wait before it may start (seconds, store clock), or None.
+    starts_in: float | None = None
+
+    @property
+    def held_back(self) -> bool:
+        """Pending, held back by its flow key until a look admits it."""
+        return self.starts_in is not None and self.starts_in > HELD_BACK / 2
 
 
 def _row(row: Any, now: float) -> ExecutionRow:
+    # A pending row with no holder keeps in expires_at when it may start (a delayed run, a
+    # sleep, a retry's backoff), or a time far ahead while its flow key holds it back.
+    waits = row.status == "pending" and row.holder is None and row.expires_at is not None
     return ExecutionRow(
         key=LeaseKey(row.tenant_id, row.execution_id),
         scope_key=row.scope_key,
         status=row.status,
         holder=row.holder,
         epoch=int(row.epoch),
-        expires_in=None if row.expires_at is None else float(row.expires_at) - now,
+        expires_in=None if row.expires_at is None or waits else float(row.expires_at) - now,
+        starts_in=float(row.expires_at) - now if waits else None,
         # Read as text and decoded tolerantly: an entry another version wrote, or a value
         # that is not JSON at all, costs this row its stamps, never the page.
         stamps=effects_from_json(row.pending_effects),

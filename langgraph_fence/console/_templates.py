@@ -72,7 +72,9 @@ dl.lease dt { font-weight: 600; } dl.lease dd { margin: 0; }
 _ROWS = """{% macro status(s) %}<span class="status s-{{ s }}">{{ s }}</span>{% endmacro %}
 {% macro stamps(row) %}{% for e in row.stamps %}<div class="stamp-{{ e.effect.value }}">
 {{ e.effect.value }} @ {{ e.node }} (token {{ e.token }})</div>{% endfor %}{% endmacro %}
-{% macro expires(row) %}{% if row.expires_in is none %}{% elif row.expires_in < 0 %}
+{% macro expires(row) %}{% if row.held_back %}held by its flow key{%
+elif row.starts_in is not none and row.starts_in > 0 %}starts in {{ '%.1f' % row.starts_in }} s{%
+elif row.expires_in is none %}{% elif row.expires_in < 0 %}
 <span class="late">expired {{ '%.1f' % -row.expires_in }} s ago</span>{% else %}
 in {{ '%.1f' % row.expires_in }} s{% endif %}{% endmacro %}
 {% macro resolve_forms(row, csrf, base) %}

@@ -38,7 +38,7 @@ lease table every worker reads.
 from __future__ import annotations
 
 from langgraph_fence.queue._checks import ON_BUSY, OnBusy
-from langgraph_fence.queue._flows import Flow
+from langgraph_fence.queue._flows import HELD_BACK, Flow
 from langgraph_fence.queue._handle import SubmittedRun
 from langgraph_fence.queue._not_before import NotBefore, check_not_before
 from langgraph_fence.queue._schedules import MISSED, OVERLAP, Missed, Overlap, Schedule, Schedules
@@ -58,6 +58,7 @@ from langgraph_fence.queue._submitted_runs import SubmittedRuns
 __all__ = [
     "ANNOUNCED_FOR",
     "ANNOUNCE_EVERY",
+    "HELD_BACK",
     "MISSED",
     "ON_BUSY",
     "OVERLAP",

@@ -22,7 +22,8 @@ from langgraph_fence import Effect, Instance, LeaseKey, LeaseStatus
 from langgraph_fence.console import create_app
 from langgraph_fence.lease.journal import JOURNAL, Journal
 from langgraph_fence.testing import Leases
-from tests.support.databases import SQL_BACKENDS, unique
+from tests.support.databases import SQL_BACKENDS, Database, unique
+from tests.support.serving import opened
 from tests.support.takeovers import Shop, take_over_mid_charge
 
 RUNS_ON = SQL_BACKENDS
@@ -353,3 +354,23 @@ async def test_the_host_apps_can_read_refuses_every_page_and_the_metrics(
         for path in ("/executions", "/dead-letters", "/queue", "/instances", "/metrics"):
             assert (await http.get(path)).status_code == 403, path
             assert (await http.get(path, headers={"x-ok": "1"})).status_code == 200, path
+
+
+async def test_a_delayed_run_and_a_held_back_one_show_when_they_may_start(
+    database: Database,
+) -> None:
+    """A pending run with a time ahead starts in so many seconds (store clock); one held
+    back by its flow key says so, never a time millions of years away."""
+    from langgraph_fence.queue import Flow
+
+    delayed, held = unique("delayed"), unique("held")
+    async with opened(database, "client") as instance:
+        config = {"configurable": {"thread_id": delayed}}
+        await instance.submit("g", {"n": 1}, config, tenant_id="a", not_before=3600.0)
+        config = {"configurable": {"thread_id": held}}
+        await instance.submit("g", {"n": 1}, config, tenant_id="a", flow=Flow("k", max_running=1))
+        async with client(create_app(instance._run_queue()._engine)) as http:
+            delayed_page = text_of((await http.get(page_of(LeaseKey("a", delayed)))).text)
+            held_page = text_of((await http.get(page_of(LeaseKey("a", held)))).text)
+    assert re.search(r"starts in 3[56]\d\d\.\d s", delayed_page)
+    assert "held by its flow key" in held_page
