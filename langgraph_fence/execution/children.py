@@ -412,7 +412,15 @@ def _local_end(child: Child, return_exceptions: bool) -> tuple[bool, Any]:
     failure = task.exception()
     if failure is None:
         return True, task.result()
-    if return_exceptions and find_fence_error(failure) is None:
+    # A durable sleep of the child's step is the tree's stop, never the child's result: it
+    # propagates (the root's run gives its lease back until the wake time) as a fence does.
+    from langgraph_fence.execution.sleeps import ExecutionSleeping
+
+    if (
+        return_exceptions
+        and find_fence_error(failure) is None
+        and not isinstance(failure, ExecutionSleeping)
+    ):
         return True, failure
     raise failure
 
