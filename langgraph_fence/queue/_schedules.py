@@ -227,6 +227,9 @@ class Schedules:
             "AND next_tick = :tick"
         )
         self._now = text(f"SELECT {db.store.now_sql}")
+        self._last_tick = text(
+            f"SELECT last_tick FROM fence_schedules WHERE {_KEY}" + (" FOR UPDATE" if db.pg else "")
+        )
 
     async def create(
         self,
@@ -328,9 +331,16 @@ class Schedules:
             "at": time.time(),
         }
 
+        params_key = {"tenant_id": key.tenant_id, "schedule_id": schedule_id}
+
         async def once() -> bool:
             async with transaction(self._db.engine) as conn:
+                # The row first (PostgreSQL: waits for a firing in progress, then sees its
+                # commit): a replace never moves next_tick back to a tick already fired.
+                last = (await conn.execute(self._last_tick, dict(params_key))).first()
                 now = await self._store_now(conn)
+                if last is not None and last.last_tick is not None:
+                    now = max(now, float(last.last_tick))
                 first: float | None = next_tick(cron, timezone, now)
                 if end is not None and first is not None and first > end:
                     first = None
