@@ -300,6 +300,11 @@ CREATE TABLE IF NOT EXISTS fence_flows (
 _RUNS_FLOW_INDEX = (
     "CREATE INDEX IF NOT EXISTS fence_runs_flow ON fence_runs (flow_key, status, tenant_id)"
 )
+# A key's starts in a window, read at each admission, whatever the key's history.
+_RUNS_STARTS_INDEX = (
+    "CREATE INDEX IF NOT EXISTS fence_runs_flow_starts ON fence_runs "
+    "(tenant_id, flow_key, started_at)"
+)
 _SCHEDULES_DUE_INDEX = (
     "CREATE INDEX IF NOT EXISTS fence_schedules_due ON fence_schedules (next_tick)"
 )
@@ -403,6 +408,7 @@ EXECUTION_MIGRATIONS = [
             "ALTER TABLE fence_executions ADD COLUMN started_at REAL",
             _CREATE_FLOWS.format(double="REAL"),
             _RUNS_FLOW_INDEX,
+            _RUNS_STARTS_INDEX,
         ],
         postgresql=[
             "ALTER TABLE fence_runs ADD COLUMN IF NOT EXISTS flow_key TEXT",
@@ -410,6 +416,7 @@ EXECUTION_MIGRATIONS = [
             "ALTER TABLE fence_executions ADD COLUMN IF NOT EXISTS started_at DOUBLE PRECISION",
             _CREATE_FLOWS.format(double="DOUBLE PRECISION"),
             _RUNS_FLOW_INDEX,
+            _RUNS_STARTS_INDEX,
         ],
     ),
     Migration(

@@ -47,6 +47,7 @@ from langgraph_fence.lease.timeline import timeline_sql
 logger = logging.getLogger("langgraph_fence.schema")
 
 __all__ = [
+    "HELD_BACK",
     "LEASES",
     "LEASE_MIGRATIONS",
     "SERVER_ATTEMPTS",
@@ -93,6 +94,11 @@ LEASES = Table(
     Column("parent_execution_id", Text),
     PrimaryKeyConstraint("tenant_id", "execution_id"),
 )
+
+
+#: The ``expires_at`` of a pending row that no take passes until something sets it back: a
+#: run held back by its flow key until a worker's look admits it (``queue/_flows.py``).
+HELD_BACK = 1e15
 
 
 def yielded_sql(alias: str = "") -> str:

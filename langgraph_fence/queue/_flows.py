@@ -31,15 +31,13 @@ from sqlalchemy import text
 
 from langgraph_fence.database import transaction
 from langgraph_fence.database.retry import retry_connection_errors
-from langgraph_fence.lease.schema import yielded_sql
+from langgraph_fence.lease.schema import HELD_BACK, yielded_sql
 from langgraph_fence.queue._database import QueueDatabase
 from langgraph_fence.queue.notifications import NOTIFY_CHANNEL
 from langgraph_fence.validate import MAX_COUNT, MAX_ID_BYTES, MAX_SECONDS, text_id
 
 __all__ = ["HELD_BACK", "Flow", "Flows"]
 
-#: The ``expires_at`` of a keyed run's lease until it is admitted: far past any clock.
-HELD_BACK = 1e15
 
 _WAITING = (
     "r.status = 'current' AND l.status = 'pending' AND l.holder IS NULL AND "
@@ -65,27 +63,25 @@ _KEYS_WAITING = text(
     f"{_WAITING} LIMIT :limit"
 )
 _RUNNING_SQL = f"SELECT count(*) {_JOIN}WHERE {_OF_KEY} AND r.status = 'current' AND {_ADMITTED}"
-# Started in the window (ended runs keep their start; the current one's is its record's),
-# and admitted but not started yet (pending, or taken and not pinned yet: a take is not a
-# start until its run pins its input, a moment later). One statement, so one snapshot: read
-# apart, a run pinned between the two reads would be counted in neither.
-_STARTS_SQL = (
-    "SELECT count(*) FROM fence_runs r LEFT JOIN fence_executions e ON e.tenant_id = "
-    "r.tenant_id AND e.execution_id = r.execution_id AND r.status = 'current' WHERE "
-    f"{_OF_KEY} AND COALESCE(r.started_at, e.started_at) > :since"
-)
+# Started in the window (each run's start is written on its own row by its first claimer's
+# pin: an index answers it, and nothing another run of the thread writes clears it), and
+# admitted but not started yet (pending, or taken and not pinned yet: a take is not a start
+# until its run pins its input, a moment later). One statement, so one snapshot: read apart,
+# a run pinned between the two reads would be counted in neither.
+_STARTS_SQL = f"SELECT count(*) FROM fence_runs r WHERE {_OF_KEY} AND r.started_at > :since"
 _UNSTARTED_SQL = (
-    f"SELECT count(*) {_JOIN}JOIN fence_executions e ON e.tenant_id = r.tenant_id AND "
-    f"e.execution_id = r.execution_id WHERE {_OF_KEY} AND r.status = 'current' AND "
-    f"e.started_at IS NULL AND {_ADMITTED}"
+    f"SELECT count(*) {_JOIN}WHERE {_OF_KEY} AND r.status = 'current' AND "
+    f"r.started_at IS NULL AND {_ADMITTED}"
 )
 _COUNTS = text(
     f"SELECT ({_RUNNING_SQL}) AS running, ({_STARTS_SQL}) AS started, ({_UNSTARTED_SQL}) "
     "AS unstarted"
 )
+# The oldest waiting runs whose time has come (a delayed run waits for its time before it
+# takes a slot of its key).
 _NEXT = text(
     f"SELECT r.execution_id, r.not_before, r.graph {_JOIN}WHERE {_OF_KEY} AND {_WAITING} "
-    "ORDER BY r.submitted_at, r.seq LIMIT :n"
+    "AND (r.not_before IS NULL OR r.not_before <= :now) ORDER BY r.submitted_at, r.seq LIMIT :n"
 )
 _ADMIT = text(
     "UPDATE fence_leases SET expires_at = :not_before WHERE tenant_id = :tenant_id AND "
@@ -195,7 +191,7 @@ class Flows:
             if free <= 0:
                 return 0
             n = min(int(free) if free != math.inf else 1000, 1000)
-            waiting = list(await conn.execute(_NEXT, {**key, "n": n}))
+            waiting = list(await conn.execute(_NEXT, {**key, "n": n, "now": float(limits.now)}))
             for run in waiting:
                 await conn.execute(
                     _ADMIT,

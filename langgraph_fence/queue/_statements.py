@@ -85,6 +85,13 @@ class LeaseWrites:
             + _HELD_HERE
             + " RETURNING input_after"
         )
+        # ...and the start on the run's own row (what a flow key's rate limit counts),
+        # after a pin that landed, in its transaction.
+        self.run_started = text(
+            f"UPDATE fence_runs SET started_at = COALESCE(started_at, {now}) WHERE "
+            + _RUN_KEY
+            + " AND status = 'current'"
+        )
         # A step's durable sleep, recorded under the run's hold: it ends at :at, or :delay
         # seconds from now; a sleep found recorded keeps its end. Then read back, with now.
         self.record_sleep = text(

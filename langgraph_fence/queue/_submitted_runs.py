@@ -292,17 +292,17 @@ class SubmittedRuns:
     async def pin(self, lease: Lease, checkpoint_id: str | None) -> str | None:
         """For a submitted run just taken under ``lease``: the checkpoint its input follows
         (``""``: none), pinned to ``checkpoint_id`` by the first claimer; ``None`` for a
-        run that was not submitted (or a lease no longer held). One guarded statement."""
+        run that was not submitted (or a lease no longer held). One guarded statement, and
+        the run's start written on its row (flow keys count starts), in one transaction."""
 
         async def once() -> str | None:
-            async with self._db.writer.begin() as conn:
-                row = (
-                    await conn.execute(
-                        self._db.leases.pin,
-                        {**_held(lease), "checkpoint": checkpoint_id or "", **self._db.now()},
-                    )
-                ).first()
-                return None if row is None else str(row.input_after)
+            params = {**_held(lease), "checkpoint": checkpoint_id or "", **self._db.now()}
+            async with transaction(self._engine) as conn:
+                row = (await conn.execute(self._db.leases.pin, params)).first()
+                if row is None:
+                    return None
+                await conn.execute(self._db.leases.run_started, params)
+                return str(row.input_after)
 
         return await retry_connection_errors(once, what="submitted run pin")
 

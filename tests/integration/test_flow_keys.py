@@ -29,8 +29,12 @@ async def running(leases: Leases) -> int:
         return int(found.scalar_one())
 
 
-async def submit(client: Instance, text_: str, flow: Flow) -> Any:
-    return await client.submit("shout", {"text": text_}, cfg(unique("t")), tenant_id="a", flow=flow)
+async def submit(
+    client: Instance, text_: str, flow: Flow, thread: str | None = None, **options: Any
+) -> Any:
+    return await client.submit(
+        "shout", {"text": text_}, cfg(thread or unique("t")), tenant_id="a", flow=flow, **options
+    )
 
 
 async def test_a_key_runs_at_most_max_running_and_holds_back_no_other_key(
@@ -140,3 +144,80 @@ async def test_a_flow_that_is_no_flow_is_refused_before_anything_is_written(
                 flow={"key": "k", "max_running": 1},  # type: ignore[arg-type]
             )  # fmt: skip
         assert await rows(client, SUBMIT_TABLES) == before
+
+
+async def test_a_delayed_keyed_run_takes_no_slot_of_its_key_before_its_time(
+    leases: Leases,
+) -> None:
+    """flow + not_before: the delayed run is the oldest, but it is admitted only at its
+    time; meanwhile the key's other runs are admitted under the limit."""
+    client, worker = leases.instance("client"), leases.instance("worker")
+    work = Work()
+    loop = stepped(worker, {"shout": build(worker, work)}, concurrency=10)
+    one = Flow("k", max_running=1)
+    later = await submit(client, "later", one, not_before=3600)
+    now = await submit(client, "now", one)
+    await look(loop)
+    await look(loop)
+    await look(loop)
+    assert [t for _, t in work.started] == ["now"], (
+        f"started {work.started}; later={await later.state()}, now={await now.state()}"
+    )
+
+
+async def test_an_operators_retry_of_a_keyed_run_goes_through_admission_again(
+    leases: Leases,
+) -> None:
+    """A keyed run dead-lettered and retried by an operator (resolve --retry) is held back
+    again, for a look to admit it under the limit: max_running=1 never runs two."""
+    client, worker = leases.instance("client"), leases.instance("worker")
+    work = Work()
+    work.gates["b"] = asyncio.Event()
+    loop = stepped(worker, {"shout": build(worker, work)}, concurrency=10)
+    one = Flow("k", max_running=1)
+    a = await submit(client, "a", one)
+    # a fails at once (an operator dead-letters it, e.g. by a failover quarantine)
+    async with leases.engine.begin() as conn:
+        await conn.execute(
+            text(
+                "UPDATE fence_leases SET status = 'dead_lettered', expires_at = NULL "
+                "WHERE execution_id = :e"
+            ),
+            {"e": a.key.execution_id},
+        )
+    await submit(client, "b", one)
+    await loop.poll_once()
+    await asyncio.wait_for(work.entered.setdefault("b", asyncio.Event()).wait(), 10)
+    await leases.store.retry(a.key)  # langgraph-fence resolve --retry
+    await loop.poll_once()  # b still runs: a stays held back, nothing more started
+    assert (await a.state()).held_back
+    assert [t for _, t in work.started] == ["b"]
+    work.gates["b"].set()
+    await asyncio.gather(*loop.running)
+    await look(loop)  # b ended: a is admitted and runs
+    assert [t for _, t in work.started] == ["b", "a"]
+
+
+async def test_a_direct_ainvoke_on_the_thread_does_not_erase_a_keyed_runs_start(
+    leases: Leases,
+) -> None:
+    """max_starts=1 per 60 s. A keyed run starts and ends on thread T; an ainvoke of T's
+    graph (allowed: the thread is not busy) rewrites the execution's record; the run's start
+    is on its own row and still counts: no second keyed run starts inside the window."""
+    client, worker = leases.instance("client"), leases.instance("worker")
+    work = Work()
+    graph = build(worker, work)
+    loop = stepped(worker, {"shout": graph}, concurrency=10)
+    rate = Flow("api", max_starts=1, per=60.0)
+    thread = unique("t")
+    first = await submit(client, "first", rate, thread=thread)
+    await look(loop)
+    assert (await first.state()).status is LeaseStatus.DONE
+    await worker.ainvoke(graph, {"text": "direct"}, cfg(thread), tenant_id="a", graph_name="shout")
+    leases.advance(1.0)
+    second = await submit(client, "second", rate)
+    await look(loop)
+    await look(loop)
+    keyed = [t for _, t in work.started if t != "direct"]
+    assert keyed == ["first"], f"max_starts=1 per 60 s but started {keyed} within 1 s"
+    assert (await second.state()).held_back

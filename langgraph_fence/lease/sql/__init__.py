@@ -42,7 +42,11 @@ from langgraph_fence.database import (
 )
 from langgraph_fence.database.driver import Connections, DriverStatement, fetch
 from langgraph_fence.database.migrations import migrate
-from langgraph_fence.database.retry import is_connection_error, retry_connection_errors
+from langgraph_fence.database.retry import (
+    is_connection_error,
+    is_database_connection_error,
+    retry_connection_errors,
+)
 from langgraph_fence.errors import ExecutionFencedError
 from langgraph_fence.lease import (
     Lease,
@@ -56,7 +60,12 @@ from langgraph_fence.lease import (
 )
 from langgraph_fence.lease.attempts import Attempt
 from langgraph_fence.lease.checks import check_key, check_lease, check_leases, check_limit
-from langgraph_fence.lease.schema import LEASE_MIGRATIONS, effects_from_json, stamp_patch
+from langgraph_fence.lease.schema import (
+    HELD_BACK,
+    LEASE_MIGRATIONS,
+    effects_from_json,
+    stamp_patch,
+)
 from langgraph_fence.lease.sql._attempts import newest_attempt, record_epoch, start_attempt
 from langgraph_fence.lease.sql._failover import CLASSIFIED, sweep_statement
 from langgraph_fence.lease.sql._statements import NO_BUDGET, LeaseStatements
@@ -85,6 +94,11 @@ from langgraph_fence.validate import text_id
 __all__ = ["SqlLeaseRepository", "Taken"]
 
 logger = logging.getLogger("langgraph_fence.lease")
+# Whether an execution's current submitted run counts against a flow key (queue/_flows.py).
+_KEYED_RUN = text(
+    "SELECT 1 FROM fence_runs WHERE tenant_id = :tenant_id AND execution_id = :execution_id "
+    "AND status = 'current' AND flow_key IS NOT NULL"
+)
 
 _READ_TIMELINE = text(f"SELECT {timeline_sql('postgresql')}")
 
@@ -763,9 +777,14 @@ class SqlLeaseRepository:
     async def retry(self, key: LeaseKey) -> Lease:
         """Make a dead-lettered or cancelled execution ``pending`` again, its takeover
         budget reset (:func:`~langgraph_fence.lease.transitions.decide_retry`): one guarded
-        statement."""
+        statement. A run of a flow key (``submit(flow=...)``) is held back again, for a
+        worker's look to admit it under its key's limits, as when it was submitted."""
         check_key(key)
-        params = self._params(tenant_id=key.tenant_id, execution_id=key.execution_id)
+        params = self._params(
+            tenant_id=key.tenant_id,
+            execution_id=key.execution_id,
+            not_before=await self._held_back(key),
+        )
         # Under quarantine, pending again only once a failover is classified (the retry's
         # statement says so too): the classification must see it as it is.
         row = await self._take_one(self._statements.retry, params)
@@ -776,6 +795,20 @@ class SqlLeaseRepository:
                 f"execution {key.scope_key!r} changed while it was retried; look again"
             )
         return self.lease_of(row)
+
+    async def _held_back(self, key: LeaseKey) -> float | None:
+        """:data:`~langgraph_fence.lease.schema.HELD_BACK` when the execution's submitted run
+        counts against a flow key, else ``None`` (also where the records' tables, and so the
+        queue, do not exist)."""
+        params = {"tenant_id": key.tenant_id, "execution_id": key.execution_id}
+        try:
+            async with self._engine.connect() as conn:
+                keyed = (await conn.execute(_KEYED_RUN, params)).first() is not None
+        except DBAPIError as exc:
+            if is_database_connection_error(exc):
+                raise
+            return None  # no fence_runs: no queue, no flow keys
+        return HELD_BACK if keyed else None
 
     async def abandon(self, key: LeaseKey, reason: str) -> Lease:
         """End a dead-lettered or cancelled execution ``failed``, its reason the operator's

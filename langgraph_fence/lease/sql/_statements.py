@@ -248,7 +248,8 @@ class LeaseStatements:
             .where(self._when_classified(and_(_KEY, _C.status.in_(_RESOLVABLE), ~non_idempotent)))
             .values(
                 holder=None,
-                expires_at=None,
+                # NULL, or a time no take passes before (a run its flow key holds back).
+                expires_at=bindparam("p_not_before", type_=Double),
                 status=LeaseStatus.PENDING.value,
                 reason=None,
                 takeovers=0,
