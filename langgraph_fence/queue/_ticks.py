@@ -54,7 +54,21 @@ def check_timezone(timezone: object) -> ZoneInfo:
 
 
 def next_tick(cron: str, timezone: str, after: float) -> float:
-    """The first time after ``after`` (epoch seconds) that ``cron`` names in ``timezone``."""
-    start = datetime.fromtimestamp(after, ZoneInfo(timezone))
-    found: Any = croniter(cron, start).get_next(datetime)
+    """The first time after ``after`` (epoch seconds) that ``cron`` names in ``timezone``.
+
+    A local time that repeats because the clocks went back (the fall-back hour) is one
+    tick, at its first occurrence: a daily job at 02:30 runs once that day, as cron runs
+    it (a job of every hour runs once in the repeated hour; one of every minute runs in
+    both, their local times differing)."""
+    zone = ZoneInfo(timezone)
+    start = datetime.fromtimestamp(after, zone)
+    ticks: Any = croniter(cron, start)
+    found: Any = ticks.get_next(datetime)
+    while _wall(found) == _wall(start):
+        found = ticks.get_next(datetime)  # the same local time again, an hour later
     return float(found.timestamp())
+
+
+def _wall(at: datetime) -> datetime:
+    """``at``'s local wall-clock time, without its offset."""
+    return at.replace(tzinfo=None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections import Counter
 from datetime import UTC, datetime
 from typing import Any, TypedDict
@@ -20,6 +21,7 @@ from sqlalchemy import text
 from langgraph_fence import Instance, LeaseStatus
 from langgraph_fence.errors import ExecutionThreadBoundError
 from langgraph_fence.queue import Schedule
+from langgraph_fence.queue._ticks import next_tick
 from langgraph_fence.testing import Leases
 from tests.support.databases import Database, unique
 from tests.support.graphs import one_step
@@ -66,6 +68,20 @@ async def runs_of(instance: Instance, thread: str) -> list[str]:
             text("SELECT status FROM fence_runs WHERE thread_id = :t ORDER BY seq"), {"t": thread}
         )
         return [row.status for row in found]
+
+
+async def _ticks(instance: Any, thread: str) -> list[str]:
+    engine = instance._run_queue()._engine
+    serde = instance._run_queue().serde
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            text("SELECT run_type, run FROM fence_runs WHERE thread_id = :t ORDER BY seq"),
+            {"t": thread},
+        )
+        return [
+            serde.loads_typed((row.run_type, bytes(row.run)))["config"]["metadata"]["scheduled_for"]
+            for row in rows
+        ]
 
 
 async def create(instance: Instance, thread: str, **options: Any) -> Schedule:
@@ -315,3 +331,75 @@ async def test_an_existing_schedule_is_refused_unless_replaced_and_a_bound_threa
                 unique("s"), "tick", {"text": "x"}, cfg(thread), tenant_id="a",
                 cron="* * * * *", execution_id="another",
             )  # fmt: skip
+
+
+async def test_a_replace_that_straddles_a_tick_never_fires_it_again(database: Database) -> None:
+    """create(replace=True) computes the first tick after the store's clock; a firing of
+    that tick by another worker between the replace's read of the clock and its write
+    (injected: the replace's client pauses there, as a GC pause or a lock wait would) must
+    not be undone, or the tick fires twice. The replace locks the row first and starts after
+    the last tick fired."""
+    if "sqlite" in database.url:
+        pytest.skip("SQLite's BEGIN IMMEDIATE serialises the replace with the firing")
+    async with opened(database, "a") as a, opened(database, "b") as b:
+        thread = unique("t")
+        sid = unique("s")
+        options: dict[str, Any] = {
+            "tenant_id": "a",
+            "cron": "* * * * * *",
+            "overlap": "enqueue",
+            "grace": 600,
+        }
+        await a.schedules.create(sid, "tick", {"text": "hi"}, cfg(thread), **options)
+        schedules = a.schedules
+        read, go = asyncio.Event(), asyncio.Event()
+        real = schedules._store_now
+        seen: list[float] = []
+
+        async def paused_store_now(conn: Any) -> float:
+            now = await real(conn)
+            seen.append(now)
+            read.set()
+            await go.wait()
+            return now
+
+        schedules._store_now = paused_store_now  # type: ignore[method-assign]
+        replacing = asyncio.create_task(
+            schedules.create(sid, "tick", {"text": "hi"}, cfg(thread), replace=True, **options)
+        )
+        await read.wait()
+        tick = next_tick("* * * * * *", "UTC", seen[0])
+        await asyncio.sleep(max(0.0, tick - time.time()) + 0.2)
+        await b.schedules.fire_due()  # fires T (and any before it)
+        # T's run ends (a worker ran it in milliseconds; here: cancelled), so a second
+        # submit of T is not folded into it as "the same submit again".
+        await b.get_run(thread, tenant_id="a").cancel()
+        go.set()
+        await replacing
+        schedules._store_now = real  # type: ignore[method-assign]
+        await asyncio.sleep(0.2)
+        await b.schedules.fire_due()
+        ticks = await _ticks(b, thread)
+        t_iso = datetime.fromtimestamp(tick, UTC).isoformat()
+        assert Counter(ticks)[t_iso] == 1, (
+            f"tick {t_iso} fired {Counter(ticks)[t_iso]} times: {ticks}"
+        )
+
+
+def test_a_daily_schedule_at_an_ambiguous_local_time_fires_once_that_day() -> None:
+    """'30 2 * * *' in Europe/Paris: on 2026-10-25 02:30 happens twice (CEST, then CET); a
+    daily job (a digest, a payment run) fires once that day, as cron fires it. An hourly
+    job fires once in the repeated hour, one of every 30 minutes at each local time."""
+    start = datetime(2026, 10, 24, 12, tzinfo=UTC).timestamp()
+    first = next_tick("30 2 * * *", "Europe/Paris", start)
+    second = next_tick("30 2 * * *", "Europe/Paris", first)
+    gap_hours = (second - first) / 3600
+    assert gap_hours >= 23, f"two daily ticks {gap_hours:.0f} h apart on the fall-back day"
+    hourly = [next_tick("0 * * * *", "Europe/Paris", start)]
+    while len(hourly) < 20:
+        hourly.append(next_tick("0 * * * *", "Europe/Paris", hourly[-1]))
+    fall = datetime(2026, 10, 25, 0, 30, tzinfo=UTC).timestamp()  # 02:30 CEST
+    # 02:00 CEST is at 00:00 UTC, and 03:00 CET at 02:00 UTC: 02:00 CET (01:00 UTC) is skipped.
+    assert fall - 1800 in hourly
+    assert fall + 5400 in hourly
+    assert fall + 1800 not in hourly
