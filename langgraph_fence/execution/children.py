@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from langgraph.errors import GraphBubbleUp
+
 from langgraph_fence.errors import (
     ChildFailedError,
     ExecutionFencedError,
@@ -412,14 +414,13 @@ def _local_end(child: Child, return_exceptions: bool) -> tuple[bool, Any]:
     failure = task.exception()
     if failure is None:
         return True, task.result()
-    # A durable sleep of the child's step is the tree's stop, never the child's result: it
-    # propagates (the root's run gives its lease back until the wake time) as a fence does.
-    from langgraph_fence.execution.sleeps import ExecutionSleeping
-
+    # A durable sleep or an interrupt() of the child's step (LangGraph's GraphBubbleUp) is the
+    # tree's stop, never the child's result: it propagates (the root's run gives its lease
+    # back until the wake time, or waits for its resume) as a fence does.
     if (
         return_exceptions
         and find_fence_error(failure) is None
-        and not isinstance(failure, ExecutionSleeping)
+        and not isinstance(failure, GraphBubbleUp)
     ):
         return True, failure
     raise failure

@@ -14,6 +14,7 @@ import pytest
 from langgraph.graph import END, START, StateGraph
 
 from langgraph_fence import (
+    ChildPlacement,
     Effect,
     ExecutionSleeping,
     Instance,
@@ -24,6 +25,7 @@ from langgraph_fence import (
 )
 from langgraph_fence.testing import Leases
 from tests.support.databases import unique
+from tests.support.graphs import one_step
 from tests.support.serving import cfg, look, stepped
 from tests.support.shout import Work, build
 from tests.support.sleep_graphs import Nap, nap_graph
@@ -155,3 +157,50 @@ async def test_a_sleep_beside_a_write_keeps_the_write_and_does_not_repeat_it(
     assert sorted((await run.result(timeout=5))["log"]) == ["charge", "nap"]
     assert (await run.state()).status is LeaseStatus.DONE
     assert charged == [1]
+
+
+class Fan(TypedDict, total=False):
+    results: list[Any]
+
+
+def fanning(child: Any) -> Any:
+    """A step that runs ``child`` (the nap graph, sleeping 60 s) as a PARENT_INSTANCE child
+    and waits for it with ``return_exceptions=True``."""
+
+    async def fan(state: Fan) -> dict[str, Any]:
+        ctx = get_execution_context()
+        kid = await ctx.spawn_child(
+            "nap", {"log": [], "seconds": 60.0},
+            placement=ChildPlacement.PARENT_INSTANCE, key="c0", graph=child,
+        )  # fmt: skip
+        results = await ctx.wait_children([kid], timeout=30, return_exceptions=True)
+        return {
+            "results": [type(r).__name__ if isinstance(r, BaseException) else r for r in results]
+        }
+
+    return fan
+
+
+async def test_a_sleep_in_a_parent_instance_child_stops_the_tree_and_wakes_with_it(
+    leases: Leases,
+) -> None:
+    """A PARENT_INSTANCE child whose step sleeps stops the whole tree, never handed to the
+    parent's step as the child's result (even with return_exceptions=True); at the time a
+    worker resumes the tree and the child goes on after its sleep."""
+    instance = leases.instance("here")
+    seen: list[str] = []
+    child = nap_graph(instance, lambda node, config: seen.append(node))
+    parent = one_step(instance, Fan, "fan", fanning(child), name="fan")
+    thread = unique("t")
+    with pytest.raises(ExecutionSleeping):
+        await instance.ainvoke(parent, {"results": []}, cfg(thread), tenant_id="a")
+    assert seen == ["before", "nap"]
+    leases.advance(60.0)
+    worker = leases.instance("worker")
+    wchild = nap_graph(worker, lambda node, config: seen.append(node))
+    loop = stepped(worker, {"fan": one_step(worker, Fan, "fan", fanning(wchild), name="fan")})
+    await look(loop)
+    assert seen[2:] == ["nap", "woke", "after"]  # from its own checkpoint: woke, went on
+    lease = await leases.store.get(LeaseKey("a", thread))
+    assert lease is not None
+    assert lease.status is LeaseStatus.DONE
