@@ -85,6 +85,8 @@ PRESENT: dict[str, tuple[dict[str, bool], list[str]]] = {
             "input_after": True,
             "output_type": True,
             "output": True,
+            # When the submitted run's first claimer pinned it (records migration 11).
+            "started_at": True,
         },
         ["tenant_id", "execution_id"],
     ),
@@ -138,8 +140,57 @@ PRESENT: dict[str, tuple[dict[str, bool], list[str]]] = {
             "reason": True,
             "output_type": True,
             "output": True,
+            # Time and flow control (records migrations 8, 11, 12): the time it may start
+            # from, its flow key, when it started, its attempts.
+            "not_before": True,
+            "flow_key": True,
+            "started_at": True,
+            "attempts": True,
         },
         ["run_id"],
+    ),
+    # Schedules (records migration 9).
+    "fence_schedules": (
+        {
+            "tenant_id": False,
+            "schedule_id": False,
+            "graph": False,
+            "thread_id": False,
+            "execution_id": False,
+            "input_type": False,
+            "input": False,
+            "run_type": False,
+            "run": False,
+            "cron": False,
+            "timezone": False,
+            "overlap": False,
+            "missed": False,
+            "grace": False,
+            "paused": False,
+            "end_at": True,
+            "next_tick": True,
+            "last_tick": True,
+            "fired": False,
+            "skipped": False,
+            "created_at": False,
+        },
+        ["tenant_id", "schedule_id"],
+    ),
+    # Durable sleeps (records migration 10).
+    "fence_sleeps": (
+        {"tenant_id": False, "execution_id": False, "sleep_key": False, "wake_at": False},
+        ["tenant_id", "execution_id", "sleep_key"],
+    ),
+    # Flow keys' limits (records migration 11).
+    "fence_flows": (
+        {
+            "tenant_id": False,
+            "flow_key": False,
+            "max_running": True,
+            "max_starts": True,
+            "per": True,
+        },
+        ["tenant_id", "flow_key"],
     ),
 }
 
