@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from langgraph_fence.effects import Effect
 from langgraph_fence.lease import PendingEffect
-from langgraph_fence.validate import MAX_COUNT, MAX_SECONDS
+from langgraph_fence.validate import MAX_SECONDS, positive_int
 
 __all__ = ["RunRetry", "stamp_stands"]
 
@@ -49,14 +49,7 @@ class RunRetry:
     retry_on: RetryOn = field(default=Exception)
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.attempts, bool)
-            or not isinstance(self.attempts, int)
-            or not 1 <= self.attempts <= MAX_COUNT
-        ):
-            raise ValueError(
-                f"attempts must be an int >= 1 (the first attempt included), got {self.attempts!r}"
-            )
+        positive_int("attempts", self.attempts, what="the first attempt included")
         for name in ("backoff", "max_backoff"):
             value = getattr(self, name)
             if (

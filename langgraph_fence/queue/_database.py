@@ -51,10 +51,15 @@ class QueueDatabase:
         # PostgreSQL: two writers of one key wait for each other; SQLite's BEGIN IMMEDIATE
         # serialises every writer already.
         self.lease_row: TextClause = text(LEASE + (" FOR UPDATE" if self.pg else ""))
+        self._read_now = text(f"SELECT {store.now_sql}")
 
     def now(self) -> dict[str, float]:
         """The parameters the lease writes' clock needs now."""
         return self.store.now_params()
+
+    async def store_now(self, conn: AsyncConnection) -> float:
+        """The store's clock, as ``conn``'s transaction reads it (epoch seconds)."""
+        return float((await conn.execute(self._read_now, self.now())).scalar_one())
 
     async def first(self, statement: Any, params: Mapping[str, Any], *, what: str) -> Any:
         """The first row ``statement`` reads (``None``: none), in one read retried on a

@@ -7,9 +7,9 @@ import math
 from datetime import datetime, timedelta
 from typing import TypeAlias
 
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from langgraph_fence.queue._database import QueueDatabase
 from langgraph_fence.validate import MAX_SECONDS
 
 __all__ = ["Checked", "NotBefore", "check_not_before", "not_before_at"]
@@ -55,7 +55,7 @@ def check_not_before(value: object) -> Checked | None:
 
 
 async def not_before_at(
-    conn: AsyncConnection, checked: Checked | None, now_sql: str, now: dict[str, float]
+    conn: AsyncConnection, checked: Checked | None, db: QueueDatabase
 ) -> float | None:
     """The time (store clock, epoch seconds) the run may start: the given time, or the
     delay added to the database's clock as ``conn``'s transaction reads it; ``None`` when
@@ -65,5 +65,4 @@ async def not_before_at(
     at, delay = checked
     if at is not None:
         return at
-    read = await conn.execute(text(f"SELECT {now_sql}"), now)
-    return float(read.scalar_one()) + (delay or 0.0)
+    return await db.store_now(conn) + (delay or 0.0)

@@ -33,7 +33,7 @@ from langgraph_fence.lease.scope import refuse_child_ids
 from langgraph_fence.queue._checks import OnBusy
 from langgraph_fence.queue._database import QueueDatabase
 from langgraph_fence.queue._submit import submit_in
-from langgraph_fence.queue._ticks import check_cron, check_timezone, next_tick
+from langgraph_fence.queue._ticks import check_cron, check_timezone, tick_until
 from langgraph_fence.validate import MAX_ID_BYTES, MAX_SECONDS, text_id
 
 if TYPE_CHECKING:
@@ -182,9 +182,7 @@ def plan_firing(row: Any, now: float) -> _Firing:
     tick: float | None = row.next_tick
     while tick is not None and tick <= now and len(due) < MAX_TICKS_PER_FIRING:
         due.append(tick)
-        tick = next_tick(row.cron, row.timezone, tick)
-        if row.end_at is not None and tick > row.end_at:
-            tick = None
+        tick = tick_until(row.cron, row.timezone, tick, row.end_at)
     late = [t for t in due if now - t > row.grace]
     submit = [t for t in due if now - t <= row.grace]
     if late and row.missed == "run_one":
@@ -226,7 +224,6 @@ class Schedules:
             f"fired = fired + :fired, skipped = skipped + :skipped WHERE {_KEY} "
             "AND next_tick = :tick"
         )
-        self._now = text(f"SELECT {db.store.now_sql}")
         self._last_tick = text(
             f"SELECT last_tick FROM fence_schedules WHERE {_KEY}" + (" FOR UPDATE" if db.pg else "")
         )
@@ -338,12 +335,10 @@ class Schedules:
                 # The row first (PostgreSQL: waits for a firing in progress, then sees its
                 # commit): a replace never moves next_tick back to a tick already fired.
                 last = (await conn.execute(self._last_tick, dict(params_key))).first()
-                now = await self._store_now(conn)
+                now = await self._db.store_now(conn)
                 if last is not None and last.last_tick is not None:
                     now = max(now, float(last.last_tick))
-                first: float | None = next_tick(cron, timezone, now)
-                if end is not None and first is not None and first > end:
-                    first = None
+                first = tick_until(cron, timezone, now, end)
                 statement = REPLACE if replace else CREATE
                 made = await conn.execute(statement, {**params, "next_tick": first})
                 return made.first() is not None
@@ -391,11 +386,8 @@ class Schedules:
 
         async def once() -> bool:
             async with transaction(self._db.engine) as conn:
-                first: float | None = next_tick(
-                    schedule.cron, schedule.timezone, await self._store_now(conn)
-                )
-                if schedule.end_at is not None and first is not None and first > schedule.end_at:
-                    first = None
+                now = await self._db.store_now(conn)
+                first = tick_until(schedule.cron, schedule.timezone, now, schedule.end_at)
                 params = {"tenant_id": tenant_id, "schedule_id": schedule_id, "next_tick": first}
                 return bool((await conn.execute(RESUME, params)).rowcount)
 
@@ -489,9 +481,6 @@ class Schedules:
             )
             return False
         return True
-
-    async def _store_now(self, conn: AsyncConnection) -> float:
-        return float((await conn.execute(self._now, self._db.now())).scalar_one())
 
     async def _write(self, statement: Any, params: Mapping[str, Any]) -> bool:
         async def once() -> bool:

@@ -67,7 +67,7 @@ async def submit_run(
     async def once() -> str | None:
         async with transaction(db.engine) as conn:
             await db.classified(conn)
-            start = await not_before_at(conn, not_before, db.store.now_sql, db.now())
+            start = await not_before_at(conn, not_before, db)
             return await submit_in(db, conn, key, record, on_busy, start, run_id, at, flow)
 
     return await db.settled_first(partial(retry_connection_errors, once, what="submit"))

@@ -10,7 +10,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import croniter  # type: ignore[import-untyped]
 
-__all__ = ["check_cron", "check_timezone", "next_tick"]
+__all__ = ["check_cron", "check_timezone", "next_tick", "tick_until"]
 
 
 def check_cron(cron: object) -> str:
@@ -67,6 +67,12 @@ def next_tick(cron: str, timezone: str, after: float) -> float:
     while _wall(found) == _wall(start):
         found = ticks.get_next(datetime)  # the same local time again, an hour later
     return float(found.timestamp())
+
+
+def tick_until(cron: str, timezone: str, after: float, end_at: float | None) -> float | None:
+    """:func:`next_tick`, or ``None`` when it falls after ``end_at`` (the schedule ended)."""
+    tick = next_tick(cron, timezone, after)
+    return None if end_at is not None and tick > end_at else tick
 
 
 def _wall(at: datetime) -> datetime:

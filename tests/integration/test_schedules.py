@@ -352,8 +352,9 @@ async def test_a_replace_that_straddles_a_tick_never_fires_it_again(database: Da
         }
         await a.schedules.create(sid, "tick", {"text": "hi"}, cfg(thread), **options)
         schedules = a.schedules
+        queue_db = schedules._db  # where the replace reads the store's clock
         read, go = asyncio.Event(), asyncio.Event()
-        real = schedules._store_now
+        real = queue_db.store_now
         seen: list[float] = []
 
         async def paused_store_now(conn: Any) -> float:
@@ -363,7 +364,7 @@ async def test_a_replace_that_straddles_a_tick_never_fires_it_again(database: Da
             await go.wait()
             return now
 
-        schedules._store_now = paused_store_now  # type: ignore[method-assign]
+        queue_db.store_now = paused_store_now  # type: ignore[method-assign]
         replacing = asyncio.create_task(
             schedules.create(sid, "tick", {"text": "hi"}, cfg(thread), replace=True, **options)
         )
@@ -376,7 +377,7 @@ async def test_a_replace_that_straddles_a_tick_never_fires_it_again(database: Da
         await b.get_run(thread, tenant_id="a").cancel()
         go.set()
         await replacing
-        schedules._store_now = real  # type: ignore[method-assign]
+        queue_db.store_now = real  # type: ignore[method-assign]
         await asyncio.sleep(0.2)
         await b.schedules.fire_due()
         ticks = await _ticks(b, thread)
