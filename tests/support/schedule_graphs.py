@@ -2,9 +2,10 @@
 worker --graphs tests.support.schedule_graphs:graphs``.
 
 ``count`` = START -> count -> END: ``count`` writes one row per run to ``schedule_ticks``:
-the schedule and tick its run was fired for (``config["metadata"]``), keyed by the task (the
-step of that run: a re-run of the same step after a takeover writes nothing new, an
-``IDEMPOTENT_WRITE``). A tick fired twice is two runs, two steps: two rows for one tick.
+the schedule and tick its run was fired for (``config["metadata"]``), keyed by the task (a
+re-run of the same step after a takeover writes nothing new, an ``IDEMPOTENT_WRITE``; a run
+killed before its first checkpoint runs its input again under new task ids, and writes its
+tick again). Whether a tick fired twice is told by the submitted runs, not by these rows.
 """
 
 from __future__ import annotations
