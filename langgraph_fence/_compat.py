@@ -28,8 +28,10 @@ __all__ = [
     "compiled_serde_allowlist",
     "hook_pregel",
     "jsonplus_settings",
+    "messages_stream_handler",
     "pregel_runtime",
     "pregel_task_id",
+    "record_stream_config",
     "runnable_callable_type",
     "server_saver_inner",
     "sqlalchemy_engine_autocommit",
@@ -107,6 +109,51 @@ def paused_at_first_interrupt(configurable: Mapping[str, Any], interrupt: BaseEx
         return bool(raised) and all(getattr(i, "id", None) == own for i in raised)
     except Exception:
         return False
+
+
+def record_stream_config(
+    configurable: Mapping[str, Any],
+    emit: Callable[[tuple[tuple[str, ...], str, Any]], None],
+    modes: set[str],
+) -> dict[str, Any]:
+    """``configurable`` with hooks that hand ``emit`` every ``(namespace, mode, payload)``
+    event a run of a graph called with it produces in ``modes`` (``values``, ``updates``,
+    ``checkpoints``; ``custom``; ``messages``), at the moment LangGraph produces it, before
+    the checkpoint that ends its step is written.
+
+    How a parent graph receives its subgraphs' events, used on the root run: a
+    ``StreamProtocol`` under ``CONFIG_KEY_STREAM`` ("__pregel_stream") is called by every
+    loop of the run for the modes it names (``DuplexStream`` beside the loop's own); a
+    ``Runtime`` under ``CONFIG_KEY_RUNTIME`` carries the writer ``get_stream_writer()``
+    returns in a step when the caller does not stream ``custom`` itself; a
+    ``StreamMessagesHandler`` (``langgraph.pregel._messages``) among the run's callbacks
+    emits the ``messages`` events. If any of them changes, a recorded stream misses those
+    events (``tests/unit/test_compat.py`` and the stream tests fail), and the run itself is
+    unchanged.
+    """
+    from langgraph._internal._constants import CONFIG_KEY_RUNTIME as runtime_key
+    from langgraph._internal._constants import CONFIG_KEY_STREAM
+    from langgraph.config import get_config
+    from langgraph.pregel.protocol import StreamProtocol
+    from langgraph.runtime import Runtime
+
+    def write_custom(chunk: Any) -> None:
+        ns = str(get_config()["configurable"].get("checkpoint_ns") or "")
+        emit((tuple(ns.split("|")[:-1]), "custom", chunk))
+
+    hooked = {**configurable, CONFIG_KEY_STREAM: StreamProtocol(emit, modes)}  # type: ignore[arg-type]
+    if "custom" in modes:
+        hooked[runtime_key] = Runtime(stream_writer=write_custom)
+    return hooked
+
+
+def messages_stream_handler(emit: Callable[[tuple[tuple[str, ...], str, Any]], None]) -> Any:
+    """A LangChain callback handler that hands ``emit`` the run's ``messages`` events, as
+    ``astream(stream_mode="messages", subgraphs=True)`` would yield them (see
+    :func:`record_stream_config`)."""
+    from langgraph.pregel._messages import StreamMessagesHandler
+
+    return StreamMessagesHandler(emit, True)
 
 
 def runnable_callable_type() -> type[RunnableCallable]:

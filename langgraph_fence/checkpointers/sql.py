@@ -242,6 +242,8 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         )
         self._lifecycle.ready()
         row = checkpoint_row(config, checkpoint, metadata, new_versions, self.serde.dumps_typed)
+        if handle is not None and handle.before_checkpoint is not None and not row.checkpoint_ns:
+            await handle.before_checkpoint()
         await fault_point(
             "checkpoint.before", config=config, checkpoint=checkpoint, metadata=metadata
         )

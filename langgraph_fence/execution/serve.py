@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.errors import GraphDrained
@@ -26,6 +26,7 @@ from langgraph_fence.execution.keeper import Sleep
 from langgraph_fence.execution.retries import RunRetry
 from langgraph_fence.execution.run import DEFAULT_GRAPH_NAME, Run, announce_dead_letter, running
 from langgraph_fence.execution.sleeps import ExecutionSleeping
+from langgraph_fence.execution.streams import StreamRecorder
 from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus
 from langgraph_fence.lease.records import ExecutionHead
 from langgraph_fence.lease.run_config import restore_run, run_allowlist
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from langgraph.checkpoint.base import CheckpointTuple
 
     from langgraph_fence.execution.host import InstanceHost
+    from langgraph_fence.queue import SubmittedRuns
 
 __all__ = ["MAX_SERVE_BACKOFF", "Server", "check_budget", "progress_mark"]
 
@@ -400,6 +402,7 @@ class Server:
         now_latest = latest if latest is not None else await graph.checkpointer.aget_tuple(config)
         from_input = now_latest is None
         submitted = False
+        stream: StreamTake | None = None
         queue = host.queue_or_none()
         # Only a submitted run (its head says so: read with it, no statement more) pays for
         # the pin: a takeover of a run started by ainvoke reads and writes nothing for it.
@@ -412,7 +415,13 @@ class Server:
             pinned = await queue.pin(taken, mark_now)
             if pinned is not None:
                 submitted = True
-                from_input = pinned == mark_now
+                from_input = pinned.input_after == mark_now
+                if pinned.run_id is not None and pinned.stream_modes:
+                    # What older holders streamed after the checkpoint this take resumes
+                    # from is withdrawn: this take runs those steps again.
+                    await queue.withdraw_stream(taken, pinned.run_id, mark_now)
+                    modes = pinned.stream_modes
+                    stream = StreamTake(pinned.run_id, modes, mark_now, not from_input)
         try:
             record = await host.records.get(
                 taken.key, allow=run_allowlist(graph), with_input=from_input
@@ -453,6 +462,7 @@ class Server:
                 {**self.kwargs, **options},
                 submitted,
                 self.run_retries.get(head.graph),
+                stream,
             ),
             name=f"resume {taken.scope_key}",
         )
@@ -509,10 +519,11 @@ class Server:
         kwargs: Mapping[str, Any],
         submitted: bool = False,
         retry: RunRetry | None = None,
+        stream: StreamTake | None = None,
     ) -> None:
         """Run a taken execution: from its last checkpoint (``input`` None), or its input;
-        a submitted run's output is kept with its execution under its lease, and its
-        failure retried as ``retry`` says."""
+        a submitted run's output is kept with its execution under its lease, its failure
+        retried as ``retry`` says, and its stream recorded as ``stream`` says."""
         try:
             logger.info(
                 "resuming %s at token %d from its %s",
@@ -532,8 +543,11 @@ class Server:
                 retry=retry if submitted else None,
             ) as run:
                 runs.append(run)
-                output = await graph.ainvoke(input, run.config, control=run.control, **kwargs)
                 queue = self.host.queue_or_none()
+                if stream is None or queue is None:
+                    output = await graph.ainvoke(input, run.config, control=run.control, **kwargs)
+                else:
+                    output = await _recorded(graph, input, run, kwargs, queue, stream)
                 if submitted and queue is not None:
                     await queue.store_output(run.handle, output)
         except GraphDrained:
@@ -547,6 +561,52 @@ class Server:
             if submitted and queue is not None:
                 # Its lease is released now: a result() waiting for it looks at once.
                 await queue.notify(ENDS_CHANNEL, taken.scope_key)
+
+
+class StreamTake(NamedTuple):
+    """How a take records its submitted run's stream."""
+
+    run_id: str
+    modes: tuple[str, ...]
+    #: The checkpoint the take resumes from ("": none).
+    after: str
+    #: Whether it resumes from that checkpoint rather than the run's input.
+    resumed: bool
+
+
+async def _recorded(
+    graph: Any,
+    input: Any,
+    run: Run,
+    kwargs: Mapping[str, Any],
+    queue: SubmittedRuns,
+    stream: StreamTake,
+) -> Any:
+    """``graph.ainvoke`` for ``run``, its events in ``stream.modes`` recorded: each step's
+    before the checkpoint that ends it, the rest before the run's end is written."""
+    recorder = StreamRecorder(
+        queue,
+        run.handle,
+        stream.run_id,
+        stream.modes,
+        after=stream.after,
+        resumed=stream.resumed,
+    )
+    run.handle.before_checkpoint = recorder.flush
+    try:
+        output = await graph.ainvoke(
+            input, recorder.config(run.config), control=run.control, **kwargs
+        )
+    except BaseException:
+        # What the run streamed before its error, as an in-process stream shows it; a
+        # fenced run's write is refused (its taker records those steps again).
+        with contextlib.suppress(Exception):
+            await recorder.flush()
+        raise
+    finally:
+        run.handle.before_checkpoint = None
+    await recorder.flush()
+    return output
 
 
 def _checkpoint_id(config: Any) -> str:

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -99,6 +99,9 @@ class RunHandle:
         # renewal): the cause of the lease loss when the window runs out before the store
         # answers again, so the loss says why the hold could not be proven.
         self.store_error: BaseException | None = None
+        # Awaited before each root checkpoint of the run is written (a submitted run's
+        # recorded stream writes the step's events first); None: nothing.
+        self.before_checkpoint: Callable[[], Awaitable[None]] | None = None
         self._listeners: list[StopListener] = []
         # Which steps of the tree run now, and the yield while only remote waits do.
         self.activity = TreeActivity(self)

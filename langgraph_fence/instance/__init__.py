@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +48,7 @@ from langgraph_fence.queue import (
     SubmittedRun,
     SubmittedRuns,
     check_not_before,
+    check_stream_mode,
 )
 from langgraph_fence.saver.admin import ThreadAdmin, admin_holder
 from langgraph_fence.saver.store import FencedStore
@@ -487,6 +488,7 @@ class Instance:
         on_busy: OnBusy = "reject",
         not_before: NotBefore | None = None,
         flow: Flow | None = None,
+        stream_mode: str | Sequence[str] | None = None,
         **options: Any,
     ) -> SubmittedRun:
         """Hand a run to any worker: record it pending and return its handle at once.
@@ -522,6 +524,12 @@ class Instance:
                 when no more than ``max_running`` of the key's runs would run and no more
                 than ``max_starts`` would have started in the last ``per`` seconds, across
                 every worker; until then it is pending, held back.
+            stream_mode: record the run's stream in these modes (``"values"``,
+                ``"updates"``, ``"custom"``, ``"messages"``), for
+                :meth:`SubmittedRun.astream <langgraph_fence.queue.SubmittedRun.astream>` in
+                any process: each step's events are written under the run's lease before
+                its checkpoint, and a takeover withdraws what it runs again. Default: not
+                recorded (nothing written per event).
             **options: recorded ``ainvoke`` options (``context``, ``durability``, ...).
 
         Raises:
@@ -536,12 +544,15 @@ class Instance:
             graph_name, input, config, tenant_id, execution_id, on_busy, options
         )
         start = check_not_before(not_before)
+        modes = () if stream_mode is None else check_stream_mode(stream_mode)
         if flow is not None and not isinstance(flow, Flow):
             raise TypeError(f"flow must be a langgraph_fence.queue.Flow, got {flow!r}")
         refuse_child_ids(thread_id, execution_id)
         check_thread_binding(key, thread_id, await self.records.bind(key, thread_id))
-        run_id = await queue.submit(key, graph_name, thread_id, input, run, on_busy, start, flow)
-        return SubmittedRun(queue, key, run_id)
+        run_id = await queue.submit(
+            key, graph_name, thread_id, input, run, on_busy, start, flow, modes
+        )
+        return SubmittedRun(queue, key, run_id, checkpointer=self.checkpointer)
 
     @property
     def schedules(self) -> Schedules:
@@ -561,7 +572,12 @@ class Instance:
         """A handle on a run of ``(tenant_id, execution_id)``, from any process: the
         submitted run ``run_id`` (:attr:`SubmittedRun.run_id`), or without it the
         execution's run, whichever is the latest."""
-        return SubmittedRun(self._run_queue(), LeaseKey(tenant_id, execution_id), run_id)
+        return SubmittedRun(
+            self._run_queue(),
+            LeaseKey(tenant_id, execution_id),
+            run_id,
+            checkpointer=self.checkpointer,
+        )
 
     def queue_or_none(self) -> SubmittedRuns | None:
         """The run queue, or ``None`` where there is none (not a SQL store)."""

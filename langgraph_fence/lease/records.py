@@ -297,6 +297,30 @@ CREATE TABLE IF NOT EXISTS fence_flows (
     PRIMARY KEY (tenant_id, flow_key)
 )
 """
+# Each event of a submitted run's recorded stream (submit(stream_mode=...)), in the order its
+# holder at ``epoch`` produced them (``seq``): its mode, namespace and payload, and the root
+# checkpoint its step began from (``after``, "" for none). Written under the holder's lease,
+# before the checkpoint that ends the step; a takeover that resumes from checkpoint C
+# withdraws the events older holders recorded after C (it runs those steps again).
+_CREATE_STREAM = """
+CREATE TABLE IF NOT EXISTS fence_stream (
+    run_id TEXT NOT NULL,
+    epoch BIGINT NOT NULL,
+    seq BIGINT NOT NULL,
+    tenant_id TEXT NOT NULL,
+    execution_id TEXT NOT NULL,
+    after TEXT NOT NULL,
+    mode TEXT NOT NULL,
+    ns TEXT NOT NULL,
+    payload_type TEXT NOT NULL,
+    payload {binary} NOT NULL,
+    withdrawn INTEGER NOT NULL,
+    PRIMARY KEY (run_id, epoch, seq)
+)
+"""
+_STREAM_KEY_INDEX = (
+    "CREATE INDEX IF NOT EXISTS fence_stream_key ON fence_stream (tenant_id, execution_id)"
+)
 _RUNS_FLOW_INDEX = (
     "CREATE INDEX IF NOT EXISTS fence_runs_flow ON fence_runs (flow_key, status, tenant_id)"
 )
@@ -426,6 +450,21 @@ EXECUTION_MIGRATIONS = [
         sqlite=["ALTER TABLE fence_runs ADD COLUMN attempts INTEGER"],
         postgresql=["ALTER TABLE fence_runs ADD COLUMN IF NOT EXISTS attempts INTEGER"],
     ),
+    Migration(
+        version=13,
+        description="streams: each submitted run's recorded events, and the modes it records",
+        # NULL on every run before it: its stream is not recorded.
+        sqlite=[
+            "ALTER TABLE fence_runs ADD COLUMN stream_modes TEXT",
+            _CREATE_STREAM.format(binary="BLOB"),
+            _STREAM_KEY_INDEX,
+        ],
+        postgresql=[
+            "ALTER TABLE fence_runs ADD COLUMN IF NOT EXISTS stream_modes TEXT",
+            _CREATE_STREAM.format(binary="BYTEA"),
+            _STREAM_KEY_INDEX,
+        ],
+    ),
 ]
 
 #: The columns a run's record writes (and a later record of the key replaces), beside its
@@ -515,6 +554,9 @@ _FORGET_SCHEDULES = text(
 )
 _FORGET_SLEEPS = text(
     "DELETE FROM fence_sleeps WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
+)
+_FORGET_STREAM = text(
+    "DELETE FROM fence_stream WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
 )
 _FORGET_ATTEMPTS = text(
     "DELETE FROM fence_server_attempts "
@@ -655,14 +697,15 @@ class SqlExecutionRecords:
 
     async def forget(self, key: LeaseKey, thread_id: str) -> None:
         """Delete the record of ``key``, its submitted runs (their inputs and outputs), its
-        schedules (their input) and durable sleeps, what the lease store keeps of its Agent
-        Server attempts, its journal, and the binding of ``thread_id`` of its tenant, in one
-        transaction."""
+        schedules (their input), durable sleeps and recorded streams, what the lease store
+        keeps of its Agent Server attempts, its journal, and the binding of ``thread_id`` of
+        its tenant, in one transaction."""
         async with transaction(self._engine) as conn:
             params = {"tenant_id": key.tenant_id}
             await conn.execute(_FORGET_RECORD, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_RUNS, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_SLEEPS, {**params, "execution_id": key.execution_id})
+            await conn.execute(_FORGET_STREAM, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_SCHEDULES, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_ATTEMPTS, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_JOURNAL, {**params, "execution_id": key.execution_id})

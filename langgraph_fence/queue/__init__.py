@@ -50,7 +50,8 @@ from langgraph_fence.queue._state import (
     list_runs,
     served_graphs,
 )
-from langgraph_fence.queue._submitted_runs import SubmittedRuns
+from langgraph_fence.queue._streams import STREAM_MODES, check_stream_mode
+from langgraph_fence.queue._submitted_runs import Pinned, SubmittedRuns
 
 # LangGraph is imported by what submits and runs (run_config, serde), not by what lists:
 # `langgraph-fence runs` reads this package without it (benchmarks/README.md, start-up).
@@ -62,11 +63,13 @@ __all__ = [
     "MISSED",
     "ON_BUSY",
     "OVERLAP",
+    "STREAM_MODES",
     "Flow",
     "Missed",
     "NotBefore",
     "OnBusy",
     "Overlap",
+    "Pinned",
     "RunState",
     "Schedule",
     "Schedules",
@@ -74,6 +77,7 @@ __all__ = [
     "SubmittedRuns",
     "WorkerHold",
     "check_not_before",
+    "check_stream_mode",
     "list_runs",
     "served_graphs",
 ]

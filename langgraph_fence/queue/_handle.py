@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Collection
+from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -38,10 +38,20 @@ class SubmittedRun:
         run_id: the submitted run's id, or ``None``.
     """
 
-    def __init__(self, queue: SubmittedRuns, key: LeaseKey, run_id: str | None = None) -> None:
+    def __init__(
+        self,
+        queue: SubmittedRuns,
+        key: LeaseKey,
+        run_id: str | None = None,
+        *,
+        checkpointer: Any = None,
+    ) -> None:
         self._queue = queue
         self.key = key
         self.run_id = run_id
+        # The saver of the run's thread: which of its checkpoints are stored tells which
+        # recorded events are final (astream).
+        self._checkpointer = checkpointer
 
     def __repr__(self) -> str:
         return f"SubmittedRun({self.key.scope_key!r}, run_id={self.run_id!r})"
@@ -129,6 +139,118 @@ class SubmittedRun:
                 else:
                     await asyncio.sleep(min(wait, left))
                     wait = min(wait * 2, pause)
+
+    async def join(
+        self,
+        timeout: float | None = None,  # noqa: ASYNC109 - the API is join(timeout=...)
+        *,
+        allow: Collection[tuple[str, ...]] = (),
+    ) -> Any:
+        """Wait for the run's end, from any process, and return its output: the same as
+        :meth:`result` (the name LangGraph's Agent Server gives it)."""
+        return await self.result(timeout, allow=allow)
+
+    async def astream(
+        self,
+        stream_mode: str | Sequence[str] | None = None,
+        *,
+        subgraphs: bool = False,
+        poll_interval: float = 0.1,
+        allow: Collection[tuple[str, ...]] = (),
+    ) -> AsyncIterator[Any]:
+        """The run's stream, from any process, while it runs and after it ended: the events
+        an in-process ``graph.astream(input, config, stream_mode=..., subgraphs=...)`` of the
+        run would yield, in its order and shapes, from its start (a run submitted with
+        ``stream_mode=``, in those modes).
+
+        An event is shown once it is final: once the checkpoint that ends its step is
+        stored, or the run has ended. A takeover's re-run of a step is shown once, never
+        the superseded holder's attempt at it; so a step's events (``messages`` tokens
+        too) arrive when the step's checkpoint is stored, not as they are produced, and a
+        run with ``durability="exit"`` shows its events when it ends. The stream ends with
+        the run (``done``, ``waiting`` at an interrupt, ``failed``, ...): a failed run's
+        stream ends without raising; :meth:`result` says why it failed.
+
+        Args:
+            stream_mode: a mode or modes the run records (default: all it records).
+            subgraphs: include subgraphs' events, as ``(namespace, ...)`` tuples.
+            poll_interval: the longest pause between looks at the store.
+            allow: ``(module, name)`` pairs the events may construct besides what the
+                serializer allows (your state types).
+
+        Raises:
+            ValueError: a handle without ``run_id``, a run submitted without
+                ``stream_mode``, or a mode it does not record; named with the fix.
+            KeyError: no such run.
+        """
+        from langgraph_fence.queue._streams import check_stream_mode
+
+        if self.run_id is None:
+            raise ValueError(
+                f"this handle of {self.key.scope_key!r} follows whichever run is the latest: "
+                "stream one run, with the handle submit() returned or "
+                "instance.get_run(..., run_id=...)"
+            )
+        pause = positive_seconds("poll_interval", poll_interval, what="between looks")
+        found = await self._queue.stream_of(self.key, self.run_id)
+        if found is None:
+            raise KeyError(f"no run {self.run_id!r} of execution {self.key.scope_key!r}")
+        recorded, thread_id = found
+        if not recorded:
+            raise ValueError(
+                f"run {self.run_id!r} of {self.key.scope_key!r} records no stream: submit it "
+                "with stream_mode=[...] (e.g. stream_mode=['values', 'updates'])"
+            )
+        wanted = recorded if stream_mode is None else check_stream_mode(stream_mode)
+        missing = [m for m in wanted if m not in recorded]
+        if missing:
+            raise ValueError(
+                f"run {self.run_id!r} records {', '.join(recorded)}, not "
+                f"{', '.join(missing)}: submit it with stream_mode={list(wanted)!r}"
+            )
+        single = isinstance(stream_mode, str) or (stream_mode is None and len(recorded) == 1)
+        position = (-1, -1)
+        wait = min(0.005, pause)
+        while True:
+            state = await self.state()
+            ended = state.status.value in _ENDED and not is_yielded(state.status, state.holder)
+            stored = "" if ended else await self._latest(thread_id)
+            rows = await self._queue.stream_rows(self.run_id, position, 500)
+            shown = 0
+            for row in rows:
+                if not ended and not row.after < stored:
+                    break  # its step's checkpoint is not stored yet: not final
+                position = (int(row.epoch), int(row.seq))
+                shown += 1
+                ns = tuple(row.ns.split("|")) if row.ns else ()
+                if row.mode not in wanted or (ns and not subgraphs):
+                    continue
+                payload = self._queue.decode_event(row.payload_type, row.payload, allow)
+                event = payload if single else (row.mode, payload)
+                yield ((ns, event) if single else (ns, row.mode, payload)) if subgraphs else event
+            if shown == len(rows) == 500:
+                continue  # more to read at once
+            if ended and shown == len(rows):
+                return
+            if shown:
+                wait = min(0.005, pause)
+            else:
+                await asyncio.sleep(wait)
+                wait = min(wait * 2, pause)
+
+    async def _latest(self, thread_id: str) -> str:
+        """The id of the thread's latest stored root checkpoint (``""``: none)."""
+        if self._checkpointer is None:
+            return ""
+        config = {
+            "configurable": {
+                "thread_id": thread_id,
+                "tenant_id": self.key.tenant_id,
+                "checkpoint_ns": "",
+            }
+        }
+        latest = await self._checkpointer.aget_tuple(config)
+        return "" if latest is None else str(latest.config["configurable"]["checkpoint_id"])
 
     def _end(self, state: RunState, stored: tuple[Any, Any], allow: Collection[Any]) -> Any:
         if state.status in (LeaseStatus.DONE, LeaseStatus.WAITING):

@@ -90,7 +90,7 @@ class LeaseWrites:
         self.run_started = text(
             f"UPDATE fence_runs SET started_at = COALESCE(started_at, {now}) WHERE "
             + _RUN_KEY
-            + " AND status = 'current'"
+            + " AND status = 'current' RETURNING run_id, stream_modes"
         )
         # A step's durable sleep, recorded under the run's hold: it ends at :at, or :delay
         # seconds from now; a sleep found recorded keeps its end. Then read back, with now.
@@ -301,10 +301,10 @@ OPEN_RUNS = text(
 )
 ADD_RUN = text(
     "INSERT INTO fence_runs (run_id, tenant_id, execution_id, seq, status, graph, thread_id, "
-    "input_type, input, run_type, run, submitted_at, not_before, flow_key) SELECT :run_id, "
-    ":tenant_id, :execution_id, COALESCE(MAX(seq), 0) + 1, :status, :graph, :thread_id, "
-    ":input_type, :input, :run_type, :run, :at, :not_before, :flow_key FROM fence_runs WHERE "
-    + _RUN_KEY
+    "input_type, input, run_type, run, submitted_at, not_before, flow_key, stream_modes) "
+    "SELECT :run_id, :tenant_id, :execution_id, COALESCE(MAX(seq), 0) + 1, :status, :graph, "
+    ":thread_id, :input_type, :input, :run_type, :run, :at, :not_before, :flow_key, "
+    ":stream_modes FROM fence_runs WHERE " + _RUN_KEY
 )
 
 

@@ -55,12 +55,14 @@ async def submit_run(
     on_busy: OnBusy,
     not_before: Checked | None = None,
     flow: Flow | None = None,
+    stream_modes: str | None = None,
 ) -> str | None:
     """Record a submit of ``record`` (the record's columns, serialised) under ``key``, in one
     transaction: its run row, and the execution's record and pending lease when it runs
     next; the run's id, or the id of the same run submitted before (``None``: that run has
     no row of its own). ``not_before``: no worker starts the run earlier (store clock);
-    ``flow``: it waits to be admitted under its key's limits."""
+    ``flow``: it waits to be admitted under its key's limits; ``stream_modes``: the stream
+    modes its holders record (joined by commas; ``None``: none)."""
     at = time.time()
     run_id = uuid.uuid4().hex  # made once: a retried transaction adds the same run
 
@@ -68,7 +70,9 @@ async def submit_run(
         async with transaction(db.engine) as conn:
             await db.classified(conn)
             start = await not_before_at(conn, not_before, db)
-            return await submit_in(db, conn, key, record, on_busy, start, run_id, at, flow)
+            return await submit_in(
+                db, conn, key, record, on_busy, start, run_id, at, flow, stream_modes
+            )
 
     return await db.settled_first(partial(retry_connection_errors, once, what="submit"))
 
@@ -83,6 +87,7 @@ async def submit_in(
     run_id: str,
     at: float,
     flow: Flow | None = None,
+    stream_modes: str | None = None,
 ) -> str | None:
     """:func:`submit_run`'s writes, in ``conn``'s transaction (which the caller opened, and
     checked classified): the run ``run_id`` submitted at ``at`` (wall clock), starting no
@@ -91,6 +96,7 @@ async def submit_in(
     flow_key = None if flow is None else flow.key
     row = {**params, **record, "run_id": run_id, "at": at, "not_before": start}
     row["flow_key"] = flow_key
+    row["stream_modes"] = stream_modes
     if flow is not None:
         await conn.execute(UPSERT_FLOW, flow.params(key.tenant_id))
     root = {"scope_key": key.scope_key, "parent_execution_id": None}

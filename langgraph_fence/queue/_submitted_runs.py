@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from langgraph_fence.database import transaction
 from langgraph_fence.database.retry import retry_connection_errors
@@ -37,6 +37,16 @@ from langgraph_fence.queue._statements import (
     RUN_STATE,
     STATE,
 )
+from langgraph_fence.queue._streams import (
+    HELD,
+    READ,
+    RECORD,
+    STREAM_OF,
+    WITHDRAW,
+    joined_modes,
+    restore_tuples,
+    split_modes,
+)
 from langgraph_fence.queue._submit import (
     cancel_run,
     promote_queued,
@@ -55,7 +65,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("langgraph_fence.queue")
 
-__all__ = ["SubmittedRuns"]
+__all__ = ["Pinned", "SubmittedRuns"]
 
 
 class SubmittedRuns:
@@ -168,12 +178,15 @@ class SubmittedRuns:
         on_busy: OnBusy,
         not_before: Checked | None = None,
         flow: Flow | None = None,
+        stream_modes: Sequence[str] = (),
     ) -> str | None:
         """Record the run (its own row, and the execution's record and pending lease when it
         runs next), in one transaction; the run's id. ``not_before`` (checked by
         :func:`~langgraph_fence.queue._not_before.check_not_before`): no worker starts it
         earlier, judged by the database's clock. ``flow``: it waits to be admitted under
-        its key's limits (:class:`~langgraph_fence.queue.Flow`).
+        its key's limits (:class:`~langgraph_fence.queue.Flow`). ``stream_modes`` (checked
+        by :func:`~langgraph_fence.queue._streams.check_stream_mode`): its holders record its
+        stream in them, for :meth:`SubmittedRun.astream` in any process.
 
         The same run submitted again while it is pending, running or queued returns that
         run's id and writes nothing (``None``: the execution's run in flight has no run
@@ -194,7 +207,9 @@ class SubmittedRuns:
             "run_type": run_type,
             "run": run_blob,
         }
-        return await submit_run(self._db, key, record, on_busy, not_before, flow)
+        return await submit_run(
+            self._db, key, record, on_busy, not_before, flow, joined_modes(stream_modes)
+        )
 
     async def promote(self, limit: int = 100) -> int:
         """Begin the next queued run of each thread whose current run has ended: the ended
@@ -289,22 +304,76 @@ class SubmittedRuns:
 
     # -- the claimer's side
 
-    async def pin(self, lease: Lease, checkpoint_id: str | None) -> str | None:
+    async def pin(self, lease: Lease, checkpoint_id: str | None) -> Pinned | None:
         """For a submitted run just taken under ``lease``: the checkpoint its input follows
-        (``""``: none), pinned to ``checkpoint_id`` by the first claimer; ``None`` for a
-        run that was not submitted (or a lease no longer held). One guarded statement, and
-        the run's start written on its row (flow keys count starts), in one transaction."""
+        (``""``: none), pinned to ``checkpoint_id`` by the first claimer, with the run's id
+        and recorded stream modes; ``None`` for a run that was not submitted (or a lease no
+        longer held). One guarded statement, and the run's start written on its row (flow
+        keys count starts), in one transaction."""
 
-        async def once() -> str | None:
+        async def once() -> Pinned | None:
             params = {**_held(lease), "checkpoint": checkpoint_id or "", **self._db.now()}
             async with transaction(self._engine) as conn:
                 row = (await conn.execute(self._db.leases.pin, params)).first()
                 if row is None:
                     return None
-                await conn.execute(self._db.leases.run_started, params)
-                return str(row.input_after)
+                run = (await conn.execute(self._db.leases.run_started, params)).first()
+                if run is None:  # submitted before runs had rows of their own
+                    return Pinned(str(row.input_after), None, ())
+                return Pinned(str(row.input_after), str(run.run_id), split_modes(run.stream_modes))
 
         return await retry_connection_errors(once, what="submitted run pin")
+
+    async def record_stream(self, lease: Lease, rows: Sequence[Mapping[str, Any]]) -> bool:
+        """Write a holder's stream events (``fence_stream`` rows without the key) under
+        ``lease``'s hold, in one transaction; whether they were (``False``: the lease is no
+        longer this hold, and nothing was written). Written again on a connection error:
+        an event written before is kept as it was."""
+        held = _held(lease)
+        params = [{**row, **held} for row in rows]
+        return await self._while_held(held, RECORD, params, what="stream events")
+
+    async def withdraw_stream(self, lease: Lease, run_id: str, resume_from: str) -> bool:
+        """For a run just taken under ``lease``, resuming from checkpoint ``resume_from``
+        (``""``: its input, with no checkpoint before): withdraw the events older holders
+        recorded after it, which this holder records again; whether the lease was still
+        this hold."""
+        held = _held(lease)
+        params = {**held, "run_id": run_id, "resume_from": resume_from}
+        return await self._while_held(held, WITHDRAW, params, what="stream withdrawal")
+
+    async def _while_held(
+        self, held: Mapping[str, Any], statement: Any, params: Any, *, what: str
+    ) -> bool:
+        """Run ``statement`` in the transaction of a guard read of ``held``; whether the
+        lease was still that hold (``False``: nothing written)."""
+
+        async def once() -> bool:
+            async with transaction(self._engine) as conn:
+                if (await conn.execute(HELD[self._db.pg], dict(held))).first() is None:
+                    return False
+                await conn.execute(statement, params)
+                return True
+
+        return await retry_connection_errors(once, what=what)
+
+    async def stream_of(self, key: LeaseKey, run_id: str) -> tuple[tuple[str, ...], str] | None:
+        """The stream modes submitted run ``run_id`` of ``key`` records, and its thread;
+        ``None``: no such run."""
+        params = {"tenant_id": key.tenant_id, "execution_id": key.execution_id, "run_id": run_id}
+        row = await self._db.first(STREAM_OF, params, what="run stream")
+        return None if row is None else (split_modes(row.stream_modes), str(row.thread_id))
+
+    async def stream_rows(self, run_id: str, after: tuple[int, int], limit: int) -> list[Any]:
+        """Up to ``limit`` of run ``run_id``'s events not withdrawn, past position ``after``
+        (``(epoch, seq)``), in stream order."""
+        params = {"run_id": run_id, "epoch": after[0], "seq": after[1], "limit": limit}
+
+        async def once() -> list[Any]:
+            async with self._engine.connect() as conn:
+                return list(await conn.execute(READ, params))
+
+        return await retry_connection_errors(once, what="run stream")
 
     async def store_output(self, handle: RunHandle, output: Any) -> None:
         """Keep ``output`` with the execution, guarded by the run's hold (one statement).
@@ -417,6 +486,16 @@ class SubmittedRuns:
             serde, (output_type, bytes(blob)), what=f"the output of execution {key.scope_key!r}"
         )
 
+    def decode_event(
+        self, payload_type: str, blob: bytes, allow: Collection[tuple[str, ...]]
+    ) -> Any:
+        """A recorded stream event's payload, decoded with the serializer (and ``allow``)."""
+        from langgraph_fence.serde import loads_checked, with_allowlist
+
+        serde = with_allowlist(self.serde, allow)
+        stored = loads_checked(serde, (payload_type, bytes(blob)), what="a recorded stream event")
+        return restore_tuples(stored)
+
     async def cancel(self, key: LeaseKey, reason: str, run_id: str | None = None) -> bool:
         """End the execution ``cancelled`` with ``reason`` if it is pending or running;
         whether it was. With ``run_id``: that submitted run only (a queued one never begins,
@@ -503,6 +582,17 @@ class SubmittedRuns:
         """Graph name -> the workers that said they serve it within
         :data:`~langgraph_fence.queue.ANNOUNCED_FOR`."""
         return await served_graphs(self._engine)
+
+
+class Pinned(NamedTuple):
+    """What a submitted run's pin tells its taker."""
+
+    #: The checkpoint the run's input follows (``""``: none).
+    input_after: str
+    #: The submitted run's id (``None``: it was submitted before runs had rows).
+    run_id: str | None
+    #: The stream modes its holders record (none: its stream is not recorded).
+    stream_modes: tuple[str, ...]
 
 
 def _held(lease: Lease) -> dict[str, Any]:

@@ -378,6 +378,9 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             return names.outer_config(saved)  # type: ignore[no-any-return]
 
         async def outside(handle: RunHandle, inner_config: RunnableConfig) -> RunnableConfig:
+            root = not (config.get("configurable") or {}).get("checkpoint_ns")
+            if handle.before_checkpoint is not None and root:
+                await handle.before_checkpoint()
             await fault_point(
                 "checkpoint.before", config=config, checkpoint=checkpoint, metadata=metadata
             )

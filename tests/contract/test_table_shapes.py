@@ -146,6 +146,8 @@ PRESENT: dict[str, tuple[dict[str, bool], list[str]]] = {
             "flow_key": True,
             "started_at": True,
             "attempts": True,
+            # Streams (records migration 13): the modes its holders record.
+            "stream_modes": True,
         },
         ["run_id"],
     ),
@@ -191,6 +193,23 @@ PRESENT: dict[str, tuple[dict[str, bool], list[str]]] = {
             "per": True,
         },
         ["tenant_id", "flow_key"],
+    ),
+    # Submitted runs' recorded streams (records migration 13).
+    "fence_stream": (
+        {
+            "run_id": False,
+            "epoch": False,
+            "seq": False,
+            "tenant_id": False,
+            "execution_id": False,
+            "after": False,
+            "mode": False,
+            "ns": False,
+            "payload_type": False,
+            "payload": False,
+            "withdrawn": False,
+        },
+        ["run_id", "epoch", "seq"],
     ),
 }
 

@@ -228,3 +228,47 @@ def test_a_jsonplus_serializer_keeps_what_it_was_made_with_where_we_read_it() ->
     _, msgpack, json_modules = jsonplus_settings(strict)
     assert ("app", "Order") in tuple(msgpack)
     assert ("app", "Order") in tuple(json_modules)
+
+
+async def test_the_stream_hooks_hand_over_each_event_as_astream_yields_it() -> None:
+    from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+    from langchain_core.messages import AIMessage
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.config import get_stream_writer
+
+    async def talk(state: State) -> dict[str, Any]:
+        get_stream_writer()({"at": "talk"})
+        model = GenericFakeChatModel(messages=iter([AIMessage(content="hello there")]))
+        reply = await model.ainvoke("hi")
+        return {"seen": {"reply": reply.content}}
+
+    builder: StateGraph[Any] = StateGraph(State)
+    builder.add_node("talk", talk)
+    builder.add_edge(START, "talk")
+    builder.add_edge("talk", END)
+    graph = builder.compile(checkpointer=InMemorySaver())
+    modes = ["values", "updates", "custom", "messages"]
+    expected = [
+        e async for e in graph.astream({}, {"configurable": {"thread_id": "a"}}, stream_mode=modes)
+    ]
+    got: list[Any] = []
+
+    def emit(chunk: Any) -> None:
+        if chunk[1] != "checkpoints":
+            got.append(chunk[1:])
+
+    configurable = _compat.record_stream_config(
+        {"thread_id": "b"}, emit, {"values", "updates", "custom", "checkpoints"}
+    )
+    config: Any = {"configurable": configurable}
+    config["callbacks"] = [_compat.messages_stream_handler(emit)]
+    await graph.ainvoke({}, config)
+
+    def same(event: Any) -> Any:  # the message ids and run metadata differ between runs
+        mode, payload = event
+        if mode == "messages":
+            return (mode, payload[0].content, payload[1]["langgraph_node"])
+        return event
+
+    assert [same(e) for e in got] == [same(e) for e in expected]
+    assert any(mode == "messages" for mode, _ in got)
