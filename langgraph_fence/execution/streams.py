@@ -18,7 +18,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from langgraph_fence._compat import messages_stream_handler, record_stream_config
-from langgraph_fence.queue._streams import NS_SEP, keep_tuples
+from langgraph_fence.queue import NS_SEP, keep_tuples
 
 if TYPE_CHECKING:
     from langchain_core.runnables import RunnableConfig

@@ -50,7 +50,7 @@ from langgraph_fence.queue._state import (
     list_runs,
     served_graphs,
 )
-from langgraph_fence.queue._streams import STREAM_MODES, check_stream_mode
+from langgraph_fence.queue._streams import NS_SEP, STREAM_MODES, check_stream_mode, keep_tuples
 from langgraph_fence.queue._submitted_runs import Pinned, SubmittedRuns
 
 # LangGraph is imported by what submits and runs (run_config, serde), not by what lists:
@@ -61,6 +61,7 @@ __all__ = [
     "ANNOUNCE_EVERY",
     "HELD_BACK",
     "MISSED",
+    "NS_SEP",
     "ON_BUSY",
     "OVERLAP",
     "STREAM_MODES",
@@ -78,6 +79,7 @@ __all__ = [
     "WorkerHold",
     "check_not_before",
     "check_stream_mode",
+    "keep_tuples",
     "list_runs",
     "served_graphs",
 ]
