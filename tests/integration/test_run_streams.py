@@ -16,6 +16,7 @@ from langgraph_fence.lease.faults import arm_fault
 from langgraph_fence.queue import SubmittedRun
 from langgraph_fence.testing import Leases
 from tests.support.databases import SQL_BACKENDS, unique
+from tests.support.polling import eventually
 from tests.support.serving import cfg, look, stepped
 from tests.support.stream_graphs import MODES, Hold, orders, plain
 
@@ -77,9 +78,18 @@ async def test_a_takeover_in_the_middle_of_a_step_streams_each_step_once(db: Lea
     resumed = await client.submit(
         "orders", Command(resume="yes"), cfg(thread), tenant_id="a", stream_mode=MODES
     )
-    # The first worker streams `approve`, then freezes in `charge` past its lease.
+    # The first worker streams `approve` and stores its checkpoint, then freezes in
+    # `charge` past its lease. (Frozen before that checkpoint is stored, `approve` would
+    # not run again: the limit docs/time.md states.)
     await loop_a.poll_once()
     await asyncio.to_thread(hold.entered.wait, 20)
+
+    async def approved() -> bool:
+        config = {"configurable": {"thread_id": thread, "tenant_id": "a"}}
+        latest = await reader.checkpointer.aget_tuple(config)
+        return latest is not None and "approve" in latest.checkpoint["channel_values"]["log"]
+
+    await eventually(approved, timeout=20, what="approve's checkpoint")
     db.stall(first)
     db.advance(31.0)
     loop_b = stepped(second, {"orders": orders(second, hold)})
