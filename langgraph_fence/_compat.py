@@ -26,6 +26,7 @@ __all__ = [
     "CONFIG_KEY_TASK_ID",
     "aiosqlite_call",
     "compiled_serde_allowlist",
+    "finished_tasks",
     "hook_pregel",
     "jsonplus_settings",
     "messages_stream_handler",
@@ -113,13 +114,14 @@ def paused_at_first_interrupt(configurable: Mapping[str, Any], interrupt: BaseEx
 
 def record_stream_config(
     configurable: Mapping[str, Any],
-    emit: Callable[[tuple[tuple[str, ...], str, Any]], None],
+    emit: Callable[[tuple[Any, ...]], None],
     modes: set[str],
 ) -> dict[str, Any]:
     """``configurable`` with hooks that hand ``emit`` every ``(namespace, mode, payload)``
     event a run of a graph called with it produces in ``modes`` (``values``, ``updates``,
-    ``checkpoints``; ``custom``; ``messages``), at the moment LangGraph produces it, before
-    the checkpoint that ends its step is written.
+    ``checkpoints``, ``tasks``; ``custom``, with a fourth item: the id of the root task that
+    wrote it; ``messages``), at the moment LangGraph produces it, before the task's writes
+    and the checkpoint that ends its step are written.
 
     How a parent graph receives its subgraphs' events, used on the root run: a
     ``StreamProtocol`` under ``CONFIG_KEY_STREAM`` ("__pregel_stream") is called by every
@@ -138,8 +140,10 @@ def record_stream_config(
     from langgraph.runtime import Runtime
 
     def write_custom(chunk: Any) -> None:
+        # The step's namespace ("node:task_id", a subgraph's under its root task's): the
+        # event's is its parent's, as LangGraph's own writer says; the root task is first.
         ns = str(get_config()["configurable"].get("checkpoint_ns") or "")
-        emit((tuple(ns.split("|")[:-1]), "custom", chunk))
+        emit((tuple(ns.split("|")[:-1]), "custom", chunk, ns.split("|")[0].split(":")[-1]))
 
     hooked = {**configurable, CONFIG_KEY_STREAM: StreamProtocol(emit, modes)}  # type: ignore[arg-type]
     if "custom" in modes:
@@ -147,7 +151,19 @@ def record_stream_config(
     return hooked
 
 
-def messages_stream_handler(emit: Callable[[tuple[tuple[str, ...], str, Any]], None]) -> Any:
+def finished_tasks(pending_writes: Any) -> frozenset[str]:
+    """The ids of the tasks whose writes among ``pending_writes`` (a checkpoint's) a run
+    resumed from that checkpoint applies instead of running them again: LangGraph's own
+    reading (``langgraph.pregel._task_status.read_task_statuses``, a task with output). If
+    it moves, this raises, and a recorded stream's takeover keeps none of those tasks'
+    events (the stream then misses them, the run is unchanged)."""
+    from langgraph.pregel._task_status import read_task_statuses
+
+    statuses = read_task_statuses(pending_writes or ())
+    return frozenset(task_id for task_id, status in statuses.items() if status.output)
+
+
+def messages_stream_handler(emit: Callable[[tuple[Any, ...]], None]) -> Any:
     """A LangChain callback handler that hands ``emit`` the run's ``messages`` events, as
     ``astream(stream_mode="messages", subgraphs=True)`` would yield them (see
     :func:`record_stream_config`)."""

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from langchain_core.runnables import RunnableConfig
 from langgraph.errors import GraphDrained
 
+from langgraph_fence._compat import finished_tasks
 from langgraph_fence.database.retry import is_connection_error
 from langgraph_fence.events import EventKind
 from langgraph_fence.execution.keeper import Sleep
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from langgraph.checkpoint.base import CheckpointTuple
 
     from langgraph_fence.execution.host import InstanceHost
-    from langgraph_fence.queue import SubmittedRuns
+    from langgraph_fence.queue import Pinned, SubmittedRuns
 
 __all__ = ["MAX_SERVE_BACKOFF", "Server", "check_budget", "progress_mark"]
 
@@ -417,11 +418,7 @@ class Server:
                 submitted = True
                 from_input = pinned.input_after == mark_now
                 if pinned.run_id is not None and pinned.stream_modes:
-                    # What older holders streamed after the checkpoint this take resumes
-                    # from is withdrawn: this take runs those steps again.
-                    await queue.withdraw_stream(taken, pinned.run_id, mark_now)
-                    modes = pinned.stream_modes
-                    stream = StreamTake(pinned.run_id, modes, mark_now, not from_input)
+                    stream = await _stream_take(queue, taken, pinned, now_latest, from_input)
         try:
             record = await host.records.get(
                 taken.key, allow=run_allowlist(graph), with_input=from_input
@@ -568,10 +565,36 @@ class StreamTake(NamedTuple):
 
     run_id: str
     modes: tuple[str, ...]
-    #: The checkpoint the take resumes from ("": none).
+    #: The checkpoint the take begins from ("": none).
     after: str
-    #: Whether it resumes from that checkpoint rather than the run's input.
-    resumed: bool
+    #: Whether its events before its first step are left out.
+    skip_preamble: bool
+    #: How many tasks of its first step it applies the stored writes of.
+    replayed: int
+
+
+async def _stream_take(
+    queue: SubmittedRuns,
+    taken: Lease,
+    pinned: Pinned,
+    latest: CheckpointTuple | None,
+    from_input: bool,
+) -> StreamTake:
+    """Withdraw what older holders streamed of what this take runs again (all after the
+    checkpoint it begins from, but the events of the tasks whose writes it keeps), and say
+    how the take records the rest."""
+    after = "" if latest is None else _checkpoint_id(latest.config)
+    try:
+        finished = finished_tasks(latest.pending_writes if latest is not None else ())
+    except Exception:  # LangGraph moved its reading: those tasks' events are withdrawn
+        logger.warning("the finished tasks of %s cannot be read", taken.scope_key, exc_info=True)
+        finished = frozenset()
+    assert pinned.run_id is not None
+    kept = await queue.withdraw_stream(taken, pinned.run_id, after, finished)
+    # A take resuming from a checkpoint of the run begins with a state the run streamed;
+    # one beginning from the run's input again, with one an older holder may have.
+    skip = not from_input or kept.preamble
+    return StreamTake(pinned.run_id, pinned.stream_modes, after, skip, len(finished))
 
 
 async def _recorded(
@@ -582,17 +605,18 @@ async def _recorded(
     queue: SubmittedRuns,
     stream: StreamTake,
 ) -> Any:
-    """``graph.ainvoke`` for ``run``, its events in ``stream.modes`` recorded: each step's
-    before the checkpoint that ends it, the rest before the run's end is written."""
+    """``graph.ainvoke`` for ``run``, its events in ``stream.modes`` recorded: each before
+    the task writes or checkpoint after it, the rest before the run's end is written."""
     recorder = StreamRecorder(
         queue,
         run.handle,
         stream.run_id,
         stream.modes,
         after=stream.after,
-        resumed=stream.resumed,
+        skip_preamble=stream.skip_preamble,
+        replayed=stream.replayed,
     )
-    run.handle.before_checkpoint = recorder.flush
+    run.handle.before_root_write = recorder.flush
     try:
         output = await graph.ainvoke(
             input, recorder.config(run.config), control=run.control, **kwargs
@@ -604,7 +628,7 @@ async def _recorded(
             await recorder.flush()
         raise
     finally:
-        run.handle.before_checkpoint = None
+        run.handle.before_root_write = None
     await recorder.flush()
     return output
 

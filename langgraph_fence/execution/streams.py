@@ -1,24 +1,32 @@
 """The holder's side of a submitted run's recorded stream: every event the run produces in
-its recorded modes, written under the run's lease before the checkpoint that ends its step.
+its recorded modes, written under the run's lease before the writes of the task that
+produced it and the checkpoint that ends its step.
 
 A :class:`StreamRecorder` is made for each take of a run submitted with ``stream_mode``
 (:meth:`Instance.submit <langgraph_fence.Instance.submit>`). It hooks the run's config so
 LangGraph hands it each event as it is produced (:func:`~langgraph_fence._compat.
-record_stream_config`), tags it with the root checkpoint its step began from, and keeps it
-until the run's next root checkpoint is about to be written (the run handle's
-``before_checkpoint``) or the run ends: then it writes them, guarded by the lease. A
-takeover resuming from a checkpoint begins with the state it resumes from, which the
-holder before it streamed already: the events before its first step are not recorded.
+record_stream_config`), tags it with the root checkpoint its step began from and the root
+task that produced it, and keeps it until a root task's writes or checkpoint is about to be
+written (the run handle's ``before_root_write``) or the run ends: then it writes them,
+guarded by the lease. So whatever a resume finds stored (a checkpoint, a finished task's
+writes), the events that led to it are stored before it.
+
+A take begins with the state it begins from (LangGraph streams it first): an older holder
+streamed it already when the take resumes from a checkpoint of the run, or began from the
+same one; those events are left out. Tasks of its first step whose writes were stored are
+not run again: LangGraph replays their updates (marked cached), left out too, since the
+older holder's events of those tasks are kept (:mod:`langgraph_fence.queue._streams`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
 from langgraph_fence._compat import messages_stream_handler, record_stream_config
-from langgraph_fence.queue import NS_SEP, keep_tuples
+from langgraph_fence.queue import NS_SEP, STREAM_PREAMBLE, keep_tuples
 
 if TYPE_CHECKING:
     from langchain_core.runnables import RunnableConfig
@@ -39,8 +47,12 @@ class StreamRecorder:
         handle: the run's handle (its lease guards each write).
         run_id: the submitted run.
         modes: the modes recorded.
-        after: the checkpoint the run resumes from (``""``: none).
-        resumed: whether this take resumes from a checkpoint rather than the run's input.
+        after: the checkpoint the take begins from (``""``: none).
+        skip_preamble: leave out the events before the take's first step (the state it
+            begins from, which an older holder streamed already).
+        replayed: how many tasks of the first step the take applies the stored writes of
+            instead of running them: their events are an older holder's, and LangGraph's
+            replay of their updates (marked cached) is left out.
     """
 
     def __init__(
@@ -51,7 +63,8 @@ class StreamRecorder:
         modes: tuple[str, ...],
         *,
         after: str,
-        resumed: bool,
+        skip_preamble: bool,
+        replayed: int = 0,
     ) -> None:
         self._queue = queue
         self._handle = handle
@@ -59,15 +72,21 @@ class StreamRecorder:
         self.modes = frozenset(modes)
         # Events come from the run's loop and from its sync steps' worker threads.
         self._lock = threading.Lock()
+        self._writing = asyncio.Lock()
         self._rows: list[dict[str, Any]] = []
         self._seq = 0
         self._after = after
-        self._skipping = resumed
+        self._steps = 0  # root checkpoints seen: 0 before the first step, 1 in it
+        self._skip_preamble = skip_preamble
+        self._replayed = replayed
+        self._last_update: dict[str, Any] | None = None
         self._told: set[str] = set()
 
     def config(self, config: RunnableConfig) -> RunnableConfig:
         """``config`` with the hooks that hand this recorder the run's events."""
         hooked = {"checkpoints", *(self.modes & {"values", "updates", "custom"})}
+        if "updates" in self.modes:
+            hooked.add("tasks")  # which task each update is of
         configurable = record_stream_config(config.get("configurable") or {}, self._emit, hooked)
         out: dict[str, Any] = {**config, "configurable": configurable}
         if "messages" in self.modes:
@@ -83,16 +102,14 @@ class StreamRecorder:
                 out["callbacks"] = manager
         return out  # type: ignore[return-value]
 
-    def _emit(self, chunk: tuple[tuple[str, ...], str, Any]) -> None:
-        ns, mode, payload = chunk
-        if mode == "checkpoints":
-            if not ns:  # a root step begins from this checkpoint
-                checkpoint_id = str(payload["config"]["configurable"]["checkpoint_id"])
-                with self._lock:
-                    self._after = checkpoint_id
-                    self._skipping = False
+    def _emit(self, chunk: tuple[Any, ...]) -> None:
+        ns, mode, payload = chunk[:3]
+        if not ns and mode in ("checkpoints", "tasks"):
+            self._boundary(mode, payload)
             return
         if mode not in self.modes:
+            return
+        if not ns and mode == "updates" and self._replay(payload):
             return
         try:
             payload_type, blob = self._queue.serde.dumps_typed(keep_tuples(payload))
@@ -110,20 +127,43 @@ class StreamRecorder:
                 )
             return
         with self._lock:
-            if self._skipping:
+            if self._steps == 0 and self._skip_preamble:
                 return
-            self._rows.append(
-                {
-                    "run_id": self.run_id,
-                    "seq": self._seq,
-                    "after": self._after,
-                    "mode": mode,
-                    "ns": NS_SEP.join(ns),
-                    "payload_type": payload_type,
-                    "payload": blob,
-                }
-            )
+            row = {
+                "run_id": self.run_id,
+                "seq": self._seq,
+                "after": self._after,
+                "task": STREAM_PREAMBLE if self._steps == 0 else _task_of(ns, mode, payload, chunk),
+                "mode": mode,
+                "ns": NS_SEP.join(ns),
+                "payload_type": payload_type,
+                "payload": blob,
+            }
+            self._rows.append(row)
             self._seq += 1
+            self._last_update = row if mode == "updates" and not ns else None
+
+    def _boundary(self, mode: str, payload: Any) -> None:
+        """A root step begins (``checkpoints``: from that checkpoint) or a root task ended
+        (``tasks`` with a result: the update just recorded is that task's)."""
+        with self._lock:
+            if mode == "checkpoints":
+                self._after = str(payload["config"]["configurable"]["checkpoint_id"])
+                self._steps += 1
+                self._last_update = None
+            elif "result" in payload and self._last_update is not None:
+                self._last_update["task"] = str(payload["id"])
+                self._last_update = None
+
+    def _replay(self, payload: Any) -> bool:
+        """Whether an update is LangGraph's replay of a task of the take's first step whose
+        stored writes it applies (left out: that task's own events are recorded)."""
+        cached = isinstance(payload, dict) and (payload.get("__metadata__") or {}).get("cached")
+        with self._lock:
+            if not cached or self._steps != 1 or self._replayed <= 0:
+                return False
+            self._replayed -= 1
+            return True
 
     async def flush(self) -> None:
         """Write the events kept so far, under the run's lease.
@@ -131,16 +171,37 @@ class StreamRecorder:
         Raises:
             ExecutionFencedError: the lease is no longer the run's (nothing written).
         """
-        with self._lock:
-            rows, self._rows = self._rows, []
-        if not rows:
-            return
-        try:
-            landed = await self._queue.record_stream(self._handle.lease, rows)
-        except BaseException:
-            with self._lock:  # kept for the next write
-                self._rows[:0] = rows
-            raise
+        # One write at a time, in order: a reader moves past what it read, so a later write
+        # must never commit before an earlier one (a checkpoint and a task's writes, or
+        # parallel tasks' writes, ask for a write at once).
+        async with self._writing:
+            with self._lock:
+                rows, self._rows = self._rows, []
+            if not rows:
+                return
+            try:
+                landed = await self._queue.record_stream(self._handle.lease, rows)
+            except BaseException:
+                with self._lock:  # kept for the next write
+                    self._rows[:0] = rows
+                raise
         if not landed:
             await self._handle.renew()  # raises the fencing error the refusal means
             raise RuntimeError(f"the stream of run {self.run_id} was refused")
+
+
+def _task_of(ns: tuple[str, ...], mode: str, payload: Any, chunk: tuple[Any, ...]) -> str | None:
+    """The root task an event is of (``None``: none known yet, or none): a subgraph's
+    events name it first in their namespace; a root step's ``custom`` events carry it, its
+    ``messages`` name it in their metadata; its ``updates`` are told by the ``tasks`` event
+    that follows them."""
+    if ns:
+        return ns[0].split(":")[-1]
+    if mode == "custom" and len(chunk) > 3:
+        return str(chunk[3])
+    if mode == "messages":
+        try:
+            return str(payload[1]["langgraph_checkpoint_ns"]).split("|")[0].split(":")[-1]
+        except (LookupError, TypeError):
+            return None
+    return None

@@ -51,6 +51,7 @@ from langgraph_fence.queue._state import (
     served_graphs,
 )
 from langgraph_fence.queue._streams import NS_SEP, STREAM_MODES, check_stream_mode, keep_tuples
+from langgraph_fence.queue._streams import PREAMBLE as STREAM_PREAMBLE
 from langgraph_fence.queue._submitted_runs import Pinned, SubmittedRuns
 
 # LangGraph is imported by what submits and runs (run_config, serde), not by what lists:
@@ -65,6 +66,7 @@ __all__ = [
     "ON_BUSY",
     "OVERLAP",
     "STREAM_MODES",
+    "STREAM_PREAMBLE",
     "Flow",
     "Missed",
     "NotBefore",

@@ -16,8 +16,8 @@ resumes before it), or once its run has ended: a reader shows a prefix of final 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Final
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any, Final, NamedTuple
 
 from sqlalchemy import text
 
@@ -26,14 +26,18 @@ from langgraph_fence.lease.guard import guard_sql
 __all__ = [
     "HELD",
     "NS_SEP",
+    "PREAMBLE",
     "READ",
     "RECORD",
+    "RECORDED_AFTER",
     "STREAM_MODES",
     "STREAM_OF",
     "WITHDRAW",
+    "Kept",
     "check_stream_mode",
     "joined_modes",
     "keep_tuples",
+    "kept_at",
     "restore_tuples",
     "split_modes",
 ]
@@ -57,15 +61,56 @@ def held_sql(pg: bool) -> str:
 
 HELD = {pg: text(held_sql(pg)) for pg in (False, True)}
 RECORD = text(
-    "INSERT INTO fence_stream (run_id, epoch, seq, tenant_id, execution_id, after, mode, ns, "
-    "payload_type, payload, withdrawn) VALUES (:run_id, :epoch, :seq, :tenant_id, "
-    ":execution_id, :after, :mode, :ns, :payload_type, :payload, 0) "
+    "INSERT INTO fence_stream (run_id, epoch, seq, tenant_id, execution_id, after, task, mode, "
+    "ns, payload_type, payload, withdrawn) VALUES (:run_id, :epoch, :seq, :tenant_id, "
+    ":execution_id, :after, :task, :mode, :ns, :payload_type, :payload, 0) "
     "ON CONFLICT (run_id, epoch, seq) DO NOTHING"
 )
-WITHDRAW = text(
-    "UPDATE fence_stream SET withdrawn = 1 WHERE run_id = :run_id AND epoch < :epoch "
-    "AND after >= :resume_from AND withdrawn = 0"
+#: What older holders recorded at or after the checkpoint a take begins from.
+RECORDED_AFTER = text(
+    "SELECT epoch, seq, after, task FROM fence_stream WHERE run_id = :run_id "
+    "AND epoch < :epoch AND after >= :resume_from AND withdrawn = 0"
 )
+WITHDRAW = text(
+    "UPDATE fence_stream SET withdrawn = 1 WHERE run_id = :run_id AND epoch = :epoch AND seq = :seq"
+)
+#: The task of an event a take recorded before its first step (the state it began from).
+PREAMBLE: Final = "^"
+
+
+class Kept(NamedTuple):
+    """What a take's withdrawal kept of older holders' events."""
+
+    #: Whether an older holder's events of the state the take begins from were kept.
+    preamble: bool
+
+
+def kept_at(
+    rows: Iterable[Any], resume_from: str, finished: Collection[str]
+) -> tuple[set[tuple[int, int]], bool]:
+    """Of older holders' events at or after checkpoint ``resume_from`` (rows with
+    ``epoch``, ``seq``, ``after``, ``task``), the positions a take beginning there keeps,
+    and whether they include the state it begins from.
+
+    Kept: the events of the first holder that began from ``resume_from`` before its first
+    step (the take does not record its own), and the events of each task in ``finished``
+    (its writes are stored: the take applies them and does not run it) recorded by the
+    last holder that ran it (an earlier one died before its writes were stored). Every
+    other event is of a step the take runs again."""
+    at = [r for r in rows if r.after == resume_from]
+    keep: set[tuple[int, int]] = set()
+    began = [r.epoch for r in at if r.task == PREAMBLE]
+    if began:
+        first = min(began)
+        keep.update((r.epoch, r.seq) for r in at if r.task == PREAMBLE and r.epoch == first)
+    for task in finished:
+        ran = [r.epoch for r in at if r.task == task]
+        if ran:
+            last = max(ran)
+            keep.update((r.epoch, r.seq) for r in at if r.task == task and r.epoch == last)
+    return keep, bool(began)
+
+
 READ = text(
     "SELECT epoch, seq, after, mode, ns, payload_type, payload FROM fence_stream "
     "WHERE run_id = :run_id AND withdrawn = 0 AND (epoch > :epoch OR (epoch = :epoch "

@@ -41,9 +41,12 @@ from langgraph_fence.queue._streams import (
     HELD,
     READ,
     RECORD,
+    RECORDED_AFTER,
     STREAM_OF,
     WITHDRAW,
+    Kept,
     joined_modes,
+    kept_at,
     restore_tuples,
     split_modes,
 )
@@ -333,14 +336,33 @@ class SubmittedRuns:
         params = [{**row, **held} for row in rows]
         return await self._while_held(held, RECORD, params, what="stream events")
 
-    async def withdraw_stream(self, lease: Lease, run_id: str, resume_from: str) -> bool:
-        """For a run just taken under ``lease``, resuming from checkpoint ``resume_from``
-        (``""``: its input, with no checkpoint before): withdraw the events older holders
-        recorded after it, which this holder records again; whether the lease was still
-        this hold."""
+    async def withdraw_stream(
+        self, lease: Lease, run_id: str, resume_from: str, finished: Collection[str] = ()
+    ) -> Kept:
+        """For a run just taken under ``lease``, beginning from checkpoint ``resume_from``
+        (``""``: none) with the stored writes of the tasks ``finished``: withdraw the
+        events older holders recorded after it, which this holder records again, but
+        those it does not (:func:`~langgraph_fence.queue._streams.kept_at`); what was
+        kept. Nothing is withdrawn when the lease is no longer this hold."""
         held = _held(lease)
         params = {**held, "run_id": run_id, "resume_from": resume_from}
-        return await self._while_held(held, WITHDRAW, params, what="stream withdrawal")
+
+        async def once() -> Kept:
+            async with transaction(self._engine) as conn:
+                if (await conn.execute(HELD[self._db.pg], held)).first() is None:
+                    return Kept(False)
+                rows = list(await conn.execute(RECORDED_AFTER, params))
+                keep, preamble = kept_at(rows, resume_from, finished)
+                gone = [
+                    {"run_id": run_id, "epoch": r.epoch, "seq": r.seq}
+                    for r in rows
+                    if (r.epoch, r.seq) not in keep
+                ]
+                if gone:
+                    await conn.execute(WITHDRAW, gone)
+                return Kept(preamble)
+
+        return await retry_connection_errors(once, what="stream withdrawal")
 
     async def _while_held(
         self, held: Mapping[str, Any], statement: Any, params: Any, *, what: str

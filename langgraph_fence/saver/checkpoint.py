@@ -379,8 +379,8 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
 
         async def outside(handle: RunHandle, inner_config: RunnableConfig) -> RunnableConfig:
             root = not (config.get("configurable") or {}).get("checkpoint_ns")
-            if handle.before_checkpoint is not None and root:
-                await handle.before_checkpoint()
+            if handle.before_root_write is not None and root:
+                await handle.before_root_write()
             await fault_point(
                 "checkpoint.before", config=config, checkpoint=checkpoint, metadata=metadata
             )
@@ -413,6 +413,9 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             )
 
         async def outside(handle: RunHandle, inner_config: RunnableConfig) -> None:
+            root = not (config.get("configurable") or {}).get("checkpoint_ns")
+            if handle.before_root_write is not None and root:
+                await handle.before_root_write()
             await fault_point("writes.before", config=config, task_id=task_id, writes=writes)
             await delegated(inner_config)
             await fault_point("writes.after", config=config, task_id=task_id, writes=writes)

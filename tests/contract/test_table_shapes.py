@@ -203,6 +203,7 @@ PRESENT: dict[str, tuple[dict[str, bool], list[str]]] = {
             "tenant_id": False,
             "execution_id": False,
             "after": False,
+            "task": True,
             "mode": False,
             "ns": False,
             "payload_type": False,

@@ -39,6 +39,38 @@ async def streamed(elsewhere: Instance, run: SubmittedRun, **options: Any) -> li
     return plain([e async for e in handle.astream(**options)])
 
 
+class Waiting:
+    """A thread at the interrupt (its first run served by the ``first`` worker, unrecorded),
+    its resume submitted recording its stream, and the in-process streams to compare."""
+
+    def __init__(self, db: Leases) -> None:
+        self.db = db
+        self.client, self.first = db.instance("client"), db.instance("first")
+        self.second, self.reader = db.instance("second"), db.instance("reader")
+        self.thread = unique("t")
+        self.loop = stepped(self.first, {"orders": orders(self.first)})
+
+    async def resume(self, **options: Any) -> tuple[SubmittedRun, list[Any]]:
+        expected = await reference(self.first, orders(self.first))
+        config = cfg(self.thread)
+        await self.client.submit("orders", {"item": "book"}, config, tenant_id="a")
+        await look(self.loop)
+        resumed = await self.client.submit(
+            "orders", Command(resume="yes"), config, tenant_id="a", stream_mode=MODES, **options
+        )
+        return resumed, expected[1]
+
+    async def take_over(self, go: asyncio.Event) -> None:
+        """The first worker frozen past its lease, the second takes the run over; then the
+        first goes on (``go``) and its writes are refused."""
+        self.db.stall(self.first)
+        self.db.advance(31.0)
+        await look(stepped(self.second, {"orders": orders(self.second)}))
+        self.db.resume(self.first)
+        go.set()
+        await asyncio.wait_for(asyncio.gather(*self.loop.running), 20)
+
+
 async def test_a_stream_read_elsewhere_equals_the_in_process_stream(db: Leases) -> None:
     client, worker, reader = db.instance("client"), db.instance("worker"), db.instance("reader")
     graph = orders(worker)
@@ -105,53 +137,70 @@ async def test_a_takeover_in_the_middle_of_a_step_streams_each_step_once(db: Lea
 async def test_events_recorded_before_a_takeover_are_withdrawn_when_their_steps_run_again(
     db: Leases,
 ) -> None:
-    client, first, second = db.instance("client"), db.instance("first"), db.instance("second")
-    reader = db.instance("reader")
-    thread = unique("t")
-    expected = await reference(first, orders(first))
-    await client.submit("orders", {"item": "book"}, cfg(thread), tenant_id="a")
-    loop_a = stepped(first, {"orders": orders(first)})
-    await look(loop_a)
+    at = Waiting(db)
     # With durability="exit" the run's one checkpoint is its last: the first worker writes
     # every event of the run, then stalls before that checkpoint.
-    resumed = await client.submit(
-        "orders",
-        Command(resume="yes"),
-        cfg(thread),
-        tenant_id="a",
-        stream_mode=MODES,
-        durability="exit",
-    )
+    resumed, expected = await at.resume(durability="exit")
     blocked, go = asyncio.Event(), asyncio.Event()
 
     def stall_once(context: dict[str, Any]) -> Any:
-        if context["config"]["configurable"]["thread_id"] != thread or blocked.is_set():
+        if context["config"]["configurable"]["thread_id"] != at.thread or blocked.is_set():
             return None
         blocked.set()
         return go.wait()
 
     with arm_fault("checkpoint.before", stall_once):
-        await loop_a.poll_once()
+        await at.loop.poll_once()
         await asyncio.wait_for(blocked.wait(), 20)
         seen: list[Any] = []
 
         async def read() -> None:
-            handle = reader.get_run(thread, tenant_id="a", run_id=resumed.run_id)
+            handle = at.reader.get_run(at.thread, tenant_id="a", run_id=resumed.run_id)
             async for event in handle.astream(poll_interval=0.01):
                 seen.append(plain(event))
 
         live = asyncio.create_task(read())
-        db.stall(first)
-        db.advance(31.0)
-        # Runs the resume again from the checkpoint it followed: the first worker's events
-        # are withdrawn, never shown beside the second's.
-        await look(stepped(second, {"orders": orders(second)}))
-        db.resume(first)
-        go.set()
-        await asyncio.wait_for(asyncio.gather(*loop_a.running), 20)  # its checkpoint refused
+        # The second runs the resume again from the checkpoint it followed: the first
+        # worker's events are withdrawn, never shown beside the second's.
+        await at.take_over(go)
         await asyncio.wait_for(live, 20)
-    assert seen == expected[1]
-    assert await streamed(reader, resumed) == expected[1]
+    assert seen == expected
+    assert await streamed(at.reader, resumed) == expected
+
+
+@pytest.mark.parametrize("finished", ["approve", "charge"])
+async def test_a_task_finished_before_a_takeover_keeps_its_events_and_runs_once(
+    db: Leases, finished: str
+) -> None:
+    """The first worker stores ``finished``'s writes, then stalls before the checkpoint of
+    its step: the taker applies those writes and does not run the task again, so the
+    stream keeps the first worker's events of it (``approve``: the taker begins from the
+    resume's input again; ``charge``: from approve's checkpoint)."""
+    at = Waiting(db)
+    resumed, expected = await at.resume()
+    written, blocked, go = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    def task_written(context: dict[str, Any]) -> None:
+        if context["config"]["configurable"]["thread_id"] != at.thread:
+            return
+        if any(channel == "log" and value == [finished] for channel, value in context["writes"]):
+            written.set()
+
+    def stall_its_step(context: dict[str, Any]) -> Any:
+        # The checkpoint that ends `finished`'s step, the first time it is written.
+        ours = context["config"]["configurable"]["thread_id"] == at.thread
+        log = context["checkpoint"]["channel_values"].get("log") or []
+        if not ours or log[-1:] != [finished] or blocked.is_set():
+            return None
+        blocked.set()
+        return go.wait()
+
+    with arm_fault("writes.after", task_written), arm_fault("checkpoint.before", stall_its_step):
+        await at.loop.poll_once()
+        await asyncio.wait_for(asyncio.gather(blocked.wait(), written.wait()), 20)
+        await at.take_over(go)
+    assert (await resumed.state()).status is LeaseStatus.DONE
+    assert await streamed(at.reader, resumed) == expected
 
 
 async def test_a_stream_is_read_only_where_it_was_recorded(db: Leases) -> None:

@@ -253,9 +253,13 @@ async def test_the_stream_hooks_hand_over_each_event_as_astream_yields_it() -> N
     ]
     got: list[Any] = []
 
+    tasks: list[str] = []
+
     def emit(chunk: Any) -> None:
         if chunk[1] != "checkpoints":
-            got.append(chunk[1:])
+            got.append(chunk[1:3])
+        if chunk[1] == "custom":
+            tasks.append(chunk[3])  # the task that wrote it
 
     configurable = _compat.record_stream_config(
         {"thread_id": "b"}, emit, {"values", "updates", "custom", "checkpoints"}
@@ -272,3 +276,18 @@ async def test_the_stream_hooks_hand_over_each_event_as_astream_yields_it() -> N
 
     assert [same(e) for e in got] == [same(e) for e in expected]
     assert any(mode == "messages" for mode, _ in got)
+    history = [c async for c in graph.aget_state_history({"configurable": {"thread_id": "b"}})]
+    talked = [t.id for c in history for t in c.tasks if t.name == "talk"]
+    assert tasks == talked[:1]
+
+
+def test_finished_tasks_are_those_with_output_besides_interrupts_and_errors() -> None:
+    from langgraph.types import Interrupt
+
+    pending = [
+        ("done", "seen", {"a": 1}),
+        ("paused", "__interrupt__", [Interrupt(value="ok?")]),
+        ("failed", "__error__", ValueError("boom")),
+        ("00000000-0000-0000-0000-000000000000", "seen", {"input": 1}),
+    ]
+    assert _compat.finished_tasks(pending) == frozenset({"done"})
