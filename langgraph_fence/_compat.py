@@ -116,6 +116,7 @@ def record_stream_config(
     configurable: Mapping[str, Any],
     emit: Callable[[tuple[Any, ...]], None],
     modes: set[str],
+    store: Any = None,
 ) -> dict[str, Any]:
     """``configurable`` with hooks that hand ``emit`` every ``(namespace, mode, payload)``
     event a run of a graph called with it produces in ``modes`` (``values``, ``updates``,
@@ -126,12 +127,12 @@ def record_stream_config(
     How a parent graph receives its subgraphs' events, used on the root run: a
     ``StreamProtocol`` under ``CONFIG_KEY_STREAM`` ("__pregel_stream") is called by every
     loop of the run for the modes it names (``DuplexStream`` beside the loop's own); a
-    ``Runtime`` under ``CONFIG_KEY_RUNTIME`` carries the writer ``get_stream_writer()``
-    returns in a step when the caller does not stream ``custom`` itself; a
-    ``StreamMessagesHandler`` (``langgraph.pregel._messages``) among the run's callbacks
-    emits the ``messages`` events. If any of them changes, a recorded stream misses those
-    events (``tests/unit/test_compat.py`` and the stream tests fail), and the run itself is
-    unchanged.
+    ``Runtime`` under ``CONFIG_KEY_RUNTIME`` carries the graph's ``store`` and the writer
+    ``get_stream_writer()`` returns in a step (LangGraph reads both from it once the stream
+    key is set); a ``StreamMessagesHandler`` (``langgraph.pregel._messages``) among the
+    run's callbacks emits the ``messages`` events. If any of them changes, a recorded stream
+    misses those events (``tests/unit/test_compat.py`` and the stream tests fail), and the
+    run itself is unchanged.
     """
     from langgraph._internal._constants import CONFIG_KEY_RUNTIME as runtime_key
     from langgraph._internal._constants import CONFIG_KEY_STREAM
@@ -146,8 +147,15 @@ def record_stream_config(
         emit((tuple(ns.split("|")[:-1]), "custom", chunk, ns.split("|")[0].split(":")[-1]))
 
     hooked = {**configurable, CONFIG_KEY_STREAM: StreamProtocol(emit, modes)}  # type: ignore[arg-type]
-    if "custom" in modes:
-        hooked[runtime_key] = Runtime(stream_writer=write_custom)
+    # With the stream key set, LangGraph takes the run's store and stream writer from this
+    # runtime: the graph's ``store``, and the writer when ``custom`` is recorded.
+    injected = (
+        Runtime(store=store, stream_writer=write_custom)
+        if "custom" in modes
+        else Runtime(store=store)
+    )
+    existing = configurable.get(runtime_key)
+    hooked[runtime_key] = existing.merge(injected) if isinstance(existing, Runtime) else injected
     return hooked
 
 
@@ -166,7 +174,8 @@ def finished_tasks(pending_writes: Any) -> frozenset[str]:
 def messages_stream_handler(emit: Callable[[tuple[Any, ...]], None]) -> Any:
     """A LangChain callback handler that hands ``emit`` the run's ``messages`` events, as
     ``astream(stream_mode="messages", subgraphs=True)`` would yield them (see
-    :func:`record_stream_config`)."""
+    :func:`record_stream_config`). One without ``subgraphs`` is not kept by a root run's
+    ``astream``, which drops such handlers from a caller's callbacks."""
     from langgraph.pregel._messages import StreamMessagesHandler
 
     return StreamMessagesHandler(emit, True)

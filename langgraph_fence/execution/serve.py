@@ -569,8 +569,9 @@ class StreamTake(NamedTuple):
     after: str
     #: Whether its events before its first step are left out.
     skip_preamble: bool
-    #: How many tasks of its first step it applies the stored writes of.
-    replayed: int
+    #: The nodes of the tasks of its first step whose stored writes it applies and whose
+    #: updates an older holder streamed.
+    replayed: tuple[str, ...]
 
 
 async def _stream_take(
@@ -594,7 +595,7 @@ async def _stream_take(
     # A take resuming from a checkpoint of the run begins with a state the run streamed;
     # one beginning from the run's input again, with one an older holder may have.
     skip = not from_input or kept.preamble
-    return StreamTake(pinned.run_id, pinned.stream_modes, after, skip, len(finished))
+    return StreamTake(pinned.run_id, pinned.stream_modes, after, skip, kept.replayed)
 
 
 async def _recorded(
@@ -619,7 +620,10 @@ async def _recorded(
     run.handle.before_root_write = recorder.flush
     try:
         output = await graph.ainvoke(
-            input, recorder.config(run.config), control=run.control, **kwargs
+            input,
+            recorder.config(run.config, store=getattr(graph, "store", None)),
+            control=run.control,
+            **kwargs,
         )
     except BaseException:
         # What the run streamed before its error, as an in-process stream shows it; a

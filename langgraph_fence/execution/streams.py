@@ -50,9 +50,9 @@ class StreamRecorder:
         after: the checkpoint the take begins from (``""``: none).
         skip_preamble: leave out the events before the take's first step (the state it
             begins from, which an older holder streamed already).
-        replayed: how many tasks of the first step the take applies the stored writes of
-            instead of running them: their events are an older holder's, and LangGraph's
-            replay of their updates (marked cached) is left out.
+        replayed: the nodes of the tasks of the first step whose stored writes the take
+            applies instead of running them, and whose updates an older holder recorded:
+            LangGraph's replay of those updates (marked cached) is left out.
     """
 
     def __init__(
@@ -64,7 +64,7 @@ class StreamRecorder:
         *,
         after: str,
         skip_preamble: bool,
-        replayed: int = 0,
+        replayed: tuple[str, ...] = (),
     ) -> None:
         self._queue = queue
         self._handle = handle
@@ -78,16 +78,19 @@ class StreamRecorder:
         self._after = after
         self._steps = 0  # root checkpoints seen: 0 before the first step, 1 in it
         self._skip_preamble = skip_preamble
-        self._replayed = replayed
+        self._replayed = list(replayed)
         self._last_update: dict[str, Any] | None = None
         self._told: set[str] = set()
 
-    def config(self, config: RunnableConfig) -> RunnableConfig:
-        """``config`` with the hooks that hand this recorder the run's events."""
+    def config(self, config: RunnableConfig, *, store: Any = None) -> RunnableConfig:
+        """``config`` with the hooks that hand this recorder the run's events (``store``:
+        the graph's, which the run keeps)."""
         hooked = {"checkpoints", *(self.modes & {"values", "updates", "custom"})}
         if "updates" in self.modes:
             hooked.add("tasks")  # which task each update is of
-        configurable = record_stream_config(config.get("configurable") or {}, self._emit, hooked)
+        configurable = record_stream_config(
+            config.get("configurable") or {}, self._emit, hooked, store
+        )
         out: dict[str, Any] = {**config, "configurable": configurable}
         if "messages" in self.modes:
             handler = messages_stream_handler(self._emit)
@@ -129,11 +132,13 @@ class StreamRecorder:
         with self._lock:
             if self._steps == 0 and self._skip_preamble:
                 return
+            update = mode == "updates" and not ns
             row = {
                 "run_id": self.run_id,
                 "seq": self._seq,
                 "after": self._after,
                 "task": STREAM_PREAMBLE if self._steps == 0 else _task_of(ns, mode, payload, chunk),
+                "node": _node_of(payload) if update else None,
                 "mode": mode,
                 "ns": NS_SEP.join(ns),
                 "payload_type": payload_type,
@@ -141,7 +146,8 @@ class StreamRecorder:
             }
             self._rows.append(row)
             self._seq += 1
-            self._last_update = row if mode == "updates" and not ns else None
+            if update:  # told whose by the tasks event that follows it
+                self._last_update = row
 
     def _boundary(self, mode: str, payload: Any) -> None:
         """A root step begins (``checkpoints``: from that checkpoint) or a root task ended
@@ -151,18 +157,20 @@ class StreamRecorder:
                 self._after = str(payload["config"]["configurable"]["checkpoint_id"])
                 self._steps += 1
                 self._last_update = None
-            elif "result" in payload and self._last_update is not None:
-                self._last_update["task"] = str(payload["id"])
-                self._last_update = None
+            elif "result" in payload:
+                update, self._last_update = self._last_update, None
+                if update is not None and update["node"] == payload.get("name"):
+                    update["task"] = str(payload["id"])
 
     def _replay(self, payload: Any) -> bool:
         """Whether an update is LangGraph's replay of a task of the take's first step whose
         stored writes it applies (left out: that task's own events are recorded)."""
         cached = isinstance(payload, dict) and (payload.get("__metadata__") or {}).get("cached")
+        node = _node_of(payload)
         with self._lock:
-            if not cached or self._steps != 1 or self._replayed <= 0:
+            if not cached or self._steps != 1 or node not in self._replayed:
                 return False
-            self._replayed -= 1
+            self._replayed.remove(node)
             return True
 
     async def flush(self) -> None:
@@ -171,6 +179,10 @@ class StreamRecorder:
         Raises:
             ExecutionFencedError: the lease is no longer the run's (nothing written).
         """
+        # LangGraph starts a save eagerly (it runs at once, up to its first await) and
+        # hands over the task's update and end right after starting it: one pass of the
+        # loop first, so they are in this write, before the task's writes are saved.
+        await asyncio.sleep(0)
         # One write at a time, in order: a reader moves past what it read, so a later write
         # must never commit before an earlier one (a checkpoint and a task's writes, or
         # parallel tasks' writes, ask for a write at once).
@@ -205,3 +217,10 @@ def _task_of(ns: tuple[str, ...], mode: str, payload: Any, chunk: tuple[Any, ...
         except (LookupError, TypeError):
             return None
     return None
+
+
+def _node_of(payload: Any) -> str | None:
+    """The node a root update is of (``{node: writes}``, beside LangGraph's metadata)."""
+    if not isinstance(payload, dict):
+        return None
+    return next((str(k) for k in payload if k != "__metadata__"), None)

@@ -549,8 +549,9 @@ class Instance:
             raise TypeError(f"flow must be a langgraph_fence.queue.Flow, got {flow!r}")
         refuse_child_ids(thread_id, execution_id)
         check_thread_binding(key, thread_id, await self.records.bind(key, thread_id))
+        listed = not isinstance(stream_mode, str)
         run_id = await queue.submit(
-            key, graph_name, thread_id, input, run, on_busy, start, flow, modes
+            key, graph_name, thread_id, input, run, on_busy, start, flow, modes, listed
         )
         return SubmittedRun(queue, key, run_id, checkpointer=self.checkpointer)
 

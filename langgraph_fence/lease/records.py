@@ -300,7 +300,8 @@ CREATE TABLE IF NOT EXISTS fence_flows (
 # Each event of a submitted run's recorded stream (submit(stream_mode=...)), in the order its
 # holder at ``epoch`` produced them (``seq``): its mode, namespace and payload, the root
 # checkpoint its step began from (``after``, "" for none), and the root task that produced
-# it (``task``; "^": the state a take began from; NULL: none). Written under the holder's
+# it (``task``; "^": the state a take began from; NULL: none), an update's node (``node``).
+# Written under the holder's
 # lease, before the writes of its task and the checkpoint that ends its step; a takeover
 # that resumes from checkpoint C withdraws the events older holders recorded after C but
 # those of the tasks whose writes C keeps (it runs the others again).
@@ -313,6 +314,7 @@ CREATE TABLE IF NOT EXISTS fence_stream (
     execution_id TEXT NOT NULL,
     after TEXT NOT NULL,
     task TEXT,
+    node TEXT,
     mode TEXT NOT NULL,
     ns TEXT NOT NULL,
     payload_type TEXT NOT NULL,

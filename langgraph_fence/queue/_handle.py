@@ -172,7 +172,8 @@ class SubmittedRun:
         stream ends without raising; :meth:`result` says why it failed.
 
         Args:
-            stream_mode: a mode or modes the run records (default: all it records).
+            stream_mode: a mode or modes the run records (default: as it was submitted;
+                a list of modes yields ``(mode, payload)``, one mode its payloads).
             subgraphs: include subgraphs' events, as ``(namespace, ...)`` tuples.
             poll_interval: the longest pause between looks at the store.
             allow: ``(module, name)`` pairs the events may construct besides what the
@@ -195,7 +196,7 @@ class SubmittedRun:
         found = await self._queue.stream_of(self.key, self.run_id)
         if found is None:
             raise KeyError(f"no run {self.run_id!r} of execution {self.key.scope_key!r}")
-        recorded, thread_id = found
+        recorded, listed, thread_id = found
         if not recorded:
             raise ValueError(
                 f"run {self.run_id!r} of {self.key.scope_key!r} records no stream: submit it "
@@ -208,7 +209,7 @@ class SubmittedRun:
                 f"run {self.run_id!r} records {', '.join(recorded)}, not "
                 f"{', '.join(missing)}: submit it with stream_mode={list(wanted)!r}"
             )
-        single = isinstance(stream_mode, str) or (stream_mode is None and len(recorded) == 1)
+        single = isinstance(stream_mode, str) or (stream_mode is None and not listed)
         position = (-1, -1)
         wait = min(0.005, pause)
         while True:

@@ -38,6 +38,7 @@ __all__ = [
     "joined_modes",
     "keep_tuples",
     "kept_at",
+    "listed_modes",
     "restore_tuples",
     "split_modes",
 ]
@@ -61,14 +62,14 @@ def held_sql(pg: bool) -> str:
 
 HELD = {pg: text(held_sql(pg)) for pg in (False, True)}
 RECORD = text(
-    "INSERT INTO fence_stream (run_id, epoch, seq, tenant_id, execution_id, after, task, mode, "
-    "ns, payload_type, payload, withdrawn) VALUES (:run_id, :epoch, :seq, :tenant_id, "
-    ":execution_id, :after, :task, :mode, :ns, :payload_type, :payload, 0) "
+    "INSERT INTO fence_stream (run_id, epoch, seq, tenant_id, execution_id, after, task, node, "
+    "mode, ns, payload_type, payload, withdrawn) VALUES (:run_id, :epoch, :seq, :tenant_id, "
+    ":execution_id, :after, :task, :node, :mode, :ns, :payload_type, :payload, 0) "
     "ON CONFLICT (run_id, epoch, seq) DO NOTHING"
 )
 #: What older holders recorded at or after the checkpoint a take begins from.
 RECORDED_AFTER = text(
-    "SELECT epoch, seq, after, task FROM fence_stream WHERE run_id = :run_id "
+    "SELECT epoch, seq, after, task, node, mode FROM fence_stream WHERE run_id = :run_id "
     "AND epoch < :epoch AND after >= :resume_from AND withdrawn = 0"
 )
 WITHDRAW = text(
@@ -83,14 +84,17 @@ class Kept(NamedTuple):
 
     #: Whether an older holder's events of the state the take begins from were kept.
     preamble: bool
+    #: The nodes of the kept updates of tasks whose writes the take applies (one per
+    #: task): LangGraph replays those updates, and the take leaves its replay out.
+    replayed: tuple[str, ...] = ()
 
 
 def kept_at(
     rows: Iterable[Any], resume_from: str, finished: Collection[str]
-) -> tuple[set[tuple[int, int]], bool]:
+) -> tuple[set[tuple[int, int]], Kept]:
     """Of older holders' events at or after checkpoint ``resume_from`` (rows with
     ``epoch``, ``seq``, ``after``, ``task``), the positions a take beginning there keeps,
-    and whether they include the state it begins from.
+    and what they keep (:class:`Kept`).
 
     Kept: the events of the first holder that began from ``resume_from`` before its first
     step (the take does not record its own), and the events of each task in ``finished``
@@ -103,12 +107,15 @@ def kept_at(
     if began:
         first = min(began)
         keep.update((r.epoch, r.seq) for r in at if r.task == PREAMBLE and r.epoch == first)
+    replayed: list[str] = []
     for task in finished:
         ran = [r.epoch for r in at if r.task == task]
         if ran:
             last = max(ran)
-            keep.update((r.epoch, r.seq) for r in at if r.task == task and r.epoch == last)
-    return keep, bool(began)
+            mine = [r for r in at if r.task == task and r.epoch == last]
+            keep.update((r.epoch, r.seq) for r in mine)
+            replayed.extend(r.node for r in mine if r.mode == "updates" and r.node)
+    return keep, Kept(bool(began), tuple(replayed))
 
 
 READ = text(
@@ -150,9 +157,12 @@ def check_stream_mode(stream_mode: object, *, name: str = "stream_mode") -> tupl
     return tuple(dict.fromkeys(str(m) for m in modes))
 
 
-def joined_modes(modes: Sequence[str] | None) -> str | None:
-    """The modes as the run's row keeps them (``None``: none recorded)."""
-    return None if not modes else ",".join(modes)
+def joined_modes(modes: Sequence[str] | None, *, listed: bool = True) -> str | None:
+    """The modes as the run's row keeps them (``None``: none recorded); ``listed``: they
+    were given as a list (read as ``(mode, payload)``), kept with a trailing comma."""
+    if not modes:
+        return None
+    return ",".join(modes) + ("," if listed else "")
 
 
 def split_modes(stored: str | None) -> tuple[str, ...]:
@@ -190,3 +200,8 @@ def restore_tuples(value: Any) -> Any:
             return tuple(restore_tuples(v) for v in value[_TUPLE])
         return {k: restore_tuples(v) for k, v in value.items()}
     return value
+
+
+def listed_modes(stored: str | None) -> bool:
+    """Whether the run's modes were given as a list (its stream reads ``(mode, payload)``)."""
+    return "," in (stored or "")

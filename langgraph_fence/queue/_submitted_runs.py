@@ -47,6 +47,7 @@ from langgraph_fence.queue._streams import (
     Kept,
     joined_modes,
     kept_at,
+    listed_modes,
     restore_tuples,
     split_modes,
 )
@@ -182,6 +183,7 @@ class SubmittedRuns:
         not_before: Checked | None = None,
         flow: Flow | None = None,
         stream_modes: Sequence[str] = (),
+        stream_listed: bool = True,
     ) -> str | None:
         """Record the run (its own row, and the execution's record and pending lease when it
         runs next), in one transaction; the run's id. ``not_before`` (checked by
@@ -189,7 +191,8 @@ class SubmittedRuns:
         earlier, judged by the database's clock. ``flow``: it waits to be admitted under
         its key's limits (:class:`~langgraph_fence.queue.Flow`). ``stream_modes`` (checked
         by :func:`~langgraph_fence.queue._streams.check_stream_mode`): its holders record its
-        stream in them, for :meth:`SubmittedRun.astream` in any process.
+        stream in them, for :meth:`SubmittedRun.astream` in any process (``stream_listed``:
+        they were given as a list, and the stream reads ``(mode, payload)``).
 
         The same run submitted again while it is pending, running or queued returns that
         run's id and writes nothing (``None``: the execution's run in flight has no run
@@ -211,7 +214,13 @@ class SubmittedRuns:
             "run": run_blob,
         }
         return await submit_run(
-            self._db, key, record, on_busy, not_before, flow, joined_modes(stream_modes)
+            self._db,
+            key,
+            record,
+            on_busy,
+            not_before,
+            flow,
+            joined_modes(stream_modes, listed=stream_listed),
         )
 
     async def promote(self, limit: int = 100) -> int:
@@ -352,7 +361,7 @@ class SubmittedRuns:
                 if (await conn.execute(HELD[self._db.pg], held)).first() is None:
                     return Kept(False)
                 rows = list(await conn.execute(RECORDED_AFTER, params))
-                keep, preamble = kept_at(rows, resume_from, finished)
+                keep, kept = kept_at(rows, resume_from, finished)
                 gone = [
                     {"run_id": run_id, "epoch": r.epoch, "seq": r.seq}
                     for r in rows
@@ -360,7 +369,7 @@ class SubmittedRuns:
                 ]
                 if gone:
                     await conn.execute(WITHDRAW, gone)
-                return Kept(preamble)
+                return kept
 
         return await retry_connection_errors(once, what="stream withdrawal")
 
@@ -379,12 +388,17 @@ class SubmittedRuns:
 
         return await retry_connection_errors(once, what=what)
 
-    async def stream_of(self, key: LeaseKey, run_id: str) -> tuple[tuple[str, ...], str] | None:
-        """The stream modes submitted run ``run_id`` of ``key`` records, and its thread;
-        ``None``: no such run."""
+    async def stream_of(
+        self, key: LeaseKey, run_id: str
+    ) -> tuple[tuple[str, ...], bool, str] | None:
+        """The stream modes submitted run ``run_id`` of ``key`` records, whether they were
+        given as a list, and its thread; ``None``: no such run."""
         params = {"tenant_id": key.tenant_id, "execution_id": key.execution_id, "run_id": run_id}
         row = await self._db.first(STREAM_OF, params, what="run stream")
-        return None if row is None else (split_modes(row.stream_modes), str(row.thread_id))
+        if row is None:
+            return None
+        modes = row.stream_modes
+        return split_modes(modes), listed_modes(modes), str(row.thread_id)
 
     async def stream_rows(self, run_id: str, after: tuple[int, int], limit: int) -> list[Any]:
         """Up to ``limit`` of run ``run_id``'s events not withdrawn, past position ``after``

@@ -204,6 +204,7 @@ PRESENT: dict[str, tuple[dict[str, bool], list[str]]] = {
             "execution_id": False,
             "after": False,
             "task": True,
+            "node": True,
             "mode": False,
             "ns": False,
             "payload_type": False,

@@ -9,16 +9,17 @@ import asyncio
 from typing import Any
 
 import pytest
+from langgraph.store.memory import InMemoryStore
 from langgraph.types import Command
 
 from langgraph_fence import Instance, LeaseStatus
 from langgraph_fence.lease.faults import arm_fault
-from langgraph_fence.queue import SubmittedRun
+from langgraph_fence.queue import SubmittedRun, SubmittedRuns
 from langgraph_fence.testing import Leases
 from tests.support.databases import SQL_BACKENDS, unique
 from tests.support.polling import eventually
 from tests.support.serving import cfg, look, stepped
-from tests.support.stream_graphs import MODES, Hold, orders, plain
+from tests.support.stream_graphs import MODES, Hold, noted, orders, plain
 
 RUNS_ON = SQL_BACKENDS
 
@@ -200,6 +201,59 @@ async def test_a_task_finished_before_a_takeover_keeps_its_events_and_runs_once(
         await asyncio.wait_for(asyncio.gather(blocked.wait(), written.wait()), 20)
         await at.take_over(go)
     assert (await resumed.state()).status is LeaseStatus.DONE
+    assert await streamed(at.reader, resumed) == expected
+
+
+@pytest.mark.parametrize("mode", [*MODES, ["custom"]], ids=str)
+async def test_each_mode_alone_is_the_in_process_stream_in_its_shape(
+    db: Leases, mode: str | list[str]
+) -> None:
+    client, worker, reader = db.instance("client"), db.instance("worker"), db.instance("reader")
+    graph = orders(worker)
+    reference = cfg(unique("reference"))
+    expected = plain([e async for e in graph.astream({"item": "b"}, reference, stream_mode=mode)])
+    run = await client.submit(
+        "orders", {"item": "b"}, cfg(unique("t")), tenant_id="a", stream_mode=mode
+    )
+    await look(stepped(worker, {"orders": graph}))
+    assert (await run.state()).status is LeaseStatus.WAITING
+    assert await streamed(reader, run) == expected  # ["custom"]: (mode, payload) pairs
+
+
+async def test_a_recorded_run_keeps_its_graphs_store(db: Leases) -> None:
+    client, worker, reader = db.instance("client"), db.instance("worker"), db.instance("reader")
+    run = await client.submit(
+        "noted", {"item": "b"}, cfg(unique("t")), tenant_id="a", stream_mode="custom"
+    )
+    await look(stepped(worker, {"noted": noted(worker, InMemoryStore())}))
+    assert (await run.state()).status is LeaseStatus.DONE
+    assert await streamed(reader, run) == [{"noted": {"seen": True}}]
+
+
+async def test_a_tasks_writes_wait_for_its_events(db: Leases, monkeypatch: Any) -> None:
+    """LangGraph starts saving a task's writes before it streams the task's update: the
+    update is written first, whatever the order (else a loss between the two would leave a
+    finished task with no update to show)."""
+    at = Waiting(db)
+    resumed, expected = await at.resume(durability="sync")
+    holding, go = asyncio.Event(), asyncio.Event()
+    record = SubmittedRuns.record_stream
+
+    async def held(self: SubmittedRuns, lease: Any, rows: Any) -> bool:
+        if any(row["node"] == "charge" for row in rows) and not go.is_set():
+            holding.set()
+            await go.wait()
+        return await record(self, lease, rows)
+
+    monkeypatch.setattr(SubmittedRuns, "record_stream", held)
+    await at.loop.poll_once()
+    await asyncio.wait_for(holding.wait(), 20)
+    config = {"configurable": {"thread_id": at.thread, "tenant_id": "a"}}
+    latest = await at.reader.checkpointer.aget_tuple(config)  # type: ignore[arg-type]
+    assert latest is not None
+    assert not [w for w in latest.pending_writes or [] if w[1] == "log" and w[2] == ["charge"]]
+    go.set()
+    await asyncio.wait_for(asyncio.gather(*at.loop.running), 20)
     assert await streamed(at.reader, resumed) == expected
 
 

@@ -4,7 +4,10 @@ interrupt, and a step a test can hold (``hold``) to take the run over in the mid
 from __future__ import annotations
 
 import operator
+import os
 import threading
+import time
+from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
 from langchain_core.runnables import RunnableConfig
@@ -36,8 +39,41 @@ class Hold:
     def release(self) -> None:
         self.released.set()
 
+    def charge(self, thread: str) -> None:
+        if thread == self.thread:
+            self.calls += 1
+            if self.calls == 1:
+                self.entered.set()
+                self.released.wait(20)
 
-def orders(instance: Instance, hold: Hold | None = None) -> Any:
+
+#: Where a worker process's ``charge`` marks that it holds a thread's first charge.
+HOLD_DIR_ENV = "LGF_STREAM_HOLD_DIR"
+
+
+class FileHold:
+    """In worker processes: the first ``charge`` of each thread (across processes) writes
+    ``<thread>.held`` in ``directory`` and waits there until its process is killed."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def charge(self, thread: str) -> None:
+        try:
+            (self.directory / f"{thread}.held").open("x").close()
+        except FileExistsError:
+            return  # a later attempt: it goes on
+        time.sleep(120)  # killed meanwhile
+
+
+def stream_graphs(instance: Instance) -> dict[str, Any]:
+    """``--graphs`` factory of the stream chaos workers: ``orders``, its first charge of
+    each thread held where ``LGF_STREAM_HOLD_DIR`` is set."""
+    directory = os.environ.get(HOLD_DIR_ENV)
+    return {"orders": orders(instance, FileHold(Path(directory)) if directory else None)}
+
+
+def orders(instance: Instance, hold: Hold | FileHold | None = None) -> Any:
     """plan -> approve (interrupt) -> charge -> notify."""
 
     def plan(state: Order) -> dict[str, Any]:
@@ -51,12 +87,8 @@ def orders(instance: Instance, hold: Hold | None = None) -> Any:
 
     def charge(state: Order, config: RunnableConfig) -> dict[str, Any]:
         get_stream_writer()({"charging": state["item"]})
-        thread = config["configurable"]["thread_id"]
-        if hold is not None and thread == hold.thread:
-            hold.calls += 1
-            if hold.calls == 1:
-                hold.entered.set()
-                hold.released.wait(20)
+        if hold is not None:
+            hold.charge(config["configurable"]["thread_id"])
         return {"log": ["charge"]}
 
     def notify(state: Order) -> dict[str, Any]:
@@ -84,3 +116,22 @@ def plain(event: Any) -> Any:
     if isinstance(event, (list, tuple)):
         return type(event)(plain(v) for v in event)
     return event
+
+
+def noted(instance: Instance, store: Any) -> Any:
+    """One step that writes to the graph's ``store`` and streams what it reads back."""
+    from langgraph.config import get_store
+
+    def note(state: Order) -> dict[str, Any]:
+        get_store().put(("notes",), state["item"], {"seen": True})
+        found = get_store().get(("notes",), state["item"])
+        get_stream_writer()({"noted": None if found is None else found.value})
+        return {"log": ["note"]}
+
+    builder: StateGraph[Any] = StateGraph(Order)
+    builder.add_node("note", note)
+    builder.add_edge(START, "note")
+    builder.add_edge("note", END)
+    return fence_graph(builder).compile(
+        checkpointer=instance.checkpointer, store=store, name="noted"
+    )
