@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         find_fence_error,
     )
     from langgraph_fence.events import EventKind, FenceEvent
+    from langgraph_fence.execution.callbacks import RunEnd
     from langgraph_fence.execution.children import Child, ChildPlacement
     from langgraph_fence.execution.retries import RunRetry
     from langgraph_fence.execution.sleeps import ExecutionSleeping
@@ -62,6 +63,7 @@ _WHERE = {
     "ExecutionContextUnavailableError": "langgraph_fence.errors",
     "ExecutionSleeping": "langgraph_fence.execution.sleeps",
     "RunRetry": "langgraph_fence.execution.retries",
+    "RunEnd": "langgraph_fence.execution.callbacks",
     "EventKind": "langgraph_fence.events",
     "ExecutionDeadLetteredError": "langgraph_fence.errors",
     "ExecutionEndedError": "langgraph_fence.errors",
@@ -153,6 +155,7 @@ __all__ = [
     "LeaseStatus",
     "MemoryLeaseRepository",
     "PendingEffect",
+    "RunEnd",
     "RunFailedError",
     "RunRetry",
     "RunState",

@@ -23,6 +23,12 @@ from langgraph.errors import GraphDrained
 from langgraph_fence._compat import finished_tasks
 from langgraph_fence.database.retry import is_connection_error
 from langgraph_fence.events import EventKind
+from langgraph_fence.execution.callbacks import (
+    DEFAULT_CALLBACK_RETRY,
+    Deliveries,
+    RunEndCallback,
+    check_callbacks,
+)
 from langgraph_fence.execution.keeper import Sleep
 from langgraph_fence.execution.retries import RunRetry
 from langgraph_fence.execution.run import DEFAULT_GRAPH_NAME, Run, announce_dead_letter, running
@@ -78,6 +84,8 @@ class Server:
         sleep: Sleep | None = None,
         listen: bool = True,
         run_retries: Mapping[str, RunRetry] | None = None,
+        callbacks: Mapping[str, RunEndCallback] | None = None,
+        callback_retry: RunRetry | None = None,
     ) -> None:
         from langgraph_fence.saver.checkpoint import FencedCheckpointer
 
@@ -116,6 +124,25 @@ class Server:
         self._sleep: Sleep = sleep or asyncio.sleep
         self.listen = listen
         self.run_retries = check_run_retries(run_retries, graphs)
+        registered = check_callbacks(callbacks)
+        if callback_retry is not None and not isinstance(callback_retry, RunRetry):
+            raise ValueError(
+                "callback_retry must be a RunRetry (attempts, backoff, ...), got "
+                f"{callback_retry!r}"
+            )
+        queue = host.queue_or_none()
+        if registered and queue is None:
+            raise TypeError(
+                "callbacks are of submitted runs, which need a SQL database: open the "
+                "instance with Instance.open('sqlite+aiosqlite:///...' or "
+                "'postgresql+asyncpg://...')"
+            )
+        #: The deliveries of completion callbacks (webhooks, and ``callbacks``).
+        self.deliveries = (
+            None
+            if queue is None
+            else Deliveries(queue, registered, callback_retry or DEFAULT_CALLBACK_RETRY)
+        )
         #: The runs this loop started, by the task that runs each.
         self.running: dict[asyncio.Task[None], list[Run]] = {}
         # Executions of graphs this loop does not serve, by key, with the epoch seen.
@@ -136,6 +163,7 @@ class Server:
         for task in [t for t in self.running if t.done()]:
             self.running.pop(task)
         await self._fire_schedules()
+        await self._deliver_callbacks()
         # No more than the instance can renew in time: at its max_held, takeovers wait
         # (other instances may take them meanwhile).
         free = min(self.concurrency - len(self.running), self.host.keeper.free)
@@ -166,6 +194,19 @@ class Server:
             logger.warning(
                 "serve: could not fire the schedules' due ticks (%s); looking again at the "
                 "next look",
+                failure_reason(exc),
+            )
+
+    async def _deliver_callbacks(self) -> None:
+        """Begin the due deliveries of ended runs' completion callbacks; never fails the
+        loop: one left due is delivered by a later look of any worker."""
+        if self.deliveries is None:
+            return
+        try:
+            await self.deliveries.look()
+        except Exception as exc:
+            logger.warning(
+                "serve: could not look for due callbacks (%s); looking again at the next look",
                 failure_reason(exc),
             )
 
@@ -231,6 +272,8 @@ class Server:
         finally:
             remove_signals()
             await self.stop_runs()
+            if self.deliveries is not None:
+                await self.deliveries.stop()
             await self._retire()
             logger.info("instance %s stopped serving", self.host.instance_id)
 

@@ -19,6 +19,7 @@ from langchain_core.runnables import RunnableConfig
 
 from langgraph_fence.contracts import require_implements
 from langgraph_fence.events import FenceListener, Listeners
+from langgraph_fence.execution.callbacks import RunEndCallback
 from langgraph_fence.execution.children import refuse_child_ids
 from langgraph_fence.execution.host import InstanceHost
 from langgraph_fence.execution.keeper import Keeper, Renewer, Sleep, thread_store
@@ -47,6 +48,7 @@ from langgraph_fence.queue import (
     Schedules,
     SubmittedRun,
     SubmittedRuns,
+    callback_targets,
     check_not_before,
     check_stream_mode,
 )
@@ -489,6 +491,8 @@ class Instance:
         not_before: NotBefore | None = None,
         flow: Flow | None = None,
         stream_mode: str | Sequence[str] | None = None,
+        webhook: str | None = None,
+        callback: str | None = None,
         **options: Any,
     ) -> SubmittedRun:
         """Hand a run to any worker: record it pending and return its handle at once.
@@ -530,6 +534,12 @@ class Instance:
                 any process: each step's events are written under the run's lease before
                 its checkpoint, and a takeover withdraws what it runs again. Default: not
                 recorded (nothing written per event).
+            webhook: an ``http(s)`` URL the serving workers POST the run's end to (JSON:
+                a :class:`~langgraph_fence.execution.callbacks.RunEnd`), at least once,
+                retried after a failure (an ``Idempotency-Key`` header names the run).
+            callback: the name of a Python callback a serving worker registers
+                (``serve(callbacks={name: fn})``), called with the run's end, at least
+                once, retried after a failure.
             **options: recorded ``ainvoke`` options (``context``, ``durability``, ...).
 
         Raises:
@@ -545,13 +555,14 @@ class Instance:
         )
         start = check_not_before(not_before)
         modes = () if stream_mode is None else check_stream_mode(stream_mode)
+        targets = callback_targets(webhook, callback)
         if flow is not None and not isinstance(flow, Flow):
             raise TypeError(f"flow must be a langgraph_fence.queue.Flow, got {flow!r}")
         refuse_child_ids(thread_id, execution_id)
         check_thread_binding(key, thread_id, await self.records.bind(key, thread_id))
         listed = not isinstance(stream_mode, str)
         run_id = await queue.submit(
-            key, graph_name, thread_id, input, run, on_busy, start, flow, modes, listed
+            key, graph_name, thread_id, input, run, on_busy, start, flow, modes, listed, targets
         )
         return SubmittedRun(queue, key, run_id, checkpointer=self.checkpointer)
 
@@ -601,6 +612,8 @@ class Instance:
         max_takeovers: int | None = None,
         listen: bool = True,
         run_retries: Mapping[str, RunRetry] | None = None,
+        callbacks: Mapping[str, RunEndCallback] | None = None,
+        callback_retry: RunRetry | None = None,
         **kwargs: Any,
     ) -> None:
         """Take over expired executions and claim submitted runs, and run them to their end,
@@ -652,6 +665,13 @@ class Instance:
                 runs again from its last checkpoint after the backoff (on the store's
                 clock, by any worker, at the next token), up to its attempts; never while
                 a non-idempotent stamp of it stands. ``RunState.attempts`` counts them.
+            callbacks: name -> callable (sync or async) of a :class:`~langgraph_fence.
+                execution.callbacks.RunEnd`: called, at least once, when a run submitted
+                with ``callback=`` that name ends (by whichever worker registering it
+                looks first). Every serving loop POSTs the webhooks of runs submitted with
+                ``webhook=``.
+            callback_retry: how a failed delivery is retried (a ``RunRetry``; default 5
+                attempts, 2 s doubling), then its callback is ``failed``.
             **kwargs: passed to each ``graph.ainvoke`` (``durability``, ...); an option the
                 run recorded (e.g. its ``durability``) wins over these.
         """
@@ -666,6 +686,8 @@ class Instance:
             kwargs=kwargs,
             listen=listen,
             run_retries=run_retries,
+            callbacks=callbacks,
+            callback_retry=callback_retry,
         )
         self.served_graphs.update(graphs)
         await server.run(

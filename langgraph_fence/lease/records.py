@@ -326,6 +326,27 @@ CREATE TABLE IF NOT EXISTS fence_stream (
 _STREAM_KEY_INDEX = (
     "CREATE INDEX IF NOT EXISTS fence_stream_key ON fence_stream (tenant_id, execution_id)"
 )
+# Each completion callback of a submitted run (submit(webhook=..., callback=...)): its
+# target ("webhook:<url>", or "callback:<name>" for a Python callback a serving worker
+# registered), and its delivery: pending (due at ``due``, on the store's clock; a claim
+# moves ``due`` on), delivered, or failed after its attempts (``last_error``).
+_CREATE_CALLBACKS = """
+CREATE TABLE IF NOT EXISTS fence_callbacks (
+    run_id TEXT NOT NULL,
+    target TEXT NOT NULL,
+    tenant_id TEXT NOT NULL,
+    execution_id TEXT NOT NULL,
+    status TEXT NOT NULL,
+    attempts INTEGER NOT NULL,
+    due {double} NOT NULL,
+    last_error TEXT,
+    PRIMARY KEY (run_id, target)
+)
+"""
+_CALLBACKS_INDEXES = (
+    "CREATE INDEX IF NOT EXISTS fence_callbacks_due ON fence_callbacks (status, due)",
+    "CREATE INDEX IF NOT EXISTS fence_callbacks_key ON fence_callbacks (tenant_id, execution_id)",
+)
 _RUNS_FLOW_INDEX = (
     "CREATE INDEX IF NOT EXISTS fence_runs_flow ON fence_runs (flow_key, status, tenant_id)"
 )
@@ -470,6 +491,12 @@ EXECUTION_MIGRATIONS = [
             _STREAM_KEY_INDEX,
         ],
     ),
+    Migration.typed(
+        14,
+        "completion callbacks: each submitted run's webhooks and callbacks, and their delivery",
+        _CREATE_CALLBACKS,
+        *_CALLBACKS_INDEXES,
+    ),
 ]
 
 #: The columns a run's record writes (and a later record of the key replaces), beside its
@@ -562,6 +589,9 @@ _FORGET_SLEEPS = text(
 )
 _FORGET_STREAM = text(
     "DELETE FROM fence_stream WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
+)
+_FORGET_CALLBACKS = text(
+    "DELETE FROM fence_callbacks WHERE tenant_id = :tenant_id AND execution_id = :execution_id"
 )
 _FORGET_ATTEMPTS = text(
     "DELETE FROM fence_server_attempts "
@@ -702,15 +732,16 @@ class SqlExecutionRecords:
 
     async def forget(self, key: LeaseKey, thread_id: str) -> None:
         """Delete the record of ``key``, its submitted runs (their inputs and outputs), its
-        schedules (their input), durable sleeps and recorded streams, what the lease store
-        keeps of its Agent Server attempts, its journal, and the binding of ``thread_id`` of
-        its tenant, in one transaction."""
+        schedules (their input), durable sleeps, recorded streams and callbacks, what the
+        lease store keeps of its Agent Server attempts, its journal, and the binding of
+        ``thread_id`` of its tenant, in one transaction."""
         async with transaction(self._engine) as conn:
             params = {"tenant_id": key.tenant_id}
             await conn.execute(_FORGET_RECORD, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_RUNS, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_SLEEPS, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_STREAM, {**params, "execution_id": key.execution_id})
+            await conn.execute(_FORGET_CALLBACKS, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_SCHEDULES, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_ATTEMPTS, {**params, "execution_id": key.execution_id})
             await conn.execute(_FORGET_JOURNAL, {**params, "execution_id": key.execution_id})

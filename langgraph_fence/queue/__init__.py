@@ -37,6 +37,13 @@ lease table every worker reads.
 
 from __future__ import annotations
 
+from langgraph_fence.queue._callbacks import (
+    CALLBACK,
+    WEBHOOK,
+    CallbackState,
+    DueCallback,
+    callback_targets,
+)
 from langgraph_fence.queue._checks import ON_BUSY, OnBusy
 from langgraph_fence.queue._flows import HELD_BACK, Flow
 from langgraph_fence.queue._handle import SubmittedRun
@@ -60,6 +67,7 @@ from langgraph_fence.queue._submitted_runs import Pinned, SubmittedRuns
 __all__ = [
     "ANNOUNCED_FOR",
     "ANNOUNCE_EVERY",
+    "CALLBACK",
     "HELD_BACK",
     "MISSED",
     "NS_SEP",
@@ -67,6 +75,9 @@ __all__ = [
     "OVERLAP",
     "STREAM_MODES",
     "STREAM_PREAMBLE",
+    "WEBHOOK",
+    "CallbackState",
+    "DueCallback",
     "Flow",
     "Missed",
     "NotBefore",
@@ -79,6 +90,7 @@ __all__ = [
     "SubmittedRun",
     "SubmittedRuns",
     "WorkerHold",
+    "callback_targets",
     "check_not_before",
     "check_stream_mode",
     "keep_tuples",

@@ -71,6 +71,15 @@ class QueueDatabase:
 
         return await retry_connection_errors(once, what=what)
 
+    async def first_all(self, statement: Any, params: Mapping[str, Any], *, what: str) -> list[Any]:
+        """Every row ``statement`` reads, in one read retried on a connection error."""
+
+        async def once() -> list[Any]:
+            async with self.engine.connect() as conn:
+                return list(await conn.execute(statement, dict(params)))
+
+        return await retry_connection_errors(once, what=what)
+
     async def classified(self, conn: AsyncConnection) -> None:
         """Raise :class:`~langgraph_fence.lease.timeline.FailoverUnclassified` on ``conn``'s
         transaction while a failover's executions are unclassified (PostgreSQL under

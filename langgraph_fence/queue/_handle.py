@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from langgraph_fence.errors import RunFailedError
 from langgraph_fence.lease import LeaseKey, LeaseStatus
 from langgraph_fence.lease.transitions import is_yielded
+from langgraph_fence.queue._callbacks import CallbackState
 from langgraph_fence.queue._state import RunState
 from langgraph_fence.queue.notifications import ENDS_CHANNEL
 from langgraph_fence.validate import positive_seconds
@@ -139,6 +140,20 @@ class SubmittedRun:
                 else:
                     await asyncio.sleep(min(wait, left))
                     wait = min(wait * 2, pause)
+
+    async def callbacks(self) -> list[CallbackState]:
+        """Where each of the run's completion callbacks stands (its webhook, its
+        registered callback), by target.
+
+        Raises:
+            ValueError: a handle without ``run_id``.
+        """
+        if self.run_id is None:
+            raise ValueError(
+                "this handle follows whichever run is the latest: ask the handle submit() "
+                "returned, or instance.get_run(..., run_id=...)"
+            )
+        return await self._queue.callbacks.of_run(self.run_id)
 
     async def join(
         self,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -56,13 +56,15 @@ async def submit_run(
     not_before: Checked | None = None,
     flow: Flow | None = None,
     stream_modes: str | None = None,
+    submitted: Callable[[AsyncConnection, str], Awaitable[None]] | None = None,
 ) -> str | None:
     """Record a submit of ``record`` (the record's columns, serialised) under ``key``, in one
     transaction: its run row, and the execution's record and pending lease when it runs
     next; the run's id, or the id of the same run submitted before (``None``: that run has
     no row of its own). ``not_before``: no worker starts the run earlier (store clock);
     ``flow``: it waits to be admitted under its key's limits; ``stream_modes``: the stream
-    modes its holders record (joined by commas; ``None``: none)."""
+    modes its holders record (joined by commas; ``None``: none); ``submitted``: what else
+    the submit writes of the run, in its transaction (its callbacks)."""
     at = time.time()
     run_id = uuid.uuid4().hex  # made once: a retried transaction adds the same run
 
@@ -70,9 +72,12 @@ async def submit_run(
         async with transaction(db.engine) as conn:
             await db.classified(conn)
             start = await not_before_at(conn, not_before, db)
-            return await submit_in(
+            found = await submit_in(
                 db, conn, key, record, on_busy, start, run_id, at, flow, stream_modes
             )
+            if found is not None and submitted is not None:
+                await submitted(conn, found)
+            return found
 
     return await db.settled_first(partial(retry_connection_errors, once, what="submit"))
 

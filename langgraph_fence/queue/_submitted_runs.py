@@ -10,11 +10,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from langgraph_fence.database import transaction
 from langgraph_fence.database.retry import retry_connection_errors
 from langgraph_fence.lease import Lease, LeaseKey
+from langgraph_fence.queue._callbacks import Callbacks
 from langgraph_fence.queue._checks import ON_BUSY, OnBusy, stored_input
 from langgraph_fence.queue._children import ChildRuns
 from langgraph_fence.queue._database import QueueDatabase
@@ -98,6 +100,8 @@ class SubmittedRuns:
         self.schedules = Schedules(self._db, serde, self.check, bind)
         #: The admission of runs submitted with a flow key (each worker's look).
         self.flows = Flows(self._db)
+        #: The completion callbacks of submitted runs (webhooks, registered callbacks).
+        self.callbacks = Callbacks(self._db)
         #: The LISTEN side: one connection for every waiter of this queue (PostgreSQL).
         self.notifications = Notifications(self._engine) if self._db.pg else None
         self._children = ChildRuns(self._db)
@@ -184,6 +188,7 @@ class SubmittedRuns:
         flow: Flow | None = None,
         stream_modes: Sequence[str] = (),
         stream_listed: bool = True,
+        callbacks: Sequence[str] = (),
     ) -> str | None:
         """Record the run (its own row, and the execution's record and pending lease when it
         runs next), in one transaction; the run's id. ``not_before`` (checked by
@@ -192,7 +197,8 @@ class SubmittedRuns:
         its key's limits (:class:`~langgraph_fence.queue.Flow`). ``stream_modes`` (checked
         by :func:`~langgraph_fence.queue._streams.check_stream_mode`): its holders record its
         stream in them, for :meth:`SubmittedRun.astream` in any process (``stream_listed``:
-        they were given as a list, and the stream reads ``(mode, payload)``).
+        they were given as a list, and the stream reads ``(mode, payload)``). ``callbacks``
+        (:func:`~langgraph_fence.queue._callbacks.callback_targets`): delivered once it ends.
 
         The same run submitted again while it is pending, running or queued returns that
         run's id and writes nothing (``None``: the execution's run in flight has no run
@@ -221,6 +227,7 @@ class SubmittedRuns:
             not_before,
             flow,
             joined_modes(stream_modes, listed=stream_listed),
+            partial(self.callbacks.add, key=key, targets=callbacks) if callbacks else None,
         )
 
     async def promote(self, limit: int = 100) -> int:

@@ -213,6 +213,20 @@ PRESENT: dict[str, tuple[dict[str, bool], list[str]]] = {
         },
         ["run_id", "epoch", "seq"],
     ),
+    # Completion callbacks (records migration 14).
+    "fence_callbacks": (
+        {
+            "run_id": False,
+            "target": False,
+            "tenant_id": False,
+            "execution_id": False,
+            "status": False,
+            "attempts": False,
+            "due": False,
+            "last_error": True,
+        },
+        ["run_id", "target"],
+    ),
 }
 
 

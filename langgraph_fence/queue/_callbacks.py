@@ -1,0 +1,221 @@
+"""Completion callbacks of submitted runs: a webhook URL, or a Python callback a serving
+worker registered by name, each delivered at least once after the run ends.
+
+A submit with ``webhook=`` or ``callback=`` writes one row per target in ``fence_callbacks``
+in its own transaction, ``pending`` and due at once. Any serving worker's look finds the
+pending rows whose run has ended (:meth:`Callbacks.due`), of targets it can deliver (every
+webhook; the callbacks it registered), and claims each in one compare-and-set statement
+that moves its ``due`` a claim's length on and counts the attempt (:meth:`Callbacks.claim`):
+one worker delivers it; a worker lost while delivering leaves it to be claimed again when
+the claim has passed. A delivery that fails is due again after a backoff, and ``failed``
+after its attempts; one that succeeds is ``delivered``. Every time is on the store's clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from sqlalchemy import bindparam, text
+
+from langgraph_fence.database.retry import retry_connection_errors
+from langgraph_fence.lease.schema import yielded_sql
+from langgraph_fence.validate import text_id
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection
+
+    from langgraph_fence.lease import LeaseKey
+    from langgraph_fence.queue._database import QueueDatabase
+
+__all__ = [
+    "CALLBACK",
+    "WEBHOOK",
+    "CallbackState",
+    "Callbacks",
+    "DueCallback",
+    "callback_targets",
+]
+
+#: The prefix of a webhook's target, and of a registered Python callback's.
+WEBHOOK = "webhook:"
+CALLBACK = "callback:"
+#: Run statuses a run's row keeps once it ended (it left ``current``).
+_ENDED = ("done", "waiting", "failed", "dead_lettered", "cancelled")
+_ENDED_SQL = ", ".join(f"'{s}'" for s in _ENDED)
+
+
+@dataclass(frozen=True)
+class CallbackState:
+    """Where one completion callback of a run stands.
+
+    Attributes:
+        target: ``"webhook:<url>"`` or ``"callback:<name>"``.
+        status: ``pending`` (the run goes on, or its delivery is due or being made),
+            ``delivered``, or ``failed`` (its attempts ran out).
+        attempts: deliveries begun.
+        last_error: why the last failed delivery failed.
+    """
+
+    target: str
+    status: str
+    attempts: int
+    last_error: str | None
+
+
+@dataclass(frozen=True)
+class DueCallback:
+    """A pending callback whose run has ended, as a look finds it."""
+
+    run_id: str
+    target: str
+    tenant_id: str
+    execution_id: str
+    attempts: int
+
+
+def callback_targets(webhook: object, callback: object) -> tuple[str, ...]:
+    """The targets of a submit's ``webhook`` and ``callback`` (either may be ``None``).
+
+    Raises:
+        ValueError: a webhook that is not an absolute ``http(s)`` URL with a host, or a bad
+            callback name; named with the fix.
+    """
+    targets: list[str] = []
+    if webhook is not None:
+        if not isinstance(webhook, str) or not webhook:
+            raise ValueError(f"webhook must be an http(s) URL, got {webhook!r}")
+        parts = urlsplit(webhook)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                f"webhook must be an absolute http:// or https:// URL with a host, got "
+                f"{webhook!r}: the serving workers POST the run's end to it"
+            )
+        if parts.username or parts.password:
+            raise ValueError(
+                "webhook must not carry credentials in its URL (they would be stored with "
+                "the run and shown in listings): authenticate the receiver another way"
+            )
+        targets.append(WEBHOOK + webhook)
+    if callback is not None:
+        name = text_id(
+            "callback", callback, what="the name a serving worker registers its callback under"
+        )
+        targets.append(CALLBACK + name)
+    return tuple(targets)
+
+
+class Callbacks:
+    """The completion callbacks' rows on the queue's database."""
+
+    def __init__(self, db: QueueDatabase) -> None:
+        self._db = db
+        now = db.store.now_sql
+        self._add = text(
+            "INSERT INTO fence_callbacks (run_id, target, tenant_id, execution_id, status, "
+            f"attempts, due) VALUES (:run_id, :target, :tenant_id, :execution_id, 'pending', "
+            f"0, {now}) ON CONFLICT (run_id, target) DO NOTHING"
+        )
+        # The run ended: its row left 'current' with its end, or it is the execution's
+        # current run and the lease ended (not a yielded tree, which goes on).
+        self._due = text(
+            "SELECT c.run_id, c.target, c.tenant_id, c.execution_id, c.attempts "
+            "FROM fence_callbacks c JOIN fence_runs r ON r.run_id = c.run_id "
+            "LEFT JOIN fence_leases l ON l.tenant_id = c.tenant_id "
+            "AND l.execution_id = c.execution_id "
+            f"WHERE c.status = 'pending' AND c.due <= {now} "
+            "AND (c.target LIKE 'webhook:%' OR c.target IN :names) "
+            f"AND (r.status IN ({_ENDED_SQL}) OR (r.status = 'current' "
+            f"AND l.status IN ({_ENDED_SQL}) AND NOT {yielded_sql('l')})) "
+            "ORDER BY c.due LIMIT :limit"
+        ).bindparams(bindparam("names", expanding=True))
+        self._claim = text(
+            f"UPDATE fence_callbacks SET due = {now} + :claim, attempts = attempts + 1 "
+            "WHERE run_id = :run_id AND target = :target AND status = 'pending' "
+            f"AND attempts = :attempts AND due <= {now}"
+        )
+        self._done = text(
+            "UPDATE fence_callbacks SET status = 'delivered', last_error = NULL "
+            "WHERE run_id = :run_id AND target = :target AND status = 'pending'"
+        )
+        self._again = text(
+            f"UPDATE fence_callbacks SET due = {now} + :delay, last_error = :error, "
+            "status = CASE WHEN attempts >= :attempts THEN 'failed' ELSE 'pending' END "
+            "WHERE run_id = :run_id AND target = :target AND status = 'pending'"
+        )
+        self._of_run = text(
+            "SELECT target, status, attempts, last_error FROM fence_callbacks "
+            "WHERE run_id = :run_id ORDER BY target"
+        )
+
+    async def add(
+        self, conn: AsyncConnection, run_id: str, *, key: LeaseKey, targets: Sequence[str]
+    ) -> None:
+        """Record ``targets`` for run ``run_id`` in ``conn``'s transaction (the submit's);
+        a target recorded before is kept as it is."""
+        rows = [
+            {
+                "run_id": run_id,
+                "target": target,
+                "tenant_id": key.tenant_id,
+                "execution_id": key.execution_id,
+                **self._db.now(),
+            }
+            for target in targets
+        ]
+        if rows:
+            await conn.execute(self._add, rows)
+
+    async def due(self, names: Sequence[str], limit: int) -> list[DueCallback]:
+        """Up to ``limit`` pending callbacks whose run ended and whose time has come: every
+        webhook, and the Python callbacks named ``names``; oldest due first."""
+        # Never an empty list: PostgreSQL types an empty IN as integers. The bare prefix
+        # names no callback (a name is never empty).
+        targets = [CALLBACK + n for n in names] or [CALLBACK]
+        params = {"names": targets, "limit": limit, **self._db.now()}
+        rows = await self._db.first_all(self._due, params, what="due callbacks")
+        return [
+            DueCallback(r.run_id, r.target, r.tenant_id, r.execution_id, r.attempts) for r in rows
+        ]
+
+    async def claim(self, due: DueCallback, seconds: float) -> bool:
+        """Claim ``due`` for one delivery, for ``seconds``; whether this claim won."""
+        params = {
+            "run_id": due.run_id,
+            "target": due.target,
+            "attempts": due.attempts,
+            "claim": seconds,
+            **self._db.now(),
+        }
+        return bool(await self._write(self._claim, params, "callback claim"))
+
+    async def delivered(self, due: DueCallback) -> None:
+        """``due`` was delivered."""
+        await self._write(self._done, {"run_id": due.run_id, "target": due.target}, "callback")
+
+    async def failed(self, due: DueCallback, error: str, delay: float, attempts: int) -> None:
+        """``due``'s delivery failed with ``error``: due again in ``delay`` seconds, or
+        ``failed`` once ``attempts`` were made."""
+        params = {
+            "run_id": due.run_id,
+            "target": due.target,
+            "error": error[:2000],
+            "delay": delay,
+            "attempts": attempts,
+            **self._db.now(),
+        }
+        await self._write(self._again, params, "callback")
+
+    async def of_run(self, run_id: str) -> list[CallbackState]:
+        """The callbacks of run ``run_id``, by target."""
+        rows = await self._db.first_all(self._of_run, {"run_id": run_id}, what="run callbacks")
+        return [CallbackState(r.target, r.status, int(r.attempts), r.last_error) for r in rows]
+
+    async def _write(self, statement: Any, params: dict[str, Any], what: str) -> int:
+        async def once() -> int:
+            async with self._db.writer.begin() as conn:
+                return int((await conn.execute(statement, params)).rowcount)
+
+        return await retry_connection_errors(once, what=what)
