@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from langgraph_fence.execution.retries import RunRetry
 from langgraph_fence.lease import LeaseKey, LeaseStatus
-from langgraph_fence.queue import CALLBACK, WEBHOOK, DueCallback
+from langgraph_fence.queue import CALLBACK, SWEEP_EVERY, WEBHOOK, DueCallback
 from langgraph_fence.redact import failure_reason
 from langgraph_fence.validate import text_id
 
@@ -123,9 +123,19 @@ class Deliveries:
         self._retry = retry
         self._concurrency = concurrency
         self._tasks: set[asyncio.Task[None]] = set()
+        self._swept_at: float | None = None  # the loop's clock; never yet
+
+    async def arm(self, run_id: str) -> None:
+        """Run ``run_id`` ended here: its callbacks are due at the next look of any worker."""
+        await self._queue.callbacks.arm(run_id)
 
     async def look(self) -> None:
-        """Claim the due deliveries there is room for and begin them."""
+        """Make due the callbacks of runs that ended elsewhere (every ``SWEEP_EVERY``
+        seconds), then claim the due deliveries there is room for and begin them."""
+        now = asyncio.get_running_loop().time()
+        if self._swept_at is None or now - self._swept_at >= SWEEP_EVERY:
+            await self._queue.callbacks.sweep()
+            self._swept_at = now
         self._tasks = {t for t in self._tasks if not t.done()}
         free = self._concurrency - len(self._tasks)
         if free <= 0:

@@ -446,6 +446,7 @@ class Server:
         now_latest = latest if latest is not None else await graph.checkpointer.aget_tuple(config)
         from_input = now_latest is None
         submitted = False
+        run_id: str | None = None
         stream: StreamTake | None = None
         queue = host.queue_or_none()
         # Only a submitted run (its head says so: read with it, no statement more) pays for
@@ -459,6 +460,7 @@ class Server:
             pinned = await queue.pin(taken, mark_now)
             if pinned is not None:
                 submitted = True
+                run_id = pinned.run_id
                 from_input = pinned.input_after == mark_now
                 if pinned.run_id is not None and pinned.stream_modes:
                     stream = await _stream_take(queue, taken, pinned, now_latest, from_input)
@@ -503,6 +505,7 @@ class Server:
                 submitted,
                 self.run_retries.get(head.graph),
                 stream,
+                run_id,
             ),
             name=f"resume {taken.scope_key}",
         )
@@ -560,6 +563,7 @@ class Server:
         submitted: bool = False,
         retry: RunRetry | None = None,
         stream: StreamTake | None = None,
+        run_id: str | None = None,
     ) -> None:
         """Run a taken execution: from its last checkpoint (``input`` None), or its input;
         a submitted run's output is kept with its execution under its lease, its failure
@@ -599,8 +603,12 @@ class Server:
         finally:
             queue = self.host.queue_or_none()
             if submitted and queue is not None:
-                # Its lease is released now: a result() waiting for it looks at once.
+                # Its lease is released now: a result() waiting for it looks at once, and
+                # its callbacks are due if it ended (a run that goes on is not told).
                 await queue.notify(ENDS_CHANNEL, taken.scope_key)
+                if run_id is not None and self.deliveries is not None:
+                    with contextlib.suppress(Exception):  # the sweep makes them due then
+                        await self.deliveries.arm(run_id)
 
 
 class StreamTake(NamedTuple):

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from langgraph_fence.queue._callbacks import (
     CALLBACK,
+    SWEEP_EVERY,
     WEBHOOK,
     CallbackState,
     DueCallback,
@@ -75,6 +76,7 @@ __all__ = [
     "OVERLAP",
     "STREAM_MODES",
     "STREAM_PREAMBLE",
+    "SWEEP_EVERY",
     "WEBHOOK",
     "CallbackState",
     "DueCallback",

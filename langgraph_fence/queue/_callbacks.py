@@ -2,8 +2,13 @@
 worker registered by name, each delivered at least once after the run ends.
 
 A submit with ``webhook=`` or ``callback=`` writes one row per target in ``fence_callbacks``
-in its own transaction, ``pending`` and due at once. Any serving worker's look finds the
-pending rows whose run has ended (:meth:`Callbacks.due`), of targets it can deliver (every
+in its own transaction, ``pending`` and held (due at :data:`~langgraph_fence.lease.schema.
+HELD_BACK`): a look reads only the due rows, whatever the number of runs in flight with
+callbacks. A run's end makes them due (:meth:`Callbacks.arm`): its worker's, at once; any
+other end (a cancel, a dead letter by a take, a new input interrupting it, a worker lost
+between the end and the arm) by a sweep each serving worker makes every
+:data:`SWEEP_EVERY` seconds (:meth:`Callbacks.sweep`). Any serving worker's look finds the
+due rows whose run has ended (:meth:`Callbacks.due`), of targets it can deliver (every
 webhook; the callbacks it registered), and claims each in one compare-and-set statement
 that moves its ``due`` a claim's length on and counts the attempt (:meth:`Callbacks.claim`):
 one worker delivers it; a worker lost while delivering leaves it to be claimed again when
@@ -21,7 +26,7 @@ from urllib.parse import urlsplit
 from sqlalchemy import bindparam, text
 
 from langgraph_fence.database.retry import retry_connection_errors
-from langgraph_fence.lease.schema import yielded_sql
+from langgraph_fence.lease.schema import HELD_BACK, yielded_sql
 from langgraph_fence.validate import text_id
 
 if TYPE_CHECKING:
@@ -32,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CALLBACK",
+    "SWEEP_EVERY",
     "WEBHOOK",
     "CallbackState",
     "Callbacks",
@@ -42,6 +48,9 @@ __all__ = [
 #: The prefix of a webhook's target, and of a registered Python callback's.
 WEBHOOK = "webhook:"
 CALLBACK = "callback:"
+#: How often each serving worker makes due the callbacks of runs that ended without their
+#: worker saying so (seconds of its loop).
+SWEEP_EVERY = 10.0
 #: Run statuses a run's row keeps once it ended (it left ``current``).
 _ENDED = ("done", "waiting", "failed", "dead_lettered", "cancelled")
 _ENDED_SQL = ", ".join(f"'{s}'" for s in _ENDED)
@@ -115,22 +124,38 @@ class Callbacks:
         now = db.store.now_sql
         self._add = text(
             "INSERT INTO fence_callbacks (run_id, target, tenant_id, execution_id, status, "
-            f"attempts, due) VALUES (:run_id, :target, :tenant_id, :execution_id, 'pending', "
-            f"0, {now}) ON CONFLICT (run_id, target) DO NOTHING"
+            "attempts, due) VALUES (:run_id, :target, :tenant_id, :execution_id, 'pending', "
+            f"0, {HELD_BACK}) ON CONFLICT (run_id, target) DO NOTHING"
         )
         # The run ended: its row left 'current' with its end, or it is the execution's
         # current run and the lease ended (not a yielded tree, which goes on).
-        self._due = text(
-            "SELECT c.run_id, c.target, c.tenant_id, c.execution_id, c.attempts "
+        ended = (
+            f"(r.status IN ({_ENDED_SQL}) OR (r.status = 'current' "
+            f"AND l.status IN ({_ENDED_SQL}) AND NOT {yielded_sql('l')}))"
+        )
+        runs = (
             "FROM fence_callbacks c JOIN fence_runs r ON r.run_id = c.run_id "
             "LEFT JOIN fence_leases l ON l.tenant_id = c.tenant_id "
             "AND l.execution_id = c.execution_id "
-            f"WHERE c.status = 'pending' AND c.due <= {now} "
+        )
+        self._due = text(
+            "SELECT c.run_id, c.target, c.tenant_id, c.execution_id, c.attempts "
+            + runs
+            + f"WHERE c.status = 'pending' AND c.due <= {now} "
             "AND (c.target LIKE 'webhook:%' OR c.target IN :names) "
-            f"AND (r.status IN ({_ENDED_SQL}) OR (r.status = 'current' "
-            f"AND l.status IN ({_ENDED_SQL}) AND NOT {yielded_sql('l')})) "
-            "ORDER BY c.due LIMIT :limit"
+            f"AND {ended} ORDER BY c.due LIMIT :limit"
         ).bindparams(bindparam("names", expanding=True))
+        held = f"c.status = 'pending' AND c.due >= {HELD_BACK} AND {ended}"
+        self._arm = text(
+            f"UPDATE fence_callbacks SET due = {now} WHERE run_id = :run_id "
+            f"AND status = 'pending' AND due >= {HELD_BACK} AND run_id IN (SELECT c.run_id "
+            + runs
+            + f"WHERE c.run_id = :run_id AND {held})"
+        )
+        self._sweep = text(
+            f"UPDATE fence_callbacks SET due = {now} WHERE status = 'pending' "
+            f"AND due >= {HELD_BACK} AND run_id IN (SELECT c.run_id " + runs + f"WHERE {held})"
+        )
         self._claim = text(
             f"UPDATE fence_callbacks SET due = {now} + :claim, attempts = attempts + 1 "
             "WHERE run_id = :run_id AND target = :target AND status = 'pending' "
@@ -167,6 +192,15 @@ class Callbacks:
         ]
         if rows:
             await conn.execute(self._add, rows)
+
+    async def arm(self, run_id: str) -> None:
+        """Make run ``run_id``'s held callbacks due now, if it ended (one that goes on, a
+        sleep, a retry, a hand-back, keeps them held)."""
+        await self._write(self._arm, {"run_id": run_id, **self._db.now()}, "callbacks")
+
+    async def sweep(self) -> int:
+        """Make due the held callbacks of every run that ended; how many."""
+        return await self._write(self._sweep, dict(self._db.now()), "callback sweep")
 
     async def due(self, names: Sequence[str], limit: int) -> list[DueCallback]:
         """Up to ``limit`` pending callbacks whose run ended and whose time has come: every

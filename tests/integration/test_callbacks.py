@@ -17,6 +17,7 @@ import pytest
 from langgraph.types import Command
 
 from langgraph_fence import RunEnd, RunRetry
+from langgraph_fence.execution import callbacks
 from langgraph_fence.execution.callbacks import CLAIM_SECONDS
 from langgraph_fence.testing import Leases
 from tests.support.databases import SQL_BACKENDS, unique
@@ -126,6 +127,31 @@ async def test_a_delivery_lost_with_its_worker_is_made_by_another(db: Leases) ->
     assert told == [run.run_id]
     assert [(c.status, c.attempts) for c in await run.callbacks()] == [("delivered", 2)]
     await loop_a.deliveries.stop()
+
+
+async def test_a_run_ended_elsewhere_is_told_by_the_sweep(
+    db: Leases, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run cancelled before any worker ran it ends with no worker to say so: a serving
+    loop's sweep makes its callbacks due (every SWEEP_EVERY seconds of the loop's clock;
+    the first look sweeps)."""
+    client, worker = db.instance("client"), db.instance("worker")
+    told: list[tuple[str, str]] = []
+    loop = stepped(
+        worker,
+        {"orders": orders(worker)},
+        callbacks={"tell": lambda end: told.append((end.run_id, end.status))},
+    )
+    await deliver(loop)  # the first look swept: nothing had ended
+    run = await client.submit(
+        "orders", {"item": "b"}, cfg(unique("t")), tenant_id="a", callback="tell", not_before=60
+    )
+    assert await run.cancel()
+    await deliver(loop)
+    assert told == []  # no sweep yet, and no worker ended it
+    monkeypatch.setattr(callbacks, "SWEEP_EVERY", 0.0)
+    await deliver(loop)
+    assert told == [(run.run_id, "cancelled")]
 
 
 async def test_only_a_worker_that_registered_a_callback_calls_it(db: Leases) -> None:
