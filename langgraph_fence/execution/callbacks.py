@@ -15,14 +15,17 @@ import dataclasses
 import inspect
 import json
 import logging
+import urllib.error
 import urllib.request
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from langgraph_fence.execution.retries import RunRetry
 from langgraph_fence.lease import LeaseKey, LeaseStatus
-from langgraph_fence.queue import CALLBACK, SWEEP_EVERY, WEBHOOK, DueCallback
+from langgraph_fence.lease.transitions import is_yielded
+from langgraph_fence.queue import CALLBACK, ENDED, SWEEP_EVERY, WEBHOOK, DueCallback, shown_target
 from langgraph_fence.redact import failure_reason
 from langgraph_fence.validate import text_id
 
@@ -38,8 +41,9 @@ DEFAULT_CALLBACK_RETRY = RunRetry(attempts=5, backoff=2.0, factor=2.0, max_backo
 #: How long one claim of a delivery lasts: a worker lost while delivering leaves it to
 #: another after this.
 CLAIM_SECONDS = 60.0
-#: The longest a webhook's receiver may take to answer.
-WEBHOOK_TIMEOUT = 10.0
+#: The longest one delivery may take (a webhook's answer, a callback's return); well
+#: below a claim's length, so a delivery never outlives its claim by design.
+DELIVERY_TIMEOUT = 10.0
 
 
 @dataclass(frozen=True)
@@ -71,9 +75,16 @@ class RunEnd:
     attempt: int
 
     def as_json(self) -> bytes:
-        """The JSON a webhook is POSTed (values the JSON has no type for, as text)."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return json.dumps(fields, default=_plain).encode()
+        """The JSON a webhook is POSTed: models and dataclasses as their fields, other
+        values JSON has no type for as text; an output that still cannot be written (keys
+        that are not text, a NaN) as ``null``, with ``output_error`` saying why."""
+        fields: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        try:
+            return json.dumps(fields, default=_plain, allow_nan=False).encode()
+        except (TypeError, ValueError) as exc:
+            fields["output"] = None
+            fields["output_error"] = f"the output cannot be written as JSON: {exc}"
+            return json.dumps(fields, default=_plain, allow_nan=False).encode()
 
 
 RunEndCallback = Callable[[RunEnd], Awaitable[None] | None]
@@ -108,6 +119,8 @@ class Deliveries:
         callbacks: the Python callbacks this loop registers, by name.
         retry: how a failed delivery is retried.
         concurrency: the most deliveries in flight at once.
+        allow: a graph's name -> the types its output may construct besides what the
+            serializer allows (the served graphs' own).
     """
 
     def __init__(
@@ -117,13 +130,19 @@ class Deliveries:
         retry: RunRetry,
         *,
         concurrency: int = 8,
+        allow: Callable[[str | None], Collection[tuple[str, ...]]] = lambda graph: (),
     ) -> None:
         self._queue = queue
+        self._allow = allow
         self._callbacks = dict(callbacks)
         self._retry = retry
         self._concurrency = concurrency
         self._tasks: set[asyncio.Task[None]] = set()
         self._swept_at: float | None = None  # the loop's clock; never yet
+        # Webhook POSTs and sync callbacks run here, never on the loop nor in asyncio's
+        # default executor (LangGraph's sync steps, name lookups): a receiver that hangs
+        # holds one of these threads, nothing else.
+        self._threads = ThreadPoolExecutor(concurrency, thread_name_prefix="lgf-callback")
 
     async def arm(self, run_id: str) -> None:
         """Run ``run_id`` ended here: its callbacks are due at the next look of any worker."""
@@ -152,32 +171,31 @@ class Deliveries:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def stop(self) -> None:
-        """Cancel the deliveries in flight: their claims lapse and any worker makes them."""
+        """Cancel the deliveries in flight: their claims lapse and any worker makes them.
+        A thread still in a receiver's or a callback's hands is not waited for."""
         for task in self._tasks:
             task.cancel()
         await self.settle()
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
     async def _deliver(self, due: DueCallback) -> None:
         rows = self._queue.callbacks
         attempt = due.attempts + 1
         try:
             end = await self._end(due, attempt)
-            if due.target.startswith(WEBHOOK):
-                body = end.as_json()
-                url = due.target.removeprefix(WEBHOOK)
-                await asyncio.to_thread(_post, url, body, due.run_id)
-            else:
-                called = self._callbacks[due.target.removeprefix(CALLBACK)](end)
-                if inspect.isawaitable(called):
-                    await called
+            async with asyncio.timeout(DELIVERY_TIMEOUT):
+                await self._call(due.target, end)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            reason = failure_reason(exc)
+            if isinstance(exc, TimeoutError):
+                reason = f"no answer within {DELIVERY_TIMEOUT:g} s"
+            else:
+                reason = failure_reason(exc)
             last = attempt >= self._retry.attempts
             logger.warning(
                 "callback %s of run %s failed (attempt %d of %d): %s%s",
-                due.target,
+                shown_target(due.target),
                 due.run_id,
                 attempt,
                 self._retry.attempts,
@@ -188,16 +206,36 @@ class Deliveries:
         else:
             await rows.delivered(due)
 
+    async def _call(self, target: str, end: RunEnd) -> None:
+        loop = asyncio.get_running_loop()
+        if target.startswith(WEBHOOK):
+            url, body = target.removeprefix(WEBHOOK), end.as_json()
+            await loop.run_in_executor(self._threads, _post, url, body, end.run_id)
+            return
+        fn = self._callbacks[target.removeprefix(CALLBACK)]
+        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None)  # noqa: B004 - an object's async __call__
+        ):
+            await fn(end)  # type: ignore[misc]
+            return
+        called = await loop.run_in_executor(self._threads, fn, end)
+        if inspect.isawaitable(called):
+            await called
+
     async def _end(self, due: DueCallback, attempt: int) -> RunEnd:
         key = LeaseKey(due.tenant_id, due.execution_id)
         found = await self._queue.state(key, due.run_id)
         if found is None:
             raise LookupError(f"run {due.run_id} is gone (its thread was erased?)")
         state, stored = found
+        if state.status.value not in ENDED or is_yielded(state.status, state.holder):
+            # The execution runs again (a direct run of its thread): its end is not this
+            # run's to tell now; tried again later.
+            raise RuntimeError(f"run {due.run_id}'s execution is {state.status.value} again")
         output = None
         if state.status in (LeaseStatus.DONE, LeaseStatus.WAITING):
             try:
-                output = self._queue.decode_output(key, stored, ())
+                output = self._queue.decode_output(key, stored, self._allow(state.graph))
             except Exception:
                 logger.warning("the output of run %s cannot be read", due.run_id, exc_info=True)
         return RunEnd(
@@ -213,6 +251,21 @@ class Deliveries:
         )
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is a failed delivery: urllib would follow it with a GET without the body
+    (and to another host or scheme)."""
+
+    def redirect_request(
+        self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str
+    ) -> None:
+        raise urllib.error.HTTPError(
+            req.full_url, code, f"the webhook redirects ({code}) to {newurl!r}", headers, fp
+        )
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
 def _post(url: str, body: bytes, run_id: str) -> None:
     """POST ``body`` to ``url``; raises unless the receiver answers 2xx."""
     request = urllib.request.Request(
@@ -226,7 +279,7 @@ def _post(url: str, body: bytes, run_id: str) -> None:
             "Idempotency-Key": run_id,
         },
     )
-    with urllib.request.urlopen(request, timeout=WEBHOOK_TIMEOUT) as answer:
+    with _OPENER.open(request, timeout=DELIVERY_TIMEOUT) as answer:
         if not 200 <= answer.status < 300:
             raise RuntimeError(f"the webhook answered {answer.status}")
 
@@ -236,7 +289,7 @@ def _plain(value: Any) -> Any:
     else its text."""
     dump = getattr(value, "model_dump", None)
     if callable(dump):
-        return dump()
+        return dump(mode="json")
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     return repr(value)

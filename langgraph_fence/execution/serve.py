@@ -141,7 +141,12 @@ class Server:
         self.deliveries = (
             None
             if queue is None
-            else Deliveries(queue, registered, callback_retry or DEFAULT_CALLBACK_RETRY)
+            else Deliveries(
+                queue,
+                registered,
+                callback_retry or DEFAULT_CALLBACK_RETRY,
+                allow=self._output_allowlist,
+            )
         )
         #: The runs this loop started, by the task that runs each.
         self.running: dict[asyncio.Task[None], list[Run]] = {}
@@ -196,6 +201,11 @@ class Server:
                 "next look",
                 failure_reason(exc),
             )
+
+    def _output_allowlist(self, graph: str | None) -> frozenset[tuple[str, ...]]:
+        """What a run of ``graph``'s output may construct: the served graph's own types."""
+        served = self.graphs.get(graph) if graph is not None else None
+        return frozenset() if served is None else run_allowlist(served)
 
     async def _deliver_callbacks(self) -> None:
         """Begin the due deliveries of ended runs' completion callbacks; never fails the

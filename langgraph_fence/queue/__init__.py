@@ -39,11 +39,13 @@ from __future__ import annotations
 
 from langgraph_fence.queue._callbacks import (
     CALLBACK,
+    ENDED,
     SWEEP_EVERY,
     WEBHOOK,
     CallbackState,
     DueCallback,
     callback_targets,
+    shown_target,
 )
 from langgraph_fence.queue._checks import ON_BUSY, OnBusy
 from langgraph_fence.queue._flows import HELD_BACK, Flow
@@ -69,6 +71,7 @@ __all__ = [
     "ANNOUNCED_FOR",
     "ANNOUNCE_EVERY",
     "CALLBACK",
+    "ENDED",
     "HELD_BACK",
     "MISSED",
     "NS_SEP",
@@ -98,4 +101,5 @@ __all__ = [
     "keep_tuples",
     "list_runs",
     "served_graphs",
+    "shown_target",
 ]

@@ -37,12 +37,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CALLBACK",
+    "ENDED",
+    "MAX_WEBHOOK_CHARS",
     "SWEEP_EVERY",
     "WEBHOOK",
     "CallbackState",
     "Callbacks",
     "DueCallback",
     "callback_targets",
+    "shown_target",
 ]
 
 #: The prefix of a webhook's target, and of a registered Python callback's.
@@ -51,9 +54,11 @@ CALLBACK = "callback:"
 #: How often each serving worker makes due the callbacks of runs that ended without their
 #: worker saying so (seconds of its loop).
 SWEEP_EVERY = 10.0
-#: Run statuses a run's row keeps once it ended (it left ``current``).
-_ENDED = ("done", "waiting", "failed", "dead_lettered", "cancelled")
-_ENDED_SQL = ", ".join(f"'{s}'" for s in _ENDED)
+#: The statuses a submitted run ends in (a run's row keeps it once it left ``current``).
+ENDED = ("done", "waiting", "failed", "dead_lettered", "cancelled")
+_ENDED_SQL = ", ".join(f"'{s}'" for s in ENDED)
+#: The longest webhook URL a submit takes (a URL is part of its row's key).
+MAX_WEBHOOK_CHARS = 2048
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,15 @@ class DueCallback:
     attempts: int
 
 
+def shown_target(target: str) -> str:
+    """``target`` as logs and errors show it: a webhook without its query (it may carry a
+    token)."""
+    if target.startswith(WEBHOOK):
+        parts = urlsplit(target.removeprefix(WEBHOOK))
+        return WEBHOOK + parts._replace(query="…" if parts.query else "").geturl()
+    return target
+
+
 def callback_targets(webhook: object, callback: object) -> tuple[str, ...]:
     """The targets of a submit's ``webhook`` and ``callback`` (either may be ``None``).
 
@@ -96,6 +110,11 @@ def callback_targets(webhook: object, callback: object) -> tuple[str, ...]:
     if webhook is not None:
         if not isinstance(webhook, str) or not webhook:
             raise ValueError(f"webhook must be an http(s) URL, got {webhook!r}")
+        if len(webhook) > MAX_WEBHOOK_CHARS or any(c.isspace() or ord(c) < 32 for c in webhook):
+            raise ValueError(
+                f"webhook must be a URL of at most {MAX_WEBHOOK_CHARS} characters with no "
+                f"spaces or control characters, got {webhook[:80]!r}..."
+            )
         parts = urlsplit(webhook)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(
@@ -161,14 +180,19 @@ class Callbacks:
             "WHERE run_id = :run_id AND target = :target AND status = 'pending' "
             f"AND attempts = :attempts AND due <= {now}"
         )
+        # A delivery made is made, whichever claim made it (a claim that outlived its time
+        # and another's failure after it included).
         self._done = text(
             "UPDATE fence_callbacks SET status = 'delivered', last_error = NULL "
-            "WHERE run_id = :run_id AND target = :target AND status = 'pending'"
+            "WHERE run_id = :run_id AND target = :target"
         )
+        # A failure counts only for the claim that is still the row's last (its attempt):
+        # a claim that outlived its time must not end or reschedule a newer one.
         self._again = text(
             f"UPDATE fence_callbacks SET due = {now} + :delay, last_error = :error, "
             "status = CASE WHEN attempts >= :attempts THEN 'failed' ELSE 'pending' END "
-            "WHERE run_id = :run_id AND target = :target AND status = 'pending'"
+            "WHERE run_id = :run_id AND target = :target AND status = 'pending' "
+            "AND attempts = :claimed"
         )
         self._of_run = text(
             "SELECT target, status, attempts, last_error FROM fence_callbacks "
@@ -235,6 +259,7 @@ class Callbacks:
         params = {
             "run_id": due.run_id,
             "target": due.target,
+            "claimed": due.attempts + 1,
             "error": error[:2000],
             "delay": delay,
             "attempts": attempts,
