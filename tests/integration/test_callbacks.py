@@ -27,6 +27,13 @@ from tests.support.stream_graphs import orders
 RUNS_ON = SQL_BACKENDS
 
 
+@pytest.fixture
+def db(own_leases: Leases) -> Leases:
+    """A database of the test's own: every serving loop delivers every due webhook of its
+    database, and a shared schema would hold other tests' (their receivers gone)."""
+    return own_leases
+
+
 async def deliver(loop: Any) -> None:
     """One look of ``loop`` and the deliveries it began, to their end."""
     await loop.poll_once()
