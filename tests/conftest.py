@@ -27,6 +27,7 @@ from tests.support.databases import (
     SQL_BACKENDS,
     Database,
     pg_admin,
+    pg_drop_schema,
     pg_engine_options,
     pg_required,
     pg_url_from_env,
@@ -63,7 +64,7 @@ def pg_schema() -> Iterator[tuple[str, str]]:
             pytest.fail(f"{reason}; LANGGRAPH_FENCE_REQUIRE_PG forbids skipping", pytrace=False)
         pytest.skip(f"{reason}; set LANGGRAPH_FENCE_PG_URL to run the PostgreSQL tests")
     yield url, schema
-    pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    pg_drop_schema(url, schema)
 
 
 @pytest.fixture
@@ -79,7 +80,7 @@ def own_schema(pg_schema: tuple[str, str]) -> Iterator[tuple[str, str]]:
     try:
         yield url, schema
     finally:
-        pg_admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        pg_drop_schema(url, schema)
 
 
 @pytest.fixture(scope="session")
@@ -118,7 +119,7 @@ def cluster_schema(pg_cluster: PgCluster) -> Iterator[tuple[PgCluster, str]]:
     finally:
         if not (pg_cluster.data / "postmaster.pid").exists():
             pg_cluster.start()
-        pg_admin(pg_cluster.url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        pg_drop_schema(pg_cluster.url, schema)
 
 
 @pytest.fixture

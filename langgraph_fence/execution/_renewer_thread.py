@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 __all__ = ["RenewerThread", "cancel_and_wait", "wait_quietly"]
 
+#: How long a stopping renewer thread waits for a renewal statement in flight to end.
+SEND_GRACE = 20.0
 # Its records are the keeper's: one logger for an operator to set.
 logger = logging.getLogger("langgraph_fence.keeper")
 
@@ -141,8 +143,15 @@ class RenewerThread:
             if not self.stopping:
                 raise
         finally:
+            # A renewal statement in flight is waited for, not cancelled (as on the
+            # instance's loop, Keeper._stop_tasks): cancelled between its messages, an
+            # asyncpg connection is left mid-statement, holding the lease row's lock until
+            # the server drops it, and every take of that lease (and a DROP of its schema)
+            # waits. Only one that does not end within SEND_GRACE is cancelled.
             sending = list(self._sending)
-            await cancel_and_wait(sending)
+            if sending:
+                _, late = await asyncio.wait(sending, timeout=SEND_GRACE)
+                await cancel_and_wait(list(late))
             await engine.dispose()
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ __all__ = [
     "engine_options",
     "pg_admin",
     "pg_admin_async",
+    "pg_drop_schema",
     "pg_engine_options",
     "pg_required",
     "pg_url_from_env",
@@ -69,6 +71,48 @@ async def pg_admin_async(url: str, sql: str) -> None:
     conn = await asyncpg.connect(dsn, timeout=5)
     try:
         await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+def pg_drop_schema(url: str, schema: str) -> None:
+    """Drop a test's schema. A connection the test left behind holding a lock in it (a
+    statement cancelled between its messages, never read to its end) would make the DROP
+    wait forever: after 10 s such connections are ended, loudly, and the DROP runs again."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, _drop_schema(url, schema)).result()
+
+
+async def _drop_schema(url: str, schema: str) -> None:
+    import asyncpg
+
+    dsn = normalize_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    conn = await asyncpg.connect(dsn, timeout=5)
+    drop = f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'
+    try:
+        await conn.execute("SET lock_timeout = '10s'")
+        try:
+            await conn.execute(drop)
+            return
+        except asyncpg.exceptions.LockNotAvailableError:
+            pass
+        holders = await conn.fetch(
+            "SELECT DISTINCT l.pid, a.state, left(a.query, 200) AS query FROM pg_locks l "
+            "JOIN pg_class c ON c.oid = l.relation "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "LEFT JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE n.nspname = $1 AND l.pid <> pg_backend_pid()",
+            schema,
+        )
+        for holder in holders:
+            print(
+                f"\nschema {schema}: ending a connection left holding a lock "
+                f"(pid {holder['pid']}, {holder['state']}): {holder['query']}",
+                file=sys.stderr,
+            )
+            await conn.execute("SELECT pg_terminate_backend($1)", holder["pid"])
+        await conn.execute("SET lock_timeout = 0")
+        await conn.execute(drop)
     finally:
         await conn.close()
 
