@@ -21,23 +21,13 @@ from langgraph_fence.execution import callbacks
 from langgraph_fence.execution.callbacks import CLAIM_SECONDS
 from langgraph_fence.testing import Leases
 from tests.support.databases import SQL_BACKENDS, unique
+from tests.support.deliveries import db, deliver
 from tests.support.serving import cfg, look, stepped
 from tests.support.stream_graphs import orders
 
 RUNS_ON = SQL_BACKENDS
 
-
-@pytest.fixture
-def db(own_leases: Leases) -> Leases:
-    """A database of the test's own: every serving loop delivers every due webhook of its
-    database, and a shared schema would hold other tests' (their receivers gone)."""
-    return own_leases
-
-
-async def deliver(loop: Any) -> None:
-    """One look of ``loop`` and the deliveries it began, to their end."""
-    await loop.poll_once()
-    await asyncio.wait_for(loop.deliveries.settle(), 20)
+__all__ = ["db"]  # a database of the test's own (tests.support.deliveries)
 
 
 async def test_a_registered_callback_is_told_each_end_once(db: Leases) -> None:

@@ -19,14 +19,14 @@ from langgraph_fence.execution import callbacks
 from langgraph_fence.execution.callbacks import CLAIM_SECONDS
 from langgraph_fence.queue import CallbackState
 from langgraph_fence.testing import Leases
-from tests.integration.test_callbacks import db, deliver
 from tests.support.databases import SQL_BACKENDS, unique
+from tests.support.deliveries import db, deliver
 from tests.support.polling import eventually
 from tests.support.serving import cfg, look, stepped
 from tests.support.stream_graphs import orders
 
 RUNS_ON = SQL_BACKENDS
-__all__ = ["db"]  # the test's own database (test_callbacks.db)
+__all__ = ["db"]  # a database of the test's own (tests.support.deliveries)
 
 
 class Http:
