@@ -168,7 +168,6 @@ class Server:
         for task in [t for t in self.running if t.done()]:
             self.running.pop(task)
         await self._fire_schedules()
-        await self._deliver_callbacks()
         # No more than the instance can renew in time: at its max_held, takeovers wait
         # (other instances may take them meanwhile).
         free = min(self.concurrency - len(self.running), self.host.keeper.free)
@@ -183,6 +182,10 @@ class Server:
                     failure_reason(exc),
                     serve_backoff(self.poll, self.failures),
                 )
+        # After the takes, and not while the store fails: callbacks never delay a take,
+        # nor add their own retries to a look during an outage.
+        if not self.failures:
+            await self._deliver_callbacks()
         await self._announce()
         return serve_backoff(self.poll, self.failures)
 
