@@ -242,8 +242,6 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
         )
         self._lifecycle.ready()
         row = checkpoint_row(config, checkpoint, metadata, new_versions, self.serde.dumps_typed)
-        if handle is not None and handle.before_root_write is not None and not row.checkpoint_ns:
-            await handle.before_root_write()
         await fault_point(
             "checkpoint.before", config=config, checkpoint=checkpoint, metadata=metadata
         )
@@ -298,8 +296,6 @@ class SqlCheckpointer(BaseCheckpointSaver[str]):
                 "aput returned for the checkpoint the writes belong to"
             )
         rows, upsert = write_rows(writes, self.serde.dumps_typed)
-        if handle is not None and handle.before_root_write is not None and not checkpoint_ns:
-            await handle.before_root_write()
         await fault_point("writes.before", config=config, task_id=task_id, writes=writes)
         with retry_window(handle):
             landed, cleared = await self._driver.put_writes(

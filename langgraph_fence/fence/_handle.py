@@ -99,9 +99,9 @@ class RunHandle:
         # renewal): the cause of the lease loss when the window runs out before the store
         # answers again, so the loss says why the hold could not be proven.
         self.store_error: BaseException | None = None
-        # Awaited before each root checkpoint and each root task's writes of the run are
-        # written (a submitted run's recorded stream writes their events first); None:
-        # nothing.
+        # Awaited by the fenced checkpointer before each root checkpoint and each root
+        # task's writes of the run (a submitted run's recorded stream writes their events
+        # first); None: nothing.
         self.before_root_write: Callable[[], Awaitable[None]] | None = None
         self._listeners: list[StopListener] = []
         # Which steps of the tree run now, and the yield while only remote waits do.

@@ -378,9 +378,6 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             return names.outer_config(saved)  # type: ignore[no-any-return]
 
         async def outside(handle: RunHandle, inner_config: RunnableConfig) -> RunnableConfig:
-            root = not (config.get("configurable") or {}).get("checkpoint_ns")
-            if handle.before_root_write is not None and root:
-                await handle.before_root_write()
             await fault_point(
                 "checkpoint.before", config=config, checkpoint=checkpoint, metadata=metadata
             )
@@ -413,9 +410,6 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             )
 
         async def outside(handle: RunHandle, inner_config: RunnableConfig) -> None:
-            root = not (config.get("configurable") or {}).get("checkpoint_ns")
-            if handle.before_root_write is not None and root:
-                await handle.before_root_write()
             await fault_point("writes.before", config=config, task_id=task_id, writes=writes)
             await delegated(inner_config)
             await fault_point("writes.after", config=config, task_id=task_id, writes=writes)
@@ -459,6 +453,15 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
                 await check_held(handle, config, action)
                 write = outside(handle, without_handle(config))
             try:
+                if handle.before_root_write is not None and not _namespace(config):
+                    # What the run stores before a root write (its recorded stream's
+                    # events), whichever saver makes the write; refused as the write is.
+                    try:
+                        await handle.before_root_write()
+                    except BaseException:
+                        if isinstance(write, Coroutine):
+                            write.close()  # never begun
+                        raise
                 return await write
             except ExecutionLeaseLostError as exc:
                 raise refuse_write(handle, config, exc) from None
@@ -588,3 +591,8 @@ def _class_for(inner_type: type) -> type[FencedCheckpointer]:
         cls = type("FencedCheckpointer", (FencedCheckpointer,), namespace)
         FencedCheckpointer._classes[names] = cls
     return cls
+
+
+def _namespace(config: RunnableConfig) -> str:
+    """The checkpoint namespace a write's config names (``""``: the root graph's)."""
+    return str((config.get("configurable") or {}).get("checkpoint_ns") or "")
