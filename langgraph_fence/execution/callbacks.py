@@ -144,10 +144,6 @@ class Deliveries:
         # holds one of these threads, nothing else.
         self._threads = ThreadPoolExecutor(concurrency, thread_name_prefix="lgf-callback")
 
-    async def arm(self, run_id: str) -> None:
-        """Run ``run_id`` ended here: its callbacks are due at the next look of any worker."""
-        await self._queue.callbacks.arm(run_id)
-
     async def look(self) -> None:
         """Make due the callbacks of runs that ended elsewhere (every ``SWEEP_EVERY``
         seconds), then claim the due deliveries there is room for and begin them."""

@@ -619,9 +619,9 @@ class Server:
                 # Its lease is released now: a result() waiting for it looks at once, and
                 # its callbacks are due if it ended (a run that goes on is not told).
                 await queue.notify(ENDS_CHANNEL, taken.scope_key)
-                if run_id is not None and self.deliveries is not None:
+                if run_id is not None:
                     with contextlib.suppress(Exception):  # the sweep makes them due then
-                        await self.deliveries.arm(run_id)
+                        await queue.callbacks.arm(run_id)
 
 
 class StreamTake(NamedTuple):

@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from langgraph_fence.database import transaction
 from langgraph_fence.database.retry import retry_connection_errors
@@ -64,6 +64,7 @@ from langgraph_fence.validate import MAX_ID_BYTES, text_id
 
 if TYPE_CHECKING:
     from langgraph.checkpoint.serde.base import SerializerProtocol
+    from sqlalchemy.ext.asyncio import AsyncConnection
 
     from langgraph_fence.fence import RunHandle
     from langgraph_fence.lease.run_config import RecordedRun
@@ -72,6 +73,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("langgraph_fence.queue")
 
 __all__ = ["Pinned", "SubmittedRuns"]
+
+T = TypeVar("T")
 
 
 class SubmittedRuns:
@@ -350,7 +353,12 @@ class SubmittedRuns:
         an event written before is kept as it was."""
         held = _held(lease)
         params = [{**row, **held} for row in rows]
-        return await self._while_held(held, RECORD, params, what="stream events")
+
+        async def record(conn: AsyncConnection) -> bool:
+            await conn.execute(RECORD, params)
+            return True
+
+        return await self._while_held(held, record, False, what="stream events")
 
     async def withdraw_stream(
         self, lease: Lease, run_id: str, resume_from: str, finished: Collection[str] = ()
@@ -363,35 +371,37 @@ class SubmittedRuns:
         held = _held(lease)
         params = {**held, "run_id": run_id, "resume_from": resume_from}
 
-        async def once() -> Kept:
-            async with transaction(self._engine) as conn:
-                if (await conn.execute(HELD[self._db.pg], held)).first() is None:
-                    return Kept(False)
-                rows = list(await conn.execute(RECORDED_AFTER, params))
-                keep, kept = kept_at(rows, resume_from, finished)
-                gone = [
-                    {"run_id": run_id, "epoch": r.epoch, "seq": r.seq}
-                    for r in rows
-                    if (r.epoch, r.seq) not in keep
-                ]
-                if gone:
-                    await conn.execute(WITHDRAW, gone)
-                return kept
+        async def withdraw(conn: AsyncConnection) -> Kept:
+            rows = list(await conn.execute(RECORDED_AFTER, params))
+            keep, kept = kept_at(rows, resume_from, finished)
+            gone = [
+                {"run_id": run_id, "epoch": r.epoch, "seq": r.seq}
+                for r in rows
+                if (r.epoch, r.seq) not in keep
+            ]
+            if gone:
+                await conn.execute(WITHDRAW, gone)
+            return kept
 
-        return await retry_connection_errors(once, what="stream withdrawal")
+        return await self._while_held(held, withdraw, Kept(False), what="stream withdrawal")
 
     async def _while_held(
-        self, held: Mapping[str, Any], statement: Any, params: Any, *, what: str
-    ) -> bool:
-        """Run ``statement`` in the transaction of a guard read of ``held``; whether the
-        lease was still that hold (``False``: nothing written)."""
+        self,
+        held: Mapping[str, Any],
+        body: Callable[[AsyncConnection], Awaitable[T]],
+        refused: T,
+        *,
+        what: str,
+    ) -> T:
+        """``body`` in the transaction of a guard read of ``held`` (``FOR SHARE`` on
+        PostgreSQL: a take waits for its commit); ``refused`` when the lease is no longer
+        that hold (nothing written)."""
 
-        async def once() -> bool:
+        async def once() -> T:
             async with transaction(self._engine) as conn:
                 if (await conn.execute(HELD[self._db.pg], dict(held))).first() is None:
-                    return False
-                await conn.execute(statement, params)
-                return True
+                    return refused
+                return await body(conn)
 
         return await retry_connection_errors(once, what=what)
 
