@@ -222,24 +222,30 @@ class Callbacks:
         sleep, a retry, a hand-back, keeps them held)."""
         await self._write(self._arm, {"run_id": run_id, **self._db.now()}, "callbacks")
 
+    # A serving look's reads and claims are tried once: on a connection error the look
+    # goes on to its takes (which say the store failed and back off), and the next look
+    # tries again; retried here, they would hold the look through an outage.
+
     async def sweep(self) -> int:
-        """Make due the held callbacks of every run that ended; how many."""
-        return await self._write(self._sweep, dict(self._db.now()), "callback sweep")
+        """Make due the held callbacks of every run that ended; how many (one try)."""
+        return await self._write(self._sweep, dict(self._db.now()), "callback sweep", once=True)
 
     async def due(self, names: Sequence[str], limit: int) -> list[DueCallback]:
         """Up to ``limit`` pending callbacks whose run ended and whose time has come: every
-        webhook, and the Python callbacks named ``names``; oldest due first."""
+        webhook, and the Python callbacks named ``names``; oldest due first (one try)."""
         # Never an empty list: PostgreSQL types an empty IN as integers. The bare prefix
         # names no callback (a name is never empty).
         targets = [CALLBACK + n for n in names] or [CALLBACK]
         params = {"names": targets, "limit": limit, **self._db.now()}
-        rows = await self._db.first_all(self._due, params, what="due callbacks")
+        async with self._db.engine.connect() as conn:
+            rows = list(await conn.execute(self._due, params))
         return [
             DueCallback(r.run_id, r.target, r.tenant_id, r.execution_id, r.attempts) for r in rows
         ]
 
     async def claim(self, due: DueCallback, seconds: float) -> bool:
-        """Claim ``due`` for one delivery, for ``seconds``; whether this claim won."""
+        """Claim ``due`` for one delivery, for ``seconds``; whether this claim won (one
+        try)."""
         params = {
             "run_id": due.run_id,
             "target": due.target,
@@ -247,7 +253,7 @@ class Callbacks:
             "claim": seconds,
             **self._db.now(),
         }
-        return bool(await self._write(self._claim, params, "callback claim"))
+        return bool(await self._write(self._claim, params, "callback claim", once=True))
 
     async def delivered(self, due: DueCallback) -> None:
         """``due`` was delivered."""
@@ -272,9 +278,13 @@ class Callbacks:
         rows = await self._db.first_all(self._of_run, {"run_id": run_id}, what="run callbacks")
         return [CallbackState(r.target, r.status, int(r.attempts), r.last_error) for r in rows]
 
-    async def _write(self, statement: Any, params: dict[str, Any], what: str) -> int:
-        async def once() -> int:
+    async def _write(
+        self, statement: Any, params: dict[str, Any], what: str, *, once: bool = False
+    ) -> int:
+        """``statement``'s row count; retried on a connection error unless ``once``."""
+
+        async def attempt() -> int:
             async with self._db.writer.begin() as conn:
                 return int((await conn.execute(statement, params)).rowcount)
 
-        return await retry_connection_errors(once, what=what)
+        return await (attempt() if once else retry_connection_errors(attempt, what=what))
