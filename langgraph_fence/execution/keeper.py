@@ -66,6 +66,7 @@ from langgraph_fence.execution._renewer_thread import (
     cancel_and_wait,
     wait_quietly,
 )
+from langgraph_fence.execution.collector import Collector
 from langgraph_fence.fence import RunHandle, safety_margin
 from langgraph_fence.lease import ExecutionLeaseRepository, LeaseKey
 
@@ -134,6 +135,7 @@ class Keeper:
         holder: str,
         max_held: int | None = None,
         thread_store: SqlLeaseRepository | None = None,
+        collector: Collector | None = None,
     ) -> None:
         self.ttl = ttl
         self.holder = holder
@@ -174,6 +176,9 @@ class Keeper:
         self._beat_asked: float | None = None
         self._stall_told = False
         self.batches: list[Batch] = []
+        self._collector = collector
+        if collector is not None:
+            collector.join(self)
 
     @property
     def in_thread(self) -> bool:
@@ -323,6 +328,8 @@ class Keeper:
             idle = not self._due
         if not idle:
             return
+        if self._collector is not None:
+            self._collector.look()  # nothing of this keeper's is held: a pass may fit now
         if self._thread_store is None:
             await self._stop_tasks()
             return
@@ -339,6 +346,8 @@ class Keeper:
             await thread.stop()
         if self._thread_store is None:
             await wait_quietly(list(self._sending))
+        if self._collector is not None:
+            self._collector.leave(self)
 
     async def _stop_tasks(self) -> None:
         """Stop the renewal loop and the watchdog. A renewal statement already sent (one of
@@ -365,6 +374,8 @@ class Keeper:
         """Send the renewals as they fall due: on the instance's loop while it holds runs
         (``thread`` None), or in the renewer thread until it is stopped."""
         while thread is None or not thread.stopping:
+            if self._collector is not None:
+                self._collector.look()
             now = self._clock()
             with self._lock:
                 if thread is None and not self._due:

@@ -21,6 +21,7 @@ from langgraph_fence.contracts import require_implements
 from langgraph_fence.events import FenceListener, Listeners
 from langgraph_fence.execution.callbacks import RunEndCallback
 from langgraph_fence.execution.children import refuse_child_ids
+from langgraph_fence.execution.collector import collector
 from langgraph_fence.execution.host import InstanceHost
 from langgraph_fence.execution.keeper import Keeper, Renewer, Sleep, thread_store
 from langgraph_fence.execution.retries import RunRetry
@@ -117,6 +118,13 @@ class Instance:
             lease's slack loses the lease (a wrapped store logs a warning saying so).
             ``"thread"`` requires the thread (``ValueError`` where it cannot run);
             ``"loop"`` renews on the loop.
+        manage_gc: keep the garbage collector's full passes, which stop every thread of
+            the process, shorter than the leases held can wait (default ``True``): every
+            few seconds the objects that survived are frozen (``gc.freeze()``), and a full
+            pass that returns the memory of unreachable cycles runs only while nothing is
+            held or when it fits in the leases' slack (:mod:`~langgraph_fence.execution.collector`).
+            ``False`` leaves the process's collector alone (an application that runs it
+            itself).
     """
 
     def __init__(
@@ -134,9 +142,10 @@ class Instance:
         tenant_id: str = DEFAULT_TENANT_ID,
         max_held: int | None = None,
         renewer: Renewer = "auto",
+        manage_gc: bool = True,
     ) -> None:
         settings = check_settings(
-            instance_id, lease_ttl, renew_interval, max_takeovers, max_held, renewer
+            instance_id, lease_ttl, renew_interval, max_takeovers, max_held, renewer, manage_gc
         )
         self._setup(repository, saver, records, settings, clock, sleep, check_tenant(tenant_id))
 
@@ -201,6 +210,7 @@ class Instance:
             holder=self.instance_id,
             max_held=settings.max_held,
             thread_store=renew_through,
+            collector=collector() if settings.manage_gc else None,
         )
         #: What this instance's runs, its takeover loop and their children use of it.
         self.host = InstanceHost(

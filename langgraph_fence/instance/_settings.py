@@ -44,6 +44,7 @@ class Settings:
     max_takeovers: int
     max_held: int | None
     renewer: Renewer
+    manage_gc: bool = True
 
 
 def check_tenant(tenant_id: object) -> str:
@@ -64,6 +65,7 @@ def check_settings(
     max_takeovers: object,
     max_held: object,
     renewer: object = "auto",
+    manage_gc: object = True,
 ) -> Settings:
     """The instance's id, TTL, renew interval and takeover budget, checked; else
     ``ValueError`` naming the argument and the fix."""
@@ -91,7 +93,14 @@ def check_settings(
             f"renewer must be 'auto', 'thread' or 'loop', got {renewer!r}: 'auto' (the "
             "default) renews in a thread of its own wherever the store and the clock allow"
         )
-    return Settings(str(instance_id), ttl, renew, check_budget(max_takeovers), held, renewer)
+    if not isinstance(manage_gc, bool):
+        raise ValueError(
+            f"manage_gc must be True or False, got {manage_gc!r}: True (the default) keeps "
+            "the garbage collector's full passes shorter than the held leases can wait"
+        )
+    return Settings(
+        str(instance_id), ttl, renew, check_budget(max_takeovers), held, renewer, manage_gc
+    )
 
 
 def check_open_options(init: Callable[..., None], options: dict[str, Any]) -> tuple[Settings, str]:
@@ -117,6 +126,7 @@ def check_open_options(init: Callable[..., None], options: dict[str, Any]) -> tu
         options.pop("max_takeovers", DEFAULT_MAX_TAKEOVERS),
         options.pop("max_held", None),
         options.pop("renewer", "auto"),
+        options.pop("manage_gc", True),
     )
     return settings, check_tenant(options.pop("tenant_id", DEFAULT_TENANT_ID))
 
