@@ -459,7 +459,7 @@ class Server:
         now_latest = latest if latest is not None else await graph.checkpointer.aget_tuple(config)
         from_input = now_latest is None
         submitted = False
-        run_id: str | None = None
+        told_run: str | None = None  # the submitted run whose callbacks its end arms
         stream: StreamTake | None = None
         queue = host.queue_or_none()
         # Only a submitted run (its head says so: read with it, no statement more) pays for
@@ -473,7 +473,8 @@ class Server:
             pinned = await queue.pin(taken, mark_now)
             if pinned is not None:
                 submitted = True
-                run_id = pinned.run_id
+                # Its end arms the run's callbacks only if it has any (else no statement).
+                told_run = pinned.run_id if pinned.told else None
                 from_input = pinned.input_after == mark_now
                 if pinned.run_id is not None and pinned.stream_modes:
                     stream = await _stream_take(queue, taken, pinned, now_latest, from_input)
@@ -518,7 +519,7 @@ class Server:
                 submitted,
                 self.run_retries.get(head.graph),
                 stream,
-                run_id,
+                told_run,
             ),
             name=f"resume {taken.scope_key}",
         )
@@ -576,11 +577,12 @@ class Server:
         submitted: bool = False,
         retry: RunRetry | None = None,
         stream: StreamTake | None = None,
-        run_id: str | None = None,
+        told_run: str | None = None,
     ) -> None:
         """Run a taken execution: from its last checkpoint (``input`` None), or its input;
         a submitted run's output is kept with its execution under its lease, its failure
-        retried as ``retry`` says, and its stream recorded as ``stream`` says."""
+        retried as ``retry`` says, its stream recorded as ``stream`` says, and the callbacks
+        of ``told_run`` made due when it ends."""
         try:
             logger.info(
                 "resuming %s at token %d from its %s",
@@ -619,9 +621,9 @@ class Server:
                 # Its lease is released now: a result() waiting for it looks at once, and
                 # its callbacks are due if it ended (a run that goes on is not told).
                 await queue.notify(ENDS_CHANNEL, taken.scope_key)
-                if run_id is not None:
+                if told_run is not None:
                     with contextlib.suppress(Exception):  # the sweep makes them due then
-                        await queue.callbacks.arm(run_id)
+                        await queue.callbacks.arm(told_run)
 
 
 class StreamTake(NamedTuple):

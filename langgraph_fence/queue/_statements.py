@@ -87,10 +87,26 @@ class LeaseWrites:
         )
         # ...and the start on the run's own row (what a flow key's rate limit counts),
         # after a pin that landed, in its transaction.
-        self.run_started = text(
+        # With whether the run has callbacks to tell (none: its end arms nothing).
+        started = (
             f"UPDATE fence_runs SET started_at = COALESCE(started_at, {now}) WHERE "
             + _RUN_KEY
-            + " AND status = 'current' RETURNING run_id, stream_modes"
+            + " AND status = 'current'{also} RETURNING run_id, stream_modes, EXISTS (SELECT 1 "
+            "FROM fence_callbacks c WHERE c.run_id = fence_runs.run_id) AS told"
+        )
+        self.run_started = text(started.format(also=""))
+        # On PostgreSQL both in ONE statement (one round trip, not a transaction of four):
+        # the run's start written only after a pin that landed; a pin with no run row
+        # (submitted before runs had rows) still answers.
+        self.pin_started = (
+            text(
+                f"WITH pinned AS ({self.pin.text}), started AS ("
+                + started.format(also=" AND EXISTS (SELECT 1 FROM pinned)")
+                + ") SELECT pinned.input_after, started.run_id, started.stream_modes, "
+                "started.told FROM pinned LEFT JOIN started ON TRUE"
+            )
+            if dialect == "postgresql"
+            else None
         )
         # A step's durable sleep, recorded under the run's hold: it ends at :at, or :delay
         # seconds from now; a sleep found recorded keeps its end. Then read back, with now.

@@ -333,16 +333,22 @@ class SubmittedRuns:
         longer held). One guarded statement, and the run's start written on its row (flow
         keys count starts), in one transaction."""
 
+        statements = self._db.leases
+
         async def once() -> Pinned | None:
             params = {**_held(lease), "checkpoint": checkpoint_id or "", **self._db.now()}
+            if statements.pin_started is not None:
+                async with self._engine.connect() as conn:
+                    both = (await conn.execute(statements.pin_started, params)).first()
+                if both is None:
+                    return None
+                return _pinned(both.input_after, both if both.run_id is not None else None)
             async with transaction(self._engine) as conn:
-                row = (await conn.execute(self._db.leases.pin, params)).first()
+                row = (await conn.execute(statements.pin, params)).first()
                 if row is None:
                     return None
-                run = (await conn.execute(self._db.leases.run_started, params)).first()
-                if run is None:  # submitted before runs had rows of their own
-                    return Pinned(str(row.input_after), None, ())
-                return Pinned(str(row.input_after), str(run.run_id), split_modes(run.stream_modes))
+                run = (await conn.execute(statements.run_started, params)).first()
+                return _pinned(row.input_after, run)
 
         return await retry_connection_errors(once, what="submitted run pin")
 
@@ -646,6 +652,15 @@ class Pinned(NamedTuple):
     run_id: str | None
     #: The stream modes its holders record (none: its stream is not recorded).
     stream_modes: tuple[str, ...]
+    #: Whether the run has callbacks to tell when it ends (``submit(webhook=, callback=)``).
+    told: bool = False
+
+
+def _pinned(input_after: Any, run: Any) -> Pinned:
+    """The pin's answer; ``run`` the run's row (``None``: submitted before runs had rows)."""
+    if run is None:
+        return Pinned(str(input_after), None, ())
+    return Pinned(str(input_after), str(run.run_id), split_modes(run.stream_modes), bool(run.told))
 
 
 def _held(lease: Lease) -> dict[str, Any]:

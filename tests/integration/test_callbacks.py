@@ -23,6 +23,7 @@ from langgraph_fence.testing import Leases
 from tests.support.databases import SQL_BACKENDS, unique
 from tests.support.deliveries import db, deliver
 from tests.support.serving import cfg, look, stepped
+from tests.support.statements import Statements
 from tests.support.stream_graphs import orders
 
 RUNS_ON = SQL_BACKENDS
@@ -231,3 +232,32 @@ async def test_bad_callbacks_are_refused_naming_the_fix(db: Leases) -> None:
         await client.submit("orders", {}, cfg(unique("t")), tenant_id="a", callback="")
     with pytest.raises(ValueError, match=r"callbacks\['x'\] must be callable"):
         stepped(worker, {"orders": orders(worker)}, callbacks={"x": 42})
+
+
+async def test_only_a_run_with_callbacks_makes_them_due_as_it_ends(db: Leases) -> None:
+    """The end of a run submitted without callbacks sends no callbacks statement (its pin
+    said it has none); one submitted with a callback has it made due by its worker."""
+    client, worker = db.instance("client"), db.instance("worker")
+    ends: list[RunEnd] = []
+
+    async def told(end: RunEnd) -> None:
+        ends.append(end)
+
+    loop = stepped(worker, {"orders": orders(worker)}, callbacks={"told": told})
+    statements = Statements(db.engine, sqlalchemy=True)
+    await look(loop)  # its sweep of ended runs' callbacks: not again within 10 s
+    await client.submit("orders", {"item": "b"}, cfg(unique("t")), tenant_id="a")
+    await statements.take()
+    await look(loop)
+    sent = await statements.take()
+    assert sent, "nothing traced"
+    assert "UPDATE FENCE_CALLBACKS SET" not in sent, sent
+
+    run = await client.submit(
+        "orders", {"item": "b"}, cfg(unique("t")), tenant_id="a", callback="told"
+    )
+    await look(loop)
+    # Due at once, made so by the worker as the run ended (not by a sweep, 10 s later).
+    assert [(c.status, c.attempts) for c in await run.callbacks()] == [("pending", 0)]
+    await deliver(loop)
+    assert [(e.run_id, e.status) for e in ends] == [(run.run_id, "waiting")]
