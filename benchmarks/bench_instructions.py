@@ -3,14 +3,16 @@ targets under callgrind, which counts instructions, not seconds, so other load o
 does not move the figures (run to run they agree within about 0.2 %).
 
     python benchmarks/bench_instructions.py [--runs 30] [--only sqlite|postgresql] [--pg URL]
+        [--targets memory official plain] [--durability sync async exit]
 
 Needs valgrind (``apt-get install valgrind``) and the ``bench`` extra. For each database,
-graph (linear-10, fanout-8) and durability, one process per target runs 5 warm-up runs,
-then ``--runs`` counted ones with callgrind's instrumentation switched on
+graph (linear-10, fanout-8) and durability (sync, async, exit), one process per target
+(``sql`` and ``fenced``, and any of ``--targets``: ``memory``, ``official``, ``plain``) runs
+5 warm-up runs, then ``--runs`` counted ones with callgrind's instrumentation switched on
 (``callgrind_control -i on``) only around them; printed: thousands of instructions (kIr)
 per run in this process (the database server's are not in it), and sql / fenced: the
 share of a fenced run the unfenced one would cost. Slow (callgrind runs Python about 50
-times slower): about 10 minutes for both databases at the default.
+times slower): about 15 minutes for both databases at the default (sql and fenced).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ sys.path.insert(0, str(HERE.parent))
 from bench_runs import postgres_targets, sqlite_targets  # noqa: E402
 from bench_savers import DEFAULT_PG  # noqa: E402
 
-CELLS = [("linear", "sync"), ("linear", "async"), ("fanout", "sync"), ("fanout", "async")]
+DURABILITIES = ("sync", "async", "exit")
+CELLS = [(shape, durability) for shape in ("linear", "fanout") for durability in DURABILITIES]
+TARGETS = ("memory", "official", "sql", "fenced", "plain")
 
 
 def _wait_for(path: Path) -> None:
@@ -112,20 +116,40 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--only", choices=["sqlite", "postgresql"])
     parser.add_argument("--pg", default=os.environ.get("LANGGRAPH_FENCE_PG_URL", DEFAULT_PG))
+    parser.add_argument(
+        "--targets",
+        nargs="+",
+        choices=TARGETS,
+        default=["sql", "fenced"],
+        help="bench_runs.py's targets to count (sql and fenced always)",
+    )
+    parser.add_argument("--durability", nargs="+", choices=["sync", "async", "exit"])
     parser.add_argument("--child", nargs=4, metavar=("DB", "SHAPE", "DURABILITY", "TARGET"))
     args = parser.parse_args()
     if args.child:
         asyncio.run(_child(*args.child[:1], args.pg, *args.child[1:], runs=args.runs))
         return
-    print("| db | graph | durability | sql kIr/run | fenced kIr/run | fenced - sql | sql/fenced |")
-    print("|---|---|---|--:|--:|--:|--:|")
+    targets = [t for t in TARGETS if t in {"sql", "fenced", *args.targets}]
+    others = [t for t in targets if t not in ("sql", "fenced")]
+    print(
+        "| db | graph | durability | "
+        + " | ".join(f"{t} kIr/run" for t in targets)
+        + " | fenced - sql | sql/fenced | "
+        + " | ".join(f"{t}/fenced" for t in others)
+        + " |"
+    )
+    print("|---|---|---|" + "--:|" * (len(targets) + 2 + len(others)))
+    cells = [c for c in CELLS if args.durability is None or c[1] in args.durability]
     for db in [args.only] if args.only else ["sqlite", "postgresql"]:
-        for shape, durability in CELLS:
-            sql = _count(db, args.pg, shape, durability, "sql", args.runs)
-            fenced = _count(db, args.pg, shape, durability, "fenced", args.runs)
+        for shape, durability in cells:
+            counts = {t: _count(db, args.pg, shape, durability, t, args.runs) for t in targets}
+            fenced, sql = counts["fenced"], counts["sql"]
             print(
-                f"| {db} | {shape} | {durability} | {sql:,.0f} | {fenced:,.0f} | "
-                f"{fenced - sql:,.0f} | {sql / fenced:.3f} |",
+                f"| {db} | {shape} | {durability} | "
+                + " | ".join(f"{counts[t]:,.0f}" for t in targets)
+                + f" | {fenced - sql:,.0f} | {sql / fenced:.3f} | "
+                + " | ".join(f"{counts[t] / fenced:.3f}" for t in others)
+                + " |",
                 flush=True,
             )
 

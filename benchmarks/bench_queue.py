@@ -16,6 +16,12 @@ Measured, not asserted. In a schema of its own per part (dropped at the end):
   their own); then the workers, started and waiting at a gate, are let go together; the time
   is from the gate to the last run ``done``.
   Then it checks that every run is done and ran its node exactly once.
+* the loop beside it: the same runs of the same graph, not submitted but called in a loop
+  (``--concurrency`` tasks awaiting ``Instance.ainvoke`` one run after another) in ONE
+  process on the same database and saver, started at the same kind of gate: what the queue
+  itself costs is submitted runs/s over the loop's. For each row, the CPU the runs' processes
+  and every PostgreSQL process of the box spent meanwhile (from ``/proc``: the database is
+  on this box).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from rich.table import Table
 from sqlalchemy import text
 
 ROOT = Path(__file__).resolve().parents[1]
+HERE_FILE = str(Path(__file__).resolve())
 sys.path.insert(0, str(ROOT))
 
 from langgraph.graph import END, START, StateGraph  # noqa: E402
@@ -141,11 +148,72 @@ async def latency(url: str, runs: int, poll: float, listen: bool) -> list[float]
         return samples
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def postgres_pids() -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() == "postgres":
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def cpu_probe(workers: list[int]) -> tuple[float, dict[int, float], dict[int, float]]:
+    """When, and the CPU so far of each worker and of each PostgreSQL process."""
+    return (
+        time.monotonic(),
+        {pid: cpu_seconds(pid) for pid in workers},
+        {pid: cpu_seconds(pid) for pid in postgres_pids()},
+    )
+
+
+def cpu_spent(before: dict[int, float], after: dict[int, float]) -> float:
+    # A backend that started meanwhile counts from 0; one that ended is not counted.
+    return sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items())
+
+
+async def loop_child(url: str, schema: str, runs: int, concurrency: int) -> None:
+    """The loop: ``runs`` runs of the same graph, ``concurrency`` at a time, each task
+    awaiting ``Instance.ainvoke`` one run after another; waits at the gate first."""
+    options = {"connect_args": {"server_settings": {"search_path": schema}}}
+    async with Instance.open(url, engine_options=options, instance_id="loop") as instance:
+        graph = graphs(instance)[GRAPH]
+        left = list(range(runs))
+
+        async def runner() -> None:
+            while left:
+                i = left.pop()
+                config = {"configurable": {"thread_id": f"run-{i}"}}
+                await instance.ainvoke(graph, {"n": i}, config, tenant_id="bench")
+
+        await asyncio.gather(*(runner() for _ in range(concurrency)))
+        # Kept up, as a worker is, until the benchmark has read its CPU and ends it.
+        await asyncio.Event().wait()
+
+
 async def throughput(
-    url: str, runs: int, workers: int, concurrency: int, probe: Any = None
+    url: str,
+    runs: int,
+    workers: int,
+    concurrency: int,
+    probe: Any = None,
+    *,
+    loop: bool = False,
 ) -> dict[str, Any]:
     """``probe(worker pids)``, if given, is called as the workers are let go and again at
-    the last run's end; both answers are returned under ``"probe"``."""
+    the last run's end; both answers are returned under ``"probe"``. With ``loop``, one
+    process calls the graph in a loop instead (:func:`loop_child`), nothing submitted."""
     async with (
         own_schema(url) as (schema, options),
         Instance.open(url, engine_options=options, instance_id="client") as client,
@@ -164,35 +232,51 @@ async def throughput(
                 config = {"configurable": {"thread_id": f"run-{i}"}}
                 await client.submit(GRAPH, {"n": i}, config, tenant_id="bench")
 
-        await asyncio.gather(*(submitter(ids[k::4]) for k in range(4)))
+        if not loop:
+            await asyncio.gather(*(submitter(ids[k::4]) for k in range(4)))
         submitted = time.perf_counter() - started
         gate = Path(tempfile.mkdtemp()) / "gate"
         env = {**os.environ, "PYTHONPATH": str(ROOT), GATE_ENV: str(gate)}
-        procs = [
-            await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "langgraph_fence.cli",
-                "-q",
-                "worker",
-                "--db",
-                url,
-                "--schema",
-                schema,
-                "--graphs",
-                "benchmarks.bench_queue:graphs",
-                "--concurrency",
-                str(concurrency),
-                "--poll-interval",
-                "0.2",
-                "--instance-id",
-                f"w{i}",
-                cwd=ROOT,
-                env=env,
-                stdout=asyncio.subprocess.DEVNULL,
-            )
-            for i in range(workers)
+        loop_command = [
+            HERE_FILE,
+            "--loop-child",
+            schema,
+            "--db",
+            url,
+            "--runs",
+            str(runs),
+            "--concurrency",
+            str(concurrency),
         ]
+        procs = (
+            [await asyncio.create_subprocess_exec(sys.executable, *loop_command, cwd=ROOT, env=env)]
+            if loop
+            else [
+                await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "langgraph_fence.cli",
+                    "-q",
+                    "worker",
+                    "--db",
+                    url,
+                    "--schema",
+                    schema,
+                    "--graphs",
+                    "benchmarks.bench_queue:graphs",
+                    "--concurrency",
+                    str(concurrency),
+                    "--poll-interval",
+                    "0.2",
+                    "--instance-id",
+                    f"w{i}",
+                    cwd=ROOT,
+                    env=env,
+                    stdout=asyncio.subprocess.DEVNULL,
+                )
+                for i in range(workers)
+            ]
+        )
         try:
             deadline = time.monotonic() + 120
             while len(list(gate.parent.glob("gate.*"))) < workers:
@@ -235,7 +319,7 @@ async def throughput(
                 )
             ).one()
         return {
-            "workers": workers,
+            "workers": 0 if loop else workers,
             "elapsed": elapsed,
             "submitted": submitted,
             "per_s": runs / elapsed,
@@ -252,7 +336,7 @@ def _ms(samples: list[float]) -> str:
 
 
 async def amain(args: argparse.Namespace) -> None:
-    console = Console()
+    console = Console(width=160)
     if args.latency_runs:
         title = f"submit + result round trip (ms), poll interval {args.poll_interval} s"
         table = Table(title=title)
@@ -263,16 +347,34 @@ async def amain(args: argparse.Namespace) -> None:
             table.add_row("NOTIFY" if listen else "polling only", _ms(samples))
         console.print(table)
     if args.runs:
-        table = Table(title=f"{args.runs} submitted runs, concurrency {args.concurrency} each")
-        for column in ("workers", "seconds", "runs/s", "submitting took (s)", "node runs"):
+        table = Table(title=f"{args.runs} runs, concurrency {args.concurrency} each")
+        columns = (
+            "runs by",
+            "seconds",
+            "runs/s",
+            "of the loop",
+            "their CPU (cores)",
+            "PostgreSQL CPU (cores)",
+            "submitting took (s)",
+            "node runs",
+        )
+        for column in columns:
             table.add_column(column, justify="right")
-        for workers in args.workers:
-            row = await throughput(args.db, args.runs, workers, args.concurrency)
+        base = None
+        for workers in [0, *args.workers]:
+            row = await throughput(
+                args.db, args.runs, workers, args.concurrency, probe=cpu_probe, loop=workers == 0
+            )
+            (t0, w0, p0), (t1, w1, p1) = row["probe"]
+            base = base or row["per_s"]
             table.add_row(
-                str(row["workers"]),
+                "a loop, 1 process" if workers == 0 else f"{workers} worker(s)",
                 f"{row['elapsed']:.1f}",
                 f"{row['per_s']:.0f}",
-                f"{row['submitted']:.1f}",
+                f"{row['per_s'] / base:.2f}",
+                f"{cpu_spent(w0, w1) / (t1 - t0):.2f}",
+                f"{cpu_spent(p0, p1) / (t1 - t0):.2f}",
+                "-" if workers == 0 else f"{row['submitted']:.1f}",
                 f"{row['counted']} ({row['distinct']} distinct)",
             )
         console.print(table)
@@ -286,7 +388,12 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=1000)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--concurrency", type=int, default=8)
-    asyncio.run(amain(parser.parse_args()))
+    parser.add_argument("--loop-child", metavar="SCHEMA", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.loop_child:
+        asyncio.run(loop_child(args.db, args.loop_child, args.runs, args.concurrency))
+        return 0
+    asyncio.run(amain(args))
     return 0
 
 

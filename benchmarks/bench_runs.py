@@ -7,7 +7,9 @@ What a user pays end to end: ``fenced`` is ``Instance.ainvoke`` of a ``fence_gra
 the release with the outcome, every checkpoint guarded); ``sql`` the same graph, unwrapped, on
 ``SqlCheckpointer`` with no lease; ``official`` ``AsyncSqliteSaver`` / ``AsyncPostgresSaver``;
 ``memory`` ``InMemorySaver``. The graphs, rotation and medians of ``bench_savers.py`` (linear
-10 nodes, fanout 8), durability sync and async, one process, a new thread per run.
+10 nodes, fanout 8), durability sync, async and exit, one process, a new thread per run.
+``plain`` is the fenced graph called the LangGraph way, ``graph.ainvoke`` (the instance's
+checkpointer takes the lease itself).
 
 Beside each rate, the CPU time of this process per run (``time.process_time``: every
 thread's, user + system; the database server's is not in it), median, for ``sql`` and
@@ -44,7 +46,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_savers import (
     DEFAULT_PG,
-    DURABILITIES,
     NODES_PER_RUN,
     PAYLOAD,
     SCHEMA,
@@ -84,15 +85,19 @@ def fanout(builder: StateGraph[State]) -> None:
 
 
 SHAPES: dict[str, Callable[[StateGraph[State]], None]] = {"linear": linear, "fanout": fanout}
+DURABILITIES = ("sync", "async", "exit")
 
 
 class Target:
     """One way of running a graph: its name, and how one run goes."""
 
-    def __init__(self, name: str, saver: Any, instance: Instance | None = None) -> None:
+    def __init__(
+        self, name: str, saver: Any, instance: Instance | None = None, *, plain: bool = False
+    ) -> None:
         self.name = name
         self.saver = saver
         self.instance = instance
+        self.plain = plain  # the fenced graph called as graph.ainvoke
 
     def graph(self, shape: str) -> Any:
         builder: StateGraph[State] = StateGraph(State)
@@ -103,7 +108,7 @@ class Target:
 
     async def run(self, graph: Any, durability: str) -> None:
         config = {"configurable": {"thread_id": uuid.uuid4().hex}}
-        if self.instance is None:
+        if self.instance is None or self.plain:
             await graph.ainvoke({"items": []}, config, durability=durability)
         else:
             await self.instance.ainvoke(
@@ -121,6 +126,7 @@ async def _targets(engine: Any, official: Any) -> list[Target]:
         Target("official", official),
         Target("sql", saver),
         Target("fenced", saver, instance),
+        Target("plain", saver, instance, plain=True),
         Target("memory", InMemorySaver()),
     ]
 
@@ -181,18 +187,28 @@ async def bench(backend: str, targets: list[Target], runs: int) -> list[dict[str
                 durability=durability,
                 sql_cpu=1000 * statistics.median(cpu["sql"]),
                 fenced_cpu=1000 * statistics.median(cpu["fenced"]),
+                plain_cpu=1000 * statistics.median(cpu["plain"]),
             )
             results.append(row)
             print(_line(row), file=sys.stderr, flush=True)
     return results
 
 
+HEADER = (
+    "| db | graph | durability | InMemorySaver | official | sql | fenced | plain | fenced/sql "
+    "| plain/sql | fenced/official | fenced/memory | CPU ms/run sql / fenced / plain "
+    "| sql/fenced CPU |\n"
+    "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
+
+
 def _line(row: dict[str, Any]) -> str:
     return (
         f"| {row['backend']} | {row['graph']} | {row['durability']} | {row['memory']:.0f} | "
-        f"{row['official']:.0f} | {row['sql']:.0f} | {row['fenced']:.0f} | "
-        f"{row['fenced'] / row['sql']:.2f} | {row['fenced'] / row['official']:.2f} | "
-        f"{row['fenced'] / row['memory']:.2f} | {row['sql_cpu']:.1f} / {row['fenced_cpu']:.1f} | "
+        f"{row['official']:.0f} | {row['sql']:.0f} | {row['fenced']:.0f} | {row['plain']:.0f} | "
+        f"{row['fenced'] / row['sql']:.2f} | {row['plain'] / row['sql']:.2f} | "
+        f"{row['fenced'] / row['official']:.2f} | {row['fenced'] / row['memory']:.2f} | "
+        f"{row['sql_cpu']:.1f} / {row['fenced_cpu']:.1f} / {row['plain_cpu']:.1f} | "
         f"{row['sql_cpu'] / row['fenced_cpu']:.2f} |"
     )
 
@@ -215,11 +231,7 @@ async def main() -> None:
             engine, targets = await stack.enter_async_context(postgres_targets(args.pg))
             counts["postgresql"] = await statements_per_run(engine, targets)
             rows += await bench("postgresql", targets, args.runs)
-    print(
-        "| db | graph | durability | InMemorySaver | official | sql | fenced | fenced/sql "
-        "| fenced/official | fenced/memory | CPU ms/run sql / fenced | sql/fenced CPU |\n"
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-    )
+    print(HEADER)
     for row in rows:
         print(_line(row))
     for backend, count in counts.items():

@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import gc
 import operator
 import os
 import resource
@@ -76,6 +77,7 @@ async def main() -> None:
     parser.add_argument("--takeovers", type=int, default=10)
     parser.add_argument("--poll-interval", type=float, default=1.0)
     args = parser.parse_args()
+    gc.callbacks.append(_gc_timer)
     print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     if args.part == "b":
         await part_b(args)
@@ -151,8 +153,10 @@ async def part_a(args: argparse.Namespace) -> None:
                 f"{waiting} of {args.n} held after {time.monotonic() - started:.1f} s; "
                 f"{refused} refused (InstanceFullError), {ended - refused} ended otherwise"
             )
-            keeper = instance._keeper
+            keeper = instance.host.keeper
             lag = asyncio.create_task(_loop_lag())
+            print(_gc_report("while starting"))
+            GC_PASSES.clear()
             held_from, cpu_from = instance.clock(), time.process_time()
             await asyncio.sleep(args.hold)  # the measurement window, not a synchronisation
             cpu = time.process_time() - cpu_from
@@ -160,6 +164,7 @@ async def part_a(args: argparse.Namespace) -> None:
             batches = [b for b in keeper.batches if b.sent_at >= held_from]
             lag_held = max(LAGS, default=0.0)
             LAGS.clear()
+            print(_gc_report("while held"))
             released_at = time.time()
             go.set()
             results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -197,6 +202,24 @@ async def part_a(args: argparse.Namespace) -> None:
 
 
 LAGS: list[float] = []
+#: The garbage collector's passes while the benchmark runs: (generation, seconds).
+GC_PASSES: list[tuple[int, float]] = []
+_gc_started = [0.0]
+
+
+def _gc_timer(phase: str, info: dict[str, int]) -> None:
+    if phase == "start":
+        _gc_started[0] = time.perf_counter()
+    else:
+        GC_PASSES.append((info["generation"], time.perf_counter() - _gc_started[0]))
+
+
+def _gc_report(label: str) -> str:
+    full = [took for generation, took in GC_PASSES if generation == 2]
+    return (
+        f"garbage collector {label}: {len(GC_PASSES)} passes, {len(full)} full, longest full "
+        f"{max(full, default=0.0):.2f} s, all passes {sum(t for _, t in GC_PASSES):.2f} s"
+    )
 
 
 async def _loop_lag() -> None:
@@ -207,56 +230,21 @@ async def _loop_lag() -> None:
         LAGS.append(time.monotonic() - asked - 0.1)
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _postgres_pids() -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "comm").read_text().strip() == "postgres":
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
-
-
-def _probe(workers: list[int]) -> tuple[float, dict[int, float], dict[int, float]]:
-    """When, and the CPU so far of each worker and of each PostgreSQL process."""
-    return (
-        time.monotonic(),
-        {pid: _cpu_seconds(pid) for pid in workers},
-        {pid: _cpu_seconds(pid) for pid in _postgres_pids()},
-    )
-
-
-def _spent(before: dict[int, float], after: dict[int, float]) -> float:
-    # A backend that started meanwhile counts from 0; one that ended is not counted.
-    return sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items())
-
-
 async def part_b(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(HERE))
-    from bench_queue import throughput  # type: ignore[import-not-found]
+    from bench_queue import cpu_probe, cpu_spent, throughput  # type: ignore[import-not-found]
 
     url = args.pg.replace("postgresql://", "postgresql+asyncpg://")
     print(f"{os.cpu_count()} CPUs on this box; the database is on it")
     print("| workers | runs | took | runs/s | workers' CPU | PostgreSQL's CPU | node runs |")
     print("|--:|--:|--:|--:|--:|--:|--:|")
     for workers in args.workers:
-        got = await throughput(url, args.runs, workers, args.concurrency, probe=_probe)
+        got = await throughput(url, args.runs, workers, args.concurrency, probe=cpu_probe)
         (t0, w0, p0), (t1, w1, p1) = got["probe"]
         wall = t1 - t0
         print(
             f"| {workers} | {args.runs} | {got['elapsed']:.1f} s | {got['per_s']:.0f} | "
-            f"{_spent(w0, w1) / wall:.2f} cores | {_spent(p0, p1) / wall:.2f} cores | "
+            f"{cpu_spent(w0, w1) / wall:.2f} cores | {cpu_spent(p0, p1) / wall:.2f} cores | "
             f"{got['counted']} ({got['distinct']} distinct) |"
         )
         print(f"  load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
