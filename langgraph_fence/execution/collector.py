@@ -11,7 +11,9 @@ While any keeper of the process is open, this module:
 * every :data:`PERIOD` seconds (checked where the keepers already wake), collects the young
   generations, then moves every object that survived into the permanent generation
   (``gc.freeze()``): the interpreter's own full passes then walk only what became
-  long-lived since, a pause bounded by the period, not by the heap;
+  long-lived since, a pause bounded by the period, not by the heap. What it froze is
+  counted as it goes; the frozen set is counted exactly (a walk of it) at most once a
+  :data:`RECOUNT`, and only when a full pass may be due;
 * makes the full pass itself (``gc.unfreeze()``, ``gc.collect()``, ``gc.freeze()``), which
   returns the memory of unreachable cycles among the frozen objects, when the frozen set
   has grown by a quarter since the last one (CPython's own rule) and either nothing is held
@@ -48,6 +50,8 @@ PERIOD = 5.0
 FIRST_PACE = 1e-6
 #: A full pass when the frozen set has grown by this share since the last one.
 GROWTH = 0.25
+#: Seconds between two exact counts of the frozen set (a walk of all of it).
+RECOUNT = 60.0
 
 
 class Kept(Protocol):
@@ -77,8 +81,11 @@ class Collector:
         self._next = 0.0
         #: Seconds a full pass took per object, the last one measured.
         self.pace = FIRST_PACE
-        #: The frozen set's size after the last full pass (``None``: none yet).
+        #: The frozen set's size after the last full pass (``None``: none yet), and now (at
+        #: most: objects that died since they were frozen are counted until a recount).
         self.after_full: int | None = None
+        self.frozen = 0
+        self._recount_at = 0.0
         #: Full passes made, and put off (for tests and benchmarks).
         self.full_passes = 0
         self.put_off = 0
@@ -96,7 +103,7 @@ class Collector:
             if len(self._keepers) == 0:
                 gc.unfreeze()
                 self.after_full = None
-                self._next = 0.0
+                self._next = self._recount_at = 0.0
 
     def look(self, *, force: bool = False) -> None:
         """Freeze what survived since the last look, and make the full pass if it is due
@@ -116,12 +123,24 @@ class Collector:
             held = sum(k.held for k in keepers)
             budget = min((k.margin for k in keepers if k.held), default=float("inf")) / 2
             gc.collect(1)  # the short-lived cycles go now, not into the frozen set
+            # What survived since the last look is the unfrozen old generation now: counted
+            # by a walk of it alone, not of the whole frozen set (which takes about 25 ns an
+            # object: 0.4 s at 30 000 runs held).
+            added = len(gc.get_objects(generation=2))
             gc.freeze()
-            frozen = gc.get_freeze_count()
             if self.after_full is None:
-                self.after_full = frozen  # the first look: start-up's objects, frozen
+                # The first look: start-up's objects, frozen and counted once.
+                self.frozen = self.after_full = gc.get_freeze_count()
                 return
-            if frozen <= self.after_full * (1 + self._growth):
+            # Frozen objects that died since are not taken off: the count only grows, and is
+            # made exact before it decides anything.
+            self.frozen += added
+            due = self.after_full * (1 + self._growth)
+            if self.frozen <= due or now < self._recount_at:
+                return
+            self._recount_at = now + RECOUNT
+            self.frozen = frozen = gc.get_freeze_count()
+            if frozen <= due:
                 return
             estimate = frozen * self.pace
             if held and estimate > budget:
@@ -145,7 +164,7 @@ class Collector:
             gc.freeze()
             took = time.perf_counter() - started
             self.pace = max(took / max(frozen, 1), 1e-9)
-            self.after_full = gc.get_freeze_count()
+            self.frozen = self.after_full = gc.get_freeze_count()
             self.full_passes += 1
             self._told = False
         finally:
