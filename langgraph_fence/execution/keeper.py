@@ -115,6 +115,9 @@ class Keeper:
         max_held: the most runs held at once; ``None``: :func:`default_max_held`.
         thread_store: renew in a thread of its own through this store
             (:func:`thread_store`; the store of every handle kept); ``None``: on the loop.
+        collector: the process's garbage collector under watch
+            (:mod:`~langgraph_fence.execution.collector`), looked at while no renewal is
+            due; ``None``: left alone.
 
     Attributes:
         renew_interval: seconds between renewals of one lease.
@@ -189,6 +192,12 @@ class Keeper:
     def held(self) -> int:
         """How many runs the keeper keeps now."""
         return len(self._due)
+
+    @property
+    def busy(self) -> int:
+        """How many runs hold a slot or a kept lease now: those starting count, their lease
+        being taken lapses as a kept one would."""
+        return max(self._slots, len(self._due))
 
     @property
     def behind(self) -> bool:
@@ -374,8 +383,6 @@ class Keeper:
         """Send the renewals as they fall due: on the instance's loop while it holds runs
         (``thread`` None), or in the renewer thread until it is stopped."""
         while thread is None or not thread.stopping:
-            if self._collector is not None:
-                self._collector.look()
             now = self._clock()
             with self._lock:
                 if thread is None and not self._due:
@@ -389,10 +396,14 @@ class Keeper:
                 continue
             earliest = min(waiting.values(), default=now + self.renew_interval / 4)
             if earliest > now:
+                if self._collector is not None:
+                    # Nothing is due: the one moment a collector's pause costs no renewal.
+                    self._collector.look()
+                    now = self._clock()
                 if thread is None:
-                    await self._sleep(earliest - now)
+                    await self._sleep(max(earliest - now, 0.0))
                 else:
-                    await thread.wait(earliest - now)
+                    await thread.wait(max(earliest - now, 0.0))
                 continue
             if thread is not None and self._loop_stalled(thread):
                 await thread.wait(self.renew_interval / 4)

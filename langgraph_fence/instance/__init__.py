@@ -119,12 +119,14 @@ class Instance:
             ``"thread"`` requires the thread (``ValueError`` where it cannot run);
             ``"loop"`` renews on the loop.
         manage_gc: keep the garbage collector's full passes, which stop every thread of
-            the process, shorter than the leases held can wait (default ``True``): every
-            few seconds the objects that survived are frozen (``gc.freeze()``), and a full
-            pass that returns the memory of unreachable cycles runs only while nothing is
-            held or when it fits in the leases' slack (:mod:`~langgraph_fence.execution.collector`).
-            ``False`` leaves the process's collector alone (an application that runs it
-            itself).
+            the process, shorter than the leases held can wait (default ``True``): while
+            leases are held, the objects that survived are frozen every few seconds
+            (``gc.freeze()``), and a full pass that returns the memory of unreachable
+            cycles runs only while no lease is held in the process or when it fits in the
+            leases' slack (:mod:`~langgraph_fence.execution.collector`). An application
+            that froze objects itself or disabled the collector is left alone. The
+            collector is the process's: an application that runs it itself passes
+            ``False`` to every instance.
     """
 
     def __init__(

@@ -1,9 +1,10 @@
 """The garbage collector's full passes under the keepers' watch: put off while leases are
-held and the pass would outlast their slack, made once it fits or nothing is held, and the
-process's collector left as it was found when the last keeper closes.
+held and the pass would outlast their slack, made once it fits or nothing is held, and
+what was frozen thawed when no keeper holds a lease; an application's own freeze, or its
+disabled collector, left alone.
 
-The collector is process-wide state: each test uses a collector of its own and unfreezes
-on the way out. A clock is injected (time is the mock here, never a sleep).
+The collector is process-wide state: each test uses a collector of its own (a clock is
+injected: time is the mock here, never a sleep) and leaves nothing frozen.
 """
 
 from __future__ import annotations
@@ -17,20 +18,24 @@ import pytest
 from langgraph.checkpoint.memory import InMemorySaver
 
 from langgraph_fence import Instance, MemoryLeaseRepository
-from langgraph_fence.execution.collector import PERIOD, RECOUNT, Collector
+from langgraph_fence.execution.collector import PERIOD, RECOUNT, Collector, collector
 from langgraph_fence.testing import ManualClock
+
+#: Objects kept alive so that a look finds the frozen set grown (well beyond the frozen
+#: objects that die between two looks).
+GROWN: list[list[list[None]]] = []
+
+
+def grow() -> None:
+    GROWN.append([[] for _ in range(20_000)])
 
 
 @dataclass(eq=False)
-class Held:
-    """A keeper as the collector sees it: the leases it holds and their slack (seconds)."""
+class Busy:
+    """A keeper as the collector sees it: the runs it holds, and their slack (seconds)."""
 
-    held: int
+    busy: int
     margin: float
-
-
-#: Objects kept alive so that a look finds the frozen set grown.
-GROWN: list[list[list[None]]] = []
 
 
 class Cycle:
@@ -40,22 +45,11 @@ class Cycle:
         self.me = self
 
 
-def frozen_then_dropped(collector: Collector, clock: ManualClock) -> weakref.ref[Cycle]:
-    """A cycle that lived through a look (so it is frozen), then became unreachable: the
-    memory only a full pass returns."""
-    cycle = Cycle()
-    seen = weakref.ref(cycle)
-    clock.advance(RECOUNT)  # a look that may count the frozen set again
-    collector.look()
-    del cycle
-    GROWN.append([[] for _ in range(100)])  # what the next look finds grown
-    return seen
-
-
 @pytest.fixture
 def thawed() -> Iterator[None]:
     if not gc.isenabled():
         pytest.skip("the test process runs without the cyclic collector")
+    gc.unfreeze()
     yield
     gc.unfreeze()
     GROWN.clear()
@@ -65,88 +59,128 @@ def test_a_full_pass_that_would_outlast_the_leases_slack_waits_until_nothing_is_
     thawed: None,
 ) -> None:
     clock = ManualClock()
-    collector = Collector(clock, growth=0.0)
-    keeper = Held(held=10_000, margin=1.7)  # TTL 3 s, renewed every second
-    collector.join(keeper)
-    collector.look()  # the first look freezes what start-up left
-    collector.pace = 1.0  # a second per object: no pass fits in 0.85 s
-    cycle = frozen_then_dropped(collector, clock)
-    assert collector.put_off == 1
-    assert collector.full_passes == 0
-    GROWN.append([[] for _ in range(100)])
-    clock.advance(RECOUNT)
-    collector.look()
-    assert collector.put_off == 2
-    assert collector.full_passes == 0
-    assert cycle() is not None, "a full pass ran while the leases could not wait for it"
+    watch = Collector(clock, growth=0.0)
+    keeper = Busy(busy=10_000, margin=1.7)  # TTL 3 s, renewed every second
+    watch.join(keeper)
+    watch.look()  # the first look freezes what there is
     assert gc.get_freeze_count() > 0
-
-    keeper.held = 0
-    GROWN.append([[] for _ in range(100)])
+    watch.pace = 1.0  # a second per object: no pass fits in 0.85 s
+    cycle = Cycle()
+    seen = weakref.ref(cycle)
+    grow()
     clock.advance(RECOUNT)
-    collector.look()
-    assert collector.full_passes == 1
-    assert cycle() is None, "nothing was held, and the unreachable cycle was kept"
-    collector.leave(keeper)
+    watch.look()  # the cycle, alive, is frozen
+    del cycle  # ...and unreachable now: only a full pass returns it
+    assert watch.put_off == 1
+    grow()
+    clock.advance(RECOUNT)
+    watch.look()
+    assert watch.put_off == 2
+    assert watch.full_passes == 0
+    assert seen() is not None, "a full pass ran while the leases could not wait for it"
+
+    keeper.busy = 0
+    grow()
+    clock.advance(PERIOD)
+    watch.look()
+    assert watch.full_passes == 1
+    assert seen() is None, "nothing was held, and the unreachable cycle was kept"
+    assert gc.get_freeze_count() == 0, "nothing is held: what was frozen thaws"
+    watch.leave(keeper)
 
 
 def test_a_full_pass_that_fits_runs_while_leases_are_held(thawed: None) -> None:
     clock = ManualClock()
-    collector = Collector(clock, growth=0.0)
-    keeper = Held(held=3, margin=18.0)  # TTL 30 s
-    collector.join(keeper)
-    collector.look()
-    collector.pace = 1e-9
-    cycle = frozen_then_dropped(collector, clock)
-    assert collector.full_passes == 1
+    watch = Collector(clock, growth=0.0)
+    keeper = Busy(busy=3, margin=18.0)  # TTL 30 s
+    watch.join(keeper)
+    watch.look()
+    cycle = Cycle()
+    seen = weakref.ref(cycle)
+    grow()
     clock.advance(RECOUNT)
-    collector.look()
-    assert collector.full_passes == 2
-    assert collector.put_off == 0
-    assert cycle() is None
-    collector.leave(keeper)
+    watch.look()
+    del cycle
+    assert watch.full_passes == 1
+    grow()
+    clock.advance(RECOUNT)
+    watch.look()
+    assert watch.full_passes == 2
+    assert watch.put_off == 0
+    assert seen() is None
+    assert gc.get_freeze_count() > 0, "frozen again after the pass, leases still held"
+    watch.leave(keeper)
 
 
 def test_looks_are_at_most_once_a_period(thawed: None) -> None:
     clock = ManualClock()
-    collector = Collector(clock, growth=0.0)
-    keeper = Held(held=0, margin=1.7)
-    collector.join(keeper)
-    collector.look()
-    GROWN.append([[] for _ in range(100)])
-    collector.look()
+    watch = Collector(clock, growth=0.0)
+    keeper = Busy(busy=1, margin=18.0)
+    watch.join(keeper)
+    watch.look()
+    grow()
+    watch.look()
     clock.advance(PERIOD / 2)
-    collector.look()
-    assert collector.full_passes == 0, "looked again within the period"
+    watch.look()
+    assert watch.full_passes == 0, "looked again within the period"
     clock.advance(PERIOD / 2)
-    collector.look()
-    assert collector.full_passes == 1
-    collector.leave(keeper)
+    watch.look()
+    assert watch.full_passes == 1
+    watch.leave(keeper)
 
 
-def test_the_last_keeper_to_close_leaves_nothing_frozen(thawed: None) -> None:
-    clock = ManualClock()
-    collector = Collector(clock)
-    first, second = Held(held=1, margin=1.7), Held(held=1, margin=1.7)
-    collector.join(first)
-    collector.join(second)
-    collector.look()
+def test_what_was_frozen_thaws_when_no_keeper_holds_a_lease(thawed: None) -> None:
+    watch = Collector(ManualClock())
+    first, second = Busy(busy=1, margin=1.7), Busy(busy=1, margin=1.7)
+    forgotten = Busy(busy=0, margin=1.7)  # an instance nobody closed, holding nothing
+    for keeper in (first, second, forgotten):
+        watch.join(keeper)
+    watch.look()
     assert gc.get_freeze_count() > 0
-    collector.leave(first)
-    assert gc.get_freeze_count() > 0, "unfrozen while a keeper still holds leases"
-    collector.leave(second)
+    watch.leave(first)
+    assert gc.get_freeze_count() > 0, "thawed while a keeper still holds leases"
+    watch.leave(second)
     assert gc.get_freeze_count() == 0
+    assert not watch.managing
+
+
+def test_an_applications_own_freeze_is_left_as_it_is(thawed: None) -> None:
+    gc.freeze()  # before a fork, say
+    frozen = gc.get_freeze_count()
+    clock = ManualClock()
+    watch = Collector(clock, growth=0.0)
+    keeper = Busy(busy=1, margin=18.0)
+    watch.join(keeper)
+    watch.look()
+    grow()
+    clock.advance(RECOUNT)
+    watch.look()
+    watch.leave(keeper)
+    assert watch.full_passes == 0
+    assert gc.get_freeze_count() >= frozen, "the application's frozen objects were thawed"
 
 
 def test_an_application_that_disabled_the_collector_is_left_alone(thawed: None) -> None:
-    collector = Collector(ManualClock())
-    collector.join(Held(held=1, margin=1.7))
+    watch = Collector(ManualClock())
+    keeper = Busy(busy=1, margin=1.7)
+    watch.join(keeper)
     gc.disable()
     try:
-        collector.look()
+        watch.look()
         assert gc.get_freeze_count() == 0
     finally:
         gc.enable()
+    watch.leave(keeper)
+
+
+async def test_an_instance_is_watched_until_it_closes_unless_it_opts_out() -> None:
+    before = collector().watching
+    managed = Instance(MemoryLeaseRepository(), InMemorySaver())
+    left_alone = Instance(MemoryLeaseRepository(), InMemorySaver(), manage_gc=False)
+    assert collector().watching == before + 1
+    await managed.aclose()
+    await left_alone.aclose()
+    assert collector().watching == before
 
 
 def test_manage_gc_must_be_a_bool() -> None:
