@@ -338,7 +338,8 @@ class SubmittedRuns:
         async def once() -> Pinned | None:
             params = {**_held(lease), "checkpoint": checkpoint_id or "", **self._db.now()}
             if statements.pin_started is not None:
-                async with self._engine.connect() as conn:
+                # Committed on any engine (a user's may not be in autocommit).
+                async with self._db.writer.begin() as conn:
                     both = (await conn.execute(statements.pin_started, params)).first()
                 if both is None:
                     return None

@@ -33,6 +33,8 @@ from langgraph_fence.database import create_engine, normalize_url
 from langgraph_fence.lease.records import SqlExecutionRecords
 from tests.support.databases import Database, pg_engine_options, unique
 from tests.support.polling import eventually
+from tests.support.serving import cfg, look, stepped
+from tests.support.stream_graphs import orders
 
 ENGINES = 8
 ACQUIRES = 40
@@ -214,3 +216,32 @@ async def test_an_instance_from_parts_is_taken_over_elsewhere(
         run_a.cancel()
         with pytest.raises((ExecutionFencedError, asyncio.CancelledError)):
             await run_a  # taken over: never done
+
+
+async def test_a_run_served_from_parts_is_pinned_on_the_users_engine(database: Database) -> None:
+    """A submitted run served by instances built from parts on the user's engine (plain
+    ``create_async_engine`` on PostgreSQL: not in autocommit) keeps its pin: the checkpoint
+    its input follows and its start are stored, not rolled back with the connection."""
+    async with (
+        instance_from_parts(database, "client") as client,
+        instance_from_parts(database, "worker") as worker,
+    ):
+        thread = unique("t")
+        await client.submit("orders", {"item": "b"}, cfg(thread), tenant_id="acme")
+        await look(stepped(worker, {"orders": orders(worker)}))
+        engine = client.repository.engine  # type: ignore[attr-defined]
+        async with engine.connect() as conn:
+            pinned = (
+                await conn.execute(
+                    text(
+                        "SELECT e.input_after, e.started_at, r.started_at FROM "
+                        "fence_executions e JOIN fence_runs r ON r.tenant_id = e.tenant_id "
+                        "AND r.execution_id = e.execution_id WHERE e.execution_id = :t"
+                    ),
+                    {"t": thread},
+                )
+            ).one()
+    input_after, started, run_started = pinned
+    assert input_after is not None, "the pin was not stored"
+    assert started is not None
+    assert run_started is not None, "the run's start was not stored"
