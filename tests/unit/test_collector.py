@@ -30,6 +30,14 @@ def grow() -> None:
     GROWN.append([[] for _ in range(20_000)])
 
 
+def look_later(watch: Collector, clock: ManualClock, seconds: float = RECOUNT) -> None:
+    """A look ``seconds`` on (by default one that may count the frozen set again), with
+    the frozen set grown meanwhile."""
+    grow()
+    clock.advance(seconds)
+    watch.look()
+
+
 @dataclass(eq=False)
 class Busy:
     """A keeper as the collector sees it: the runs it holds, and their slack (seconds)."""
@@ -67,22 +75,16 @@ def test_a_full_pass_that_would_outlast_the_leases_slack_waits_until_nothing_is_
     watch.pace = 1.0  # a second per object: no pass fits in 0.85 s
     cycle = Cycle()
     seen = weakref.ref(cycle)
-    grow()
-    clock.advance(RECOUNT)
-    watch.look()  # the cycle, alive, is frozen
+    look_later(watch, clock)  # the cycle, alive, is frozen
     del cycle  # ...and unreachable now: only a full pass returns it
     assert watch.put_off == 1
-    grow()
-    clock.advance(RECOUNT)
-    watch.look()
+    look_later(watch, clock)
     assert watch.put_off == 2
     assert watch.full_passes == 0
     assert seen() is not None, "a full pass ran while the leases could not wait for it"
 
     keeper.busy = 0
-    grow()
-    clock.advance(PERIOD)
-    watch.look()
+    look_later(watch, clock, PERIOD)
     assert watch.full_passes == 1
     assert seen() is None, "nothing was held, and the unreachable cycle was kept"
     assert gc.get_freeze_count() == 0, "nothing is held: what was frozen thaws"
@@ -97,14 +99,10 @@ def test_a_full_pass_that_fits_runs_while_leases_are_held(thawed: None) -> None:
     watch.look()
     cycle = Cycle()
     seen = weakref.ref(cycle)
-    grow()
-    clock.advance(RECOUNT)
-    watch.look()
+    look_later(watch, clock)
     del cycle
     assert watch.full_passes == 1
-    grow()
-    clock.advance(RECOUNT)
-    watch.look()
+    look_later(watch, clock)
     assert watch.full_passes == 2
     assert watch.put_off == 0
     assert seen() is None
@@ -152,9 +150,7 @@ def test_an_applications_own_freeze_is_left_as_it_is(thawed: None) -> None:
     keeper = Busy(busy=1, margin=18.0)
     watch.join(keeper)
     watch.look()
-    grow()
-    clock.advance(RECOUNT)
-    watch.look()
+    look_later(watch, clock)
     watch.leave(keeper)
     assert watch.full_passes == 0
     assert gc.get_freeze_count() >= frozen, "the application's frozen objects were thawed"
