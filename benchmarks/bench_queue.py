@@ -279,7 +279,7 @@ async def throughput(
         )
         try:
             deadline = time.monotonic() + 120
-            while len(list(gate.parent.glob("gate.*"))) < workers:
+            while len(list(gate.parent.glob("gate.*"))) < len(procs):
                 if time.monotonic() > deadline:
                     raise RuntimeError("the workers did not come up")
                 await asyncio.sleep(0.05)
