@@ -92,7 +92,8 @@ class Collector:
         self._recount_at = 0.0
         #: Whether it manages the collector now (it froze, and unfreezes when done).
         self.managing = False
-        #: Seconds per object of the slowest full pass here, and the objects it walked.
+        #: Seconds per object of the slowest full pass here, and the objects it walked
+        #: (the pace on a larger heap is scaled up from it: :meth:`estimate`).
         self.pace = FIRST_PACE
         self.paced_at = 0
         #: The frozen set's size after the last full pass (``None``: none yet), and now (at
@@ -208,14 +209,17 @@ class Collector:
         frozen = gc.get_freeze_count()
         if idle and frozen <= (self.after_full or 0) * (1 + self._growth):
             return
-        started = time.perf_counter()
         gc.unfreeze()
+        # What the pass walks: every tracked object, the frozen and the rest (counted
+        # with a walk a twentieth as long as the pass's).
+        walked = len(gc.get_objects())
+        started = time.perf_counter()
         gc.collect()
         took = time.perf_counter() - started
-        if frozen:
-            pace = took / frozen
+        if walked:
+            pace = took / walked
             if self.full_passes == 0 or pace > self.pace:
-                self.pace, self.paced_at = pace, frozen
+                self.pace, self.paced_at = pace, walked
         self.full_passes += 1
         self._told = False
         if not idle:
