@@ -100,6 +100,10 @@ class InstanceHost:
 
     # -- the run queue
 
+    def queue_made(self) -> SubmittedRuns | None:
+        """The run queue if one was made already (nothing is made here)."""
+        return self._queue
+
     def queue_or_none(self) -> SubmittedRuns | None:
         """The run queue, or ``None`` where there is none (not a SQL store)."""
         try:

@@ -372,8 +372,12 @@ class Instance:
                 portal.call(lambda: context.__aexit__(None, None, None))
 
     async def aclose(self) -> None:
-        """Stop renewing the leases of every run still in flight (they then lapse)."""
+        """Stop renewing the leases of every run still in flight (they then lapse), and
+        give back the connections the run queue holds."""
         await self.host.keeper.aclose()
+        queue = self.host.queue_made()
+        if queue is not None:
+            await queue.aclose()
 
     # -- running graphs
 

@@ -3,13 +3,14 @@ every part of the queue."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from langgraph_fence.database import dialect_of, single_statement
+from langgraph_fence.database.driver import Connections, DriverStatement, fetch
 from langgraph_fence.database.retry import retry_connection_errors
 from langgraph_fence.lease.timeline import FailoverUnclassified, token_floor
 from langgraph_fence.queue._statements import LEASE, LeaseWrites
@@ -52,6 +53,33 @@ class QueueDatabase:
         # serialises every writer already.
         self.lease_row: TextClause = text(LEASE + (" FOR UPDATE" if self.pg else ""))
         self._read_now = text(f"SELECT {store.now_sql}")
+        # A served run's own statements (its pin, its output, the NOTIFY of its end) run on
+        # the driver on PostgreSQL, as the lease store's take and release do: SQLAlchemy's
+        # own work and pool checkout cost a statement as much CPU as the statement.
+        self._connections = Connections(self.engine, share=4, spill=True) if self.pg else None
+        self._compiled: dict[int, tuple[Any, DriverStatement]] = {}
+
+    @property
+    def on_driver(self) -> bool:
+        """Whether :meth:`driver_rows` runs here (PostgreSQL)."""
+        return self._connections is not None
+
+    async def driver_rows(self, statement: Any, params: Mapping[str, Any]) -> Sequence[Any]:
+        """The rows of ``statement`` (a construct built once, kept for the database's life)
+        run once on the driver, in autocommit, each readable by column name; PostgreSQL
+        only (:attr:`on_driver`)."""
+        assert self._connections is not None, "driver statements are for PostgreSQL"
+        found = self._compiled.get(id(statement))
+        if found is None:
+            found = (statement, DriverStatement(statement, self.engine.dialect))
+            self._compiled[id(statement)] = found
+        async with self._connections() as driver:
+            return await fetch(driver, found[1], params)
+
+    async def aclose(self) -> None:
+        """Give the connections held for :meth:`driver_rows` back to the engine's pool."""
+        if self._connections is not None:
+            await self._connections.aclose()
 
     def now(self) -> dict[str, float]:
         """The parameters the lease writes' clock needs now."""

@@ -284,6 +284,8 @@ OUTPUT = text(
     + " AND submitted_at IS NOT NULL AND "
     + _HELD_HERE
 )
+#: The same, a row per row written (the driver tells no row count).
+OUTPUT_RETURNING = text(OUTPUT.text + " RETURNING 1")
 # What a run's state is read from (the lease, and its record when there is one).
 _STATE_COLUMNS = (
     "SELECT l.tenant_id, l.execution_id, l.status, l.holder, l.epoch, l.reason, l.expires_at, "

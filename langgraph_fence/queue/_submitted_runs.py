@@ -35,6 +35,7 @@ from langgraph_fence.queue._statements import (
     ATTEMPTS,
     ONE_MORE_ATTEMPT,
     OUTPUT,
+    OUTPUT_RETURNING,
     RETIRE,
     RUN_STATE,
     STATE,
@@ -337,13 +338,13 @@ class SubmittedRuns:
 
         async def once() -> Pinned | None:
             params = {**_held(lease), "checkpoint": checkpoint_id or "", **self._db.now()}
-            if statements.pin_started is not None:
-                # Committed on any engine (a user's may not be in autocommit).
-                async with self._db.writer.begin() as conn:
-                    both = (await conn.execute(statements.pin_started, params)).first()
-                if both is None:
+            if statements.pin_started is not None and self._db.on_driver:
+                # On the driver, in autocommit (committed on a user's engine too).
+                rows = await self._db.driver_rows(statements.pin_started, params)
+                if not rows:
                     return None
-                return _pinned(both.input_after, both if both.run_id is not None else None)
+                both = rows[0]
+                return _pinned(both["input_after"], both if both["run_id"] is not None else None)
             async with transaction(self._engine) as conn:
                 row = (await conn.execute(statements.pin, params)).first()
                 if row is None:
@@ -453,6 +454,8 @@ class SubmittedRuns:
         params = {**_held(handle.lease), "output_type": output_type, "output": blob}
 
         async def once() -> int:
+            if self._db.on_driver:
+                return len(await self._db.driver_rows(OUTPUT_RETURNING, params))
             async with self._db.writer.begin() as conn:
                 return int((await conn.execute(OUTPUT, params)).rowcount)
 
@@ -603,6 +606,10 @@ class SubmittedRuns:
         async with self.notifications.subscribe(NOTIFY_CHANNEL, wake) as listening:
             yield listening
 
+    async def aclose(self) -> None:
+        """Give back the connections a served run's statements are kept on."""
+        await self._db.aclose()
+
     async def notify(self, channel: str, payload: str) -> None:
         """Say on ``channel`` (PostgreSQL; nothing elsewhere) what changed: one statement,
         off the hot paths (a hand-back, a submitted run's end). Never raises: a waiter that
@@ -610,8 +617,7 @@ class SubmittedRuns:
         if not self._db.pg:
             return
         try:
-            async with self._db.writer.begin() as conn:
-                await conn.execute(NOTIFY_SQL, {"channel": channel, "payload": payload})
+            await self._db.driver_rows(NOTIFY_SQL, {"channel": channel, "payload": payload})
         except Exception as exc:
             logger.info("NOTIFY %s failed (%s): waiters poll", channel, exc)
 
@@ -658,10 +664,17 @@ class Pinned(NamedTuple):
 
 
 def _pinned(input_after: Any, run: Any) -> Pinned:
-    """The pin's answer; ``run`` the run's row (``None``: submitted before runs had rows)."""
+    """The pin's answer; ``run`` the run's row, SQLAlchemy's or the driver's (``None``:
+    submitted before runs had rows)."""
     if run is None:
         return Pinned(str(input_after), None, ())
-    return Pinned(str(input_after), str(run.run_id), split_modes(run.stream_modes), bool(run.told))
+    found = run._mapping if hasattr(run, "_mapping") else run
+    return Pinned(
+        str(input_after),
+        str(found["run_id"]),
+        split_modes(found["stream_modes"]),
+        bool(found["told"]),
+    )
 
 
 def _held(lease: Lease) -> dict[str, Any]:
