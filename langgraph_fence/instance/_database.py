@@ -52,9 +52,10 @@ class Database:
         return store
 
     async def aclose(self) -> None:
-        """Close the checkpoints' and the lease table's connections."""
+        """Close the checkpoints', the lease table's and the records' connections."""
         await self.saver.aclose()
         await self.repository.aclose()
+        await self.records.aclose()
 
 
 @asynccontextmanager
