@@ -131,7 +131,9 @@ class Collector:
 
     def estimate(self, objects: int) -> float:
         """Seconds a full pass over ``objects`` tracked objects would stop the process."""
-        scale: float = max(1.0, objects / max(self.paced_at, 1)) ** PACE_GROWTH
+        if not self.paced_at:  # none measured: FIRST_PACE, slow for any heap already
+            return objects * self.pace
+        scale: float = max(1.0, objects / self.paced_at) ** PACE_GROWTH
         return objects * self.pace * scale
 
     def look(self) -> None:

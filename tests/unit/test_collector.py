@@ -182,3 +182,13 @@ async def test_an_instance_is_watched_until_it_closes_unless_it_opts_out() -> No
 def test_manage_gc_must_be_a_bool() -> None:
     with pytest.raises(ValueError, match=r"manage_gc must be True or False.*'yes'"):
         Instance(MemoryLeaseRepository(), InMemorySaver(), manage_gc="yes")  # type: ignore[arg-type]
+
+
+def test_a_pass_is_estimated_slower_per_object_on_a_larger_heap() -> None:
+    watch = Collector(ManualClock())
+    first = watch.estimate(1_000_000)
+    assert first == pytest.approx(1_000_000 * watch.pace), "nothing measured: the first pace"
+    watch.pace, watch.paced_at = 1e-7, 200_000  # a pass measured on a small heap
+    assert watch.estimate(200_000) == pytest.approx(0.02)
+    # Ten times the objects: about twice as long per object (cache misses), as measured.
+    assert watch.estimate(2_000_000) > 20 * watch.estimate(200_000)
