@@ -68,7 +68,24 @@ class Connections:
         self._slots: asyncio.Semaphore | None = None
         self._idle: list[tuple[AsyncConnection, Any]] = []
         self._generation = 0
+        # Constructs compiled for the engine's dialect, by identity (each kept alive beside
+        # its compiled form, so an identity is never reused): built once, run often.
+        self._compiled: dict[int, tuple[Any, DriverStatement]] = {}
         event.listen(engine.sync_engine, "engine_disposed", self._on_dispose)
+
+    def statement(self, construct: ClauseElement) -> DriverStatement:
+        """``construct`` (one the owner keeps for its life) compiled for the driver, once."""
+        found = self._compiled.get(id(construct))
+        if found is None:
+            found = (construct, DriverStatement(construct, self._engine.dialect))
+            self._compiled[id(construct)] = found
+        return found[1]
+
+    async def rows(self, construct: ClauseElement, params: Mapping[str, Any]) -> Sequence[Any]:
+        """The rows of ``construct`` run once on a connection of these (:func:`fetch`)."""
+        compiled = self.statement(construct)
+        async with self() as driver:
+            return await fetch(driver, compiled, params)
 
     @asynccontextmanager
     async def __call__(self) -> AsyncIterator[Any]:

@@ -27,7 +27,7 @@ from sqlalchemy import Double, LargeBinary, Text, bindparam, column, table, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence.database import check_engine, dialect_of, single_statement, transaction
-from langgraph_fence.database.driver import Connections, DriverStatement, fetch
+from langgraph_fence.database.driver import Connections
 from langgraph_fence.database.migrations import Migration, migrate
 from langgraph_fence.database.retry import retry_connection_errors
 from langgraph_fence.errors import ExecutionThreadBoundError
@@ -640,18 +640,15 @@ class SqlExecutionRecords:
         self.serde: SerializerProtocol = serde if serde is not None else safe_serializer()
         # The read every takeover makes runs on the driver on PostgreSQL (as the lease
         # store's take does): SQLAlchemy's work and pool checkout cost as much as the read.
-        self._driver: tuple[Connections, DriverStatement] | None = None
-        if dialect_of(engine) == "postgresql":
-            self._driver = (
-                Connections(engine, share=4, spill=True),
-                DriverStatement(_SELECT, engine.dialect),
-            )
+        self._driver = (
+            Connections(engine, share=4, spill=True) if dialect_of(engine) == "postgresql" else None
+        )
 
     async def aclose(self) -> None:
         """Give the connections the records' reads are kept on back to the engine's pool
         (disposing of the engine closes them too)."""
         if self._driver is not None:
-            await self._driver[0].aclose()
+            await self._driver.aclose()
 
     @property
     def engine(self) -> AsyncEngine:
@@ -702,8 +699,7 @@ class SqlExecutionRecords:
 
         async def read() -> Any:
             if driver is not None:
-                async with driver[0]() as connection:
-                    rows = await fetch(connection, driver[1], params)
+                rows = await driver.rows(_SELECT, params)
                 return rows[0] if rows else None
             async with self._engine.connect() as conn:
                 found = (await conn.execute(_SELECT, params)).first()

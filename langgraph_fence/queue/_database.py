@@ -10,7 +10,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from langgraph_fence.database import dialect_of, single_statement
-from langgraph_fence.database.driver import Connections, DriverStatement, fetch
+from langgraph_fence.database.driver import Connections
 from langgraph_fence.database.retry import retry_connection_errors
 from langgraph_fence.lease.timeline import FailoverUnclassified, token_floor
 from langgraph_fence.queue._statements import LEASE, LeaseWrites
@@ -57,7 +57,6 @@ class QueueDatabase:
         # the driver on PostgreSQL, as the lease store's take and release do: SQLAlchemy's
         # own work and pool checkout cost a statement as much CPU as the statement.
         self._connections = Connections(self.engine, share=4, spill=True) if self.pg else None
-        self._compiled: dict[int, tuple[Any, DriverStatement]] = {}
 
     @property
     def on_driver(self) -> bool:
@@ -69,12 +68,7 @@ class QueueDatabase:
         run once on the driver, in autocommit, each readable by column name; PostgreSQL
         only (:attr:`on_driver`)."""
         assert self._connections is not None, "driver statements are for PostgreSQL"
-        found = self._compiled.get(id(statement))
-        if found is None:
-            found = (statement, DriverStatement(statement, self.engine.dialect))
-            self._compiled[id(statement)] = found
-        async with self._connections() as driver:
-            return await fetch(driver, found[1], params)
+        return await self._connections.rows(statement, params)
 
     async def aclose(self) -> None:
         """Give the connections held for :meth:`driver_rows` back to the engine's pool."""

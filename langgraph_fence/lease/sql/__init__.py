@@ -165,7 +165,6 @@ class SqlLeaseRepository:
         # are, asyncpg's are outside a transaction): no BEGIN/COMMIT around it. A burst of
         # starts spills over to the pool rather than queue behind the held few.
         self._connections = Connections(engine, share=4, spill=True)
-        self._compiled: dict[int, tuple[Any, DriverStatement]] = {}
         # Renewals on a pool of their own (PostgreSQL): a burst of starts or checkpoint
         # writes holding every pooled connection must not make them wait.
         self._renewals = (
@@ -197,7 +196,6 @@ class SqlLeaseRepository:
         twin._reader = read_only(engine)
         # Driver connections of its own: held ones belong to the loop that opened them.
         twin._connections = Connections(engine, share=4, spill=True)
-        twin._compiled = {}
         twin._renewals = single_statement(autocommit(engine))  # a pool of its own already
         twin._takes = {}
         twin._settling = asyncio.Lock()  # a lock belongs to the loop that first waits on it
@@ -291,19 +289,14 @@ class SqlLeaseRepository:
         return params
 
     def _driver_statement(self, stmt: Any) -> DriverStatement:
-        # Keyed by identity: the constructs live as long as the store, built once.
-        found = self._compiled.get(id(stmt))
-        if found is None:
-            found = self._compiled[id(stmt)] = (stmt, DriverStatement(stmt, self._engine.dialect))
-        return found[1]
+        # The constructs live as long as the store: each compiled once.
+        return self._connections.statement(stmt)
 
     async def _one(self, stmt: Any, params: dict[str, Any]) -> Any:
         """Run one write statement, once: acquire, take_over, dead_letter and retry are not
         repeated after a connection error (a repeat of one that landed would be refused).
         Its first row (by column name), or ``None``."""
-        compiled = self._driver_statement(stmt)
-        async with self._connections() as driver:
-            rows = await fetch(driver, compiled, params)
+        rows = await self._connections.rows(stmt, params)
         return rows[0] if rows else None
 
     async def _read(self, stmt: Any, params: dict[str, Any], *, what: str) -> list[Row[Any]]:
