@@ -150,7 +150,9 @@ class Collector:
             held = sum(k.busy for k in keepers)
             if not held:
                 if self.managing:
-                    self._full_pass(now, idle=True)
+                    assert self.after_full is not None  # set by the first look
+                    if gc.get_freeze_count() > self.after_full * (1 + self._growth):
+                        self._full_pass(refreeze=False)  # nothing held: no pause costs
                 self._thaw()
                 return
             if not gc.isenabled():
@@ -202,15 +204,13 @@ class Collector:
                         budget,
                     )
                 return
-            self._full_pass(now, idle=False)
+            self._full_pass(refreeze=True)
         finally:
             self._lock.release()
 
-    def _full_pass(self, now: float, *, idle: bool) -> None:
-        """The pass over everything, frozen included; its pace noted for the estimates."""
-        frozen = gc.get_freeze_count()
-        if idle and frozen <= (self.after_full or 0) * (1 + self._growth):
-            return
+    def _full_pass(self, *, refreeze: bool) -> None:
+        """The pass over everything, frozen included; its pace noted for the estimates.
+        With ``refreeze`` what survived is frozen again (leases are still held)."""
         gc.unfreeze()
         # What the pass walks: every tracked object, the frozen and the rest (counted
         # with a walk a twentieth as long as the pass's).
@@ -224,7 +224,7 @@ class Collector:
                 self.pace, self.paced_at = pace, walked
         self.full_passes += 1
         self._told = False
-        if not idle:
+        if refreeze:
             gc.freeze()
             self.frozen = self.after_full = gc.get_freeze_count()
 
