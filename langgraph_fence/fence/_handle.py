@@ -27,6 +27,7 @@ from langgraph_fence.fence.proofs import WriteProofs
 from langgraph_fence.fence.tree_activity import RunHost, TreeActivity
 from langgraph_fence.lease import Lease, LeaseKey, PendingEffect, validate_ttl
 from langgraph_fence.lease.faults import fault_point
+from langgraph_fence.redact import failure_reason
 
 if TYPE_CHECKING:
     from langgraph_fence.lease import ExecutionLeaseRepository
@@ -275,9 +276,17 @@ class RunHandle:
         if self.error is not None:
             raise self.error
         if self.clock() >= self.confirmed_until:
+            # Why, when a store call of the run met a connection error meanwhile: the same
+            # words whether this check or that call's last retry ends the run first.
+            why = (
+                ""
+                if self.store_error is None
+                else ": the store could not be reached while it lasted "
+                f"({failure_reason(self.store_error)})"
+            )
             lost = ExecutionLeaseLostError(
                 f"the lease of execution {self.scope_key!r} at token {self.token} can no "
-                "longer be proven held: its last confirmed renewal has run out. Another "
+                f"longer be proven held: its last confirmed renewal has run out{why}. Another "
                 "worker may take it over; this run must not write again.",
                 scope_key=self.scope_key,
                 token_held=self.token,

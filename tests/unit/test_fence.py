@@ -157,6 +157,9 @@ async def test_a_lapse_after_a_store_error_names_the_error_as_its_cause() -> Non
     with pytest.raises(ExecutionLeaseLostError) as caught:
         fence.assert_held()
     assert caught.value.__cause__ is gone
+    # The same words as the write's own loss, had its last retry ended the run first.
+    assert "the store could not be reached while it lasted" in str(caught.value)
+    assert "connection lost" in str(caught.value)
 
 
 async def test_a_store_that_answered_since_is_no_cause_of_a_later_lapse() -> None:
@@ -168,6 +171,7 @@ async def test_a_store_that_answered_since_is_no_cause_of_a_later_lapse() -> Non
     with pytest.raises(ExecutionLeaseLostError) as caught:
         fence.assert_held()
     assert caught.value.__cause__ is None
+    assert "store could not be reached" not in str(caught.value)
 
 
 async def test_assert_held_after_an_observed_takeover_is_fenced() -> None:
