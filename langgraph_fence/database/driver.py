@@ -20,7 +20,9 @@ error) closes that connection at the driver (:func:`langgraph_fence.database.dis
 state is unknown, an asyncpg connection may still be cancelling the statement, and the pool
 (in autocommit, its reset sends nothing) would hand it to the next operation, which then
 fails with "another operation is in progress" or "connection is closed". Raw driver calls
-bypass SQLAlchemy's own disconnect handling, so nothing else would.
+bypass SQLAlchemy's own disconnect handling, so nothing else would. The close and the
+give-back run in order in a task of their own (:func:`give_back`), which a second cancel of
+the caller does not stop.
 
 The held connections are given back by :meth:`Connections.aclose` (the owner's ``aclose``),
 and closed when the engine is disposed (its ``engine_disposed`` event), so they never
@@ -46,7 +48,7 @@ from langgraph_fence._compat import aiosqlite_call
 from langgraph_fence.database import discard
 from langgraph_fence.database.retry import is_connection_error
 
-__all__ = ["Connections", "DriverStatement", "fetch", "sqlite_fetch"]
+__all__ = ["Connections", "DriverStatement", "fetch", "give_back", "sqlite_fetch"]
 
 logger = logging.getLogger("langgraph_fence.driver")
 
@@ -112,31 +114,20 @@ class Connections:
     async def _using(self, conn: AsyncConnection, driver: Any, *, held: bool) -> AsyncIterator[Any]:
         """One call on ``driver``; after it a ``held`` connection is kept for the next."""
         generation = self._generation
-        keep = False
         try:
             yield driver
-            keep = held and generation == self._generation
         except BaseException as exc:
-            if isinstance(exc, asyncio.CancelledError):
-                await discard(conn)  # see the module docstring
-            elif is_connection_error(exc):
-                # The server went away: the held idle connections are dead too.
-                await discard(conn, server_lost=True)
-                await self._discard_idle()
+            # The server went away (a connection error): the held idle ones are dead too.
+            lost = not isinstance(exc, asyncio.CancelledError) and is_connection_error(exc)
+            idle: list[tuple[AsyncConnection, Any]] = []
+            if lost:
+                idle, self._idle = self._idle, []
+            await give_back(conn, exc, also=[c for c, _ in idle])
             raise
-        finally:
-            if keep:
-                self._idle.append((conn, driver))
-            else:
-                # A call of a burst gives its connection back; after an error the
-                # connection's state is unknown: give it back to the pool, which resets it
-                # (or drops it, discarded above).
-                await conn.close()
-
-    async def _discard_idle(self) -> None:
-        idle, self._idle = self._idle, []
-        for conn, _ in idle:
-            await discard(conn)
+        if held and generation == self._generation:
+            self._idle.append((conn, driver))
+        else:
+            # A call of a burst gives its connection back.
             await conn.close()
 
     async def aclose(self) -> None:
@@ -158,6 +149,47 @@ class Connections:
                 conn.sync_connection.invalidate()  # type: ignore[union-attr]
             except Exception:
                 logger.debug("could not close a held connection on dispose", exc_info=True)
+
+
+#: The give-backs under way (see :func:`give_back`): a task is kept alive by a strong
+#: reference until it ends, whether or not its caller still waits for it.
+_giving_back: set[asyncio.Task[None]] = set()
+
+
+async def give_back(
+    conn: AsyncConnection, failure: BaseException, *, also: Sequence[AsyncConnection] = ()
+) -> None:
+    """Give ``conn`` back to its pool after a raw driver call on it ended with ``failure``.
+
+    A cancel or a connection error leaves the connection's state unknown, so it is closed
+    at the driver first (:func:`langgraph_fence.database.discard`; on a connection error
+    with the pool recycled, and ``also``, the other connections of the same server,
+    dropped with it). Another error gives it back as it is: the pool resets it.
+
+    The whole of it runs in a task of its own, in that order, and a caller cancelled again
+    while it waits (LangGraph cancelling a step's task twice, a timeout wrapped around ours)
+    stops waiting without stopping it: given back before its close ends, the connection
+    would be checked out by the next operation and closed under it ("Cannot operate on a
+    closed database", "connection is closed").
+    """
+    cancelled = isinstance(failure, asyncio.CancelledError)
+    lost = not cancelled and is_connection_error(failure)
+
+    async def settle() -> None:
+        try:
+            if cancelled or lost:
+                await discard(conn, server_lost=lost)
+            await conn.close()
+            for other in also:
+                await discard(other)
+                await other.close()
+        except Exception:
+            logger.debug("could not give a connection back after a failed call", exc_info=True)
+
+    task = asyncio.ensure_future(settle())
+    _giving_back.add(task)
+    task.add_done_callback(_giving_back.discard)
+    await asyncio.shield(task)
 
 
 class DriverStatement:

@@ -8,7 +8,6 @@ of statements, and one read.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -16,9 +15,9 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from langgraph_fence.database import discard, transaction
-from langgraph_fence.database.driver import DriverStatement, fetch
-from langgraph_fence.database.retry import is_connection_error, retry_connection_errors
+from langgraph_fence.database import transaction
+from langgraph_fence.database.driver import DriverStatement, fetch, give_back
+from langgraph_fence.database.retry import retry_connection_errors
 from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus
 from langgraph_fence.queue._database import QueueDatabase
 from langgraph_fence.queue._state import RunState
@@ -172,16 +171,15 @@ async def _on_driver(
     """Run ``statement`` on an asyncpg connection of ``engine`` (autocommit: one statement
     is its own transaction) in one round trip; its rows. A connection the call was
     interrupted on is discarded (its state is unknown: :mod:`langgraph_fence.database.driver`)."""
-    async with engine.connect() as conn:
+    conn = await engine.connect()
+    try:
         driver = (await conn.get_raw_connection()).driver_connection
-        try:
-            return await fetch(driver, statement, params)
-        except BaseException as exc:
-            if isinstance(exc, asyncio.CancelledError):
-                await discard(conn)
-            elif is_connection_error(exc):
-                await discard(conn, server_lost=True)
-            raise
+        rows = await fetch(driver, statement, params)
+    except BaseException as exc:
+        await give_back(conn, exc)
+        raise
+    await conn.close()
+    return rows
 
 
 async def _record_children_sqlite(
