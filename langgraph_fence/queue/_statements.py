@@ -14,7 +14,7 @@ from sqlalchemy import text
 from langgraph_fence.database import Dialect
 from langgraph_fence.lease import LeaseStatus
 from langgraph_fence.lease.guard import guard_sql
-from langgraph_fence.lease.schema import in_flight_sql, yielded_sql
+from langgraph_fence.lease.schema import STAMP_SQL, in_flight_sql, yielded_sql
 from langgraph_fence.lease.timeline import ledger_ok_sql, next_token_sql
 from langgraph_fence.queue.notifications import OF_SCHEMA
 
@@ -134,6 +134,13 @@ class LeaseWrites:
                 holder=":holder",
                 epoch=":epoch",
             )
+        )
+        # A failed run handed back for another attempt: as a sleep's release, and refused
+        # while a non-idempotent stamp stands. The stamp may land after the run's settle read
+        # the row (its step's write was in flight when LangGraph cancelled the step); a
+        # retry would then be dead-lettered at its take, so the run ends failed instead.
+        self.release_for_retry = text(
+            str(self.release_sleeping.text) + f" AND NOT {STAMP_SQL[dialect]['non_idempotent']}"
         )
         # A pending run with no holder starts no earlier than :not_before (store clock): a
         # take passes over a pending row whose expires_at is ahead (submit(not_before=...)).

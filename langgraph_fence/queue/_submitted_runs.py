@@ -507,13 +507,14 @@ class SubmittedRuns:
     async def release_for_retry(self, lease: Lease, delay: float, reason: str) -> bool:
         """Give ``lease`` back, pending for any worker ``delay`` seconds from now (store
         clock) on, and count one more attempt of its current run, in one transaction;
-        whether it was still held."""
+        whether it was still held with no non-idempotent stamp standing (one that stands
+        ends the run failed: its retry would be dead-lettered at the take)."""
         params = {**_held(lease), "wake_at": None, "delay": delay, "reason": reason}
         params.update(self._db.now())
 
         async def once() -> bool:
             async with transaction(self._engine) as conn:
-                released = await conn.execute(self._db.leases.release_sleeping, params)
+                released = await conn.execute(self._db.leases.release_for_retry, params)
                 if not released.rowcount:
                     return False
                 await conn.execute(ONE_MORE_ATTEMPT, params)

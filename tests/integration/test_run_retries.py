@@ -6,6 +6,7 @@ standing non-idempotent stamp."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any, TypedDict
 
@@ -15,7 +16,10 @@ from langgraph.graph import END, START, StateGraph
 from langgraph_fence import (
     Effect,
     Instance,
+    Lease,
+    LeaseKey,
     LeaseStatus,
+    PendingEffect,
     RunFailedError,
     RunRetry,
     fence_graph,
@@ -156,12 +160,16 @@ async def test_a_run_failing_beside_a_write_that_stands_is_not_retried(leases: L
     after one attempt, never handed back to charge again (a take would dead-letter it)."""
     client, worker = leases.instance("client"), leases.instance("worker")
     charged: list[int] = []
+    charging = asyncio.Event()
 
     async def charge(state: Flaky) -> dict[str, Any]:
-        charged.append(1)
+        charged.append(1)  # its body runs only once its stamp landed
+        charging.set()
+        await asyncio.Event().wait()  # cut off mid-charge by its sibling's failure
         return {}
 
     async def check(state: Flaky) -> dict[str, Any]:
+        await charging.wait()
         raise Boom("the check failed")
 
     builder: StateGraph[Any] = StateGraph(Flaky)
@@ -180,4 +188,42 @@ async def test_a_run_failing_beside_a_write_that_stands_is_not_retried(leases: L
     await look(loop)
     state = await run.state()
     assert (state.status, state.attempts) == (LeaseStatus.FAILED, 1)
-    assert len(charged) <= 1
+    assert charged == [1]
+
+
+async def test_a_stamp_landing_after_the_failed_runs_read_still_ends_it_failed(
+    leases: Leases, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stamp of a step LangGraph cancelled lands when its write, in flight at the
+    cancel, reaches the store: possibly after the failed run's settle read the lease. The
+    hand-back for another attempt still sees it (it is refused while such a stamp stands),
+    so the run ends failed after one attempt, never retried into a dead letter."""
+    client, worker = leases.instance("client"), leases.instance("worker")
+
+    async def check(state: Flaky) -> dict[str, Any]:
+        raise Boom("the check failed")
+
+    builder: StateGraph[Any] = StateGraph(Flaky)
+    builder.add_node("check", check)
+    builder.add_edge(START, "check")
+    builder.add_edge("check", END)
+    graph = fence_graph(builder).compile(checkpointer=worker.checkpointer, name="late")
+    repository = worker.host.repository
+    read = repository.get
+    landed: list[PendingEffect] = []
+
+    async def read_then_the_stamp_lands(key: LeaseKey) -> Lease | None:
+        found = await read(key)
+        if found is not None and found.status is LeaseStatus.RUNNING and not landed:
+            landed.append(PendingEffect(Effect.NON_IDEMPOTENT_WRITE, "charge", "t1", found.epoch))
+            await leases.store.mark_pending_effect(found, landed[0], 30.0)
+        return found
+
+    monkeypatch.setattr(repository, "get", read_then_the_stamp_lands)
+    loop = stepped(worker, {"late": graph}, run_retries={"late": RunRetry(backoff=0.0)})
+    run = await client.submit("late", {"fails": 0}, cfg(unique("t")), tenant_id="a")
+    await look(loop)
+    await look(loop)
+    assert landed, "the settle never read the lease"
+    state = await run.state()
+    assert (state.status, state.attempts) == (LeaseStatus.FAILED, 1)
