@@ -56,6 +56,13 @@ logger = logging.getLogger("langgraph_fence.serve")
 #: The longest pause serve() takes between looks while the store cannot be read.
 MAX_SERVE_BACKOFF = 10.0
 
+#: How often, at most, a busy loop sweeps (seconds): a look that a run's end woke takes
+#: work at once, but fires schedules, promotes queued runs, admits flow keys' runs, wakes
+#: yielded trees and delivers callbacks only if this long has passed since the last sweep
+#: (or with its pause cut to what is left of it). A look the poll timer or a NOTIFY woke
+#: always sweeps.
+SWEEP_EVERY = 0.1
+
 
 class Server:
     """One instance's takeover loop over ``graphs`` (see :meth:`Instance.serve`).
@@ -157,23 +164,31 @@ class Server:
         # claim order, transitions.fair_order).
         self._claimed_for: str | None = None
         self._announced_at = -ANNOUNCE_EVERY  # monotonic; never yet
+        self._swept_at = -SWEEP_EVERY  # monotonic; never yet
         # The takeover budget's last take runs alone: while such a run goes on, or while the
         # loop waits to be idle for one, it takes nothing else (:meth:`_last_chance`).
         self._alone: asyncio.Task[None] | None = None
         self._isolating = False
 
-    async def poll_once(self) -> float:
+    async def poll_once(self, *, sweep: bool = True) -> float:
         """One look: forget the runs that ended, take work if a slot is free; returns the
-        pause before the next look (``poll_interval``, longer while the store fails)."""
+        pause before the next look (``poll_interval``, longer while the store fails).
+
+        Without ``sweep`` the look only takes work: it fires no schedule, promotes no
+        queued run, admits no flow key's run, wakes no yielded tree and delivers no
+        callback (a busy loop does those every :data:`SWEEP_EVERY` seconds).
+        """
         for task in [t for t in self.running if t.done()]:
             self.running.pop(task)
-        await self._fire_schedules()
+        if sweep:
+            self._swept_at = time.monotonic()
+            await self._fire_schedules()
         # No more than the instance can renew in time: at its max_held, takeovers wait
         # (other instances may take them meanwhile).
         free = min(self.concurrency - len(self.running), self.host.keeper.free)
         if free > 0:
             try:
-                await self.take_work(free)
+                await self.take_work(free, sweep=sweep)
                 self.failures = 0
             except Exception as exc:
                 self.failures += 1
@@ -184,7 +199,7 @@ class Server:
                 )
         # After the takes, and not while the store fails: callbacks never delay a take,
         # nor add their own retries to a look during an outage.
-        if not self.failures:
+        if sweep and not self.failures:
             await self._deliver_callbacks()
         await self._announce()
         return serve_backoff(self.poll, self.failures)
@@ -270,9 +285,12 @@ class Server:
         try:
             listening = queue is not None and self.listen
             async with queue.wakeups(wake) if listening and queue else nullcontext(False):
+                sweep = True
                 while not stop.is_set():
                     wake.clear()
-                    pause = await self.poll_once()
+                    pause = await self.poll_once(sweep=sweep)
+                    if not sweep:
+                        pause = min(pause, max(0.0, self._sweep_left()))
                     waiters: list[asyncio.Future[Any]] = [
                         asyncio.ensure_future(stop.wait()),
                         asyncio.ensure_future(self._sleep(pause)),
@@ -280,6 +298,9 @@ class Server:
                     ]
                     waiters.extend(self.running)
                     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                    # Only a run's end woke the loop: it takes work at once, and sweeps
+                    # no more often than every SWEEP_EVERY seconds.
+                    sweep = any(w.done() for w in waiters[:3]) or self._sweep_left() <= 0
                     for waiter in waiters[:3]:
                         waiter.cancel()
         finally:
@@ -300,9 +321,14 @@ class Server:
         if self.running:
             await asyncio.gather(*self.running, return_exceptions=True)
 
-    async def take_work(self, free: int) -> None:
+    def _sweep_left(self) -> float:
+        """Seconds until the loop's next sweep is due (0 or less: due; a monotonic clock)."""
+        return self._swept_at + SWEEP_EVERY - time.monotonic()
+
+    async def take_work(self, free: int, *, sweep: bool = True) -> None:
         """Take up to ``free`` candidates over; a failed take never stops the serve loop
-        (a failed look raises, and the loop backs off).
+        (a failed look raises, and the loop backs off). With ``sweep``, queued runs are
+        promoted, flow keys' runs admitted and yielded trees woken first.
 
         An execution of a graph this loop does not serve is remembered with its epoch
         (``unserved``) and costs no read on the polls after: its record is never loaded, its
@@ -321,7 +347,7 @@ class Server:
             return  # draining to idle, to run an execution's last take alone
         self._isolating = False
         queue = host.queue_or_none()
-        if queue is not None:
+        if queue is not None and sweep:
             # A thread whose run ended begins its next queued run (on_busy="enqueue"): it is
             # then a pending candidate like any submitted run. One read when none is queued.
             await queue.promote()

@@ -81,9 +81,9 @@ async def test_a_healthy_execution_that_shared_a_poison_pill_s_workers_is_not_bl
     polls = 0
     take_work = Server.take_work
 
-    async def counted(server: Server, free: int) -> None:
+    async def counted(server: Server, free: int, **options: Any) -> None:
         nonlocal polls
-        await take_work(server, free)
+        await take_work(server, free, **options)
         polls += 1
 
     monkeypatch.setattr(Server, "take_work", counted)

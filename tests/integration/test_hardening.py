@@ -226,12 +226,12 @@ async def test_unserved_candidates_cost_nothing_per_poll(
     poll_seconds: list[float] = []
     take_work, take_over, load = Server.take_work, worker.repository.take_over, db.records.get
 
-    async def counted_poll(server: Server, free: int) -> None:
+    async def counted_poll(server: Server, free: int, **options: Any) -> None:
         nonlocal polls
         polls += 1
         reads_at_poll.append(record_reads)
         began = time.perf_counter()
-        await take_work(server, free)
+        await take_work(server, free, **options)
         poll_seconds.append(time.perf_counter() - began)
 
     async def counted_take_over(candidate: Any, holder: str, ttl: float, **budget: Any) -> Any:

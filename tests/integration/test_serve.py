@@ -515,3 +515,48 @@ async def test_only_a_submitted_run_pays_for_the_pin_at_its_takeover(leases: Lea
 
 def cfg_of(thread: str) -> dict[str, Any]:
     return {"configurable": {"thread_id": thread}}
+
+
+class Turn(TypedDict, total=False):
+    n: int
+
+
+async def test_a_busy_loop_begins_a_threads_queued_run_once_the_run_before_it_ends(
+    leases: Leases, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A look that a run's end woke takes work at once but sweeps (promotes queued runs,
+    among others) at most every ``SWEEP_EVERY`` seconds; when it may not sweep yet, it
+    pauses only until it may, never for the whole poll interval. The thread's queued run
+    begins within that (one second here), with a poll interval of a minute."""
+    from langgraph_fence.execution import serve as serve_module
+
+    monkeypatch.setattr(serve_module, "SWEEP_EVERY", 1.0)
+    b = leases.instance("B")
+    began, go = asyncio.Event(), asyncio.Event()
+
+    async def step(state: Turn) -> dict[str, Any]:
+        if state["n"] == 1:
+            began.set()
+            await go.wait()
+        return {"n": state["n"] * 10}
+
+    builder: StateGraph[Any] = StateGraph(Turn)
+    builder.add_node("step", step)
+    builder.add_edge(START, "step")
+    builder.add_edge("step", END)
+    graph = fence_graph(builder).compile(checkpointer=b.checkpointer, name="turns")
+    thread = {"configurable": {"thread_id": unique("turns")}}
+    first = await b.submit("turns", {"n": 1}, thread, tenant_id="acme")
+    stop = asyncio.Event()
+    loop = asyncio.create_task(
+        b.serve({"turns": graph}, poll_interval=60.0, stop=stop, handle_signals=False)
+    )
+    try:
+        await asyncio.wait_for(began.wait(), 10)
+        second = await b.submit("turns", {"n": 2}, thread, tenant_id="acme", on_busy="enqueue")
+        go.set()
+        assert await first.result(timeout=10, poll_interval=0.01) == {"n": 10}
+        assert await second.result(timeout=10, poll_interval=0.01) == {"n": 20}
+    finally:
+        stop.set()
+        await asyncio.wait_for(loop, 20)

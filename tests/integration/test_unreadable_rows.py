@@ -68,10 +68,10 @@ async def test_undecodable_checkpoints_are_dead_lettered_once_and_hide_no_takeov
     take_work, take_over = Server.take_work, worker.repository.take_over
     dead_letter = worker.repository.dead_letter
 
-    async def counted_poll(server: Server, free: int) -> None:
+    async def counted_poll(server: Server, free: int, **options: Any) -> None:
         nonlocal polls
         polls += 1
-        await take_work(server, free)
+        await take_work(server, free, **options)
 
     async def counted_take_over(candidate: Any, holder: str, ttl: float, **budget: Any) -> Any:
         if candidate.key == healthy:

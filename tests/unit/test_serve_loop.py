@@ -131,9 +131,9 @@ async def test_the_loop_looks_again_only_when_its_clock_has_moved_by_the_poll_in
     server = server_of(instance, clock, sleep=pause)
     take_work = server.take_work
 
-    async def counted(free: int) -> None:
+    async def counted(free: int, *, sweep: bool = True) -> None:
         looks.append(len(ended))
-        await take_work(free)
+        await take_work(free, sweep=sweep)
 
     server.take_work = counted  # type: ignore[method-assign]
     stop = asyncio.Event()
