@@ -481,8 +481,13 @@ class Server:
         # The record cannot change under us now: a new run of the key takes a new epoch.
         # None found before the take is read again now the take fenced the old holder (it
         # may have landed its first one in between); a submitted run reads it again below
-        # in any case, for its pin.
-        now_latest = latest if latest is not None else await graph.checkpointer.aget_tuple(config)
+        # in any case, for its pin. A candidate with no holder (a new run, a hand-back) had
+        # nobody who could write since the read (every write is guarded by its holder, and
+        # the take by the epoch read): the read stands, and costs no second one.
+        settled = candidate.holder is None
+        now_latest = (
+            latest if latest is not None or settled else await graph.checkpointer.aget_tuple(config)
+        )
         from_input = now_latest is None
         submitted = False
         told_run: str | None = None  # the submitted run whose callbacks its end arms
@@ -493,7 +498,7 @@ class Server:
         if queue is not None and head.submitted:
             # A submitted run: the first claimer pins the checkpoint its input follows; a
             # later taker runs the input again only if the thread is still there.
-            if latest is not None:
+            if latest is not None and not settled:
                 now_latest = await graph.checkpointer.aget_tuple(config)
             mark_now = "" if now_latest is None else _checkpoint_id(now_latest.config)
             pinned = await queue.pin(taken, mark_now)

@@ -437,9 +437,9 @@ async def test_confirm_now_during_a_graceful_stop_drains_the_step(
 
 
 async def test_only_a_submitted_run_pays_for_the_pin_at_its_takeover(leases: Leases) -> None:
-    """A takeover of a run started by ``ainvoke`` reads the thread's checkpoint once and
-    sends no pin; a submitted run's claim reads it again and sends its one pin UPDATE
-    (checkpoint reads and pin statements counted)."""
+    """A takeover of a run started by ``ainvoke`` reads the thread's checkpoint and sends
+    no pin; a submitted run's claim reads it once and sends its one pin UPDATE (checkpoint
+    reads and pin statements counted)."""
     from sqlalchemy import event
 
     from langgraph_fence.execution.serve import Server
@@ -507,9 +507,10 @@ async def test_only_a_submitted_run_pays_for_the_pin_at_its_takeover(leases: Lea
     with pytest.raises(ExecutionFencedError):
         await asyncio.wait_for(task_a, 10)
     # The run started by ainvoke: its latest checkpoint (and its parent, for the progress
-    # mark), no pin. The submitted one: none yet, read again after the take, and its pin.
+    # mark), no pin. The submitted one: none yet, and its pin; not read again after the
+    # take (nobody held it, so nobody could write since the read).
     assert plain == (2, 0)
-    assert claimed == (2, 1)
+    assert claimed == (1, 1)
     assert (await submitted.result(timeout=5))["log"]
 
 
