@@ -35,7 +35,7 @@ from langgraph_fence.execution.run import DEFAULT_GRAPH_NAME, Run, announce_dead
 from langgraph_fence.execution.sleeps import ExecutionSleeping
 from langgraph_fence.execution.streams import StreamRecorder
 from langgraph_fence.lease import Lease, LeaseKey, LeaseStatus
-from langgraph_fence.lease.records import ExecutionHead
+from langgraph_fence.lease.records import ExecutionHead, ExecutionRecord, SqlExecutionRecords
 from langgraph_fence.lease.run_config import restore_run, run_allowlist
 from langgraph_fence.lease.transitions import validate_max_takeovers
 from langgraph_fence.queue import ANNOUNCE_EVERY, WorkerHold
@@ -491,6 +491,7 @@ class Server:
         from_input = now_latest is None
         submitted = False
         told_run: str | None = None  # the submitted run whose callbacks its end arms
+        read_back: Mapping[str, Any] | None = None  # the record, as the pin read it back
         stream: StreamTake | None = None
         queue = host.queue_or_none()
         # Only a submitted run (its head says so: read with it, no statement more) pays for
@@ -504,15 +505,22 @@ class Server:
             pinned = await queue.pin(taken, mark_now)
             if pinned is not None:
                 submitted = True
+                read_back = pinned.record
                 # Its end arms the run's callbacks only if it has any (else no statement).
                 told_run = pinned.run_id if pinned.told else None
                 from_input = pinned.input_after == mark_now
                 if pinned.run_id is not None and pinned.stream_modes:
                     stream = await _stream_take(queue, taken, pinned, now_latest, from_input)
         try:
-            record = await host.records.get(
-                taken.key, allow=run_allowlist(graph), with_input=from_input
-            )
+            records = host.records
+            if read_back is not None and isinstance(records, SqlExecutionRecords):
+                record: ExecutionRecord | None = records.decode(
+                    taken.key, read_back, allow=run_allowlist(graph), with_input=from_input
+                )
+            else:
+                record = await records.get(
+                    taken.key, allow=run_allowlist(graph), with_input=from_input
+                )
             if record is None:
                 raise LookupError(f"the record of execution {taken.scope_key!r} is gone")
         except Exception as exc:

@@ -708,6 +708,23 @@ class SqlExecutionRecords:
         row = await retry_connection_errors(read, what="execution record read")
         if row is None:
             return None
+        return self.decode(key, row, allow=allow, with_input=with_input)
+
+    def decode(
+        self,
+        key: LeaseKey,
+        row: Mapping[str, Any],
+        *,
+        allow: Collection[tuple[str, ...]] = (),
+        with_input: bool = True,
+    ) -> ExecutionRecord:
+        """The record of ``key`` from ``row``: its ``fence_executions`` columns (``graph``,
+        ``thread_id``, ``input_type``, ``input``, ``run_type``, ``run``) as a statement that
+        did other work read them, decoded as :meth:`get` decodes them.
+
+        Raises:
+            ValueError: the serializer cannot load the recorded input or run config.
+        """
         serde = with_allowlist(self.serde, allow)
         run = RecordedRun()
         if row["run"] is not None:

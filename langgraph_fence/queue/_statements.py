@@ -98,12 +98,19 @@ class LeaseWrites:
         # On PostgreSQL both in ONE statement (one round trip, not a transaction of four):
         # the run's start written only after a pin that landed; a pin with no run row
         # (submitted before runs had rows) still answers.
+        # The pin reads back the execution's record too (its input only where the run
+        # begins from it: the checkpoint pinned is the one the taker found), so its taker
+        # needs no read of its own.
         self.pin_started = (
             text(
-                f"WITH pinned AS ({self.pin.text}), started AS ("
+                f"WITH pinned AS ({self.pin.text}, graph, thread_id, input_type, "
+                "CASE WHEN input_after = :checkpoint THEN input END AS input, run_type, run"
+                "), started AS ("
                 + started.format(also=" AND EXISTS (SELECT 1 FROM pinned)")
-                + ") SELECT pinned.input_after, started.run_id, started.stream_modes, "
-                "started.told FROM pinned LEFT JOIN started ON TRUE"
+                + ") SELECT pinned.input_after, pinned.graph, pinned.thread_id, "
+                "pinned.input_type, pinned.input, pinned.run_type, pinned.run, "
+                "started.run_id, started.stream_modes, started.told "
+                "FROM pinned LEFT JOIN started ON TRUE"
             )
             if dialect == "postgresql"
             else None

@@ -330,9 +330,9 @@ class SubmittedRuns:
     async def pin(self, lease: Lease, checkpoint_id: str | None) -> Pinned | None:
         """For a submitted run just taken under ``lease``: the checkpoint its input follows
         (``""``: none), pinned to ``checkpoint_id`` by the first claimer, with the run's id
-        and recorded stream modes; ``None`` for a run that was not submitted (or a lease no
-        longer held). One guarded statement, and the run's start written on its row (flow
-        keys count starts), in one transaction."""
+        and recorded stream modes (and, on PostgreSQL, its execution's record); ``None`` for
+        a run that was not submitted (or a lease no longer held). One guarded statement, and
+        the run's start written on its row (flow keys count starts), in one transaction."""
 
         statements = self._db.leases
 
@@ -344,7 +344,8 @@ class SubmittedRuns:
                 if not rows:
                     return None
                 both = rows[0]
-                return _pinned(both["input_after"], both if both["run_id"] is not None else None)
+                pinned = _pinned(both["input_after"], both if both["run_id"] is not None else None)
+                return pinned._replace(record=both)
             async with transaction(self._engine) as conn:
                 row = (await conn.execute(statements.pin, params)).first()
                 if row is None:
@@ -662,6 +663,10 @@ class Pinned(NamedTuple):
     stream_modes: tuple[str, ...]
     #: Whether the run has callbacks to tell when it ends (``submit(webhook=, callback=)``).
     told: bool = False
+    #: The execution's record as the pin read it back (its ``fence_executions`` columns;
+    #: the input only where the run begins from it), for
+    #: :meth:`~langgraph_fence.lease.records.SqlExecutionRecords.decode`; ``None``: not read.
+    record: Mapping[str, Any] | None = None
 
 
 def _pinned(input_after: Any, run: Any) -> Pinned:

@@ -86,6 +86,36 @@ async def test_a_record_is_not_decoded_when_a_checkpoint_resumes_the_run(
     assert lease.reason is None
 
 
+async def test_a_submitted_runs_crafted_record_runs_no_code_and_is_dead_lettered(
+    db: Leases, tmp_path: Path
+) -> None:
+    """A submitted run's record is read back by its pin (on PostgreSQL, in the pin's own
+    statement): decoded as any record is, under the served graph's allow-list."""
+    marker = tmp_path / "submitted-ran"
+    client = db.instance("A")
+    poisoned = await client.submit(
+        "served", {"log": []}, {"configurable": {"thread_id": unique("t")}}, tenant_id=TENANT
+    )
+    async with db.engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE fence_executions SET input = :b WHERE execution_id = :e"),
+            {"b": crafted(marker), "e": poisoned.key.execution_id},
+        )
+    good = await client.submit(
+        "served", {"log": []}, {"configurable": {"thread_id": unique("t")}}, tenant_id=TENANT
+    )
+    worker = db.instance("B")
+    async with serving(worker, {"served": log_graph(worker)}):
+        await until_status(db, poisoned.key, LeaseStatus.DEAD_LETTERED)
+        await until_status(db, good.key, LeaseStatus.DONE)
+    assert not marker.exists(), "decoding the crafted record ran its code"
+    lease = await db.store.get(poisoned.key)
+    assert lease is not None
+    assert lease.reason is not None
+    assert lease.reason.startswith("its execution record cannot be loaded: "), lease.reason
+    assert "allow-list" in lease.reason
+
+
 async def test_undecodable_record_dead_letters_and_serve_goes_on(db: Leases) -> None:
     pickled = await expired(db, "served", raw=("pickle", b"\x80\x04K\x01."))
     good = await expired(db, "served")
