@@ -485,6 +485,9 @@ class Server:
         # nobody who could write since the read (every write is guarded by its holder, and
         # the take by the epoch read): the read stands, and costs no second one.
         settled = candidate.holder is None
+        # Whether ``now_latest`` was read where nothing could have written since (then the
+        # run's own first read is answered with it: FencedCheckpointer.primed).
+        fresh = settled or latest is None
         now_latest = (
             latest if latest is not None or settled else await graph.checkpointer.aget_tuple(config)
         )
@@ -501,6 +504,7 @@ class Server:
             # later taker runs the input again only if the thread is still there.
             if latest is not None and not settled:
                 now_latest = await graph.checkpointer.aget_tuple(config)
+                fresh = True
             mark_now = "" if now_latest is None else _checkpoint_id(now_latest.config)
             pinned = await queue.pin(taken, mark_now)
             if pinned is not None:
@@ -559,6 +563,7 @@ class Server:
                 self.run_retries.get(head.graph),
                 stream,
                 told_run,
+                (now_latest,) if fresh else None,
             ),
             name=f"resume {taken.scope_key}",
         )
@@ -617,11 +622,13 @@ class Server:
         retry: RunRetry | None = None,
         stream: StreamTake | None = None,
         told_run: str | None = None,
+        latest: tuple[CheckpointTuple | None] | None = None,
     ) -> None:
         """Run a taken execution: from its last checkpoint (``input`` None), or its input;
         a submitted run's output is kept with its execution under its lease, its failure
         retried as ``retry`` says, its stream recorded as ``stream`` says, and the callbacks
-        of ``told_run`` made due when it ends."""
+        of ``told_run`` made due when it ends. ``latest``: the thread's latest checkpoint as
+        read since the take, which the run's own first read is answered with."""
         try:
             logger.info(
                 "resuming %s at token %d from its %s",
@@ -642,10 +649,20 @@ class Server:
             ) as run:
                 runs.append(run)
                 queue = self.host.queue_or_none()
-                if stream is None or queue is None:
-                    output = await graph.ainvoke(input, run.config, control=run.control, **kwargs)
-                else:
-                    output = await _recorded(graph, input, run, kwargs, queue, stream)
+                from langgraph_fence.saver.checkpoint import FencedCheckpointer
+
+                saver = graph.checkpointer
+                with (
+                    saver.primed(run.config, latest[0])
+                    if latest is not None and isinstance(saver, FencedCheckpointer)
+                    else nullcontext()
+                ):
+                    if stream is None or queue is None:
+                        output = await graph.ainvoke(
+                            input, run.config, control=run.control, **kwargs
+                        )
+                    else:
+                        output = await _recorded(graph, input, run, kwargs, queue, stream)
                 if submitted and queue is not None:
                     await queue.store_output(run.handle, output)
         except GraphDrained:

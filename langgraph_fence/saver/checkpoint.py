@@ -35,6 +35,8 @@ from collections.abc import (
     Iterator,
     Sequence,
 )
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from langchain_core.runnables import RunnableConfig
@@ -44,6 +46,7 @@ from langgraph.checkpoint.base import (
     Checkpoint,
     CheckpointMetadata,
     CheckpointTuple,
+    get_checkpoint_id,
 )
 
 from langgraph_fence.errors import ExecutionContextUnavailableError, ExecutionLeaseLostError
@@ -58,7 +61,7 @@ from langgraph_fence.fence.admission import (
     writes_proof,
 )
 from langgraph_fence.fence.proofs import CheckpointAt
-from langgraph_fence.fence.tenancy import DEFAULT_TENANT, LEGACY_TENANT
+from langgraph_fence.fence.tenancy import DEFAULT_TENANT, LEGACY_TENANT, thread_tenant
 from langgraph_fence.from_thread import hop, running_loop
 from langgraph_fence.keys import FENCE_CONFIG_KEY
 from langgraph_fence.lease.faults import fault_point
@@ -101,6 +104,20 @@ class GraphRunner(Protocol):
 
     async def aupdate_state(self, *args: Any, **kwargs: Any) -> Any:
         """Update a thread's state under its execution's lease."""
+
+
+#: A run's first read of its thread's latest checkpoint, answered from a read its taker
+#: made already (:meth:`FencedCheckpointer.primed`): ``[(tenant, thread, namespace),
+#: the tuple]`` until that read, or a write, of the run's context empties it.
+_PRIMED: ContextVar[list[tuple[tuple[str, str, str], CheckpointTuple | None]] | None] = ContextVar(
+    "langgraph_fence_primed", default=None
+)
+
+
+def _unprime() -> None:
+    primed = _PRIMED.get()
+    if primed:
+        primed.clear()
 
 
 class FencedCheckpointer(BaseCheckpointSaver[Any]):
@@ -260,8 +277,38 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
             config, None if self.instance is None else self.instance.tenant_id
         )
 
+    @contextmanager
+    def primed(self, config: RunnableConfig, found: CheckpointTuple | None) -> Iterator[None]:
+        """Within the block (and the tasks it starts), the first read of the latest
+        checkpoint of ``config``'s thread (its root namespace, no ``checkpoint_id``)
+        answers ``found`` without reading, once; a write first, and it reads as usual.
+
+        For a caller that read it where nothing could have written since: a run just
+        taken over, whose take fenced every other writer of its thread.
+        """
+        token = _PRIMED.set([(self._primed_key(self._tenanted(config)), found)])
+        try:
+            yield
+        finally:
+            _PRIMED.reset(token)
+
+    @staticmethod
+    def _primed_key(config: Any) -> tuple[str, str, str]:
+        configurable = config.get("configurable") or {}
+        return (
+            str(thread_tenant(config)),
+            str(configurable.get("thread_id")),
+            str(configurable.get("checkpoint_ns") or ""),
+        )
+
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         config = self._tenanted(config)
+        primed = _PRIMED.get()
+        if primed and get_checkpoint_id(config) is None:
+            key, found = primed[0]
+            if key == self._primed_key(config):
+                primed.clear()
+                return found
         found = await self.inner.aget_tuple(self.thread_names.inner_config(config))
         legacy = self.thread_names.legacy_config(config) if found is None else None
         if legacy is not None:
@@ -371,6 +418,8 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
     ) -> RunnableConfig:
         names = self.thread_names
 
+        _unprime()
+
         async def delegated(config: RunnableConfig) -> RunnableConfig:
             saved = await self.inner.aput(
                 names.inner_config(config), checkpoint, metadata, new_versions
@@ -404,6 +453,8 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         task_id: str,
         task_path: str = "",
     ) -> None:
+        _unprime()
+
         async def delegated(config: RunnableConfig) -> None:
             await self.inner.aput_writes(
                 self.thread_names.inner_config(config), writes, task_id, task_path
@@ -512,6 +563,7 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         :mod:`langgraph_fence.saver.admin`. Over a wrapper no instance owns, or for the legacy
         tenant ``""``, only the checkpoints, blobs and writes are deleted.
         """
+        _unprime()
         tenant_id = self.tenant_of(tenant_id)
         admin = self.admin_for(tenant_id)
         if admin is None:
