@@ -157,6 +157,9 @@ class Server:
         )
         #: The runs this loop started, by the task that runs each.
         self.running: dict[asyncio.Task[None], list[Run]] = {}
+        #: The ends of submitted runs being told to their waiters (NOTIFY), beside the
+        #: slots the runs freed.
+        self.telling: set[asyncio.Task[None]] = set()
         # Executions of graphs this loop does not serve, by key, with the epoch seen.
         self._unserved: dict[LeaseKey, int] = {}
         self.failures = 0  # looks in a row that the store refused: the loop backs off
@@ -320,6 +323,8 @@ class Server:
                 run.control.request_drain(reason)
         if self.running:
             await asyncio.gather(*self.running, return_exceptions=True)
+        if self.telling:
+            await asyncio.gather(*self.telling, return_exceptions=True)
 
     def _sweep_left(self) -> float:
         """Seconds until the loop's next sweep is due (0 or less: due; a monotonic clock)."""
@@ -674,12 +679,15 @@ class Server:
         finally:
             queue = self.host.queue_or_none()
             if submitted and queue is not None:
-                # Its lease is released now: a result() waiting for it looks at once, and
-                # its callbacks are due if it ended (a run that goes on is not told).
-                await queue.notify(ENDS_CHANNEL, taken.scope_key)
+                # Its lease is released now: its callbacks are due if it ended (a run that
+                # goes on is not told), and a result() waiting for it looks at once, told in
+                # a task of its own: the run's slot is free for the next take meanwhile.
                 if told_run is not None:
                     with contextlib.suppress(Exception):  # the sweep makes them due then
                         await queue.callbacks.arm(told_run)
+                telling = asyncio.ensure_future(queue.notify(ENDS_CHANNEL, taken.scope_key))
+                self.telling.add(telling)
+                telling.add_done_callback(self.telling.discard)
 
 
 class StreamTake(NamedTuple):

@@ -80,9 +80,11 @@ def stepped(
 
 
 async def look(server: Any) -> None:
-    """One look of a :func:`stepped` loop, and the runs it started, to their end."""
+    """One look of a :func:`stepped` loop, and the runs it started, to their end (their
+    ends told to their waiters)."""
     await server.poll_once()
     await asyncio.wait_for(asyncio.gather(*server.running), 20)
+    await asyncio.wait_for(asyncio.gather(*server.telling), 20)
 
 
 def cfg(thread: str) -> dict[str, Any]:
