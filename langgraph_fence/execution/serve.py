@@ -189,9 +189,15 @@ class Server:
         # No more than the instance can renew in time: at its max_held, takeovers wait
         # (other instances may take them meanwhile).
         free = min(self.concurrency - len(self.running), self.host.keeper.free)
-        if free > 0:
+        if free > 0 or sweep:
             try:
-                await self.take_work(free, sweep=sweep)
+                if free > 0:
+                    await self.take_work(free, sweep=sweep)
+                else:
+                    # A full loop's sweep still makes runs takeable: under a steady load
+                    # its sweeps may all fall on full looks, and the looks a run's end
+                    # wakes do not sweep (queued runs would wait for the backlog to drain).
+                    await self._make_takeable()
                 self.failures = 0
             except Exception as exc:
                 self.failures += 1
@@ -326,6 +332,21 @@ class Server:
         if self.telling:
             await asyncio.gather(*self.telling, return_exceptions=True)
 
+    async def _make_takeable(self) -> None:
+        """Make the runs takeable that wait for a look rather than for a worker: queued
+        runs, flow keys' runs, yielded trees whose children all ended."""
+        queue = self.host.queue_or_none()
+        if queue is None:
+            return
+        # A thread whose run ended begins its next queued run (on_busy="enqueue"): it is
+        # then a pending candidate like any submitted run. One read when none is queued.
+        await queue.promote()
+        # Runs of flow keys the keys' limits now allow: admitted (pending, takeable).
+        await queue.flows.admit()
+        # A yielded tree whose children all ended without waking it: woken (one
+        # statement; its waiter, if alive, takes it again within the TTL).
+        await queue.wake_all_yielded(self.host.lease_ttl)
+
     def _sweep_left(self) -> float:
         """Seconds until the loop's next sweep is due (0 or less: due; a monotonic clock)."""
         return self._swept_at + SWEEP_EVERY - time.monotonic()
@@ -351,16 +372,8 @@ class Server:
         if self._isolating and not self._idle():
             return  # draining to idle, to run an execution's last take alone
         self._isolating = False
-        queue = host.queue_or_none()
-        if queue is not None and sweep:
-            # A thread whose run ended begins its next queued run (on_busy="enqueue"): it is
-            # then a pending candidate like any submitted run. One read when none is queued.
-            await queue.promote()
-            # Runs of flow keys the keys' limits now allow: admitted (pending, takeable).
-            await queue.flows.admit()
-            # A yielded tree whose children all ended without waking it: woken (one
-            # statement; its waiter, if alive, takes it again within the TTL).
-            await queue.wake_all_yielded(host.lease_ttl)
+        if sweep:
+            await self._make_takeable()
         window = free * 4
         # The candidates this look took, settled or passed over: a window full of rows that
         # cannot run here (dead-lettered now, moved on) is looked past at once, not one

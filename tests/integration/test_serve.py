@@ -561,3 +561,62 @@ async def test_a_busy_loop_begins_a_threads_queued_run_once_the_run_before_it_en
     finally:
         stop.set()
         await asyncio.wait_for(loop, 20)
+
+
+async def test_a_full_loop_still_begins_queued_runs_behind_a_backlog(
+    leases: Leases, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The looks a run's end wakes only take work, and the sweep that follows may find
+    every slot full: it still begins the thread's queued run (pending, claimed in its
+    tenant's turn), never leaving it queued until another tenant's backlog drains."""
+    from langgraph_fence.execution import serve as serve_module
+
+    monkeypatch.setattr(serve_module, "SWEEP_EVERY", 3.0)  # the run's end falls within it
+    b = leases.instance("B")
+    began, go, hold = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    holding = asyncio.Event()
+
+    async def step(state: Turn) -> dict[str, Any]:
+        if state["n"] == 1:
+            began.set()
+            await go.wait()
+        elif state["n"] == 3:
+            holding.set()
+            await hold.wait()  # another tenant's run, filling the loop's one slot
+        return {"n": state["n"] * 10}
+
+    builder: StateGraph[Any] = StateGraph(Turn)
+    builder.add_node("step", step)
+    builder.add_edge(START, "step")
+    builder.add_edge("step", END)
+    graph = fence_graph(builder).compile(checkpointer=b.checkpointer, name="turns")
+    thread = {"configurable": {"thread_id": unique("turns")}}
+    first = await b.submit("turns", {"n": 1}, thread, tenant_id="acme")
+    stop = asyncio.Event()
+    loop = asyncio.create_task(
+        b.serve(
+            {"turns": graph}, concurrency=1, poll_interval=60.0, stop=stop, handle_signals=False
+        )
+    )
+    try:
+        await asyncio.wait_for(began.wait(), 10)
+        queued = await b.submit("turns", {"n": 2}, thread, tenant_id="acme", on_busy="enqueue")
+        other = await b.submit(
+            "turns", {"n": 3}, {"configurable": {"thread_id": unique("other")}}, tenant_id="zeta"
+        )
+        assert (await queued.state()).queued
+        go.set()
+        assert await first.result(timeout=10, poll_interval=0.01) == {"n": 10}
+        await asyncio.wait_for(holding.wait(), 10)  # the slot is full
+
+        async def begun() -> bool:
+            return not (await queued.state()).queued
+
+        await eventually(begun, timeout=15, what="the queued run begun while the slot is full")
+        hold.set()
+        assert await other.result(timeout=10, poll_interval=0.01) == {"n": 30}
+        assert await queued.result(timeout=10, poll_interval=0.01) == {"n": 20}
+    finally:
+        hold.set()
+        stop.set()
+        await asyncio.wait_for(loop, 20)
