@@ -176,15 +176,13 @@ async def give_back(
     lost = not cancelled and is_connection_error(failure)
 
     async def settle() -> None:
-        try:
-            if cancelled or lost:
-                await discard(conn, server_lost=lost)
-            await conn.close()
-            for other in also:
-                await discard(other)
-                await other.close()
-        except Exception:
-            logger.debug("could not give a connection back after a failed call", exc_info=True)
+        for each, drop in ((conn, cancelled or lost), *((other, True) for other in also)):
+            try:  # each on its own: one that fails to close leaves the others to close
+                if drop:
+                    await discard(each, server_lost=lost and each is conn)
+                await each.close()
+            except Exception:
+                logger.debug("could not give a connection back after a failed call", exc_info=True)
 
     task = asyncio.ensure_future(settle())
     _giving_back.add(task)
