@@ -522,6 +522,15 @@ class Turn(TypedDict, total=False):
     n: int
 
 
+def turns(instance: Instance, step: Any) -> Any:
+    """``turns``: one node, ``step``."""
+    builder: StateGraph[Any] = StateGraph(Turn)
+    builder.add_node("step", step)
+    builder.add_edge(START, "step")
+    builder.add_edge("step", END)
+    return fence_graph(builder).compile(checkpointer=instance.checkpointer, name="turns")
+
+
 async def test_a_busy_loop_begins_a_threads_queued_run_once_the_run_before_it_ends(
     leases: Leases, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -541,11 +550,7 @@ async def test_a_busy_loop_begins_a_threads_queued_run_once_the_run_before_it_en
             await go.wait()
         return {"n": state["n"] * 10}
 
-    builder: StateGraph[Any] = StateGraph(Turn)
-    builder.add_node("step", step)
-    builder.add_edge(START, "step")
-    builder.add_edge("step", END)
-    graph = fence_graph(builder).compile(checkpointer=b.checkpointer, name="turns")
+    graph = turns(b, step)
     thread = {"configurable": {"thread_id": unique("turns")}}
     first = await b.submit("turns", {"n": 1}, thread, tenant_id="acme")
     stop = asyncio.Event()
@@ -585,11 +590,7 @@ async def test_a_full_loop_still_begins_queued_runs_behind_a_backlog(
             await hold.wait()  # another tenant's run, filling the loop's one slot
         return {"n": state["n"] * 10}
 
-    builder: StateGraph[Any] = StateGraph(Turn)
-    builder.add_node("step", step)
-    builder.add_edge(START, "step")
-    builder.add_edge("step", END)
-    graph = fence_graph(builder).compile(checkpointer=b.checkpointer, name="turns")
+    graph = turns(b, step)
     thread = {"configurable": {"thread_id": unique("turns")}}
     first = await b.submit("turns", {"n": 1}, thread, tenant_id="acme")
     stop = asyncio.Event()
