@@ -107,10 +107,10 @@ class GraphRunner(Protocol):
 
 
 #: A run's first read of its thread's latest checkpoint, answered from a read its taker
-#: made already (:meth:`FencedCheckpointer.primed`): ``[(tenant, thread, namespace),
-#: the tuple]`` until that read, or a write, of the run's context empties it.
-_PRIMED: ContextVar[list[tuple[tuple[str, str, str], CheckpointTuple | None]] | None] = ContextVar(
-    "langgraph_fence_primed", default=None
+#: made already (:meth:`FencedCheckpointer.primed`): ``[(saver, tenant, thread,
+#: namespace), the tuple]`` until that read, or a write, of the run's context empties it.
+_PRIMED: ContextVar[list[tuple[tuple[int, str, str, str], CheckpointTuple | None]] | None] = (
+    ContextVar("langgraph_fence_primed", default=None)
 )
 
 
@@ -292,10 +292,10 @@ class FencedCheckpointer(BaseCheckpointSaver[Any]):
         finally:
             _PRIMED.reset(token)
 
-    @staticmethod
-    def _primed_key(config: Any) -> tuple[str, str, str]:
+    def _primed_key(self, config: Any) -> tuple[int, str, str, str]:
         configurable = config.get("configurable") or {}
         return (
+            id(self),  # this saver's read: another saver's store may hold another thread
             str(thread_tenant(config)),
             str(configurable.get("thread_id")),
             str(configurable.get("checkpoint_ns") or ""),

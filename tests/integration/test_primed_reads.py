@@ -20,7 +20,7 @@ class Count(TypedDict, total=False):
 async def test_the_primed_read_answers_the_first_read_of_the_latest_checkpoint_once(
     leases: Leases,
 ) -> None:
-    a = leases.instance("A")
+    a, b = leases.instance("A"), leases.instance("B")
 
     async def step(state: Count) -> dict[str, Any]:
         return {"n": state["n"] + 1}
@@ -58,13 +58,18 @@ async def test_the_primed_read_answers_the_first_read_of_the_latest_checkpoint_o
             assert parent is not None
             assert parent.checkpoint["id"] == parent_id
             assert len(reads) == 2
+            # ...and so is the same thread through another instance's saver...
+            through_b = await b.checkpointer.aget_tuple(of(thread))
+            assert through_b is not None
+            assert through_b is not stored
+            assert len(reads) == 3
             # ...the thread's latest is answered from the primed read, once.
             assert await saver.aget_tuple(of(thread)) is stored
-            assert len(reads) == 2
+            assert len(reads) == 3
             again = await saver.aget_tuple(of(thread))
             assert again is not None
             assert again.checkpoint["id"] == stored.checkpoint["id"]
-            assert len(reads) == 3
+            assert len(reads) == 4
         with saver.primed(of(thread), None):
             pass
         assert await saver.aget_tuple(of(thread)) is not None  # the block's end forgot it
