@@ -131,10 +131,13 @@ class Connections:
             await conn.close()
 
     async def aclose(self) -> None:
-        """Give every held connection back to the engine's pool."""
+        """Give every held connection back to the engine's pool, and wait for the
+        give-backs under way (:func:`give_back`) to end."""
         idle, self._idle = self._idle, []
         for conn, _ in idle:
             await conn.close()
+        if _giving_back:
+            await asyncio.gather(*_giving_back, return_exceptions=True)
 
     def _on_dispose(self, _engine: Any) -> None:
         # Called by engine.dispose(), after the pool was replaced: the held connections
