@@ -17,18 +17,21 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 
 from checkpointers import SqlStore
 from langgraph_fence import Lease, LeaseKey, LeaseStatus, SqlLeaseRepository
 from langgraph_fence.database import create_engine, schema_options
 from tests.support.chaos_graphs import EXIT_FENCED
 from tests.support.databases import Database, unique
+from tests.support.polling import eventually
 from tests.support.processes import (
     Started,
     continued_report,
@@ -81,6 +84,45 @@ async def test_a_sigstopped_worker_s_memory_write_is_refused_and_b_s_stands(
             ).scalar_one_or_none()
         return (None if item is None else item.value), token
 
+    async def takes_a_write() -> bool:
+        """Whether the database takes a write on A's lease row now, without waiting: no
+        statement of A holds its lock (SQLite: the file's; PostgreSQL: the row's)."""
+        if engine.dialect.name == "sqlite":
+            path = engine.url.database or ""
+            probe = sqlite3.connect(path, timeout=0)
+            try:
+                probe.execute("BEGIN IMMEDIATE")
+                probe.execute("ROLLBACK")
+                return True
+            except sqlite3.OperationalError:
+                return False
+            finally:
+                probe.close()
+        try:
+            async with engine.begin() as conn:
+                await conn.execute(
+                    text(
+                        "SELECT 1 FROM fence_leases WHERE tenant_id = :t AND execution_id = :e"
+                        " FOR UPDATE NOWAIT"
+                    ),
+                    {"t": tenant, "e": thread},
+                )
+            return True
+        except DBAPIError:
+            return False
+
+    async def stop_between_writes(pid: int) -> None:
+        """SIGSTOP ``pid`` at an instant none of its statements holds a lock. Its loop is
+        blocked before its write, but a statement it sent before (a renewal) may still be
+        running on its driver's thread; stopped there, it would hold the lock B needs for
+        as long as it is stopped. Such a stop is continued until the statement ends."""
+        while True:
+            os.kill(pid, signal.SIGSTOP)
+            if await takes_a_write():
+                return
+            os.kill(pid, signal.SIGCONT)
+            await eventually(takes_a_write, deadline=deadline, what="A's statement to end")
+
     try:
         args = [database.url, database.schema, tenant, thread, str(TTL), str(RENEW), str(inside)]
         worker_a = await start_process(
@@ -91,7 +133,7 @@ async def test_a_sigstopped_worker_s_memory_write_is_refused_and_b_s_stands(
             worker_a, lambda: read_json(inside), deadline=deadline, what="A to enter remember"
         )
         token_a = int(entered["token"])
-        os.kill(worker_a.pid, signal.SIGSTOP)
+        await stop_between_writes(worker_a.pid)
         assert await summary() == (None, None)  # A has not written
 
         worker_b = await start_worker(
