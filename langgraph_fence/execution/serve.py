@@ -667,12 +667,10 @@ class Server:
             ) as run:
                 runs.append(run)
                 queue = self.host.queue_or_none()
-                from langgraph_fence.saver.checkpoint import FencedCheckpointer
-
-                saver = graph.checkpointer
+                # Every served graph's checkpointer is a FencedCheckpointer (__init__ checks).
                 with (
-                    saver.primed(run.config, latest[0])
-                    if latest is not None and isinstance(saver, FencedCheckpointer)
+                    graph.checkpointer.primed(run.config, latest[0])
+                    if latest is not None
                     else nullcontext()
                 ):
                     if stream is None or queue is None:
