@@ -550,22 +550,14 @@ async def test_a_busy_loop_begins_a_threads_queued_run_once_the_run_before_it_en
             await go.wait()
         return {"n": state["n"] * 10}
 
-    graph = turns(b, step)
     thread = {"configurable": {"thread_id": unique("turns")}}
     first = await b.submit("turns", {"n": 1}, thread, tenant_id="acme")
-    stop = asyncio.Event()
-    loop = asyncio.create_task(
-        b.serve({"turns": graph}, poll_interval=60.0, stop=stop, handle_signals=False)
-    )
-    try:
+    async with serving(b, {"turns": turns(b, step)}, poll_interval=60.0):
         await asyncio.wait_for(began.wait(), 10)
         second = await b.submit("turns", {"n": 2}, thread, tenant_id="acme", on_busy="enqueue")
         go.set()
         assert await first.result(timeout=10, poll_interval=0.01) == {"n": 10}
         assert await second.result(timeout=10, poll_interval=0.01) == {"n": 20}
-    finally:
-        stop.set()
-        await asyncio.wait_for(loop, 20)
 
 
 async def test_a_full_loop_still_begins_queued_runs_behind_a_backlog(
@@ -590,34 +582,29 @@ async def test_a_full_loop_still_begins_queued_runs_behind_a_backlog(
             await hold.wait()  # another tenant's run, filling the loop's one slot
         return {"n": state["n"] * 10}
 
-    graph = turns(b, step)
     thread = {"configurable": {"thread_id": unique("turns")}}
     first = await b.submit("turns", {"n": 1}, thread, tenant_id="acme")
-    stop = asyncio.Event()
-    loop = asyncio.create_task(
-        b.serve(
-            {"turns": graph}, concurrency=1, poll_interval=60.0, stop=stop, handle_signals=False
-        )
-    )
-    try:
-        await asyncio.wait_for(began.wait(), 10)
-        queued = await b.submit("turns", {"n": 2}, thread, tenant_id="acme", on_busy="enqueue")
-        other = await b.submit(
-            "turns", {"n": 3}, {"configurable": {"thread_id": unique("other")}}, tenant_id="zeta"
-        )
-        assert (await queued.state()).queued
-        go.set()
-        assert await first.result(timeout=10, poll_interval=0.01) == {"n": 10}
-        await asyncio.wait_for(holding.wait(), 10)  # the slot is full
+    async with serving(b, {"turns": turns(b, step)}, concurrency=1, poll_interval=60.0):
+        try:
+            await asyncio.wait_for(began.wait(), 10)
+            queued = await b.submit("turns", {"n": 2}, thread, tenant_id="acme", on_busy="enqueue")
+            other = await b.submit(
+                "turns",
+                {"n": 3},
+                {"configurable": {"thread_id": unique("other")}},
+                tenant_id="zeta",
+            )
+            assert (await queued.state()).queued
+            go.set()
+            assert await first.result(timeout=10, poll_interval=0.01) == {"n": 10}
+            await asyncio.wait_for(holding.wait(), 10)  # the slot is full
 
-        async def begun() -> bool:
-            return not (await queued.state()).queued
+            async def begun() -> bool:
+                return not (await queued.state()).queued
 
-        await eventually(begun, timeout=15, what="the queued run begun while the slot is full")
-        hold.set()
-        assert await other.result(timeout=10, poll_interval=0.01) == {"n": 30}
-        assert await queued.result(timeout=10, poll_interval=0.01) == {"n": 20}
-    finally:
-        hold.set()
-        stop.set()
-        await asyncio.wait_for(loop, 20)
+            await eventually(begun, timeout=15, what="the queued run begun while the slot is full")
+            hold.set()
+            assert await other.result(timeout=10, poll_interval=0.01) == {"n": 30}
+            assert await queued.result(timeout=10, poll_interval=0.01) == {"n": 20}
+        finally:
+            hold.set()  # the loop drains its runs as it stops

@@ -37,14 +37,14 @@ async def until_status(
 async def serving(
     instance: Instance, graphs: dict[str, Any], **options: Any
 ) -> AsyncIterator[asyncio.Event]:
-    """``instance.serve(graphs)``, polling fast, for the block; yields its stop event.
+    """``instance.serve(graphs)``, polling fast unless ``options`` say another
+    ``poll_interval``, for the block; yields its stop event.
 
     Leaving the block stops the loop (if the block did not) and waits for it to end.
     """
     stop = asyncio.Event()
-    task = asyncio.create_task(
-        instance.serve(graphs, poll_interval=0.02, stop=stop, handle_signals=False, **options)
-    )
+    options = {"poll_interval": 0.02, **options}
+    task = asyncio.create_task(instance.serve(graphs, stop=stop, handle_signals=False, **options))
     try:
         yield stop
     finally:
