@@ -435,6 +435,22 @@ LEASE_MIGRATIONS.append(
     )
 )
 
+# Version 10: the takeover window's index (LeaseStatements._candidates). Each tenant's
+# in-flight rows in the order a worker takes them, so a look reads its window, not the whole
+# backlog. Only pending and running rows: an ended row leaves it. It replaces
+# ``fence_leases_candidates``, which no statement reads any more: a renewal rewrites
+# ``expires_at`` and every index holding it, so a lease row keeps as many indexes as before.
+LEASE_MIGRATIONS.append(
+    Migration.typed(
+        10,
+        "the takeover window's index: each tenant's candidates in the order they are taken",
+        "CREATE INDEX IF NOT EXISTS fence_leases_takeable ON fence_leases "
+        "(tenant_id, (coalesce(expires_at, 0.0)), updated_at, scope_key) "
+        "WHERE status IN ('pending', 'running')",
+        "DROP INDEX IF EXISTS fence_leases_candidates",
+    )
+)
+
 #: The stamp-set SQL per dialect, on ``fence_leases.pending_effects``: ``patch`` applies a
 #: merge patch given as JSON text in ``{param}``; ``non_idempotent`` is true when any entry
 #: is a ``NON_IDEMPOTENT_WRITE``; ``standing_writes`` names those entries in order of key,

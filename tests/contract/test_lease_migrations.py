@@ -211,16 +211,52 @@ async def test_version_6_keeps_every_row_and_index_and_allows_cancelled(
             await conn.execute(insert, dict(zip(names, row, strict=True)))
         kept = [tuple(r) for r in await conn.execute(select)]
 
-    await SqlLeaseRepository(fresh_engine).setup()
-
-    def indexes(conn: Any) -> set[str]:
-        return {i["name"] for i in inspect(conn).get_indexes("fence_leases")}
+    await migrate(fresh_engine, "leases", LEASE_MIGRATIONS[:6])
 
     async with fresh_engine.begin() as conn:
         assert [tuple(r) for r in await conn.execute(select)] == kept
-        assert {"fence_leases_candidates", "fence_leases_parent"} <= await conn.run_sync(indexes)
+        assert {"fence_leases_candidates", "fence_leases_parent"} <= await indexes(conn)
         ended = "UPDATE fence_leases SET status = :s WHERE execution_id = 'c'"
         await conn.execute(text(ended), {"s": "cancelled"})
     with pytest.raises(Exception, match=r"(?i)check"):
         async with fresh_engine.begin() as conn:
             await conn.execute(text(ended), {"s": "paused"})
+
+
+async def indexes(conn: Any) -> set[str]:
+    """The names of ``fence_leases``'s indexes, expression indexes too (SQLAlchemy's
+    inspector skips those)."""
+    if conn.dialect.name == "sqlite":
+        found = "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'fence_leases'"
+    else:
+        found = (
+            "SELECT indexname FROM pg_indexes WHERE tablename = 'fence_leases' "
+            "AND schemaname = current_schema()"
+        )
+    return {name for (name,) in await conn.execute(text(found))}
+
+
+async def test_version_10_indexes_the_takeover_window_in_place_of_the_old_index(
+    fresh_engine: AsyncEngine,
+) -> None:
+    """Version 10 adds the index a look reads its window from and drops the one no
+    statement reads any more; the rows stay as they were and are found by the new read."""
+    await migrate(fresh_engine, "leases", LEASE_MIGRATIONS[:9])
+    async with fresh_engine.begin() as conn:
+        await conn.execute(
+            text(
+                "INSERT INTO fence_leases (tenant_id, execution_id, scope_key, epoch, status, "
+                "updated_at) VALUES ('acme', 'queued', 'acme:queued', 0, 'pending', 1.0)"
+            )
+        )
+        before = await indexes(conn)
+    assert "fence_leases_candidates" in before
+    assert "fence_leases_takeable" not in before
+
+    store = SqlLeaseRepository(fresh_engine, clock=ManualClock())
+    await store.setup()
+    async with fresh_engine.begin() as conn:
+        after = await indexes(conn)
+    assert after == before - {"fence_leases_candidates"} | {"fence_leases_takeable"}
+    [candidate] = await store.takeover_candidates()
+    assert candidate.key == LeaseKey("acme", "queued")

@@ -28,6 +28,7 @@ from sqlalchemy import (
     or_,
     select,
     text,
+    true,
     update,
 )
 from sqlalchemy.dialects import postgresql as pg_dialect
@@ -227,19 +228,7 @@ class LeaseStatements:
             .returning(*RETURNING)
         )
         self.get = select(*RETURNING).where(_KEY)
-        _age = (func.coalesce(_C.expires_at, literal(0.0)), _C.updated_at, _C.scope_key)
-        self.candidates = (
-            select(*RETURNING)
-            .where(_takeable(now))
-            # Fair across tenants: each tenant's oldest candidate first, then each one's
-            # second, ... (round-robin by tenant), so one tenant's burst of submitted runs
-            # does not starve the others; within a tenant, the longest expired or waiting.
-            .order_by(
-                func.row_number().over(partition_by=_C.tenant_id, order_by=_age),
-                *_age,
-            )
-            .limit(bindparam("p_limit"))
-        )
+        self.candidates = self._candidates(now)
         self.read_now = select(now)
         self.take_over = self._take_over(now, ttl)
         non_idempotent = literal_column(stamps["non_idempotent"], Boolean)
@@ -269,6 +258,91 @@ class LeaseStatements:
                 updated_at=now,
             )
             .returning(*RETURNING)
+        )
+
+    def _candidates(self, now: ColumnElement[float]) -> Any:
+        """The takeover window: the first ``p_limit`` takeable rows, fair across tenants
+        (each tenant's oldest candidate first, then each one's second, ..., so one tenant's
+        burst of submitted runs does not starve the others; within a tenant, the longest
+        expired or waiting first).
+
+        Its cost is bounded by the window, not by the backlog: a walk over the tenants that
+        have a candidate, one index descent each (``fence_leases_takeable``), then each
+        tenant's first ``p_limit`` candidates read in order from the same index. Sorting
+        every takeable row by tenant cost a look 3 ms with 3 000 runs pending and 25 ms with
+        30 000. PostgreSQL reads each tenant's rows in a ``LATERAL``; SQLite, which has
+        none, picks them by ``rowid`` in a correlated subquery.
+        """
+        walk, step = LEASES.alias("walk"), LEASES.alias("step")
+        first = select(walk.c.tenant_id).where(_in_index(walk.c, now), _takeable(now, walk.c))
+        tenants = select(
+            first.order_by(walk.c.tenant_id).limit(_ONE).scalar_subquery().label("tenant_id")
+        ).cte("tenants", recursive=True)
+        following = (
+            select(step.c.tenant_id)
+            .where(
+                _in_index(step.c, now),
+                _takeable(now, step.c),
+                step.c.tenant_id > tenants.c.tenant_id,
+            )
+            .order_by(step.c.tenant_id)
+            .limit(_ONE)
+            .scalar_subquery()
+        )
+        tenants = tenants.union_all(
+            select(following.label("tenant_id")).where(tenants.c.tenant_id.is_not(None))
+        )
+        row = LEASES.alias("candidate")
+        of_tenant = and_(
+            row.c.tenant_id == tenants.c.tenant_id,
+            _in_index(row.c, now),
+            _takeable(now, row.c),
+        )
+        limit = bindparam("p_limit", type_=Integer)
+        # With as many tenants as the window holds, it holds each one's oldest candidate and
+        # nothing else: read one row of each.
+        counted = select(func.count(tenants.c.tenant_id)).scalar_subquery()
+        per_tenant = case((counted >= limit, _ONE), else_=limit)
+        names = [column.name for column in RETURNING]
+        if self.dialect == "postgresql":
+            ranked: Any = (
+                select(
+                    *(row.c[name] for name in names),
+                    *_age(row.c, labelled=True),
+                    func.row_number().over(order_by=_age(row.c)).label("rank"),
+                )
+                .where(of_tenant)
+                .order_by(*_age(row.c))
+                .limit(per_tenant)
+                .lateral("ranked")
+            )
+            source: Any = tenants.join(ranked, true())
+        else:
+            picked: Any = (
+                select(literal_column("candidate.rowid"))
+                .select_from(row)
+                .where(of_tenant)
+                .order_by(*_age(row.c))
+                .limit(per_tenant)
+            )
+            lease = LEASES.alias("lease")
+            ranked = (
+                select(
+                    *(lease.c[name] for name in names),
+                    *_age(lease.c, labelled=True),
+                    func.row_number()
+                    .over(partition_by=lease.c.tenant_id, order_by=_age(lease.c))
+                    .label("rank"),
+                )
+                .select_from(tenants.join(lease, literal_column("lease.rowid").in_(picked)))
+                .subquery("ranked")
+            )
+            source = ranked
+        return (
+            select(*(ranked.c[name] for name in names))
+            .select_from(source)
+            .order_by(ranked.c.rank, ranked.c.age, ranked.c.age_updated, ranked.c.age_key)
+            .limit(limit)
         )
 
     def now(self) -> ColumnElement[float]:
@@ -458,18 +532,46 @@ class LeaseStatements:
         ).columns(*RETURNING)
 
 
-def _takeable(now: ColumnElement[float]) -> ColumnElement[bool]:
+def _takeable(now: ColumnElement[float], columns: Any = _C) -> ColumnElement[bool]:
     """:func:`~langgraph_fence.lease.transitions.is_takeover_candidate` in SQL: running and
     expired, or pending, free, and past its not-before time when it has one (a woken yielded
     tree)."""
     return or_(
         and_(
-            _C.status == LeaseStatus.RUNNING.value,
-            or_(_C.expires_at.is_(None), _C.expires_at <= now),
+            columns.status == LeaseStatus.RUNNING.value,
+            or_(columns.expires_at.is_(None), columns.expires_at <= now),
         ),
         and_(
-            _C.status == LeaseStatus.PENDING.value,
-            _C.holder.is_(None),
-            or_(_C.expires_at.is_(None), _C.expires_at <= now),
+            columns.status == LeaseStatus.PENDING.value,
+            columns.holder.is_(None),
+            or_(columns.expires_at.is_(None), columns.expires_at <= now),
         ),
+    )
+
+
+#: The statuses ``fence_leases_takeable`` indexes, as constants: a planner proves a partial
+#: index's predicate only from literals, never from bound parameters.
+_INDEXED = (literal_column("'pending'", Text), literal_column("'running'", Text))
+#: A candidate's age as that index orders it (a pending row's NULL expiry counts as 0).
+_NO_EXPIRY = literal_column("0.0", Double)
+_ONE = literal_column("1", Integer)
+
+
+def _age(columns: Any, *, labelled: bool = False) -> tuple[Any, ...]:
+    """The order of a tenant's candidates: the longest expired or waiting first (the
+    columns of ``fence_leases_takeable`` after the tenant)."""
+    age = (func.coalesce(columns.expires_at, _NO_EXPIRY), columns.updated_at, columns.scope_key)
+    if not labelled:
+        return age
+    names = ("age", "age_updated", "age_key")
+    return tuple(column.label(name) for column, name in zip(age, names, strict=True))
+
+
+def _in_index(columns: Any, now: ColumnElement[float]) -> ColumnElement[bool]:
+    """The rows of ``fence_leases_takeable`` whose time has come: a range of the index, so a
+    read stops at the first row still held. Every takeable row is one of them (a store's
+    clock is never below 0, the age of a row with no expiry)."""
+    return and_(
+        columns.status.in_(_INDEXED),
+        func.coalesce(columns.expires_at, _NO_EXPIRY) <= now,
     )
