@@ -61,6 +61,9 @@ class MemoryLeaseRepository:
     def __init__(self, *, clock: Callable[[], float] | None = None) -> None:
         self._clock = clock or time.time
         self._rows: dict[LeaseKey, Lease] = {}
+        # When each row last changed, in the store's clock (the SQL row's updated_at): the
+        # takeover window breaks ties of age by it, as the SQL store's does.
+        self._updated: dict[LeaseKey, float] = {}
         self._attempts: dict[LeaseKey, dict[str, AttemptRow]] = {}
         self._lock = asyncio.Lock()
         self._store_id = f"memory:{next(_ids)}"
@@ -87,8 +90,10 @@ class MemoryLeaseRepository:
             if row.lease is not found:
                 if row.lease is None:
                     self._rows.pop(key, None)
+                    self._updated.pop(key, None)
                 else:
                     self._rows[key] = row.lease
+                    self._updated[key] = self._clock()
 
     async def _write(self, key: LeaseKey, decide: Callable[[Lease | None], _Row]) -> _Row:
         """Keep what ``decide`` makes of the row of ``key`` (``None``: keep the row as it
@@ -172,6 +177,7 @@ class MemoryLeaseRepository:
                     answers.append(refused)
                     continue
                 self._rows[lease.key] = renewed
+                self._updated[lease.key] = now
                 answers.append(renewed)
         return answers
 
@@ -214,16 +220,20 @@ class MemoryLeaseRepository:
         check_limit(limit)
         now = self._clock()
         found = [lease for lease in self._rows.values() if is_takeover_candidate(lease, now)]
-        found.sort(key=lambda lease: (lease.expires_at or 0.0, lease.scope_key))
+
+        def age(lease: Lease) -> tuple[float, float, str]:
+            return (lease.expires_at or 0.0, self._updated[lease.key], lease.scope_key)
+
+        found.sort(key=age)
         # The window, as the SQL store's query picks it: by rank within the tenant, then age.
         rank: dict[str, int] = {}
         ranked = []
         for lease in found:
             tenant = lease.key.tenant_id
             rank[tenant] = rank.get(tenant, 0) + 1
-            ranked.append((rank[tenant], lease))
-        ranked.sort(key=lambda pair: (pair[0], pair[1].expires_at or 0.0, pair[1].scope_key))
-        return fair_order([lease for _, lease in ranked[:limit]], after_tenant)
+            ranked.append((rank[tenant], age(lease), lease))
+        ranked.sort(key=lambda entry: entry[:2])
+        return fair_order([lease for _, _, lease in ranked[:limit]], after_tenant)
 
     async def take_over(
         self,

@@ -1,16 +1,16 @@
 """The takeover window: what a worker's look reads, and what it costs.
 
 A look reads the first ``limit`` candidates, fair across tenants (each tenant's oldest
-first, then each one's second, ...; within a round, the longest waiting first). The SQL
-stores pick that window in every shape (one tenant's backlog, fewer tenants than the
-window, as many, more), and read it without reading the backlog behind it: a queue of
-2 000 runs must not cost every look of every worker a sort of 2 000 rows.
+first, then each one's second, ...; within a round, the longest waiting first). Every
+store picks that window in every shape (one tenant's backlog, fewer tenants than the
+window, as many, more), and the SQL stores read it without reading the backlog behind it:
+a queue of 2 000 runs must not cost every look of every worker a sort of 2 000 rows.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -18,50 +18,62 @@ import pytest
 from sqlalchemy import event, insert, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from langgraph_fence import LeaseKey, LeaseStatus, SqlLeaseRepository
+from langgraph_fence import LeaseKey, LeaseStatus
 from langgraph_fence.lease.schema import LEASES
+from langgraph_fence.lease.stores import MemoryLeaseRepository, SqlLeaseRepository
 from langgraph_fence.testing import ManualClock
 from tests.support.databases import SQL_BACKENDS
+from tests.support.leases import Store
 
-RUNS_ON = SQL_BACKENDS
 TTL = 10.0
 LIMIT = 8
 
 
 class Queue:
-    """A SQL lease store on a database of its own (the window is all its rows)."""
+    """A lease store whose rows are the test's alone (a SQL store on a database of its own),
+    on a clock of its own."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, store: Callable[[ManualClock], Store]) -> None:
         self.clock = ManualClock()
-        self.sql = SqlLeaseRepository(engine, clock=self.clock)
+        self.store = store(self.clock)
         self.count = 0
 
     async def pending(self, tenant: str, runs: int = 1) -> None:
         """``runs`` executions of ``tenant`` handed back, one clock tick apart."""
         for _ in range(runs):
             self.count += 1
-            lease = await self.sql.acquire(LeaseKey(tenant, f"e{self.count:05d}"), "A", TTL)
+            lease = await self.store.acquire(LeaseKey(tenant, f"e{self.count:05d}"), "A", TTL)
             assert lease is not None
-            await self.sql.release(lease, LeaseStatus.PENDING)
+            await self.store.release(lease, LeaseStatus.PENDING)
             self.clock.advance(0.001)
 
     async def running(self, tenant: str, ttl: float) -> None:
         """An execution of ``tenant`` held for ``ttl`` from now."""
         self.count += 1
         key = LeaseKey(tenant, f"e{self.count:05d}")
-        assert await self.sql.acquire(key, "A", ttl) is not None
+        assert await self.store.acquire(key, "A", ttl) is not None
 
     async def window(self, limit: int = LIMIT) -> list[LeaseKey]:
         """The window, in claim order (by round, then by tenant)."""
-        found = [c.key for c in await self.sql.takeover_candidates(limit)]
+        found = [c.key for c in await self.store.takeover_candidates(limit)]
         assert len(found) == len(set(found))
         return found
 
 
 @pytest.fixture
-async def queue(fresh_engine: AsyncEngine) -> Queue:
-    made = Queue(fresh_engine)
-    await made.sql.setup()
+def stores(backend: str, request: pytest.FixtureRequest) -> Callable[[ManualClock], Store]:
+    """Makes the backend's store on a clock (a SQL store on a database of its own)."""
+    if backend == "memory":
+        return lambda clock: MemoryLeaseRepository(clock=clock)
+    engine = request.getfixturevalue("fresh_engine")
+    return lambda clock: SqlLeaseRepository(engine, clock=clock)
+
+
+@pytest.fixture
+async def queue(stores: Callable[[ManualClock], Store]) -> Queue:
+    made = Queue(stores)
+    if isinstance(made.store, SqlLeaseRepository):
+        await made.store.setup()
     return made
 
 
@@ -125,6 +137,7 @@ def sent(engine: AsyncEngine) -> Iterator[list[tuple[str, Any]]]:
         event.remove(engine.sync_engine, "before_cursor_execute", record)
 
 
+@pytest.mark.parametrize("backend", SQL_BACKENDS, indirect=True)
 async def test_a_look_reads_its_window_not_the_backlog(
     queue: Queue, fresh_engine: AsyncEngine, backend: str
 ) -> None:
@@ -148,7 +161,7 @@ async def test_a_look_reads_its_window_not_the_backlog(
         await conn.execute(insert(LEASES), rows)
         await conn.execute(text("ANALYZE"))
     with sent(fresh_engine) as statements:
-        found = await queue.sql.takeover_candidates(32)
+        found = await queue.store.takeover_candidates(32)
     assert [c.key.execution_id for c in found] == [f"r{i:05d}" for i in range(32)]
     # The read, among whatever else the connection sent (SQLite's reader sets itself up).
     [(statement, parameters)] = [sent for sent in statements if "fence_leases" in sent[0]]
