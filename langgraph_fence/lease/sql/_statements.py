@@ -266,25 +266,23 @@ class LeaseStatements:
         burst of submitted runs does not starve the others; within a tenant, the longest
         expired or waiting first).
 
-        Its cost is bounded by the window, not by the backlog: a walk over the tenants that
-        have a candidate, one index descent each (``fence_leases_takeable``), then each
-        tenant's first ``p_limit`` candidates read in order from the same index. Sorting
-        every takeable row by tenant cost a look 3 ms with 3 000 runs pending and 25 ms with
-        30 000. PostgreSQL reads each tenant's rows in a ``LATERAL``; SQLite, which has
-        none, picks them by ``rowid`` in a correlated subquery.
+        Its cost follows the window and the tenants waiting, not the backlog: a walk over
+        the tenants that have a candidate (``fence_leases_takeable``, in order), then each
+        tenant's first ``p_limit`` candidates (one, when as many tenants wait) read in order
+        from the same index. The walk also passes over the index entries of rows not due yet
+        (held, held back, delayed) of the tenants it passes, without reading their rows.
+        Sorting every takeable row by tenant cost a look 3 ms with 3 000 runs pending and
+        25 ms with 30 000. PostgreSQL reads each tenant's rows in a ``LATERAL``; SQLite,
+        which has none, picks them by ``rowid`` in a correlated subquery.
         """
         walk, step = LEASES.alias("walk"), LEASES.alias("step")
-        first = select(walk.c.tenant_id).where(_in_index(walk.c, now), _takeable(now, walk.c))
+        first = select(walk.c.tenant_id).where(_in_index(walk.c, now))
         tenants = select(
             first.order_by(walk.c.tenant_id).limit(_ONE).scalar_subquery().label("tenant_id")
         ).cte("tenants", recursive=True)
         following = (
             select(step.c.tenant_id)
-            .where(
-                _in_index(step.c, now),
-                _takeable(now, step.c),
-                step.c.tenant_id > tenants.c.tenant_id,
-            )
+            .where(_in_index(step.c, now), step.c.tenant_id > tenants.c.tenant_id)
             .order_by(step.c.tenant_id)
             .limit(_ONE)
             .scalar_subquery()
@@ -293,11 +291,7 @@ class LeaseStatements:
             select(following.label("tenant_id")).where(tenants.c.tenant_id.is_not(None))
         )
         row = LEASES.alias("candidate")
-        of_tenant = and_(
-            row.c.tenant_id == tenants.c.tenant_id,
-            _in_index(row.c, now),
-            _takeable(now, row.c),
-        )
+        of_tenant = and_(row.c.tenant_id == tenants.c.tenant_id, _in_index(row.c, now))
         limit = bindparam("p_limit", type_=Integer)
         # With as many tenants as the window holds, it holds each one's oldest candidate and
         # nothing else: read one row of each.
@@ -338,12 +332,15 @@ class LeaseStatements:
                 .subquery("ranked")
             )
             source = ranked
-        return (
+        window = (
             select(*(ranked.c[name] for name in names))
             .select_from(source)
             .order_by(ranked.c.rank, ranked.c.age, ranked.c.age_updated, ranked.c.age_key)
             .limit(limit)
         )
+        if self.dialect == "postgresql":
+            return window
+        return _on_index(window, (walk, step, row))
 
     def now(self) -> ColumnElement[float]:
         """The store's clock as an expression: ``now()``, or the bound ``p_now``."""
@@ -532,26 +529,27 @@ class LeaseStatements:
         ).columns(*RETURNING)
 
 
-def _takeable(now: ColumnElement[float], columns: Any = _C) -> ColumnElement[bool]:
+def _takeable(now: ColumnElement[float]) -> ColumnElement[bool]:
     """:func:`~langgraph_fence.lease.transitions.is_takeover_candidate` in SQL: running and
     expired, or pending, free, and past its not-before time when it has one (a woken yielded
     tree)."""
     return or_(
         and_(
-            columns.status == LeaseStatus.RUNNING.value,
-            or_(columns.expires_at.is_(None), columns.expires_at <= now),
+            _C.status == LeaseStatus.RUNNING.value,
+            or_(_C.expires_at.is_(None), _C.expires_at <= now),
         ),
         and_(
-            columns.status == LeaseStatus.PENDING.value,
-            columns.holder.is_(None),
-            or_(columns.expires_at.is_(None), columns.expires_at <= now),
+            _C.status == LeaseStatus.PENDING.value,
+            _C.holder.is_(None),
+            or_(_C.expires_at.is_(None), _C.expires_at <= now),
         ),
     )
 
 
 #: The statuses ``fence_leases_takeable`` indexes, as constants: a planner proves a partial
 #: index's predicate only from literals, never from bound parameters.
-_INDEXED = (literal_column("'pending'", Text), literal_column("'running'", Text))
+_RUNNING = literal_column("'running'", Text)
+_INDEXED = (literal_column("'pending'", Text), _RUNNING)
 #: A candidate's age as that index orders it (a pending row's NULL expiry counts as 0).
 _NO_EXPIRY = literal_column("0.0", Double)
 _ONE = literal_column("1", Integer)
@@ -568,10 +566,35 @@ def _age(columns: Any, *, labelled: bool = False) -> tuple[Any, ...]:
 
 
 def _in_index(columns: Any, now: ColumnElement[float]) -> ColumnElement[bool]:
-    """The rows of ``fence_leases_takeable`` whose time has come: a range of the index, so a
-    read stops at the first row still held. Every takeable row is one of them (a store's
-    clock is never below 0, the age of a row with no expiry)."""
+    """:func:`_takeable`, said as a range of ``fence_leases_takeable`` (so a read stops at
+    the first row still held) and the one test the range leaves: the rows whose time has
+    come, but for a pending one that somebody holds. The same rows as :func:`_takeable`'s,
+    as a store's clock is never below 0, the age of a row with no expiry.
+
+    Every constant is a literal, and no test of the status is split by an ``OR``: with the
+    statuses bound, or their selectivity counted twice, PostgreSQL's custom plans read each
+    tenant's rows from another index and sort its whole backlog.
+    """
     return and_(
         columns.status.in_(_INDEXED),
         func.coalesce(columns.expires_at, _NO_EXPIRY) <= now,
+        or_(columns.status == _RUNNING, columns.holder.is_(None)),
     )
+
+
+def _on_index(query: Any, aliases: tuple[Any, ...]) -> Any:
+    """``query`` on SQLite, each of ``aliases`` read through ``fence_leases_takeable``
+    (``INDEXED BY``, which SQLAlchemy does not render for SQLite). langgraph-fence never
+    analyses a SQLite database, and with no statistics its planner reads a status's rows from
+    another index and sorts them at each step of the walk. A missing index then fails the
+    read loudly rather than slowly."""
+    compiled = query.compile(dialect=sqlite_dialect.dialect(paramstyle="named"))
+    sql = str(compiled)
+    for alias in aliases:
+        plain = f"fence_leases AS {alias.name}"
+        if sql.count(plain) != 1:
+            raise AssertionError(f"the window's SQL names {plain!r} {sql.count(plain)} times")
+        sql = sql.replace(plain, f"{plain} INDEXED BY fence_leases_takeable")
+    constants = {k: v for k, v in compiled.params.items() if k not in ("p_now", "p_limit")}
+    columns = [LEASES.c[column.name] for column in RETURNING]
+    return text(sql).bindparams(**constants).columns(*columns)
