@@ -19,7 +19,7 @@ from sqlalchemy import event, insert, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from langgraph_fence import LeaseKey, LeaseStatus
-from langgraph_fence.lease.schema import LEASES
+from langgraph_fence.lease.schema import HELD_BACK, LEASES
 from langgraph_fence.lease.stores import MemoryLeaseRepository, SqlLeaseRepository
 from langgraph_fence.testing import ManualClock
 from tests.support.databases import SQL_BACKENDS
@@ -137,7 +137,13 @@ def sent(engine: AsyncEngine) -> Iterator[list[tuple[str, Any]]]:
         event.remove(engine.sync_engine, "before_cursor_execute", record)
 
 
-def _row(tenant: str, index: int, status: LeaseStatus, updated_at: float) -> dict[str, Any]:
+def _row(
+    tenant: str,
+    index: int,
+    status: LeaseStatus,
+    updated_at: float,
+    expires_at: float | None = None,
+) -> dict[str, Any]:
     execution_id = f"r{index:05d}"
     return {
         "tenant_id": tenant,
@@ -147,6 +153,7 @@ def _row(tenant: str, index: int, status: LeaseStatus, updated_at: float) -> dic
         "status": status.value,
         "pending_effects": {},
         "updated_at": updated_at,
+        "expires_at": expires_at,
     }
 
 
@@ -165,8 +172,17 @@ def _more_tenants_than_the_window(now: float) -> list[dict[str, Any]]:
     ]
 
 
+def _held_back_before_the_others(now: float) -> list[dict[str, Any]]:
+    """Forty tenants with twenty queued runs each, after a tenant whose 25 000 runs a flow
+    key holds back (none due: the walk passes them)."""
+    held = [_row("held", i, LeaseStatus.PENDING, now, expires_at=HELD_BACK) for i in range(25000)]
+    return _more_tenants_than_the_window(now) + held
+
+
 @pytest.mark.parametrize("backend", SQL_BACKENDS, indirect=True)
-@pytest.mark.parametrize("shape", [_burst_among_others, _more_tenants_than_the_window])
+@pytest.mark.parametrize(
+    "shape", [_burst_among_others, _more_tenants_than_the_window, _held_back_before_the_others]
+)
 async def test_a_look_reads_its_window_not_the_backlog(
     queue: Queue,
     fresh_engine: AsyncEngine,
@@ -183,10 +199,12 @@ async def test_a_look_reads_its_window_not_the_backlog(
     ended = [_row(f"t{i % 50:02d}", 100 + i, LeaseStatus.DONE, now - 1e5 + i) for i in range(20000)]
     queued = shape(now)
     async with fresh_engine.begin() as conn:
-        for rows in (queued, ended[:10000], ended[10000:]):
-            await conn.execute(insert(LEASES), rows)
-    expected = sorted(queued, key=lambda row: (row["updated_at"], row["scope_key"]))
-    tenants = {row["tenant_id"] for row in queued}
+        for rows in (ended, queued):
+            for start in range(0, len(rows), 10000):
+                await conn.execute(insert(LEASES), rows[start : start + 10000])
+    due = [row for row in queued if row["expires_at"] is None]
+    expected = sorted(due, key=lambda row: (row["updated_at"], row["scope_key"]))
+    tenants = {row["tenant_id"] for row in due}
     for analysed in (False, True):
         if analysed:
             async with fresh_engine.begin() as conn:
@@ -194,7 +212,7 @@ async def test_a_look_reads_its_window_not_the_backlog(
         with sent(fresh_engine) as statements:
             found = await queue.store.takeover_candidates(32)
         assert len(found) == 32
-        if shape is _more_tenants_than_the_window:
+        if shape is not _burst_among_others:
             assert {c.key.execution_id for c in found} == {"r00000"}
             assert {c.key.tenant_id for c in found} == {r["tenant_id"] for r in expected[:32]}
         # The read, among whatever else the connection sent (SQLite's reader sets itself up).

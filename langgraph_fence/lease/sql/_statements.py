@@ -276,14 +276,20 @@ class LeaseStatements:
         which has none, picks them by ``rowid`` in a correlated subquery.
         """
         walk, step = LEASES.alias("walk"), LEASES.alias("step")
-        first = select(walk.c.tenant_id).where(_in_index(walk.c, now))
-        tenants = select(
-            first.order_by(walk.c.tenant_id).limit(_ONE).scalar_subquery().label("tenant_id")
-        ).cte("tenants", recursive=True)
+        # Each step of the walk in the index's own order (tenant, then age): the primary key
+        # also gives the tenants in order, and PostgreSQL picks it when a tenant holds many
+        # rows not due (held back by a flow key), then reads every one of them.
+        first = (
+            select(walk.c.tenant_id)
+            .where(_in_index(walk.c, now))
+            .order_by(walk.c.tenant_id, _age(walk.c)[0])
+            .limit(_ONE)
+        )
+        tenants = select(first.scalar_subquery().label("tenant_id")).cte("tenants", recursive=True)
         following = (
             select(step.c.tenant_id)
             .where(_in_index(step.c, now), step.c.tenant_id > tenants.c.tenant_id)
-            .order_by(step.c.tenant_id)
+            .order_by(step.c.tenant_id, _age(step.c)[0])
             .limit(_ONE)
             .scalar_subquery()
         )
