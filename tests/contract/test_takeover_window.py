@@ -283,3 +283,23 @@ async def test_a_look_is_not_planned_again_at_each_read(fresh_engine: AsyncEngin
             )
         ).all()
     assert [tuple(row) for row in plans] == [(12, 0)]
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+async def test_windows_of_any_size_share_a_few_statements(
+    queue: Queue, fresh_engine: AsyncEngine
+) -> None:
+    """A worker's window follows its free slots and the backlog of graphs it does not serve,
+    so it takes any size; on PostgreSQL each statement the read sends is prepared on every
+    connection. 150 sizes send five statements, and each window is the first runs of a
+    larger one."""
+    async with fresh_engine.begin() as conn:
+        await conn.execute(insert(LEASES), _more_tenants_than_the_window(queue.clock()))
+    largest = {c.key for c in await queue.store.takeover_candidates(800)}
+    with sent(fresh_engine) as statements:
+        for limit in range(1, 151):
+            window = await queue.store.takeover_candidates(limit)
+            assert len(window) == limit
+            assert {c.key for c in window} <= largest
+    texts = {statement for statement, _ in statements if "fence_leases" in statement}
+    assert len(texts) == 5  # 16, 32, 64, 128 and 256 runs

@@ -111,6 +111,15 @@ def _sqlstate(exc: DBAPIError) -> str:
     return code if isinstance(code, str) else ""
 
 
+def _window_size(limit: int) -> int:
+    """The size a window of ``limit`` candidates is read at: the next power of two, at
+    least 16. On PostgreSQL the size is written into the read's SQL (so that, on the
+    database's clock, it is planned once per connection), and every size is a prepared
+    statement of its own on every connection: a worker's windows follow its free slots and
+    the backlog of graphs it does not serve, so without this they took any size."""
+    return max(16, 1 << (limit - 1).bit_length())
+
+
 class Taken(NamedTuple):
     """What :meth:`SqlLeaseRepository.take` did: the lease taken (or ``None``) and the
     execution id the thread is bound to (``None``: take again)."""
@@ -678,9 +687,10 @@ class SqlLeaseRepository:
         :func:`~langgraph_fence.lease.transitions.fair_order`)."""
         check_limit(limit)
         rows = await self._read(
-            self._statements.candidates, self._params(limit=limit), what="candidates"
+            self._statements.candidates, self._params(limit=_window_size(limit)), what="candidates"
         )
-        return fair_order([self.lease_of(row) for row in rows], after_tenant)
+        # The window is a prefix of any larger one (its order is total): cut it to size.
+        return fair_order([self.lease_of(row) for row in rows[:limit]], after_tenant)
 
     async def take_over(
         self,

@@ -298,10 +298,11 @@ class LeaseStatements:
         )
         row = LEASES.alias("candidate")
         of_tenant = and_(row.c.tenant_id == tenants.c.tenant_id, _in_index(row.c, now))
-        # On PostgreSQL the window's size is written into the SQL (one statement per size):
-        # bound, it left the planner a generic plan costlier than each custom one, so every
-        # read was planned again (0.25 ms of the server's CPU per look). With no parameter
-        # (the database's clock), the plan is made once per connection and size.
+        # On PostgreSQL the window's size is written into the SQL (one statement per size,
+        # and the store reads in a few sizes): bound, it left the planner
+        # a generic plan costlier than each custom one, so every read was planned again
+        # (0.25 ms of the server's CPU per look). With no parameter (the database's
+        # clock), the plan is made once per connection and size.
         limit = bindparam("p_limit", type_=Integer, literal_execute=self.dialect == "postgresql")
         # With as many tenants as the window holds, it holds each one's oldest candidate and
         # nothing else: read one row of each.
