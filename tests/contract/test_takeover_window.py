@@ -291,7 +291,7 @@ async def test_windows_of_any_size_share_a_few_statements(
 ) -> None:
     """A worker's window follows its free slots and the backlog of graphs it does not serve,
     so it takes any size; on PostgreSQL each statement the read sends is prepared on every
-    connection. 150 sizes send five statements, and each window is the first runs of a
+    connection. 150 sizes send seven statements, and each window is the first runs of a
     larger one."""
     async with fresh_engine.begin() as conn:
         await conn.execute(insert(LEASES), _more_tenants_than_the_window(queue.clock()))
@@ -302,4 +302,4 @@ async def test_windows_of_any_size_share_a_few_statements(
             assert len(window) == limit
             assert {c.key for c in window} <= largest
     texts = {statement for statement, _ in statements if "fence_leases" in statement}
-    assert len(texts) == 5  # 16, 32, 64, 128 and 256 runs
+    assert len(texts) == 7  # 4, 8, 16, 32, 64, 128 and 256 runs

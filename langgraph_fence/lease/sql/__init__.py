@@ -113,11 +113,11 @@ def _sqlstate(exc: DBAPIError) -> str:
 
 def _window_size(limit: int) -> int:
     """The size a window of ``limit`` candidates is read at: the next power of two, at
-    least 16. On PostgreSQL the size is written into the read's SQL (so that, on the
+    least 4. On PostgreSQL the size is written into the read's SQL (so that, on the
     database's clock, it is planned once per connection), and every size is a prepared
     statement of its own on every connection: a worker's windows follow its free slots and
     the backlog of graphs it does not serve, so without this they took any size."""
-    return max(16, 1 << (limit - 1).bit_length())
+    return max(4, 1 << (limit - 1).bit_length())
 
 
 class Taken(NamedTuple):
