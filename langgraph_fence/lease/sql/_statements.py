@@ -282,14 +282,14 @@ class LeaseStatements:
         first = (
             select(walk.c.tenant_id)
             .where(_in_index(walk.c, now))
-            .order_by(walk.c.tenant_id, _age(walk.c)[0])
+            .order_by(walk.c.tenant_id, _expiry(walk.c))
             .limit(_ONE)
         )
         tenants = select(first.scalar_subquery().label("tenant_id")).cte("tenants", recursive=True)
         following = (
             select(step.c.tenant_id)
             .where(_in_index(step.c, now), step.c.tenant_id > tenants.c.tenant_id)
-            .order_by(step.c.tenant_id, _age(step.c)[0])
+            .order_by(step.c.tenant_id, _expiry(step.c))
             .limit(_ONE)
             .scalar_subquery()
         )
@@ -298,11 +298,11 @@ class LeaseStatements:
         )
         row = LEASES.alias("candidate")
         of_tenant = and_(row.c.tenant_id == tenants.c.tenant_id, _in_index(row.c, now))
-        # On PostgreSQL the window's size is written into the SQL (one statement per size,
-        # and the store reads in a few sizes): bound, it left the planner
-        # a generic plan costlier than each custom one, so every read was planned again
-        # (0.25 ms of the server's CPU per look). With no parameter (the database's
-        # clock), the plan is made once per connection and size.
+        # On PostgreSQL the window's size is written into the SQL (one statement per size;
+        # the store reads in a few sizes). Bound, it left the planner a generic plan costlier
+        # than each custom one, so every read was planned again (0.25 ms of the server's
+        # CPU per look). With no parameter (the database's clock), the plan is made once
+        # per connection and size.
         limit = bindparam("p_limit", type_=Integer, literal_execute=self.dialect == "postgresql")
         # With as many tenants as the window holds, it holds each one's oldest candidate and
         # nothing else: read one row of each.
@@ -561,15 +561,20 @@ def _takeable(now: ColumnElement[float]) -> ColumnElement[bool]:
 #: index's predicate only from literals, never from bound parameters.
 _RUNNING = literal_column("'running'", Text)
 _INDEXED = (literal_column("'pending'", Text), _RUNNING)
-#: A candidate's age as that index orders it (a pending row's NULL expiry counts as 0).
 _NO_EXPIRY = literal_column("0.0", Double)
 _ONE = literal_column("1", Integer)
+
+
+def _expiry(columns: Any) -> ColumnElement[float]:
+    """A row's expiry as ``fence_leases_takeable`` holds it (a pending row's NULL counts as
+    0): the expression must be the index's own for a planner to use the index."""
+    return func.coalesce(columns.expires_at, _NO_EXPIRY)
 
 
 def _age(columns: Any, *, labelled: bool = False) -> tuple[Any, ...]:
     """The order of a tenant's candidates: the longest expired or waiting first (the
     columns of ``fence_leases_takeable`` after the tenant)."""
-    age = (func.coalesce(columns.expires_at, _NO_EXPIRY), columns.updated_at, columns.scope_key)
+    age = (_expiry(columns), columns.updated_at, columns.scope_key)
     if not labelled:
         return age
     names = ("age", "age_updated", "age_key")
@@ -588,7 +593,7 @@ def _in_index(columns: Any, now: ColumnElement[float]) -> ColumnElement[bool]:
     """
     return and_(
         columns.status.in_(_INDEXED),
-        func.coalesce(columns.expires_at, _NO_EXPIRY) <= now,
+        _expiry(columns) <= now,
         or_(columns.status == _RUNNING, columns.holder.is_(None)),
     )
 
