@@ -221,19 +221,19 @@ class MemoryLeaseRepository:
         now = self._clock()
         found = [lease for lease in self._rows.values() if is_takeover_candidate(lease, now)]
 
-        def age(lease: Lease) -> tuple[float, float, str]:
-            return (lease.expires_at or 0.0, self._updated[lease.key], lease.scope_key)
-
-        found.sort(key=age)
-        # The window, as the SQL store's query picks it: by rank within the tenant, then age.
+        found.sort(
+            key=lambda lease: (lease.expires_at or 0.0, self._updated[lease.key], lease.scope_key)
+        )
+        # The window, as the SQL store's query picks it: by rank within the tenant, then age
+        # (a stable sort by rank keeps each rank in the order of age).
         rank: dict[str, int] = {}
         ranked = []
         for lease in found:
             tenant = lease.key.tenant_id
             rank[tenant] = rank.get(tenant, 0) + 1
-            ranked.append((rank[tenant], age(lease), lease))
-        ranked.sort(key=lambda entry: entry[:2])
-        return fair_order([lease for _, _, lease in ranked[:limit]], after_tenant)
+            ranked.append((rank[tenant], lease))
+        ranked.sort(key=lambda pair: pair[0])
+        return fair_order([lease for _, lease in ranked[:limit]], after_tenant)
 
     async def take_over(
         self,
